@@ -1,0 +1,1 @@
+"""Model parallelism with no knowledge of requests: process groups, named collectives, sharded layers."""

@@ -1,0 +1,36 @@
+"""Collectives named for what they do to a tensor's layout (after Megatron-core's mappings).
+
+All are no-ops on a group of size 1, so the single-process path pays nothing.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel.state import Group
+
+
+def reduce_partial_sums(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Each rank holds a partial sum of the full tensor (row-parallel output): sum them, in place."""
+    if group.size == 1:
+        return x
+    dist.all_reduce(x, group=group.device_group)
+    return x
+
+
+def gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Each rank holds a slice of the last dim (column-parallel output): concatenate the slices."""
+    if group.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    dist.all_gather(parts, x.contiguous(), group=group.device_group)
+    return torch.cat(parts, dim=-1)
+
+
+def gather_first_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Each rank holds equal-sized rows: stack them in rank order along dim 0."""
+    if group.size == 1:
+        return x
+    out = torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group.device_group)
+    return out

@@ -1,0 +1,69 @@
+"""The attention backend interface and the per-step metadata every backend reads."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch, flattened: the new tokens of all sequences laid end to end.
+
+    num_tokens T, num_seqs B. A sequence's new tokens are queries at positions
+    [seq_len - query_len, seq_len); its keys are all seq_len cached positions (causal).
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int32: KV length of each sequence after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32, rows padded with 0
+    query_lens_cpu: list[int]  # host copies, so backends need no device sync to loop or pad
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D] (this layer's)
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Write k/v into kv_cache at meta.slot_mapping, then attend causally over each sequence's cache."""
+        ...
+
+
+_CONTEXT: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def forward_context(meta: AttentionMetadata) -> Iterator[None]:
+    global _CONTEXT
+    previous, _CONTEXT = _CONTEXT, meta
+    try:
+        yield
+    finally:
+        _CONTEXT = previous
+
+
+def get_forward_context() -> AttentionMetadata:
+    if _CONTEXT is None:
+        raise RuntimeError("attention called outside a model-runner step (no forward_context)")
+    return _CONTEXT

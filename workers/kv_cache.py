@@ -1,0 +1,164 @@
+"""Paged KV cache bookkeeping: blocks, reference counts, block tables and prefix caching.
+
+A block holds `block_size` tokens' K/V in every layer. A full block whose KV is computed gets a
+chained hash (its tokens plus the hash of the block before it), so a later request with the same
+prefix reuses it. Blocks with no owner but a hash stay cached, in LRU order, until a new
+allocation needs them. The device memory itself lives with the model runner; this module only hands
+out block ids.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from workers.sequence import Sequence
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, tokens: list[int]) -> BlockHash:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"")
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def prefix_block_hashes(token_ids: list[int], block_size: int, num_blocks: int | None = None) -> list[BlockHash]:
+    """Chained hashes of the first `num_blocks` full blocks of token_ids (all full blocks by default)."""
+    n = len(token_ids) // block_size if num_blocks is None else num_blocks
+    hashes: list[BlockHash] = []
+    parent = None
+    for i in range(n):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("the KV cache has no blocks: raise the memory budget or lower max_model_len")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
+        self.cached: dict[BlockHash, int] = {}
+        self.hit_tokens = 0  # prefix-cache statistics
+        self.queried_tokens = 0
+
+    # ---- capacity ----
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- allocation ----
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def _allocate_fresh(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict the LRU cached block
+            if self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Give a sequence with no blocks the cached blocks of its longest cached prefix.
+
+        At least one token is always left to compute, since its logits are needed to sample.
+        """
+        assert not seq.block_table, "match_prefix on a sequence that already holds blocks"
+        if not self.enable_prefix_caching:
+            return
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        for h in prefix_block_hashes(seq.token_ids, self.block_size, max_blocks):
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            self._take(block_id)
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+
+    def record_admission(self, seq: Sequence) -> None:
+        self.queried_tokens += seq.num_tokens
+        self.hit_tokens += seq.num_cached_tokens
+
+    def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return need <= len(self.free)
+
+    def grow(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Extend seq's block table to cover num_new_tokens more tokens (check can_grow first)."""
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if need > len(self.free):
+            raise RuntimeError(f"out of KV blocks growing {seq.seq_id}: need {need}, free {len(self.free)}")
+        for _ in range(need):
+            seq.block_table.append(self._allocate_fresh())
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register hashes for blocks that became full of computed KV (call after each step)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        start = seq.num_hashed_blocks
+        if num_full <= start:
+            return
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(start, num_full):
+            parent = hash_block(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            seq.block_hashes.append(parent)
+            block = self.blocks[seq.block_table[i]]
+            if block.block_hash is None:
+                block.block_hash = parent
+                self.cached.setdefault(parent, block.block_id)
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Drop seq's references. Tail blocks go to the LRU end first, so they are evicted first."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self.free[block_id] = None
+                    self.free.move_to_end(block_id, last=False)  # uncached blocks are reused before cached ones
+                else:
+                    self.free[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    # ---- checks ----
+    def check_invariants(self) -> None:
+        for b in self.blocks:
+            assert b.ref_count >= 0, f"block {b.block_id} has ref_count {b.ref_count}"
+            assert (b.ref_count == 0) == (b.block_id in self.free), f"block {b.block_id}: ref_count {b.ref_count} vs free list"
+        for h, block_id in self.cached.items():
+            assert self.blocks[block_id].block_hash == h, f"cached hash points at block {block_id} with another hash"

@@ -1,0 +1,71 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, vLLM-style."""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from workers.config import EngineConfig
+from workers.engine import LLMEngine, RequestOutput
+from workers.sampling_params import SamplingParams
+
+
+class LLM:
+    """Accepts the flat engine arguments of `EngineConfig` (model, dtype, device, max_model_len,
+    block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, tensor_parallel_size, ...)."""
+
+    def __init__(self, model: str, **kwargs):
+        show_progress = kwargs.pop("show_progress", True)
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.engine = self._make_engine(self.config, show_progress)
+        self._ids = itertools.count()
+
+    @staticmethod
+    def _make_engine(config: EngineConfig, show_progress: bool) -> LLMEngine:
+        if config.parallel.world_size > 1:
+            raise ValueError(
+                f"a parallel layout of {config.parallel.world_size} ranks needs the multi-rank executor, "
+                "which this build does not have yet; use tensor/pipeline/sequence_parallel_size=1"
+            )
+        return LLMEngine(config, show_progress)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: Seq[int] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        priority = list(priority) if priority is not None else [0] * len(prompts)
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt, p, prio in zip(ids, prompts, params, priority):
+                self.engine.add_request(rid, prompt, p, prio)
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
+            while len(finished) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[rid] for rid in ids]
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """One conversation through the model's chat template."""
+        token_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(token_ids, dict):
+            token_ids = token_ids["input_ids"]
+        return self.generate([list(token_ids)], sampling_params)[0]

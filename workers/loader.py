@@ -1,0 +1,104 @@
+"""Build a model on the meta device, materialise this rank's shard, and fill it from safetensors.
+
+Only tensors that map to a local parameter are read (pipeline stages skip other stages' layers; EP
+ranks skip non-local experts), and each parameter's `weight_loader` narrows to its own shard.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+from transformers import AutoConfig
+
+from parallel.linear import default_weight_loader
+from workers.models import build_model
+from workers.models.transformer import CausalLM
+
+
+def load_hf_config(path: str):
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, s) for s in shards]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors in {path!r} (only safetensors checkpoints are supported; or use load_format='dummy')")
+    return files
+
+
+def load_model(hf_config, model_path: str, dtype: torch.dtype, device: torch.device, max_positions: int,
+               load_format: str = "auto", seed: int = 0, show_progress: bool = True) -> CausalLM:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = build_model(hf_config, max_positions)
+    finally:
+        torch.set_default_dtype(previous)
+    materialize(model, device)
+    for module in model.modules():
+        if hasattr(module, "init_buffers"):
+            module.init_buffers()
+    if load_format == "dummy":
+        fill_dummy_weights(model, seed)
+    else:
+        load_safetensors(model, checkpoint_files(model_path), show_progress)
+    return model.eval()
+
+
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Replace meta parameters/buffers by uninitialised ones on `device`, keeping tied parameters tied
+    and each parameter's attributes (its `weight_loader`), which `Module.to_empty` would drop."""
+    new: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in new:
+                q = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
+                q.__dict__.update(p.__dict__)
+                new[id(p)] = q
+            module._parameters[name] = new[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = torch.empty_like(b, device=device)
+
+
+def load_safetensors(model: CausalLM, files: list[str], show_progress: bool = True) -> None:
+    loaded: set[int] = set()
+    with tqdm(total=len(files), desc="Loading safetensors", unit="file", disable=not show_progress) as bar:
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    target = model.checkpoint_target(name)
+                    if target is None:
+                        continue
+                    param, args = target
+                    loader = getattr(param, "weight_loader", default_weight_loader)
+                    loader(param, f.get_tensor(name), *args)
+                    loaded.add(id(param))
+            bar.update(1)
+    missing = [n for n, p in model.named_parameters() if id(p) not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} parameters, e.g. {missing[:5]}")
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: CausalLM, seed: int) -> None:
+    """Random weights of the real shapes, made on the target device (for benchmarks of models we cannot download)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            # Small uniform values keep activations finite in fp16/bf16 through many layers.
+            p.uniform_(-1e-2, 1e-2, generator=gen)

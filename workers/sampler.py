@@ -1,0 +1,204 @@
+"""Turns the last-position logits of each sampled sequence into the next token (vLLM/OpenAI semantics).
+
+Order: logprobs from the raw logits; penalties; min_tokens masking; greedy argmax, or
+temperature -> top-k -> top-p -> min-p -> draw. B = len(seqs) rows, V = vocab.
+"""
+from __future__ import annotations
+
+import torch
+
+from workers.scheduler_output import SampledToken, ScheduledSeq
+
+# Below this a temperature is numerically greedy anyway; dividing by it could overflow float32.
+_MIN_TEMPERATURE = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+def _row_seed(seed: int, step: int) -> int:
+    """A well-mixed 64-bit seed from (request seed, output index), so nearby seeds/steps don't correlate."""
+    x = (seed * 0x9E3779B97F4A7C15 + step) & _MASK64
+    # splitmix64 finaliser
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: list[int], seed: int | None = None):
+        """`seed` seeds the generator shared by unseeded requests; None draws a fresh one."""
+        self.eos_token_ids = list(eos_token_ids)
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[SampledToken]:
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab], got {tuple(logits.shape)}")
+        if not seqs:
+            return []
+        params = [s.sampling_params for s in seqs]
+        raw = logits.float()  # [B, V]
+        x = raw.clone()  # [B, V], what penalties/masks/temperature modify; `raw` stays for logprobs
+        self._apply_penalties(x, seqs)
+        self._apply_min_tokens(x, seqs)
+
+        tokens = x.argmax(dim=-1)  # [B]; first maximum on ties, like HF greedy
+        sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sample_rows:
+            if len(sample_rows) == len(seqs):
+                sampled = self._sample(x, seqs)
+                tokens = sampled
+            else:
+                rows = torch.tensor(sample_rows, device=x.device)
+                # x[rows] is a copy, so the in-place steps in _sample don't touch the greedy rows
+                tokens[rows] = self._sample(x[rows], [seqs[i] for i in sample_rows])
+
+        # log_softmax(raw) at a few columns, without materialising [B, V] log-probs
+        lse = torch.logsumexp(raw, dim=-1, keepdim=True)  # [B, 1]
+        token_logprobs = (raw.gather(1, tokens[:, None]) - lse).squeeze(1)  # [B]
+        n_top = max((p.logprobs or 0 for p in params), default=0)
+        top_ids = top_lps = None
+        if n_top > 0:
+            top_vals, top_ids_t = raw.topk(n_top, dim=-1)  # [B, n_top], best first
+            top_ids = top_ids_t.tolist()
+            top_lps = (top_vals - lse).tolist()
+
+        out: list[SampledToken] = []
+        for i, (tok, lp) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
+            n = params[i].logprobs
+            top = None
+            if n is not None:
+                top = list(zip(top_ids[i][:n], top_lps[i][:n])) if n > 0 else []
+            out.append(SampledToken(token_id=tok, logprob=lp, top_logprobs=top))
+        return out
+
+    # ---- logit processors, in place on x [B, V] ----
+
+    @staticmethod
+    def _apply_penalties(x: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
+        """Repetition (HF, prompt + output), then frequency and presence (OpenAI, output only), as vLLM.
+
+        Works on the (row, token) pairs of the histories instead of [B, V] count tensors: a gather,
+        a transform and a scatter. Duplicate pairs write the same value, so each token is penalised once.
+        """
+        rep_rows: list[int] = []
+        rep_toks: list[int] = []
+        out_rows: list[int] = []
+        out_toks: list[int] = []
+        for i, s in enumerate(seqs):
+            p = s.sampling_params
+            if p.repetition_penalty != 1.0:
+                history = s.prompt_token_ids + s.output_token_ids
+                rep_rows += [i] * len(history)
+                rep_toks += history
+            if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and s.output_token_ids:
+                out_rows += [i] * len(s.output_token_ids)
+                out_toks += s.output_token_ids
+        dev = x.device
+        if rep_toks:
+            rep = torch.tensor([s.sampling_params.repetition_penalty for s in seqs], device=dev)  # [B]
+            r = torch.tensor(rep_rows, device=dev)
+            t = torch.tensor(rep_toks, device=dev)
+            v, pen = x[r, t], rep[r]
+            x[r, t] = torch.where(v > 0, v / pen, v * pen)
+        if out_toks:
+            freq = torch.tensor([s.sampling_params.frequency_penalty for s in seqs], device=dev)  # [B]
+            pres = torch.tensor([s.sampling_params.presence_penalty for s in seqs], device=dev)  # [B]
+            r = torch.tensor(out_rows, device=dev)
+            t = torch.tensor(out_toks, device=dev)
+            x.index_put_((r, t), -freq[r], accumulate=True)  # one subtraction per occurrence = count * freq
+            x[r, t] = x[r, t] - pres[r]  # gather-then-write: once per distinct token
+
+    def _apply_min_tokens(self, x: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
+        vocab = x.shape[1]
+        rows: list[int] = []
+        toks: list[int] = []
+        for i, s in enumerate(seqs):
+            p = s.sampling_params
+            if s.num_output_tokens >= p.min_tokens:
+                continue
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+            # a user-supplied id past the vocab would be a device-side assert on CUDA
+            banned = [t for t in banned if 0 <= t < vocab]
+            rows += [i] * len(banned)
+            toks += banned
+        if toks:
+            x[torch.tensor(rows, device=x.device), torch.tensor(toks, device=x.device)] = float("-inf")
+
+    # ---- random sampling, on the R non-greedy rows ----
+
+    def _sample(self, x: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        """x: [R, V] processed logits (modified in place). Returns [R] token ids."""
+        dev, vocab = x.device, x.shape[1]
+        params = [s.sampling_params for s in seqs]
+        temps = torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params], device=dev)  # [R]
+        x.div_(temps[:, None])
+
+        use_top_k = any(0 < p.top_k < vocab for p in params)
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        if use_top_p:
+            x = _top_k_top_p_sorted(x, params)
+        elif use_top_k:
+            _top_k_only(x, params)
+
+        if any(p.min_p > 0.0 for p in params):
+            probs = x.softmax(dim=-1)  # [R, V]
+            min_p = torch.tensor([p.min_p for p in params], device=dev)  # [R]
+            cutoff = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # [R, 1]
+            x.masked_fill_(probs < cutoff, float("-inf"))
+
+        probs = x.softmax(dim=-1)  # [R, V]
+        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is a draw from p. Seeded rows get
+        # their own noise, so their token depends only on (seed, step, their logits).
+        noise = torch.empty_like(probs)  # [R, V]
+        if any(p.seed is None for p in params):
+            noise.exponential_(generator=self._shared_generator(dev))
+        for r, s in enumerate(seqs):
+            if s.sampling_params.seed is not None:
+                g = torch.Generator(device=dev)
+                g.manual_seed(_row_seed(s.sampling_params.seed, s.num_output_tokens))
+                noise[r].exponential_(generator=g)
+        # an exact 0 draw would turn a masked token's 0/0 into NaN, which argmax would pick
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return probs.div_(noise).argmax(dim=-1)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        g = self._generators.get(device)
+        if g is None:
+            g = torch.Generator(device=device)
+            if self._seed is None:
+                g.seed()
+            else:
+                g.manual_seed(self._seed)
+            self._generators[device] = g
+        return g
+
+
+def _top_k_values(params, vocab: int, device: torch.device) -> torch.Tensor:
+    """[R] k per row, `vocab` where top-k is off."""
+    return torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+
+
+def _top_k_only(x: torch.Tensor, params) -> None:
+    """x: [R, V]. torch.topk up to the largest k in the batch is much cheaper than a full sort."""
+    vocab = x.shape[1]
+    k = _top_k_values(params, vocab, x.device)  # [R]
+    k_max = max(p.top_k for p in params if 0 < p.top_k < vocab)
+    top = x.topk(k_max, dim=-1).values  # [R, k_max], descending
+    kth = top.gather(1, (k.clamp(max=k_max) - 1)[:, None])  # [R, 1]
+    kth.masked_fill_((k >= vocab)[:, None], float("-inf"))  # rows without top-k keep everything
+    x.masked_fill_(x < kth, float("-inf"))  # ties with the k-th value survive, as in vLLM
+
+
+def _top_k_top_p_sorted(x: torch.Tensor, params) -> torch.Tensor:
+    """x: [R, V] -> [R, V] with top-k then top-p (on the top-k renormalised distribution) applied."""
+    vocab = x.shape[1]
+    k = _top_k_values(params, vocab, x.device)  # [R]
+    p = torch.tensor([p.top_p for p in params], device=x.device)  # [R]
+    x_sorted, idx = x.sort(dim=-1)  # [R, V] ascending, so the kept tokens are a suffix
+    kth = x_sorted.gather(1, (vocab - k)[:, None])  # [R, 1]
+    x_sorted.masked_fill_(x_sorted < kth, float("-inf"))
+    cum = x_sorted.softmax(dim=-1).cumsum(dim=-1)  # [R, V], mass of this token and all worse ones
+    drop = cum <= (1.0 - p)[:, None]  # tokens whose removal still leaves >= top_p of the mass
+    drop[:, -1] = False  # always keep the best token
+    x_sorted.masked_fill_(drop, float("-inf"))
+    return x.scatter_(1, idx, x_sorted)

@@ -1,0 +1,140 @@
+"""Iteration-level scheduling: which tokens of which sequences run in the next step.
+
+Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, most important
+first (priority, then arrival): a decode takes one token, an unfinished prefill takes the next chunk
+that fits. Waiting sequences are admitted with what budget is left, after reusing their cached
+prefix. When blocks run out, the least important running sequence is preempted (its blocks freed,
+to be recomputed later), and nothing new is admitted in that step.
+"""
+from __future__ import annotations
+
+import bisect
+
+from workers.config import SchedulerConfig
+from workers.kv_cache import BlockManager
+from workers.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from workers.sequence import SeqStatus, Sequence
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
+        self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}
+        self._dropped: list[str] = []  # finished/preempted since the last step, for the ranks to forget
+        self.num_preemptions = 0
+
+    # ---- requests in and out ----
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"request id {seq.seq_id!r} is already in use")
+        need = self.blocks.blocks_needed(seq.num_tokens + 1)
+        if need > self.blocks.num_blocks:
+            raise ValueError(f"request {seq.seq_id}: prompt of {seq.num_tokens} tokens needs {need} KV blocks, "
+                             f"the cache has {self.blocks.num_blocks}")
+        self.seqs[seq.seq_id] = seq
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Release everything the sequence holds (finished, stopped, or aborted)."""
+        if seq.status == SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free_seq(seq)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        del self.seqs[seq.seq_id]
+        self._dropped.append(seq.seq_id)
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        seq = self.seqs.get(seq_id)
+        if seq is not None:
+            self.finish(seq, "abort")
+        return seq
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free_seq(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._dropped.append(seq.seq_id)
+        self._enqueue(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        planned: list[tuple[Sequence, int]] = []
+        preempted = False
+        self.running.sort(key=lambda s: s.sort_key)
+        queue = list(self.running)  # most important first; victims come off the end
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.blocks.can_grow(seq, n):
+                preempted = True
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.grow(seq, n)
+                planned.append((seq, n))
+                budget -= n
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                self.blocks.match_prefix(seq)
+                n = min(seq.num_uncomputed_tokens, budget)
+                if not self.blocks.can_grow(seq, n):
+                    self.blocks.free_seq(seq)
+                    break
+                self.blocks.grow(seq, n)
+                self.waiting.pop(0)
+                self.blocks.record_admission(seq)
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                planned.append((seq, n))
+                budget -= n
+        dropped, self._dropped = self._dropped, []
+        return SchedulerOutput(seqs=[self._scheduled(seq, n) for seq, n in planned], finished_seq_ids=dropped)
+
+    @staticmethod
+    def _scheduled(seq: Sequence, n: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        history = seq.sampling_params.needs_token_history
+        return ScheduledSeq(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_ids[start : start + n],
+            start_pos=start,
+            block_table=list(seq.block_table),
+            sample=start + n == seq.num_tokens,
+            sampling_params=seq.sampling_params,
+            num_output_tokens=seq.num_output_tokens,
+            prompt_token_ids=seq.prompt_token_ids if history else [],
+            output_token_ids=seq.output_token_ids if history else [],
+        )
+
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Sequence]:
+        """Advance computed counts, cache full blocks, append sampled tokens. Returns seqs that got a token."""
+        got_token: list[Sequence] = []
+        for s in out.seqs:
+            seq = self.seqs.get(s.seq_id)
+            if seq is None or seq.status != SeqStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += s.num_tokens
+            self.blocks.cache_full_blocks(seq)
+            sampled = result.sampled.get(s.seq_id)
+            if s.sample and sampled is not None:
+                seq.token_ids.append(sampled.token_id)
+                got_token.append(seq)
+        return got_token

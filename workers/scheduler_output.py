@@ -1,0 +1,63 @@
+"""The contract between the scheduler and the model runner(s).
+
+`SchedulerOutput` is plain data, cheap to pickle: with several ranks it is broadcast to each of them
+every step. It says which tokens of which sequences to run, where their KV goes (block tables), and
+how to sample the sequences whose last scheduled token completes their known tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    seq_id: str
+    token_ids: list[int]  # the tokens to run this step (a prefill chunk, or the one decode token)
+    start_pos: int  # position of token_ids[0]; tokens before it are already in the KV cache
+    block_table: list[int]  # physical block ids covering positions [0, start_pos + len(token_ids))
+    sample: bool  # True when this step reaches the end of the known tokens: sample the next one
+    sampling_params: SamplingParams
+    num_output_tokens: int  # tokens generated so far: index of the token sampled now (seeding, min_tokens)
+    # Filled only when sampling_params.needs_token_history (penalties), else empty.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """KV length after this step: cached tokens plus the new ones."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]
+    # Sequences that finished or were preempted/aborted since the last step: ranks drop any state they keep.
+    finished_seq_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float  # log-softmax of the raw logits at the sampled token
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first, when asked
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Tokens sampled this step, keyed by sequence (only sequences with `sample=True`)."""
+
+    sampled: dict[str, SampledToken]
