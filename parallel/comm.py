@@ -34,3 +34,22 @@ def gather_first_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
     out = torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_gather_into_tensor(out, x.contiguous(), group=group.device_group)
     return out
+
+
+def gather_to_first(x: torch.Tensor, group: Group) -> list[torch.Tensor] | None:
+    """Every rank's x (same shape on all) to the group's first rank, in rank order; None on the others.
+
+    Used where only one rank consumes the result (the sampler), so the others skip receiving it.
+    """
+    if group.size == 1:
+        return [x]
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group.size)] if group.is_first else None
+    dist.gather(x, parts, dst=group.ranks[0], group=group.device_group)
+    return parts
+
+
+def gather_last_dim_to_first(x: torch.Tensor, group: Group) -> torch.Tensor | None:
+    """Column-parallel slices concatenated on the group's first rank only; None on the others."""
+    parts = gather_to_first(x, group)
+    return None if parts is None else torch.cat(parts, dim=-1)

@@ -1,7 +1,8 @@
 """Vocabulary-parallel token embedding and LM head.
 
 The vocabulary is padded to a multiple of the TP size and split in contiguous row ranges. Padded
-rows are zero and never produce logits that survive (they are sliced off after the gather).
+rows are zero and never produce logits that survive (sliced off after the gather, or masked to -inf
+before a per-rank argmax).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.comm import gather_last_dim, reduce_partial_sums
+from parallel.comm import gather_last_dim_to_first, gather_to_first, reduce_partial_sums
 from parallel.linear import set_weight_loader
 from parallel.state import Group, tp_group
 
@@ -48,12 +49,48 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Same sharding as the embedding (so tied weights share one parameter); produces logits."""
+    """Same sharding as the embedding (so tied weights share one parameter); produces logits.
+
+    Only one rank samples (the TP group's first), so logits are gathered there alone. Greedy rows
+    need even less: each rank reduces its vocabulary slice to (max logit, its token id, log-sum-exp)
+    and only those three numbers per row travel, instead of vocab_size / tp logits.
+    """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        raise RuntimeError("use compute_logits(hidden) on the LM head")
+        raise RuntimeError("use compute_logits(hidden) or greedy_tokens(hidden) on the LM head")
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, d] -> full-vocabulary logits [n, vocab_size] on every TP rank."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [n, d] -> full-vocabulary logits [n, vocab_size] on the group's first rank, None on the others."""
+        logits = gather_last_dim_to_first(F.linear(hidden, self.weight), self.group)
+        # Padding rows sit at the end of the last rank's slice, so slicing drops exactly them.
+        return None if logits is None else logits[:, : self.vocab_size]
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, rows_per_rank] logits of this rank's slice; padding columns are -inf so they never win."""
         logits = F.linear(hidden, self.weight)
-        return gather_last_dim(logits, self.group)[:, : self.vocab_size]
+        real = min(max(self.vocab_size - self.vocab_start, 0), self.rows_per_rank)
+        if real < self.rows_per_rank:
+            logits[:, real:] = float("-inf")
+        return logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """hidden [n, d] -> (argmax token ids [n] int64, their log-probabilities [n] fp32) on the
+        group's first rank; None on the others.
+
+        Ties go to the lowest token id, as a full-vocabulary argmax would: slices are in ascending id
+        order and both argmaxes below return the first maximum.
+        """
+        logits = self.local_logits(hidden).float()  # [n, V/tp]
+        index = logits.argmax(dim=-1)  # [n]
+        values = logits.gather(1, index[:, None]).squeeze(1)
+        lse = torch.logsumexp(logits, dim=-1)
+        # float64 holds any token id exactly, so one message carries all three numbers.
+        packed = torch.stack([values.double(), (index + self.vocab_start).double(), lse.double()], dim=-1)  # [n, 3]
+        parts = gather_to_first(packed, self.group)
+        if parts is None:
+            return None
+        per_rank = torch.stack(parts, dim=1)  # [n, tp, 3]
+        best = per_rank[..., 0].argmax(dim=1)  # [n]
+        chosen = per_rank.gather(1, best[:, None, None].expand(-1, 1, 3)).squeeze(1)  # [n, 3]
+        total_lse = torch.logsumexp(per_rank[..., 2], dim=1)  # [n]
+        return chosen[:, 1].long(), (chosen[:, 0] - total_lse).float()

@@ -36,6 +36,7 @@ class ModelConfig(_Strict):
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
     seed: int = 0
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    enforce_eager: bool = Field(default=False, description="CUDA: no decode CUDA graphs (every step runs eagerly).")
 
     @model_validator(mode="after")
     def _model_exists(self) -> "ModelConfig":

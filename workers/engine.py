@@ -16,7 +16,7 @@ from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer, find_stop_string, streamable_len
 from workers.kv_cache import BlockManager
 from workers.loader import load_hf_config
-from workers.model_runner import ModelRunner
+from workers.executor import Executor, make_executor
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
 from workers.scheduler_output import SampledToken
@@ -59,8 +59,10 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer or path, local_files_only=True)
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = self._eos_token_ids(path)
-        self.runner = ModelRunner(config, self.hf_config, self.max_model_len, self.eos_token_ids, show_progress)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        # One process, or one Ray actor per rank: the engine sees only `execute` and `num_blocks`.
+        self.executor: Executor = make_executor(config, self.hf_config, self.max_model_len, self.eos_token_ids, show_progress)
+        self.max_model_len = self._fit_max_model_len_to_cache(self.executor.num_blocks * config.cache.block_size)
+        self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.requests: dict[str, _Request] = {}
         self.vocab_size = self.hf_config.vocab_size
@@ -76,6 +78,17 @@ class LLMEngine:
         if wanted is not None and wanted > limit:
             raise ValueError(f"max_model_len={wanted} exceeds the model's limit of {limit} positions")
         return wanted or limit
+
+    def _fit_max_model_len_to_cache(self, capacity: int) -> int:
+        """A sequence longer than the whole KV cache could never finish: alone, it would preempt itself
+        and wait forever. So max_model_len must fit in the cache (lowered to fit unless given explicitly)."""
+        if capacity >= self.max_model_len:
+            return self.max_model_len
+        if self.config.model.max_model_len is not None:
+            raise ValueError(f"max_model_len={self.max_model_len} does not fit in the KV cache, which holds {capacity} tokens "
+                             f"({capacity // self.config.cache.block_size} blocks); lower max_model_len or give the cache more blocks")
+        log.warning("KV cache holds %d tokens: lowering max_model_len from %d to %d", capacity, self.max_model_len, capacity)
+        return capacity
 
     def _eos_token_ids(self, path: str) -> list[int]:
         ids: set[int] = set()
@@ -131,7 +144,7 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
-        result = self.runner.execute(sched_out)
+        result = self.executor.execute(sched_out)
         outputs = []
         for seq in self.scheduler.update(sched_out, result):
             outputs.append(self._on_token(self.requests[seq.seq_id], result.sampled[seq.seq_id]))
@@ -174,6 +187,10 @@ class LLMEngine:
         out.new_text = text[req.streamed_chars : max(limit, req.streamed_chars)]
         req.streamed_chars = max(limit, req.streamed_chars)
         return out
+
+    def shutdown(self) -> None:
+        """Release the executor's ranks (Ray actors, device memory)."""
+        self.executor.shutdown()
 
     # ---- introspection ----
     def stats(self) -> dict:

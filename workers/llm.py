@@ -23,12 +23,17 @@ class LLM:
 
     @staticmethod
     def _make_engine(config: EngineConfig, show_progress: bool) -> LLMEngine:
-        if config.parallel.world_size > 1:
+        p = config.parallel
+        if p.sequence_parallel_size > 1 or p.expert_parallel_size > 1:
             raise ValueError(
-                f"a parallel layout of {config.parallel.world_size} ranks needs the multi-rank executor, "
-                "which this build does not have yet; use tensor/pipeline/sequence_parallel_size=1"
+                "sequence_parallel_size and expert_parallel_size > 1 need ring attention and expert dispatch, "
+                "which this build does not have yet; use tensor_parallel_size and pipeline_parallel_size"
             )
         return LLMEngine(config, show_progress)
+
+    def shutdown(self) -> None:
+        """Stop the engine's ranks (the Ray actors of a multi-rank layout). The LLM is unusable afterwards."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self):

@@ -1,7 +1,9 @@
 """Turns a `SchedulerOutput` into tensors, runs the model over the paged KV cache, and samples.
 
 One runner per rank. It owns the model's weights (this rank's shard) and the KV cache memory:
-kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads_per_rank, head_dim].
+kv_cache [num_layers_of_this_stage, 2, num_blocks, block_size, num_kv_heads_per_rank, head_dim].
+With pipeline parallelism the step's batch runs as micro-batches; activations (hidden states and
+residual) travel from stage to stage through `parallel/pp.py`, and only the last stage samples.
 """
 from __future__ import annotations
 
@@ -9,13 +11,16 @@ import logging
 
 import torch
 
+from parallel.pp import PendingSend, recv_from_prev_stage, send_to_next_stage
+from parallel.state import pp_group, sp_group, tp_group
 from workers.attention import AttentionMetadata, forward_context, get_backend
 from workers.config import EngineConfig
 from workers.loader import load_model
+from workers.microbatch import split_by_sequence
 from workers.models.layers import PagedAttention
 from workers.sampler import Sampler
 from workers.sampling_params import SamplingParams
-from workers.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
@@ -35,14 +40,50 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.backend = get_backend(config.model.attention_backend, self.device)
         self.sampler = Sampler(eos_token_ids)
+        self.pp = pp_group()
+        self._pp_seq_no = 0  # micro-batches sent/received so far: every stage counts the same
         self.num_blocks = self._num_kv_blocks()
-        first = self.attn_layers[0]
-        self.kv_cache = torch.zeros(len(self.attn_layers), 2, self.num_blocks, self.block_size, first.num_kv_heads,
-                                    first.head_dim, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(self.attn_layers):
-            layer.kv_cache, layer.backend = self.kv_cache[i], self.backend
+        self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+        self.cuda_graphs = self._capture_cuda_graphs()
 
-    # ---- KV cache sizing ----
+    def _capture_cuda_graphs(self):
+        """Decode CUDA graphs (workers/cuda_graphs.py) on one CUDA rank; None where they don't apply."""
+        if self.device.type != "cuda" or self.pp.size > 1 or tp_group().size > 1 or sp_group().size > 1:
+            return None
+        from workers.cuda_graphs import maybe_capture
+
+        return maybe_capture(self)
+
+    @property
+    def is_output_rank(self) -> bool:
+        """The rank whose `execute` returns the sampled tokens: last pipeline stage, first TP/SP rank."""
+        return self.pp.is_last and tp_group().is_first and sp_group().is_first
+
+    # ---- KV cache ----
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        a = self.attn_layers[0]
+        kv_cache = torch.zeros(len(self.attn_layers), 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
+                               dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
+            layer.kv_cache, layer.backend = kv_cache[i], self.backend
+        return kv_cache
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Shrink to the block count every rank can hold (block ids are shared across ranks)."""
+        if num_blocks == self.num_blocks:
+            return
+        if num_blocks > self.num_blocks:
+            raise ValueError(f"cannot grow the KV cache from {self.num_blocks} to {num_blocks} blocks")
+        for layer in self.attn_layers:
+            layer.kv_cache = None
+        self.cuda_graphs = None  # they read the old cache's addresses
+        del self.kv_cache  # freed before the smaller one is made, so peak memory does not double
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.num_blocks = num_blocks
+        self.kv_cache = self._allocate_kv_cache(num_blocks)
+        self.cuda_graphs = self._capture_cuda_graphs()
+
     def kv_bytes_per_block(self) -> int:
         a = self.attn_layers[0]
         return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
@@ -126,15 +167,62 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on this rank. Only `is_output_rank` returns the sampled tokens; other ranks
+        return an empty output."""
         if out.is_empty:
             return ModelRunnerOutput({})
-        token_ids, positions, meta, sample_rows = self.prepare(out)
-        with forward_context(meta):
-            hidden, _ = self.model(token_ids, positions)
+        graphs = getattr(self, "cuda_graphs", None)  # unset while the KV budget is being profiled
+        if graphs is not None and graphs.can_run(out):
+            return self.sample(graphs.run(out), out.seqs)
+        # One micro-batch per stage keeps every stage busy once the pipeline is full.
+        micro_batches = split_by_sequence(out.seqs, self.pp.size) if self.pp.size > 1 else [out.seqs]
+        sends: list[PendingSend] = []
+        sample_hidden: list[torch.Tensor] = []
+        for seqs in micro_batches:
+            token_ids, positions, meta, sample_rows = self.prepare(SchedulerOutput(seqs))
+            hidden = residual = None
+            if not self.pp.is_first:
+                hidden, residual = self._recv_activations(token_ids.shape[0])
+            with forward_context(meta):
+                hidden, residual = self.model(token_ids, positions, hidden, residual)
+            if not self.pp.is_last:
+                sends.append(send_to_next_stage([hidden, residual], self._pp_seq_no, self.pp))
+            elif sample_rows:
+                sample_hidden.append(hidden[sample_rows])
+            self._pp_seq_no += 1
+        for pending in sends:
+            pending.wait()
         to_sample = [s for s in out.seqs if s.sample]
-        if not to_sample:
+        if not self.pp.is_last or not to_sample:
             return ModelRunnerOutput({})
-        logits = self.model.compute_logits(hidden[sample_rows])
-        sampled = self.sampler(logits, to_sample)
-        return ModelRunnerOutput({s.seq_id: tok for s, tok in zip(to_sample, sampled)})
+        # Micro-batches are contiguous runs of out.seqs, so the rows line up with to_sample.
+        return self.sample(torch.cat(sample_hidden), to_sample)
 
+    def _recv_activations(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = recv_from_prev_stage(self._pp_seq_no, self.pp, self.device)
+        if hidden.shape[0] != num_tokens or residual.shape != hidden.shape:
+            raise RuntimeError(f"pipeline stage {self.pp.rank} got activations {tuple(hidden.shape)}/{tuple(residual.shape)} "
+                               f"for a micro-batch of {num_tokens} tokens")
+        return hidden, residual
+
+    def sample(self, hidden: torch.Tensor, seqs: list[ScheduledSeq]) -> ModelRunnerOutput:
+        """hidden [len(seqs), d] at the sampled positions -> next tokens (on the output rank only).
+
+        Under TP, a batch of plain greedy rows gathers (max, id, log-sum-exp) per rank instead of
+        the full vocabulary; anything else gathers full logits to the first TP rank.
+        """
+        head = self.model.lm_head
+        if head.group.size > 1 and all(Sampler.is_plain_greedy(s) for s in seqs):
+            result = head.greedy_tokens(hidden)
+            if result is None:
+                return ModelRunnerOutput({})
+            ids, logprobs = result
+            return ModelRunnerOutput({
+                s.seq_id: SampledToken(tok, lp, [] if s.sampling_params.logprobs == 0 else None)
+                for s, tok, lp in zip(seqs, ids.tolist(), logprobs.tolist())
+            })
+        logits = head.compute_logits(hidden)
+        if logits is None:
+            return ModelRunnerOutput({})
+        sampled = self.sampler(logits, seqs)
+        return ModelRunnerOutput({s.seq_id: tok for s, tok in zip(seqs, sampled)})

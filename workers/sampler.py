@@ -5,8 +5,11 @@ temperature -> top-k -> top-p -> min-p -> draw. B = len(seqs) rows, V = vocab.
 """
 from __future__ import annotations
 
+import array
+
 import torch
 
+from workers.sampling_params import SamplingParams
 from workers.scheduler_output import SampledToken, ScheduledSeq
 
 # Below this a temperature is numerically greedy anyway; dividing by it could overflow float32.
@@ -30,6 +33,13 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
+    @staticmethod
+    def is_plain_greedy(seq: ScheduledSeq) -> bool:
+        """True when the next token is the raw argmax and nothing but its own logprob is asked for:
+        then the full-vocabulary logits are not needed (a sharded argmax gives the same answer)."""
+        p = seq.sampling_params
+        return p.greedy and not p.logprobs and not p.needs_token_history and seq.num_output_tokens >= p.min_tokens
+
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[SampledToken]:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab], got {tuple(logits.shape)}")
@@ -41,13 +51,12 @@ class Sampler:
         self._apply_penalties(x, seqs)
         self._apply_min_tokens(x, seqs)
 
-        tokens = x.argmax(dim=-1)  # [B]; first maximum on ties, like HF greedy
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if sample_rows:
-            if len(sample_rows) == len(seqs):
-                sampled = self._sample(x, seqs)
-                tokens = sampled
-            else:
+        if len(sample_rows) == len(seqs):
+            tokens = self._sample(x, seqs)  # [B]
+        else:
+            tokens = x.argmax(dim=-1)  # [B]; first maximum on ties, like HF greedy
+            if sample_rows:
                 rows = torch.tensor(sample_rows, device=x.device)
                 # x[rows] is a copy, so the in-place steps in _sample don't touch the greedy rows
                 tokens[rows] = self._sample(x[rows], [seqs[i] for i in sample_rows])
@@ -80,31 +89,23 @@ class Sampler:
         Works on the (row, token) pairs of the histories instead of [B, V] count tensors: a gather,
         a transform and a scatter. Duplicate pairs write the same value, so each token is penalised once.
         """
-        rep_rows: list[int] = []
-        rep_toks: list[int] = []
-        out_rows: list[int] = []
-        out_toks: list[int] = []
-        for i, s in enumerate(seqs):
-            p = s.sampling_params
-            if p.repetition_penalty != 1.0:
-                history = s.prompt_token_ids + s.output_token_ids
-                rep_rows += [i] * len(history)
-                rep_toks += history
-            if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and s.output_token_ids:
-                out_rows += [i] * len(s.output_token_ids)
-                out_toks += s.output_token_ids
         dev = x.device
-        if rep_toks:
-            rep = torch.tensor([s.sampling_params.repetition_penalty for s in seqs], device=dev)  # [B]
-            r = torch.tensor(rep_rows, device=dev)
-            t = torch.tensor(rep_toks, device=dev)
-            v, pen = x[r, t], rep[r]
+        rep_rows = [i for i, s in enumerate(seqs) if s.sampling_params.repetition_penalty != 1.0]
+        if rep_rows:
+            r, t = _row_token_pairs(rep_rows, [(seqs[i].prompt_token_ids, seqs[i].output_token_ids) for i in rep_rows], dev)
+            pen = torch.tensor([s.sampling_params.repetition_penalty for s in seqs], device=dev)[r]  # [N]
+            v = x[r, t]  # [N]
             x[r, t] = torch.where(v > 0, v / pen, v * pen)
-        if out_toks:
+
+        out_rows = [
+            i for i, s in enumerate(seqs)
+            if (s.sampling_params.frequency_penalty != 0.0 or s.sampling_params.presence_penalty != 0.0)
+            and s.output_token_ids
+        ]
+        if out_rows:
+            r, t = _row_token_pairs(out_rows, [(seqs[i].output_token_ids,) for i in out_rows], dev)
             freq = torch.tensor([s.sampling_params.frequency_penalty for s in seqs], device=dev)  # [B]
             pres = torch.tensor([s.sampling_params.presence_penalty for s in seqs], device=dev)  # [B]
-            r = torch.tensor(out_rows, device=dev)
-            t = torch.tensor(out_toks, device=dev)
             x.index_put_((r, t), -freq[r], accumulate=True)  # one subtraction per occurrence = count * freq
             x[r, t] = x[r, t] - pres[r]  # gather-then-write: once per distinct token
 
@@ -173,12 +174,36 @@ class Sampler:
         return g
 
 
-def _top_k_values(params, vocab: int, device: torch.device) -> torch.Tensor:
+def _row_token_pairs(
+    rows: list[int], histories: list[tuple[list[int], ...]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flattens each row's token lists into (row index, token id) pairs, [N] each, on `device`.
+
+    Histories can be long (whole prompts, every step): array.array packs Python ints several times
+    faster than torch.tensor(list) does.
+    """
+    flat = array.array("q")
+    lengths: list[int] = []
+    for lists in histories:
+        n = 0
+        for ids in lists:
+            flat.extend(ids)
+            n += len(ids)
+        lengths.append(n)
+    if not flat:
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return empty, empty
+    tokens = torch.frombuffer(flat, dtype=torch.int64)  # [N]
+    row_idx = torch.repeat_interleave(torch.tensor(rows), torch.tensor(lengths))  # [N]
+    return row_idx.to(device), tokens.to(device)
+
+
+def _top_k_values(params: list[SamplingParams], vocab: int, device: torch.device) -> torch.Tensor:
     """[R] k per row, `vocab` where top-k is off."""
     return torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
 
 
-def _top_k_only(x: torch.Tensor, params) -> None:
+def _top_k_only(x: torch.Tensor, params: list[SamplingParams]) -> None:
     """x: [R, V]. torch.topk up to the largest k in the batch is much cheaper than a full sort."""
     vocab = x.shape[1]
     k = _top_k_values(params, vocab, x.device)  # [R]
@@ -189,7 +214,7 @@ def _top_k_only(x: torch.Tensor, params) -> None:
     x.masked_fill_(x < kth, float("-inf"))  # ties with the k-th value survive, as in vLLM
 
 
-def _top_k_top_p_sorted(x: torch.Tensor, params) -> torch.Tensor:
+def _top_k_top_p_sorted(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """x: [R, V] -> [R, V] with top-k then top-p (on the top-k renormalised distribution) applied."""
     vocab = x.shape[1]
     k = _top_k_values(params, vocab, x.device)  # [R]

@@ -16,6 +16,10 @@ from workers.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerO
 from workers.sequence import SeqStatus, Sequence
 
 
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting_requests`: the caller should back off and retry."""
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
@@ -34,6 +38,9 @@ class Scheduler:
         if need > self.blocks.num_blocks:
             raise ValueError(f"request {seq.seq_id}: prompt of {seq.num_tokens} tokens needs {need} KV blocks, "
                              f"the cache has {self.blocks.num_blocks}")
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFullError(f"request {seq.seq_id}: {len(self.waiting)} requests already waiting (max_waiting_requests={limit})")
         self.seqs[seq.seq_id] = seq
         self._enqueue(seq)
 

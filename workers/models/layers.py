@@ -12,6 +12,15 @@ from torch import nn
 from parallel.linear import default_weight_loader, set_weight_loader
 from workers.attention import AttentionBackend, get_forward_context
 
+try:  # fused Triton kernels for the CUDA path; the CPU path below never uses them
+    from workers.kernels import fused_ops as _fused
+except ImportError:  # no Triton (CPU machines)
+    _fused = None
+
+
+def _use_fused(x: torch.Tensor) -> bool:
+    return _fused is not None and x.is_cuda
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -21,6 +30,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if _use_fused(x):
+            return _fused.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -32,6 +43,8 @@ class RMSNorm(nn.Module):
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if _use_fused(gate_up):
+        return _fused.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -70,6 +83,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq, D]; k [T, Hkv, D]."""
+        if _use_fused(q):
+            return _fused.rope(positions, q, k, self.cos_sin)
         cos_sin = self.cos_sin[positions].to(q.dtype)  # [T, 2, D]
         cos, sin = cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

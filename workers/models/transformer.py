@@ -140,9 +140,10 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, self.spec, i, max_positions) for i in self.layer_range})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last_stage else None
         self.lm_head = None
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.is_last_stage:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-            if getattr(cfg, "tie_word_embeddings", False) and self.embed_tokens is not None:
+            if self.tied and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None = None,
@@ -160,7 +161,8 @@ class CausalLM(nn.Module):
             residual = None
         return hidden, residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary logits on the first TP rank of the last stage; None on other TP ranks."""
         return self.lm_head.compute_logits(hidden)
 
     # ---- checkpoint name -> (parameter, loader arguments) ----
@@ -188,6 +190,9 @@ class CausalLM(nn.Module):
                 key = self._local_name(name.replace(f".{ckpt_part}.", f".{fused}."))
                 return (params[key], (shard,)) if key in params else None
         key = self._local_name(name)
+        if key == "embed_tokens.weight" and self.embed_tokens is None and self.lm_head is not None and self.tied:
+            # A last pipeline stage without the embedding holds its own copy of the tied matrix.
+            key = "lm_head.weight"
         if key is None or key not in params:
             return None
         return params[key], ()
@@ -207,6 +212,9 @@ class CausalLM(nn.Module):
 
 
 def build_model(hf_config, max_positions: int) -> CausalLM:
+    if pp_group().size > hf_config.num_hidden_layers:
+        raise ValueError(f"pipeline_parallel_size ({pp_group().size}) exceeds num_hidden_layers ({hf_config.num_hidden_layers}): "
+                         "every stage needs at least one layer")
     if tp_group().size > 1 and hf_config.num_attention_heads % tp_group().size:
         raise ValueError(f"num_attention_heads ({hf_config.num_attention_heads}) not divisible by tensor_parallel_size ({tp_group().size})")
     return CausalLM(hf_config, max_positions)

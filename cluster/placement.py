@@ -1,0 +1,48 @@
+"""Where a replica's ranks run: one Ray placement group per TP group.
+
+Ranks follow the grid of `parallel/state.py` (TP innermost), so TP group g is ranks
+[g * tp, (g + 1) * tp). Each TP group is STRICT_PACK-ed onto one node, where its per-layer
+all-reduces stay on NVLink or shared memory; pipeline stages (and SP groups) talk far less often and
+may land on other nodes.
+"""
+from __future__ import annotations
+
+import ray
+from ray.exceptions import GetTimeoutError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from parallel.config import ParallelConfig
+from workers.executor import ExecutorError
+
+
+class RankPlacement:
+    def __init__(self, parallel: ParallelConfig, use_cuda: bool, timeout_s: float):
+        self.tp = parallel.tensor_parallel_size
+        self.bundle = {"GPU": 1.0} if use_cuda else {"CPU": 1.0}
+        num_groups = parallel.world_size // self.tp
+        self.groups: list[PlacementGroup] = [
+            placement_group([dict(self.bundle) for _ in range(self.tp)], strategy="STRICT_PACK")
+            for _ in range(num_groups)
+        ]
+        try:
+            ray.get([pg.ready() for pg in self.groups], timeout=timeout_s)
+        except GetTimeoutError:
+            self.remove()
+            kind = "GPU" if use_cuda else "CPU"
+            raise ExecutorError(
+                f"could not place {parallel.world_size} ranks ({num_groups} groups of {self.tp} {kind}s, each group on one node) "
+                f"within {timeout_s:.0f}s; the cluster has {ray.available_resources().get(kind, 0):g} {kind}s free"
+            ) from None
+
+    def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(placement_group=self.groups[rank // self.tp],
+                                                placement_group_bundle_index=rank % self.tp)
+
+    def remove(self) -> None:
+        for pg in self.groups:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # already removed, or Ray is shutting down: nothing left to free
+                pass
+        self.groups = []

@@ -1,0 +1,36 @@
+"""One rank of a replica, as a Ray actor: joins torch.distributed, builds the process groups, loads
+its shard of the model in a `ModelRunner`, and runs every step the driver sends it."""
+from __future__ import annotations
+
+from cluster.rendezvous import free_port, join_process_group, node_address
+from parallel.state import init_groups
+from workers.config import EngineConfig
+from workers.model_runner import ModelRunner
+from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+class RankWorker:
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.runner: ModelRunner | None = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Called on rank 0 only: where the process group's store will listen."""
+        return node_address(), free_port()
+
+    def init(self, address: str, port: int, config: EngineConfig, hf_config, max_model_len: int,
+             eos_token_ids: list[int], show_progress: bool, timeout_s: float) -> int:
+        """Join the process group, load this rank's shard; returns how many KV blocks it can hold."""
+        backend = "nccl" if config.model.resolved_device().type == "cuda" else "gloo"
+        join_process_group(address, port, self.rank, config.parallel.world_size, backend, timeout_s)
+        init_groups(config.parallel)
+        self.runner = ModelRunner(config, hf_config, max_model_len, eos_token_ids, show_progress)
+        return self.runner.num_blocks
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.resize_kv_cache(num_blocks)
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        result = self.runner.execute(out)
+        # Only the output rank's answer is read; the others send nothing back.
+        return result if self.runner.is_output_rank else None

@@ -1,0 +1,121 @@
+"""`RayExecutor`: a replica's ranks as Ray actors, driven one step at a time.
+
+Start-up: place the ranks (`placement.py`), start one `RankWorker` actor per rank, ask rank 0 for a
+rendezvous address, then every rank joins torch.distributed (gloo on CPU, NCCL on CUDA), builds its
+process groups and loads its shard. The KV cache is cut down to the smallest block count of any
+rank, since the scheduler's block ids must be valid on all of them.
+
+A step: the `SchedulerOutput` is put in the object store once and every rank executes it; the
+sampled tokens come back from the output rank (last pipeline stage, first TP rank).
+
+Failure: every wait has a deadline, and results are collected as they arrive, so a rank that dies
+or raises is noticed at once even while the others sit in a collective waiting for it. The executor
+then kills every rank (the survivors may be stuck in that collective) and raises `ExecutorError`
+naming the rank.
+"""
+from __future__ import annotations
+
+import time
+from typing import NoReturn
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from cluster.placement import RankPlacement
+from cluster.rank_worker import RankWorker
+from cluster.ray_runtime import ensure_ray, rank_runtime_env
+from parallel.state import rank_grid
+from workers.config import EngineConfig
+from workers.executor import Executor, ExecutorError
+from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+INIT_TIMEOUT_S = 900.0  # placement, process start, weight loading
+STEP_TIMEOUT_S = 300.0  # one step on every rank
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig, hf_config, max_model_len: int, eos_token_ids: list[int], show_progress: bool = True,
+                 init_timeout_s: float = INIT_TIMEOUT_S, step_timeout_s: float = STEP_TIMEOUT_S):
+        self.parallel = config.parallel
+        self.step_timeout_s = step_timeout_s
+        self.world_size = self.parallel.world_size
+        self._error: str | None = None
+        self._coords = {r: (p, s, t) for p, stage in enumerate(rank_grid(self.parallel))
+                        for s, row in enumerate(stage) for t, r in enumerate(row)}
+        self.output_rank = rank_grid(self.parallel)[-1][0][0]
+        self.workers: list = []
+        self.placement: RankPlacement | None = None
+        use_cuda = config.model.resolved_device().type == "cuda"
+        ensure_ray(self.world_size)
+        self.placement = RankPlacement(self.parallel, use_cuda, init_timeout_s)
+        try:
+            actor = ray.remote(RankWorker)
+            resources = {"num_gpus": 1, "num_cpus": 0} if use_cuda else {"num_cpus": 1}
+            self.workers = [
+                actor.options(**resources, scheduling_strategy=self.placement.strategy(r), runtime_env=rank_runtime_env(),
+                              max_restarts=0).remote(r)
+                for r in range(self.world_size)
+            ]
+            address, port = self._collect({0: self.workers[0].rendezvous_address.remote()}, init_timeout_s, "rendezvous")[0]
+            blocks = self._collect({
+                r: w.init.remote(address, port, config, hf_config, max_model_len, eos_token_ids, show_progress and r == 0, init_timeout_s)
+                for r, w in enumerate(self.workers)
+            }, init_timeout_s, "start-up")
+            self.num_blocks = min(blocks.values())
+            self._collect({r: w.resize_kv_cache.remote(self.num_blocks) for r, w in enumerate(self.workers)}, init_timeout_s, "KV cache sizing")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def describe(self, rank: int) -> str:
+        p, s, t = self._coords[rank]
+        return f"rank {rank} (pp={p}, sp={s}, tp={t})"
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if self._error is not None:
+            raise ExecutorError(f"the executor failed earlier and cannot run more steps: {self._error}")
+        if not self.workers:
+            raise ExecutorError("the executor was shut down")
+        ref = ray.put(out)  # one copy in the object store, read by every rank
+        results = self._collect({r: w.execute.remote(ref) for r, w in enumerate(self.workers)}, self.step_timeout_s, "step")
+        return results[self.output_rank]
+
+    def _collect(self, refs: dict[int, ray.ObjectRef], timeout_s: float, what: str) -> dict:
+        """Results by rank. Fails fast: the first rank to die or raise ends the wait."""
+        rank_of = {ref: rank for rank, ref in refs.items()}
+        pending = list(refs.values())
+        results: dict[int, object] = {}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                late = ", ".join(self.describe(rank_of[ref]) for ref in pending)
+                self._fail(f"{what}: {late} did not answer within {timeout_s:.0f}s")
+            for ref in ready:
+                rank = rank_of[ref]
+                try:
+                    results[rank] = ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
+                except RayActorError as e:  # includes ActorDiedError
+                    self._fail(f"{what}: {self.describe(rank)} died ({type(e).__name__}: {e})", e)
+                except RayTaskError as e:
+                    self._fail(f"{what}: {self.describe(rank)} raised {e.cause!r}", e)
+                except GetTimeoutError as e:
+                    self._fail(f"{what}: the result of {self.describe(rank)} did not arrive within {timeout_s:.0f}s", e)
+        return results
+
+    def _fail(self, message: str, cause: BaseException | None = None) -> NoReturn:
+        # The other ranks may be blocked in a collective with the failed one: kill them all.
+        self._error = message
+        self.shutdown()
+        raise ExecutorError(message) from cause
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # already dead, or Ray is gone: nothing to release
+                pass
+        self.workers = []
+        if self.placement is not None:
+            self.placement.remove()
+            self.placement = None

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Offline throughput: Tandem's `LLM.generate` vs Hugging Face `generate`, same model, same prompts, one run.
+
+Requests are synthetic token-id prompts with input/output lengths drawn from a ShareGPT-like
+(log-normal) distribution with a fixed seed. Tandem gets all requests at once (continuous batching);
+HF runs them in static batches of `--hf-batch-size`, left-padded, each batch generating until its
+longest request is done — only the requested tokens are counted for either side.
+
+    python scripts/bench_offline.py                                  # shipped tiny model on CPU
+    python scripts/bench_offline.py --model M --device cuda --dtype bfloat16 --num-requests 1000
+    python scripts/bench_offline.py --model CONFIG_DIR --load-format dummy --device cuda   # real shapes, random weights
+Prints a table and writes JSON (--out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workers import LLM, SamplingParams  # noqa: E402
+from workers.cli import DEFAULT_MODEL  # noqa: E402
+from workers.config import DTYPES  # noqa: E402
+
+
+def synthetic_requests(n: int, vocab: int, mean_in: int, mean_out: int, max_in: int, max_out: int, seed: int):
+    rng = np.random.default_rng(seed)
+    # Log-normal lengths, sigma as in ShareGPT's long tail; the median is set so the mean is as asked.
+    ins = np.clip(rng.lognormal(np.log(mean_in) - 0.5 * 0.9**2, 0.9, n), 4, max_in).astype(int)
+    outs = np.clip(rng.lognormal(np.log(mean_out) - 0.5 * 0.8**2, 0.8, n), 4, max_out).astype(int)
+    low = min(16, vocab // 4)  # keep clear of the special tokens at the start of most vocabularies
+    prompts = [rng.integers(low, vocab, size=k).tolist() for k in ins]
+    return prompts, outs.tolist()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_tandem(args, prompts, out_lens) -> dict:
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              show_progress=False, **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
+    params = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in out_lens]
+    llm.generate(prompts[:2], params[:2])  # warm-up (allocator, kernels)
+    sync(args.device)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    sync(args.device)
+    dt = time.perf_counter() - t0
+    n_out = sum(len(o.token_ids) for o in outs)
+    assert n_out == sum(out_lens), "Tandem produced a different number of tokens than requested"
+    return {"seconds": dt, "output_tokens": n_out, "preemptions": llm.engine.scheduler.num_preemptions}
+
+
+def run_hf(args, prompts, out_lens) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = DTYPES.get(args.dtype, torch.float32) if args.dtype != "auto" else (torch.float32 if args.device == "cpu" else torch.bfloat16)
+    if args.load_format == "dummy":
+        cfg = AutoConfig.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    model = model.to(args.device).eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # fair to HF: similar lengths batched
+    n_out = 0
+    sync(args.device)
+    t0 = time.perf_counter()
+    for b in range(0, len(order), args.hf_batch_size):
+        idx = order[b : b + args.hf_batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(idx):
+            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]):] = 1
+        new = max(out_lens[i] for i in idx)
+        with torch.inference_mode():
+            model.generate(input_ids=ids.to(args.device), attention_mask=mask.to(args.device), max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=pad)
+        n_out += sum(out_lens[i] for i in idx)
+    sync(args.device)
+    return {"seconds": time.perf_counter() - t0, "output_tokens": n_out, "batch_size": args.hf_batch_size}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--mean-input", type=int, default=128)
+    p.add_argument("--mean-output", type=int, default=64)
+    p.add_argument("--max-input", type=int, default=512)
+    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--out", default="bench_results/bench_offline.json")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    prompts, out_lens = synthetic_requests(args.num_requests, vocab, args.mean_input, args.mean_output,
+                                           args.max_input, args.max_output, args.seed)
+    n_in = sum(len(x) for x in prompts)
+    results = {"tandem": run_tandem(args, prompts, out_lens)}
+    if not args.skip_hf:
+        results["hf"] = run_hf(args, prompts, out_lens)
+    for r in results.values():
+        r["output_tok_per_s"] = r["output_tokens"] / r["seconds"]
+        r["total_tok_per_s"] = (r["output_tokens"] + n_in) / r["seconds"]
+    report = {
+        "benchmark": "offline",
+        "model": os.path.basename(os.path.normpath(args.model)),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "dtype": args.dtype,
+        "num_requests": args.num_requests,
+        "input_tokens": n_in,
+        "output_tokens": sum(out_lens),
+        "args": vars(args),
+        "results": results,
+    }
+    if "hf" in results:
+        report["speedup_total_tok_per_s"] = results["tandem"]["total_tok_per_s"] / results["hf"]["total_tok_per_s"]
+    print(f"{'engine':8} {'seconds':>9} {'out tok/s':>10} {'total tok/s':>12}")
+    for name, r in results.items():
+        print(f"{name:8} {r['seconds']:9.2f} {r['output_tok_per_s']:10.1f} {r['total_tok_per_s']:12.1f}")
+    if "speedup_total_tok_per_s" in report:
+        print(f"speedup (total tok/s): {report['speedup_total_tok_per_s']:.2f}x")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

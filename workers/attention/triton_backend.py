@@ -1,0 +1,26 @@
+"""Triton paged-attention backend (CUDA): KV write by slot mapping, split-K decode, varlen prefill.
+
+Decode-only steps use the flash-decoding kernel (GQA-aware, one program per KV head group and
+context slice); steps with any prefill chunk use the varlen causal kernel for every sequence (a
+decode row is a query of length 1 there). Nothing here syncs with the device or reads the device
+tensors on the host, so decode steps can be captured in CUDA graphs (`workers/cuda_graphs.py`).
+The torch backend (`torch_backend.py`) is the reference these kernels are tested against.
+"""
+from __future__ import annotations
+
+import torch
+
+from workers.attention.backend import AttentionMetadata
+from workers.kernels.paged_attention import decode_attention, prefill_attention, write_kv
+
+
+class TritonAttention:
+    name = "triton"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        if meta.decode_only:
+            return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len)
+        return prefill_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                 meta.max_query_len, scale)

@@ -1,0 +1,133 @@
+"""CUDA graphs for decode steps: one graph per batch size of a ladder, captured once at start-up.
+
+A decode step (every sequence runs one token) at batch B replays the graph of the smallest captured
+size >= B; rows past B are padding (slot -1: their K/V is not written; seq_len 0: attention reads
+nothing). All per-step inputs live in one int64 device buffer that the graphs read from fixed
+addresses; a step fills a pinned host mirror of it and copies it over with two non-blocking copies,
+so a replay costs a few host microseconds whatever the model's depth.
+
+Only the model's forward (embedding to final norm) is captured; the LM head and the sampler run
+eagerly on the B real rows. Needs an attention backend that never syncs or reads device tensors on
+the host (the Triton one) and a model with no host syncs (the MoE expert loop has one; the fused
+MoE kernel has none).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from workers.attention import AttentionMetadata, forward_context
+from workers.scheduler_output import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+def batch_size_ladder(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 64, then every 16 (vLLM's ladder), capped at max_batch."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 1025, 16))
+    out = [s for s in sizes if s < max_batch] + [max_batch]
+    return sorted(set(out))
+
+
+class DecodeGraphs:
+    def __init__(self, runner, batch_sizes: list[int]):
+        self.runner = runner
+        self.device = runner.device
+        self.block_size = runner.block_size
+        self.max_blocks = -(-runner.max_model_len // self.block_size)
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_bs = n = self.batch_sizes[-1]
+        # [tokens | positions | slots | seq_lens | query_start (n+1) | block_tables (n * max_blocks)]
+        self._small = 5 * n + 1
+        total = self._small + n * self.max_blocks
+        self.host = torch.zeros(total, dtype=torch.int64, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.buf = torch.zeros(total, dtype=torch.int64, device=self.device)
+        self.token_ids = self.buf[0:n]
+        self.positions = self.buf[n:2 * n]
+        self.slots = self.buf[2 * n:3 * n]
+        self.seq_lens = self.buf[3 * n:4 * n]
+        self.query_start = self.buf[4 * n:5 * n + 1]
+        self.block_tables = self.buf[self._small:].view(n, self.max_blocks)
+        self.host_np[2 * n:3 * n] = -1
+        self.host_np[4 * n:5 * n + 1] = np.arange(n + 1)
+        self.buf.copy_(self.host)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._capture()
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        L = self.runner.max_model_len
+        return AttentionMetadata(
+            slot_mapping=self.slots[:bs], query_start_loc=self.query_start[:bs + 1], seq_lens=self.seq_lens[:bs],
+            block_tables=self.block_tables[:bs], query_lens_cpu=[1] * bs, seq_lens_cpu=[L] * bs,
+            max_query_len=1, max_seq_len=L)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        t0 = time.perf_counter()
+        model = self.runner.model
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its pool
+                meta = self._meta(bs)
+                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
+                    with forward_context(meta):
+                        model(self.token_ids[:bs], self.positions[:bs])
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    with forward_context(meta):
+                        hidden, _ = model(self.token_ids[:bs], self.positions[:bs])
+                self.graphs[bs], self.outputs[bs] = g, hidden
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.graphs), self.batch_sizes[0],
+                 self.max_bs, time.perf_counter() - t0)
+
+    def can_run(self, out: SchedulerOutput) -> bool:
+        seqs = out.seqs
+        return (0 < len(seqs) <= self.max_bs and all(len(s.token_ids) == 1 and s.sample for s in seqs)
+                and all(len(s.block_table) <= self.max_blocks for s in seqs))
+
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        """Replay the decode step; returns the final hidden states of the B real rows [B, hidden]."""
+        seqs = out.seqs
+        b = len(seqs)
+        bs = next(s for s in self.batch_sizes if s >= b)
+        n, h, page, mb = self.max_bs, self.host_np, self.block_size, self.max_blocks
+        pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=b)
+        h[0:b] = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64, count=b)
+        h[n:n + b] = pos
+        h[2 * n:2 * n + b] = [s.block_table[p // page] * page + p % page for s, p in zip(seqs, pos.tolist())]
+        h[2 * n + b:2 * n + bs] = -1
+        h[3 * n:3 * n + b] = pos + 1
+        h[3 * n + b:3 * n + bs] = 0
+        tables = h[self._small:self._small + bs * mb].reshape(bs, mb)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = s.block_table
+        self.buf[:self._small].copy_(self.host[:self._small], non_blocking=True)
+        self.buf[self._small:self._small + bs * mb].copy_(self.host[self._small:self._small + bs * mb], non_blocking=True)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:b]
+
+
+def maybe_capture(runner) -> DecodeGraphs | None:
+    """Capture decode graphs when the runner is on CUDA, eager mode is off and the model is graph-safe."""
+    if runner.device.type != "cuda" or getattr(runner.config.model, "enforce_eager", False):
+        return None
+    if getattr(runner.backend, "name", "") != "triton":
+        log.info("CUDA graphs off: attention backend %r syncs with the host", getattr(runner.backend, "name", "?"))
+        return None
+    from workers.models.moe import Experts
+
+    for m in runner.model.modules():
+        if isinstance(m, Experts) and not getattr(m, "graph_safe", False):
+            log.info("CUDA graphs off: the MoE expert loop syncs with the host (fused MoE unavailable)")
+            return None
+    max_bs = min(runner.config.scheduler.max_num_seqs, 512)
+    return DecodeGraphs(runner, batch_size_ladder(max_bs))

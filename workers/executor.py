@@ -1,0 +1,56 @@
+"""Executors run a step's `SchedulerOutput` on every rank of one replica and return its tokens.
+
+The engine only sees this interface: `UniprocExecutor` runs the one `ModelRunner` in-process;
+`cluster.ray_executor.RayExecutor` runs one runner per rank in Ray actors (TP/PP/SP layouts).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from workers.config import EngineConfig
+from workers.model_runner import ModelRunner
+from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+class ExecutorError(RuntimeError):
+    """A rank died, raised, or stopped answering; the executor is unusable afterwards."""
+
+
+class Executor(ABC):
+    num_blocks: int  # KV blocks every rank can hold: the scheduler's block ids are valid on all of them
+
+    @abstractmethod
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank; the sampled tokens of the sequences with `sample=True`."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the ranks and their memory. Safe to call more than once."""
+
+
+class UniprocExecutor(Executor):
+    """One rank, in this process: no process groups, no communication."""
+
+    def __init__(self, config: EngineConfig, hf_config, max_model_len: int, eos_token_ids: list[int], show_progress: bool = True):
+        self.runner: ModelRunner | None = ModelRunner(config, hf_config, max_model_len, eos_token_ids, show_progress)
+        self.num_blocks = self.runner.num_blocks
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if self.runner is None:
+            raise ExecutorError("the executor was shut down")
+        return self.runner.execute(out)
+
+    def shutdown(self) -> None:
+        # Dropping the runner frees the weights and the KV cache (nothing else holds them).
+        self.runner = None
+
+
+def make_executor(config: EngineConfig, hf_config, max_model_len: int, eos_token_ids: list[int],
+                  show_progress: bool = True) -> Executor:
+    """A single-process executor for one rank, Ray actors for more."""
+    if config.parallel.world_size == 1:
+        return UniprocExecutor(config, hf_config, max_model_len, eos_token_ids, show_progress)
+    # Imported here so the single-process path never imports Ray.
+    from cluster.ray_executor import RayExecutor
+
+    return RayExecutor(config, hf_config, max_model_len, eos_token_ids, show_progress)

@@ -1,0 +1,133 @@
+"""Fused elementwise kernels for the CUDA path: RMSNorm (+ residual add), SiLU-and-mul, RoPE.
+
+Each reproduces the PyTorch reference in `workers/models/layers.py` rounding step for rounding step
+(bf16/fp16 results of every intermediate op are rounded to the model dtype exactly where PyTorch
+rounds them), so the fused path gives the same bits as the unfused one; the win is one kernel
+(one pass over memory) instead of 5-10 small ones per call, which dominates batch-1 decode.
+The CPU path never calls these.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+# ---------------------------------------------------------------- RMSNorm
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, eps,
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # x + residual in the model dtype
+        tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, 0) / N
+    h = (h * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)  # h.to(dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y = (w.to(tl.float32) * h.to(tl.float32)).to(out_ptr.dtype.element_ty)  # weight * h
+    tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Same contract as layers.RMSNorm.forward: norm(x), or (norm(x + residual), x + residual)."""
+    shape = x.shape
+    n = shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
+    block = triton.next_power_of_2(n)
+    warps = 4 if block <= 1024 else 8
+    if residual is None:
+        if rows:
+            _rms_norm_kernel[(rows,)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, eps,
+                                      N=n, BLOCK=block, HAS_RES=False, num_warps=warps)
+        return out.view(shape)
+    r2 = residual.reshape(-1, n)
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    res_out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows:
+        _rms_norm_kernel[(rows,)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
+                                  res_out.stride(0), eps, N=n, BLOCK=block, HAS_RES=True, num_warps=warps)
+    return out.view(shape), res_out.view(shape)
+
+
+# ---------------------------------------------------------------- SiLU and mul
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + N + offs, mask=mask, other=0.0)
+    s = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # F.silu, rounded to the dtype
+    y = (s.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    n = gate_up.shape[-1] // 2
+    x2 = gate_up.reshape(-1, 2 * n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(2048, triton.next_power_of_2(n))
+    if x2.shape[0]:
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), out.stride(0), N=n,
+                                                                   BLOCK=block, num_warps=4)
+    return out.view(*gate_up.shape[:-1], n)
+
+
+# ---------------------------------------------------------------- RoPE (neox / rotate-half)
+
+@triton.jit
+def _rope_kernel(x_ptr, out_ptr, pos_ptr, cos_sin_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_cp,
+                 H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    HALF: tl.constexpr = D // 2
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, HALF)
+    mask = offs_h[:, None] < H
+    # table [P, 2, D] fp32, cos then sin; both halves of a row hold the same values (cat(freqs, freqs))
+    cs = cos_sin_ptr + pos * stride_cp
+    dt = x_ptr.dtype.element_ty
+    c1 = tl.load(cs + offs_d).to(dt).to(tl.float32)
+    c2 = tl.load(cs + HALF + offs_d).to(dt).to(tl.float32)
+    s1 = tl.load(cs + D + offs_d).to(dt).to(tl.float32)
+    s2 = tl.load(cs + D + HALF + offs_d).to(dt).to(tl.float32)
+    base = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh
+    x1 = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    # x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype as PyTorch does
+    o1 = ((x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)).to(dt)
+    obase = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh
+    tl.store(obase + offs_d[None, :], o1, mask=mask)
+    tl.store(obase + HALF + offs_d[None, :], o2, mask=mask)
+
+
+def _rope_one(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    t, h, d = x.shape
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
+    if t:
+        _rope_kernel[(t,)](x, out, positions, cos_sin, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+                           cos_sin.stride(0), H=h, H_PAD=triton.next_power_of_2(h), D=d, num_warps=4)
+    return out
+
+
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
+    """q [T, Hq, D], k [T, Hkv, D], cos_sin [P, 2, D] fp32 contiguous -> rotated (q, k), new tensors."""
+    return _rope_one(q, positions, cos_sin), _rope_one(k, positions, cos_sin)

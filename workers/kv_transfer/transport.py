@@ -1,0 +1,150 @@
+"""Point-to-point KV transport between the ranks of a prefill replica and a decode replica.
+
+Each pair of replicas gets its own standalone process group (not the replica's TP/PP groups):
+prefill ranks are pair-ranks 0..p-1, decode ranks p..p+d-1. It is built lazily on first use, through
+a TCPStore that prefill rank 0 hosts on a port the OS picks (the address travels through Ray, so no
+fixed ports), and cached until a transfer fails, after which it is rebuilt.
+
+NCCL on GPUs, gloo on CPU: the same code, so CI exercises it with gloo. We do not use Ray's own
+GPU tensor transport (RDT): it is alpha, and its NCCL path needs CuPy, which our GPU hosts lack.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from workers.kv_transfer.blocks import gather_blocks, scatter_blocks, transfer_shape
+from workers.kv_transfer.plan import RankShard, Transfer
+
+log = logging.getLogger(__name__)
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed or timed out; the pair's group is dropped and rebuilt on next use."""
+
+
+@dataclass
+class PairSpec:
+    pair_id: str  # e.g. "prefill-replica-a->decode-replica-b"
+    num_prefill_ranks: int
+    num_decode_ranks: int
+
+    @property
+    def size(self) -> int:
+        return self.num_prefill_ranks + self.num_decode_ranks
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+class KVTransferAgent:
+    """Lives in every rank process of a pool replica, next to the model runner's KV cache."""
+
+    def __init__(self, kv_cache: torch.Tensor, shard: RankShard, role: str, timeout_s: float = 60.0):
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', not {role!r}")
+        self.kv_cache = kv_cache  # [L_local, 2, num_blocks, block_size, H_local, D]
+        self.shard = shard
+        self.role = role
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._stores: dict[str, dist.TCPStore] = {}
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    # ---- group set-up (called through Ray by the pool that drives the handoff) ----
+    def open_store(self, pair_id: str) -> tuple[str, int]:
+        """Prefill rank 0 only: host the pair's rendezvous store; returns its address."""
+        store = dist.TCPStore(_node_ip(), 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
+        self._stores[pair_id] = store
+        return _node_ip(), store.port
+
+    def join(self, spec: PairSpec, host: str, port: int) -> None:
+        """Every rank of both replicas calls this concurrently; returns when the group is connected."""
+        if spec.pair_id in self._groups:
+            return
+        pair_rank = self.shard.rank if self.role == "prefill" else spec.num_prefill_ranks + self.shard.rank
+        store = self._stores.get(spec.pair_id) or dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
+        self._stores[spec.pair_id] = store
+        prefixed = dist.PrefixStore(spec.pair_id, store)
+        if self.kv_cache.is_cuda:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            group = dist.ProcessGroupNCCL(prefixed, pair_rank, spec.size, opts)
+        else:
+            group = dist.ProcessGroupGloo(prefixed, pair_rank, spec.size, self.timeout)
+        self._groups[spec.pair_id] = group
+
+    def has_group(self, pair_id: str) -> bool:
+        return pair_id in self._groups
+
+    def drop(self, pair_id: str) -> None:
+        self._groups.pop(pair_id, None)
+        self._stores.pop(pair_id, None)
+
+    # ---- one handoff ----
+    def send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_ids: list[int]) -> int:
+        """Prefill side: send this rank's part of the plan for the given blocks. Returns bytes sent."""
+        group = self._group(spec.pair_id)
+        works, sent = [], 0
+        for tag, t in enumerate(plan):
+            if t.src != self.shard.rank:
+                continue
+            src_layers, src_heads, _, _ = t.local_slices(self.shard, dst_shards[t.dst])
+            buf = gather_blocks(self.kv_cache, block_ids, src_layers, src_heads)
+            works.append((group.send([buf], spec.num_prefill_ranks + t.dst, tag), buf))
+            sent += buf.numel() * buf.element_size()
+        self._wait(spec.pair_id, [w for w, _ in works])
+        self.bytes_sent += sent
+        return sent
+
+    def recv(self, spec: PairSpec, plan: list[Transfer], src_shards: dict[int, RankShard], block_ids: list[int]) -> int:
+        """Decode side: receive this rank's part of the plan into the given blocks. Returns bytes received."""
+        group = self._group(spec.pair_id)
+        pending = []
+        for tag, t in enumerate(plan):
+            if t.dst != self.shard.rank:
+                continue
+            _, _, dst_layers, dst_heads = t.local_slices(src_shards[t.src], self.shard)
+            buf = torch.empty(transfer_shape(self.kv_cache, len(block_ids), dst_layers, dst_heads),
+                              dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+            pending.append((group.recv([buf], t.src, tag), buf, dst_layers, dst_heads))
+        self._wait(spec.pair_id, [w for w, *_ in pending])
+        received = 0
+        for _, buf, layers, heads in pending:
+            scatter_blocks(self.kv_cache, block_ids, layers, heads, buf)
+            received += buf.numel() * buf.element_size()
+        self.bytes_received += received
+        return received
+
+    def _group(self, pair_id: str) -> dist.ProcessGroup:
+        group = self._groups.get(pair_id)
+        if group is None:
+            raise KVTransferError(f"no transfer group for {pair_id}: join() first")
+        return group
+
+    def _wait(self, pair_id: str, works: list) -> None:
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        try:
+            for w in works:
+                left = max(0.001, deadline - time.monotonic())
+                w.wait(datetime.timedelta(seconds=left))
+            if self.kv_cache.is_cuda:
+                torch.cuda.current_stream().synchronize()
+        except Exception as e:  # noqa: BLE001 - any transport failure leaves the group unusable
+            self.drop(pair_id)
+            raise KVTransferError(f"KV transfer on {pair_id} failed ({self.role} rank {self.shard.rank}): {e}") from e
