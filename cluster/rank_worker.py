@@ -34,3 +34,12 @@ class RankWorker:
         result = self.runner.execute(out)
         # Only the output rank's answer is read; the others send nothing back.
         return result if self.runner.is_output_rank else None
+
+    def kv_setup(self, role: str) -> None:
+        from workers.kv_transfer.transport import KVTransferAgent
+
+        self.kv_agent = KVTransferAgent(self.runner.kv_cache, self.runner.kv_shard(self.rank), role)
+
+    def kv(self, method: str, *args):
+        """KV transfers and their waits run on other actor threads, beside the steps (max_concurrency > 1)."""
+        return getattr(self.kv_agent, method)(*args)

@@ -53,7 +53,7 @@ class RayExecutor(Executor):
             resources = {"num_gpus": 1, "num_cpus": 0} if use_cuda else {"num_cpus": 1}
             self.workers = [
                 actor.options(**resources, scheduling_strategy=self.placement.strategy(r), runtime_env=rank_runtime_env(),
-                              max_restarts=0).remote(r)
+                              max_restarts=0, max_concurrency=16).remote(r)
                 for r in range(self.world_size)
             ]
             address, port = self._collect({0: self.workers[0].rendezvous_address.remote()}, init_timeout_s, "rendezvous")[0]
@@ -79,6 +79,24 @@ class RayExecutor(Executor):
         ref = ray.put(out)  # one copy in the object store, read by every rank
         results = self._collect({r: w.execute.remote(ref) for r, w in enumerate(self.workers)}, self.step_timeout_s, "step")
         return results[self.output_rank]
+
+    def kv_setup(self, role: str) -> None:
+        self._collect({r: w.kv_setup.remote(role) for r, w in enumerate(self.workers)}, self.step_timeout_s, "KV agent set-up")
+
+    def kv_call(self, method: str, *args, ranks: list[int] | None = None) -> list:
+        from workers.kv_transfer.transport import KVTransferError
+
+        ranks = list(range(self.world_size)) if ranks is None else ranks
+        refs = {r: self.workers[r].kv.remote(method, *args) for r in ranks}
+        try:
+            results = [ray.get(refs[r], timeout=self.step_timeout_s) for r in ranks]
+        except RayTaskError as e:  # the transfer failed on that rank: the ranks themselves are fine
+            raise KVTransferError(str(e.cause)) from e
+        except GetTimeoutError as e:
+            raise KVTransferError(f"KV {method} did not finish within {self.step_timeout_s:.0f}s") from e
+        except RayActorError as e:
+            self._fail(f"KV {method}: a rank died ({type(e).__name__}: {e})", e)
+        return results
 
     def _collect(self, refs: dict[int, ray.ObjectRef], timeout_s: float, what: str) -> dict:
         """Results by rank. Fails fast: the first rank to die or raise ends the wait."""

@@ -1,11 +1,17 @@
 """The shape of one replica's rank grid. Lives here so `parallel/` depends on nothing in `workers/`."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class ParallelConfig(BaseModel):
-    """world_size = pp * sp * tp. Experts are spread (EP) over the TP x SP ranks of a pipeline stage."""
+    """world_size = pp * sp * tp. Experts are spread (EP) over the TP x SP ranks of a pipeline stage.
+
+    EP adds no ranks: expert_parallel_size is 1 or tp * sp. Given alone, expert_parallel_size=N means
+    tensor_parallel_size=N (attention tensor-parallel over the N ranks, whole experts spread over them).
+    """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -13,6 +19,26 @@ class ParallelConfig(BaseModel):
     pipeline_parallel_size: int = Field(default=1, ge=1)
     sequence_parallel_size: int = Field(default=1, ge=1)
     expert_parallel_size: int = Field(default=1, ge=1)
+    distributed_executor_backend: Literal["auto", "ray", "uniproc"] = Field(
+        default="auto", description="auto: in-process for one rank, Ray actors for more. Pools always use ray.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ep_alone_implies_tp(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (data.get("expert_parallel_size") or 1) > 1 \
+                and data.get("tensor_parallel_size") is None and data.get("sequence_parallel_size") is None:
+            data = {**data, "tensor_parallel_size": data["expert_parallel_size"]}
+        return data
+
+    @model_validator(mode="after")
+    def _ep_spans_a_stage(self) -> "ParallelConfig":
+        ep, stage = self.expert_parallel_size, self.tensor_parallel_size * self.sequence_parallel_size
+        if ep not in (1, stage):
+            raise ValueError(
+                f"expert_parallel_size ({ep}) must be 1 or tensor_parallel_size * sequence_parallel_size ({stage}): "
+                "experts are spread over all the ranks of a pipeline stage"
+            )
+        return self
 
     @property
     def world_size(self) -> int:

@@ -83,9 +83,10 @@ def init_groups(config: ParallelConfig) -> None:
     tp_groups = [grid[p][s] for p in range(pp_n) for s in range(sp_n)]
     sp_groups = [[grid[p][s][t] for s in range(sp_n)] for p in range(pp_n) for t in range(tp_n)]
     pp_groups = [[grid[p][s][t] for p in range(pp_n)] for s in range(sp_n) for t in range(tp_n)]
-    # Experts are spread over all ranks of a pipeline stage (its TP x SP ranks).
-    ep_groups = [[r for s in range(sp_n) for r in grid[p][s]] for p in range(pp_n)]
-    found: dict[str, Group] = {}
+    # With EP, experts are spread over all ranks of a pipeline stage (its TP x SP ranks). Without it
+    # the EP group is the trivial one, so `ep_group().size > 1` is exactly "experts are spread".
+    ep_groups = [[r for s in range(sp_n) for r in grid[p][s]] for p in range(pp_n)] if config.expert_parallel_size > 1 else []
+    found: dict[str, Group] = {"ep": Group(ranks=[me])}
     for name, groups in (("tp", tp_groups), ("sp", sp_groups), ("pp", pp_groups), ("ep", ep_groups)):
         for ranks in groups:
             g = _new_group(ranks, me, backend)

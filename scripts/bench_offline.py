@@ -9,6 +9,10 @@ longest request is done — only the requested tokens are counted for either sid
     python scripts/bench_offline.py                                  # shipped tiny model on CPU
     python scripts/bench_offline.py --model M --device cuda --dtype bfloat16 --num-requests 1000
     python scripts/bench_offline.py --model CONFIG_DIR --load-format dummy --device cuda   # real shapes, random weights
+    python scripts/bench_offline.py --shape llama-3.1-8b --device cuda --dtype bfloat16 --num-requests 1000 \
+        --hf-num-requests 128      # writes a dummy-weight folder of the real shapes (scripts/model_shapes.py)
+On CUDA, HF runs on --hf-num-requests of the same requests (the first ones; all by default) and the
+two engines are compared by tokens per second.
 Prints a table and writes JSON (--out).
 """
 from __future__ import annotations
@@ -31,6 +35,12 @@ from workers.cli import DEFAULT_MODEL  # noqa: E402
 from workers.config import DTYPES  # noqa: E402
 
 
+def _runner(llm):
+    """The in-process model runner (single-rank executor)."""
+    eng = llm.engine
+    return getattr(eng, "runner", None) or eng.executor.runner
+
+
 def synthetic_requests(n: int, vocab: int, mean_in: int, mean_out: int, max_in: int, max_out: int, seed: int):
     rng = np.random.default_rng(seed)
     # Log-normal lengths, sigma as in ShareGPT's long tail; the median is set so the mean is as asked.
@@ -47,9 +57,13 @@ def sync(device: str) -> None:
 
 
 def run_tandem(args, prompts, out_lens) -> dict:
+    extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    if args.device.startswith("cuda"):
+        extra.update(attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                     gpu_memory_utilization=args.gpu_memory_utilization)
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              show_progress=False, **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
+              show_progress=False, **extra)
     params = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in out_lens]
     llm.generate(prompts[:2], params[:2])  # warm-up (allocator, kernels)
     sync(args.device)
@@ -59,7 +73,17 @@ def run_tandem(args, prompts, out_lens) -> dict:
     dt = time.perf_counter() - t0
     n_out = sum(len(o.token_ids) for o in outs)
     assert n_out == sum(out_lens), "Tandem produced a different number of tokens than requested"
-    return {"seconds": dt, "output_tokens": n_out, "preemptions": llm.engine.scheduler.num_preemptions}
+    result = {"seconds": dt, "output_tokens": n_out, "preemptions": llm.engine.scheduler.num_preemptions,
+              "num_kv_blocks": _runner(llm).num_blocks,
+              "cuda_graphs": getattr(_runner(llm), "cuda_graphs", None) is not None}
+    llm.engine.shutdown()
+    del llm, outs
+    if args.device.startswith("cuda"):  # free the weights and KV cache before HF loads its copy
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    return result
 
 
 def run_hf(args, prompts, out_lens) -> dict:
@@ -68,7 +92,8 @@ def run_hf(args, prompts, out_lens) -> dict:
     dtype = DTYPES.get(args.dtype, torch.float32) if args.dtype != "auto" else (torch.float32 if args.device == "cpu" else torch.bfloat16)
     if args.load_format == "dummy":
         cfg = AutoConfig.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        with torch.device(args.device):  # random init where it runs: an 8B model is slow to init on CPU
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     model = model.to(args.device).eval()
@@ -97,6 +122,7 @@ def run_hf(args, prompts, out_lens) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--shape", default=None, help="a name in scripts/model_shapes.py: real shapes, dummy weights")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
@@ -110,6 +136,10 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--hf-num-requests", type=int, default=None, help="HF runs only the first N requests (default all)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default="bench_results/bench_offline.json")
@@ -119,16 +149,27 @@ def main() -> None:
 
     from transformers import AutoConfig
 
+    if args.shape:
+        import tempfile
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from model_shapes import write_model_folder
+
+        args.model = write_model_folder(args.shape, os.path.join(tempfile.mkdtemp(), args.shape))
+        args.load_format = "dummy"
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
     prompts, out_lens = synthetic_requests(args.num_requests, vocab, args.mean_input, args.mean_output,
                                            args.max_input, args.max_output, args.seed)
     n_in = sum(len(x) for x in prompts)
     results = {"tandem": run_tandem(args, prompts, out_lens)}
     if not args.skip_hf:
-        results["hf"] = run_hf(args, prompts, out_lens)
+        k = args.hf_num_requests or len(prompts)
+        results["hf"] = run_hf(args, prompts[:k], out_lens[:k])
+        results["hf"]["num_requests"] = k
+        results["hf"]["input_tokens"] = sum(len(x) for x in prompts[:k])
     for r in results.values():
         r["output_tok_per_s"] = r["output_tokens"] / r["seconds"]
-        r["total_tok_per_s"] = (r["output_tokens"] + n_in) / r["seconds"]
+        r["total_tok_per_s"] = (r["output_tokens"] + r.get("input_tokens", n_in)) / r["seconds"]
     report = {
         "benchmark": "offline",
         "model": os.path.basename(os.path.normpath(args.model)),

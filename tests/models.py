@@ -243,3 +243,58 @@ def prompts_of_lengths(lengths: list[int], vocab_size: int, seed: int = 0, low: 
     """Random token-id prompts (ids >= `low`, skipping the special tokens) of the given lengths."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(low, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+# ---------------------------------------------------------------- references and checks
+
+
+_hf_models: dict[str, torch.nn.Module] = {}
+_hf_results: dict[tuple, tuple[list[int], torch.Tensor]] = {}
+
+
+def hf_greedy(path: str, prompt: list[int], max_new_tokens: int, *, ignore_eos: bool = True, min_new_tokens: int = 0,
+              eos_token_id: int | list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens of Hugging Face `generate(do_sample=False)` for one prompt, and the log-softmax of
+    the raw logits at each step ([n, vocab], float32). Memoised per process.
+
+    ignore_eos: HF has no such switch, so when it stops at EOS the generation is continued from the
+    sequence so far (greedy decoding depends only on the prefix, so this is what ignoring EOS means).
+    """
+    key = (path, tuple(prompt), max_new_tokens, ignore_eos, min_new_tokens, repr(eos_token_id))
+    if key in _hf_results:
+        return _hf_results[key]
+    if path not in _hf_models:
+        _hf_models[path] = load_hf(path)
+    model = _hf_models[path]
+    eos = eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id
+    eos_set = {eos} if isinstance(eos, int) else set(eos or [])
+    seq, out, logits = list(prompt), [], []
+    with torch.no_grad():
+        while len(out) < max_new_tokens:
+            want = max_new_tokens - len(out)
+            kw = dict(do_sample=False, max_new_tokens=want, output_logits=True, return_dict_in_generate=True,
+                      pad_token_id=model.generation_config.pad_token_id, eos_token_id=eos)
+            if min_new_tokens > len(out):
+                kw["min_new_tokens"] = min_new_tokens - len(out)
+            ids = torch.tensor([seq])
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            new = g.sequences[0, len(seq):].tolist()
+            logits += [step[0].float() for step in g.logits]
+            out += new
+            seq += new
+            if not ignore_eos and new and new[-1] in eos_set:
+                break
+    result = (out, torch.log_softmax(torch.stack(logits), dim=-1))
+    _hf_results[key] = result
+    return result
+
+
+def assert_engine_clean(llm) -> None:
+    """After every request finished or was aborted: nothing queued, no block owned, invariants hold."""
+    engine = getattr(llm, "engine", llm)
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert not engine.has_unfinished_requests(), f"requests left: {list(engine.requests)}"
+    assert not engine.scheduler.has_work and not engine.scheduler.seqs
+    assert bm.num_used_blocks == 0, f"{bm.num_used_blocks} KV blocks still owned"
+    assert all(b.ref_count == 0 for b in bm.blocks)

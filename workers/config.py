@@ -73,6 +73,8 @@ class CacheConfig(_Strict):
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     cpu_kv_cache_bytes: int = Field(default=1 << 30, gt=0, description="KV budget per rank on CPU.")
     num_blocks: int | None = Field(default=None, gt=0, description="Override the budget: exact block count.")
+    kv_lease_seconds: float = Field(default=60.0, gt=0, description="Disaggregation: how long KV is held for / reserved "
+                                    "awaiting the peer pool before it is freed.")
 
 
 class SchedulerConfig(_Strict):

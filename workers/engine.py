@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 from transformers import AutoTokenizer, GenerationConfig
 
@@ -43,12 +44,19 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+    def snapshot(self) -> "RequestOutput":
+        """A copy safe to hand to another task or process while the engine keeps updating this one."""
+        return replace(self, token_ids=list(self.token_ids), new_token_ids=list(self.new_token_ids),
+                       logprobs=list(self.logprobs) if self.logprobs is not None else None)
+
+
 @dataclass
 class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer
     output: RequestOutput
     streamed_chars: int = 0
+    handoff: bool = False  # prefill pool: stop after the first token and hold the KV for the decode pool
 
 
 class LLMEngine:
@@ -110,8 +118,23 @@ class LLMEngine:
             raise ValueError("prompt must be a string or a list of token ids (ints)")
         return list(prompt)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0,
+                    handoff: bool = False) -> None:
+        """Queue a request. With handoff=True (prefill pool) it stops after its first token and its KV
+        blocks are held for the decode pool until `release` or the KV lease runs out."""
         params = params or SamplingParams()
+        token_ids = self._validated_prompt(request_id, prompt)
+        seq = Sequence(request_id, token_ids, params, priority=priority)
+        self.scheduler.add(seq)
+        self.requests[request_id] = self._new_request(seq, handoff)
+
+    def _new_request(self, seq: Sequence, handoff: bool = False) -> _Request:
+        params = seq.sampling_params
+        out = RequestOutput(seq.seq_id, seq.prompt_token_ids, logprobs=[] if params.logprobs is not None else None)
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
+        return _Request(seq, detok, out, handoff=handoff)
+
+    def _validated_prompt(self, request_id: str, prompt: str | list[int]) -> list[int]:
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError(f"request {request_id}: the prompt is empty")
@@ -123,18 +146,56 @@ class LLMEngine:
                              "leaves no room for output")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, token_ids, params, priority=priority)
-        self.scheduler.add(seq)
-        out = RequestOutput(request_id, list(token_ids), logprobs=[] if params.logprobs is not None else None)
-        self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens), out)
+        return token_ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request in any state (queued, running, holding or awaiting KV) and free its blocks."""
         req = self.requests.pop(request_id, None)
+        self.scheduler.abort(request_id)
         if req is None:
             return None
-        self.scheduler.abort(request_id)
         req.output.finish_reason = "abort"
         return req.output
+
+    # ---- disaggregation (see docs/architecture.md, "Prefill/decode handoff") ----
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """Prefill side: the blocks holding a handed-off prompt's KV."""
+        entry = self.scheduler.held.get(request_id)
+        if entry is None:
+            raise KeyError(f"request {request_id} holds no KV (released, expired or never prefilled here)")
+        return list(entry[0].block_table)
+
+    def release(self, request_id: str) -> bool:
+        """Prefill side: the KV was delivered (or given up on): free the held blocks."""
+        return self.scheduler.release(request_id)
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> tuple[list[int], int] | None:
+        """Decode side: blocks for an incoming prompt's KV. Returns (block ids, number of leading blocks
+        already cached here, which need not be sent), or None when this replica is full."""
+        token_ids = self._validated_prompt(request_id, prompt_token_ids)
+        seq = Sequence(request_id, token_ids, params, priority=priority)
+        if not self.scheduler.reserve(seq, time.monotonic() + self.config.cache.kv_lease_seconds):
+            return None
+        return list(seq.block_table), seq.num_cached_tokens // self.config.cache.block_size
+
+    def start(self, request_id: str, first: SampledToken) -> RequestOutput:
+        """Decode side: the KV has arrived; continue the request from its first sampled token."""
+        if request_id not in self.scheduler.reserved:
+            raise KeyError(f"request {request_id} has no reservation here (cancelled or expired)")
+        seq = self.scheduler.activate(request_id, first.token_id)
+        req = self._new_request(seq)
+        self.requests[request_id] = req
+        return self._on_token(req, first)
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        return self.scheduler.cancel_reservation(request_id)
+
+    def expire_leases(self) -> list[str]:
+        """Free KV held or reserved past its lease (the peer pool vanished or gave up)."""
+        expired = self.scheduler.expire(time.monotonic())
+        if expired:
+            log.warning("freed the KV leases of %d requests whose peer never came: %s", len(expired), expired[:5])
+        return expired
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -179,9 +240,14 @@ class LLMEngine:
             reason = "length"
         out.text = text
         out.num_cached_tokens = seq.num_cached_tokens
+        if reason is None and req.handoff:
+            reason = "handoff"  # the decode pool continues from here
         if reason is not None:
             out.finish_reason, out.stop_reason = reason, stop
-            self.scheduler.finish(seq, reason)
+            if reason == "handoff":
+                self.scheduler.hold(seq, reason, time.monotonic() + self.config.cache.kv_lease_seconds)
+            else:
+                self.scheduler.finish(seq, reason)
             del self.requests[seq.seq_id]
         limit = streamable_len(text, params.stop, finished=reason is not None)
         out.new_text = text[req.streamed_chars : max(limit, req.streamed_chars)]

@@ -27,6 +27,16 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Release the ranks and their memory. Safe to call more than once."""
 
+    # ---- KV transfer between pools (workers/kv_transfer) ----
+    @abstractmethod
+    def kv_setup(self, role: str) -> None:
+        """Give every rank a `KVTransferAgent` over its KV cache ('prefill' or 'decode' pool)."""
+
+    @abstractmethod
+    def kv_call(self, method: str, *args, ranks: list[int] | None = None) -> list:
+        """Call `KVTransferAgent.<method>(*args)` on the given ranks (all by default), concurrently;
+        results in rank order. A failed transfer raises `KVTransferError` and leaves the executor usable."""
+
 
 class UniprocExecutor(Executor):
     """One rank, in this process: no process groups, no communication."""
@@ -43,12 +53,24 @@ class UniprocExecutor(Executor):
     def shutdown(self) -> None:
         # Dropping the runner frees the weights and the KV cache (nothing else holds them).
         self.runner = None
+        self.kv_agent = None
+
+    def kv_setup(self, role: str) -> None:
+        from workers.kv_transfer.transport import KVTransferAgent
+
+        self.kv_agent = KVTransferAgent(self.runner.kv_cache, self.runner.kv_shard(0), role)
+
+    def kv_call(self, method: str, *args, ranks: list[int] | None = None) -> list:
+        return [getattr(self.kv_agent, method)(*args)]
 
 
 def make_executor(config: EngineConfig, hf_config, max_model_len: int, eos_token_ids: list[int],
                   show_progress: bool = True) -> Executor:
     """A single-process executor for one rank, Ray actors for more."""
-    if config.parallel.world_size == 1:
+    backend = config.parallel.distributed_executor_backend
+    if backend == "uniproc" and config.parallel.world_size > 1:
+        raise ValueError("distributed_executor_backend='uniproc' runs one rank; this layout needs 'ray'")
+    if backend == "uniproc" or (backend == "auto" and config.parallel.world_size == 1):
         return UniprocExecutor(config, hf_config, max_model_len, eos_token_ids, show_progress)
     # Imported here so the single-process path never imports Ray.
     from cluster.ray_executor import RayExecutor

@@ -24,10 +24,10 @@ class LLM:
     @staticmethod
     def _make_engine(config: EngineConfig, show_progress: bool) -> LLMEngine:
         p = config.parallel
-        if p.sequence_parallel_size > 1 or p.expert_parallel_size > 1:
+        if p.sequence_parallel_size > 1:
             raise ValueError(
-                "sequence_parallel_size and expert_parallel_size > 1 need ring attention and expert dispatch, "
-                "which this build does not have yet; use tensor_parallel_size and pipeline_parallel_size"
+                "sequence_parallel_size > 1 needs sequence-parallel attention in the engine, which this build does not "
+                "have yet; use tensor_parallel_size, pipeline_parallel_size and expert_parallel_size"
             )
         return LLMEngine(config, show_progress)
 

@@ -226,3 +226,12 @@ class ModelRunner:
             return ModelRunnerOutput({})
         sampled = self.sampler(logits, seqs)
         return ModelRunnerOutput({s.seq_id: tok for s, tok in zip(seqs, sampled)})
+
+    def kv_shard(self, rank: int) -> "RankShard":
+        """Which global layers and KV heads this rank's cache holds (for resharding KV transfers)."""
+        from parallel.linear import QKVParallelLinear
+        from workers.kv_transfer.plan import RankShard
+
+        qkv = next(m for m in self.model.modules() if isinstance(m, QKVParallelLinear))
+        layers = self.model.layer_range
+        return RankShard(rank, range(layers.start, layers.stop), range(qkv.kv_head_start, qkv.kv_head_start + qkv.num_kv_heads))

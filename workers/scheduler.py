@@ -29,6 +29,10 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}
         self._dropped: list[str] = []  # finished/preempted since the last step, for the ranks to forget
         self.num_preemptions = 0
+        # Disaggregation: prompts whose KV waits to be sent (prefill side) and blocks reserved for KV
+        # that is on its way (decode side). Both expire at a deadline so nothing leaks if the peer vanishes.
+        self.held: dict[str, tuple[Sequence, float]] = {}
+        self.reserved: dict[str, tuple[Sequence, float]] = {}
 
     # ---- requests in and out ----
     def add(self, seq: Sequence) -> None:
@@ -63,11 +67,77 @@ class Scheduler:
         seq = self.seqs.get(seq_id)
         if seq is not None:
             self.finish(seq, "abort")
+            return seq
+        self.release(seq_id)
+        self.cancel_reservation(seq_id)
+        return None
+
+    # ---- disaggregation: prefill side ----
+    def hold(self, seq: Sequence, reason: str, deadline: float) -> None:
+        """Finish the sequence here but keep its blocks until `release` (or the deadline)."""
+        self.running.remove(seq)
+        del self.seqs[seq.seq_id]
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        self.held[seq.seq_id] = (seq, deadline)
+        self._dropped.append(seq.seq_id)
+
+    def release(self, seq_id: str) -> bool:
+        entry = self.held.pop(seq_id, None)
+        if entry is not None:
+            self.blocks.free_seq(entry[0])
+        return entry is not None
+
+    # ---- disaggregation: decode side ----
+    def reserve(self, seq: Sequence, deadline: float) -> bool:
+        """Blocks for the prompt's KV (reusing cached prefix blocks) plus the first decode token.
+
+        False when the cache or the batch is full: the caller backs off (this is the backpressure
+        the decode pool puts on prefill)."""
+        if seq.seq_id in self.seqs or seq.seq_id in self.reserved:
+            raise ValueError(f"request id {seq.seq_id!r} is already in use")
+        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
+            return False
+        self.blocks.match_prefix(seq)
+        n = seq.num_tokens + 1 - seq.num_computed_tokens
+        if not self.blocks.can_grow(seq, n):
+            self.blocks.free_seq(seq)
+            return False
+        self.blocks.grow(seq, n)
+        self.blocks.record_admission(seq)
+        self.reserved[seq.seq_id] = (seq, deadline)
+        return True
+
+    def activate(self, seq_id: str, first_token: int) -> Sequence:
+        """The prompt's KV has arrived: the sequence joins the running batch with its first token."""
+        seq, _ = self.reserved.pop(seq_id)
+        seq.num_computed_tokens = seq.num_tokens
+        self.blocks.cache_full_blocks(seq)
+        seq.token_ids.append(first_token)
+        seq.status = SeqStatus.RUNNING
+        self.seqs[seq_id] = seq
+        self.running.append(seq)
         return seq
+
+    def cancel_reservation(self, seq_id: str) -> bool:
+        entry = self.reserved.pop(seq_id, None)
+        if entry is not None:
+            self.blocks.free_seq(entry[0])
+        return entry is not None
+
+    def expire(self, now: float) -> list[str]:
+        """Free held and reserved blocks whose deadline passed; returns their request ids."""
+        gone = [sid for sid, (_, t) in self.held.items() if t <= now] + [sid for sid, (_, t) in self.reserved.items() if t <= now]
+        for sid in gone:
+            self.release(sid) or self.cancel_reservation(sid)
+        return gone
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def has_leases(self) -> bool:
+        return bool(self.held or self.reserved)
 
     # ---- one step ----
     def _preempt(self, seq: Sequence) -> None:

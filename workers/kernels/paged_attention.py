@@ -143,7 +143,7 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     tiles = max(1, -(-max_seq_len // 64))
     want = max(1, -(-2 * num_sms // max(1, num_seqs * num_kv_heads)))
     s = min(want, tiles, 64)
-    return 1 << (s - 1).bit_length() if s > 1 else 1  # power of two
+    return 1 << (s.bit_length() - 1)  # a power of two, rounded down
 
 
 _SM_COUNT: dict[int, int] = {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -65,6 +66,10 @@ class KVTransferAgent:
         self._groups: dict[str, dist.ProcessGroup] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._sent: dict[str, threading.Event] = {}  # request id -> its KV left this rank (the prefill side's ack)
+
+    def get_shard(self) -> RankShard:
+        return self.shard
 
     # ---- group set-up (called through Ray by the pool that drives the handoff) ----
     def open_store(self, pair_id: str) -> tuple[str, int]:
@@ -97,8 +102,21 @@ class KVTransferAgent:
         self._stores.pop(pair_id, None)
 
     # ---- one handoff ----
-    def send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_ids: list[int]) -> int:
+    def send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_ids: list[int],
+             request_id: str = "") -> int:
         """Prefill side: send this rank's part of the plan for the given blocks. Returns bytes sent."""
+        try:
+            return self._send(spec, plan, dst_shards, block_ids)
+        finally:
+            self._sent.setdefault(request_id, threading.Event()).set()
+
+    def wait_sent(self, request_id: str, timeout_s: float) -> bool:
+        """Prefill side: block until this request's send finished here (or failed); False on timeout."""
+        done = self._sent.setdefault(request_id, threading.Event()).wait(timeout_s)
+        self._sent.pop(request_id, None)
+        return done
+
+    def _send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_ids: list[int]) -> int:
         group = self._group(spec.pair_id)
         works, sent = [], 0
         for tag, t in enumerate(plan):

@@ -1,0 +1,168 @@
+"""The gRPC front end (`tandem.v1.Inference`) over any `Backend`.
+
+`InferenceServicer` has the methods in the shape Ray Serve's gRPC proxy calls on an ingress
+deployment: named like the RPCs, taking the request proto and a `grpc_context`
+(`RayServegRPCContext` under Serve), `GenerateStream` an async generator. A failure sets its status
+code and details on `grpc_context` and raises `RpcError`: Serve's replica turns a raise after
+`set_code` into exactly that status for the client. `add_to_aio_server` runs the same methods on a
+plain `grpc.aio` server (tests, router.standalone), where `RpcError` becomes `context.abort`.
+
+A client that cancels (or whose deadline passes) cancels the handler task; the backend request is
+aborted on the way out.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import uuid
+from typing import Any, AsyncIterator, Iterable
+
+import grpc
+
+from router import params
+from router.errors import ApiError, api_error, bad_request
+from router.fanout import Fanout
+from router.metrics import RequestTimer
+from router.proto import inference_pb2 as pb
+from router.proto import inference_pb2_grpc as pb_grpc
+from router.protocol import Backend, GenerateRequest
+from workers.engine import RequestOutput
+from workers.sampling_params import SamplingParams
+
+DEFAULT_MAX_TOKENS = SamplingParams.model_fields["max_tokens"].default
+_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "min_tokens")
+
+
+class RpcError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+def _metadata(grpc_context: Any) -> dict[str, str]:
+    return {k.lower(): v for k, v in (grpc_context.invocation_metadata() or ())}
+
+
+class InferenceServicer:
+    def __init__(self, backend: Backend, api_keys: Iterable[str] = (), request_timeout_s: float | None = None):
+        self.backend = backend
+        self.api_keys = [k.encode() for k in api_keys]
+        self.request_timeout_s = request_timeout_s
+
+    # ---- RPCs ----
+    async def Generate(self, request: pb.GenerateRequest, grpc_context: Any) -> pb.GenerateResponse:
+        timer, fanout = RequestTimer(), None
+        try:
+            req = await self._prepare(request, grpc_context)
+            fanout = Fanout(self.backend, [req], self._timeout(grpc_context))
+            [out] = await fanout.final_outputs(lambda o: timer.token(len(o.new_token_ids)))
+            self._check_not_aborted(out)
+            timer.finish("ok")
+            return self._response(req, out, out.text, out.token_ids)
+        except asyncio.CancelledError:
+            timer.finish("cancelled")
+            raise
+        except Exception as e:
+            self._fail(grpc_context, e, timer)
+        finally:
+            if fanout is not None:
+                await fanout.aclose()
+
+    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        timer, fanout = RequestTimer(), None
+        try:
+            req = await self._prepare(request, grpc_context)
+            fanout = Fanout(self.backend, [req], self._timeout(grpc_context))
+            async for _, out in fanout:
+                timer.token(len(out.new_token_ids))
+                self._check_not_aborted(out)
+                if out.new_text or out.new_token_ids or out.finished:
+                    yield self._response(req, out, out.new_text, out.new_token_ids)
+            timer.finish("ok")
+        except asyncio.CancelledError:
+            timer.finish("cancelled")
+            raise
+        except Exception as e:
+            self._fail(grpc_context, e, timer)
+        finally:
+            if fanout is not None:
+                await fanout.aclose()
+
+    # ---- helpers ----
+    def _fail(self, grpc_context: Any, exc: Exception, timer: RequestTimer) -> None:
+        err = api_error(exc)
+        timer.finish(err.status_tag)
+        grpc_context.set_code(err.grpc_code)
+        grpc_context.set_details(err.message)
+        if err.retry_after is not None:
+            grpc_context.set_trailing_metadata([("retry-after", str(err.retry_after))])
+        raise RpcError(err.grpc_code, err.message) from exc
+
+    def _authenticate(self, grpc_context: Any) -> None:
+        if not self.api_keys:
+            return
+        scheme, _, key = _metadata(grpc_context).get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.strip().encode(), k) for k in self.api_keys):
+            raise ApiError(401, "missing or invalid API key: send metadata `authorization: Bearer <key>`",
+                           type="authentication_error", code="invalid_api_key")
+
+    def _timeout(self, grpc_context: Any) -> float | None:
+        """The configured limit, or the client's deadline when sooner (grpc.aio exposes it; Serve's proxy
+        applies its own `grpc_options.request_timeout_s`)."""
+        remaining = getattr(grpc_context, "time_remaining", lambda: None)()
+        limits = [t for t in (self.request_timeout_s, remaining) if t is not None]
+        return min(limits) if limits else None
+
+    async def _prepare(self, request: pb.GenerateRequest, grpc_context: Any) -> GenerateRequest:
+        self._authenticate(grpc_context)
+        if not await self.backend.ready():
+            raise ApiError(503, "the model is not ready to serve yet", type="service_unavailable", code="unavailable")
+        params.check_model(self.backend, request.model)
+        if bool(request.prompt) == bool(request.prompt_token_ids):
+            raise bad_request("set exactly one of prompt and prompt_token_ids", "prompt")
+        ids = self.backend.tokenizer.encode(request.prompt) if request.prompt else list(request.prompt_token_ids)
+        params.check_prompt_ids(self.backend, ids, "prompt" if request.prompt else "prompt_token_ids")
+        max_tokens = request.max_tokens if request.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        max_tokens = params.resolve_max_tokens(self.backend, len(ids), max_tokens)
+        optional = {f: getattr(request, f) for f in _OPTIONAL_SAMPLING if request.HasField(f)}
+        sp = params.sampling_params(max_tokens=max_tokens, stop=list(request.stop), ignore_eos=request.ignore_eos,
+                                    stop_token_ids=list(request.stop_token_ids), **optional)
+        return GenerateRequest(request.request_id or f"grpc-{uuid.uuid4().hex}", ids, sp, request.priority)
+
+    @staticmethod
+    def _check_not_aborted(out: RequestOutput) -> None:
+        if out.finish_reason == "abort":  # stopped by the server (backend.abort, shutdown): CANCELLED
+            raise ApiError(499, f"request {out.request_id} was aborted by the server", type="cancelled", code="aborted")
+
+    def _response(self, req: GenerateRequest, out: RequestOutput, text: str, token_ids: list[int]) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(request_id=req.request_id, model=self.backend.model_name, text=text,
+                                   token_ids=token_ids, finish_reason=out.finish_reason or "")
+        if out.finished:
+            n_prompt, n_out = len(req.prompt_token_ids), len(out.token_ids)
+            resp.usage.CopyFrom(pb.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
+                                         cached_tokens=out.num_cached_tokens))
+        return resp
+
+
+class _AioAdapter(pb_grpc.InferenceServicer):
+    """The servicer on a plain grpc.aio server: RpcError -> context.abort with its status."""
+
+    def __init__(self, servicer: InferenceServicer):
+        self.servicer = servicer
+
+    async def Generate(self, request, context):
+        try:
+            return await self.servicer.Generate(request, grpc_context=context)
+        except RpcError as e:
+            await context.abort(e.code, e.details)
+
+    async def GenerateStream(self, request, context):
+        try:
+            async for resp in self.servicer.GenerateStream(request, grpc_context=context):
+                yield resp
+        except RpcError as e:
+            await context.abort(e.code, e.details)
+
+
+def add_to_aio_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    pb_grpc.add_InferenceServicer_to_server(_AioAdapter(servicer), server)

@@ -1,0 +1,69 @@
+"""Every Tandem metric, in one place (the Grafana dashboard is checked against `METRICS`).
+
+They are `ray.util.metrics` objects: inside a Ray cluster each process's values are exported by
+Ray's metrics agent to Prometheus as `ray_<name>` (counters with a `_total` suffix unless the name
+has one, histograms as `_bucket`/`_sum`/`_count`). Outside Ray (tests, the standalone server)
+recording is a cheap no-op, so callers never check.
+
+Who records what:
+    front ends (openai_api, grpc_api): tandem_ttft_seconds, tandem_tpot_seconds, tandem_e2e_seconds,
+        tandem_requests_total{status}
+    each engine replica's step loop (LocalBackend, the pools): tandem_queue_depth{pool},
+        tandem_kv_blocks_used{pool}, tandem_prefix_cache_hit_tokens
+    the KV handoff (disaggregated pools): tandem_kv_transfer_bytes, tandem_kv_transfer_seconds
+"""
+from __future__ import annotations
+
+import time
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+# Latency buckets from interactive (10 ms) to long generations (5 min).
+_LATENCY_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
+_TOKEN_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56]
+_TRANSFER_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+
+TTFT = Histogram("tandem_ttft_seconds", description="Time from request arrival to its first output token.",
+                 boundaries=_LATENCY_S)
+TPOT = Histogram("tandem_tpot_seconds", description="Mean time per output token after the first, per request.",
+                 boundaries=_TOKEN_S)
+E2E = Histogram("tandem_e2e_seconds", description="Time from request arrival to its last token.", boundaries=_LATENCY_S)
+QUEUE_DEPTH = Gauge("tandem_queue_depth", description="Requests waiting for admission, per pool.", tag_keys=("pool",))
+REQUESTS = Counter("tandem_requests_total", description="Finished requests by outcome.", tag_keys=("status",))
+PREFIX_CACHE_HIT_TOKENS = Counter("tandem_prefix_cache_hit_tokens",
+                                  description="Prompt tokens whose KV came from the prefix cache.")
+KV_BLOCKS_USED = Gauge("tandem_kv_blocks_used", description="KV cache blocks in use, per pool.", tag_keys=("pool",))
+KV_TRANSFER_BYTES = Counter("tandem_kv_transfer_bytes", description="KV cache bytes sent from prefill to decode.")
+KV_TRANSFER_SECONDS = Histogram("tandem_kv_transfer_seconds", description="Duration of one request's KV handoff.",
+                                boundaries=_TRANSFER_S)
+
+METRICS = {m.info["name"]: m for m in (TTFT, TPOT, E2E, QUEUE_DEPTH, REQUESTS, PREFIX_CACHE_HIT_TOKENS, KV_BLOCKS_USED,
+                                KV_TRANSFER_BYTES, KV_TRANSFER_SECONDS)}
+
+
+class RequestTimer:
+    """Latency of one client request (one or more sequences): call `token` per streamed token batch."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.num_tokens = 0
+
+    def token(self, n: int = 1) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        self.last = now
+        self.num_tokens += n
+
+    def finish(self, status: str) -> None:
+        REQUESTS.inc(1, tags={"status": status})
+        if status != "ok" or self.first is None:
+            return
+        TTFT.observe(self.first - self.start)
+        E2E.observe(self.last - self.start)
+        if self.num_tokens > 1:
+            TPOT.observe((self.last - self.first) / (self.num_tokens - 1))

@@ -1,0 +1,384 @@
+"""The OpenAI-compatible HTTP front end over any `Backend`: `create_openai_app(backend, ...)`.
+
+/v1/models, /v1/completions, /v1/chat/completions (SSE streaming, usage chunk, logprobs, n, stop,
+seed, vLLM extras), /health. Every error is OpenAI's error object with a fitting status (never
+FastAPI's 422). A client that goes away (mid-stream or while waiting) aborts its requests at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router import params
+from router.errors import ApiError, api_error, bad_request
+from router.fanout import Fanout
+from router.metrics import RequestTimer
+from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
+                                    delta_logprobs, usage)
+from router.protocol import Backend, GenerateRequest
+from workers.engine import RequestOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response started."""
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """Streams until the body ends or the client disconnects, whichever comes first, and then always
+    closes the body generator, so that the backend requests are aborted now and not at garbage
+    collection (Starlette alone stops at the next failed send and leaves the generator suspended)."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client is gone (ASGI spec >= 2.4 reports it on send)
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
+    """Await `aw`, cancelling it if the client disconnects first (then raise ClientGone)."""
+    work, watch = asyncio.ensure_future(aw), asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        raise ClientGone()
+    finally:
+        for task in (work, watch):
+            task.cancel()
+
+
+class ApiKeyAuth:
+    """ASGI middleware: /v1/* needs `Authorization: Bearer <key>` when keys are configured. It runs
+    before the body is parsed, so a client without a key learns nothing about its request (401 first)."""
+
+    def __init__(self, app, api_keys: Iterable[str]):
+        self.app = app
+        self.keys = [k.encode() for k in api_keys]
+
+    def _allowed(self, scope) -> bool:
+        if not self.keys or scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return True
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, key = header.partition(b" ")
+        return scheme.lower() == b"bearer" and any(hmac.compare_digest(key.strip(), k) for k in self.keys)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self._allowed(scope):
+            return await self.app(scope, receive, send)
+        err = ApiError(401, "Incorrect or missing API key: pass `Authorization: Bearer <key>`.",
+                       type="authentication_error", code="invalid_api_key")
+        await error_response(err)(scope, receive, send)
+
+
+class OpenAIServer:
+    def __init__(self, backend: Backend, request_timeout_s: float | None = None):
+        self.backend = backend
+        self.request_timeout_s = request_timeout_s
+        self.created = int(time.time())
+        self._token_texts: dict[int, str] = {}
+
+    # ---- checks ----
+    async def check_ready(self) -> None:
+        if not await self.backend.ready():
+            raise ApiError(503, "the model is not ready to serve yet", type="service_unavailable", code="unavailable")
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.backend.tokenizer.decode([token_id])
+        return text
+
+    # ---- shared request path ----
+    def _requests(self, base: str, prompts: list[list[int]], n: int, max_tokens: int | None, priority: int,
+                  fields: dict[str, Any], prompt_param: str, aliases: dict[str, str] | None = None) -> list[GenerateRequest]:
+        """One backend request per (prompt, choice); choice j of a seeded request gets seed + j."""
+        reqs = []
+        for p, ids in enumerate(prompts):
+            params.check_prompt_ids(self.backend, ids, prompt_param)
+            limit = params.resolve_max_tokens(self.backend, len(ids), max_tokens)
+            for j in range(n):
+                seed = fields.get("seed")
+                sp = params.sampling_params(aliases, **{**fields, "max_tokens": limit, "seed": None if seed is None else seed + j})
+                reqs.append(GenerateRequest(f"{base}-{p * n + j}", ids, sp, priority))
+        return reqs
+
+    async def _run(self, request: Request, reqs: list[GenerateRequest], stream: bool,
+                   respond: Callable[[list[RequestOutput]], dict], chunks: Callable[[Fanout, RequestTimer], AsyncIterator[str]]):
+        timer = RequestTimer()
+        fanout = Fanout(self.backend, reqs, self.request_timeout_s)
+        try:
+            if stream:
+                await run_unless_disconnected(request, fanout.started())
+                response = SSEResponse(chunks(fanout, timer))
+                fanout = None  # the stream owns it now
+                return response
+            outs = await run_unless_disconnected(request, fanout.final_outputs(lambda o: timer.token(len(o.new_token_ids))))
+            timer.finish("ok")
+            return JSONResponse(respond(outs))
+        except ClientGone:
+            timer.finish("cancelled")
+            return JSONResponse({}, status_code=499)
+        except asyncio.CancelledError:
+            timer.finish("cancelled")
+            raise
+        except Exception as e:
+            err = api_error(e)
+            timer.finish(err.status_tag)
+            return error_response(err)
+        finally:
+            if fanout is not None:
+                await fanout.aclose()
+
+    async def _sse_body(self, fanout: Fanout, timer: RequestTimer, chunk: Callable[[int, RequestOutput], dict | None],
+                        final: Callable[[], dict | None]) -> AsyncIterator[str]:
+        status = "cancelled"
+        try:
+            async for i, out in fanout:
+                timer.token(len(out.new_token_ids))
+                obj = chunk(i, out)
+                if obj is not None:
+                    yield _sse(obj)
+            last = final()
+            if last is not None:
+                yield _sse(last)
+            status = "ok"
+            yield "data: [DONE]\n\n"
+        except Exception as e:  # after the 200 went out: report in-band, as OpenAI and vLLM do
+            err = api_error(e)
+            status = err.status_tag
+            yield _sse(err.body())
+            yield "data: [DONE]\n\n"
+        finally:
+            await fanout.aclose()
+            timer.finish(status)
+
+    # ---- /v1/completions ----
+    async def completions(self, body: CompletionRequest, request: Request):
+        try:
+            body.check()
+            await self.check_ready()
+            params.check_model(self.backend, body.model)
+            prompts = [self.backend.tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+            fields = {**body.sampling_fields(), "logprobs": body.logprobs}
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            reqs = self._requests(rid, prompts, body.n, body.max_tokens, body.priority, fields, "prompt")
+        except Exception as e:
+            return error_response(api_error(e))
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.backend.model_name}
+        n_logprobs = body.logprobs
+
+        def respond(outs: list[RequestOutput]) -> dict:
+            choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                        "logprobs": None if n_logprobs is None else completion_logprobs(o.token_ids, o.logprobs, n_logprobs, self.token_text)}
+                       for i, o in enumerate(outs)]
+            return {**head, "choices": choices, "usage": self._usage(reqs, outs, body.n)}
+
+        sent_chars = [0] * len(reqs)
+        finals: dict[int, RequestOutput] = {}
+
+        def chunk(i: int, out: RequestOutput) -> dict | None:
+            if out.finished:
+                finals[i] = out
+            if not out.new_text and not out.finished and (n_logprobs is None or not out.new_token_ids):
+                return None  # text held back (a partial character or a possible stop string): nothing to send
+            lp = None
+            if n_logprobs is not None:
+                lp = completion_logprobs(out.new_token_ids, delta_logprobs(out), n_logprobs, self.token_text, sent_chars[i])
+            sent_chars[i] += len(out.new_text)
+            choice = {"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": out.finish_reason,
+                      "stop_reason": out.stop_reason}
+            return {**head, "choices": [choice], **({"usage": None} if body.include_usage else {})}
+
+        def final() -> dict | None:
+            if not body.include_usage:
+                return None
+            outs = [finals[i] for i in range(len(reqs))]
+            return {**head, "choices": [], "usage": self._usage(reqs, outs, body.n)}
+
+        return await self._run(request, reqs, body.stream, respond,
+                               lambda f, t: self._sse_body(f, t, chunk, final))
+
+    # ---- /v1/chat/completions ----
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [m.as_template_input() for m in body.messages]
+        tok = self.backend.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise bad_request(f"the model `{self.backend.model_name}` has no chat template; use /v1/completions", "messages")
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
+                                          **(body.chat_template_kwargs or {}))
+        except Exception as e:  # a template error is the request's fault (roles, content it rejects)
+            raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        try:
+            body.check()
+            await self.check_ready()
+            params.check_model(self.backend, body.model)
+            prompt = self._chat_prompt(body)
+            fields = {**body.sampling_fields(), "logprobs": body.num_logprobs}
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            reqs = self._requests(rid, [prompt], body.n, body.output_limit, body.priority, fields, "messages",
+                                  aliases={"logprobs": "top_logprobs"})
+        except Exception as e:
+            return error_response(api_error(e))
+        created, model = int(time.time()), self.backend.model_name
+        n_logprobs = body.num_logprobs
+
+        def respond(outs: list[RequestOutput]) -> dict:
+            choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason,
+                        "stop_reason": o.stop_reason,
+                        "logprobs": None if n_logprobs is None else chat_logprobs(o.token_ids, o.logprobs, n_logprobs, self.token_text)}
+                       for i, o in enumerate(outs)]
+            return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+                    "usage": self._usage(reqs, outs, body.n)}
+
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        started: set[int] = set()
+        finals: dict[int, RequestOutput] = {}
+
+        def chunk(i: int, out: RequestOutput) -> dict | None:
+            if out.finished:
+                finals[i] = out
+            delta: dict[str, Any] = {}
+            if i not in started:  # OpenAI opens each choice with the role
+                started.add(i)
+                delta["role"] = "assistant"
+            if out.new_text:
+                delta["content"] = out.new_text
+            if not delta and not out.finished and (n_logprobs is None or not out.new_token_ids):
+                return None
+            lp = None
+            if n_logprobs is not None:
+                lp = chat_logprobs(out.new_token_ids, delta_logprobs(out), n_logprobs, self.token_text)
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
+            return {**head, "choices": [choice], **({"usage": None} if body.include_usage else {})}
+
+        def final() -> dict | None:
+            if not body.include_usage:
+                return None
+            return {**head, "choices": [], "usage": self._usage(reqs, [finals[i] for i in range(len(reqs))], body.n)}
+
+        return await self._run(request, reqs, body.stream, respond,
+                               lambda f, t: self._sse_body(f, t, chunk, final))
+
+    @staticmethod
+    def _usage(reqs: list[GenerateRequest], outs: list[RequestOutput], n: int) -> dict:
+        # A prompt counts once however many choices it has, as OpenAI bills it.
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs[::n])
+        cached = sum(o.num_cached_tokens for o in outs[::n])
+        return usage(prompt_tokens, sum(len(o.token_ids) for o in outs), cached)
+
+    # ---- /v1/models ----
+    def model_card(self) -> dict:
+        return {"id": self.backend.model_name, "object": "model", "created": self.created, "owned_by": "tandem",
+                "max_model_len": self.backend.max_model_len}
+
+
+def _validation_error(e: RequestValidationError) -> ApiError:
+    """FastAPI's 422 as OpenAI's 400, naming the client's parameter."""
+    err = (e.errors() or [{}])[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    param = loc[0] if loc else None  # a union reports the branch it tried (prompt.list[int].0): name the field
+    kind, msg = err.get("type"), err.get("msg", "invalid request")
+    if kind == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {'.'.join(loc)}", param)
+    if kind == "json_invalid":
+        return bad_request(f"The request body is not valid JSON: {err.get('ctx', {}).get('error', msg)}")
+    if not loc:
+        return bad_request(f"the request body is invalid: {msg}")
+    return bad_request(f"{'.'.join(loc)}: {msg}", param)
+
+
+def create_openai_app(backend: Backend, api_keys: Iterable[str] = (), request_timeout_s: float | None = None) -> FastAPI:
+    """The FastAPI app; wrap-free: API keys are checked by an ASGI middleware added here."""
+    server = OpenAIServer(backend, request_timeout_s)
+    app = FastAPI(title="Tandem", description="OpenAI-compatible LLM inference", docs_url="/docs")
+    app.state.server = server
+    app.add_middleware(ApiKeyAuth, api_keys=list(api_keys))
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError):
+        return error_response(_validation_error(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException):
+        kind = "not_found" if e.status_code == 404 else "invalid_request_error"
+        return error_response(ApiError(e.status_code, str(e.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception):
+        return error_response(api_error(e))
+
+    @app.get("/health")
+    async def health():
+        ok = await backend.ready()
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str):
+        params.check_model(backend, model)
+        return server.model_card()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await server.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await server.chat_completions(body, request)
+
+    return app

@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""Batch-1 decode latency against the HBM roofline, HF `generate` on the same GPU in the same run,
+and prefill MFU at given prompt lengths.
+
+Roofline: a decode step must read every weight once plus the KV cache of the context, so
+    roofline tok/s = copy bandwidth / (weight bytes + KV bytes per step),
+with the bandwidth of a large device-to-device copy (bytes read + written) measured in this run.
+Two weight counts are reported: all parameters (as the usual 8B-model figures count them) and
+the bytes a step really reads (the input embedding table is only gathered from, one row a token).
+
+    python scripts/bench_latency.py --shape llama-3.1-8b                  # dummy weights, real shapes
+    python scripts/bench_latency.py --model FOLDER --load-format auto     # a real checkpoint
+Prints a table; writes JSON (--out).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from workers import LLM, SamplingParams  # noqa: E402
+
+H100_BF16_DENSE_TFLOPS = 989.4  # datasheet, SXM
+
+
+def _runner(llm):
+    """The in-process model runner (single-rank executor)."""
+    eng = llm.engine
+    return getattr(eng, "runner", None) or eng.executor.runner
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 30) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    a.random_(0, 255)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    return 2 * nbytes / statistics.median(times)
+
+
+def matmul_tflops(n: int = 8192, iters: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    sync()
+    return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
+
+
+def free_cuda():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- HF
+
+def hf_decode(model_dir: str, prompt: list[int], gen: int) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([prompt], device="cuda")
+
+    def run(n):
+        sync()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0)
+        sync()
+        return time.perf_counter() - t0
+
+    run(4)  # warm-up
+    t1 = min(run(1) for _ in range(2))
+    tn = run(gen)
+    del model
+    free_cuda()
+    return {"decode_tok_per_s": (gen - 1) / (tn - t1), "ttft_s": t1, "gen_tokens": gen}
+
+
+# ---------------------------------------------------------------- Tandem
+
+def make_llm(model_dir: str, mode: str, args, max_model_len: int, num_blocks: int, max_batched: int) -> LLM:
+    backend = "torch" if mode == "torch" else "triton"
+    llm = LLM(model=model_dir, device="cuda", dtype="bfloat16", load_format=args.load_format, attention_backend=backend,
+              enforce_eager=mode != "graphs", max_model_len=max_model_len, num_blocks=num_blocks, block_size=16,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, enable_prefix_caching=False,
+              show_progress=False)
+    if mode == "eager-loop-moe":
+        from workers.models.moe import Experts
+
+        for m in _runner(llm).model.modules():
+            if isinstance(m, Experts):
+                m.use_fused = False
+    return llm
+
+
+def tandem_decode(llm: LLM, prompt: list[int], gen: int) -> dict:
+    eng = llm.engine
+    llm.generate([prompt[:32]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
+    eng.add_request("bench", prompt, SamplingParams(max_tokens=gen + 1, temperature=0.0, ignore_eos=True))
+    sync()
+    t0 = time.perf_counter()
+    eng.step()  # prefill + first token
+    ttft = time.perf_counter() - t0
+    steps = []
+    n = 0
+    while eng.has_unfinished_requests():
+        t = time.perf_counter()
+        n += len(eng.step())
+        steps.append(time.perf_counter() - t)
+    total = sum(steps)
+    res = {"decode_tok_per_s": n / total, "median_step_ms": 1e3 * statistics.median(steps), "ttft_s": ttft, "gen_tokens": n}
+    graphs = _runner(llm).cuda_graphs
+    if graphs is not None:  # GPU time of the captured forward alone, to expose host overhead per step
+        g = graphs.graphs[1]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        g.replay()
+        start.record()
+        for _ in range(20):
+            g.replay()
+        end.record()
+        end.synchronize()
+        res["graph_forward_ms"] = start.elapsed_time(end) / 20
+    return res
+
+
+def tandem_prefill(llm: LLM, lengths: list[int], vocab: int, flops_fn, peak: float, matmul: float) -> list[dict]:
+    eng = llm.engine
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for n in lengths:
+        times = []
+        for rep in range(3):  # the first compiles kernels for this size
+            prompt = torch.randint(100, vocab, (n,), generator=g).tolist()
+            eng.add_request(f"p{n}-{rep}", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            sync()
+            t0 = time.perf_counter()
+            while eng.has_unfinished_requests():
+                eng.step()
+            sync()
+            times.append(time.perf_counter() - t0)
+        t = min(times[1:])
+        fl = flops_fn(n)
+        out.append({"tokens": n, "seconds": t, "tflops": fl / t / 1e12, "mfu_vs_datasheet": fl / t / (peak * 1e12),
+                    "mfu_vs_measured_matmul": fl / t / (matmul * 1e12)})
+    return out
+
+
+def model_bytes(llm: LLM) -> tuple[int, int]:
+    model = _runner(llm).model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.embed_tokens.weight
+    tied = model.lm_head is not None and model.lm_head.weight is emb
+    read = total - (0 if tied else emb.numel() * emb.element_size())
+    return total, read
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama-3.1-8b", help="a name in scripts/model_shapes.py (dummy weights)")
+    p.add_argument("--model", default=None, help="a model folder instead of --shape")
+    p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--gen-len", type=int, default=256)
+    p.add_argument("--modes", default="graphs,eager,torch", help="Tandem variants: graphs, eager, torch, eager-loop-moe")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="also the largest captured decode batch")
+    p.add_argument("--prefill-lens", default="2048,8192")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--out", default="bench_results/bench_latency.json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_latency needs a CUDA GPU")
+
+    from model_shapes import write_model_folder
+    from transformers import AutoConfig
+
+    model_dir = args.model or write_model_folder(args.shape, os.path.join(tempfile.mkdtemp(), args.shape))
+    cfg = AutoConfig.from_pretrained(model_dir)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
+    prefill_lens = [int(x) for x in args.prefill_lens.split(",") if x]
+
+    report = {"benchmark": "latency", "model": args.model or args.shape, "gpu": torch.cuda.get_device_name(),
+              "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "args": vars(args)}
+    bw = copy_bandwidth()
+    mm = matmul_tflops()
+    report["copy_bandwidth_TBps"] = bw / 1e12
+    report["matmul_bf16_tflops"] = mm
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s", flush=True)
+
+    if not args.skip_hf:
+        report["hf"] = hf_decode(model_dir, prompt, args.gen_len)
+        print(f"HF generate: {report['hf']['decode_tok_per_s']:.1f} tok/s", flush=True)
+
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+    max_len = max([args.prompt_len + args.gen_len + 64] + [n + 64 for n in prefill_lens])
+    num_blocks = 2 * (-(-max_len // 16)) + 64
+    report["tandem"] = {}
+    for mode in [m for m in args.modes.split(",") if m]:
+        llm = make_llm(model_dir, mode, args, max_len, num_blocks, max(max(prefill_lens, default=0), 2048))
+        if "weight_bytes" not in report:
+            total, read = model_bytes(llm)
+            avg_ctx = args.prompt_len + args.gen_len / 2
+            kv = kv_per_token * avg_ctx
+            report.update(weight_bytes=total, weight_bytes_read=read, kv_bytes_per_step=kv,
+                          roofline_tok_per_s=bw / (total + kv), roofline_read_tok_per_s=bw / (read + kv))
+        r = tandem_decode(llm, prompt, args.gen_len)
+        r["fraction_of_roofline"] = r["decode_tok_per_s"] / report["roofline_tok_per_s"]
+        r["fraction_of_roofline_read"] = r["decode_tok_per_s"] / report["roofline_read_tok_per_s"]
+        if mode == "graphs" and prefill_lens:
+            n_lin = sum(pp.numel() for name, pp in _runner(llm).model.named_parameters()
+                        if "embed_tokens" not in name and "lm_head" not in name and "norm" not in name and ".gate." not in name)
+            moe_k = getattr(cfg, "num_experts_per_tok", None)
+            if moe_k:  # only k experts of E run per token
+                n_exp = sum(pp.numel() for name, pp in _runner(llm).model.named_parameters() if "experts" in name)
+                n_lin = n_lin - n_exp + n_exp * moe_k // (getattr(cfg, "num_experts", None) or cfg.num_local_experts)
+            attn = lambda n: 2 * n * n * head_dim * cfg.num_attention_heads * cfg.num_hidden_layers  # noqa: E731 causal QK^T + PV
+            flops = lambda n: 2 * n_lin * n + attn(n) + 2 * cfg.vocab_size * cfg.hidden_size  # noqa: E731
+            r["prefill"] = tandem_prefill(llm, prefill_lens, cfg.vocab_size, flops, H100_BF16_DENSE_TFLOPS, mm)
+        report["tandem"][mode] = r
+        print(f"tandem {mode}: {r['decode_tok_per_s']:.1f} tok/s ({100 * r['fraction_of_roofline']:.0f}% of roofline)", flush=True)
+        llm.engine.shutdown()
+        del llm
+        free_cuda()
+
+    print(f"\n{report['gpu']}  copy {bw / 1e12:.2f} TB/s  weights {report['weight_bytes'] / 1e9:.2f} GB "
+          f"(read per step {report['weight_bytes_read'] / 1e9:.2f} GB)  KV/step {report['kv_bytes_per_step'] / 1e6:.1f} MB")
+    print(f"roofline: {report['roofline_tok_per_s']:.1f} tok/s (all weights), {report['roofline_read_tok_per_s']:.1f} (bytes read)")
+    print(f"{'engine':16} {'tok/s':>8} {'% roofline':>11} {'% (read)':>9} {'step ms':>8} {'graph ms':>9}")
+    if "hf" in report:
+        h = report["hf"]
+        print(f"{'HF generate':16} {h['decode_tok_per_s']:8.1f} {100 * h['decode_tok_per_s'] / report['roofline_tok_per_s']:10.1f}% "
+              f"{100 * h['decode_tok_per_s'] / report['roofline_read_tok_per_s']:8.1f}%")
+    for mode, r in report["tandem"].items():
+        print(f"{'tandem ' + mode:16} {r['decode_tok_per_s']:8.1f} {100 * r['fraction_of_roofline']:10.1f}% "
+              f"{100 * r['fraction_of_roofline_read']:8.1f}% {r['median_step_ms']:8.2f} {r.get('graph_forward_ms', float('nan')):9.2f}")
+        for pr in r.get("prefill", []):
+            print(f"  prefill {pr['tokens']:5d} tok: {1e3 * pr['seconds']:.1f} ms, {pr['tflops']:.0f} TFLOP/s, "
+                  f"MFU {100 * pr['mfu_vs_datasheet']:.1f}% of {H100_BF16_DENSE_TFLOPS:.0f} ({100 * pr['mfu_vs_measured_matmul']:.1f}% of measured matmul)")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

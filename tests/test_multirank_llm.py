@@ -1,0 +1,132 @@
+"""`LLM(...)` over several ranks (Ray actors, gloo on CPU) against one rank and against Hugging Face.
+
+Two tiny models cover the layouts' corner cases: a GQA Llama with an odd vocabulary (padded under
+TP) and 3 layers (uneven pipeline stages), and a Qwen3 with tied embeddings (the last stage holds its
+own copy of the matrix) and one KV head (replicated on both TP ranks). Small step budgets mix
+chunked prefills with decodes and give the pipeline several micro-batches per step.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+
+from tests.models import load_hf, prompts_of_lengths, tiny_model
+from workers.executor import ExecutorError
+from workers.llm import LLM
+from workers.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MODELS = {
+    "llama": dict(num_hidden_layers=3, vocab_size=301),
+    "qwen3": dict(num_key_value_heads=1),
+}
+LAYOUTS = {
+    "tp2": dict(tensor_parallel_size=2),
+    "pp2": dict(pipeline_parallel_size=2),
+    "tp2pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2),
+}
+ENGINE_ARGS = dict(max_num_batched_tokens=24, max_num_seqs=8, block_size=8, show_progress=False)
+MAX_TOKENS = 6
+PROMPTS = prompts_of_lengths([5, 17, 9, 30, 3], vocab_size=290, seed=7)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+# Each needs the full logits: top-n logprobs, a penalty, a seeded draw.
+FULL_LOGITS = [
+    SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3),
+    SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3),
+    SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, ignore_eos=True, seed=11),
+    SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    SamplingParams(temperature=0.7, top_k=5, max_tokens=MAX_TOKENS, ignore_eos=True, seed=3),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session():
+    yield
+    ray.shutdown()
+
+
+def hf_greedy(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    model = load_hf(path)
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            for _ in range(n):
+                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            outs.append(ids[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, dict]:
+    """Per model: its folder, HF greedy tokens, and the one-rank engine's outputs."""
+    refs = {}
+    for name, overrides in MODELS.items():
+        path = tiny_model(name, **overrides)
+        llm = LLM(path, **ENGINE_ARGS)
+        refs[name] = dict(path=path, hf=hf_greedy(path, PROMPTS, MAX_TOKENS), greedy=llm.generate(PROMPTS, GREEDY),
+                          full=llm.generate(PROMPTS, FULL_LOGITS))
+        llm.shutdown()
+    return refs
+
+
+def _placement_groups_alive() -> int:
+    return sum(1 for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_layout_matches_one_rank_and_hf(name: str, layout: str, references):
+    ref = references[name]
+    llm = LLM(ref["path"], **LAYOUTS[layout], **ENGINE_ARGS)
+    try:
+        greedy = llm.generate(PROMPTS, GREEDY)
+        full = llm.generate(PROMPTS, FULL_LOGITS)
+    finally:
+        llm.shutdown()
+    assert _placement_groups_alive() == 0
+    # Greedy batches take the sharded (max, id, lse) path under TP: same tokens, same logprobs.
+    assert [o.token_ids for o in greedy] == ref["hf"]
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in ref["greedy"]]
+    for got, want in zip(greedy, ref["greedy"]):
+        assert [lp[t] for lp, t in zip(got.logprobs, got.token_ids)] == pytest.approx(
+            [lp[t] for lp, t in zip(want.logprobs, want.token_ids)], abs=1e-4)
+    # Mixed batches take the full-logits path: top-n logprobs, penalties and seeded draws agree too.
+    assert [o.token_ids for o in full] == [o.token_ids for o in ref["full"]]
+    for got_lp, want_lp in zip(full[0].logprobs, ref["full"][0].logprobs):
+        assert list(got_lp) == list(want_lp)
+        assert list(got_lp.values()) == pytest.approx(list(want_lp.values()), abs=1e-4)
+
+
+def test_killed_rank_fails_fast_with_its_name(references):
+    llm = LLM(references["llama"]["path"], pipeline_parallel_size=2, **ENGINE_ARGS)
+    executor = llm.engine.executor
+    workers = list(executor.workers)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == references["llama"]["hf"][:2]
+
+    # Rank 1 (the second stage) dies between two steps of a generate: rank 0 then blocks on a send
+    # that will never be received, and the executor must not wait for it.
+    steps, step = [0], llm.engine.step
+
+    def step_then_kill():
+        steps[0] += 1
+        if steps[0] == 3:
+            ray.kill(workers[1])
+        return step()
+
+    llm.engine.step = step_then_kill
+    start = time.monotonic()
+    with pytest.raises(ExecutorError, match=r"rank 1 \(pp=1, sp=0, tp=0\) died"):
+        llm.generate(PROMPTS, GREEDY)
+    assert time.monotonic() - start < 30
+    # Unusable afterwards, saying why; every rank is gone and the placement groups are removed.
+    with pytest.raises(ExecutorError, match="failed earlier"):
+        llm.generate(PROMPTS[:1], GREEDY)
+    for w in workers:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(w.execute.remote(None), timeout=30)
+    assert _placement_groups_alive() == 0

@@ -1,0 +1,221 @@
+"""Disaggregated serving, replica side: a prefill replica runs prompts and holds their KV; a decode
+replica reserves blocks, drives the KV handoff, and streams the rest of the tokens.
+
+The protocol (docs/architecture.md, "Prefill/decode handoff"):
+ 1. decode: reserve blocks for the prompt (+1 token), reusing its own cached prefix; full -> QueueFullError.
+ 2. decode -> prefill (any replica, via the caller's `PrefillClient`): run the prompt, sample the first
+    token, hold the blocks under a lease; answer `PrefillReady` (first token, block ids, rank handles).
+ 3. decode: under its lock for that prefill replica, build the pair's transfer group if new, then make
+    the prefill ranks send and its own ranks receive the blocks it lacks, resharded by `plan_transfers`.
+ 4. prefill: frees the blocks once its ranks report the send done (the ack), or when the lease ends.
+ 5. decode: the request joins the running batch from the first token; outputs stream to the caller.
+Any failure before step 5 is retried once (a new prefill, maybe on another replica); a cancelled
+caller aborts both sides. Every path frees the blocks on both sides.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from workers.async_engine import AsyncEngine
+from workers.engine import LLMEngine, RequestOutput
+from workers.kv_transfer.plan import RankShard, plan_transfers
+from workers.kv_transfer.transport import KVTransferError, PairSpec
+from workers.sampling_params import SamplingParams
+from workers.scheduler import QueueFullError
+from workers.scheduler_output import SampledToken
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Reservation:
+    request_id: str
+    decode_replica: str
+    block_ids: list[int]
+    num_hit_blocks: int  # leading blocks the decode side holds already (prefix cache): not sent
+    shards: list[RankShard]
+
+
+@dataclass
+class PrefillReady:
+    """The prefill replica's answer. `finished` when the first token already ended the request."""
+
+    prefill_replica: str
+    output: RequestOutput  # the first token (text, logprobs); finish_reason "handoff" unless finished
+    first: SampledToken | None = None
+    block_ids: list[int] = field(default_factory=list)
+    shards: list[RankShard] = field(default_factory=list)
+    rank_handles: list = field(default_factory=list)  # Ray actor handles of the prefill ranks
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finish_reason != "handoff"
+
+
+@dataclass
+class TransferStats:
+    bytes: int
+    seconds: float
+    blocks: int
+
+
+PrefillClient = Callable[[str, list[int], SamplingParams, int, Reservation], AsyncIterator[PrefillReady]]
+
+
+def _ray_executor(engine: LLMEngine):
+    from cluster.ray_executor import RayExecutor
+
+    if not isinstance(engine.executor, RayExecutor):
+        raise TypeError("pool replicas run their ranks as Ray actors (RayExecutor), so the peer pool can reach them")
+    return engine.executor
+
+
+class PrefillReplica:
+    def __init__(self, engine: LLMEngine, replica_id: str | None = None):
+        self.replica_id = replica_id or f"prefill-{uuid.uuid4().hex[:8]}"
+        self.engine = AsyncEngine(engine)
+        self.executor = _ray_executor(engine)
+        self.executor.kv_setup("prefill")
+        self.shards: list[RankShard] = self.executor.kv_call("get_shard")
+        self.lease_s = engine.config.cache.kv_lease_seconds
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+                      reservation: Reservation) -> AsyncIterator[PrefillReady]:
+        first: RequestOutput | None = None
+        async for out in self.engine.generate(request_id, prompt_token_ids, params, priority, handoff=True):
+            first = out
+        ready = PrefillReady(self.replica_id, first)
+        if ready.finished:
+            yield ready
+            return
+        try:
+            ready.first = SampledToken(first.token_ids[0], *_first_logprobs(first))
+            ready.block_ids = await self.engine.call(self.engine.engine.held_block_ids, request_id)
+            ready.shards, ready.rank_handles = self.shards, list(self.executor.workers)
+            yield ready
+            # The decode replica now drives our ranks' send; hold the blocks until they report it done.
+            sent = await asyncio.to_thread(self.executor.kv_call, "wait_sent", request_id, self.lease_s)
+            if not all(sent):
+                log.warning("request %s: KV not collected within the %.0fs lease; freeing it", request_id, self.lease_s)
+        finally:
+            await self.engine.call(self.engine.engine.release, request_id)
+
+
+def _first_logprobs(out: RequestOutput) -> tuple[float, list[tuple[int, float]] | None]:
+    """The first token's logprob entry, in the form the decode side's engine rebuilds it from."""
+    if out.logprobs is None:
+        return 0.0, None
+    entry = out.logprobs[0]
+    return entry[out.token_ids[0]], sorted(entry.items(), key=lambda kv: -kv[1])
+
+
+class DecodeReplica:
+    def __init__(self, engine: LLMEngine, prefill: PrefillClient, replica_id: str | None = None, max_attempts: int = 2):
+        self.replica_id = replica_id or f"decode-{uuid.uuid4().hex[:8]}"
+        self.engine = AsyncEngine(engine)
+        self.executor = _ray_executor(engine)
+        self.executor.kv_setup("decode")
+        self.shards: list[RankShard] = self.executor.kv_call("get_shard")
+        self.prefill = prefill
+        self.max_attempts = max_attempts
+        self._pair_locks: dict[str, asyncio.Lock] = {}
+        self.transfers: list[TransferStats] = []  # for metrics and tests
+        self.on_transfer: Callable[[TransferStats], None] | None = None
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                first = await self._handoff(request_id, prompt_token_ids, params, priority)
+                break
+            except (KVTransferError, ConnectionError, RuntimeError) as e:
+                if isinstance(e, QueueFullError) or attempt == self.max_attempts:
+                    raise
+                log.warning("request %s: handoff attempt %d failed (%s); re-prefilling", request_id, attempt, e)
+        if isinstance(first, RequestOutput):  # finished on its first token
+            yield first
+            return
+        async for out in self.engine.start(request_id, first):
+            yield out
+
+    async def _handoff(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int) -> SampledToken | RequestOutput:
+        """Steps 1-4 of the protocol. Returns the first token, or the final output if prefill finished it."""
+        reserved = await self.engine.call(self.engine.engine.reserve, request_id, prompt, params, priority)
+        if reserved is None:
+            raise QueueFullError(f"decode replica {self.replica_id} has no room for request {request_id}")
+        block_ids, hits = reserved
+        reservation = Reservation(request_id, self.replica_id, block_ids, hits, self.shards)
+        stream = self.prefill(request_id, prompt, params, priority, reservation)
+        keep = False
+        try:
+            ready = await anext(aiter(stream))
+            if ready.finished:
+                return ready.output
+            await self._transfer(ready, reservation)
+            keep = True
+            return ready.first
+        finally:
+            if not keep:
+                await self.engine.call(self.engine.engine.cancel_reservation, request_id)
+            # Let the prefill side see its ack and free its blocks (or, if we failed, cancel it).
+            await _close(stream)
+
+    async def _transfer(self, ready: PrefillReady, res: Reservation) -> None:
+        pair_id = f"{ready.prefill_replica}->{self.replica_id}"
+        spec = PairSpec(pair_id, len(ready.shards), len(self.shards))
+        n = len(ready.block_ids)
+        src_blocks, dst_blocks = ready.block_ids[res.num_hit_blocks:n], res.block_ids[res.num_hit_blocks:n]
+        plan = plan_transfers(ready.shards, self.shards)
+        src_by_rank = {s.rank: s for s in ready.shards}
+        dst_by_rank = {s.rank: s for s in self.shards}
+        lock = self._pair_locks.setdefault(pair_id, asyncio.Lock())
+        async with lock:  # one transfer at a time per pair: both sides post their messages in the same order
+            # Shielded: once both sides are posting, stopping half-way would desynchronise the pair.
+            await asyncio.shield(asyncio.to_thread(self._transfer_blocking, spec, ready, plan, src_by_rank, dst_by_rank,
+                                                   src_blocks, dst_blocks, res.request_id))
+
+    def _transfer_blocking(self, spec, ready: PrefillReady, plan, src_by_rank, dst_by_rank, src_blocks, dst_blocks, request_id) -> None:
+        import ray
+
+        t0 = time.perf_counter()
+        timeout = self.executor.step_timeout_s
+        if not self.executor.kv_call("has_group", spec.pair_id, ranks=[0])[0]:
+            host, port = ray.get(ready.rank_handles[0].kv.remote("open_store", spec.pair_id), timeout=timeout)
+            joins = [h.kv.remote("join", spec, host, port) for h in ready.rank_handles]
+            try:
+                self.executor.kv_call("join", spec, host, port)
+                ray.get(joins, timeout=timeout)
+            except Exception as e:
+                self.executor.kv_call("drop", spec.pair_id)
+                raise KVTransferError(f"could not connect {spec.pair_id}: {e}") from e
+        sends = [h.kv.remote("send", spec, plan, dst_by_rank, src_blocks, request_id) for h in ready.rank_handles]
+        try:
+            received = sum(self.executor.kv_call("recv", spec, plan, src_by_rank, dst_blocks))
+            ray.get(sends, timeout=timeout)
+        except Exception as e:
+            self.executor.kv_call("drop", spec.pair_id)
+            for h in ready.rank_handles:
+                h.kv.remote("drop", spec.pair_id)
+            raise KVTransferError(f"request {request_id}: KV transfer {spec.pair_id} failed: {e}") from e
+        stats = TransferStats(received, time.perf_counter() - t0, len(dst_blocks))
+        self.transfers.append(stats)
+        if self.on_transfer is not None:
+            self.on_transfer(stats)
+
+
+async def _close(stream) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:  # noqa: BLE001 - closing a failed stream must not mask the real error
+            log.debug("closing the prefill stream failed", exc_info=True)
+    else:
+        cancel = getattr(stream, "cancel", None)
+        if cancel is not None:
+            cancel()
