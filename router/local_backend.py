@@ -108,8 +108,12 @@ class LocalBackend:
     def _ensure_loop(self) -> None:
         loop = asyncio.get_running_loop()
         task = self._loop_task
-        if task is None or task.done() or task.get_loop() is not loop:
-            # First use, or a new event loop (each loop gets its own queues and step task).
+        if task is not None and not task.done() and task.get_loop() is not loop:
+            if not task.get_loop().is_closed():
+                # Queues and the step task belong to one loop; a second one would race them.
+                raise RuntimeError("this LocalBackend is already driven by another running event loop")
+            task = None
+        if task is None or task.done():
             self._wakeup = asyncio.Event()
             self._loop_task = loop.create_task(self._step_loop(), name="tandem-step-loop")
 

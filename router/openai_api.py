@@ -90,18 +90,25 @@ async def run_unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
 
 
 class ApiKeyAuth:
-    """ASGI middleware: /v1/* needs `Authorization: Bearer <key>` when keys are configured. It runs
-    before the body is parsed, so a client without a key learns nothing about its request (401 first)."""
+    """ASGI middleware: with keys configured, every route but /health needs `Authorization: Bearer
+    <key>`. It runs before the body is parsed, so a client without a key learns nothing about its
+    request (401 before any 400)."""
+
+    PUBLIC = frozenset({"/health"})
 
     def __init__(self, app, api_keys: Iterable[str]):
         self.app = app
         self.keys = [k.encode() for k in api_keys]
 
     def _allowed(self, scope) -> bool:
-        if not self.keys or scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if not self.keys or scope["type"] != "http":
             return True
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, key = header.partition(b" ")
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):  # mounted under a prefix (Serve's route_prefix, Starlette's Mount)
+            path = path[len(root):]
+        if path in self.PUBLIC:
+            return True
+        scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
         return scheme.lower() == b"bearer" and any(hmac.compare_digest(key.strip(), k) for k in self.keys)
 
     async def __call__(self, scope, receive, send) -> None:

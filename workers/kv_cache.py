@@ -5,6 +5,12 @@ chained hash (its tokens plus the hash of the block before it), so a later reque
 prefix reuses it. Blocks with no owner but a hash stay cached, in LRU order, until a new
 allocation needs them. The device memory itself lives with the model runner; this module only hands
 out block ids.
+
+With sequence parallelism (SP) the block ids are split into one pool per SP rank: pool p is ids
+[p * N, (p + 1) * N), held in SP rank p's KV cache at local index id - p * N. A sequence's i-th block
+always comes from pool `block_owner(i, num_pools)`, so the rank holding a position is known from the
+position alone, and a cached prefix block (whose chained hash pins its index) is always in the pool
+the next sequence needs it in: prefix caching works unchanged.
 """
 from __future__ import annotations
 
@@ -37,6 +43,13 @@ def prefix_block_hashes(token_ids: list[int], block_size: int, num_blocks: int |
     return hashes
 
 
+def block_owner(block_index: int, num_pools: int) -> int:
+    """The pool (SP rank) of a sequence's block_index-th block: zig-zag over blocks with period 2 * n
+    (0, 1, .., n-1, n-1, .., 0, 0, 1, ..), so every rank holds early and late blocks of the causal triangle."""
+    j = block_index % (2 * num_pools)
+    return j if j < num_pools else 2 * num_pools - 1 - j
+
+
 @dataclass
 class Block:
     block_id: int
@@ -45,13 +58,20 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_pools: int = 1):
+        """num_blocks in all; num_pools > 1 splits them into equal per-SP-rank pools (see the module doc)."""
         if num_blocks < 1:
             raise ValueError("the KV cache has no blocks: raise the memory budget or lower max_model_len")
+        if num_blocks % num_pools:
+            raise ValueError(f"{num_blocks} KV blocks do not split into {num_pools} equal per-rank pools")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
+        self.num_pools, self.pool_size = num_pools, num_blocks // num_pools
+        # One LRU-first free list per pool.
+        self.pools: list[OrderedDict[int, None]] = [
+            OrderedDict((i, None) for i in range(p * self.pool_size, (p + 1) * self.pool_size)) for p in range(num_pools)
+        ]
         self.cached: dict[BlockHash, int] = {}
         self.hit_tokens = 0  # prefix-cache statistics
         self.queried_tokens = 0
@@ -62,25 +82,46 @@ class BlockManager:
         return len(self.blocks)
 
     @property
+    def free(self) -> OrderedDict[int, None]:
+        """The free block ids, LRU first (per pool, pools in order). Read-only: a copy when there are pools."""
+        if self.num_pools == 1:
+            return self.pools[0]
+        return OrderedDict((i, None) for pool in self.pools for i in pool)
+
+    @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return sum(map(len, self.pools))
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.num_blocks - self.num_free_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _pool_of(self, block_id: int) -> OrderedDict[int, None]:
+        return self.pools[block_id // self.pool_size]
+
+    def _new_per_pool(self, first_index: int, end_index: int) -> list[int]:
+        """How many blocks each pool must supply for a sequence's blocks [first_index, end_index)."""
+        counts = [0] * self.num_pools
+        for i in range(first_index, end_index):
+            counts[block_owner(i, self.num_pools)] += 1
+        return counts
+
+    def can_ever_hold(self, num_tokens: int) -> bool:
+        """Whether one sequence of num_tokens fits in an empty cache."""
+        return all(n <= self.pool_size for n in self._new_per_pool(0, self.blocks_needed(num_tokens)))
 
     # ---- allocation ----
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.free[block_id]
+            del self._pool_of(block_id)[block_id]
         block.ref_count += 1
 
-    def _allocate_fresh(self) -> int:
-        block_id, _ = self.free.popitem(last=False)
+    def _allocate_fresh(self, pool: int = 0) -> int:
+        block_id, _ = self.pools[pool].popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict the LRU cached block
             if self.cached.get(block.block_hash) == block_id:
@@ -112,16 +153,17 @@ class BlockManager:
         self.hit_tokens += seq.num_cached_tokens
 
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return need <= len(self.free)
+        end = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        need = self._new_per_pool(len(seq.block_table), end)
+        return all(n <= len(pool) for n, pool in zip(need, self.pools))
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
         """Extend seq's block table to cover num_new_tokens more tokens (check can_grow first)."""
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        if need > len(self.free):
-            raise RuntimeError(f"out of KV blocks growing {seq.seq_id}: need {need}, free {len(self.free)}")
-        for _ in range(need):
-            seq.block_table.append(self._allocate_fresh())
+        if not self.can_grow(seq, num_new_tokens):
+            need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+            raise RuntimeError(f"out of KV blocks growing {seq.seq_id}: need {need}, free {self.num_free_blocks}")
+        for i in range(len(seq.block_table), self.blocks_needed(seq.num_computed_tokens + num_new_tokens)):
+            seq.block_table.append(self._allocate_fresh(block_owner(i, self.num_pools)))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register hashes for blocks that became full of computed KV (call after each step)."""
@@ -146,11 +188,10 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
+                pool = self._pool_of(block_id)
+                pool[block_id] = None
                 if block.block_hash is None:
-                    self.free[block_id] = None
-                    self.free.move_to_end(block_id, last=False)  # uncached blocks are reused before cached ones
-                else:
-                    self.free[block_id] = None
+                    pool.move_to_end(block_id, last=False)  # uncached blocks are reused before cached ones
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
@@ -159,6 +200,6 @@ class BlockManager:
     def check_invariants(self) -> None:
         for b in self.blocks:
             assert b.ref_count >= 0, f"block {b.block_id} has ref_count {b.ref_count}"
-            assert (b.ref_count == 0) == (b.block_id in self.free), f"block {b.block_id}: ref_count {b.ref_count} vs free list"
+            assert (b.ref_count == 0) == (b.block_id in self._pool_of(b.block_id)), f"block {b.block_id}: ref_count {b.ref_count} vs free list"
         for h, block_id in self.cached.items():
             assert self.blocks[block_id].block_hash == h, f"cached hash points at block {block_id} with another hash"

@@ -39,7 +39,7 @@ class Scheduler:
         if seq.seq_id in self.seqs:
             raise ValueError(f"request id {seq.seq_id!r} is already in use")
         need = self.blocks.blocks_needed(seq.num_tokens + 1)
-        if need > self.blocks.num_blocks:
+        if not self.blocks.can_ever_hold(seq.num_tokens + 1):
             raise ValueError(f"request {seq.seq_id}: prompt of {seq.num_tokens} tokens needs {need} KV blocks, "
                              f"the cache has {self.blocks.num_blocks}")
         limit = self.config.max_waiting_requests

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from workers.attention.sp_backend import SPAttentionMetadata
 
 
 @dataclass
@@ -24,6 +27,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # Sequence parallelism only: what this rank holds of the step (the fields above cover its own tokens).
+    sp: SPAttentionMetadata | None = None
 
     @property
     def num_seqs(self) -> int:

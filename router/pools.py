@@ -1,0 +1,111 @@
+"""The two pool deployments. Each Serve replica owns one engine whose ranks are Ray actors (so the
+peer pool can reach them for KV transfers); Serve scales each pool on its own ongoing requests.
+
+The decode replica drives the handoff (workers/disagg.py): it reserves its blocks, asks the prefill
+pool (through Serve, so any prefill replica may answer) to run the prompt, then moves the KV.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from router import metrics
+from router.config import AppConfig
+from router.protocol import GenerateRequest
+from workers.async_engine import AsyncEngine
+from workers.disagg import DecodeReplica, PrefillReady, PrefillReplica, Reservation, TransferStats
+from workers.engine import LLMEngine, RequestOutput
+from workers.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+STATS_INTERVAL_S = 1.0
+
+
+def _engine(config: AppConfig, pool: str) -> LLMEngine:
+    engine_config = config.engine_config(pool)
+    engine_config.parallel.distributed_executor_backend = "ray"
+    return LLMEngine(engine_config, show_progress=False)
+
+
+def _replica_id(pool: str) -> str | None:
+    try:
+        return f"{pool}-{serve.get_replica_context().replica_id.unique_id}"
+    except Exception:  # noqa: BLE001 - outside Serve (tests): a random id
+        return None
+
+
+async def _report_stats(engine: AsyncEngine, pool: str) -> None:
+    """Pool gauges, sampled once a second while the replica lives."""
+    tags = {"pool": pool}
+    seen_hits = 0
+    while True:
+        await asyncio.sleep(STATS_INTERVAL_S)
+        if not engine.alive:
+            return
+        stats = engine.engine.stats()  # plain reads of counters: no lock needed
+        metrics.QUEUE_DEPTH.set(stats["waiting"], tags=tags)
+        metrics.KV_BLOCKS_USED.set(stats["blocks_used"], tags=tags)
+        if stats["prefix_hit_tokens"] > seen_hits:
+            metrics.PREFIX_CACHE_HIT_TOKENS.inc(stats["prefix_hit_tokens"] - seen_hits)
+            seen_hits = stats["prefix_hit_tokens"]
+
+
+class PrefillPool:
+    def __init__(self, args: dict[str, Any]):
+        self.config = AppConfig.model_validate(args)
+        self.replica = PrefillReplica(_engine(self.config, "prefill"), _replica_id("prefill"))
+        self._stats_task: asyncio.Task | None = None
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+                      reservation: Reservation) -> AsyncIterator[PrefillReady]:
+        if self._stats_task is None:
+            self._stats_task = asyncio.create_task(_report_stats(self.replica.engine, "prefill"))
+        async for ready in self.replica.prefill(request_id, prompt_token_ids, params, priority, reservation):
+            yield ready
+
+    async def stats(self) -> dict:
+        return self.replica.engine.engine.stats()
+
+    async def check_health(self) -> None:
+        if not self.replica.engine.alive:
+            raise RuntimeError(f"prefill replica {self.replica.replica_id}: its engine has stopped")
+
+
+class DecodePool:
+    def __init__(self, args: dict[str, Any], prefill: DeploymentHandle):
+        self.config = AppConfig.model_validate(args)
+        self.prefill = prefill
+        engine = _engine(self.config, "decode")
+        self.replica = DecodeReplica(engine, self._prefill_client, _replica_id("decode"))
+        self.replica.on_transfer = _record_transfer
+        self._stats_task: asyncio.Task | None = None
+
+    def _prefill_client(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
+                        reservation: Reservation):
+        return self.prefill.options(stream=True).prefill.remote(request_id, prompt, params, priority, reservation)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        if self._stats_task is None:
+            self._stats_task = asyncio.create_task(_report_stats(self.replica.engine, "decode"))
+        async for out in self.replica.generate(req.request_id, req.prompt_token_ids, req.sampling_params, req.priority):
+            yield out
+
+    async def info(self) -> dict:
+        engine = self.replica.engine.engine
+        return {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size}
+
+    async def stats(self) -> dict:
+        return self.replica.engine.engine.stats()
+
+    async def check_health(self) -> None:
+        if not self.replica.engine.alive:
+            raise RuntimeError(f"decode replica {self.replica.replica_id}: its engine has stopped")
+
+
+def _record_transfer(stats: TransferStats) -> None:
+    metrics.KV_TRANSFER_BYTES.inc(stats.bytes)
+    metrics.KV_TRANSFER_SECONDS.observe(stats.seconds)

@@ -1,0 +1,115 @@
+"""The disaggregated application: `Router` (ingress: OpenAI HTTP + gRPC) -> `DecodePool` -> `PrefillPool`.
+
+The router tokenises and validates (in the front ends), then streams each request from the decode
+pool, which drives the prefill and the KV handoff (router/pools.py, workers/disagg.py). The KV never
+passes through the router; only token deltas do. Serve picks the decode replica (fewest ongoing
+requests of two sampled) and the decode replica's prefill call picks the prefill replica the same way;
+a decode replica that is full answers `QueueFullError`, which reaches the client as 429.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator
+
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
+from transformers import AutoConfig, AutoTokenizer
+
+from router.config import AppConfig
+from router.grpc_api import InferenceServicer
+from router.openai_api import create_openai_app
+from router.pools import DecodePool, PrefillPool
+from router.protocol import BackendUnavailable, GenerateRequest
+from workers.engine import RequestOutput
+
+log = logging.getLogger(__name__)
+INFO_TIMEOUT_S = 600.0  # the first answer waits for a decode replica to load its model
+
+
+class DisaggregatedBackend:
+    """`router.protocol.Backend` over the decode pool's Serve handle."""
+
+    def __init__(self, config: AppConfig, decode: DeploymentHandle):
+        self.decode = decode
+        self.model_name = config.served_model_name
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model, local_files_only=True)
+        hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
+        self.vocab_size = hf_config.vocab_size
+        # Known exactly once a decode replica answers (the cache size may lower it); until then the
+        # configured or model limit, which the decode engine checks again.
+        self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
+        self._streams: dict[str, Any] = {}
+        self._info_task: asyncio.Task | None = None
+
+    async def _refresh_info(self) -> None:
+        info = await self.decode.info.remote()
+        self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
+
+    async def ready(self) -> bool:
+        if self._info_task is None:
+            self._info_task = asyncio.create_task(asyncio.wait_for(self._refresh_info(), INFO_TIMEOUT_S))
+        if not self._info_task.done():
+            return False
+        if self._info_task.exception() is not None:
+            self._info_task = None  # try again on the next probe
+            return False
+        return True
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        if not await self.ready():
+            raise BackendUnavailable("the decode pool is not ready yet")
+        attempts = 2  # a decode replica that dies before the first token is retried once, elsewhere
+        for attempt in range(1, attempts + 1):
+            stream = self.decode.options(stream=True).generate.remote(req)
+            self._streams[req.request_id] = stream
+            got_any, finished = False, False
+            try:
+                async for out in stream:
+                    got_any = True
+                    finished = out.finished
+                    yield out
+                return
+            except RayActorError as e:
+                if got_any or attempt == attempts:
+                    raise BackendUnavailable(f"decode replica failed during request {req.request_id}: {e}") from e
+                log.warning("request %s: decode replica died before its first token; retrying", req.request_id)
+            finally:
+                self._streams.pop(req.request_id, None)
+                if not finished:
+                    stream.cancel()  # client gone or error: the decode replica aborts, and cancels the prefill
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.cancel()
+
+
+@serve.ingress()
+class Router(InferenceServicer):
+    """Ingress: the OpenAI routes (built per replica by `__serve_build_asgi_app__`) and the gRPC methods."""
+
+    def __init__(self, args: dict[str, Any], decode: DeploymentHandle):
+        self.config = AppConfig.model_validate(args)
+        InferenceServicer.__init__(self, DisaggregatedBackend(self.config, decode), self.config.resolved_api_keys(),
+                                   self.config.request_timeout_s)
+
+    def __serve_build_asgi_app__(self):
+        return create_openai_app(self.backend, self.config.resolved_api_keys(), self.config.request_timeout_s)
+
+
+def build_disaggregated_app(config: AppConfig) -> Application:
+    args = config.model_dump(mode="json")
+    # Pool replicas hold no devices themselves: their ranks are Ray actors that take the GPUs/CPUs.
+    # Serve's default of 5 concurrent requests per replica would starve continuous batching.
+    ongoing = config.max_num_seqs + (config.max_waiting_requests or config.max_num_seqs)
+    actor = {"num_cpus": 0, "num_gpus": 0}
+    prefill = serve.deployment(PrefillPool, name="PrefillPool").options(
+        max_ongoing_requests=ongoing, ray_actor_options=actor, **config.prefill.serve_options()).bind(args)
+    decode = serve.deployment(DecodePool, name="DecodePool").options(
+        max_ongoing_requests=ongoing, ray_actor_options=actor, **config.decode.serve_options()).bind(args, prefill)
+    router = serve.deployment(Router, name="Router").options(
+        max_ongoing_requests=4 * ongoing, ray_actor_options={"num_cpus": 0}).bind(args, decode)
+    return router
