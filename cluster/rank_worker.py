@@ -38,7 +38,8 @@ class RankWorker:
     def kv_setup(self, role: str) -> None:
         from workers.kv_transfer.transport import KVTransferAgent
 
-        self.kv_agent = KVTransferAgent(self.runner.kv_cache, self.runner.kv_shard(self.rank), role)
+        self.kv_agent = KVTransferAgent(self.runner.kv_cache, self.runner.kv_shard(self.rank), role,
+                                        self.runner.config.cache.kv_transfer_timeout_seconds)
 
     def kv(self, method: str, *args):
         """KV transfers and their waits run on other actor threads, beside the steps (max_concurrency > 1)."""

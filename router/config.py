@@ -89,6 +89,7 @@ class DecodePoolConfig(PoolConfig):
 ENGINE_FIELDS = (
     "tokenizer", "dtype", "device", "max_model_len", "load_format", "seed", "attention_backend",
     "block_size", "enable_prefix_caching", "gpu_memory_utilization", "cpu_kv_cache_bytes", "num_blocks", "kv_lease_seconds",
+    "kv_transfer_timeout_seconds",
     "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
 )
 
@@ -114,6 +115,7 @@ class AppConfig(_Strict):
     cpu_kv_cache_bytes: int = _engine_field(CacheConfig, "cpu_kv_cache_bytes")
     num_blocks: int | None = _engine_field(CacheConfig, "num_blocks")
     kv_lease_seconds: float = _engine_field(CacheConfig, "kv_lease_seconds")
+    kv_transfer_timeout_seconds: float = _engine_field(CacheConfig, "kv_transfer_timeout_seconds")
     # ---- batching and queues (SchedulerConfig)
     max_num_seqs: int = _engine_field(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int = _engine_field(SchedulerConfig, "max_num_batched_tokens")

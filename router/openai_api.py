@@ -255,11 +255,9 @@ class OpenAIServer:
             raise bad_request(f"the model `{self.backend.model_name}` has no chat template; use /v1/completions", "messages")
         try:
             ids = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
-                                          **(body.chat_template_kwargs or {}))
+                                          return_dict=False, **(body.chat_template_kwargs or {}))
         except Exception as e:  # a template error is the request's fault (roles, content it rejects)
             raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
         return list(ids)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):

@@ -163,6 +163,15 @@ def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
 
 
+def _by_text(items: list[tuple[int, float]], token_text: Callable[[int], str]) -> dict[str, float]:
+    """Keyed by token text, as the completions format is: where two ids decode alike (partial UTF-8
+    bytes all read as U+FFFD), the more likely one is kept."""
+    out: dict[str, float] = {}
+    for token_id, logprob in items:
+        out.setdefault(token_text(token_id), logprob)
+    return out
+
+
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, float]], n: int, token_text: Callable[[int], str],
                         offset: int = 0) -> dict[str, Any]:
     """The legacy completions format: parallel lists per generated token; `offset` = text already sent."""
@@ -174,7 +183,7 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, float]], n
     return {
         "tokens": tokens,
         "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
-        "top_logprobs": [{token_text(k): v for k, v in _top(e, n)} for e in entries],
+        "top_logprobs": [_by_text(_top(e, n), token_text) for e in entries],
         "text_offset": offsets,
     }
 

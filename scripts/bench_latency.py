@@ -178,9 +178,16 @@ def tandem_prefill(llm: LLM, lengths: list[int], vocab: int, flops_fn, peak: flo
     return out
 
 
-def model_bytes(llm: LLM) -> tuple[int, int]:
+def model_bytes(llm: LLM, cfg) -> tuple[int, int]:
+    """(all weight bytes, bytes a batch-1 decode step reads). For MoE both count only the k of E experts
+    a token is routed to (the other experts' weights are not read)."""
     model = _runner(llm).model
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    k = getattr(cfg, "num_experts_per_tok", None)
+    if k:
+        e = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+        experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+        total = total - experts + experts * k // e
     emb = model.embed_tokens.weight
     tied = model.lm_head is not None and model.lm_head.weight is emb
     read = total - (0 if tied else emb.numel() * emb.element_size())
@@ -232,7 +239,7 @@ def main() -> None:
     for mode in [m for m in args.modes.split(",") if m]:
         llm = make_llm(model_dir, mode, args, max_len, num_blocks, max(max(prefill_lens, default=0), 2048))
         if "weight_bytes" not in report:
-            total, read = model_bytes(llm)
+            total, read = model_bytes(llm, cfg)
             avg_ctx = args.prompt_len + args.gen_len / 2
             kv = kv_per_token * avg_ctx
             report.update(weight_bytes=total, weight_bytes_read=read, kv_bytes_per_step=kv,

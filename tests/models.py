@@ -252,6 +252,13 @@ _hf_models: dict[str, torch.nn.Module] = {}
 _hf_results: dict[tuple, tuple[list[int], torch.Tensor]] = {}
 
 
+def hf_model(path: str):
+    """`load_hf(path)`, memoised per process."""
+    if path not in _hf_models:
+        _hf_models[path] = load_hf(path)
+    return _hf_models[path]
+
+
 def hf_greedy(path: str, prompt: list[int], max_new_tokens: int, *, ignore_eos: bool = True, min_new_tokens: int = 0,
               eos_token_id: int | list[int] | None = None) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens of Hugging Face `generate(do_sample=False)` for one prompt, and the log-softmax of
@@ -263,9 +270,7 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int, *, ignore_eos: 
     key = (path, tuple(prompt), max_new_tokens, ignore_eos, min_new_tokens, repr(eos_token_id))
     if key in _hf_results:
         return _hf_results[key]
-    if path not in _hf_models:
-        _hf_models[path] = load_hf(path)
-    model = _hf_models[path]
+    model = hf_model(path)
     eos = eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id
     eos_set = {eos} if isinstance(eos, int) else set(eos or [])
     seq, out, logits = list(prompt), [], []
@@ -296,5 +301,6 @@ def assert_engine_clean(llm) -> None:
     bm.check_invariants()
     assert not engine.has_unfinished_requests(), f"requests left: {list(engine.requests)}"
     assert not engine.scheduler.has_work and not engine.scheduler.seqs
+    assert not getattr(engine.scheduler, "has_leases", False), "KV held or reserved for a peer pool"
     assert bm.num_used_blocks == 0, f"{bm.num_used_blocks} KV blocks still owned"
     assert all(b.ref_count == 0 for b in bm.blocks)

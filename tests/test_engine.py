@@ -92,6 +92,16 @@ def test_seeded_sampling_is_reproducible_across_batches_and_orders(make_llm):
     assert [o.token_ids for o in reseeded] != [o.token_ids for o in together]
 
 
+def test_seeded_sampling_survives_preemption(make_llm):
+    path = tiny_model("qwen3")
+    prompts = prompts_of_lengths([3, 8, 13, 5], VOCAB, seed=5)
+    roomy = make_llm(path).generate(prompts, SAMPLED)
+    tight = make_llm(path, num_blocks=9, max_num_batched_tokens=5)  # 36 tokens of KV for 4 x up to 25
+    outs = tight.generate(prompts, SAMPLED)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
+
+
 def test_sampling_respects_top_k_one_and_tiny_top_p(shared):
     prompts = prompts_of_lengths([4, 9], VOCAB, seed=2)
     ref = shared.generate(prompts, greedy())
@@ -209,8 +219,11 @@ def test_eos_stops_unless_ignore_eos_and_min_tokens_delays_it(make_llm, tmp_path
 def test_min_tokens_with_stop_string(shared):
     full = shared.generate(["Hello world!"], greedy(24))[0]
     stop = _stop_candidates(full.text, 2)[0]
+    early = shared.generate(["Hello world!"], greedy(24, stop=[stop]))[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) < 20
     out = shared.generate(["Hello world!"], greedy(24, stop=[stop], min_tokens=20))[0]
-    assert len(out.token_ids) >= 20
+    assert len(out.token_ids) >= 20 and out.token_ids[:20] == full.token_ids[:20]
+    assert out.text.startswith(full.text[: full.text.index(stop) + len(stop)])  # the early match did not stop it
 
 
 # ---- aborts ----

@@ -6,7 +6,7 @@ log_softmax(logits) to 1e-4.
 import pytest
 import torch
 
-from tests.models import ARCHITECTURES, assert_engine_clean, hf_greedy, prompts_of_lengths, tiny_model
+from tests.models import ARCHITECTURES, assert_engine_clean, hf_greedy, hf_model, prompts_of_lengths, tiny_model
 from workers import LLM, SamplingParams
 
 LENGTHS = [1, 2, 4, 5, 8, 11, 17, 26]  # 1 token up to several blocks of 4 (and of 8)
@@ -199,3 +199,23 @@ def test_eos_and_min_tokens_match_hf(make_llm, tmp_path, min_tokens):
             assert abs(entry[tok] - ref_lp[step, tok].item()) < ATOL
     assert stopped >= 1
     assert outputs[k].token_ids == free_run[: j + 1] and outputs[k].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_repetition_penalty_matches_hf(make_llm, arch):
+    """HF's RepetitionPenaltyLogitsProcessor over prompt + output, greedy: the same tokens."""
+    path = tiny_model(arch)
+    model = hf_model(path)
+    prompts = prompts_of_lengths([3, 9, 14], VOCAB, seed=31)
+    llm = make_llm(path, block_size=4, max_num_batched_tokens=6)
+    # min_tokens bans EOS like HF's min_new_tokens
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, repetition_penalty=1.8, logprobs=0))
+    unpenalised = [hf_greedy(path, p, 12)[0] for p in prompts]
+    assert [o.token_ids for o in outs] != unpenalised  # the penalty changes something
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12, min_new_tokens=12,
+                           repetition_penalty=1.8, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        assert out.token_ids == g.sequences[0, len(prompt):].tolist()
+        lp = torch.log_softmax(torch.stack(g.logits)[:, 0].float(), dim=-1)
+        assert all(abs(e[t] - lp[i, t].item()) < ATOL for i, (e, t) in enumerate(zip(out.logprobs, out.token_ids)))

@@ -1,4 +1,6 @@
-"""The `tandem` command line. Engine flags are generated from the same pydantic models as the Python API."""
+"""The `tandem` command line: `generate` (offline engine), `serve` and `demo` (the served app).
+
+Engine flags are generated from the same pydantic models as the Python API."""
 from __future__ import annotations
 
 import argparse
@@ -68,6 +70,44 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(ns: argparse.Namespace) -> int:
+    from router.demo import main as demo
+
+    return demo(model=ns.model, prompt=ns.prompt, max_tokens=ns.max_tokens)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    """Run the served app in the foreground on the current (or a new local) Ray cluster until Ctrl-C."""
+    import signal
+    import threading
+
+    import yaml
+    from ray import serve
+
+    from router.config import AppConfig
+    from router.demo import start
+
+    args = {}
+    if ns.config:
+        with open(ns.config) as f:
+            loaded = yaml.safe_load(f) or {}
+        # Accept a Serve config file (its first application's args) or a bare args mapping.
+        args = loaded["applications"][0].get("args", {}) if "applications" in loaded else loaded
+    try:
+        AppConfig.model_validate(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    start(args, ns.port, ns.grpc_port, ns.app_name)
+    print(f"Tandem serving on http://127.0.0.1:{ns.port} (OpenAI) and 127.0.0.1:{ns.grpc_port} (gRPC); Ctrl-C stops")
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    serve.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: distributed LLM inference on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="One JSON object per output line.")
     gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="The main job: local Ray, the served app (1 prefill + 1 decode replica, CPU), "
+                                       "one streamed OpenAI and one gRPC request, then shut down.")
+    demo.add_argument("--model", default=None, help="HF model folder (default: the shipped tandem-tiny)")
+    demo.add_argument("--prompt", default="def fibonacci(n):")
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.set_defaults(func=cmd_demo)
+
+    srv = sub.add_parser("serve", help="Run the served app in the foreground (for clusters: serve deploy deploy/serve_config.yaml).")
+    srv.add_argument("--config", help="A Serve config YAML (its first application's args) or a YAML of app args.")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--grpc-port", type=int, default=9000)
+    srv.add_argument("--app-name", default="tandem")
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

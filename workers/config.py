@@ -75,6 +75,8 @@ class CacheConfig(_Strict):
     num_blocks: int | None = Field(default=None, gt=0, description="Override the budget: exact block count.")
     kv_lease_seconds: float = Field(default=60.0, gt=0, description="Disaggregation: how long KV is held for / reserved "
                                     "awaiting the peer pool before it is freed.")
+    kv_transfer_timeout_seconds: float = Field(default=60.0, gt=0, description="Disaggregation: the longest one KV "
+                                               "handoff (pair-group set-up, or one request's send/receive) may take.")
 
 
 class SchedulerConfig(_Strict):

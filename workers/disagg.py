@@ -123,6 +123,7 @@ class DecodeReplica:
         self.shards: list[RankShard] = self.executor.kv_call("get_shard")
         self.prefill = prefill
         self.max_attempts = max_attempts
+        self.transfer_timeout_s = engine.config.cache.kv_transfer_timeout_seconds
         self._pair_locks: dict[str, asyncio.Lock] = {}
         self.transfers: list[TransferStats] = []  # for metrics and tests
         self.on_transfer: Callable[[TransferStats], None] | None = None
@@ -183,7 +184,7 @@ class DecodeReplica:
         import ray
 
         t0 = time.perf_counter()
-        timeout = self.executor.step_timeout_s
+        timeout = self.transfer_timeout_s
         if not self.executor.kv_call("has_group", spec.pair_id, ranks=[0])[0]:
             host, port = ray.get(ready.rank_handles[0].kv.remote("open_store", spec.pair_id), timeout=timeout)
             joins = [h.kv.remote("join", spec, host, port) for h in ready.rank_handles]

@@ -69,8 +69,11 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(path)
         # One process, or one Ray actor per rank: the engine sees only `execute` and `num_blocks`.
         self.executor: Executor = make_executor(config, self.hf_config, self.max_model_len, self.eos_token_ids, show_progress)
-        self.max_model_len = self._fit_max_model_len_to_cache(self.executor.num_blocks * config.cache.block_size)
-        self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        # Under SP each rank's cache is one pool of the block ids (workers/kv_cache.py): sp times the blocks.
+        sp = config.parallel.sequence_parallel_size
+        num_blocks = self.executor.num_blocks * sp
+        self.max_model_len = self._fit_max_model_len_to_cache(num_blocks * config.cache.block_size)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, num_pools=sp)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.requests: dict[str, _Request] = {}
         self.vocab_size = self.hf_config.vocab_size

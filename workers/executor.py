@@ -58,7 +58,8 @@ class UniprocExecutor(Executor):
     def kv_setup(self, role: str) -> None:
         from workers.kv_transfer.transport import KVTransferAgent
 
-        self.kv_agent = KVTransferAgent(self.runner.kv_cache, self.runner.kv_shard(0), role)
+        self.kv_agent = KVTransferAgent(self.runner.kv_cache, self.runner.kv_shard(0), role,
+                                        self.runner.config.cache.kv_transfer_timeout_seconds)
 
     def kv_call(self, method: str, *args, ranks: list[int] | None = None) -> list:
         return [getattr(self.kv_agent, method)(*args)]

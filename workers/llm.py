@@ -23,12 +23,6 @@ class LLM:
 
     @staticmethod
     def _make_engine(config: EngineConfig, show_progress: bool) -> LLMEngine:
-        p = config.parallel
-        if p.sequence_parallel_size > 1:
-            raise ValueError(
-                "sequence_parallel_size > 1 needs sequence-parallel attention in the engine, which this build does not "
-                "have yet; use tensor_parallel_size, pipeline_parallel_size and expert_parallel_size"
-            )
         return LLMEngine(config, show_progress)
 
     def shutdown(self) -> None:
@@ -70,7 +64,8 @@ class LLM:
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         """One conversation through the model's chat template."""
-        token_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        # return_dict=False: transformers 5 returns a BatchEncoding by default, which list() would turn into its keys.
+        token_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         if isinstance(token_ids, dict):
             token_ids = token_ids["input_ids"]
         return self.generate([list(token_ids)], sampling_params)[0]

@@ -14,6 +14,7 @@ import torch
 from parallel.pp import PendingSend, recv_from_prev_stage, send_to_next_stage
 from parallel.state import pp_group, sp_group, tp_group
 from workers.attention import AttentionMetadata, forward_context, get_backend
+from workers.attention.sp_backend import SequenceParallelAttention
 from workers.config import EngineConfig
 from workers.loader import load_model
 from workers.microbatch import split_by_sequence
@@ -21,6 +22,7 @@ from workers.models.layers import PagedAttention
 from workers.sampler import Sampler
 from workers.sampling_params import SamplingParams
 from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
+from workers.sp_plan import gather_sample_hidden, plan_sp_step, sample_owner
 
 log = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
@@ -38,7 +40,9 @@ class ModelRunner:
         self.model = load_model(hf_config, config.model.model, self.dtype, self.device, max_model_len,
                                 config.model.load_format, config.model.seed, show_progress)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
-        self.backend = get_backend(config.model.attention_backend, self.device)
+        self.sp = sp_group()
+        # Under SP each rank holds part of every sequence's KV: attention goes through the SP backend.
+        self.backend = SequenceParallelAttention() if self.sp.size > 1 else get_backend(config.model.attention_backend, self.device)
         self.sampler = Sampler(eos_token_ids)
         self.pp = pp_group()
         self._pp_seq_no = 0  # micro-batches sent/received so far: every stage counts the same
@@ -130,6 +134,9 @@ class ModelRunner:
 
     # ---- one step ----
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        if self.sp.size > 1:  # only the tokens this SP rank owns (workers/sp_plan.py)
+            blocks_per_rank = self.attn_layers[0].kv_cache.shape[1]
+            return plan_sp_step(out.seqs, self.block_size, blocks_per_rank, self.sp, self.device)
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -187,7 +194,7 @@ class ModelRunner:
                 hidden, residual = self.model(token_ids, positions, hidden, residual)
             if not self.pp.is_last:
                 sends.append(send_to_next_stage([hidden, residual], self._pp_seq_no, self.pp))
-            elif sample_rows:
+            elif sample_rows or self.sp.size > 1:
                 sample_hidden.append(hidden[sample_rows])
             self._pp_seq_no += 1
         for pending in sends:
@@ -196,7 +203,12 @@ class ModelRunner:
         if not self.pp.is_last or not to_sample:
             return ModelRunnerOutput({})
         # Micro-batches are contiguous runs of out.seqs, so the rows line up with to_sample.
-        return self.sample(torch.cat(sample_hidden), to_sample)
+        hidden = torch.cat(sample_hidden)
+        if self.sp.size > 1:  # the rows are spread over the SP ranks: the first one samples
+            hidden = gather_sample_hidden(hidden, [sample_owner(s, self.block_size, self.sp.size) for s in to_sample], self.sp)
+            if hidden is None:
+                return ModelRunnerOutput({})
+        return self.sample(hidden, to_sample)
 
     def _recv_activations(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = recv_from_prev_stage(self._pp_seq_no, self.pp, self.device)

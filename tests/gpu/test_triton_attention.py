@@ -102,6 +102,13 @@ def test_decode_padding_rows_are_inert():
     out = decode_attention(pad(q, 1.0), c, bt, pad(meta.seq_lens, 0), 0.125, 4096)
     assert rel_err(out[:2], ref) < 1e-2
     assert not out.isnan().any() and out[2:].abs().max().item() == 0
+    # the same with the K/V write fused into the decode kernel (the CUDA-graph path)
+    c = cache.clone()
+    out = decode_attention(pad(q, 1.0), c, bt, pad(meta.seq_lens, 0), 0.125, 4096, k_new=pad(k, 1.0), v_new=pad(v, 1.0),
+                           slot_mapping=pad(meta.slot_mapping, -1))
+    assert torch.equal(c.float(), ref_cache)
+    assert rel_err(out[:2], ref) < 1e-2
+    assert not out.isnan().any() and out[2:].abs().max().item() == 0
 
 
 @pytest.mark.parametrize("hq,hkv,d", GQA_DIMS)

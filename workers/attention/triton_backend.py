@@ -19,8 +19,9 @@ class TritonAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.decode_only:  # the decode kernel writes the new k/v itself
+            return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len,
+                                    k_new=k, v_new=v, slot_mapping=meta.slot_mapping)
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        if meta.decode_only:
-            return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len)
         return prefill_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                  meta.max_query_len, scale)

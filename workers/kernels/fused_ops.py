@@ -4,13 +4,21 @@ Each reproduces the PyTorch reference in `workers/models/layers.py` rounding ste
 (bf16/fp16 results of every intermediate op are rounded to the model dtype exactly where PyTorch
 rounds them), so the fused path gives the same bits as the unfused one; the win is one kernel
 (one pass over memory) instead of 5-10 small ones per call, which dominates batch-1 decode.
-The CPU path never calls these.
+The CPU path never calls these. Kernels launch with `enable_fp_fusion=False` and use IEEE exp/div
+(libdevice, div_rn) where PyTorch's CUDA kernels do.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+# No mul+add -> fma contraction: PyTorch rounds each product to the dtype before the add.
+_EXACT = dict(enable_fp_fusion=False)
+_LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"  # the CPU interpreter (kernel tests) has no libdevice
 
 
 # ---------------------------------------------------------------- RMSNorm
@@ -49,7 +57,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if residual is None:
         if rows:
             _rms_norm_kernel[(rows,)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, eps,
-                                      N=n, BLOCK=block, HAS_RES=False, num_warps=warps)
+                                      N=n, BLOCK=block, HAS_RES=False, num_warps=warps, **_EXACT)
         return out.view(shape)
     r2 = residual.reshape(-1, n)
     if r2.stride(-1) != 1:
@@ -57,20 +65,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res_out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
         _rms_norm_kernel[(rows,)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
-                                  res_out.stride(0), eps, N=n, BLOCK=block, HAS_RES=True, num_warps=warps)
+                                  res_out.stride(0), eps, N=n, BLOCK=block, HAS_RES=True, num_warps=warps, **_EXACT)
     return out.view(shape), res_out.view(shape)
 
 
 # ---------------------------------------------------------------- SiLU and mul
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr,
+                         LIBDEVICE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + N + offs, mask=mask, other=0.0)
-    s = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # F.silu, rounded to the dtype
+    if LIBDEVICE:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    s = tl.div_rn(g, 1.0 + e).to(u.dtype)  # F.silu (x / (1 + expf(-x))), rounded to the dtype
     y = (s.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
@@ -84,28 +97,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(2048, triton.next_power_of_2(n))
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), out.stride(0), N=n,
-                                                                   BLOCK=block, num_warps=4)
+                                                                   BLOCK=block, LIBDEVICE=_LIBDEVICE, num_warps=4, **_EXACT)
     return out.view(*gate_up.shape[:-1], n)
 
 
 # ---------------------------------------------------------------- RoPE (neox / rotate-half)
 
 @triton.jit
-def _rope_kernel(x_ptr, out_ptr, pos_ptr, cos_sin_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_cp,
-                 H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+def _rope_rows(x_ptr, out_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, c1, c2, s1, s2,
+               H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr):
     HALF: tl.constexpr = D // 2
+    dt = x_ptr.dtype.element_ty
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, HALF)
     mask = offs_h[:, None] < H
-    # table [P, 2, D] fp32, cos then sin; both halves of a row hold the same values (cat(freqs, freqs))
-    cs = cos_sin_ptr + pos * stride_cp
-    dt = x_ptr.dtype.element_ty
-    c1 = tl.load(cs + offs_d).to(dt).to(tl.float32)
-    c2 = tl.load(cs + HALF + offs_d).to(dt).to(tl.float32)
-    s1 = tl.load(cs + D + offs_d).to(dt).to(tl.float32)
-    s2 = tl.load(cs + D + HALF + offs_d).to(dt).to(tl.float32)
     base = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh
     x1 = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -117,17 +122,38 @@ def _rope_kernel(x_ptr, out_ptr, pos_ptr, cos_sin_ptr, stride_xt, stride_xh, str
     tl.store(obase + HALF + offs_d[None, :], o2, mask=mask)
 
 
-def _rope_one(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    t, h, d = x.shape
-    if x.stride(2) != 1:
-        x = x.contiguous()
-    out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
-    if t:
-        _rope_kernel[(t,)](x, out, positions, cos_sin, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-                           cos_sin.stride(0), H=h, H_PAD=triton.next_power_of_2(h), D=d, num_warps=4)
-    return out
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_sin_ptr,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cp,
+                 HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr, HK_PAD: tl.constexpr, D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    HALF: tl.constexpr = D // 2
+    offs_d = tl.arange(0, HALF)
+    # table [P, 2, D] fp32, cos then sin, cast to the model dtype as `cos_sin[positions].to(q.dtype)`
+    cs = cos_sin_ptr + pos * stride_cp
+    dt = q_ptr.dtype.element_ty
+    c1 = tl.load(cs + offs_d).to(dt).to(tl.float32)
+    c2 = tl.load(cs + HALF + offs_d).to(dt).to(tl.float32)
+    s1 = tl.load(cs + D + offs_d).to(dt).to(tl.float32)
+    s2 = tl.load(cs + D + HALF + offs_d).to(dt).to(tl.float32)
+    _rope_rows(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, c1, c2, s1, s2, HQ, HQ_PAD, D)
+    _rope_rows(k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, c1, c2, s1, s2, HK, HK_PAD, D)
 
 
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
     """q [T, Hq, D], k [T, Hkv, D], cos_sin [P, 2, D] fp32 contiguous -> rotated (q, k), new tensors."""
-    return _rope_one(q, positions, cos_sin), _rope_one(k, positions, cos_sin)
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    qo = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    ko = torch.empty(t, hk, d, dtype=k.dtype, device=k.device)
+    if t:
+        _rope_kernel[(t,)](q, k, qo, ko, positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                           qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos_sin.stride(0),
+                           HQ=hq, HQ_PAD=triton.next_power_of_2(hq), HK=hk, HK_PAD=triton.next_power_of_2(hk), D=d,
+                           num_warps=4, **_EXACT)
+    return qo, ko

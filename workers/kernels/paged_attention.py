@@ -61,11 +61,13 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_o, part_lse,
+                         k_new, v_new, slot_ptr,  # FUSE_WRITE: this step's k/v [B, Hkv, D] and their slots
                          qk_scale,  # softmax scale * log2(e)
                          stride_qt, stride_qh, stride_ot, stride_oh,
                          stride_cb, stride_cs, stride_ch, stride_bt,
+                         stride_knt, stride_knh, stride_vnt, stride_vnh,
                          GQA: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_WRITE: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -81,6 +83,17 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
     mask_g = offs_g < GQA
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None], other=0.0)
+    if FUSE_WRITE:
+        # The new token (position seq_len - 1) is taken from registers, not re-read from the cache, and
+        # the program whose slice holds it writes it to its slot (no other program reads that slot now).
+        kn = tl.load(k_new + b.to(tl.int64) * stride_knt + kvh * stride_knh + offs_d)
+        vn = tl.load(v_new + b.to(tl.int64) * stride_vnt + kvh * stride_vnh + offs_d)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        owner = (num_tiles - 1) // tiles_per_split
+        if (split == owner) & (slot >= 0) & (num_tiles > 0):
+            dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kvh * stride_ch + offs_d
+            tl.store(k_cache + dst, kn)
+            tl.store(v_cache + dst, vn)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
@@ -91,6 +104,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
         blk = tl.load(bt_row + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
         kv_off = blk * stride_cb + (offs_n % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(k_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        if FUSE_WRITE:
+            is_new = (offs_n == seq_len - 1)[:, None]
+            k = tl.where(is_new, kn[None, :], k)
         qk = tl.dot(q, tl.trans(k)) * qk_scale  # [G_PAD, BLOCK_N], log2 domain
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -98,6 +114,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        if FUSE_WRITE:
+            v = tl.where(is_new, vn[None, :], v)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -160,8 +178,10 @@ def _sm_count(device: torch.device) -> int:
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, max_seq_len: int, out: torch.Tensor | None = None,
-                     num_splits: int | None = None) -> torch.Tensor:
-    """q [B, Hq, D] (one new token per sequence, already in the cache) -> [B, Hq, D]."""
+                     num_splits: int | None = None, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+                     slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq, D] -> [B, Hq, D]. The new token's k/v are either already in the cache, or given as
+    k_new/v_new [B, Hkv, D] with slot_mapping [B]: then this kernel writes them (one launch less)."""
     b, hq, d = q.shape
     kc, vc = kv_cache[0], kv_cache[1]
     hkv = kc.shape[2]
@@ -178,11 +198,18 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     else:
         part_o = part_lse = out  # unused
     block_n = decode_block_n(kc.shape[1])
+    fuse = k_new is not None
+    if fuse:
+        assert k_new.stride(2) == 1 and v_new.stride(2) == 1 and slot_mapping is not None
+    else:
+        k_new = v_new = q
+        slot_mapping = seq_lens
     _decode_split_kernel[(b, hkv, s)](
-        q, kc, vc, block_tables, seq_lens, out, part_o, part_lse, scale * _LOG2E,
+        q, kc, vc, block_tables, seq_lens, out, part_o, part_lse, k_new, v_new, slot_mapping, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
-        GQA=gqa, G_PAD=g_pad, D=d, PAGE=kc.shape[1], BLOCK_N=block_n, NUM_SPLITS=s,
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        GQA=gqa, G_PAD=g_pad, D=d, PAGE=kc.shape[1], BLOCK_N=block_n, NUM_SPLITS=s, FUSE_WRITE=fuse,
         num_warps=4, num_stages=2)
     if s > 1:
         _decode_reduce_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), HQ=hq, D=d,

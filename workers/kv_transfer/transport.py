@@ -15,6 +15,7 @@ import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from workers.kv_transfer.blocks import gather_blocks, scatter_blocks, transfer_s
 from workers.kv_transfer.plan import RankShard, Transfer
 
 log = logging.getLogger(__name__)
+MAX_UNCOLLECTED_ACKS = 1024  # sends whose ack nobody waited for (the handoff failed): the oldest are forgotten
 
 
 class KVTransferError(RuntimeError):
@@ -66,10 +68,19 @@ class KVTransferAgent:
         self._groups: dict[str, dist.ProcessGroup] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
-        self._sent: dict[str, threading.Event] = {}  # request id -> its KV left this rank (the prefill side's ack)
+        # request id -> its KV left this rank (the prefill side's ack); bounded, see `_ack`.
+        self._sent: OrderedDict[str, threading.Event] = OrderedDict()
+        self._acks_lock = threading.Lock()
+        self._send_delay_s = 0.0  # failpoint, see set_send_delay
 
     def get_shard(self) -> RankShard:
         return self.shard
+
+    def set_send_delay(self, seconds: float) -> None:
+        """Failpoint for tests: every later `send` stalls this long after gathering its blocks and before
+        posting them (a stuck link or peer). The stall is on the pair group the send started with, so
+        a stalled send never posts into a group rebuilt after it gave up. 0 turns it off."""
+        self._send_delay_s = max(0.0, seconds)
 
     # ---- group set-up (called through Ray by the pool that drives the handoff) ----
     def open_store(self, pair_id: str) -> tuple[str, int]:
@@ -108,25 +119,36 @@ class KVTransferAgent:
         try:
             return self._send(spec, plan, dst_shards, block_ids)
         finally:
-            self._sent.setdefault(request_id, threading.Event()).set()
+            self._ack(request_id).set()
 
     def wait_sent(self, request_id: str, timeout_s: float) -> bool:
         """Prefill side: block until this request's send finished here (or failed); False on timeout."""
-        done = self._sent.setdefault(request_id, threading.Event()).wait(timeout_s)
-        self._sent.pop(request_id, None)
+        done = self._ack(request_id).wait(timeout_s)
+        with self._acks_lock:
+            self._sent.pop(request_id, None)
         return done
+
+    def _ack(self, request_id: str) -> threading.Event:
+        """The request's ack event. A failed handoff never collects its ack, so only the newest
+        MAX_UNCOLLECTED_ACKS are kept."""
+        with self._acks_lock:
+            event = self._sent.setdefault(request_id, threading.Event())
+            while len(self._sent) > MAX_UNCOLLECTED_ACKS:
+                self._sent.popitem(last=False)
+            return event
 
     def _send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_ids: list[int]) -> int:
         group = self._group(spec.pair_id)
-        works, sent = [], 0
+        bufs = []
         for tag, t in enumerate(plan):
-            if t.src != self.shard.rank:
-                continue
-            src_layers, src_heads, _, _ = t.local_slices(self.shard, dst_shards[t.dst])
-            buf = gather_blocks(self.kv_cache, block_ids, src_layers, src_heads)
-            works.append((group.send([buf], spec.num_prefill_ranks + t.dst, tag), buf))
-            sent += buf.numel() * buf.element_size()
-        self._wait(spec.pair_id, [w for w, _ in works])
+            if t.src == self.shard.rank:
+                src_layers, src_heads, _, _ = t.local_slices(self.shard, dst_shards[t.dst])
+                bufs.append((tag, t.dst, gather_blocks(self.kv_cache, block_ids, src_layers, src_heads)))
+        if self._send_delay_s:
+            time.sleep(self._send_delay_s)
+        works = [group.send([buf], spec.num_prefill_ranks + dst, tag) for tag, dst, buf in bufs]
+        self._wait(spec.pair_id, group, works)
+        sent = sum(buf.numel() * buf.element_size() for _, _, buf in bufs)
         self.bytes_sent += sent
         return sent
 
@@ -141,7 +163,7 @@ class KVTransferAgent:
             buf = torch.empty(transfer_shape(self.kv_cache, len(block_ids), dst_layers, dst_heads),
                               dtype=self.kv_cache.dtype, device=self.kv_cache.device)
             pending.append((group.recv([buf], t.src, tag), buf, dst_layers, dst_heads))
-        self._wait(spec.pair_id, [w for w, *_ in pending])
+        self._wait(spec.pair_id, group, [w for w, *_ in pending])
         received = 0
         for _, buf, layers, heads in pending:
             scatter_blocks(self.kv_cache, block_ids, layers, heads, buf)
@@ -155,7 +177,7 @@ class KVTransferAgent:
             raise KVTransferError(f"no transfer group for {pair_id}: join() first")
         return group
 
-    def _wait(self, pair_id: str, works: list) -> None:
+    def _wait(self, pair_id: str, group: dist.ProcessGroup, works: list) -> None:
         deadline = time.monotonic() + self.timeout.total_seconds()
         try:
             for w in works:
@@ -164,5 +186,6 @@ class KVTransferAgent:
             if self.kv_cache.is_cuda:
                 torch.cuda.current_stream().synchronize()
         except Exception as e:  # noqa: BLE001 - any transport failure leaves the group unusable
-            self.drop(pair_id)
+            if self._groups.get(pair_id) is group:  # not one rebuilt since this transfer began
+                self.drop(pair_id)
             raise KVTransferError(f"KV transfer on {pair_id} failed ({self.role} rank {self.shard.rank}): {e}") from e

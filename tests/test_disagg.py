@@ -1,0 +1,611 @@
+"""Disaggregated serving end to end: a prefill replica and a decode replica, each with its ranks as Ray
+actors, hand a prompt's KV over through their pair group (gloo on CPU), resharding between layouts.
+
+Two pairs, one alive at a time (a pair takes 3 of the module's 4 Ray CPUs):
+- "tp2->tp1": a GQA Llama (2 KV heads) prefilled on 2 ranks (one head each) and decoded on 1 rank
+  (both heads): correctness, bytes moved, prefix hits, concurrency, aborts in every state, a stalled
+  transfer, a killed prefill rank.
+- "tp1->tp2": a Qwen3 with one KV head, prefilled on 1 rank and decoded on 2 ranks that both hold that
+  head (KV heads < TP): correctness and bytes, the prefill side's lease, a killed decode rank.
+Prefill engines take 16 tokens a step, so a 40-token prompt is prefilled over 3 steps; `StepGate`
+stops an engine's step loop between two of them to act on a request mid-prefill, deterministically.
+
+After every test both engines hold no block, no lease and no request, and their block manager's
+invariants hold (frees that land asynchronously get a short poll).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, TypeVar
+
+import pytest
+import ray
+from transformers import AutoConfig
+
+from tests.models import assert_engine_clean, hf_greedy, prompts_of_lengths, tiny_model
+from workers.async_engine import AsyncEngine, EngineDeadError
+from workers.config import EngineConfig
+from workers.disagg import DecodeReplica, PrefillReady, PrefillReplica, Reservation
+from workers.engine import LLMEngine, RequestOutput
+from workers.executor import ExecutorError
+from workers.kv_transfer.plan import RankShard
+from workers.kv_transfer.transport import KVTransferError
+from workers.llm import LLM
+from workers.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+T = TypeVar("T")
+
+BLOCK = 4
+VOCAB = 290  # prompt ids stay below both tiny vocabularies
+PREFILL_CHUNK = 16  # max_num_batched_tokens of the prefill engines
+TRANSFER_TIMEOUT_S = 4.0  # kv_transfer_timeout_seconds of every engine here (default 60)
+LEASE_S = 4.0  # kv_lease_seconds of the "tp1->tp2" prefill engine (default 60)
+TEST_TIMEOUT_S = 180.0
+WAIT_S = 60.0  # the longest any single condition is waited for
+COMMON = dict(block_size=BLOCK, num_blocks=128, distributed_executor_backend="ray",
+              kv_transfer_timeout_seconds=TRANSFER_TIMEOUT_S)
+PAIRS = {
+    "tp2->tp1": dict(model=("llama", {}),
+                     prefill=dict(tensor_parallel_size=2, max_num_batched_tokens=PREFILL_CHUNK),
+                     decode=dict(tensor_parallel_size=1)),
+    "tp1->tp2": dict(model=("qwen3", dict(num_key_value_heads=1)),
+                     prefill=dict(tensor_parallel_size=1, max_num_batched_tokens=PREFILL_CHUNK, kv_lease_seconds=LEASE_S),
+                     decode=dict(tensor_parallel_size=2)),
+}
+
+
+def greedy(max_tokens: int = 6, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+# ---------------------------------------------------------------- replicas
+
+
+@dataclass
+class Pair:
+    path: str
+    prefill: PrefillReplica
+    decode: DecodeReplica
+    prefill_calls: list[str] = field(default_factory=list)  # request ids the decode side asked the prefill side for
+
+    @property
+    def P(self) -> LLMEngine:
+        return self.prefill.engine.engine
+
+    @property
+    def D(self) -> LLMEngine:
+        return self.decode.engine.engine
+
+    def shutdown(self) -> None:
+        for engine in (self.P, self.D):
+            engine.shutdown()
+
+
+def _build_pair(name: str) -> Pair:
+    spec = PAIRS[name]
+    arch, overrides = spec["model"]
+    path = tiny_model(arch, **overrides)
+
+    def engine(kw: dict) -> LLMEngine:
+        return LLMEngine(EngineConfig.from_kwargs(model=path, **COMMON, **kw), show_progress=False)
+
+    prefill = PrefillReplica(engine(spec["prefill"]))
+    pair = Pair(path, prefill, None)  # type: ignore[arg-type]
+
+    async def client(rid: str, prompt: list[int], params: SamplingParams, prio: int, res: Reservation) -> AsyncIterator[PrefillReady]:
+        pair.prefill_calls.append(rid)
+        async for ready in prefill.prefill(rid, prompt, params, prio, res):
+            yield ready
+
+    pair.decode = DecodeReplica(engine(spec["decode"]), client)
+    return pair
+
+
+class Pools:
+    """The pair a test asks for; building one shuts the other down (the module's Ray has 4 CPUs)."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.pair: Pair | None = None
+
+    def get(self, name: str) -> Pair:
+        if self.name != name:
+            self.close()
+            self.pair, self.name = _build_pair(name), name
+        return self.pair
+
+    def close(self) -> None:
+        if self.pair is not None:
+            self.pair.shutdown()
+        self.pair = self.name = None
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def run():
+    """Runs a test's coroutine on the module's one event loop (the replicas' step loops live on it)."""
+    loop = asyncio.new_event_loop()
+
+    def run(coro: Coroutine[Any, Any, T], timeout: float = TEST_TIMEOUT_S) -> T:
+        return loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+    yield run
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def pools(ray_session, run):
+    pools = Pools()
+    yield pools
+    pools.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Outputs of the single-process `LLM` on the same model (one engine per model, kept for the module)."""
+    llms: dict[str, LLM] = {}
+
+    def reference(path: str, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        if path not in llms:
+            llms[path] = LLM(path, block_size=BLOCK, show_progress=False)
+        return llms[path].generate(prompts, params)
+
+    yield reference
+    for llm in llms.values():
+        llm.shutdown()
+
+
+# ---------------------------------------------------------------- helpers
+
+
+async def generate(decode: DecodeReplica, rid: str, prompt: list[int], params: SamplingParams) -> RequestOutput:
+    last = None
+    async for out in decode.generate(rid, prompt, params):
+        last = out
+    assert last is not None and last.finished
+    return last
+
+
+async def poll(ok: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f}s: {what}")
+        await asyncio.sleep(0.02)
+
+
+async def locked(replica: PrefillReplica | DecodeReplica, fn: Callable[[LLMEngine], T]) -> T:
+    """fn(engine) under the engine's lock (the step thread may be mutating it); works on a dead engine."""
+    aengine: AsyncEngine = replica.engine
+    return await asyncio.to_thread(aengine._locked, fn, aengine.engine)
+
+
+async def settle(pair: Pair, timeout: float = 10.0) -> None:
+    """Both engines reach the clean state: no block used, nothing held or reserved, no request left."""
+    for replica in (pair.prefill, pair.decode):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                await locked(replica, assert_engine_clean)
+                break
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
+
+async def expect_cancelled(task: asyncio.Task) -> None:
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def prefilling(rid: str) -> Callable[[LLMEngine], bool]:
+    """The request is part-way through its prompt on this engine."""
+    def when(engine: LLMEngine) -> bool:
+        seq = engine.scheduler.seqs.get(rid)
+        return seq is not None and 0 < seq.num_computed_tokens < seq.num_prompt_tokens
+    return when
+
+
+class StepGate:
+    """Stops a replica's step loop after the first step at which `when(engine)` holds, until the `with`
+    block ends. It stops outside the engine lock: engine calls (new requests, aborts) still go through."""
+
+    def __init__(self, replica: PrefillReplica | DecodeReplica, when: Callable[[LLMEngine], bool]):
+        self.aengine: AsyncEngine = replica.engine
+        self.when = when
+        self.reached = threading.Event()
+        self._resume = threading.Event()
+
+    def __enter__(self) -> "StepGate":
+        step = self.aengine._step
+
+        def gated_step() -> list[RequestOutput]:
+            outputs = step()
+            if not self.reached.is_set() and self.aengine._locked(self.when, self.aengine.engine):
+                self.reached.set()
+                self._resume.wait(WAIT_S)
+            return outputs
+
+        self.aengine._step = gated_step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.aengine._step
+        self._resume.set()
+
+    async def wait(self) -> None:
+        assert await asyncio.to_thread(self.reached.wait, WAIT_S), "the engine never reached the awaited state"
+
+
+class Hook:
+    """Wraps obj.name (a method run in a worker thread): records when calls enter and leave it and, with
+    block=True, holds them at the entrance until the `with` block ends."""
+
+    def __init__(self, obj: object, name: str, block: bool = False):
+        self.obj, self.name, self.block = obj, name, block
+        self.entered, self.exited = threading.Event(), threading.Event()
+        self._go = threading.Event()
+
+    def __enter__(self) -> "Hook":
+        fn = getattr(self.obj, self.name)
+
+        def hooked(*args, **kwargs):
+            self.entered.set()
+            if self.block:
+                self._go.wait(WAIT_S)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.exited.set()
+
+        setattr(self.obj, self.name, hooked)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        delattr(self.obj, self.name)
+        self._go.set()
+
+    async def wait_entered(self) -> None:
+        assert await asyncio.to_thread(self.entered.wait, WAIT_S), f"{self.name} was never called"
+
+
+def kv_bytes_per_block(path: str, shards: list[RankShard]) -> int:
+    """KV bytes one block takes on a replica, summed over its ranks (float32 on CPU)."""
+    cfg = AutoConfig.from_pretrained(path)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return sum(2 * len(s.layers) * BLOCK * len(s.heads) * head_dim * 4 for s in shards)
+
+
+def blocks_needed(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK)
+
+
+def assert_same_output(got: RequestOutput, want: RequestOutput) -> None:
+    assert got.token_ids == want.token_ids
+    assert got.text == want.text and got.finish_reason == want.finish_reason
+    if want.logprobs is not None:
+        for got_lp, want_lp in zip(got.logprobs, want.logprobs, strict=True):
+            assert list(got_lp) == list(want_lp)
+            assert list(got_lp.values()) == pytest.approx(list(want_lp.values()), abs=1e-4)
+
+
+# ---------------------------------------------------------------- prefill TP=2 -> decode TP=1
+
+
+def test_tp2_to_tp1_matches_hf_and_single_process(pools, run, reference):
+    pair = pools.get("tp2->tp1")
+    assert [s.heads for s in pair.prefill.shards] == [range(0, 1), range(1, 2)]
+    assert [s.heads for s in pair.decode.shards] == [range(0, 2)]
+    prompts = prompts_of_lengths([1, 6, 13, 21], VOCAB, seed=1)
+    params = greedy(8, logprobs=2)  # the first token's logprobs travel with it from the prefill side
+    outs = [run(generate(pair.decode, f"a-{i}", p, params)) for i, p in enumerate(prompts)]
+    for out, want, prompt in zip(outs, reference(pair.path, prompts, params), prompts, strict=True):
+        assert out.token_ids == hf_greedy(pair.path, prompt, 8)[0]
+        assert_same_output(out, want)
+    run(settle(pair))
+
+
+def test_bytes_moved_are_the_prompt_kv_minus_decode_prefix_hits(pools, run):
+    pair = pools.get("tp2->tp1")
+    per_block = kv_bytes_per_block(pair.path, pair.decode.shards)
+    assert per_block == 2 * 2 * BLOCK * 2 * 16 * 4  # 2 layers x K,V x 4 tokens x 2 KV heads x head_dim 16 x fp32
+    first, tail = prompts_of_lengths([18, 7], VOCAB, seed=2)
+    second = first[:10] + tail  # shares two full blocks (and two more tokens) with `first`
+    n = len(pair.decode.transfers)
+
+    out1 = run(generate(pair.decode, "bytes-1", first, greedy()))
+    moved = pair.decode.transfers[n]
+    assert (moved.blocks, moved.bytes) == (blocks_needed(18), blocks_needed(18) * per_block)
+    assert out1.num_cached_tokens == 0
+
+    # The decode side caches the blocks it received: the second prompt only needs the ones after them.
+    out2 = run(generate(pair.decode, "bytes-2", second, greedy()))
+    hits = 2
+    moved = pair.decode.transfers[n + 1]
+    assert out2.num_cached_tokens == hits * BLOCK
+    assert (moved.blocks, moved.bytes) == (blocks_needed(17) - hits, (blocks_needed(17) - hits) * per_block)
+    assert len(pair.decode.transfers) == n + 2
+    assert out1.token_ids == hf_greedy(pair.path, first, 6)[0]
+    assert out2.token_ids == hf_greedy(pair.path, second, 6)[0]
+    run(settle(pair))
+
+
+def test_concurrent_mixed_requests(pools, run, reference):
+    pair = pools.get("tp2->tp1")
+    prompts = prompts_of_lengths([1, 3, 4, 5, 9, 16, 23, 30], VOCAB, seed=3)
+    params = [
+        greedy(6),
+        SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=11),
+        greedy(1),  # finished by its first token, on the prefill side: nothing to transfer
+        SamplingParams(temperature=0.7, top_k=5, max_tokens=7, ignore_eos=True, seed=3),
+        greedy(5, logprobs=3),
+        greedy(6, repetition_penalty=1.3),  # the decode side rebuilds the token history
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, seed=5),
+        greedy(4, stop_token_ids=[7]),
+    ]
+    n = len(pair.decode.transfers)
+
+    async def all_at_once() -> list[RequestOutput]:
+        return await asyncio.gather(*(generate(pair.decode, f"mix-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))))
+
+    outs = run(all_at_once())
+    # Seeded draws depend on (seed, token index) only, so they match one process running them all.
+    for out, want in zip(outs, reference(pair.path, prompts, params), strict=True):
+        assert_same_output(out, want)
+    for out, prompt, sp in zip(outs, prompts, params):
+        if sp.greedy and sp.repetition_penalty == 1.0 and not sp.stop_token_ids:
+            assert out.token_ids == hf_greedy(pair.path, prompt, sp.max_tokens)[0]
+    assert len(pair.decode.transfers) - n == len(prompts) - 1
+    run(settle(pair))
+
+
+# ---------------------------------------------------------------- aborts, in each state of a request
+
+
+def test_abort_while_queued(pools, run):
+    """A request with a decode reservation waits in the prefill queue behind a long prompt; it is cancelled."""
+    pair = pools.get("tp2->tp1")
+    long, short = prompts_of_lengths([40, 6], VOCAB, seed=4)
+
+    async def body() -> RequestOutput:
+        with StepGate(pair.prefill, prefilling("q-long")) as gate:
+            long_task = asyncio.create_task(generate(pair.decode, "q-long", long, greedy(4)))
+            await gate.wait()
+            short_task = asyncio.create_task(generate(pair.decode, "q-short", short, greedy(4)))
+            await poll(lambda: "q-short" in pair.D.scheduler.reserved
+                       and any(s.seq_id == "q-short" for s in pair.P.scheduler.waiting), "q-short reserved and queued")
+            await expect_cancelled(short_task)
+            # Both sides let go of it at once, while the prefill engine is still stopped mid-prompt.
+            await poll(lambda: "q-short" not in pair.D.scheduler.reserved and "q-short" not in pair.P.scheduler.seqs,
+                       "q-short freed on both sides")
+        return await long_task
+
+    assert run(body()).token_ids == hf_greedy(pair.path, long, 4)[0]
+    run(settle(pair))
+
+
+def test_abort_while_an_engine_call_is_in_flight(pools, run):
+    """Cancelled while its reservation (decode side) or its admission (prefill side) runs in the engine's
+    thread: what lands after the caller left must be undone, not left to the 60 s lease."""
+    pair = pools.get("tp2->tp1")
+    (prompt,) = prompts_of_lengths([9], VOCAB, seed=5)
+
+    async def body() -> None:
+        for engine, method, rid in ((pair.D, "reserve", "c-reserve"), (pair.P, "add_request", "c-add")):
+            with Hook(engine, method, block=True) as hook:
+                task = asyncio.create_task(generate(pair.decode, rid, prompt, greedy()))
+                await hook.wait_entered()
+                task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await settle(pair)
+
+    run(body())
+
+
+def test_abort_while_prefilling(pools, run):
+    pair = pools.get("tp2->tp1")
+    (long,) = prompts_of_lengths([40], VOCAB, seed=6)
+
+    async def body() -> None:
+        with StepGate(pair.prefill, prefilling("p-long")) as gate:
+            task = asyncio.create_task(generate(pair.decode, "p-long", long, greedy()))
+            await gate.wait()
+            assert "p-long" in pair.D.scheduler.reserved
+            await expect_cancelled(task)
+            await settle(pair)  # freed without the prefill engine taking another step
+        await settle(pair)
+
+    run(body())
+
+
+def test_abort_while_transferring(pools, run):
+    pair = pools.get("tp2->tp1")
+    p1, p2 = prompts_of_lengths([14, 11], VOCAB, seed=7)
+    pair.prefill.executor.kv_call("set_send_delay", 1.0)  # well inside the transfer timeout
+
+    async def body() -> None:
+        with Hook(pair.decode, "_transfer_blocking") as transfer:
+            task = asyncio.create_task(generate(pair.decode, "t-1", p1, greedy()))
+            await transfer.wait_entered()
+            await expect_cancelled(task)
+            # The cancelled caller got control back only once the transfer stopped writing into its
+            # decode blocks and released the pair: neither may be reused before that.
+            assert transfer.exited.is_set()
+
+    try:
+        run(body())
+    finally:
+        pair.prefill.executor.kv_call("set_send_delay", 0.0)
+    run(settle(pair))
+    # The pair is still in step: the next request over it is correct.
+    assert run(generate(pair.decode, "t-2", p2, greedy())).token_ids == hf_greedy(pair.path, p2, 6)[0]
+    run(settle(pair))
+
+
+def test_abort_while_decoding(pools, run):
+    pair = pools.get("tp2->tp1")
+    (prompt,) = prompts_of_lengths([7], VOCAB, seed=8)
+    outs: list[RequestOutput] = []
+    decoding = asyncio.Event()
+
+    async def consume() -> None:
+        async for out in pair.decode.generate("d-1", prompt, greedy(150)):
+            outs.append(out)
+            decoding.set()
+
+    async def body() -> None:
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(decoding.wait(), WAIT_S)
+        assert "d-1" in pair.D.scheduler.seqs
+        await expect_cancelled(task)
+
+    run(body())
+    assert 1 <= len(outs[-1].token_ids) < 150
+    run(settle(pair))
+
+
+# ---------------------------------------------------------------- failures
+
+
+def test_stalled_transfer_times_out_and_leaks_nothing(pools, run):
+    pair = pools.get("tp2->tp1")
+    p1, p2 = prompts_of_lengths([10, 12], VOCAB, seed=9)
+    pair.prefill.executor.kv_call("set_send_delay", TRANSFER_TIMEOUT_S + 2)
+    start = time.monotonic()
+    try:
+        with pytest.raises(KVTransferError, match="s-1"):
+            run(generate(pair.decode, "s-1", p1, greedy()))
+    finally:
+        pair.prefill.executor.kv_call("set_send_delay", 0.0)
+    elapsed = time.monotonic() - start
+    # Retried once with a fresh prefill, each attempt given up after the configured transfer timeout.
+    assert pair.prefill_calls.count("s-1") == 2
+    assert 2 * TRANSFER_TIMEOUT_S <= elapsed < 2 * TRANSFER_TIMEOUT_S + 20
+    run(settle(pair))
+    # The pair group was rebuilt: a new transfer works while the stalled sends are still winding down.
+    assert run(generate(pair.decode, "s-2", p2, greedy())).token_ids == hf_greedy(pair.path, p2, 6)[0]
+    run(settle(pair))
+
+
+def test_killed_prefill_rank_fails_the_request_and_frees_the_reservation(pools, run):
+    pair = pools.get("tp2->tp1")
+    (long,) = prompts_of_lengths([40], VOCAB, seed=10)
+
+    async def body() -> None:
+        with StepGate(pair.prefill, prefilling("k-1")) as gate:
+            task = asyncio.create_task(generate(pair.decode, "k-1", long, greedy()))
+            await gate.wait()
+            ray.kill(pair.prefill.executor.workers[0])
+            start = time.monotonic()
+        # The prefill engine's next step finds its rank gone; the one retry finds the engine dead.
+        with pytest.raises(EngineDeadError, match=r"rank 0 \(pp=0, sp=0, tp=0\) died"):
+            await task
+        assert time.monotonic() - start < 30
+        assert pair.prefill_calls.count("k-1") == 2
+        await settle(pair)
+
+    try:
+        run(body())
+    finally:
+        pools.close()
+
+
+# ---------------------------------------------------------------- prefill TP=1 -> decode TP=2, one KV head
+
+
+def test_tp1_to_tp2_replicated_kv_head(pools, run, reference):
+    pair = pools.get("tp1->tp2")
+    # One KV head, two decode ranks: each holds (and is sent) its own copy of it.
+    assert [s.heads for s in pair.decode.shards] == [range(0, 1), range(0, 1)]
+    per_block = kv_bytes_per_block(pair.path, pair.decode.shards)
+    assert per_block == 2 * (2 * 2 * BLOCK * 1 * 32 * 4)  # 2 ranks x (2 layers x K,V x 4 tokens x 1 head x 32 x fp32)
+    prompts = prompts_of_lengths([2, 11, 19], VOCAB, seed=11)
+    params = greedy(8)
+    n = len(pair.decode.transfers)
+    outs = [run(generate(pair.decode, f"b-{i}", p, params)) for i, p in enumerate(prompts)]
+    for out, want, prompt in zip(outs, reference(pair.path, prompts, params), prompts, strict=True):
+        assert out.token_ids == hf_greedy(pair.path, prompt, 8)[0]
+        assert_same_output(out, want)
+    moved = pair.decode.transfers[n:]
+    assert [(t.blocks, t.bytes) for t in moved] == [(blocks_needed(len(p)), blocks_needed(len(p)) * per_block) for p in prompts]
+    run(settle(pair))
+
+
+def test_prefill_lease_frees_kv_a_vanished_decode_never_collected(pools, run):
+    pair = pools.get("tp1->tp2")
+    (prompt,) = prompts_of_lengths([13], VOCAB, seed=12)
+    gone = Reservation("lease-1", "decode-gone", [], 0, pair.decode.shards)
+
+    async def body() -> None:
+        # A decode replica that gets its answer and then vanishes: it neither collects the KV nor closes the stream.
+        stream = pair.prefill.prefill("lease-1", prompt, greedy(), 0, gone)
+        ready = await anext(stream)
+        answered = time.monotonic()
+        assert not ready.finished and len(ready.block_ids) == blocks_needed(13)
+        assert "lease-1" in pair.P.scheduler.held
+        await poll(lambda: not pair.P.scheduler.held and pair.P.block_manager.num_used_blocks == 0,
+                   "the held KV freed", timeout=LEASE_S + 10)
+        assert time.monotonic() - answered > LEASE_S / 2  # by the lease, not by anything else
+        await stream.aclose()  # a late close frees nothing twice
+        await settle(pair)
+
+    run(body())
+
+
+def test_killed_decode_rank_fails_fast_and_prefill_frees_its_kv(pools, run):
+    pair = pools.get("tp1->tp2")
+    short, long, other = prompts_of_lengths([6, 40, 5], VOCAB, seed=13)
+    decoding = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in pair.decode.generate("kd-1", short, greedy(150)):
+            decoding.set()
+
+    async def body() -> None:
+        running = asyncio.create_task(consume())
+        await asyncio.wait_for(decoding.wait(), WAIT_S)
+        with StepGate(pair.prefill, prefilling("kd-2")) as gate:
+            waiting = asyncio.create_task(generate(pair.decode, "kd-2", long, greedy()))
+            await gate.wait()
+            ray.kill(pair.decode.executor.workers[1])
+            start = time.monotonic()
+            # The decoding request learns it at the decode engine's next step.
+            with pytest.raises(EngineDeadError):
+                await running
+            assert time.monotonic() - start < 30
+        # The prefill side finishes kd-2 and answers a decode replica that can no longer receive it:
+        # an error at once, with no second prefill (the decode side itself is what failed).
+        with pytest.raises((EngineDeadError, ExecutorError), match="died|failed"):
+            await waiting
+        assert time.monotonic() - start < 30
+        assert pair.prefill_calls.count("kd-2") == 1
+        await poll(lambda: not pair.P.scheduler.held and pair.P.block_manager.num_used_blocks == 0,
+                   "the prefill side freed kd-2's KV", timeout=LEASE_S + 10)
+        # A new request fails at once, before any prefill.
+        with pytest.raises(EngineDeadError):
+            await generate(pair.decode, "kd-3", other, greedy())
+        assert "kd-3" not in pair.prefill_calls
+        await settle(pair)
+
+    try:
+        run(body())
+    finally:
+        pools.close()
