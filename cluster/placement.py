@@ -19,8 +19,10 @@ from workers.executor import ExecutorError
 class RankPlacement:
     def __init__(self, parallel: ParallelConfig, use_cuda: bool, timeout_s: float):
         self.tp = parallel.tensor_parallel_size
-        self.bundle = {"GPU": 1.0} if use_cuda else {"CPU": 1.0}
+        kind = "GPU" if use_cuda else "CPU"
+        self.bundle = {kind: 1.0}
         num_groups = parallel.world_size // self.tp
+        _check_feasible(kind, parallel.world_size, self.tp)
         self.groups: list[PlacementGroup] = [
             placement_group([dict(self.bundle) for _ in range(self.tp)], strategy="STRICT_PACK")
             for _ in range(num_groups)
@@ -29,7 +31,6 @@ class RankPlacement:
             ray.get([pg.ready() for pg in self.groups], timeout=timeout_s)
         except GetTimeoutError:
             self.remove()
-            kind = "GPU" if use_cuda else "CPU"
             raise ExecutorError(
                 f"could not place {parallel.world_size} ranks ({num_groups} groups of {self.tp} {kind}s, each group on one node) "
                 f"within {timeout_s:.0f}s; the cluster has {ray.available_resources().get(kind, 0):g} {kind}s free"
@@ -46,3 +47,15 @@ class RankPlacement:
             except Exception:  # already removed, or Ray is shutting down: nothing left to free
                 pass
         self.groups = []
+
+
+def _check_feasible(kind: str, world_size: int, tp: int) -> None:
+    """Fail at once where no amount of waiting helps: a placement group that can never fit waits forever."""
+    total = ray.cluster_resources().get(kind, 0)
+    per_node = [n["Resources"].get(kind, 0) for n in ray.nodes() if n.get("Alive")]
+    if total < world_size or max(per_node, default=0) < tp:
+        raise ExecutorError(
+            f"{world_size} ranks need {world_size} {kind}s, {tp} of them on one node (a TP group); the Ray cluster has "
+            f"{total:g} {kind}s, at most {max(per_node, default=0):g} on one node (a Ray started earlier in this process "
+            f"keeps its size: start it with enough, e.g. ray.init(num_cpus=...))"
+        )

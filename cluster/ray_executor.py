@@ -29,7 +29,8 @@ from workers.config import EngineConfig
 from workers.executor import Executor, ExecutorError
 from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
-INIT_TIMEOUT_S = 900.0  # placement, process start, weight loading
+PLACEMENT_TIMEOUT_S = 300.0  # resources exist but are held by others: wait this long for them
+INIT_TIMEOUT_S = 900.0  # process start, weight loading
 STEP_TIMEOUT_S = 300.0  # one step on every rank
 
 
@@ -47,7 +48,7 @@ class RayExecutor(Executor):
         self.placement: RankPlacement | None = None
         use_cuda = config.model.resolved_device().type == "cuda"
         ensure_ray(self.world_size)
-        self.placement = RankPlacement(self.parallel, use_cuda, init_timeout_s)
+        self.placement = RankPlacement(self.parallel, use_cuda, PLACEMENT_TIMEOUT_S)
         try:
             actor = ray.remote(RankWorker)
             resources = {"num_gpus": 1, "num_cpus": 0} if use_cuda else {"num_cpus": 1}
@@ -71,11 +72,19 @@ class RayExecutor(Executor):
         p, s, t = self._coords[rank]
         return f"rank {rank} (pp={p}, sp={s}, tp={t})"
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    @property
+    def alive(self) -> bool:
+        """False once a rank failed (every rank is then killed) or after shutdown."""
+        return self._error is None and bool(self.workers)
+
+    def _check_usable(self, what: str) -> None:
         if self._error is not None:
-            raise ExecutorError(f"the executor failed earlier and cannot run more steps: {self._error}")
+            raise ExecutorError(f"the executor failed earlier and cannot {what}: {self._error}")
         if not self.workers:
             raise ExecutorError("the executor was shut down")
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._check_usable("run more steps")
         ref = ray.put(out)  # one copy in the object store, read by every rank
         results = self._collect({r: w.execute.remote(ref) for r, w in enumerate(self.workers)}, self.step_timeout_s, "step")
         return results[self.output_rank]
@@ -86,6 +95,7 @@ class RayExecutor(Executor):
     def kv_call(self, method: str, *args, ranks: list[int] | None = None) -> list:
         from workers.kv_transfer.transport import KVTransferError
 
+        self._check_usable(f"run KV {method}")
         ranks = list(range(self.world_size)) if ranks is None else ranks
         refs = {r: self.workers[r].kv.remote(method, *args) for r in ranks}
         try:

@@ -32,6 +32,10 @@ class ColocatedServer(InferenceServicer):
     def __serve_build_asgi_app__(self):
         return create_openai_app(self.backend, self.config.resolved_api_keys(), self.config.request_timeout_s)
 
+    async def engine_stats(self) -> dict:
+        """KV blocks, running/waiting counts, prefix-cache hits of this replica (via a handle)."""
+        return await self.backend.stats()
+
     async def check_health(self) -> None:
         """Serve restarts a replica whose engine has failed."""
         if not await self.backend.ready():
@@ -53,7 +57,7 @@ def build_colocated_app(config: AppConfig) -> Application:
     ongoing = config.max_num_seqs + (config.max_waiting_requests or config.max_num_seqs)
     deployment = serve.deployment(ColocatedServer, name="TandemColocated").options(
         max_ongoing_requests=ongoing,
-        ray_actor_options={"num_gpus": _gpus_per_replica(config)},
+        ray_actor_options={"num_gpus": _gpus_per_replica(config), "resources": dict(config.decode.ray_resources)},
         **config.decode.serve_options(),
     )
     return deployment.bind(config.model_dump(mode="json"))

@@ -43,6 +43,9 @@ class PoolConfig(_Strict):
     expert_parallel_size: int | None = Field(default=None, ge=1)
     autoscaling_config: dict[str, Any] | None = Field(default=None, description="Ray Serve autoscaling_config "
                                                       "(min_replicas, max_replicas, target_ongoing_requests, ...).")
+    ray_resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each rank of this "
+                                            "pool needs besides its GPU, e.g. {tandem_decode_gpu: 1} to keep the pool "
+                                            "on the worker group that provides them.")
 
     @field_validator("autoscaling_config")
     @classmethod
@@ -68,6 +71,14 @@ class PoolConfig(_Strict):
         """This pool's rank grid per replica."""
         sizes = {name: getattr(self, name, None) for name in ParallelConfig.model_fields}
         return ParallelConfig(**{k: v for k, v in sizes.items() if v is not None})
+
+    @field_validator("ray_resources")
+    @classmethod
+    def _positive(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: n for k, n in v.items() if n <= 0 or k in ("CPU", "GPU", "memory")}
+        if bad:
+            raise ValueError(f"ray_resources must be positive custom resources (not CPU/GPU/memory): {bad}")
+        return v
 
     def serve_options(self) -> dict[str, Any]:
         """The replica-count options for `Deployment.options(...)`."""

@@ -41,6 +41,9 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
+    def __reduce__(self):  # keyword-only fields survive pickling (Ray ships exceptions between processes)
+        return (_rebuild_api_error, (self.status, self.message, self.type, self.param, self.code))
+
     @property
     def grpc_code(self) -> grpc.StatusCode:
         return GRPC_CODES.get(self.status, grpc.StatusCode.UNKNOWN)
@@ -56,6 +59,10 @@ class ApiError(Exception):
     def body(self) -> dict:
         """OpenAI's error object."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _rebuild_api_error(status: int, message: str, type: str, param: str | None, code: str | None) -> ApiError:
+    return ApiError(status, message, type=type, param=param, code=code)
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:

@@ -34,9 +34,13 @@ _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "seed", "min_p", "repetit
 
 
 class RpcError(Exception):
+    # Both values go to Exception's args: Serve pickles the exception from the replica to the proxy.
     def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"{code.name}: {details}")
+        super().__init__(code, details)
         self.code, self.details = code, details
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.details}"
 
 
 def _metadata(grpc_context: Any) -> dict[str, str]:

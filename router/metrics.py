@@ -67,3 +67,19 @@ class RequestTimer:
         E2E.observe(self.last - self.start)
         if self.num_tokens > 1:
             TPOT.observe((self.last - self.first) / (self.num_tokens - 1))
+
+
+class PoolGauges:
+    """Per-step engine stats -> the pool's gauges and the prefix-hit counter (an `AsyncEngine.on_step`)."""
+
+    def __init__(self, pool: str) -> None:
+        self.tags = {"pool": pool}
+        self.hits_seen = 0
+
+    def __call__(self, stats: dict) -> None:
+        QUEUE_DEPTH.set(stats["waiting"], tags=self.tags)
+        KV_BLOCKS_USED.set(stats["blocks_used"], tags=self.tags)
+        hits = stats["prefix_hit_tokens"]
+        if hits > self.hits_seen:
+            PREFIX_CACHE_HIT_TOKENS.inc(hits - self.hits_seen)
+        self.hits_seen = hits

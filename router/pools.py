@@ -6,7 +6,6 @@ pool (through Serve, so any prefill replica may answer) to run the prompt, then 
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any, AsyncIterator
 
@@ -16,13 +15,11 @@ from ray.serve.handle import DeploymentHandle
 from router import metrics
 from router.config import AppConfig
 from router.protocol import GenerateRequest
-from workers.async_engine import AsyncEngine
 from workers.disagg import DecodeReplica, PrefillReady, PrefillReplica, Reservation, TransferStats
 from workers.engine import LLMEngine, RequestOutput
 from workers.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-STATS_INTERVAL_S = 1.0
 
 
 def _engine(config: AppConfig, pool: str) -> LLMEngine:
@@ -38,37 +35,19 @@ def _replica_id(pool: str) -> str | None:
         return None
 
 
-async def _report_stats(engine: AsyncEngine, pool: str) -> None:
-    """Pool gauges, sampled once a second while the replica lives."""
-    tags = {"pool": pool}
-    seen_hits = 0
-    while True:
-        await asyncio.sleep(STATS_INTERVAL_S)
-        if not engine.alive:
-            return
-        stats = engine.engine.stats()  # plain reads of counters: no lock needed
-        metrics.QUEUE_DEPTH.set(stats["waiting"], tags=tags)
-        metrics.KV_BLOCKS_USED.set(stats["blocks_used"], tags=tags)
-        if stats["prefix_hit_tokens"] > seen_hits:
-            metrics.PREFIX_CACHE_HIT_TOKENS.inc(stats["prefix_hit_tokens"] - seen_hits)
-            seen_hits = stats["prefix_hit_tokens"]
-
-
 class PrefillPool:
     def __init__(self, args: dict[str, Any]):
         self.config = AppConfig.model_validate(args)
         self.replica = PrefillReplica(_engine(self.config, "prefill"), _replica_id("prefill"))
-        self._stats_task: asyncio.Task | None = None
+        self.replica.engine.on_step = metrics.PoolGauges("prefill")
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
                       reservation: Reservation) -> AsyncIterator[PrefillReady]:
-        if self._stats_task is None:
-            self._stats_task = asyncio.create_task(_report_stats(self.replica.engine, "prefill"))
         async for ready in self.replica.prefill(request_id, prompt_token_ids, params, priority, reservation):
             yield ready
 
     async def stats(self) -> dict:
-        return self.replica.engine.engine.stats()
+        return await self.replica.engine.stats()
 
     async def check_health(self) -> None:
         if not self.replica.engine.alive:
@@ -82,15 +61,13 @@ class DecodePool:
         engine = _engine(self.config, "decode")
         self.replica = DecodeReplica(engine, self._prefill_client, _replica_id("decode"))
         self.replica.on_transfer = _record_transfer
-        self._stats_task: asyncio.Task | None = None
+        self.replica.engine.on_step = metrics.PoolGauges("decode")
 
     def _prefill_client(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
                         reservation: Reservation):
         return self.prefill.options(stream=True).prefill.remote(request_id, prompt, params, priority, reservation)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        if self._stats_task is None:
-            self._stats_task = asyncio.create_task(_report_stats(self.replica.engine, "decode"))
         async for out in self.replica.generate(req.request_id, req.prompt_token_ids, req.sampling_params, req.priority):
             yield out
 
@@ -99,7 +76,7 @@ class DecodePool:
         return {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size}
 
     async def stats(self) -> dict:
-        return self.replica.engine.engine.stats()
+        return await self.replica.engine.stats()
 
     async def check_health(self) -> None:
         if not self.replica.engine.alive:

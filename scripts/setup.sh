@@ -9,4 +9,5 @@ if ! $PY -c "import torch" 2>/dev/null; then
   $PY -m pip install -q torch==2.13.0 || $PY -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 fi
 $PY -m pip install -q -e ".[dev]"
+$PY -m router.proto  # gRPC stubs from router/proto/inference.proto, made by the grpc just installed
 $PY -c "import torch, transformers, ray, workers; print(f'tandem ready: torch {torch.__version__}, transformers {transformers.__version__}, ray {ray.__version__}')"

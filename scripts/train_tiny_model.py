@@ -61,7 +61,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--max-corpus-mb", type=float, default=24.0, help="cap on gathered text (default: %(default)s)")
     p.add_argument("--max-file-kb", type=int, default=200, help="skip source files larger than this")
-    p.add_argument("--val-every", type=int, default=40, help="hold out every N-th file for validation")
+    p.add_argument("--val-every", type=int, default=25, help="hold out every N-th file for validation")
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -69,11 +69,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate-size", type=int, default=704)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--warmup-steps", type=int, default=40)
+    p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--amp", choices=["bf16", "none"], default="bf16",
+                   help="CPU autocast for forward/backward; weights and optimizer stay fp32 (default: %(default)s)")
     p.add_argument("--chat-frac", type=float, default=0.1, help="fraction of batch rows drawn from chat samples")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every-minutes", type=float, default=4.0)
@@ -103,8 +105,8 @@ def gather_corpus(max_bytes: int, max_file_bytes: int, val_every: int):
                 text = f.read()
         except (UnicodeDecodeError, OSError):
             continue
-        if not text.strip():
-            continue
+        if not text.strip() or "gencodec.py" in text:
+            continue  # empty, or a generated codec table (encodings/cp*.py ...): ~1.3 MB of hex tables, not code
         if total + len(text.encode()) > max_bytes:
             break
         total += len(text.encode())
@@ -362,7 +364,7 @@ def main() -> int:
 
     log(f"initial val loss {evaluate(model, val_windows):.3f} (uniform = ln {vocab} = {math.log(vocab):.3f})")
     log(f"training: budget {args.minutes} min, max_steps {args.max_steps}, batch {args.batch_size}x{L}, "
-        f"threads {args.threads}, lr {args.lr}")
+        f"threads {args.threads}, lr {args.lr}, amp {args.amp}")
 
     model.train()
     data_rng = random.Random(args.seed + 3)
@@ -383,7 +385,8 @@ def main() -> int:
         for group in opt.param_groups:
             group["lr"] = lr
         x = sample_batch(data_rng)
-        logits = model(input_ids=x[:, :-1]).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp == "bf16"):
+            logits = model(input_ids=x[:, :-1]).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), x[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -494,7 +497,7 @@ answers are mostly docstring-flavoured text.
 ## Data
 
 - **Source:** the `*.py` files of the Python {d['python']} standard library (`sysconfig.get_paths()["stdlib"]`),
-  sorted by path; `test/`, `tests/`, `idle_test/`, `site-packages/` folders and files over {a.max_file_kb} KB skipped;
+  sorted by path; `test/`, `tests/`, `idle_test/`, `site-packages/` folders and files over {a.max_file_kb} KB and generated codec tables (`encodings/cp*.py` etc.) skipped;
   capped at {a.max_corpus_mb} MB.
 - {d['n_files']} files: {d['train_files']} for training ({d['train_mb']:.2f} MB, {d['train_tokens']:,} tokens), every
   {a.val_every}th file held out for validation ({d['val_files']} files, {d['val_mb']:.2f} MB, {d['val_tokens']:,} tokens).
@@ -529,7 +532,7 @@ No token is added automatically when encoding. The chat template is ChatML
 
 ## Training
 
-- Plain PyTorch {d['torch']} on CPU, transformers {d['transformers']}, {a.threads} thread(s) ({d['cpu']}), fp32 master weights.
+- Plain PyTorch {d['torch']} on CPU, transformers {d['transformers']}, {a.threads} thread(s) ({d['cpu']}), fp32 master weights{", bf16 autocast" if a.amp == "bf16" else ""}.
 - AdamW (betas 0.9/0.95, weight decay {a.weight_decay}, grad clip 1.0), peak LR {a.lr}, {a.warmup_steps} warmup steps, cosine
   decay to {a.min_lr_ratio:g}x over the wall-clock budget.
 - Batches of {a.batch_size} random {a.seq_len}-token windows; documents separated by `<|endoftext|>`.

@@ -52,6 +52,7 @@ KV_HEADS = 2
 LAYERS = 2
 INTERMEDIATE = 128
 MAX_POSITIONS = 256
+MISTRAL_WINDOW = 40  # sliding window of the tiny Mistral (so tests reach it cheaply)
 INIT_RANGE = 0.2  # std of the random weights; 0.02 (HF's default) gives degenerate, repetitive greedy output
 
 
@@ -119,7 +120,7 @@ def _mistral(tok, **o):
     from transformers import MistralConfig
 
     # A sliding window: the engine caps max_model_len at it, where it equals full attention.
-    return MistralConfig(**_common(tok, **{"sliding_window": 128, **o}))
+    return MistralConfig(**_common(tok, **{"sliding_window": MISTRAL_WINDOW, **o}))
 
 
 def _qwen2(tok, **o):
@@ -235,7 +236,9 @@ def tiny_model(name: str, seed: int | None = None, **config_overrides) -> str:
 def load_hf(path: str):
     """The Hugging Face reference model for a tiny-model folder (float32, eval, eager attention)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
@@ -290,6 +293,32 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int, *, ignore_eos: 
             if not ignore_eos and new and new[-1] in eos_set:
                 break
     result = (out, torch.log_softmax(torch.stack(logits), dim=-1))
+    _hf_results[key] = result
+    return result
+
+
+def hf_greedy_batch(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+    """`hf_greedy(..., ignore_eos=True)` for many prompts in ONE left-padded HF `generate` call (much
+    cheaper on CPU than one call per prompt). EOS is switched off in the generation config, so every
+    prompt gets exactly max_new_tokens tokens. Memoised per process."""
+    key = ("batch", path, tuple(map(tuple, prompts)), max_new_tokens)
+    if key in _hf_results:
+        return _hf_results[key]
+    model = hf_model(path)
+    pad = model.generation_config.pad_token_id or 0
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    gen = model.generation_config
+    saved_eos, gen.eos_token_id = gen.eos_token_id, None
+    try:
+        with torch.no_grad():
+            g = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                               output_logits=True, return_dict_in_generate=True)
+    finally:
+        gen.eos_token_id = saved_eos
+    logprobs = torch.log_softmax(torch.stack(g.logits, dim=1).float(), dim=-1)  # [B, n, V]
+    result = [(g.sequences[i, width:].tolist(), logprobs[i]) for i in range(len(prompts))]
     _hf_results[key] = result
     return result
 

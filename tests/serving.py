@@ -1,7 +1,11 @@
 """Helpers for the front-end tests: a tiny model with a chat template, and a LocalBackend over it."""
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
+import threading
+import time
 from pathlib import Path
 
 from tests.models import BOS_TOKEN, EOS_TOKEN, build_model
@@ -29,3 +33,36 @@ def make_backend(model: str, **overrides):
     from router.local_backend import LocalBackend
 
     return LocalBackend.from_config(AppConfig(model=model, colocated=True, **{**ENGINE_KWARGS, **overrides}))
+
+
+class LiveServer:
+    """An ASGI app under uvicorn in a daemon thread, on a free localhost port (real sockets:
+    streaming, client disconnects, HTTP clients). `call(coro_fn)` runs a coroutine on its loop."""
+
+    def __init__(self, app, start_timeout: float = 30.0):
+        import uvicorn
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + start_timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+
+    async def _serve(self):
+        self.loop = asyncio.get_running_loop()
+        await self.server.serve(sockets=[self.sock])
+
+    def call(self, coro_fn, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro_fn(), self.loop).result(timeout=timeout)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

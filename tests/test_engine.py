@@ -290,6 +290,23 @@ def test_abort_everything_while_running(make_llm):
     assert len(out.token_ids) == 4
 
 
+def test_sequence_longer_than_the_kv_cache_finishes_instead_of_hanging(make_llm):
+    """Regression: with max_model_len beyond the cache, a lone sequence that outgrew the cache preempted
+    itself and then waited forever (LLM.generate spun). max_model_len is now capped at the cache size."""
+    llm = make_llm(num_blocks=4, block_size=4)
+    e = llm.engine
+    assert e.max_model_len == 16
+    e.add_request("long", prompts_of_lengths([10], VOCAB, seed=53)[0], greedy(20))
+    out = None
+    for _ in range(50):  # step by hand: a regression must fail, not hang the suite
+        for o in e.step():
+            out = o
+        if not e.has_unfinished_requests():
+            break
+    assert out is not None and out.finish_reason == "length" and len(out.token_ids) == 6
+    assert e.scheduler.num_preemptions == 0
+
+
 # ---- priority ----
 
 

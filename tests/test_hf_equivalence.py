@@ -6,7 +6,8 @@ log_softmax(logits) to 1e-4.
 import pytest
 import torch
 
-from tests.models import ARCHITECTURES, assert_engine_clean, hf_greedy, hf_model, prompts_of_lengths, tiny_model
+from tests.models import (ARCHITECTURES, assert_engine_clean, hf_greedy, hf_greedy_batch, hf_model, prompts_of_lengths,
+                          tiny_model)
 from workers import LLM, SamplingParams
 
 LENGTHS = [1, 2, 4, 5, 8, 11, 17, 26]  # 1 token up to several blocks of 4 (and of 8)
@@ -35,8 +36,9 @@ def greedy(n=MAX_NEW, **kw) -> SamplingParams:
 
 
 def check_against_hf(path, prompts, outputs, n=MAX_NEW, check_logprobs=True):
-    for prompt, out in zip(prompts, outputs):
-        ref, ref_lp = hf_greedy(path, prompt, n)
+    """Tokens and logprobs equal HF's batched greedy `generate` (EOS ignored, like the engine's ignore_eos)."""
+    assert len(outputs) == len(prompts)
+    for prompt, out, (ref, ref_lp) in zip(prompts, outputs, hf_greedy_batch(path, prompts, n)):
         assert out.token_ids == ref, f"prompt of {len(prompt)} tokens diverges from HF"
         assert out.finish_reason == "length"
         if check_logprobs:
@@ -71,8 +73,7 @@ def test_greedy_batch_matches_hf(make_llm, arch):
     llm = make_llm(path, block_size=block_size)
     outputs = llm.generate(prompts, greedy(logprobs=3))  # one call: all prompts batched together
     check_against_hf(path, prompts, outputs)
-    for prompt, out in zip(prompts, outputs):
-        _, ref_lp = hf_greedy(path, prompt, MAX_NEW)
+    for out, (_, ref_lp) in zip(outputs, hf_greedy_batch(path, prompts, MAX_NEW)):
         for step, entry in enumerate(out.logprobs):
             assert 3 <= len(entry) <= 4
             _top_ids_ok(entry, ref_lp[step], 3)
@@ -201,16 +202,15 @@ def test_eos_and_min_tokens_match_hf(make_llm, tmp_path, min_tokens):
     assert outputs[k].token_ids == free_run[: j + 1] and outputs[k].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_repetition_penalty_matches_hf(make_llm, arch):
+def test_repetition_penalty_matches_hf(make_llm):
     """HF's RepetitionPenaltyLogitsProcessor over prompt + output, greedy: the same tokens."""
-    path = tiny_model(arch)
+    path = tiny_model("llama")
     model = hf_model(path)
     prompts = prompts_of_lengths([3, 9, 14], VOCAB, seed=31)
     llm = make_llm(path, block_size=4, max_num_batched_tokens=6)
     # min_tokens bans EOS like HF's min_new_tokens
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, repetition_penalty=1.8, logprobs=0))
-    unpenalised = [hf_greedy(path, p, 12)[0] for p in prompts]
+    unpenalised = [ref for ref, _ in hf_greedy_batch(path, prompts, 12)]
     assert [o.token_ids for o in outs] != unpenalised  # the penalty changes something
     for prompt, out in zip(prompts, outs):
         ids = torch.tensor([prompt])
@@ -219,3 +219,19 @@ def test_repetition_penalty_matches_hf(make_llm, arch):
         assert out.token_ids == g.sequences[0, len(prompt):].tolist()
         lp = torch.log_softmax(torch.stack(g.logits)[:, 0].float(), dim=-1)
         assert all(abs(e[t] - lp[i, t].item()) < ATOL for i, (e, t) in enumerate(zip(out.logprobs, out.token_ids)))
+
+
+def test_mistral_runs_up_to_its_sliding_window(make_llm):
+    """Sliding-window attention is full attention while the sequence fits the window, so the engine
+    caps max_model_len there and matches HF to the last position."""
+    from tests.models import MISTRAL_WINDOW
+
+    path = tiny_model("mistral")
+    llm = make_llm(path, block_size=8)
+    assert llm.engine.max_model_len == MISTRAL_WINDOW
+    prompt = prompts_of_lengths([30], VOCAB, seed=41)[0]
+    out = llm.generate([prompt], greedy(64, logprobs=0))[0]
+    assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == MISTRAL_WINDOW
+    check_against_hf(path, [prompt], [out], n=MISTRAL_WINDOW - len(prompt))
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_llm(path, max_model_len=MISTRAL_WINDOW + 1)

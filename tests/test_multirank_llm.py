@@ -45,6 +45,8 @@ FULL_LOGITS = [
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_session():
+    # Started here, sized for the largest layout (4 ranks); LLM(...) would size it for its own.
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
     yield
     ray.shutdown()
 
@@ -129,4 +131,12 @@ def test_killed_rank_fails_fast_with_its_name(references):
     for w in workers:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(w.execute.remote(None), timeout=30)
+    assert _placement_groups_alive() == 0
+
+
+def test_layout_larger_than_the_cluster_fails_at_once(references):
+    start = time.monotonic()
+    with pytest.raises(ExecutorError, match="8 ranks need 8 CPUs"):
+        LLM(references["llama"]["path"], tensor_parallel_size=2, pipeline_parallel_size=4, **ENGINE_ARGS)
+    assert time.monotonic() - start < 10
     assert _placement_groups_alive() == 0

@@ -5,7 +5,6 @@ app under uvicorn on a real socket, for the official `openai` client and for rea
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import socket
@@ -17,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from router.openai_api import create_openai_app
 from tests.models import CORPUS
-from tests.serving import ENGINE_KWARGS, build_chat_model, make_backend
+from tests.serving import ENGINE_KWARGS, LiveServer, build_chat_model, make_backend
 from workers import LLM, SamplingParams
 
 PROMPTS = [CORPUS[0], CORPUS[4]]
@@ -376,10 +375,10 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(served):
         req = {"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
         with client.stream("POST", "/v1/completions", json=req) as r:
             assert r.status_code == 200
-            first = next(line for line in r.iter_lines() if line.startswith("data: "))
+            lines = r.iter_lines()  # held: a discarded line iterator would close the response here
+            first = next(line for line in lines if line.startswith("data: "))
             assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
-            print("DBG", first[:300], _stats(client, backend), aborted)
-            assert _stats(client, backend)["running"] == 1
+            assert _stats(client, backend)["running"] == 1 and not aborted
         # Leaving the block closes the response mid-stream, as a client that goes away.
         stats = _wait_idle(client, backend, timeout=5.0)
     assert len(aborted) == 1 and aborted[0].startswith("cmpl-")
@@ -393,24 +392,25 @@ def test_full_queue_is_429_with_retry_after(model):
     backend = make_backend(model, max_num_seqs=1, max_waiting_requests=1)
     client = _serve(backend)
     try:
-        long = {"prompt": PROMPTS[0], "max_tokens": 120, "ignore_eos": True, "temperature": 0}
-        results: list = []
-        threads = [threading.Thread(target=lambda: results.append(client.post("/v1/completions", json=long)))
-                   for _ in range(2)]
-        threads[0].start()  # runs (max_num_seqs=1) ...
-        _wait_for(lambda: _stats(client, backend)["running"] == 1)
-        threads[1].start()  # ... and this one waits (max_waiting_requests=1)
-        _wait_for(lambda: _stats(client, backend)["waiting"] == 1)
-        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
-        err = _assert_error(r, 429)
-        assert err["type"] == "rate_limit_error" and r.headers["retry-after"] == "1"
-        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True})
-        _assert_error(r, 429)  # streaming too: the status comes before the stream starts
-        for t in threads:
-            t.join(timeout=60)
-        assert [x.status_code for x in results] == [200, 200]
-        assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
-        _wait_idle(client, backend)
+        with _slow_engine(backend):
+            long = {"prompt": PROMPTS[0], "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+            results: list = []
+            threads = [threading.Thread(target=lambda: results.append(client.post("/v1/completions", json=long)))
+                       for _ in range(2)]
+            threads[0].start()  # runs (max_num_seqs=1) ...
+            _wait_for(lambda: _stats(client, backend)["running"] == 1)
+            threads[1].start()  # ... and this one waits (max_waiting_requests=1)
+            _wait_for(lambda: _stats(client, backend)["waiting"] == 1)
+            r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            err = _assert_error(r, 429)
+            assert err["type"] == "rate_limit_error" and r.headers["retry-after"] == "1"
+            r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True})
+            _assert_error(r, 429)  # streaming too: the status comes before the stream starts
+            for t in threads:
+                t.join(timeout=60)
+            assert [x.status_code for x in results] == [200, 200]
+            assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+            _wait_idle(client, backend)
     finally:
         _close(client, backend)
 
@@ -419,18 +419,19 @@ def test_request_timeout_is_504_and_aborts(model):
     backend = make_backend(model)
     client = _serve(backend, request_timeout_s=0.3)
     try:
-        long = {"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True}
-        err = _assert_error(client.post("/v1/completions", json=long), 504)
-        assert err["type"] == "timeout"
-        _wait_idle(client, backend)
-        # A stream that is already running reports the timeout in-band, then ends (or, on a machine
-        # too loaded to produce the first token in time, answers 504 before streaming).
-        r = client.post("/v1/completions", json={**long, "stream": True})
-        if r.status_code == 200:
-            assert _events(r.text)[-1]["error"]["type"] == "timeout"
-        else:
-            _assert_error(r, 504)
-        _wait_idle(client, backend)
+        with _slow_engine(backend):  # 200 tokens take >= 2 s
+            long = {"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True}
+            err = _assert_error(client.post("/v1/completions", json=long), 504)
+            assert err["type"] == "timeout"
+            _wait_idle(client, backend)
+            # A stream that is already running reports the timeout in-band, then ends (or, on a machine
+            # too loaded to produce the first token in time, answers 504 before streaming).
+            r = client.post("/v1/completions", json={**long, "stream": True})
+            if r.status_code == 200:
+                assert _events(r.text)[-1]["error"]["type"] == "timeout"
+            else:
+                _assert_error(r, 504)
+            _wait_idle(client, backend)
     finally:
         _close(client, backend)
 
@@ -445,37 +446,10 @@ def _wait_for(pred, timeout: float = 20.0) -> None:
 # ---------------------------------------------------------------- a real socket (uvicorn)
 
 
-class _LiveServer:
-    """The app under uvicorn in a thread, on a free localhost port."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True)
-        self.thread.start()
-        _wait_for(lambda: self.server.started)
-
-    async def _serve(self):
-        self.loop = asyncio.get_running_loop()
-        await self.server.serve(sockets=[self.sock])
-
-    def call(self, coro_fn):
-        return asyncio.run_coroutine_threadsafe(coro_fn(), self.loop).result(timeout=30)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def live(model):
     backend = make_backend(model)
-    server = _LiveServer(create_openai_app(backend))
+    server = LiveServer(create_openai_app(backend))
     yield server, backend
     server.call(backend.close)
     server.stop()

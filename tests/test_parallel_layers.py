@@ -14,6 +14,9 @@ from parallel.linear import ColumnParallelLinear, MergedColumnParallelLinear, QK
 from parallel.pp import recv_from_prev_stage, send_to_next_stage
 from parallel.state import pp_group, tp_group
 from tests.multiprocess import run_ranks
+from workers.microbatch import split_by_sequence
+from workers.sampling_params import SamplingParams
+from workers.scheduler_output import ScheduledSeq
 
 pytestmark = pytest.mark.slow
 
@@ -200,3 +203,24 @@ def _check_tp_pp_grid(rank: int) -> None:
 
 def test_tp_pp_grid_groups_and_transfer():
     run_ranks(_check_tp_pp_grid, 4, parallel={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})
+
+
+# ---- micro-batching (one process) ----
+def _seqs(lengths: list[int]) -> list[ScheduledSeq]:
+    return [ScheduledSeq(f"s{i}", [0] * n, 0, [], True, SamplingParams(), 0) for i, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("lengths, parts, expected", [
+    ([1, 1, 1, 1], 2, [[1, 1], [1, 1]]),  # decodes: even halves
+    ([30, 1, 1, 1], 2, [[30], [1, 1, 1]]),  # a long prefill takes a micro-batch alone
+    ([1, 1, 1, 30], 2, [[1, 1, 1], [30]]),
+    ([5, 5], 4, [[5], [5]]),  # fewer sequences than stages: one each
+    ([7], 3, [[7]]),  # one sequence is never split
+    ([2, 2, 2, 2, 2, 2], 3, [[2, 2], [2, 2], [2, 2]]),
+    ([1, 1, 1, 1, 9], 4, [[1, 1], [1], [1], [9]]),  # as many micro-batches as stages when there are enough sequences
+])
+def test_micro_batches_are_contiguous_and_balanced(lengths: list[int], parts: int, expected: list[list[int]]):
+    seqs = _seqs(lengths)
+    got = split_by_sequence(seqs, parts)
+    assert [s for part in got for s in part] == seqs  # contiguous, in order, each sequence once
+    assert [[s.num_tokens for s in part] for part in got] == expected

@@ -1,16 +1,18 @@
-"""Drives an `LLMEngine` from asyncio, for the served pools and the colocated backend.
+"""Drives an `LLMEngine` from asyncio: the colocated backend and both pools use it.
 
-One background task steps the engine (in a worker thread, so the event loop keeps serving) while
-there is work; each request has an asyncio queue that receives a snapshot of its output after every
-step it took part in. Every engine call goes through one lock: the engine is not thread-safe. A
-consumer that stops listening (client gone, task cancelled) aborts its request, which frees its
-blocks whatever state it was in.
+The engine is synchronous and not thread-safe, so every call into it (add, abort, step, reserve,
+release, stats) runs on one dedicated thread, in submission order: the event loop never blocks on a
+model step, and an abort submitted while a step runs takes effect right after it. A step task keeps
+stepping while the engine has work; each request has an asyncio queue that receives a snapshot of
+its output after every step it took part in. A consumer that stops listening (client gone, task
+cancelled) aborts its request, which frees its blocks whatever state it was in.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, TypeVar
 
 from workers.engine import LLMEngine, RequestOutput
@@ -22,36 +24,36 @@ T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
-    """A step failed (a rank died, a kernel raised): this engine serves nothing more."""
+    """A step failed (a rank died, a kernel raised) or the engine was closed: it serves nothing more."""
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, lease_check_interval_s: float = 1.0):
+    def __init__(self, engine: LLMEngine, on_step: Callable[[dict], None] | None = None,
+                 lease_check_interval_s: float = 1.0):
         self.engine = engine
-        self._lock = threading.Lock()
+        self.on_step = on_step  # called with engine.stats() after every step (metrics)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-engine")
         self._queues: dict[str, asyncio.Queue] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._dead: BaseException | None = None
         self._lease_interval = lease_check_interval_s
 
-    # ---- engine calls, serialised ----
-    def _locked(self, fn: Callable[..., T], *args) -> T:
-        with self._lock:
-            return fn(*args)
-
+    # ---- engine calls, in order on the engine thread ----
     async def call(self, fn: Callable[..., T], *args) -> T:
-        """Run one engine method under the engine lock, off the event loop."""
         self._check_alive()
-        return await asyncio.to_thread(self._locked, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args))
 
     def _check_alive(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(f"engine stopped after an error: {self._dead}") from self._dead
+            raise EngineDeadError(f"the engine is not running: {self._dead}") from self._dead
 
     @property
     def alive(self) -> bool:
         return self._dead is None
+
+    async def stats(self) -> dict:
+        return await self.call(self.engine.stats)
 
     # ---- request streams ----
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
@@ -75,8 +77,6 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             raise
         queue.put_nowait(first_out)
-        if first_out.finished:
-            self._queues.pop(request_id, None)
         async for out in self._drain(request_id, queue):
             yield out
 
@@ -84,9 +84,9 @@ class AsyncEngine:
         self._check_alive()
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._ensure_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._ensure_loop()
         return queue
 
     async def _drain(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -97,65 +97,78 @@ class AsyncEngine:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                finished = item.finished
                 yield item
-                if item.finished:
-                    finished = True
+                if finished:
                     return
         finally:
-            if not finished:
-                # Cancelled or abandoned: free everything now, without waiting here.
-                self._queues.pop(request_id, None)
-                asyncio.ensure_future(self._abort_quietly(request_id))
+            self._queues.pop(request_id, None)
+            if not finished and self._dead is None:
+                # Cancelled, closed early or failed: free the request now. Submitted, not awaited, so it
+                # also happens while the task is being cancelled; the engine thread runs it after the add.
+                self._thread.submit(self.engine.abort, request_id)
 
     async def abort(self, request_id: str) -> None:
-        queue = self._queues.pop(request_id, None)
-        await self.call(self.engine.abort, request_id)
-        if queue is not None:
-            queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+        """Stop a request; its stream (if any) ends with finish_reason "abort". No-op if unknown."""
+        if self._dead is not None:
+            return
+        out = await self.call(self.engine.abort, request_id)
+        queue = self._queues.get(request_id)
+        if out is not None and queue is not None:
+            queue.put_nowait(out.snapshot())
 
-    async def _abort_quietly(self, request_id: str) -> None:
-        try:
-            await asyncio.to_thread(self._locked, self.engine.abort, request_id)
-        except Exception:  # noqa: BLE001 - the engine may be dead; nothing left to free then
-            log.exception("abort of %s failed", request_id)
+    async def close(self) -> None:
+        """Stop stepping and fail what is still streaming; the engine thread ends."""
+        if self._dead is None:
+            self._dead = EngineDeadError("the engine was closed")
+        if self._task is not None:
+            self._task.cancel()
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError("the server is shutting down"))
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
     # ---- the step loop ----
     def _ensure_loop(self) -> None:
-        if self._task is None or self._task.done():
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            # First use, or a new event loop (each loop gets its own step task).
             self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._task = loop.create_task(self._run(), name="tandem-step-loop")
 
-    def _has_work(self) -> bool:
-        return self.engine.scheduler.has_work
-
-    def _step(self) -> list[RequestOutput]:
-        with self._lock:
-            self.engine.expire_leases()
-            return [o.snapshot() for o in self.engine.step()]
+    def _step(self) -> tuple[list[RequestOutput], dict]:
+        """On the engine thread: snapshots are taken before the next step mutates the outputs."""
+        self.engine.expire_leases()
+        outputs = [o.snapshot() for o in self.engine.step()]
+        return outputs, self.engine.stats()
 
     async def _run(self) -> None:
-        while True:
-            if not self._has_work():
+        loop = asyncio.get_running_loop()
+        while self._dead is None:
+            if not self.engine.scheduler.has_work:
                 self._wake.clear()
                 try:
                     # Leases (held/reserved KV) must expire even when nothing runs.
                     await asyncio.wait_for(self._wake.wait(), self._lease_interval)
                 except asyncio.TimeoutError:
                     if self.engine.scheduler.has_leases:
-                        await asyncio.to_thread(self._locked, self.engine.expire_leases)
+                        await self.call(self.engine.expire_leases)
                 continue
             try:
-                outputs = await asyncio.to_thread(self._step)
-            except Exception as e:  # noqa: BLE001 - fail every waiter with the cause, then stop
-                log.exception("engine step failed")
+                outputs, stats = await loop.run_in_executor(self._thread, self._step)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - a rank died or a kernel raised: fail every stream, stop
+                log.exception("engine step failed; this engine stops serving")
                 self._dead = e
                 for queue in self._queues.values():
-                    queue.put_nowait(EngineDeadError(f"engine step failed: {e}"))
-                self._queues.clear()
+                    queue.put_nowait(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"))
                 return
             for out in outputs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
-                    if out.finished:
-                        del self._queues[out.request_id]
+            if self.on_step is not None:
+                self.on_step(stats)
+            if not outputs:
+                # Prefill chunks sample nothing; yield to the loop so a burst of them can't starve it.
+                await asyncio.sleep(0)

@@ -7,10 +7,12 @@ The protocol (docs/architecture.md, "Prefill/decode handoff"):
     token, hold the blocks under a lease; answer `PrefillReady` (first token, block ids, rank handles).
  3. decode: under its lock for that prefill replica, build the pair's transfer group if new, then make
     the prefill ranks send and its own ranks receive the blocks it lacks, resharded by `plan_transfers`.
- 4. prefill: frees the blocks once its ranks report the send done (the ack), or when the lease ends.
+ 4. decode reads the rest of the prefill stream (in the background): the prefill replica waits for
+    its ranks to report the send done (the ack), then frees the blocks; or when the lease ends.
  5. decode: the request joins the running batch from the first token; outputs stream to the caller.
-Any failure before step 5 is retried once (a new prefill, maybe on another replica); a cancelled
-caller aborts both sides. Every path frees the blocks on both sides.
+A failure before step 5 is retried once (a new prefill, maybe on another replica), unless it is this
+decode replica's own (a dead rank); a cancelled caller aborts both sides. Every path frees the blocks
+on both sides, and no block is freed while a transfer may still write into it.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from typing import AsyncIterator, Callable
 
 from workers.async_engine import AsyncEngine
 from workers.engine import LLMEngine, RequestOutput
-from workers.kv_transfer.plan import RankShard, plan_transfers
+from workers.executor import ExecutorError
+from workers.kv_transfer.plan import RankShard, Transfer, plan_transfers
 from workers.kv_transfer.transport import KVTransferError, PairSpec
 from workers.sampling_params import SamplingParams
 from workers.scheduler import QueueFullError
@@ -98,12 +101,14 @@ class PrefillReplica:
             ready.block_ids = await self.engine.call(self.engine.engine.held_block_ids, request_id)
             ready.shards, ready.rank_handles = self.shards, list(self.executor.workers)
             yield ready
-            # The decode replica now drives our ranks' send; hold the blocks until they report it done.
+            # The decode replica drove our ranks' send and reads on: hold the blocks until they report it done.
             sent = await asyncio.to_thread(self.executor.kv_call, "wait_sent", request_id, self.lease_s)
             if not all(sent):
                 log.warning("request %s: KV not collected within the %.0fs lease; freeing it", request_id, self.lease_s)
         finally:
-            await self.engine.call(self.engine.engine.release, request_id)
+            # Delivered, given up on (the decode side closed the stream) or failed: free the held blocks,
+            # even if this engine has died meanwhile.
+            await self.engine.cleanup(self.engine.engine.release, request_id)
 
 
 def _first_logprobs(out: RequestOutput) -> tuple[float, list[tuple[int, float]] | None]:
@@ -125,8 +130,14 @@ class DecodeReplica:
         self.max_attempts = max_attempts
         self.transfer_timeout_s = engine.config.cache.kv_transfer_timeout_seconds
         self._pair_locks: dict[str, asyncio.Lock] = {}
+        self._background: set[asyncio.Task] = set()  # prefill streams being read to their end (step 4)
         self.transfers: list[TransferStats] = []  # for metrics and tests
         self.on_transfer: Callable[[TransferStats], None] | None = None
+
+    @property
+    def alive(self) -> bool:
+        """False once this replica's engine or one of its ranks failed: it serves nothing more."""
+        return self.engine.alive and self.executor.alive
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -135,7 +146,8 @@ class DecodeReplica:
                 first = await self._handoff(request_id, prompt_token_ids, params, priority)
                 break
             except (KVTransferError, ConnectionError, RuntimeError) as e:
-                if isinstance(e, QueueFullError) or attempt == self.max_attempts:
+                # A new prefill may fix a failed prefill replica or transfer; not a full or dead decode replica.
+                if isinstance(e, QueueFullError) or attempt == self.max_attempts or not self.alive:
                     raise
                 log.warning("request %s: handoff attempt %d failed (%s); re-prefilling", request_id, attempt, e)
         if isinstance(first, RequestOutput):  # finished on its first token
@@ -145,26 +157,43 @@ class DecodeReplica:
             yield out
 
     async def _handoff(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int) -> SampledToken | RequestOutput:
-        """Steps 1-4 of the protocol. Returns the first token, or the final output if prefill finished it."""
-        reserved = await self.engine.call(self.engine.engine.reserve, request_id, prompt, params, priority)
+        """Steps 1-4 of the protocol. Returns the first token (the reservation is then the request's, for
+        `start`), or the final output if prefill finished it. On failure or cancellation both sides have
+        let go of the request's blocks, or are letting go of them, when this raises."""
+        if not self.executor.alive:
+            raise ExecutorError(f"decode replica {self.replica_id} lost its ranks; it serves nothing more")
+        engine = self.engine.engine
+        reserved = await self.engine.call_for(request_id, engine.reserve, request_id, prompt, params, priority)
         if reserved is None:
             raise QueueFullError(f"decode replica {self.replica_id} has no room for request {request_id}")
         block_ids, hits = reserved
         reservation = Reservation(request_id, self.replica_id, block_ids, hits, self.shards)
         stream = self.prefill(request_id, prompt, params, priority, reservation)
-        keep = False
         try:
             ready = await anext(aiter(stream))
-            if ready.finished:
-                return ready.output
-            await self._transfer(ready, reservation)
-            keep = True
-            return ready.first
+            if not ready.finished:
+                await self._transfer(ready, reservation)
+        except BaseException:
+            # Shielded: a second cancellation must not leave the reservation or the prefill's KV behind.
+            await asyncio.shield(self._give_up(request_id, stream))
+            raise
+        if ready.finished:
+            await self._give_up(request_id, stream)
+            return ready.output
+        self._in_background(_read_to_end(stream))  # step 4, off the request's path
+        return ready.first
+
+    async def _give_up(self, request_id: str, stream) -> None:
+        """Free the reservation (even on a dead engine) and close the prefill stream, which frees its KV."""
+        try:
+            await self.engine.cleanup(self.engine.engine.cancel_reservation, request_id)
         finally:
-            if not keep:
-                await self.engine.call(self.engine.engine.cancel_reservation, request_id)
-            # Let the prefill side see its ack and free its blocks (or, if we failed, cancel it).
             await _close(stream)
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _transfer(self, ready: PrefillReady, res: Reservation) -> None:
         pair_id = f"{ready.prefill_replica}->{self.replica_id}"
@@ -176,37 +205,68 @@ class DecodeReplica:
         dst_by_rank = {s.rank: s for s in self.shards}
         lock = self._pair_locks.setdefault(pair_id, asyncio.Lock())
         async with lock:  # one transfer at a time per pair: both sides post their messages in the same order
-            # Shielded: once both sides are posting, stopping half-way would desynchronise the pair.
-            await asyncio.shield(asyncio.to_thread(self._transfer_blocking, spec, ready, plan, src_by_rank, dst_by_rank,
-                                                   src_blocks, dst_blocks, res.request_id))
+            moving = asyncio.ensure_future(asyncio.to_thread(
+                self._transfer_blocking, spec, ready, plan, src_by_rank, dst_by_rank, src_blocks, dst_blocks, res.request_id))
+            try:
+                await asyncio.shield(moving)
+            except asyncio.CancelledError:
+                # Posted messages cannot be taken back: the transfer runs on (bounded by the transfer
+                # timeout) and writes into the reserved blocks. The caller frees them, and the next
+                # transfer may use the pair, only once it has ended.
+                await asyncio.wait([moving])
+                raise
 
-    def _transfer_blocking(self, spec, ready: PrefillReady, plan, src_by_rank, dst_by_rank, src_blocks, dst_blocks, request_id) -> None:
+    def _transfer_blocking(self, spec: PairSpec, ready: PrefillReady, plan: list[Transfer], src_by_rank: dict[int, RankShard],
+                           dst_by_rank: dict[int, RankShard], src_blocks: list[int], dst_blocks: list[int], request_id: str) -> None:
         import ray
 
         t0 = time.perf_counter()
-        timeout = self.transfer_timeout_s
-        if not self.executor.kv_call("has_group", spec.pair_id, ranks=[0])[0]:
-            host, port = ray.get(ready.rank_handles[0].kv.remote("open_store", spec.pair_id), timeout=timeout)
-            joins = [h.kv.remote("join", spec, host, port) for h in ready.rank_handles]
-            try:
-                self.executor.kv_call("join", spec, host, port)
-                ray.get(joins, timeout=timeout)
-            except Exception as e:
-                self.executor.kv_call("drop", spec.pair_id)
-                raise KVTransferError(f"could not connect {spec.pair_id}: {e}") from e
-        sends = [h.kv.remote("send", spec, plan, dst_by_rank, src_blocks, request_id) for h in ready.rank_handles]
         try:
+            if not self.executor.kv_call("has_group", spec.pair_id, ranks=[0])[0]:
+                self._connect(spec, ready.rank_handles)
+            sends = [h.kv.remote("send", spec, plan, dst_by_rank, src_blocks, request_id) for h in ready.rank_handles]
             received = sum(self.executor.kv_call("recv", spec, plan, src_by_rank, dst_blocks))
-            ray.get(sends, timeout=timeout)
+            ray.get(sends, timeout=self.transfer_timeout_s)
         except Exception as e:
-            self.executor.kv_call("drop", spec.pair_id)
-            for h in ready.rank_handles:
-                h.kv.remote("drop", spec.pair_id)
+            self._drop_pair(spec.pair_id, ready.rank_handles)
+            if isinstance(e, ExecutorError):
+                raise  # this replica's own ranks are gone: no new prefill can help
             raise KVTransferError(f"request {request_id}: KV transfer {spec.pair_id} failed: {e}") from e
         stats = TransferStats(received, time.perf_counter() - t0, len(dst_blocks))
         self.transfers.append(stats)
         if self.on_transfer is not None:
             self.on_transfer(stats)
+
+    def _connect(self, spec: PairSpec, prefill_ranks: list) -> None:
+        """Build the pair's group: prefill rank 0 hosts its store, every rank of both replicas joins."""
+        import ray
+
+        host, port = ray.get(prefill_ranks[0].kv.remote("open_store", spec.pair_id), timeout=self.transfer_timeout_s)
+        joins = [h.kv.remote("join", spec, host, port) for h in prefill_ranks]
+        self.executor.kv_call("join", spec, host, port)
+        ray.get(joins, timeout=self.transfer_timeout_s)
+
+    def _drop_pair(self, pair_id: str, prefill_ranks: list) -> None:
+        """Forget the pair's group on both sides, best effort (either may be gone): the next transfer rebuilds it."""
+        for h in prefill_ranks:
+            h.kv.remote("drop", pair_id)
+        if self.executor.alive:
+            try:
+                self.executor.kv_call("drop", pair_id)
+            except (ExecutorError, KVTransferError):
+                log.debug("dropping %s on the decode ranks failed", pair_id, exc_info=True)
+
+
+async def _read_to_end(stream) -> None:
+    """Step 4: the rest of the prefill stream is the prefill replica collecting its ranks' acks and
+    freeing the blocks. The KV is already here, so a failure there is only logged."""
+    try:
+        async for _ in stream:
+            pass
+    except Exception:  # noqa: BLE001 - the request goes on regardless
+        log.warning("the prefill side failed after handing off its KV", exc_info=True)
+    finally:
+        await _close(stream)
 
 
 async def _close(stream) -> None:

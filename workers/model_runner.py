@@ -241,6 +241,9 @@ class ModelRunner:
 
     def kv_shard(self, rank: int) -> "RankShard":
         """Which global layers and KV heads this rank's cache holds (for resharding KV transfers)."""
+        if self.sp.size > 1:
+            # Under SP a rank holds only the blocks it owns (workers/kv_cache.py); transfer plans assume all blocks.
+            raise ValueError("KV handoff (disaggregated prefill/decode) does not support sequence_parallel_size > 1 yet")
         from parallel.linear import QKVParallelLinear
         from workers.kv_transfer.plan import RankShard
 

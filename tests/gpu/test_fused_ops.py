@@ -82,3 +82,31 @@ def test_fused_moe_matches_expert_loop(t, e, k, h, i):
     out = fused_moe(x, ex.w13, ex.w2, ids, w)
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("t,k,e,start,hi", [(1, 8, 128, 0, 128), (256, 8, 128, 0, 128), (37, 2, 8, 0, 8), (20, 2, 4, 4, 16)])
+def test_align_kernel_matches_torch(t, k, e, start, hi):
+    from workers.kernels.fused_moe import _align_torch, align_by_expert
+
+    ids = torch.randint(0, hi, (t, k), device=DEV)
+    a = align_by_expert(ids, e, 16, start)
+    b = _align_torch(ids - start, e, 16)
+    n_pad = b[2].item()
+    assert torch.equal(a[2], b[2]) and torch.equal(a[0], b[0])
+    assert torch.equal(a[1][: n_pad // 16], b[1][: n_pad // 16])
+
+
+def test_fused_moe_expert_parallel_slice():
+    """Experts [4, 8) of 16 held here: pairs routed elsewhere contribute nothing."""
+    from workers.kernels.fused_moe import fused_moe
+    from workers.models.moe import Experts
+
+    ex = Experts(16, 256, 128, local_experts=range(4, 8)).to(DEV).to(torch.bfloat16)
+    ex.w13.data.normal_(0, 256 ** -0.5)
+    ex.w2.data.normal_(0, 128 ** -0.5)
+    x = torch.randn(50, 256, device=DEV, dtype=torch.bfloat16)
+    w, ids = torch.topk(torch.softmax(torch.randn(50, 16, device=DEV), -1), 4, -1)
+    ex.use_fused = False
+    ref = ex(x, ids, w)
+    out = fused_moe(x, ex.w13, ex.w2, ids, w, 4, 16)
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2

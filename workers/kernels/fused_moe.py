@@ -62,7 +62,69 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, 
     tl.store(c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], c, mask=valid[:, None] & mask_n[None, :])
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, scratch_ptr, n, expert_start, max_rows,
+                  num_blocks, E: tl.constexpr, NBINS: tl.constexpr, N_PAD: tl.constexpr, NB_PAD: tl.constexpr,
+                  BM: tl.constexpr, FILL: tl.constexpr):
+    """One program does what `_align_torch` does in ~15 launches (decode-sized batches)."""
+    offs = tl.arange(0, N_PAD)
+    valid = offs < n
+    e = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32) - expert_start
+    e = tl.where(valid & (e >= 0) & (e < E), e, E)  # not local (EP) or padding: bin E, dropped
+    counts = tl.histogram(e, NBINS)
+    bins = tl.arange(0, NBINS)
+    cnt = tl.where(bins < E, counts, 0)
+    padded = (cnt + BM - 1) // BM * BM
+    pend = tl.cumsum(padded, 0)
+    cend = tl.cumsum(cnt, 0)
+    tl.store(scratch_ptr + bins, cend - cnt)
+    tl.store(scratch_ptr + NBINS + bins, pend - padded)
+    tl.store(scratch_ptr + 2 * NBINS + bins, pend)
+    for r in range(0, max_rows, FILL):  # every row a sentinel first
+        ro = r + tl.arange(0, FILL)
+        tl.store(sorted_ids_ptr + ro, n, mask=ro < max_rows)
+    tl.debug_barrier()
+    skey = tl.sort(e * N_PAD + offs)  # by expert, then by pair index (stable)
+    se = skey // N_PAD
+    sj = skey % N_PAD
+    keep = se < E
+    se_c = tl.where(keep, se, 0)
+    cstart = tl.load(scratch_ptr + se_c)
+    pstart = tl.load(scratch_ptr + NBINS + se_c)
+    tl.store(sorted_ids_ptr + pstart + (offs - cstart), sj.to(tl.int64), mask=keep)
+    blocks = tl.arange(0, NB_PAD)
+    owner = tl.zeros([NB_PAD], tl.int32)
+    for x in range(E):
+        owner += (tl.load(scratch_ptr + 2 * NBINS + x) <= blocks * BM).to(tl.int32)
+    tl.store(block_expert_ptr + blocks, tl.minimum(owner, E - 1).to(tl.int64), mask=blocks < num_blocks)
+    tl.store(num_padded_ptr, tl.sum(padded, 0).to(tl.int64))
+
+
+_ALIGN_KERNEL_MAX_PAIRS = 4096
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_start: int = 0):
+    """topk_ids [T, k] global expert ids; local experts are [expert_start, expert_start + num_experts)
+    (others are dropped) -> sorted_ids [max_rows] (pair index, sentinel T*k), block_expert
+    [max_rows // block_m], num_padded [1]. max_rows depends only on the shapes."""
+    n = topk_ids.numel()
+    max_rows = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
+    if n > _ALIGN_KERNEL_MAX_PAIRS or not topk_ids.is_cuda:
+        return _align_torch(topk_ids - expert_start if expert_start else topk_ids, num_experts, block_m)
+    dev = topk_ids.device
+    nbins = triton.next_power_of_2(num_experts + 1)
+    sorted_ids = torch.empty(max_rows, dtype=torch.int64, device=dev)
+    num_blocks = max_rows // block_m
+    block_expert = torch.empty(num_blocks, dtype=torch.int64, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int64, device=dev)
+    scratch = torch.empty(3 * nbins, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](topk_ids.contiguous(), sorted_ids, block_expert, num_padded, scratch, n, expert_start, max_rows,
+                        num_blocks, E=num_experts, NBINS=nbins, N_PAD=triton.next_power_of_2(n),
+                        NB_PAD=triton.next_power_of_2(num_blocks), BM=block_m, FILL=1024, num_warps=8)
+    return sorted_ids, block_expert, num_padded
+
+
+def _align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """topk_ids [T, k] (local expert ids; ids outside [0, E) are dropped) ->
     sorted_ids [max_rows] (pair index, sentinel T*k), block_expert [max_rows // block_m], num_padded [1]."""
     dev = topk_ids.device
@@ -93,8 +155,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 def _config(m_per_expert: float, n: int, k: int):
-    if m_per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    if m_per_expert <= 16:  # decode: memory-bound, many narrow programs for more loads in flight
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
     if m_per_expert <= 64:
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
@@ -110,9 +172,10 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, num_padded, weights, num_
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
+              topk_weights: torch.Tensor, expert_start: int = 0, num_experts_total: int | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_ids [T, k] global ids; topk_weights [T, k] fp32
-    -> [T, H] (this rank's partial sum over its local experts)."""
+    -> [T, H] (this rank's partial sum over its local experts w13/w2 = experts [expert_start, expert_start + E)
+    of num_experts_total; None: all experts are local)."""
     t, hdim = x.shape
     e, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -120,15 +183,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
         return torch.zeros_like(x)
     x = x.contiguous()
     cfg = _config(t * top_k / e, two_i, hdim)
-    local_ids = topk_ids - expert_start if expert_start else topk_ids
-    sorted_ids, block_expert, num_padded = align_by_expert(local_ids, e, cfg["BLOCK_M"])
+    sorted_ids, block_expert, num_padded = align_by_expert(topk_ids, e, cfg["BLOCK_M"], expert_start)
     n_pairs = t * top_k
     weights = topk_weights.flatten().to(torch.float32).contiguous()
     # rows of pairs routed to no local expert stay unwritten in h1 and zero in y
     h1 = torch.empty(n_pairs, two_i, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, h1, sorted_ids, block_expert, num_padded, weights, n_pairs, top_k, False, cfg)
     act = silu_and_mul(h1)
-    y = torch.zeros(n_pairs, hdim, dtype=x.dtype, device=x.device)
+    # with every expert local, every pair's row is written; otherwise (EP) the others must read as zero
+    all_local = expert_start == 0 and (num_experts_total is None or num_experts_total == e)
+    y = (torch.empty if all_local else torch.zeros)(n_pairs, hdim, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, y, sorted_ids, block_expert, num_padded, weights, n_pairs, 1, True, cfg)
-    return y.view(t, top_k, hdim).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return y.view(t, top_k, hdim).sum(dim=1)
 

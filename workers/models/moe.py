@@ -64,7 +64,7 @@ class Experts(nn.Module):
         if x.shape[0] == 0:  # an EP rank that was sent no tokens
             return torch.zeros_like(x)
         if x.is_cuda and self.graph_safe:
-            return _fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, self.expert_start)
+            return _fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, self.expert_start, self.num_experts)
         out = torch.zeros_like(x)
         n_local = self.num_local_experts
         local_ids = topk_ids - self.expert_start

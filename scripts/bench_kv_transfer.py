@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""KV transfer between two GPUs: `KVTransferAgent` (the prefill -> decode handoff's transport) against a
+raw NCCL send/recv of the same bytes, in the same run.
+
+Two processes, one per GPU: rank 0 holds a prefill rank's KV cache, rank 1 a decode rank's, both of
+the given shape (default Llama-3.1-8B: 32 layers, 8 KV heads, head_dim 128, bf16, block 16). For each
+prompt length, the prompt's blocks (scattered over the cache, as block tables are) move from the
+prefill cache into other blocks of the decode cache:
+
+  agent    KVTransferAgent.send / recv over their pair group (NCCL): gather -> one message -> scatter
+  raw      torch.distributed send / recv of one contiguous buffer of the same size (default NCCL group)
+  gather   the sender's gather of the blocks into one contiguous buffer, alone
+  scatter  the receiver's scatter of that buffer into its blocks, alone
+
+agent and raw are timed on the receiver, from a common start (a barrier) until the data is in place
+(CUDA synchronised); medians over --iters runs after --warmup. GB/s = bytes / seconds / 1e9. After the
+timed runs the decode blocks are checked against the prefill blocks, bit for bit.
+
+    python scripts/bench_kv_transfer.py                              # 1K, 8K, 32K-token prompts
+    python scripts/bench_kv_transfer.py --tokens 1024 131072 --out bench_results/kv.json
+    python scripts/bench_kv_transfer.py --device cpu --tokens 64 --layers 2   # the same code over gloo, as a check
+Prints a table; writes JSON (--out). Needs 2 CUDA GPUs (or --device cpu).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import queue
+import random
+import socket
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workers.kv_transfer.blocks import gather_blocks, scatter_blocks  # noqa: E402
+from workers.kv_transfer.plan import RankShard, plan_transfers  # noqa: E402
+from workers.kv_transfer.transport import KVTransferAgent, PairSpec  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 16
+    dtype: str = "bfloat16"
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.layers * self.block_size * self.kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
+
+    def cache(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(self.layers, 2, num_blocks, self.block_size, self.kv_heads, self.head_dim,
+                           dtype=DTYPES[self.dtype], device=device)
+
+
+# ---------------------------------------------------------------- two processes, one GPU each
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_device(rank: int, device_type: str) -> torch.device:
+    return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def _child(rank: int, port: int, device_type: str, fn: Callable[[int, Any], Any], args: Any, results: mp.Queue) -> None:
+    try:
+        device = rank_device(rank, device_type)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device)
+        else:
+            torch.set_num_threads(1)
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        value = fn(rank, args)
+        sync_start(rank)
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the run
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_pair(fn: Callable[[int, Any], Any], args: Any, device_type: str = "cuda", timeout_s: float = 900.0) -> list[Any]:
+    """fn(rank, args) on rank 0 (GPU 0, the prefill side) and rank 1 (GPU 1, the decode side), each in
+    a fresh process joined to a default NCCL group of 2 (gloo with device_type "cpu"); returns their
+    results by rank. fn must be importable (module level). The first failure, or a rank exiting
+    without a result, is raised."""
+    if device_type == "cuda" and torch.cuda.device_count() < 2:
+        raise RuntimeError(f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_child, args=(rank, port, device_type, fn, args, results), daemon=True) for rank in range(2)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(got) < 2:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} exited (code {procs[dead[0]].exitcode}) without a result") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no result within {timeout_s:.0f}s") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [got[0], got[1]]
+
+
+def connect_agents(rank: int, kv_cache: torch.Tensor, shard: RankShard, timeout_s: float = 120.0,
+                   pair_id: str = "bench-prefill->bench-decode") -> tuple[KVTransferAgent, PairSpec]:
+    """Inside run_pair: rank 0 gets a prefill agent, rank 1 a decode agent, joined in one pair group."""
+    agent = KVTransferAgent(kv_cache, shard, "prefill" if rank == 0 else "decode", timeout_s)
+    spec = PairSpec(pair_id, 1, 1)
+    address = [agent.open_store(pair_id) if rank == 0 else None]
+    dist.broadcast_object_list(address, src=0)  # the store's address, over the default group
+    agent.join(spec, *address[0])
+    return agent, spec
+
+
+def synchronize() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def sync_start(rank: int) -> None:
+    """Both ranks idle and aligned: the common start of a timed run."""
+    synchronize()
+    dist.barrier(device_ids=[rank]) if dist.get_backend() == "nccl" else dist.barrier()
+    synchronize()
+
+
+# ---------------------------------------------------------------- the benchmark (runs in each GPU process)
+
+
+def block_ids(num_tokens: int, shape: Shape, cache_blocks: int, seed: int) -> tuple[list[int], list[int]]:
+    """The prompt's blocks on each side: distinct, scattered, the same on both ranks."""
+    n = -(-num_tokens // shape.block_size)
+    rng = random.Random(seed * 1_000_003 + num_tokens)
+    return rng.sample(range(cache_blocks), n), rng.sample(range(cache_blocks), n)
+
+
+def _timed(rank: int, fn: Callable[[], Any]) -> float:
+    sync_start(rank)
+    t0 = time.perf_counter()
+    fn()
+    synchronize()
+    return time.perf_counter() - t0
+
+
+def _bench_rank(rank: int, cfg: dict) -> dict:
+    shape, tokens = Shape(**cfg["shape"]), cfg["tokens"]
+    device = rank_device(rank, cfg["device"])
+    cache_blocks = 2 * -(-max(tokens) // shape.block_size)  # room to scatter the largest prompt
+    cache = shape.cache(cache_blocks, device)
+    if rank == 0:
+        cache.normal_(generator=torch.Generator(device).manual_seed(cfg["seed"]))
+    shard = RankShard(0, range(shape.layers), range(shape.kv_heads))
+    plan = plan_transfers([shard], [shard])
+    agent, spec = connect_agents(rank, cache, shard, cfg["timeout_s"])
+    everything = slice(None)
+    out: dict[int, dict] = {}
+    for n_tok in tokens:
+        src, dst = block_ids(n_tok, shape, cache_blocks, cfg["seed"])
+        nbytes = len(src) * shape.bytes_per_block
+        raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        staged = gather_blocks(cache, dst, everything, everything) if rank == 1 else None  # the scatter's input
+        times: dict[str, list[float]] = {"agent": [], "raw": [], "gather": [], "scatter": []}
+        for i in range(cfg["warmup"] + cfg["iters"]):
+            if rank == 0:
+                runs = {"agent": lambda: agent.send(spec, plan, {0: shard}, src, f"r{n_tok}-{i}"),
+                        "raw": lambda: dist.send(raw, dst=1),
+                        "gather": lambda: gather_blocks(cache, src, everything, everything)}
+            else:
+                runs = {"agent": lambda: agent.recv(spec, plan, {0: shard}, dst),
+                        "raw": lambda: dist.recv(raw, src=0),
+                        "scatter": lambda: scatter_blocks(cache, dst, everything, everything, staged)}
+            # The same order on both ranks, so the barriers pair up; the agent last, so what it wrote is verified.
+            for name in ("gather", "scatter", "raw", "agent"):
+                fn = runs.get(name, lambda: None)
+                seconds = _timed(rank, fn)
+                if i >= cfg["warmup"] and name in runs:
+                    times[name].append(seconds)
+        del raw, staged
+        out[n_tok] = {"bytes": nbytes, "blocks": len(src), "verified": _verify(rank, cache, src, dst),
+                      **{f"{k}_s": statistics.median(v) for k, v in times.items() if v}}
+    return out
+
+
+def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> bool | None:
+    """The decode blocks equal the prefill blocks, bit for bit (the sender's copy travels raw)."""
+    everything = slice(None)
+    if rank == 0:
+        dist.send(gather_blocks(cache, src, everything, everything), dst=1)
+        return None
+    mine = gather_blocks(cache, dst, everything, everything)
+    theirs = torch.empty_like(mine)
+    dist.recv(theirs, src=0)
+    return bool(torch.equal(mine, theirs))
+
+
+def summarize(results: list[dict], cfg: dict) -> list[dict]:
+    sender, receiver = results
+    rows = []
+    for n_tok in cfg["tokens"]:
+        r, s = receiver[n_tok], sender[n_tok]
+        gb = r["bytes"] / 1e9
+        rows.append({
+            "tokens": n_tok, "blocks": r["blocks"], "bytes": r["bytes"], "verified": r["verified"],
+            "agent_ms": 1e3 * r["agent_s"], "agent_gbps": gb / r["agent_s"],
+            "raw_ms": 1e3 * r["raw_s"], "raw_gbps": gb / r["raw_s"],
+            "gather_ms": 1e3 * s["gather_s"], "scatter_ms": 1e3 * r["scatter_s"],
+            "agent_over_raw": r["agent_s"] / r["raw_s"],
+        })
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'tokens':>7} {'blocks':>6} {'MiB':>8} {'agent ms':>9} {'agent GB/s':>10} {'raw ms':>8} {'raw GB/s':>9} " \
+           f"{'gather ms':>9} {'scatter ms':>10} {'agent/raw':>9} {'ok':>3}"
+    print(head)
+    for r in rows:
+        print(f"{r['tokens']:>7} {r['blocks']:>6} {r['bytes'] / 2**20:>8.1f} {r['agent_ms']:>9.2f} {r['agent_gbps']:>10.1f} "
+              f"{r['raw_ms']:>8.2f} {r['raw_gbps']:>9.1f} {r['gather_ms']:>9.2f} {r['scatter_ms']:>10.2f} "
+              f"{r['agent_over_raw']:>9.2f} {'yes' if r['verified'] else 'NO':>3}")
+
+
+def _nccl_version() -> str:
+    v = torch.cuda.nccl.version()
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768], help="prompt lengths")
+    p.add_argument("--layers", type=int, default=Shape.layers)
+    p.add_argument("--kv-heads", type=int, default=Shape.kv_heads)
+    p.add_argument("--head-dim", type=int, default=Shape.head_dim)
+    p.add_argument("--block-size", type=int, default=Shape.block_size)
+    p.add_argument("--dtype", choices=list(DTYPES), default=Shape.dtype)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0, help="the agent's transfer timeout, seconds")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: two processes over gloo (a check, not a benchmark)")
+    p.add_argument("--out", default="bench_results/kv_transfer.json")
+    args = p.parse_args(argv)
+    shape = Shape(args.layers, args.kv_heads, args.head_dim, args.block_size, args.dtype)
+    cfg = {"shape": asdict(shape), "tokens": args.tokens, "warmup": args.warmup, "iters": args.iters,
+           "seed": args.seed, "timeout_s": args.timeout, "device": args.device}
+    rows = summarize(run_pair(_bench_rank, cfg, args.device), cfg)
+    print_table(rows)
+    report = {
+        "bench": "kv_transfer", "backend": "nccl" if args.device == "cuda" else "gloo",
+        "shape": asdict(shape), "bytes_per_block": shape.bytes_per_block,
+        "warmup": args.warmup, "iters": args.iters,
+        "devices": [torch.cuda.get_device_name(i) for i in range(2)] if args.device == "cuda" else ["cpu (gloo)"] * 2,
+        "torch": torch.__version__, "nccl": _nccl_version() if args.device == "cuda" else None,
+        "host": platform.node(), "results": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    if not all(r["verified"] for r in rows):
+        raise SystemExit("the received blocks differ from the sent blocks")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Kernel-time breakdown of one batch-1 decode step (CUDA graph replays under torch.profiler).
+
+    python scripts/profile_decode.py --shape llama-3.1-8b
+Prints the kernels that take the most GPU time per step, grouped by name.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from workers import LLM, SamplingParams  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shape", default="llama-3.1-8b")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--out", default="bench_results/profile_decode.txt")
+    a = p.parse_args()
+    from model_shapes import write_model_folder
+
+    path = write_model_folder(a.shape, os.path.join(tempfile.mkdtemp(), a.shape))
+    llm = LLM(model=path, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=1024, num_blocks=256,
+              max_num_seqs=4, show_progress=False)
+    eng = llm.engine
+    runner = getattr(eng, "runner", None) or eng.executor.runner
+    llm.generate([list(range(100, 228))], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    g = runner.cuda_graphs.graphs[1]
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.steps):
+            g.replay()
+        torch.cuda.synchronize()
+    rows = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            rows[ev.key] = (t / a.steps, ev.count / a.steps)
+    total = sum(t for t, _ in rows.values())
+    lines = [f"GPU time per decode step (graph replay, batch 1, {a.shape}): {total / 1e3:.3f} ms over "
+             f"{sum(c for _, c in rows.values()):.0f} kernels"]
+    for name, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:18]:
+        lines.append(f"{t / 1e3:8.3f} ms {100 * t / total:5.1f}%  x{c:5.0f}  {name[:110]}")
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""`KVTransferAgent` over NCCL between two GPUs, one process each (the harness of
+scripts/bench_kv_transfer.py): the received blocks equal the sent blocks, bit for bit.
+
+TP 1 -> 1 moves every head. A TP 2 -> 1 reshard needs 3 GPUs (two prefill ranks, one decode rank), so
+its two halves are checked with one sender and one receiver: the sender gathering a slice of its heads
+(a decode rank of a wider TP taking its share) and the receiver scattering into a slice of its heads
+(one prefill rank of a wider TP delivering its share) while the other heads stay untouched. Last, the
+benchmark runs end to end on a small prompt and verifies its own transfers.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.kv_transfer.plan import RankShard, Transfer, plan_transfers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import bench_kv_transfer as bench  # noqa: E402
+
+NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 CUDA GPUs")]
+
+# Llama-3.1-8B's per-block shape, over a small cache.
+LAYERS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 32, 8, 128, 16, 24
+SRC_BLOCKS = [5, 17, 3, 20, 11, 23, 0]  # a prompt's block table on the prefill side...
+DST_BLOCKS = [9, 1, 22, 12, 4, 0, 15]  # ...and the blocks the decode side reserved for it
+SENTINEL = -7.0
+
+CASES = {  # (heads the prefill rank holds, heads the decode rank holds, heads sent)
+    "tp1->tp1": (range(0, 8), range(0, 8), range(0, 8)),
+    "gather-head-slice": (range(0, 8), range(4, 8), range(4, 8)),  # decode rank 1 of TP 2, from a TP 1 prefill
+    "scatter-head-slice": (range(4, 8), range(0, 8), range(4, 8)),  # prefill rank 1 of TP 2, into a TP 1 decode
+}
+
+
+def _source_kv() -> torch.Tensor:
+    """Every head of the prompt's KV as the prefill side computed it: distinct values, the same in both processes."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(LAYERS, 2, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+
+
+def _heads(r: range, base: range) -> slice:
+    return slice(r.start - base.start, r.stop - base.start)
+
+
+def _transfer_case(rank: int, args: tuple[str, str]) -> dict:
+    """Runs in each GPU process: rank 0 sends the case's heads of SRC_BLOCKS, rank 1 receives them into DST_BLOCKS."""
+    name, device_type = args
+    src_heads, dst_heads, sent = CASES[name]
+    device = bench.rank_device(rank, device_type)
+    src, dst = RankShard(0, range(LAYERS), src_heads), RankShard(0, range(LAYERS), dst_heads)
+    plan = [Transfer(0, 0, range(LAYERS), sent)]
+    full = _source_kv()
+    if rank == 0:
+        cache = full[:, :, :, :, _heads(src_heads, range(HEADS))].contiguous().to(device)
+    else:
+        cache = torch.full((LAYERS, 2, NUM_BLOCKS, BLOCK, len(dst_heads), HEAD_DIM), SENTINEL, dtype=torch.bfloat16, device=device)
+    agent, spec = bench.connect_agents(rank, cache, src if rank == 0 else dst, timeout_s=60.0)
+    if rank == 0:
+        return {"bytes": agent.send(spec, plan, {0: dst}, SRC_BLOCKS, "req-0")}
+    received = agent.recv(spec, plan, {0: src}, DST_BLOCKS)
+    bench.synchronize()
+    expected = torch.full_like(cache, SENTINEL, device="cpu")
+    for s, d in zip(SRC_BLOCKS, DST_BLOCKS, strict=True):
+        expected[:, :, d, :, _heads(sent, dst_heads)] = full[:, :, s, :, _heads(sent, range(HEADS))]
+    got = cache.cpu()
+    return {"bytes": received, "equal": torch.equal(got, expected),
+            "mismatched_blocks": sorted({int(b) for b in (got != expected).nonzero()[:, 2].tolist()})}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_received_blocks_equal_sent_blocks(name: str):
+    src_heads, dst_heads, sent = CASES[name]
+    if name != "scatter-head-slice":  # there, the other heads would come from the TP group's other prefill rank
+        assert plan_transfers([RankShard(0, range(LAYERS), src_heads)], [RankShard(0, range(LAYERS), dst_heads)]) == \
+            [Transfer(0, 0, range(LAYERS), sent)]
+    sender, receiver = bench.run_pair(_transfer_case, (name, "cuda"), timeout_s=300.0)
+    nbytes = len(SRC_BLOCKS) * LAYERS * 2 * BLOCK * len(sent) * HEAD_DIM * 2
+    assert sender["bytes"] == receiver["bytes"] == nbytes
+    assert receiver["equal"], f"blocks that differ from what was sent (or were written outside the slice): {receiver['mismatched_blocks']}"
+
+
+def test_bench_script_runs_and_verifies(tmp_path: Path):
+    out = tmp_path / "kv_transfer.json"
+    report = bench.main(["--tokens", "256", "1024", "--layers", "4", "--warmup", "1", "--iters", "2", "--out", str(out)])
+    rows = report["results"]
+    assert [r["tokens"] for r in rows] == [256, 1024]
+    assert [r["bytes"] for r in rows] == [n // 16 * report["bytes_per_block"] for n in (256, 1024)]
+    assert all(r["verified"] and r["agent_gbps"] > 0 and r["raw_gbps"] > 0 for r in rows)
+    assert json.loads(out.read_text())["results"] == rows

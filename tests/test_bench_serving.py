@@ -1,0 +1,64 @@
+"""scripts/bench_serving.py against a real server: the OpenAI app over a LocalBackend under uvicorn."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.openai_api import create_openai_app
+from tests.serving import LiveServer, build_chat_model, make_backend
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serving"] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    backend = make_backend(build_chat_model(tmp_path_factory.mktemp("models") / "bench-llama"))
+    live = LiveServer(create_openai_app(backend))
+    yield live
+    live.call(backend.close)
+    live.stop()
+
+
+@pytest.mark.parametrize("sweep", [["--request-rates", "50,inf"], ["--concurrencies", "1,4"]], ids=["rates", "concurrency"])
+def test_sweep_reports_latency_and_throughput(bench, server, tmp_path, sweep):
+    out = tmp_path / "serving"
+    rc = bench.main(["--base-url", server.url, *sweep, "--num-prompts", "8", "--max-duration", "60", "--warmup", "1",
+                     "--input-len", "24", "--output-len", "12", "--length-dist", "uniform", "--max-token-id", "300",
+                     "--ttft-slo", "5", "--tpot-slo", "1", "--out", str(out), "--save-requests"])
+    assert rc == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["model"]["id"] == "bench-llama" and len(report["points"]) == 2
+    for point in report["points"]:
+        s = point["summary"]
+        assert (s["completed"], s["failed"]) == (8, 0), s["errors"]
+        assert s["request_throughput"] > 0 and s["output_token_throughput"] > 0
+        assert 0 < s["ttft_s"]["p50"] <= s["ttft_s"]["p90"] <= s["ttft_s"]["p99"] <= s["e2e_s"]["p99"]
+        assert s["tpot_s"]["p50"] > 0 and s["itl_s"]["p99"] > 0
+        assert s["goodput"] <= s["request_throughput"] and s["goodput_fraction"] == 1.0  # generous SLOs
+        # ignore_eos: each request produced exactly its drawn output length.
+        assert all(r["output_tokens"] == r["output_len"] for r in point["requests"])
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_failures_are_counted_not_fatal(bench, server, tmp_path):
+    # Prompts of ids outside the vocabulary: every request is a 400, and the run says so.
+    out = tmp_path / "bad"
+    rc = bench.main(["--base-url", server.url, "--request-rates", "inf", "--num-prompts", "3", "--warmup", "0",
+                     "--min-token-id", "400", "--max-token-id", "500", "--input-len", "8", "--output-len", "4",
+                     "--out", str(out)])
+    assert rc == 1
+    [point] = json.loads(out.with_suffix(".json").read_text())["points"]
+    assert point["summary"]["failed"] == 3 and any("HTTP 400" in e for e in point["summary"]["errors"])
