@@ -180,9 +180,10 @@ class _RingExchange:
     Sizes come from the shared layout, so an empty block is simply not sent (nor received).
     """
 
-    def __init__(self, group: Group, send: torch.Tensor, recv_tokens: int, like: torch.Tensor):
+    def __init__(self, group: Group, send: torch.Tensor, recv_tokens: int):
+        """send [2, T, Hkv, D]; the block received has recv_tokens tokens."""
         n, me = group.size, group.rank
-        self.recv = like.new_empty((2, recv_tokens, *like.shape[2:]))
+        self.recv = send.new_empty((2, recv_tokens, *send.shape[2:]))
         ops = []
         if send.shape[1]:
             ops.append(dist.P2POp(dist.isend, send, group.ranks[(me + 1) % n], group.device_group))
@@ -214,7 +215,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_shard: T
         exchange = None
         if step < n - 1:
             # Start passing the block on before computing with it: the transfer overlaps the compute.
-            exchange = _RingExchange(group, block, kv_shards[(src - 1) % n].num_tokens, block)
+            exchange = _RingExchange(group, block, kv_shards[(src - 1) % n].num_tokens)
         _attend_block(q, block, q_shard, kv_shards[src], scale, acc_out, acc_lse)
         if exchange is not None:
             block = exchange.wait()

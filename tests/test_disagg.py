@@ -8,7 +8,7 @@ Two pairs, one alive at a time (a pair takes 3 of the module's 4 Ray CPUs):
 - "tp1->tp2": a Qwen3 with one KV head, prefilled on 1 rank and decoded on 2 ranks that both hold that
   head (KV heads < TP): correctness and bytes, the prefill side's lease, a killed decode rank.
 Prefill engines take 16 tokens a step, so a 40-token prompt is prefilled over 3 steps; `StepGate`
-stops an engine's step loop between two of them to act on a request mid-prefill, deterministically.
+freezes an engine between two of them to act on a request mid-prefill, deterministically.
 
 After every test both engines hold no block, no lease and no request, and their block manager's
 invariants hold (frees that land asynchronously get a short poll).
@@ -19,8 +19,8 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, TypeVar
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Coroutine, TypeVar
 
 import pytest
 import ray
@@ -71,7 +71,7 @@ class Pair:
     path: str
     prefill: PrefillReplica
     decode: DecodeReplica
-    prefill_calls: list[str] = field(default_factory=list)  # request ids the decode side asked the prefill side for
+    prefill_calls: list[str]  # request ids the decode side asked the prefill side for, in order
 
     @property
     def P(self) -> LLMEngine:
@@ -95,15 +95,19 @@ def _build_pair(name: str) -> Pair:
         return LLMEngine(EngineConfig.from_kwargs(model=path, **COMMON, **kw), show_progress=False)
 
     prefill = PrefillReplica(engine(spec["prefill"]))
-    pair = Pair(path, prefill, None)  # type: ignore[arg-type]
+    calls: list[str] = []
 
     async def client(rid: str, prompt: list[int], params: SamplingParams, prio: int, res: Reservation) -> AsyncIterator[PrefillReady]:
-        pair.prefill_calls.append(rid)
+        calls.append(rid)
         async for ready in prefill.prefill(rid, prompt, params, prio, res):
             yield ready
 
-    pair.decode = DecodeReplica(engine(spec["decode"]), client)
-    return pair
+    try:
+        decode = DecodeReplica(engine(spec["decode"]), client)
+    except BaseException:
+        prefill.engine.engine.shutdown()
+        raise
+    return Pair(path, prefill, decode, calls)
 
 
 class Pools:
@@ -189,10 +193,12 @@ async def poll(ok: Callable[[], bool], what: str, timeout: float = WAIT_S) -> No
         await asyncio.sleep(0.02)
 
 
-async def locked(replica: PrefillReplica | DecodeReplica, fn: Callable[[LLMEngine], T]) -> T:
-    """fn(engine) under the engine's lock (the step thread may be mutating it); works on a dead engine."""
+async def on_engine(replica: PrefillReplica | DecodeReplica, fn: Callable[[LLMEngine], T]) -> T:
+    """fn(engine), in turn with the engine's own calls; directly once the engine has died."""
     aengine: AsyncEngine = replica.engine
-    return await asyncio.to_thread(aengine._locked, fn, aengine.engine)
+    if aengine.alive:
+        return await aengine.call(fn, aengine.engine)
+    return fn(aengine.engine)
 
 
 async def settle(pair: Pair, timeout: float = 10.0) -> None:
@@ -201,7 +207,7 @@ async def settle(pair: Pair, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                await locked(replica, assert_engine_clean)
+                await on_engine(replica, assert_engine_clean)
                 break
             except AssertionError:
                 if time.monotonic() > deadline:
@@ -224,30 +230,32 @@ def prefilling(rid: str) -> Callable[[LLMEngine], bool]:
 
 
 class StepGate:
-    """Stops a replica's step loop after the first step at which `when(engine)` holds, until the `with`
-    block ends. It stops outside the engine lock: engine calls (new requests, aborts) still go through."""
+    """Freezes a replica's engine after the first step at which `when(engine)` holds, until the `with`
+    block ends: its later steps run nothing, while engine calls (new requests, aborts) still go through."""
 
     def __init__(self, replica: PrefillReplica | DecodeReplica, when: Callable[[LLMEngine], bool]):
-        self.aengine: AsyncEngine = replica.engine
+        self.engine: LLMEngine = replica.engine.engine
         self.when = when
         self.reached = threading.Event()
         self._resume = threading.Event()
 
     def __enter__(self) -> "StepGate":
-        step = self.aengine._step
+        step = self.engine.step
 
         def gated_step() -> list[RequestOutput]:
+            if self.reached.is_set() and not self._resume.is_set():
+                self._resume.wait(0.01)  # frozen: an empty step, so that other engine calls get their turn
+                return []
             outputs = step()
-            if not self.reached.is_set() and self.aengine._locked(self.when, self.aengine.engine):
+            if self.when(self.engine):
                 self.reached.set()
-                self._resume.wait(WAIT_S)
             return outputs
 
-        self.aengine._step = gated_step
+        self.engine.step = gated_step
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.aengine._step
+        del self.engine.step
         self._resume.set()
 
     async def wait(self) -> None:

@@ -15,6 +15,8 @@ import torch
 
 from tests.models import load_hf, prompts_of_lengths, tiny_model
 from workers.executor import ExecutorError
+from workers.loader import load_hf_config
+from workers.models.transformer import head_dim_of, stage_layers
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
 
@@ -29,7 +31,9 @@ LAYOUTS = {
     "pp2": dict(pipeline_parallel_size=2),
     "tp2pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2),
 }
-ENGINE_ARGS = dict(max_num_batched_tokens=24, max_num_seqs=8, block_size=8, show_progress=False)
+BLOCK_SIZE = 8
+KV_BYTES = 256 * 1024  # per rank: small enough that ranks with fewer layers or KV heads could hold more blocks
+ENGINE_ARGS = dict(max_num_batched_tokens=24, max_num_seqs=8, block_size=BLOCK_SIZE, cpu_kv_cache_bytes=KV_BYTES, show_progress=False)
 MAX_TOKENS = 6
 PROMPTS = prompts_of_lengths([5, 17, 9, 30, 3], vocab_size=290, seed=7)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
@@ -76,6 +80,19 @@ def references() -> dict[str, dict]:
     return refs
 
 
+def _expected_num_blocks(path: str, tp: int, pp: int) -> int:
+    """The smallest block count of any stage: fp32 K and V of its layers for this rank's KV heads."""
+    cfg = load_hf_config(path)
+    kv_heads = max(1, cfg.num_key_value_heads // tp)
+    per_layer = 2 * BLOCK_SIZE * kv_heads * head_dim_of(cfg) * 4
+    return min(KV_BYTES // (per_layer * len(stage_layers(cfg.num_hidden_layers, pp, r))) for r in range(pp))
+
+
+def _rank_cache_blocks(llm: LLM) -> list[int]:
+    return ray.get([w.__ray_call__.remote(lambda worker: worker.runner.kv_cache.shape[2]) for w in llm.engine.executor.workers],
+                   timeout=60)
+
+
 def _placement_groups_alive() -> int:
     return sum(1 for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED")
 
@@ -86,6 +103,11 @@ def test_layout_matches_one_rank_and_hf(name: str, layout: str, references):
     ref = references[name]
     llm = LLM(ref["path"], **LAYOUTS[layout], **ENGINE_ARGS)
     try:
+        # Every rank's cache is cut to the smallest stage's block count (block ids are shared).
+        blocks = _expected_num_blocks(ref["path"], LAYOUTS[layout].get("tensor_parallel_size", 1),
+                                      LAYOUTS[layout].get("pipeline_parallel_size", 1))
+        assert llm.engine.executor.num_blocks == blocks
+        assert _rank_cache_blocks(llm) == [blocks] * llm.config.parallel.world_size
         greedy = llm.generate(PROMPTS, GREEDY)
         full = llm.generate(PROMPTS, FULL_LOGITS)
     finally:

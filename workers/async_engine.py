@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import AsyncIterator, Callable, TypeVar
 
 from workers.engine import LLMEngine, RequestOutput
@@ -44,6 +44,32 @@ class AsyncEngine:
         self._check_alive()
         return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args))
 
+    async def call_for(self, request_id: str, fn: Callable[..., T], *args) -> T:
+        """`call` for a method that creates state for `request_id` (admits, reserves or starts it). A
+        running call cannot be interrupted: if the caller is cancelled, an abort queued behind the call
+        undoes whatever it created, so nothing outlives its caller."""
+        try:
+            return await self.call(fn, *args)
+        except asyncio.CancelledError:
+            self._free_soon(self.engine.abort, request_id)
+            raise
+
+    async def cleanup(self, fn: Callable[..., object], *args) -> None:
+        """Run a method that only frees (abort, release, cancel_reservation), after what is queued before
+        it. Never raises; also on an engine that died, whose bookkeeping is then all there is to free."""
+        future = self._free_soon(fn, *args)
+        if future is not None:
+            try:
+                await asyncio.wrap_future(future)
+            except Exception:  # noqa: BLE001 - nothing more can be freed; the caller's own error matters more
+                log.exception("%s%r failed", getattr(fn, "__name__", "cleanup"), args)
+
+    def _free_soon(self, fn: Callable[..., object], *args) -> Future | None:
+        try:
+            return self._thread.submit(fn, *args)
+        except RuntimeError:  # closed: the engine thread is gone, and the engine with it
+            return None
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running: {self._dead}") from self._dead
@@ -61,7 +87,7 @@ class AsyncEngine:
         """Outputs of one request, step by step; the last one has `finish_reason` set."""
         queue = self._open(request_id)
         try:
-            await self.call(self.engine.add_request, request_id, prompt, params, priority, handoff)
+            await self.call_for(request_id, self.engine.add_request, request_id, prompt, params, priority, handoff)
         except BaseException:
             self._queues.pop(request_id, None)
             raise
@@ -72,7 +98,7 @@ class AsyncEngine:
         """Decode side: continue a reserved request whose KV has arrived, from its first token."""
         queue = self._open(request_id)
         try:
-            first_out = await self.call(lambda: self.engine.start(request_id, first).snapshot())
+            first_out = await self.call_for(request_id, lambda: self.engine.start(request_id, first).snapshot())
         except BaseException:
             self._queues.pop(request_id, None)
             raise
@@ -103,10 +129,11 @@ class AsyncEngine:
                     return
         finally:
             self._queues.pop(request_id, None)
-            if not finished and self._dead is None:
-                # Cancelled, closed early or failed: free the request now. Submitted, not awaited, so it
-                # also happens while the task is being cancelled; the engine thread runs it after the add.
-                self._thread.submit(self.engine.abort, request_id)
+            if not finished:
+                # Cancelled, closed early or failed (a dead engine too): free the request now. Submitted,
+                # not awaited, so it also happens while the task is being cancelled; the engine thread runs
+                # it after the add.
+                self._free_soon(self.engine.abort, request_id)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream (if any) ends with finish_reason "abort". No-op if unknown."""

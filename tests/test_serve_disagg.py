@@ -1,0 +1,256 @@
+"""The disaggregated app as users run it: `ray start --head`, `serve deploy` of a config derived from
+deploy/serve_config.yaml, then the OpenAI SDK and a gRPC client against Serve's proxies.
+
+Prefill runs TP=2 and decode TP=1, so every request's KV is resharded on its way between the pools.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from tests.models import hf_greedy
+from tests.serving import build_chat_model
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+NAME = "tiny-disagg"
+PROMPTS = ["def add(a, b):", "import os\n", "x", "class Node:\n    def __init__(self):"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(*cmd: str, env: dict, timeout: float = 300) -> str:
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def _wait(predicate, timeout: float, what: str, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as e:  # noqa: BLE001 - not there yet
+            last = e
+        time.sleep(interval)
+    raise TimeoutError(f"{what} within {timeout:.0f}s (last error: {last})")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("disagg")
+    model = build_chat_model(tmp / NAME)
+    ports = {name: _free_port() for name in ("gcs", "dashboard", "http", "grpc", "metrics")}
+    token = tmp / "ray_auth_token"
+    token.write_text(secrets.token_hex(32))
+    # Token authentication on, with the test's own token: the dashboard (serve deploy's endpoint) then
+    # behaves the same whether or not this machine has a ~/.ray/auth_token from elsewhere.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+           "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    config = yaml.safe_load((REPO / "deploy" / "serve_config.yaml").read_text())
+    config["http_options"] = {"host": "127.0.0.1", "port": ports["http"]}
+    config["grpc_options"]["port"] = ports["grpc"]
+    config["proxy_location"] = "HeadOnly"
+    args = config["applications"][0]["args"]
+    args.update(model=model, served_model_name=NAME, device="cpu", dtype="float32", num_blocks=64, block_size=8,
+                max_num_batched_tokens=128, max_num_seqs=16, max_waiting_requests=32, api_keys_env=None)
+    args["prefill"] = {"num_replicas": 1, "tensor_parallel_size": 2}
+    args["decode"] = {"num_replicas": 1, "tensor_parallel_size": 1}
+    config_path = tmp / "serve_config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    ray_tmp = tmp / "ray"
+    _run("ray", "start", "--head", f"--port={ports['gcs']}", "--num-cpus=4", "--include-dashboard=true",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}", f"--metrics-export-port={ports['metrics']}",
+         f"--temp-dir={ray_tmp}", "--disable-usage-stats", env=env)
+    try:
+        dashboard = f"http://127.0.0.1:{ports['dashboard']}"
+        _wait(lambda: subprocess.run(["serve", "status", "--address", dashboard], env=env, capture_output=True,
+                                     timeout=60).returncode == 0, 180, "the Ray dashboard (serve deploy's endpoint) did not come up")
+        _run("serve", "deploy", str(config_path), "--address", dashboard, env=env)
+        http = f"http://127.0.0.1:{ports['http']}"
+        _wait(lambda: urllib.request.urlopen(f"{http}/health", timeout=5).status == 200, 600, "the app did not become healthy")
+        yield {"http": http, "grpc": f"127.0.0.1:{ports['grpc']}", "model": model,
+               "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics", "env": env, "dashboard": dashboard}
+    finally:
+        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{cluster['http']}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(cluster) -> dict[str, list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cluster["model"])
+    return {p: hf_greedy(cluster["model"], tok.encode(p), 12)[0] for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, hf_tokens) -> dict[str, str]:
+    """HF's greedy tokens as text, detokenized as a stream is (a trailing partial character is withheld)."""
+    from transformers import AutoTokenizer
+
+    from workers.detokenizer import IncrementalDetokenizer
+
+    tok = AutoTokenizer.from_pretrained(cluster["model"])
+    texts = {}
+    for prompt, tokens in hf_tokens.items():
+        detok = IncrementalDetokenizer(tok, tok.encode(prompt))
+        for t in tokens:
+            detok.add_token(t)
+        texts[prompt] = detok.text
+    return texts
+
+
+def _pool_stats(cluster) -> dict:
+    """Each pool's engine stats, read through Serve handles from a driver attached to the cluster."""
+    code = ("import json, ray; from ray import serve; ray.init(address='auto', logging_level='ERROR');"
+            "print(json.dumps({p: serve.get_deployment_handle(p, 'tandem').stats.remote().result(timeout_s=60)"
+            " for p in ('PrefillPool', 'DecodePool')}))")
+    out = _run(sys.executable, "-c", code, env=cluster["env"], timeout=120)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_greedy_completions_equal_hf_through_both_pools(client, reference):
+    for prompt, want in reference.items():
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length"
+        assert r.choices[0].text == want, prompt
+
+
+def test_streamed_text_equals_non_streamed(client):
+    for prompt in PROMPTS[:2]:
+        full = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+        pieces = [c.choices[0].text for c in client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=16, temperature=0, stream=True, extra_body={"ignore_eos": True})
+            if c.choices]
+        assert "".join(pieces) == full
+
+
+def test_concurrent_requests_all_correct(client, reference):
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda p: client.completions.create(
+            model=NAME, prompt=p, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}).choices[0].text, prompts))
+    by_prompt = {}
+    for p, t in zip(prompts, texts):
+        by_prompt.setdefault(p, set()).add(t)
+    assert all(v == {reference[p]} for p, v in by_prompt.items()), by_prompt
+
+
+def test_grpc_token_ids_equal_hf(cluster, hf_tokens):
+    from router.proto import inference_pb2 as pb
+    from router.proto import inference_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(cluster["grpc"]) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        for prompt, want in hf_tokens.items():
+            req = pb.GenerateRequest(model=NAME, prompt=prompt, max_tokens=12, temperature=0.0, ignore_eos=True)
+            reply = stub.Generate(req, metadata=(("application", "tandem"),), timeout=120)
+            assert list(reply.token_ids) == want, prompt
+
+
+def test_grpc_generate_matches_openai(cluster, client):
+    from router.proto import inference_pb2 as pb
+    from router.proto import inference_pb2_grpc as pb_grpc
+
+    want = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    with grpc.insecure_channel(cluster["grpc"]) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        meta = (("application", "tandem"),)
+        req = pb.GenerateRequest(model=NAME, prompt=PROMPTS[0], max_tokens=10, temperature=0.0, ignore_eos=True)
+        unary = stub.Generate(req, metadata=meta, timeout=120)
+        streamed = "".join(r.text for r in stub.GenerateStream(req, metadata=meta, timeout=120))
+        with pytest.raises(grpc.RpcError) as bad:
+            stub.Generate(pb.GenerateRequest(model=NAME, prompt="x", max_tokens=-1), metadata=meta, timeout=60)
+    assert unary.text == want == streamed
+    assert unary.usage.completion_tokens == 10
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("body,status", [
+    ({"max_tokens": -1}, 400),
+    ({"temperature": "hot"}, 400),
+    ({"max_tokens": 10_000}, 400),  # prompt + max_tokens over max_model_len
+    ({"prompt": [10**6]}, 400),  # token id outside the vocabulary
+    ({"model": "no-such-model"}, 404),
+])
+def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(cluster, client, body, status):
+    payload = {"model": NAME, "prompt": "x", "max_tokens": 4, **body}
+    req = urllib.request.Request(f"{cluster['http']}/v1/completions", data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    assert err.value.code == status
+    assert "message" in json.loads(err.value.read())["error"]
+    ok = client.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_disconnect_mid_stream_frees_blocks_in_both_pools(cluster):
+    import http.client
+
+    host, port = cluster["http"].removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = json.dumps({"model": NAME, "prompt": PROMPTS[3], "max_tokens": 200, "temperature": 0,
+                       "ignore_eos": True, "stream": True})
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data:")  # streaming has begun: the request runs in the decode pool
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+
+    def idle():
+        stats = _pool_stats(cluster)
+        return all(s["blocks_used"] == 0 and s["running"] == 0 for s in stats.values())
+
+    _wait(idle, 60, "the pools did not free the aborted request's blocks", interval=2.0)
+
+
+def test_kv_transfer_metric_shows_the_prompts_moving_between_pools(cluster):
+    def exported() -> float:
+        text = urllib.request.urlopen(cluster["metrics"], timeout=10).read().decode()
+        values = [float(v) for v in re.findall(r"^ray_tandem_kv_transfer_bytes(?:_total)?(?:\{[^}]*\})? ([0-9.e+]+)$",
+                                                text, re.M)]
+        return sum(values)
+
+    moved = _wait(exported, 90, "tandem_kv_transfer_bytes was not exported", interval=3.0)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(cluster["model"])
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    block_bytes = cfg.num_hidden_layers * 2 * 8 * cfg.num_key_value_heads * head_dim * 4  # fp32, block_size 8
+    # At least one block per request sent above (more than 20 requests ran before this test).
+    assert moved >= 20 * block_bytes
