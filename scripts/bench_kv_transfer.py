@@ -185,12 +185,12 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
     if rank == 0:
         cache.normal_(generator=torch.Generator(device).manual_seed(cfg["seed"]))
     shard = RankShard(0, range(shape.layers), range(shape.kv_heads))
-    plan = plan_transfers([shard], [shard])
     agent, spec = connect_agents(rank, cache, shard, cfg["timeout_s"])
     everything = slice(None)
     out: dict[int, dict] = {}
     for n_tok in tokens:
         src, dst = block_ids(n_tok, shape, cache_blocks, cfg["seed"])
+        plan = plan_transfers([shard], [shard], range(len(src)))
         nbytes = len(src) * shape.bytes_per_block
         raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
         staged = gather_blocks(cache, dst, everything, everything) if rank == 1 else None  # the scatter's input

@@ -10,9 +10,11 @@ import json
 import os
 import re
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -81,7 +83,7 @@ def cluster(tmp_path_factory):
     args["decode"] = {"num_replicas": 1, "tensor_parallel_size": 1}
     config_path = tmp / "serve_config.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    ray_tmp = tmp / "ray"
+    ray_tmp = Path(tempfile.mkdtemp(prefix="tdm-ray-", dir="/tmp"))  # short: Ray's unix socket paths must fit 107 chars
     _run("ray", "start", "--head", f"--port={ports['gcs']}", "--num-cpus=4", "--include-dashboard=true",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}", f"--metrics-export-port={ports['metrics']}",
          f"--temp-dir={ray_tmp}", "--disable-usage-stats", env=env)
@@ -95,7 +97,18 @@ def cluster(tmp_path_factory):
         yield {"http": http, "grpc": f"127.0.0.1:{ports['grpc']}", "model": model,
                "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics", "env": env, "dashboard": dashboard}
     finally:
-        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_cluster(ray_tmp)
+
+
+def _stop_cluster(ray_tmp: Path) -> None:
+    """Stop this test's cluster only: `ray stop` would also kill any other Ray on the machine. Every
+    process of the cluster names its temp dir on its command line."""
+    for sig in ("-TERM", "-KILL"):
+        subprocess.run(["pkill", sig, "-f", str(ray_tmp)], capture_output=True)
+        deadline = time.monotonic() + 20
+        while subprocess.run(["pgrep", "-f", str(ray_tmp)], capture_output=True).returncode == 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

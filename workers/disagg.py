@@ -121,6 +121,9 @@ def _first_logprobs(out: RequestOutput) -> tuple[float, list[tuple[int, float]] 
 
 class DecodeReplica:
     def __init__(self, engine: LLMEngine, prefill: PrefillClient, replica_id: str | None = None, max_attempts: int = 2):
+        if engine.config.parallel.sequence_parallel_size > 1:
+            # KV arrives into one block table that every rank holds in full; SP splits blocks over ranks.
+            raise ValueError("decode replicas do not support sequence_parallel_size > 1 (only prefill replicas use SP)")
         self.replica_id = replica_id or f"decode-{uuid.uuid4().hex[:8]}"
         self.engine = AsyncEngine(engine)
         self.executor = _ray_executor(engine)
@@ -198,15 +201,15 @@ class DecodeReplica:
     async def _transfer(self, ready: PrefillReady, res: Reservation) -> None:
         pair_id = f"{ready.prefill_replica}->{self.replica_id}"
         spec = PairSpec(pair_id, len(ready.shards), len(self.shards))
-        n = len(ready.block_ids)
-        src_blocks, dst_blocks = ready.block_ids[res.num_hit_blocks:n], res.block_ids[res.num_hit_blocks:n]
-        plan = plan_transfers(ready.shards, self.shards)
+        # The blocks the decode side lacks, by their index in the sequence (an SP prefill rank holds some of them).
+        blocks = range(res.num_hit_blocks, len(ready.block_ids))
+        plan = plan_transfers(ready.shards, self.shards, blocks)
         src_by_rank = {s.rank: s for s in ready.shards}
         dst_by_rank = {s.rank: s for s in self.shards}
         lock = self._pair_locks.setdefault(pair_id, asyncio.Lock())
         async with lock:  # one transfer at a time per pair: both sides post their messages in the same order
             moving = asyncio.ensure_future(asyncio.to_thread(
-                self._transfer_blocking, spec, ready, plan, src_by_rank, dst_by_rank, src_blocks, dst_blocks, res.request_id))
+                self._transfer_blocking, spec, ready, plan, src_by_rank, dst_by_rank, res, len(blocks)))
             try:
                 await asyncio.shield(moving)
             except asyncio.CancelledError:
@@ -217,22 +220,24 @@ class DecodeReplica:
                 raise
 
     def _transfer_blocking(self, spec: PairSpec, ready: PrefillReady, plan: list[Transfer], src_by_rank: dict[int, RankShard],
-                           dst_by_rank: dict[int, RankShard], src_blocks: list[int], dst_blocks: list[int], request_id: str) -> None:
+                           dst_by_rank: dict[int, RankShard], res: Reservation, num_blocks: int) -> None:
         import ray
 
+        request_id = res.request_id
         t0 = time.perf_counter()
         try:
             if not self.executor.kv_call("has_group", spec.pair_id, ranks=[0])[0]:
                 self._connect(spec, ready.rank_handles)
-            sends = [h.kv.remote("send", spec, plan, dst_by_rank, src_blocks, request_id) for h in ready.rank_handles]
-            received = sum(self.executor.kv_call("recv", spec, plan, src_by_rank, dst_blocks))
+            # Both sides get the whole block table; the plan picks the blocks by index.
+            sends = [h.kv.remote("send", spec, plan, dst_by_rank, ready.block_ids, request_id) for h in ready.rank_handles]
+            received = sum(self.executor.kv_call("recv", spec, plan, src_by_rank, res.block_ids))
             ray.get(sends, timeout=self.transfer_timeout_s)
         except Exception as e:
             self._drop_pair(spec.pair_id, ready.rank_handles)
             if isinstance(e, ExecutorError):
                 raise  # this replica's own ranks are gone: no new prefill can help
             raise KVTransferError(f"request {request_id}: KV transfer {spec.pair_id} failed: {e}") from e
-        stats = TransferStats(received, time.perf_counter() - t0, len(dst_blocks))
+        stats = TransferStats(received, time.perf_counter() - t0, num_blocks)
         self.transfers.append(stats)
         if self.on_transfer is not None:
             self.on_transfer(stats)

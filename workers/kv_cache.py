@@ -50,6 +50,16 @@ def block_owner(block_index: int, num_pools: int) -> int:
     return j if j < num_pools else 2 * num_pools - 1 - j
 
 
+def block_pool(block_id: int, pool_size: int) -> int:
+    """The pool (SP rank) a block id belongs to, with pool_size ids per pool."""
+    return block_id // pool_size
+
+
+def local_block_id(block_id: int, pool_size: int) -> int:
+    """Where a block id lives in its pool's KV cache (pool p holds ids [p * N, (p + 1) * N) at 0..N-1)."""
+    return block_id % pool_size
+
+
 @dataclass
 class Block:
     block_id: int
@@ -100,7 +110,7 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _pool_of(self, block_id: int) -> OrderedDict[int, None]:
-        return self.pools[block_id // self.pool_size]
+        return self.pools[block_pool(block_id, self.pool_size)]
 
     def _new_per_pool(self, first_index: int, end_index: int) -> list[int]:
         """How many blocks each pool must supply for a sequence's blocks [first_index, end_index)."""

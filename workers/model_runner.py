@@ -240,13 +240,12 @@ class ModelRunner:
         return ModelRunnerOutput({s.seq_id: tok for s, tok in zip(seqs, sampled)})
 
     def kv_shard(self, rank: int) -> "RankShard":
-        """Which global layers and KV heads this rank's cache holds (for resharding KV transfers)."""
-        if self.sp.size > 1:
-            # Under SP a rank holds only the blocks it owns (workers/kv_cache.py); transfer plans assume all blocks.
-            raise ValueError("KV handoff (disaggregated prefill/decode) does not support sequence_parallel_size > 1 yet")
+        """Which global layers and KV heads this rank's cache holds, and under SP which blocks (its SP
+        rank's), for resharding KV transfers."""
         from parallel.linear import QKVParallelLinear
         from workers.kv_transfer.plan import RankShard
 
         qkv = next(m for m in self.model.modules() if isinstance(m, QKVParallelLinear))
         layers = self.model.layer_range
-        return RankShard(rank, range(layers.start, layers.stop), range(qkv.kv_head_start, qkv.kv_head_start + qkv.num_kv_heads))
+        return RankShard(rank, range(layers.start, layers.stop), range(qkv.kv_head_start, qkv.kv_head_start + qkv.num_kv_heads),
+                         self.sp.rank, self.sp.size)

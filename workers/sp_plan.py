@@ -17,7 +17,7 @@ from parallel.ring_attention import TokenShard
 from parallel.state import Group
 from workers.attention import AttentionMetadata
 from workers.attention.sp_backend import SPAttentionMetadata, SPDecodePart, SPRingPart
-from workers.kv_cache import block_owner
+from workers.kv_cache import block_owner, local_block_id
 from workers.scheduler_output import ScheduledSeq
 
 
@@ -39,7 +39,7 @@ def plan_sp_step(seqs: list[ScheduledSeq], block_size: int, blocks_per_rank: int
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
     """This rank's share of a step: (token_ids [T], positions [T], metadata, rows to sample).
 
-    blocks_per_rank: the size N of each rank's pool; the block id b is local block b % N on its owner.
+    blocks_per_rank: the size N of each rank's pool (block ids map to this rank's cache by `local_block_id`).
     """
     me, n, bs = group.rank, group.size, block_size
     token_ids: list[int] = []
@@ -58,7 +58,7 @@ def plan_sp_step(seqs: list[ScheduledSeq], block_size: int, blocks_per_rank: int
     dec_slots: list[list[int]] = []
 
     def slot(table: list[int], p: int) -> int:
-        return (table[p // bs] % blocks_per_rank) * bs + p % bs
+        return local_block_id(table[p // bs], blocks_per_rank) * bs + p % bs
 
     for s in seqs:
         row0 = len(token_ids)

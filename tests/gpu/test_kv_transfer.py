@@ -53,7 +53,7 @@ def _transfer_case(rank: int, args: tuple[str, str]) -> dict:
     src_heads, dst_heads, sent = CASES[name]
     device = bench.rank_device(rank, device_type)
     src, dst = RankShard(0, range(LAYERS), src_heads), RankShard(0, range(LAYERS), dst_heads)
-    plan = [Transfer(0, 0, range(LAYERS), sent)]
+    plan = [Transfer(0, 0, range(LAYERS), sent, tuple(range(len(SRC_BLOCKS))))]
     full = _source_kv()
     if rank == 0:
         cache = full[:, :, :, :, _heads(src_heads, range(HEADS))].contiguous().to(device)
@@ -76,8 +76,8 @@ def _transfer_case(rank: int, args: tuple[str, str]) -> dict:
 def test_received_blocks_equal_sent_blocks(name: str):
     src_heads, dst_heads, sent = CASES[name]
     if name != "scatter-head-slice":  # there, the other heads would come from the TP group's other prefill rank
-        assert plan_transfers([RankShard(0, range(LAYERS), src_heads)], [RankShard(0, range(LAYERS), dst_heads)]) == \
-            [Transfer(0, 0, range(LAYERS), sent)]
+        assert plan_transfers([RankShard(0, range(LAYERS), src_heads)], [RankShard(0, range(LAYERS), dst_heads)], range(len(SRC_BLOCKS))) == \
+            [Transfer(0, 0, range(LAYERS), sent, tuple(range(len(SRC_BLOCKS))))]
     sender, receiver = bench.run_pair(_transfer_case, (name, "cuda"), timeout_s=300.0)
     nbytes = len(SRC_BLOCKS) * LAYERS * 2 * BLOCK * len(sent) * HEAD_DIM * 2
     assert sender["bytes"] == receiver["bytes"] == nbytes

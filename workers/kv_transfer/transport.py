@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from workers.kv_transfer.blocks import gather_blocks, scatter_blocks, transfer_shape
+from workers.kv_cache import block_pool, local_block_id
 from workers.kv_transfer.plan import RankShard, Transfer
 
 log = logging.getLogger(__name__)
@@ -113,11 +114,12 @@ class KVTransferAgent:
         self._stores.pop(pair_id, None)
 
     # ---- one handoff ----
-    def send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_ids: list[int],
+    def send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_table: list[int],
              request_id: str = "") -> int:
-        """Prefill side: send this rank's part of the plan for the given blocks. Returns bytes sent."""
+        """Prefill side: send this rank's part of the plan. block_table: the request's block ids, indexed by
+        the plan's block indices. Returns bytes sent."""
         try:
-            return self._send(spec, plan, dst_shards, block_ids)
+            return self._send(spec, plan, dst_shards, block_table)
         finally:
             self._ack(request_id).set()
 
@@ -137,13 +139,14 @@ class KVTransferAgent:
                 self._sent.popitem(last=False)
             return event
 
-    def _send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_ids: list[int]) -> int:
+    def _send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_table: list[int]) -> int:
         group = self._group(spec.pair_id)
         bufs = []
         for tag, t in enumerate(plan):
             if t.src == self.shard.rank:
                 src_layers, src_heads, _, _ = t.local_slices(self.shard, dst_shards[t.dst])
-                bufs.append((tag, t.dst, gather_blocks(self.kv_cache, block_ids, src_layers, src_heads)))
+                local_ids = self._local_ids([block_table[i] for i in t.blocks])
+                bufs.append((tag, t.dst, gather_blocks(self.kv_cache, local_ids, src_layers, src_heads)))
         if self._send_delay_s:
             time.sleep(self._send_delay_s)
         works = [group.send([buf], spec.num_prefill_ranks + dst, tag) for tag, dst, buf in bufs]
@@ -152,24 +155,35 @@ class KVTransferAgent:
         self.bytes_sent += sent
         return sent
 
-    def recv(self, spec: PairSpec, plan: list[Transfer], src_shards: dict[int, RankShard], block_ids: list[int]) -> int:
-        """Decode side: receive this rank's part of the plan into the given blocks. Returns bytes received."""
+    def recv(self, spec: PairSpec, plan: list[Transfer], src_shards: dict[int, RankShard], block_table: list[int]) -> int:
+        """Decode side: receive this rank's part of the plan into the request's blocks (block_table, indexed
+        by the plan's block indices). Returns bytes received."""
         group = self._group(spec.pair_id)
         pending = []
+        # Posted in plan order, like the sends: NCCL pairs a rank pair's messages by order, not by tag.
         for tag, t in enumerate(plan):
             if t.dst != self.shard.rank:
                 continue
             _, _, dst_layers, dst_heads = t.local_slices(src_shards[t.src], self.shard)
-            buf = torch.empty(transfer_shape(self.kv_cache, len(block_ids), dst_layers, dst_heads),
+            buf = torch.empty(transfer_shape(self.kv_cache, len(t.blocks), dst_layers, dst_heads),
                               dtype=self.kv_cache.dtype, device=self.kv_cache.device)
-            pending.append((group.recv([buf], t.src, tag), buf, dst_layers, dst_heads))
+            pending.append((group.recv([buf], t.src, tag), buf, [block_table[i] for i in t.blocks], dst_layers, dst_heads))
         self._wait(spec.pair_id, group, [w for w, *_ in pending])
         received = 0
-        for _, buf, layers, heads in pending:
+        for _, buf, block_ids, layers, heads in pending:
             scatter_blocks(self.kv_cache, block_ids, layers, heads, buf)
             received += buf.numel() * buf.element_size()
         self.bytes_received += received
         return received
+
+    def _local_ids(self, block_ids: list[int]) -> list[int]:
+        """Block ids -> indices into this rank's cache. Under SP the ids are global and this cache holds
+        only its SP rank's pool of them (workers/kv_cache.py); without SP the two are the same."""
+        pool_size = self.kv_cache.shape[2]
+        foreign = [b for b in block_ids if block_pool(b, pool_size) != self.shard.sp_rank]
+        if foreign:  # the plan and the block manager disagree on ownership: never send another pool's bytes
+            raise ValueError(f"blocks {foreign} are not in SP rank {self.shard.sp_rank}'s pool of {pool_size}")
+        return [local_block_id(b, pool_size) for b in block_ids]
 
     def _group(self, pair_id: str) -> dist.ProcessGroup:
         group = self._groups.get(pair_id)
