@@ -20,7 +20,7 @@ class RankPlacement:
     def __init__(self, parallel: ParallelConfig, use_cuda: bool, timeout_s: float):
         self.tp = parallel.tensor_parallel_size
         kind = "GPU" if use_cuda else "CPU"
-        self.bundle = {kind: 1.0}
+        self.bundle = {kind: 1.0, **parallel.rank_resources}
         num_groups = parallel.world_size // self.tp
         _check_feasible(kind, parallel.world_size, self.tp)
         self.groups: list[PlacementGroup] = [

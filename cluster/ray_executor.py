@@ -52,6 +52,7 @@ class RayExecutor(Executor):
         try:
             actor = ray.remote(RankWorker)
             resources = {"num_gpus": 1, "num_cpus": 0} if use_cuda else {"num_cpus": 1}
+            resources["resources"] = dict(self.parallel.rank_resources)
             self.workers = [
                 actor.options(**resources, scheduling_strategy=self.placement.strategy(r), runtime_env=rank_runtime_env(),
                               max_restarts=0, max_concurrency=16).remote(r)

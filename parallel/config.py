@@ -21,6 +21,8 @@ class ParallelConfig(BaseModel):
     expert_parallel_size: int = Field(default=1, ge=1)
     distributed_executor_backend: Literal["auto", "ray", "uniproc"] = Field(
         default="auto", description="auto: in-process for one rank, Ray actors for more. Pools always use ray.")
+    rank_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources every rank also takes (keeps a pool on its node group).")
 
     @model_validator(mode="before")
     @classmethod

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 def _engine(config: AppConfig, pool: str) -> LLMEngine:
     engine_config = config.engine_config(pool)
     engine_config.parallel.distributed_executor_backend = "ray"
+    engine_config.parallel.rank_resources = dict((config.prefill if pool == "prefill" else config.decode).ray_resources)
     return LLMEngine(engine_config, show_progress=False)
 
 

@@ -1,0 +1,154 @@
+"""KV transfer plans and data without Ray: `plan_transfers` over prefill layouts with sequence parallelism
+(each block sent by a rank of its owning SP rank), and `KVTransferAgent` send/recv between CPU processes
+over gloo: the decode blocks end up equal to the prefill KV, block for block, and nothing else is written.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.multiprocess import run_ranks
+from workers.kv_cache import BlockManager, block_owner, local_block_id
+from workers.kv_transfer.plan import RankShard, Transfer, plan_transfers, replica_shards
+from workers.kv_transfer.transport import KVTransferAgent, PairSpec
+from workers.sampling_params import SamplingParams
+from workers.sequence import Sequence
+
+LAYERS, KV_HEADS = 4, 2
+
+
+def _coverage(src: list[RankShard], dst: list[RankShard], blocks: range, plan: list[Transfer]) -> dict[tuple, list[int]]:
+    """(decode rank, layer, head, block index) -> the prefill ranks the plan sends it from."""
+    got: dict[tuple, list[int]] = {}
+    for t in plan:
+        for key in itertools.product([t.dst], t.layers, t.heads, t.blocks):
+            got.setdefault(key, []).append(t.src)
+    return got
+
+
+# (prefill tp, pp, sp), (decode tp, pp)
+LAYOUTS = [
+    ((1, 1, 1), (1, 1)),
+    ((2, 1, 1), (1, 1)),
+    ((1, 1, 2), (1, 1)),
+    ((2, 1, 2), (1, 1)),
+    ((2, 1, 2), (2, 1)),
+    ((4, 1, 2), (1, 1)),  # tp > KV heads: each head on two ranks of an SP rank
+    ((1, 2, 2), (2, 1)),  # pipeline stages cut the decode rank's layers
+    ((1, 1, 3), (2, 2)),
+]
+
+
+@pytest.mark.parametrize("blocks", [range(0, 11), range(3, 11), range(5, 6)])
+@pytest.mark.parametrize("prefill,decode", LAYOUTS)
+def test_every_layer_head_block_comes_once_from_its_owner(prefill, decode, blocks):
+    tp, pp, sp = prefill
+    src = replica_shards(tp, pp, LAYERS, KV_HEADS, sp)
+    dst = replica_shards(decode[0], decode[1], LAYERS, KV_HEADS)
+    plan = plan_transfers(src, dst, blocks)
+    by_rank = {s.rank: s for s in src}
+    wanted = {(d.rank, layer, h, i) for d in dst for layer in d.layers for h in d.heads for i in blocks}
+    got = _coverage(src, dst, blocks, plan)
+    assert set(got) == wanted
+    for (_, layer, h, i), senders in got.items():
+        assert len(senders) == 1, f"layer {layer} head {h} block {i} sent {len(senders)} times"
+        s = by_rank[senders[0]]
+        assert layer in s.layers and h in s.heads and block_owner(i, sp) == s.sp_rank
+    # One message per (source, destination, layer range, head range): never one per block.
+    assert len(plan) <= len(dst) * len(src)
+
+
+def test_sp_ranks_send_only_blocks_they_own():
+    src = replica_shards(1, 1, LAYERS, KV_HEADS, sp_size=2)
+    dst = replica_shards(1, 1, LAYERS, KV_HEADS)
+    # Owners of blocks 0..7: 0 1 1 0 0 1 1 0. The decode side holds 3 already (prefix hits).
+    assert plan_transfers(src, dst, range(3, 8)) == [
+        Transfer(0, 0, range(LAYERS), range(KV_HEADS), (3, 4, 7)),
+        Transfer(1, 0, range(LAYERS), range(KV_HEADS), (5, 6)),
+    ]
+    # Blocks 1 and 2 are both SP rank 1's: rank 0 sends nothing.
+    assert plan_transfers(src, dst, range(1, 3)) == [Transfer(1, 0, range(LAYERS), range(KV_HEADS), (1, 2))]
+
+
+def test_without_sp_every_block_comes_from_one_rank_per_head():
+    src, dst = replica_shards(2, 1, LAYERS, KV_HEADS), replica_shards(1, 1, LAYERS, KV_HEADS)
+    assert [s.sp_size for s in src] == [1, 1]
+    assert plan_transfers(src, dst, range(2, 5)) == [
+        Transfer(0, 0, range(LAYERS), range(0, 1), (2, 3, 4)),
+        Transfer(1, 0, range(LAYERS), range(1, 2), (2, 3, 4)),
+    ]
+
+
+def test_decode_replicas_cannot_use_sp():
+    src = replica_shards(1, 1, LAYERS, KV_HEADS, sp_size=2)
+    with pytest.raises(ValueError, match="decode replicas do not use sequence parallelism"):
+        plan_transfers(src, src, range(4))
+
+
+# ---------------------------------------------------------------- the data, between processes (gloo)
+
+BS, HEAD_DIM, PER_RANK, DECODE_BLOCKS = 2, 3, 8, 16
+NUM_SEQ_BLOCKS, HITS = 7, 2  # the request's blocks; the decode side holds the first HITS already
+SENTINEL = -7.0
+
+
+def _prefill_table(sp: int) -> list[int]:
+    """The request's block table as a prefill replica with `sp` pools hands it out (global ids). Another
+    sequence holds a few blocks first, so the ids are not simply 0, 1, ..."""
+    bm = BlockManager(PER_RANK * sp, BS, num_pools=sp)
+    bm.grow(Sequence("other", [1] * 3 * BS, SamplingParams()), 3 * BS)
+    seq = Sequence("req", [1] * NUM_SEQ_BLOCKS * BS, SamplingParams())
+    bm.grow(seq, NUM_SEQ_BLOCKS * BS)
+    return seq.block_table
+
+
+def _decode_table() -> list[int]:
+    return torch.randperm(DECODE_BLOCKS, generator=torch.Generator().manual_seed(1))[:NUM_SEQ_BLOCKS].tolist()
+
+
+def _sequence_kv() -> torch.Tensor:
+    """The request's KV by sequence block index: [L, 2, NUM_SEQ_BLOCKS, BS, H, D], the same in every process."""
+    return torch.randn(LAYERS, 2, NUM_SEQ_BLOCKS, BS, KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(0))
+
+
+def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int) -> None:
+    tp, sp = prefill
+    src, dst = replica_shards(tp, 1, LAYERS, KV_HEADS, sp), replica_shards(decode_tp, 1, LAYERS, KV_HEADS)
+    is_prefill = rank < len(src)
+    shard = src[rank] if is_prefill else dst[rank - len(src)]
+    full, heads = _sequence_kv(), slice(shard.heads.start, shard.heads.stop)
+    src_table, dst_table = _prefill_table(sp), _decode_table()
+    if is_prefill:
+        # This rank's pool: its own blocks hold the KV, every other slot a value no block has.
+        cache = torch.full((LAYERS, 2, PER_RANK, BS, len(shard.heads), HEAD_DIM), 99.0)
+        for i in range(NUM_SEQ_BLOCKS):
+            if block_owner(i, sp) == shard.sp_rank:
+                cache[:, :, local_block_id(src_table[i], PER_RANK)] = full[:, :, i, :, heads]
+    else:
+        cache = torch.full((LAYERS, 2, DECODE_BLOCKS, BS, len(shard.heads), HEAD_DIM), SENTINEL)
+    agent = KVTransferAgent(cache, shard, "prefill" if is_prefill else "decode", timeout_s=60.0)
+    spec = PairSpec("p->d", len(src), len(dst))
+    address = [agent.open_store(spec.pair_id) if rank == 0 else None]
+    dist.broadcast_object_list(address, src=0)
+    agent.join(spec, *address[0])
+
+    plan = plan_transfers(src, dst, range(HITS, NUM_SEQ_BLOCKS))
+    if is_prefill:
+        agent.send(spec, plan, {d.rank: d for d in dst}, src_table, "req")
+        return
+    received = agent.recv(spec, plan, {s.rank: s for s in src}, dst_table)
+    expected = torch.full_like(cache, SENTINEL)
+    for i in range(HITS, NUM_SEQ_BLOCKS):
+        expected[:, :, dst_table[i]] = full[:, :, i, :, heads]
+    assert torch.equal(cache, expected), "decode blocks differ from the prefill KV (or blocks outside the request were written)"
+    assert received == (NUM_SEQ_BLOCKS - HITS) * LAYERS * 2 * BS * len(shard.heads) * HEAD_DIM * 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefill,decode_tp", [((1, 2), 1), ((2, 2), 2), ((2, 1), 1)], ids=["sp2->tp1", "tp2xsp2->tp2", "tp2->tp1"])
+def test_sp_prefill_blocks_arrive_in_the_decode_blocks(prefill, decode_tp):
+    tp, sp = prefill
+    run_ranks(_transfer_rank, tp * sp + decode_tp, prefill, decode_tp)
