@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tests.multiprocess import run_ranks
 from workers.kv_cache import BlockManager, block_owner, local_block_id
-from workers.kv_transfer.plan import RankShard, Transfer, plan_transfers, replica_shards
+from workers.kv_transfer.plan import Transfer, plan_transfers, replica_shards
 from workers.kv_transfer.transport import KVTransferAgent, PairSpec
 from workers.sampling_params import SamplingParams
 from workers.sequence import Sequence
@@ -20,7 +20,7 @@ from workers.sequence import Sequence
 LAYERS, KV_HEADS = 4, 2
 
 
-def _coverage(src: list[RankShard], dst: list[RankShard], blocks: range, plan: list[Transfer]) -> dict[tuple, list[int]]:
+def _coverage(plan: list[Transfer]) -> dict[tuple, list[int]]:
     """(decode rank, layer, head, block index) -> the prefill ranks the plan sends it from."""
     got: dict[tuple, list[int]] = {}
     for t in plan:
@@ -51,7 +51,7 @@ def test_every_layer_head_block_comes_once_from_its_owner(prefill, decode, block
     plan = plan_transfers(src, dst, blocks)
     by_rank = {s.rank: s for s in src}
     wanted = {(d.rank, layer, h, i) for d in dst for layer in d.layers for h in d.heads for i in blocks}
-    got = _coverage(src, dst, blocks, plan)
+    got = _coverage(plan)
     assert set(got) == wanted
     for (_, layer, h, i), senders in got.items():
         assert len(senders) == 1, f"layer {layer} head {h} block {i} sent {len(senders)} times"
@@ -90,7 +90,7 @@ def test_decode_replicas_cannot_use_sp():
 
 # ---------------------------------------------------------------- the data, between processes (gloo)
 
-BS, HEAD_DIM, PER_RANK, DECODE_BLOCKS = 2, 3, 8, 16
+BS, HEAD_DIM, PER_RANK, DECODE_BLOCKS = 2, 3, 12, 16
 NUM_SEQ_BLOCKS, HITS = 7, 2  # the request's blocks; the decode side holds the first HITS already
 SENTINEL = -7.0
 

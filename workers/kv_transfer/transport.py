@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from workers.kv_transfer.blocks import gather_blocks, scatter_blocks, transfer_shape
 from workers.kv_cache import block_pool, local_block_id
+from workers.kv_transfer.blocks import gather_blocks, scatter_blocks, transfer_shape
 from workers.kv_transfer.plan import RankShard, Transfer
 
 log = logging.getLogger(__name__)
