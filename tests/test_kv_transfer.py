@@ -17,7 +17,7 @@ from workers.kv_transfer.transport import KVTransferAgent, PairSpec
 from workers.sampling_params import SamplingParams
 from workers.sequence import Sequence
 
-LAYERS, KV_HEADS = 4, 2
+LAYERS, KV_HEADS = 6, 2  # more layers than LAYERS_PER_MESSAGE: transfers go out as several chunks
 
 
 def _coverage(plan: list[Transfer]) -> dict[tuple, list[int]]:

@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 MAX_UNCOLLECTED_ACKS = 1024  # sends whose ack nobody waited for (the handoff failed): the oldest are forgotten
 
 
+# A transfer goes out as one message per few layers: the gather of the next chunk then overlaps the
+# send of this one, and the receiver's scatter overlaps the next receive.
+LAYERS_PER_MESSAGE = 4
+
+
 class KVTransferError(RuntimeError):
     """A transfer failed or timed out; the pair's group is dropped and rebuilt on next use."""
 
@@ -141,17 +146,16 @@ class KVTransferAgent:
 
     def _send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_table: list[int]) -> int:
         group = self._group(spec.pair_id)
-        bufs = []
-        for tag, t in enumerate(plan):
-            if t.src == self.shard.rank:
-                src_layers, src_heads, _, _ = t.local_slices(self.shard, dst_shards[t.dst])
-                local_ids = self._local_ids([block_table[i] for i in t.blocks])
-                bufs.append((tag, t.dst, gather_blocks(self.kv_cache, local_ids, src_layers, src_heads)))
-        if self._send_delay_s:
-            time.sleep(self._send_delay_s)
-        works = [group.send([buf], spec.num_prefill_ranks + dst, tag) for tag, dst, buf in bufs]
-        self._wait(spec.pair_id, group, works)
-        sent = sum(buf.numel() * buf.element_size() for _, _, buf in bufs)
+        works, sent = [], 0
+        for tag, t, layers, heads in self._messages(plan, dst_shards, sending=True):
+            local_ids = self._local_ids([block_table[i] for i in t.blocks])
+            # Gathering the next chunk (compute stream) overlaps sending this one (NCCL's stream).
+            buf = gather_blocks(self.kv_cache, local_ids, layers, heads)
+            if self._send_delay_s and not works:
+                time.sleep(self._send_delay_s)
+            works.append((group.send([buf], spec.num_prefill_ranks + t.dst, tag), buf))
+            sent += buf.numel() * buf.element_size()
+        self._wait(spec.pair_id, group, [w for w, _ in works])
         self.bytes_sent += sent
         return sent
 
@@ -160,21 +164,38 @@ class KVTransferAgent:
         by the plan's block indices). Returns bytes received."""
         group = self._group(spec.pair_id)
         pending = []
-        # Posted in plan order, like the sends: NCCL pairs a rank pair's messages by order, not by tag.
-        for tag, t in enumerate(plan):
-            if t.dst != self.shard.rank:
-                continue
-            _, _, dst_layers, dst_heads = t.local_slices(src_shards[t.src], self.shard)
-            buf = torch.empty(transfer_shape(self.kv_cache, len(t.blocks), dst_layers, dst_heads),
+        # Every receive is posted first, in the senders' order (NCCL pairs a rank pair's messages by
+        # order, not by tag); each chunk is then scattered as it lands, overlapping the later ones.
+        for tag, t, layers, heads in self._messages(plan, src_shards, sending=False):
+            buf = torch.empty(transfer_shape(self.kv_cache, len(t.blocks), layers, heads),
                               dtype=self.kv_cache.dtype, device=self.kv_cache.device)
-            pending.append((group.recv([buf], t.src, tag), buf, [block_table[i] for i in t.blocks], dst_layers, dst_heads))
-        self._wait(spec.pair_id, group, [w for w, *_ in pending])
+            pending.append((group.recv([buf], t.src, tag), buf, [block_table[i] for i in t.blocks], layers, heads))
         received = 0
-        for _, buf, block_ids, layers, heads in pending:
+        for work, buf, block_ids, layers, heads in pending:
+            self._wait(spec.pair_id, group, [work])
             scatter_blocks(self.kv_cache, block_ids, layers, heads, buf)
             received += buf.numel() * buf.element_size()
+        if self.kv_cache.is_cuda:
+            torch.cuda.current_stream().synchronize()
         self.bytes_received += received
         return received
+
+    def _messages(self, plan: list[Transfer], peers: dict[int, RankShard], sending: bool):
+        """This rank's messages, in the order both sides agree on: each transfer of the plan cut into
+        chunks of LAYERS_PER_MESSAGE layers, tagged by position in the whole plan. Yields
+        (tag, transfer, layer slice, head slice), the slices into this rank's cache."""
+        tag = 0
+        for t in plan:
+            n = len(t.layers)
+            mine = (t.src if sending else t.dst) == self.shard.rank
+            if mine:
+                src_layers, src_heads, dst_layers, dst_heads = t.local_slices(
+                    self.shard if sending else peers[t.src], peers[t.dst] if sending else self.shard)
+                layers, heads = (src_layers, src_heads) if sending else (dst_layers, dst_heads)
+            for k in range(0, n, LAYERS_PER_MESSAGE):
+                if mine:
+                    yield tag, t, slice(layers.start + k, layers.start + min(k + LAYERS_PER_MESSAGE, n)), heads
+                tag += 1
 
     def _local_ids(self, block_ids: list[int]) -> list[int]:
         """Block ids -> indices into this rank's cache. Under SP the ids are global and this cache holds
