@@ -50,6 +50,10 @@ class PrefillPool:
     async def stats(self) -> dict:
         return await self.replica.engine.stats()
 
+    def record_routing_stats(self) -> dict:
+        """For router/routing.py (polled by Serve): this replica's queue."""
+        return _routing_stats(self.replica.engine.engine)
+
     async def check_health(self) -> None:
         if not self.replica.engine.alive:
             raise RuntimeError(f"prefill replica {self.replica.replica_id}: its engine has stopped")
@@ -79,9 +83,20 @@ class DecodePool:
     async def stats(self) -> dict:
         return await self.replica.engine.stats()
 
+    def record_routing_stats(self) -> dict:
+        """For router/routing.py (polled by Serve): free KV blocks and the running batch."""
+        return _routing_stats(self.replica.engine.engine)
+
     async def check_health(self) -> None:
         if not self.replica.engine.alive:
             raise RuntimeError(f"decode replica {self.replica.replica_id}: its engine has stopped")
+
+
+def _routing_stats(engine: LLMEngine) -> dict:
+    # Plain reads of counters another thread updates: a slightly stale view is fine for routing.
+    scheduler, blocks = engine.scheduler, engine.block_manager
+    return {"free_blocks": blocks.num_free_blocks, "running": len(scheduler.running) + len(scheduler.reserved),
+            "waiting": len(scheduler.waiting)}
 
 
 def _record_transfer(stats: TransferStats) -> None:

@@ -2,9 +2,10 @@
 
 The router tokenises and validates (in the front ends), then streams each request from the decode
 pool, which drives the prefill and the KV handoff (router/pools.py, workers/disagg.py). The KV never
-passes through the router; only token deltas do. Serve picks the decode replica (fewest ongoing
-requests of two sampled) and the decode replica's prefill call picks the prefill replica the same way;
-a decode replica that is full answers `QueueFullError`, which reaches the client as 429.
+passes through the router; only token deltas do. The decode replica is the one with the most free KV
+blocks, and the decode replica's prefill call goes to the prefill replica its prompt's leading block
+hashes to, unless that one is overloaded (router/routing.py); a decode replica that is full answers
+`QueueFullError`, which reaches the client as 429.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoConfig, AutoTokenizer
 
@@ -106,10 +108,18 @@ def build_disaggregated_app(config: AppConfig) -> Application:
     # Serve's default of 5 concurrent requests per replica would starve continuous batching.
     ongoing = config.max_num_seqs + (config.max_waiting_requests or config.max_num_seqs)
     actor = {"num_cpus": 0, "num_gpus": 0}
+    # Prefill by prefix affinity (bounded by load), decode by free KV blocks: router/routing.py.
+    prefill_router = RequestRouterConfig(request_router_class="router.routing:PrefillAffinityRouter",
+                                         request_router_kwargs={"block_size": config.block_size},
+                                         request_routing_stats_period_s=1.0)
+    decode_router = RequestRouterConfig(request_router_class="router.routing:DecodeCapacityRouter",
+                                        request_routing_stats_period_s=1.0)
     prefill = serve.deployment(PrefillPool, name="PrefillPool").options(
-        max_ongoing_requests=ongoing, ray_actor_options=actor, **config.prefill.serve_options()).bind(args)
+        max_ongoing_requests=ongoing, ray_actor_options=actor, request_router_config=prefill_router,
+        **config.prefill.serve_options()).bind(args)
     decode = serve.deployment(DecodePool, name="DecodePool").options(
-        max_ongoing_requests=ongoing, ray_actor_options=actor, **config.decode.serve_options()).bind(args, prefill)
+        max_ongoing_requests=ongoing, ray_actor_options=actor, request_router_config=decode_router,
+        **config.decode.serve_options()).bind(args, prefill)
     router = serve.deployment(Router, name="Router").options(
         max_ongoing_requests=4 * ongoing, ray_actor_options={"num_cpus": 0}).bind(args, decode)
     return router

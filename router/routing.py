@@ -1,0 +1,91 @@
+"""Which pool replica takes a request: Serve request routers over the replicas' routing stats.
+
+- Prefill: prefix affinity. The prompt's leading block is hashed onto the replicas by rendezvous
+  hashing (highest hash of (block, replica) wins), so prompts that share their start (a system
+  prompt, a few-shot preamble) meet the same replica's prefix cache, and a replica that joins or
+  leaves moves only its share. Bounded by load: when the preferred replica's queue is longer than the
+  shortest by more than `imbalance`, the shortest queues go first.
+- Decode: KV capacity. The replica with the most free KV blocks first (its reservation is the
+  handoff's backpressure), then the smaller running batch.
+
+Replicas report `record_routing_stats()` (router/pools.py); Serve polls it every
+`request_routing_stats_period_s`. The ranking functions are plain, so they are tested directly.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Protocol, Sequence
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+# How much longer than the shortest queue the preferred prefill replica's may be before load wins.
+DEFAULT_IMBALANCE = 8
+
+
+class _Replica(Protocol):
+    @property
+    def replica_id(self) -> Any: ...
+
+    @property
+    def routing_stats(self) -> dict[str, Any]: ...
+
+
+def _replica_key(replica: _Replica) -> str:
+    rid = replica.replica_id
+    return getattr(rid, "unique_id", None) or str(rid)
+
+
+def _affinity(prefix: bytes, replica: _Replica) -> bytes:
+    return hashlib.blake2b(prefix + _replica_key(replica).encode(), digest_size=8).digest()
+
+
+def rank_for_prefill(prompt_token_ids: Sequence[int], replicas: Sequence[_Replica], block_size: int,
+                     imbalance: int = DEFAULT_IMBALANCE) -> list[list[_Replica]]:
+    """Replicas in order of preference for a prompt (one replica per rank)."""
+    if not replicas:
+        return []
+    prefix = b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt_token_ids[:block_size])
+    by_affinity = sorted(replicas, key=lambda r: _affinity(prefix, r), reverse=True)
+    queue = {id(r): int(r.routing_stats.get("waiting", 0)) + int(r.routing_stats.get("running", 0)) for r in replicas}
+    if queue[id(by_affinity[0])] - min(queue.values()) > imbalance:
+        by_affinity.sort(key=lambda r: queue[id(r)])  # stable: affinity order among equal loads
+    return [[r] for r in by_affinity]
+
+
+def rank_for_decode(replicas: Sequence[_Replica]) -> list[list[_Replica]]:
+    """Most free KV blocks first, then the smaller running batch; replicas without stats yet last."""
+    def key(r: _Replica) -> tuple[int, int]:
+        stats = r.routing_stats
+        return (-int(stats.get("free_blocks", -1)), int(stats.get("running", 0)))
+
+    return [[r] for r in sorted(replicas, key=key)]
+
+
+class PrefillAffinityRouter(RequestRouter):
+    def initialize_state(self, block_size: int = 16, imbalance: int = DEFAULT_IMBALANCE, **kwargs) -> None:
+        self.block_size = block_size
+        self.imbalance = imbalance
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        prompt = _prefill_prompt(pending_request)
+        if prompt is None:  # health probes and other calls: any replica
+            return [candidate_replicas]
+        return rank_for_prefill(prompt, candidate_replicas, self.block_size, self.imbalance)
+
+
+class DecodeCapacityRouter(RequestRouter):
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        return rank_for_decode(candidate_replicas)
+
+
+def _prefill_prompt(pending: PendingRequest | None) -> list[int] | None:
+    """PrefillPool.prefill(request_id, prompt_token_ids, params, priority, reservation): the prompt."""
+    if pending is None:
+        return None
+    args = getattr(pending, "args", None) or ()
+    if len(args) >= 2 and isinstance(args[1], list):
+        return args[1]
+    prompt = (getattr(pending, "kwargs", None) or {}).get("prompt_token_ids")
+    return prompt if isinstance(prompt, list) else None
