@@ -36,7 +36,28 @@ def _replica_id(pool: str) -> str | None:
         return None
 
 
-class PrefillPool:
+class _PoolMethods:
+    """What Serve asks of every pool replica: stats, routing stats, health."""
+
+    replica: PrefillReplica | DecodeReplica
+
+    async def stats(self) -> dict:
+        return await self.replica.engine.stats()
+
+    def record_routing_stats(self) -> dict:
+        """For router/routing.py (polled by Serve). Plain reads of counters the engine thread updates:
+        a slightly stale view is fine for routing."""
+        engine = self.replica.engine.engine
+        scheduler, blocks = engine.scheduler, engine.block_manager
+        return {"free_blocks": blocks.num_free_blocks, "running": len(scheduler.running) + len(scheduler.reserved),
+                "waiting": len(scheduler.waiting)}
+
+    async def check_health(self) -> None:
+        if not self.replica.engine.alive:
+            raise RuntimeError(f"{self.replica.replica_id}: its engine has stopped")
+
+
+class PrefillPool(_PoolMethods):
     def __init__(self, args: dict[str, Any]):
         self.config = AppConfig.model_validate(args)
         self.replica = PrefillReplica(_engine(self.config, "prefill"), _replica_id("prefill"))
@@ -47,19 +68,8 @@ class PrefillPool:
         async for ready in self.replica.prefill(request_id, prompt_token_ids, params, priority, reservation):
             yield ready
 
-    async def stats(self) -> dict:
-        return await self.replica.engine.stats()
 
-    def record_routing_stats(self) -> dict:
-        """For router/routing.py (polled by Serve): this replica's queue."""
-        return _routing_stats(self.replica.engine.engine)
-
-    async def check_health(self) -> None:
-        if not self.replica.engine.alive:
-            raise RuntimeError(f"prefill replica {self.replica.replica_id}: its engine has stopped")
-
-
-class DecodePool:
+class DecodePool(_PoolMethods):
     def __init__(self, args: dict[str, Any], prefill: DeploymentHandle):
         self.config = AppConfig.model_validate(args)
         self.prefill = prefill
@@ -79,24 +89,6 @@ class DecodePool:
     async def info(self) -> dict:
         engine = self.replica.engine.engine
         return {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size}
-
-    async def stats(self) -> dict:
-        return await self.replica.engine.stats()
-
-    def record_routing_stats(self) -> dict:
-        """For router/routing.py (polled by Serve): free KV blocks and the running batch."""
-        return _routing_stats(self.replica.engine.engine)
-
-    async def check_health(self) -> None:
-        if not self.replica.engine.alive:
-            raise RuntimeError(f"decode replica {self.replica.replica_id}: its engine has stopped")
-
-
-def _routing_stats(engine: LLMEngine) -> dict:
-    # Plain reads of counters another thread updates: a slightly stale view is fine for routing.
-    scheduler, blocks = engine.scheduler, engine.block_manager
-    return {"free_blocks": blocks.num_free_blocks, "running": len(scheduler.running) + len(scheduler.reserved),
-            "waiting": len(scheduler.waiting)}
 
 
 def _record_transfer(stats: TransferStats) -> None:
