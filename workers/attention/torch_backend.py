@@ -52,9 +52,30 @@ class TorchAttention:
         return out
 
     def _decode(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        keys = gather_kv(kv_cache[0], meta.block_tables, meta.max_seq_len)  # [B, Hkv, L, D]
-        values = gather_kv(kv_cache[1], meta.block_tables, meta.max_seq_len)
-        valid = torch.arange(meta.max_seq_len, device=q.device)[None, :] < meta.seq_lens[:, None].to(q.device)
-        mask = valid[:, None, None, :]  # [B, 1, 1, L]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        return out.squeeze(2)  # [B, Hq, D] == [T, Hq, D]
+        """One padded SDPA per group of up to DECODE_GROUP sequences of similar length: each group pads
+        to its own longest sequence, not the batch's (on CPU the padded gather dominates the step)."""
+        lens = meta.seq_lens_cpu
+        if len(lens) <= DECODE_GROUP:
+            return _decode_padded(q, kv_cache, meta.block_tables, meta.seq_lens, max(lens), scale)
+        order = sorted(range(len(lens)), key=lens.__getitem__)
+        out = torch.empty_like(q)
+        for start in range(0, len(order), DECODE_GROUP):
+            rows = order[start : start + DECODE_GROUP]
+            index = torch.tensor(rows, device=q.device)
+            out[index] = _decode_padded(q[index], kv_cache, meta.block_tables[index], meta.seq_lens[index],
+                                        max(lens[r] for r in rows), scale)
+        return out
+
+
+DECODE_GROUP = 32
+
+
+def _decode_padded(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   max_len: int, scale: float) -> torch.Tensor:
+    """q [B, Hq, D] (one new token per sequence) -> [B, Hq, D], keys padded to max_len and masked."""
+    keys = gather_kv(kv_cache[0], block_tables, max_len)  # [B, Hkv, L, D]
+    values = gather_kv(kv_cache[1], block_tables, max_len)
+    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].to(q.device)
+    mask = valid[:, None, None, :]  # [B, 1, 1, L]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(2)
