@@ -56,8 +56,8 @@ def tokenizer():
 def model():
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(MODEL_DIR, local_files_only=True, dtype=torch.float32)
-    return m.eval()
+    m = AutoModelForCausalLM.from_pretrained(MODEL_DIR, local_files_only=True)
+    return m.float().eval()
 
 
 def test_folder_contents_and_size():
@@ -80,7 +80,7 @@ def test_config_and_weights():
     assert cfg.num_attention_heads % cfg.num_key_value_heads == 0 and cfg.num_key_value_heads < cfg.num_attention_heads
     assert cfg.max_position_embeddings == 1024
     raw = json.loads((MODEL_DIR / "config.json").read_text())
-    assert raw["dtype"] == "bfloat16" and raw["rope_theta"] == 10000.0
+    assert raw.get("dtype", raw.get("torch_dtype")) == "bfloat16" and raw["rope_theta"] == 10000.0
     with safe_open(str(MODEL_DIR / "model.safetensors"), "pt") as f:
         keys = list(f.keys())
         assert all(f.get_slice(k).get_dtype() == "BF16" for k in keys)
