@@ -12,6 +12,7 @@ from torch import nn
 
 from parallel.comm import gather_last_dim_to_first, gather_to_first, reduce_partial_sums
 from parallel.linear import set_weight_loader
+from parallel.matmul import linear
 from parallel.state import Group, tp_group
 
 
@@ -61,13 +62,13 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [n, d] -> full-vocabulary logits [n, vocab_size] on the group's first rank, None on the others."""
-        logits = gather_last_dim_to_first(F.linear(hidden, self.weight), self.group)
+        logits = gather_last_dim_to_first(linear(hidden, self.weight), self.group)
         # Padding rows sit at the end of the last rank's slice, so slicing drops exactly them.
         return None if logits is None else logits[:, : self.vocab_size]
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, rows_per_rank] logits of this rank's slice; padding columns are -inf so they never win."""
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         real = min(max(self.vocab_size - self.vocab_start, 0), self.rows_per_rank)
         if real < self.rows_per_rank:
             logits[:, real:] = float("-inf")

@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from parallel.comm import gather_last_dim, reduce_partial_sums
+from parallel.matmul import linear
 from parallel.state import Group, tp_group
 
 WeightLoader = Callable[..., None]
@@ -43,7 +43,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = set_weight_loader(nn.Parameter(torch.empty(output_size), requires_grad=False), default_weight_loader) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -69,7 +69,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, self.group.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return gather_last_dim(y, self.group) if self.gather_output else y
 
 
@@ -160,5 +160,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.group.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_partial_sums(F.linear(x, self.weight), self.group)
+        y = reduce_partial_sums(linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y

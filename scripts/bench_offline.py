@@ -66,6 +66,12 @@ def run_tandem(args, prompts, out_lens) -> dict:
               show_progress=False, **extra)
     params = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in out_lens]
     llm.generate(prompts[:2], params[:2])  # warm-up (allocator, kernels)
+    profile = None
+    if args.profile_steps:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from step_profile import StepProfile
+
+        profile = StepProfile(llm.engine, gpu_every=args.profile_steps)
     sync(args.device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
@@ -76,6 +82,9 @@ def run_tandem(args, prompts, out_lens) -> dict:
     result = {"seconds": dt, "output_tokens": n_out, "preemptions": llm.engine.scheduler.num_preemptions,
               "num_kv_blocks": _runner(llm).num_blocks,
               "cuda_graphs": getattr(_runner(llm), "cuda_graphs", None) is not None}
+    if profile is not None:
+        result["step_profile"] = profile.summary()
+        print(profile.table())
     llm.engine.shutdown()
     del llm, outs
     if args.device.startswith("cuda"):  # free the weights and KV cache before HF loads its copy
@@ -141,6 +150,8 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="time each step's phases; every N-th step also under torch.profiler (GPU kernel time)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default="bench_results/bench_offline.json")
     args = p.parse_args()

@@ -82,6 +82,23 @@ def test_random_token_sequences_match_full_decode(bpe):
         assert not any("\ufffd" in d for d in deltas)
 
 
+@pytest.mark.parametrize("cleanup", [False, True])
+def test_text_equals_the_wrappers_decode_with_or_without_space_cleanup(cleanup):
+    """The detokenizer may call the Rust tokenizer directly, but only where the transformers wrapper
+    would return the same text: with its clean-up of spaces before punctuation on, it must match that."""
+    vocab = {w: i for i, w in enumerate(["[UNK]", "hello", ",", "world", ".", "don", "'t", "?", "a", "b", "c"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(cleanup=False)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", clean_up_tokenization_spaces=cleanup)
+    rng = random.Random(1)
+    for _ in range(20):
+        ids = [rng.randrange(1, len(vocab)) for _ in range(rng.randint(1, 12))]
+        det, deltas = stream(wrapped, [], ids)
+        assert det.text == "".join(deltas) == wrapped.decode(ids, skip_special_tokens=True)
+    assert (wrapped.decode([1, 2, 3]) == "hello, world") == cleanup  # the premise: the wrapper's clean-up runs
+
+
 def test_window_stays_small(bpe):
     det, _ = stream(bpe, encode(bpe, "prompt"), encode(bpe, SAMPLE * 20))
     assert len(det._ids) < 10

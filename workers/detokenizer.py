@@ -8,6 +8,9 @@ it no longer ends in an incomplete character (the prefix-offset/read-offset sche
 """
 from __future__ import annotations
 
+import weakref
+from typing import Callable
+
 # Prompt tokens kept as left context for the first output tokens.
 _INITIAL_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
@@ -24,6 +27,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode_ids = _fast_decode(tokenizer, skip_special_tokens)
         # Only the window ids[prefix_offset:] is ever decoded, so older ids are dropped as we go.
         self._ids: list[int] = list(prompt_token_ids[-_INITIAL_CONTEXT_TOKENS:])
         self._prefix_offset = 0  # start of the context window
@@ -61,7 +65,39 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_ids(ids)
+
+
+_FAST: "weakref.WeakKeyDictionary[object, bool]" = weakref.WeakKeyDictionary()
+
+
+def _fast_decode(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=...)`, straight to the Rust `tokenizers.Tokenizer`
+    when the Python wrapper would return its text unchanged: the wrapper's argument handling costs
+    several times the decode itself, twice per token per sequence on the engine's step path.
+
+    Whether the wrapper changes the text (its optional clean-up of spaces before punctuation, which
+    depends on the tokenizer's settings and the transformers version) is checked once per tokenizer
+    on a probe that the clean-up would alter.
+    """
+    rust = getattr(tokenizer, "_tokenizer", None)
+    slow = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)  # noqa: E731
+    if rust is None or not callable(getattr(rust, "decode", None)):
+        return slow
+    same = _FAST.get(tokenizer)
+    if same is None:
+        try:
+            probe = tokenizer.encode("a , b . c ? don 't", add_special_tokens=False)
+            same = all(tokenizer.decode(probe, skip_special_tokens=skip) == rust.decode(probe, skip_special_tokens=skip)
+                       for skip in (False, True))
+            if " ." not in rust.decode(probe) and getattr(tokenizer, "clean_up_tokenization_spaces", False):
+                same = False  # the probe cannot show whether the clean-up runs (no punctuation in the vocabulary)
+        except Exception:  # an unusual tokenizer: keep its own decode
+            same = False
+        _FAST[tokenizer] = same
+    if not same:
+        return slow
+    return lambda ids: rust.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def find_stop_string(text: str, num_new_chars: int, stop: list[str], include_stop_str: bool) -> tuple[str, int] | None:

@@ -164,7 +164,12 @@ class BlockManager:
 
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         end = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        need = self._new_per_pool(len(seq.block_table), end)
+        have = len(seq.block_table)
+        if end <= have:  # most decode steps: the last block still has room
+            return True
+        if self.num_pools == 1:
+            return end - have <= len(self.pools[0])
+        need = self._new_per_pool(have, end)
         return all(n <= len(pool) for n, pool in zip(need, self.pools))
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:

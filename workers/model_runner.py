@@ -156,6 +156,9 @@ class ModelRunner:
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in out.seqs]
         seq_lens = [s.context_len for s in out.seqs]
         query_lens = [s.num_tokens for s in out.seqs]
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
 
         def t(x, dtype):
             return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
@@ -169,6 +172,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            num_decodes=num_decodes,
         )
         return t(token_ids, torch.int64), t(positions, torch.int64), meta, sample_rows
 
@@ -181,12 +185,15 @@ class ModelRunner:
         graphs = getattr(self, "cuda_graphs", None)  # unset while the KV budget is being profiled
         if graphs is not None and graphs.can_run(out):
             return self.sample(graphs.run(out), out.seqs)
+        seqs = out.seqs
+        if self.sp.size == 1:  # decodes first: attention runs them with the decode kernel (AttentionMetadata.num_decodes)
+            seqs = sorted(seqs, key=lambda s: s.num_tokens != 1)
         # One micro-batch per stage keeps every stage busy once the pipeline is full.
-        micro_batches = split_by_sequence(out.seqs, self.pp.size) if self.pp.size > 1 else [out.seqs]
+        micro_batches = split_by_sequence(seqs, self.pp.size) if self.pp.size > 1 else [seqs]
         sends: list[PendingSend] = []
         sample_hidden: list[torch.Tensor] = []
-        for seqs in micro_batches:
-            token_ids, positions, meta, sample_rows = self.prepare(SchedulerOutput(seqs))
+        for batch in micro_batches:
+            token_ids, positions, meta, sample_rows = self.prepare(SchedulerOutput(batch))
             hidden = residual = None
             if not self.pp.is_first:
                 hidden, residual = self._recv_activations(token_ids.shape[0])
@@ -199,10 +206,10 @@ class ModelRunner:
             self._pp_seq_no += 1
         for pending in sends:
             pending.wait()
-        to_sample = [s for s in out.seqs if s.sample]
+        to_sample = [s for s in seqs if s.sample]
         if not self.pp.is_last or not to_sample:
             return ModelRunnerOutput({})
-        # Micro-batches are contiguous runs of out.seqs, so the rows line up with to_sample.
+        # Micro-batches are contiguous runs of seqs, so the rows line up with to_sample.
         hidden = torch.cat(sample_hidden)
         if self.sp.size > 1:  # the rows are spread over the SP ranks: the first one samples
             hidden = gather_sample_hidden(hidden, [sample_owner(s, self.block_size, self.sp.size) for s in to_sample], self.sp)

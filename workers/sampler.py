@@ -47,6 +47,8 @@ class Sampler:
             return []
         params = [s.sampling_params for s in seqs]
         raw = logits.float()  # [B, V]
+        if all(self.is_plain_greedy(s) for s in seqs):
+            return self._greedy(raw, params)
         x = raw.clone()  # [B, V], what penalties/masks/temperature modify; `raw` stays for logprobs
         self._apply_penalties(x, seqs)
         self._apply_min_tokens(x, seqs)
@@ -79,6 +81,15 @@ class Sampler:
                 top = list(zip(top_ids[i][:n], top_lps[i][:n])) if n > 0 else []
             out.append(SampledToken(token_id=tok, logprob=lp, top_logprobs=top))
         return out
+
+    @staticmethod
+    def _greedy(raw: torch.Tensor, params: list[SamplingParams]) -> list[SampledToken]:
+        """The all-greedy batch (offline runs, most chat traffic): argmax and its logprob, no copies
+        of the logits, one device-to-host transfer."""
+        tokens = raw.argmax(dim=-1)  # [B], first maximum on ties
+        lps = raw.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)  # [B]
+        rows = torch.stack([tokens.double(), lps.double()], dim=1).tolist()  # float64 holds any token id
+        return [SampledToken(int(t), lp, [] if p.logprobs == 0 else None) for (t, lp), p in zip(rows, params)]
 
     # ---- logit processors, in place on x [B, V] ----
 

@@ -27,6 +27,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # The first num_decodes sequences have one new token each (the runner orders decodes first), so
+    # a mixed step can run them with the decode kernel and only the rest with the prefill kernel.
+    num_decodes: int = 0
     # Sequence parallelism only: what this rank holds of the step (the fields above cover its own tokens).
     sp: SPAttentionMetadata | None = None
 

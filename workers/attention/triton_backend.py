@@ -1,8 +1,9 @@
 """Triton paged-attention backend (CUDA): KV write by slot mapping, split-K decode, varlen prefill.
 
-Decode-only steps use the flash-decoding kernel (GQA-aware, one program per KV head group and
-context slice); steps with any prefill chunk use the varlen causal kernel for every sequence (a
-decode row is a query of length 1 there). Nothing here syncs with the device or reads the device
+Decode rows use the flash-decoding kernel (GQA-aware, one program per KV head group and context
+slice); prefill chunks use the varlen causal kernel. In a mixed step the decodes come first
+(`AttentionMetadata.num_decodes`) and each kernel takes its part: run through the prefill kernel, a
+decode row would pay a whole query tile per query head. Nothing here syncs with the device or reads the device
 tensors on the host, so decode steps can be captured in CUDA graphs (`workers/cuda_graphs.py`).
 The torch backend (`torch_backend.py`) is the reference these kernels are tested against.
 """
@@ -22,6 +23,15 @@ class TritonAttention:
         if meta.decode_only:  # the decode kernel writes the new k/v itself
             return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len,
                                     k_new=k, v_new=v, slot_mapping=meta.slot_mapping)
-        write_kv(kv_cache, k, v, meta.slot_mapping)
-        return prefill_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                 meta.max_query_len, scale)
+        d = meta.num_decodes
+        if d == 0:
+            write_kv(kv_cache, k, v, meta.slot_mapping)
+            return prefill_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                     meta.max_query_len, scale)
+        out = torch.empty_like(q)
+        decode_attention(q[:d], kv_cache, meta.block_tables[:d], meta.seq_lens[:d], scale, max(meta.seq_lens_cpu[:d]),
+                         out=out[:d], k_new=k[:d], v_new=v[:d], slot_mapping=meta.slot_mapping[:d])
+        write_kv(kv_cache, k[d:], v[d:], meta.slot_mapping[d:])
+        prefill_attention(q[d:], kv_cache, meta.block_tables[d:], meta.seq_lens[d:], meta.query_start_loc[d:] - d,
+                          meta.max_query_len, scale, out=out[d:])
+        return out

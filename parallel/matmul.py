@@ -1,0 +1,21 @@
+"""The one matmul every linear layer calls (parallel/linear.py, the LM head in parallel/embedding.py).
+
+`linear(x, w, bias)` is F.linear, except for one row of 16-bit activations on CUDA (batch-1
+decode), which goes to the Triton GEMV in workers/kernels/gemv.py: there a step is pure weight
+streaming, and cuBLAS leaves part of the GPU idle (scripts/bench_gemv.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from workers.kernels import gemv as _gemv
+except ImportError:  # no Triton (CPU machines): F.linear everywhere
+    _gemv = None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if _gemv is not None and x.is_cuda and _gemv.supports(x, weight):
+        return _gemv.gemv(x, weight, bias)
+    return F.linear(x, weight, bias)

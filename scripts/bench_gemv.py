@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Batch-1 decode linear layers: cuBLAS (F.linear) vs our Triton GEMV, in weight bytes per second.
+
+Each measurement replays a CUDA graph that runs the layer over ROTATE distinct weight copies
+(more bytes than L2 holds, as consecutive layers of a real forward), so the figure is HBM streaming
+bandwidth. Shapes are the linear layers of the models in scripts/model_shapes.py.
+
+    python scripts/bench_gemv.py                       # the default tile choice vs cuBLAS
+    python scripts/bench_gemv.py --sweep               # also every tile config (what workers/kernels/gemv.py's table came from)
+Prints a table; writes JSON (--out).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {  # name: (N, K) of the weight [out, in]
+    "llama-3.1-8b qkv": (6144, 4096), "llama-3.1-8b o": (4096, 4096), "llama-3.1-8b gate_up": (28672, 4096),
+    "llama-3.1-8b down": (4096, 14336), "llama-3.1-8b lm_head": (128256, 4096),
+    "qwen3-8b gate_up": (24576, 4096), "qwen3-8b down": (4096, 12288), "qwen3-8b lm_head": (151936, 4096),
+    "qwen3-30b-a3b qkv": (5120, 2048), "qwen3-30b-a3b o": (2048, 4096),
+}
+ROTATE_BYTES = 400 << 20  # weight copies per measurement: several times the 50-60 MB L2 of an H100/H200
+
+
+def bench(fn, iters: int = 20) -> float:
+    """Seconds per call of fn, replayed from a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
+    p.add_argument("--sweep", action="store_true", help="time every tile config too")
+    p.add_argument("--out", default="bench_results/bench_gemv.json")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_gemv needs a CUDA GPU")
+    from workers.kernels.gemv import gemv, tile_config
+
+    sweep = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+             for bn, bk, nw, ns in itertools.product([8, 16, 32], [256, 512, 1024], [4, 8], [3, 4, 5])
+             if bn * bk <= 16384] if a.sweep else []
+    report = {"benchmark": "gemv", "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+              "torch": torch.__version__, "results": []}
+    print(f"{report['gpu']}: weight GB/s (higher is better)")
+    for name in a.shapes.split(","):
+        n, k = SHAPES[name]
+        copies = max(2, ROTATE_BYTES // (2 * n * k))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        nbytes = copies * 2 * n * k
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x.float(), ws[0].float())
+        got = gemv(x, ws[0])
+        err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+        t_cublas = bench(lambda: [F.linear(x, w) for w in ws])
+        t_ours = bench(lambda: [gemv(x, w) for w in ws])
+        row = {"shape": name, "n": n, "k": k, "cublas_GBps": nbytes / t_cublas / 1e9,
+               "ours_GBps": nbytes / t_ours / 1e9, "ours_config": tile_config(n, k), "max_rel_err": err}
+        best = None
+        for cfg in sweep:
+            try:
+                t = bench(lambda: [gemv(x, w, config=cfg) for w in ws])
+            except Exception as e:  # a config the compiler rejects (shared memory, registers)
+                print(f"  skip {cfg}: {type(e).__name__}", flush=True)
+                continue
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        if best:
+            row["best_GBps"], row["best_config"] = nbytes / best[0] / 1e9, best[1]
+        report["results"].append(row)
+        extra = f"  best {row['best_GBps']:7.0f} {best[1]}" if best else ""
+        print(f"{name:22}  cuBLAS {row['cublas_GBps']:7.0f}  ours {row['ours_GBps']:7.0f}  err {err:.1e}{extra}",
+              flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
