@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Kernel-time breakdown of one batch-1 decode step (CUDA graph replays under torch.profiler).
+"""Kernel-time breakdown of one decode step (CUDA graph replays under torch.profiler).
 
-    python scripts/profile_decode.py --shape llama-3.1-8b
+    python scripts/profile_decode.py --shape llama-3.1-8b                       # batch 1
+    python scripts/profile_decode.py --shape llama-3.1-8b --batch 128 --context 400
 Prints the kernels that take the most GPU time per step, grouped by name.
 """
 from __future__ import annotations
@@ -24,17 +25,21 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shape", default="llama-3.1-8b")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch", type=int, default=1, help="decoding sequences (a captured graph size)")
+    p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--out", default="bench_results/profile_decode.txt")
     a = p.parse_args()
     from model_shapes import write_model_folder
 
     path = write_model_folder(a.shape, os.path.join(tempfile.mkdtemp(), a.shape))
-    llm = LLM(model=path, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=1024, num_blocks=256,
-              max_num_seqs=4, show_progress=False)
+    per_seq = -(-(a.context + 64) // 16)
+    llm = LLM(model=path, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=max(1024, a.context + 64),
+              num_blocks=a.batch * per_seq + 64, max_num_seqs=max(4, a.batch), show_progress=False)
     eng = llm.engine
     runner = getattr(eng, "runner", None) or eng.executor.runner
-    llm.generate([list(range(100, 228))], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-    g = runner.cuda_graphs.graphs[1]
+    prompts = [[100 + (i * 7 + j) % 1000 for j in range(a.context)] for i in range(a.batch)]
+    llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # fills the graph inputs
+    g = runner.cuda_graphs.graphs[a.batch]
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 
@@ -48,7 +53,7 @@ def main():
         if t > 0:
             rows[ev.key] = (t / a.steps, ev.count / a.steps)
     total = sum(t for t, _ in rows.values())
-    lines = [f"GPU time per decode step (graph replay, batch 1, {a.shape}): {total / 1e3:.3f} ms over "
+    lines = [f"GPU time per decode step (graph replay, batch {a.batch}, context {a.context}, {a.shape}): {total / 1e3:.3f} ms over "
              f"{sum(c for _, c in rows.values()):.0f} kernels"]
     for name, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:18]:
         lines.append(f"{t / 1e3:8.3f} ms {100 * t / total:5.1f}%  x{c:5.0f}  {name[:110]}")

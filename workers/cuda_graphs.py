@@ -6,8 +6,9 @@ nothing). All per-step inputs live in one int64 device buffer that the graphs re
 addresses; a step fills a pinned host mirror of it and copies it over with two non-blocking copies,
 so a replay costs a few host microseconds whatever the model's depth.
 
-Only the model's forward (embedding to final norm) is captured; the LM head and the sampler run
-eagerly on the B real rows. Needs an attention backend that never syncs or reads device tensors on
+The graph runs the model's forward, the LM head, and greedy decoding (argmax and its logprob): a
+batch of plain-greedy rows needs nothing after the replay but one small device-to-host copy; other
+batches sample eagerly from the graph's logits. Needs an attention backend that never syncs or reads device tensors on
 the host (the Triton one) and a model with no host syncs (the MoE expert loop has one; the fused
 MoE kernel has none).
 """
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from workers.attention import AttentionMetadata, forward_context
+from workers.sampler import Sampler
 from workers.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ class DecodeGraphs:
         self.host_np[4 * n:5 * n + 1] = np.arange(n + 1)
         self.buf.copy_(self.host)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bs -> (logits [bs, V], greedy [bs, 2])
         self._capture()
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -69,33 +71,36 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         t0 = time.perf_counter()
-        model = self.runner.model
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its pool
-                meta = self._meta(bs)
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                    with forward_context(meta):
-                        model(self.token_ids[:bs], self.positions[:bs])
+                    self._step(bs)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool, stream=stream):
-                    with forward_context(meta):
-                        hidden, _ = model(self.token_ids[:bs], self.positions[:bs])
-                self.graphs[bs], self.outputs[bs] = g, hidden
+                    outputs = self._step(bs)
+                self.graphs[bs], self.outputs[bs] = g, outputs
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.graphs), self.batch_sizes[0],
                  self.max_bs, time.perf_counter() - t0)
+
+    def _step(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        model = self.runner.model
+        with forward_context(self._meta(bs)):
+            hidden, _ = model(self.token_ids[:bs], self.positions[:bs])
+        logits = model.lm_head.compute_logits(hidden)  # [bs, V]; graphs run on one rank, which holds the whole head
+        return logits, Sampler.greedy_pack(logits)
 
     def can_run(self, out: SchedulerOutput) -> bool:
         seqs = out.seqs
         return (0 < len(seqs) <= self.max_bs and all(len(s.token_ids) == 1 and s.sample for s in seqs)
                 and all(len(s.block_table) <= self.max_blocks for s in seqs))
 
-    def run(self, out: SchedulerOutput) -> torch.Tensor:
-        """Replay the decode step; returns the final hidden states of the B real rows [B, hidden]."""
+    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the decode step; returns the B real rows' logits [B, V] and greedy (token, logprob) [B, 2]."""
         seqs = out.seqs
         b = len(seqs)
         bs = next(s for s in self.batch_sizes if s >= b)
@@ -113,7 +118,8 @@ class DecodeGraphs:
         self.buf[:self._small].copy_(self.host[:self._small], non_blocking=True)
         self.buf[self._small:self._small + bs * mb].copy_(self.host[self._small:self._small + bs * mb], non_blocking=True)
         self.graphs[bs].replay()
-        return self.outputs[bs][:b]
+        logits, greedy = self.outputs[bs]
+        return logits[:b], greedy[:b]
 
 
 def maybe_capture(runner) -> DecodeGraphs | None:

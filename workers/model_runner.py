@@ -184,7 +184,13 @@ class ModelRunner:
             return ModelRunnerOutput({})
         graphs = getattr(self, "cuda_graphs", None)  # unset while the KV budget is being profiled
         if graphs is not None and graphs.can_run(out):
-            return self.sample(graphs.run(out), out.seqs)
+            logits, greedy = graphs.run(out)
+            params = [s.sampling_params for s in out.seqs]
+            if all(Sampler.is_plain_greedy(s) for s in out.seqs):
+                tokens = Sampler.greedy_outputs(greedy, params)
+            else:
+                tokens = self.sampler(logits, out.seqs)
+            return ModelRunnerOutput({s.seq_id: tok for s, tok in zip(out.seqs, tokens)})
         seqs = out.seqs
         if self.sp.size == 1:  # decodes first: attention runs them with the decode kernel (AttentionMetadata.num_decodes)
             seqs = sorted(seqs, key=lambda s: s.num_tokens != 1)

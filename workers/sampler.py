@@ -84,12 +84,21 @@ class Sampler:
 
     @staticmethod
     def _greedy(raw: torch.Tensor, params: list[SamplingParams]) -> list[SampledToken]:
-        """The all-greedy batch (offline runs, most chat traffic): argmax and its logprob, no copies
-        of the logits, one device-to-host transfer."""
+        """The all-greedy batch (offline runs, most chat traffic): no copies of the logits."""
+        return Sampler.greedy_outputs(Sampler.greedy_pack(raw), params)
+
+    @staticmethod
+    def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
+        """[B, V] logits -> [B, 2] float64 (argmax token id, its log-probability): one tensor, so one
+        device-to-host copy (float64 holds any token id exactly). No host syncs: CUDA-graph safe."""
+        raw = logits.float()
         tokens = raw.argmax(dim=-1)  # [B], first maximum on ties
         lps = raw.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)  # [B]
-        rows = torch.stack([tokens.double(), lps.double()], dim=1).tolist()  # float64 holds any token id
-        return [SampledToken(int(t), lp, [] if p.logprobs == 0 else None) for (t, lp), p in zip(rows, params)]
+        return torch.stack([tokens.double(), lps.double()], dim=1)
+
+    @staticmethod
+    def greedy_outputs(packed: torch.Tensor, params: list[SamplingParams]) -> list[SampledToken]:
+        return [SampledToken(int(t), lp, [] if p.logprobs == 0 else None) for (t, lp), p in zip(packed.tolist(), params)]
 
     # ---- logit processors, in place on x [B, V] ----
 

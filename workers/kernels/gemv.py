@@ -50,7 +50,7 @@ def tile_config(n: int, k: int) -> dict:
     """Narrow layers (few programs) want long K tiles and more warps per program to keep enough
     bytes in flight; wide ones (MLP up, LM head) have programs to spare."""
     if n <= 8192:
-        return dict(BLOCK_N=16, BLOCK_K=512, num_warps=8, num_stages=3)
+        return dict(BLOCK_N=8, BLOCK_K=512, num_warps=8 if k >= 8192 else 4, num_stages=4)
     return dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4)
 
 
