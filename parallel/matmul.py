@@ -1,8 +1,10 @@
 """The one matmul every linear layer calls (parallel/linear.py, the LM head in parallel/embedding.py).
 
 `linear(x, w, bias)` is F.linear, except for one row of 16-bit activations on CUDA (batch-1
-decode), which goes to the Triton GEMV in workers/kernels/gemv.py: there a step is pure weight
-streaming, and cuBLAS leaves part of the GPU idle (scripts/bench_gemv.py).
+decode) while a CUDA graph is being captured, which goes to the Triton GEMV in
+workers/kernels/gemv.py: there a step is pure weight streaming, and cuBLAS leaves part of the GPU
+idle (scripts/bench_gemv.py). Outside a graph, a Triton launch costs tens of microseconds of Python
+per call, more than the GEMV saves: eager decode (multi-rank layouts, enforce_eager) keeps cuBLAS.
 """
 from __future__ import annotations
 
@@ -16,6 +18,6 @@ except ImportError:  # no Triton (CPU machines): F.linear everywhere
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if _gemv is not None and x.is_cuda and _gemv.supports(x, weight):
+    if _gemv is not None and x.is_cuda and _gemv.supports(x, weight) and torch.cuda.is_current_stream_capturing():
         return _gemv.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
