@@ -18,6 +18,6 @@ except ImportError:  # no Triton (CPU machines): F.linear everywhere
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if _gemv is not None and x.is_cuda and _gemv.supports(x, weight) and torch.cuda.is_current_stream_capturing():
+    if _gemv is not None and _gemv.supports(x, weight) and torch.cuda.is_current_stream_capturing():
         return _gemv.gemv(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -404,3 +404,40 @@ def test_logprobs_off_by_default_and_top_n_when_asked(shared):
         assert tok in entry and 5 <= len(entry) <= 6
         assert entry[tok] == max(entry.values())  # greedy picks the most likely token
         assert all(v <= 0 for v in entry.values())
+
+
+def test_mixed_steps_put_decodes_first_and_still_match_hf(make_llm):
+    """A high-priority prompt that prefills in chunks while another request decodes: the scheduler
+    lists it first, the runner must hand attention the decode rows first (`num_decodes` of them),
+    and the tokens must still be HF's."""
+    llm = make_llm(max_num_batched_tokens=16)
+    runner = llm.engine.executor.runner
+    seen = []
+    forward = runner.backend.forward
+
+    def recording(q, k, v, kv_cache, meta, scale):
+        if len(seen) < 10_000:
+            seen.append((list(meta.query_lens_cpu), meta.num_decodes))
+        return forward(q, k, v, kv_cache, meta, scale)
+
+    runner.backend.forward = recording
+    for layer in runner.attn_layers:
+        layer.backend = runner.backend
+    path = tiny_model("llama")
+    short, long = prompts_of_lengths([5, 60], VOCAB, seed=3)
+    eng = llm.engine
+    eng.add_request("short", short, greedy(20))
+    eng.step()  # the short prompt is prefilled and decodes from now on
+    eng.add_request("long", long, greedy(4), priority=-1)  # scheduled before "short" while it prefills
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+    mixed = [(q, d) for q, d in seen if 1 in q and any(n > 1 for n in q)]
+    assert mixed, "no step mixed a prefill chunk with a decode"
+    for q_lens, d in seen:
+        assert all(n == 1 for n in q_lens[:d]) and all(n > 1 for n in q_lens[d:]), (q_lens, d)
+    assert all(d >= 1 for _, d in mixed)
+    assert outs["short"] == hf_greedy(path, short, 20)[0]
+    assert outs["long"] == hf_greedy(path, long, 4)[0]

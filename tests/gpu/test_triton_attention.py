@@ -131,6 +131,28 @@ def test_prefill_matches_torch(hq, hkv, d):
         assert rel_err(out[a:b], ref[a:b]) < 2e-2, f"sequence {i}"
 
 
+@pytest.mark.parametrize("hq,hkv,d", GQA_DIMS)
+def test_mixed_step_with_decodes_first(hq, hkv, d):
+    """The runner's mixed-step layout: decode rows first (`num_decodes`) run through the decode kernel,
+    the prefill chunks after them through the prefill kernel; cache and output equal the reference."""
+    from dataclasses import replace
+
+    from workers.attention.triton_backend import TritonAttention
+
+    q_lens = [1, 1, 1, 7, 64, 300, 16]
+    ctx = [40, 511, 1000, 0, 16, 0, 33]
+    q, k, v, cache, meta = make_batch(q_lens, ctx, hq, hkv, d, 16, torch.bfloat16, seed=hq + d)
+    meta = replace(meta, num_decodes=3)
+    ref, ref_cache = reference(q, k, v, cache, meta, d ** -0.5)
+    c = cache.clone()
+    out = TritonAttention().forward(q, k, v, c, meta, d ** -0.5)
+    assert torch.equal(c.float(), ref_cache)
+    assert not out.isnan().any()
+    for i in range(len(q_lens)):
+        a, b = meta.query_start_loc[i].item(), meta.query_start_loc[i + 1].item()
+        assert rel_err(out[a:b], ref[a:b]) < 2e-2, f"sequence {i}"
+
+
 @pytest.mark.parametrize("q_len", [1, 2048])
 def test_prefill_long_single_sequence(q_len):
     from workers.attention.triton_backend import TritonAttention

@@ -7,8 +7,8 @@ Here each program owns BLOCK_N output features and streams their rows of `w` ove
 through a deep software pipeline, accumulating products elementwise in fp32 and reducing once.
 
 Tiles come from `scripts/bench_gemv.py --sweep` (CUDA graphs, weights rotated past L2 as in a
-real forward); at 2-16 rows the tensor-core GEMMs of cuBLAS were as fast as our kernels, so larger
-batches stay with F.linear.
+real forward). A tensor-core variant for 8 rows was only level with cuBLAS, so batches of more than
+one row stay with F.linear.
 """
 from __future__ import annotations
 
