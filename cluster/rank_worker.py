@@ -30,6 +30,11 @@ class RankWorker:
     def resize_kv_cache(self, num_blocks: int) -> None:
         self.runner.resize_kv_cache(num_blocks)
 
+    def cuda_graph_sizes(self) -> list[int]:
+        """The decode batch sizes this rank replays from CUDA graphs ([] when it runs eagerly)."""
+        graphs = self.runner.cuda_graphs
+        return sorted(graphs.graphs) if graphs is not None else []
+
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         result = self.runner.execute(out)
         # Only the output rank's answer is read; the others send nothing back.

@@ -34,12 +34,6 @@ from workers import LLM, SamplingParams  # noqa: E402
 H100_BF16_DENSE_TFLOPS = 989.4  # datasheet, SXM
 
 
-def _runner(llm):
-    """The in-process model runner (single-rank executor)."""
-    eng = llm.engine
-    return getattr(eng, "runner", None) or eng.executor.runner
-
-
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -114,13 +108,13 @@ def hf_decode(model_dir: str, prompt: list[int], gen: int) -> dict:
 def make_llm(model_dir: str, mode: str, args, max_model_len: int, num_blocks: int, max_batched: int) -> LLM:
     backend = "torch" if mode == "torch" else "triton"
     llm = LLM(model=model_dir, device="cuda", dtype="bfloat16", load_format=args.load_format, attention_backend=backend,
-              enforce_eager=mode != "graphs", max_model_len=max_model_len, num_blocks=num_blocks, block_size=16,
+              enforce_eager=mode != "graphs", tensor_parallel_size=args.tensor_parallel_size, max_model_len=max_model_len, num_blocks=num_blocks, block_size=16,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, enable_prefix_caching=False,
               show_progress=False)
     if mode == "eager-loop-moe":
         from workers.models.moe import Experts
 
-        for m in _runner(llm).model.modules():
+        for m in llm.engine.executor.runner.model.modules():
             if isinstance(m, Experts):
                 m.use_fused = False
     return llm
@@ -142,7 +136,8 @@ def tandem_decode(llm: LLM, prompt: list[int], gen: int) -> dict:
         steps.append(time.perf_counter() - t)
     total = sum(steps)
     res = {"decode_tok_per_s": n / total, "median_step_ms": 1e3 * statistics.median(steps), "ttft_s": ttft, "gen_tokens": n}
-    graphs = _runner(llm).cuda_graphs
+    runner = getattr(eng.executor, "runner", None)  # None under TP (the ranks are Ray actors)
+    graphs = runner.cuda_graphs if runner is not None else None
     if graphs is not None:  # GPU time of the captured step (forward, LM head, greedy) alone: the rest of a step is host overhead
         g = graphs.graphs[1]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -178,20 +173,39 @@ def tandem_prefill(llm: LLM, lengths: list[int], vocab: int, flops_fn, peak: flo
     return out
 
 
-def model_bytes(llm: LLM, cfg) -> tuple[int, int]:
+def hf_meta_params(cfg) -> dict[str, torch.Tensor]:
+    """The checkpoint's parameters (HF names) on the meta device: sizes without memory, any layout."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return dict(model.named_parameters())
+
+
+def model_bytes(params: dict[str, torch.Tensor], cfg) -> tuple[int, int]:
     """(all weight bytes, bytes a batch-1 decode step reads). For MoE both count only the k of E experts
     a token is routed to (the other experts' weights are not read)."""
-    model = _runner(llm).model
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = sum(p.numel() * p.element_size() for p in params.values())
     k = getattr(cfg, "num_experts_per_tok", None)
     if k:
         e = getattr(cfg, "num_experts", None) or cfg.num_local_experts
-        experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+        experts = sum(p.numel() * p.element_size() for n, p in params.items() if ".experts." in n)
         total = total - experts + experts * k // e
-    emb = model.embed_tokens.weight
-    tied = model.lm_head is not None and model.lm_head.weight is emb
+    emb = params["model.embed_tokens.weight"]
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
     read = total - (0 if tied else emb.numel() * emb.element_size())
     return total, read
+
+
+def linear_params(params: dict[str, torch.Tensor], cfg) -> int:
+    """Parameters a prefill token multiplies through (not embedding, head, norms, router; k of E experts)."""
+    n_lin = sum(p.numel() for name, p in params.items()
+                if "embed_tokens" not in name and "lm_head" not in name and "norm" not in name and ".gate." not in name)
+    moe_k = getattr(cfg, "num_experts_per_tok", None)
+    if moe_k:
+        n_exp = sum(p.numel() for name, p in params.items() if "experts" in name)
+        n_lin = n_lin - n_exp + n_exp * moe_k // (getattr(cfg, "num_experts", None) or cfg.num_local_experts)
+    return n_lin
 
 
 def main() -> None:
@@ -203,6 +217,11 @@ def main() -> None:
     p.add_argument("--gen-len", type=int, default=256)
     p.add_argument("--modes", default="graphs,eager,torch", help="Tandem variants: graphs, eager, torch, eager-loop-moe")
     p.add_argument("--max-num-seqs", type=int, default=8, help="also the largest captured decode batch")
+    p.add_argument("--no-fused-decode", action="store_true",
+                   help="batch-1 graphs without the norm/SiLU/residual folded into the GEMVs (ablation); "
+                        "TANDEM_PDL=0 likewise turns off programmatic dependent launch")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs Tandem shards over; the roofline then counts that many GPUs' bandwidth")
     p.add_argument("--prefill-lens", default="2048,8192")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--out", default="bench_results/bench_latency.json")
@@ -235,28 +254,31 @@ def main() -> None:
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
     max_len = max([args.prompt_len + args.gen_len + 64] + [n + 64 for n in prefill_lens])
     num_blocks = 2 * (-(-max_len // 16)) + 64
+    if args.no_fused_decode:
+        from workers.models.transformer import CausalLM
+
+        CausalLM.fuse_decode = False
+    report["pdl"] = os.environ.get("TANDEM_PDL", "1") != "0"
     report["tandem"] = {}
+    params = hf_meta_params(cfg)
+    tp = args.tensor_parallel_size
     for mode in [m for m in args.modes.split(",") if m]:
         llm = make_llm(model_dir, mode, args, max_len, num_blocks, max(max(prefill_lens, default=0), 2048))
         if "weight_bytes" not in report:
-            total, read = model_bytes(llm, cfg)
+            total, read = model_bytes(params, cfg)
             avg_ctx = args.prompt_len + args.gen_len / 2
             kv = kv_per_token * avg_ctx
-            report.update(weight_bytes=total, weight_bytes_read=read, kv_bytes_per_step=kv,
-                          roofline_tok_per_s=bw / (total + kv), roofline_read_tok_per_s=bw / (read + kv))
+            # Under TP each GPU streams its 1/tp of the bytes: the bandwidth that counts is tp GPUs'.
+            report.update(weight_bytes=total, weight_bytes_read=read, kv_bytes_per_step=kv, tensor_parallel_size=tp,
+                          roofline_tok_per_s=tp * bw / (total + kv), roofline_read_tok_per_s=tp * bw / (read + kv))
         r = tandem_decode(llm, prompt, args.gen_len)
         r["fraction_of_roofline"] = r["decode_tok_per_s"] / report["roofline_tok_per_s"]
         r["fraction_of_roofline_read"] = r["decode_tok_per_s"] / report["roofline_read_tok_per_s"]
         if mode == "graphs" and prefill_lens:
-            n_lin = sum(pp.numel() for name, pp in _runner(llm).model.named_parameters()
-                        if "embed_tokens" not in name and "lm_head" not in name and "norm" not in name and ".gate." not in name)
-            moe_k = getattr(cfg, "num_experts_per_tok", None)
-            if moe_k:  # only k experts of E run per token
-                n_exp = sum(pp.numel() for name, pp in _runner(llm).model.named_parameters() if "experts" in name)
-                n_lin = n_lin - n_exp + n_exp * moe_k // (getattr(cfg, "num_experts", None) or cfg.num_local_experts)
+            n_lin = linear_params(params, cfg)
             attn = lambda n: 2 * n * n * head_dim * cfg.num_attention_heads * cfg.num_hidden_layers  # noqa: E731 causal QK^T + PV
             flops = lambda n: 2 * n_lin * n + attn(n) + 2 * cfg.vocab_size * cfg.hidden_size  # noqa: E731
-            r["prefill"] = tandem_prefill(llm, prefill_lens, cfg.vocab_size, flops, H100_BF16_DENSE_TFLOPS, mm)
+            r["prefill"] = tandem_prefill(llm, prefill_lens, cfg.vocab_size, flops, tp * H100_BF16_DENSE_TFLOPS, tp * mm)
         report["tandem"][mode] = r
         print(f"tandem {mode}: {r['decode_tok_per_s']:.1f} tok/s ({100 * r['fraction_of_roofline']:.0f}% of roofline)", flush=True)
         llm.engine.shutdown()

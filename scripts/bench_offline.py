@@ -35,10 +35,16 @@ from workers.cli import DEFAULT_MODEL  # noqa: E402
 from workers.config import DTYPES  # noqa: E402
 
 
-def _runner(llm):
-    """The in-process model runner (single-rank executor)."""
-    eng = llm.engine
-    return getattr(eng, "runner", None) or eng.executor.runner
+def _engine_facts(llm) -> dict:
+    """KV blocks and whether decode replays CUDA graphs, from the in-process runner or the Ray ranks."""
+    ex = llm.engine.executor
+    runner = getattr(ex, "runner", None)
+    if runner is not None:
+        return {"num_kv_blocks": runner.num_blocks, "cuda_graphs": getattr(runner, "cuda_graphs", None) is not None}
+    import ray
+
+    sizes = ray.get([w.cuda_graph_sizes.remote() for w in ex.workers])
+    return {"num_kv_blocks": ex.num_blocks, "cuda_graphs": all(sizes)}
 
 
 def synthetic_requests(n: int, vocab: int, mean_in: int, mean_out: int, max_in: int, max_out: int, seed: int):
@@ -63,7 +69,7 @@ def run_tandem(args, prompts, out_lens) -> dict:
                      gpu_memory_utilization=args.gpu_memory_utilization)
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              show_progress=False, **extra)
+              tensor_parallel_size=args.tensor_parallel_size, show_progress=False, **extra)
     params = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in out_lens]
     llm.generate(prompts[:2], params[:2])  # warm-up (allocator, kernels)
     profile = None
@@ -80,8 +86,7 @@ def run_tandem(args, prompts, out_lens) -> dict:
     n_out = sum(len(o.token_ids) for o in outs)
     assert n_out == sum(out_lens), "Tandem produced a different number of tokens than requested"
     result = {"seconds": dt, "output_tokens": n_out, "preemptions": llm.engine.scheduler.num_preemptions,
-              "num_kv_blocks": _runner(llm).num_blocks,
-              "cuda_graphs": getattr(_runner(llm), "cuda_graphs", None) is not None}
+              **_engine_facts(llm)}
     if profile is not None:
         result["step_profile"] = profile.summary()
         print(profile.table())
@@ -142,6 +147,7 @@ def main() -> None:
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (Ray ranks) Tandem shards the model over")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--skip-hf", action="store_true")

@@ -30,6 +30,12 @@ SHAPES: dict[str, dict] = {
         decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
         head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=151643, eos_token_id=151645, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "mixtral-8x7b": dict(
+        cls="MixtralConfig", architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096,
+        intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        sliding_window=None, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
 }
 
 

@@ -145,6 +145,39 @@ def test_mixed_truncation_in_one_batch(device):
 # ---- penalties and min_tokens ----
 
 
+LARGE_VOCAB_PARAMS = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, top_k=40), SamplingParams(top_k=3000, top_p=0.97),
+                      SamplingParams(top_k=100), SamplingParams(), SamplingParams(top_p=0.99), SamplingParams(top_p=0.2)]
+
+
+def _kept(x: torch.Tensor) -> list[list[int]]:
+    return [torch.nonzero(torch.isfinite(row)).flatten().tolist() for row in x]
+
+
+def test_top_p_without_full_sort_keeps_the_sorted_set(device, monkeypatch):
+    """Over a 32k vocabulary the top-k/top-p cut works on the best 1,024 (or k) logits and keeps exactly the
+    tokens the full sort keeps; a flat row whose top-p set reaches past them falls back to the sort."""
+    import workers.sampler as sampler_mod
+
+    torch.manual_seed(0)
+    logits = (torch.randn(21, 32000) * 6).to(device)  # peaked: 1,024 logits hold >= 99.7% of the mass
+    params = LARGE_VOCAB_PARAMS * 3
+    want = sampler_mod._top_k_top_p_sorted(logits.clone(), params)
+    sorted_calls = []
+    real_sorted = sampler_mod._top_k_top_p_sorted
+    monkeypatch.setattr(sampler_mod, "_top_k_top_p_sorted", lambda *a: sorted_calls.append(1) or real_sorted(*a))
+    got = sampler_mod._top_k_top_p(logits.clone(), params)
+    assert not sorted_calls  # the partial selection held every row's answer
+    assert _kept(got) == _kept(want)
+    assert torch.equal(got[torch.isfinite(got)], want[torch.isfinite(want)])
+    assert len(_kept(got)[4]) == 32000  # no top-k, no top-p: every token stays
+
+    flat = torch.randn(2, 32000, device=device) * 0.01  # 1,024 logits hold ~3% of the mass
+    got = sampler_mod._top_k_top_p(flat.clone(), [SamplingParams(top_p=0.9), SamplingParams(top_k=50)])
+    assert sorted_calls
+    assert _kept(got) == _kept(real_sorted(flat.clone(), [SamplingParams(top_p=0.9), SamplingParams(top_k=50)]))
+    assert abs(len(_kept(got)[0]) - 0.9 * 32000) < 400
+
+
 def test_penalties_match_hand_computation(device):
     logits = torch.tensor([[2.0, -1.0, 3.0, 0.5, 1.0], [2.0, -1.0, 3.0, 0.5, 1.0]])
     p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)

@@ -6,9 +6,12 @@ nothing). All per-step inputs live in one int64 device buffer that the graphs re
 addresses; a step fills a pinned host mirror of it and copies it over with two non-blocking copies,
 so a replay costs a few host microseconds whatever the model's depth.
 
-The graph runs the model's forward, the LM head, and greedy decoding (argmax and its logprob): a
-batch of plain-greedy rows needs nothing after the replay but one small device-to-host copy; other
-batches sample eagerly from the graph's logits. Needs an attention backend that never syncs or reads device tensors on
+On one rank the graph runs the model's forward, the LM head, and greedy decoding (argmax and its
+logprob): a batch of plain-greedy rows needs nothing after the replay but one small device-to-host
+copy; other batches sample eagerly from the graph's logits. Under tensor parallelism every rank
+captures and replays the same graphs (their all-reduces are NCCL kernels inside them) and the graph
+ends at the hidden states: the LM head, whose result travels to the first rank only, runs eagerly
+(`ModelRunner.sample`). Needs an attention backend that never syncs or reads device tensors on
 the host (the Triton one) and a model with no host syncs (the MoE expert loop has one; the fused
 MoE kernel has none).
 """
@@ -20,6 +23,7 @@ import time
 import numpy as np
 import torch
 
+from parallel.state import tp_group
 from workers.attention import AttentionMetadata, forward_context
 from workers.sampler import Sampler
 from workers.scheduler_output import SchedulerOutput
@@ -57,8 +61,10 @@ class DecodeGraphs:
         self.host_np[2 * n:3 * n] = -1
         self.host_np[4 * n:5 * n + 1] = np.arange(n + 1)
         self.buf.copy_(self.host)
+        self.with_head = tp_group().size == 1  # else the graph ends at the hidden states
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bs -> (logits [bs, V], greedy [bs, 2])
+        # bs -> (logits [bs, V], greedy [bs, 2]) with the head, else (hidden [bs, d],)
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._capture()
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -87,11 +93,13 @@ class DecodeGraphs:
         log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.graphs), self.batch_sizes[0],
                  self.max_bs, time.perf_counter() - t0)
 
-    def _step(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, bs: int) -> tuple[torch.Tensor, ...]:
         model = self.runner.model
         with forward_context(self._meta(bs)):
             hidden, _ = model(self.token_ids[:bs], self.positions[:bs])
-        logits = model.lm_head.compute_logits(hidden)  # [bs, V]; graphs run on one rank, which holds the whole head
+        if not self.with_head:
+            return (hidden,)
+        logits = model.lm_head.compute_logits(hidden)  # [bs, V]: one rank holds the whole head
         return logits, Sampler.greedy_pack(logits)
 
     def can_run(self, out: SchedulerOutput) -> bool:
@@ -99,8 +107,9 @@ class DecodeGraphs:
         return (0 < len(seqs) <= self.max_bs and all(len(s.token_ids) == 1 and s.sample for s in seqs)
                 and all(len(s.block_table) <= self.max_blocks for s in seqs))
 
-    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the decode step; returns the B real rows' logits [B, V] and greedy (token, logprob) [B, 2]."""
+    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, ...]:
+        """Replay the decode step; returns the B real rows' logits [B, V] and greedy (token, logprob)
+        [B, 2], or without the head (`with_head`) their hidden states [B, d]."""
         seqs = out.seqs
         b = len(seqs)
         bs = next(s for s in self.batch_sizes if s >= b)
@@ -118,8 +127,7 @@ class DecodeGraphs:
         self.buf[:self._small].copy_(self.host[:self._small], non_blocking=True)
         self.buf[self._small:self._small + bs * mb].copy_(self.host[self._small:self._small + bs * mb], non_blocking=True)
         self.graphs[bs].replay()
-        logits, greedy = self.outputs[bs]
-        return logits[:b], greedy[:b]
+        return tuple(t[:b] for t in self.outputs[bs])
 
 
 def maybe_capture(runner) -> DecodeGraphs | None:

@@ -12,7 +12,7 @@ import logging
 import torch
 
 from parallel.pp import PendingSend, recv_from_prev_stage, send_to_next_stage
-from parallel.state import pp_group, sp_group, tp_group
+from parallel.state import ep_group, pp_group, sp_group, tp_group
 from workers.attention import AttentionMetadata, forward_context, get_backend
 from workers.attention.sp_backend import SequenceParallelAttention
 from workers.config import EngineConfig
@@ -48,11 +48,14 @@ class ModelRunner:
         self._pp_seq_no = 0  # micro-batches sent/received so far: every stage counts the same
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
-        self.cuda_graphs = self._capture_cuda_graphs()
+        # TP ranks capture together in `resize_kv_cache` (a capture runs collectives), once the block count is agreed.
+        self.cuda_graphs = self._capture_cuda_graphs() if tp_group().size == 1 else None
 
     def _capture_cuda_graphs(self):
-        """Decode CUDA graphs (workers/cuda_graphs.py) on one CUDA rank; None where they don't apply."""
-        if self.device.type != "cuda" or self.pp.size > 1 or tp_group().size > 1 or sp_group().size > 1:
+        """Decode CUDA graphs (workers/cuda_graphs.py) on CUDA, alone or under TP; None where they don't
+        apply: pipeline stages exchange activations between steps' halves, SP attention and EP dispatch
+        size their messages on the host."""
+        if self.device.type != "cuda" or self.pp.size > 1 or sp_group().size > 1 or ep_group().size > 1:
             return None
         from workers.cuda_graphs import maybe_capture
 
@@ -73,20 +76,23 @@ class ModelRunner:
         return kv_cache
 
     def resize_kv_cache(self, num_blocks: int) -> None:
-        """Shrink to the block count every rank can hold (block ids are shared across ranks)."""
-        if num_blocks == self.num_blocks:
-            return
+        """Shrink to the block count every rank can hold (block ids are shared across ranks).
+
+        A multi-rank executor calls this on every rank at once after start-up, even when the count is
+        unchanged: that is when TP ranks capture their decode graphs, all together."""
         if num_blocks > self.num_blocks:
             raise ValueError(f"cannot grow the KV cache from {self.num_blocks} to {num_blocks} blocks")
-        for layer in self.attn_layers:
-            layer.kv_cache = None
-        self.cuda_graphs = None  # they read the old cache's addresses
-        del self.kv_cache  # freed before the smaller one is made, so peak memory does not double
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        self.num_blocks = num_blocks
-        self.kv_cache = self._allocate_kv_cache(num_blocks)
-        self.cuda_graphs = self._capture_cuda_graphs()
+        if num_blocks < self.num_blocks:
+            for layer in self.attn_layers:
+                layer.kv_cache = None
+            self.cuda_graphs = None  # they read the old cache's addresses
+            del self.kv_cache  # freed before the smaller one is made, so peak memory does not double
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.num_blocks = num_blocks
+            self.kv_cache = self._allocate_kv_cache(num_blocks)
+        if self.cuda_graphs is None:
+            self.cuda_graphs = self._capture_cuda_graphs()
 
     def kv_bytes_per_block(self) -> int:
         a = self.attn_layers[0]
@@ -184,6 +190,8 @@ class ModelRunner:
             return ModelRunnerOutput({})
         graphs = getattr(self, "cuda_graphs", None)  # unset while the KV budget is being profiled
         if graphs is not None and graphs.can_run(out):
+            if not graphs.with_head:  # TP: every rank replays, the head runs eagerly
+                return self.sample(graphs.run(out)[0], out.seqs)
             logits, greedy = graphs.run(out)
             params = [s.sampling_params for s in out.seqs]
             if all(Sampler.is_plain_greedy(s) for s in out.seqs):

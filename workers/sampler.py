@@ -157,7 +157,7 @@ class Sampler:
         use_top_k = any(0 < p.top_k < vocab for p in params)
         use_top_p = any(p.top_p < 1.0 for p in params)
         if use_top_p:
-            x = _top_k_top_p_sorted(x, params)
+            x = _top_k_top_p(x, params)
         elif use_top_k:
             _top_k_only(x, params)
 
@@ -232,6 +232,44 @@ def _top_k_only(x: torch.Tensor, params: list[SamplingParams]) -> None:
     kth = top.gather(1, (k.clamp(max=k_max) - 1)[:, None])  # [R, 1]
     kth.masked_fill_((k >= vocab)[:, None], float("-inf"))  # rows without top-k keep everything
     x.masked_fill_(x < kth, float("-inf"))  # ties with the k-th value survive, as in vLLM
+
+
+# Top-p sorts only this many of the best logits per row when they hold the kept set (all but the
+# flattest distributions): a partial top-k selection instead of a sort of the whole vocabulary.
+TOP_P_CANDIDATES = 1024
+MIN_CUDA_ROWS = 16
+
+
+def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """x: [R, V] -> [R, V] with top-k then top-p (on the top-k renormalised distribution) applied.
+
+    Works on the best C = max(TOP_P_CANDIDATES, largest k) logits of each row; a row whose top-p set
+    might reach past them (no top-k and less than top_p of the mass among them) sends the batch to the
+    full sort (`_top_k_top_p_sorted`, same result).
+    """
+    vocab = x.shape[1]
+    c = max([TOP_P_CANDIDATES] + [p.top_k for p in params if 0 < p.top_k < vocab])
+    # On a GPU a few rows sort faster than they select (scripts/bench_sampler.py, H200: 0.18 vs 0.48 ms at one row).
+    if c >= vocab or (x.is_cuda and x.shape[0] < MIN_CUDA_ROWS):
+        return _top_k_top_p_sorted(x, params)
+    dev = x.device
+    k = _top_k_values(params, vocab, dev)  # [R]
+    p = torch.tensor([p.top_p for p in params], device=dev)  # [R]
+    has_k = k < vocab  # [R]
+    vals, idx = x.topk(c, dim=-1)  # [R, C], descending
+    kth = vals.gather(1, (k.clamp(max=c) - 1)[:, None])  # [R, 1]
+    vals = vals.masked_fill(has_k[:, None] & (vals < kth), float("-inf"))  # ties with the k-th survive
+    # top-p is on the distribution after top-k: renormalised over the k kept, else over the vocabulary
+    lse = torch.where(has_k, torch.logsumexp(vals, dim=-1), torch.logsumexp(x, dim=-1))  # [R]
+    probs = (vals - lse[:, None]).exp()  # [R, C]
+    if bool((~has_k & (p < 1.0) & (probs.sum(dim=-1) < p)).any()):
+        return _top_k_top_p_sorted(x, params)
+    keep = (probs.cumsum(dim=-1) - probs) < p[:, None]  # the better tokens hold less than top_p
+    keep[:, 0] = True  # always keep the best token
+    keep |= (p >= 1.0)[:, None]
+    out = torch.full_like(x, float("-inf")).scatter_(1, idx, vals.masked_fill(~keep, float("-inf")))
+    truncated = has_k | (p < 1.0)  # [R]; rows with neither keep every logit
+    return torch.where(truncated[:, None], out, x)
 
 
 def _top_k_top_p_sorted(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

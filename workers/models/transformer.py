@@ -15,6 +15,7 @@ from torch import nn
 from parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from parallel.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from parallel.state import pp_group, tp_group
+from workers.models import fused_decode
 from workers.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, silu_and_mul
 from workers.models.moe import SparseMoE
 
@@ -61,7 +62,11 @@ class Attention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, scale=d**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        return self.o_proj(self.attend(positions, self.qkv_proj(x)))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) D] of this rank -> attention output [T, Hq D], before o_proj."""
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -69,7 +74,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v)  # [T, Hq, D]
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        return out.reshape(-1, self.num_heads * self.head_dim)
 
 
 class MLP(nn.Module):
@@ -129,6 +134,8 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
 class CausalLM(nn.Module):
     """Decoder + LM head. On a pipeline stage only its layers exist (`self.layers` keyed by global index)."""
 
+    fuse_decode = True  # batch-1 graph capture takes workers/models/fused_decode.py; tests turn it off to compare
+
     def __init__(self, cfg, max_positions: int):
         super().__init__()
         self.config = cfg
@@ -152,6 +159,8 @@ class CausalLM(nn.Module):
 
         Returns (hidden, residual); on the last stage hidden is final-normed and residual is None.
         """
+        if self.fuse_decode and hidden is None and fused_decode.applies(self, token_ids):
+            return fused_decode.forward(self, token_ids, positions), None
         if self.is_first_stage:
             hidden = self.embed_tokens(token_ids)
         for layer in self.layers.values():

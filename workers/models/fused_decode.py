@@ -1,0 +1,56 @@
+"""Batch-1 decode with the small ops folded into the GEMVs (CUDA-graph capture, one rank, dense MLP).
+
+A decoder layer at one token is four weight-streaming GEMVs with small kernels between them. The
+unfused path (`DecoderLayer.forward`) runs ten kernels per layer; here it is seven:
+    qkv   = GEMV(RMSNorm(h))                    input_layernorm in the GEMV's prologue
+    out   = attention(q, k, v)                  RoPE, then the decode kernel (which writes k/v)
+    h     = GEMV(out) + h                       residual add in the epilogue
+    act   = silu(GEMV_gate(RMSNorm(h))) * GEMV_up(...)   post_attention_layernorm and SiLU-and-mul
+    h     = GEMV(act) + h
+The residual stream h is carried summed instead of as (x, residual); every value is rounded where
+the unfused path rounds it, so the two agree up to the order of the norm's sum
+(tests/gpu/test_fused_decode.py).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    from workers.kernels import gemv as _gemv
+except ImportError:  # no Triton (CPU machines)
+    _gemv = None
+
+
+def applies(model, token_ids: torch.Tensor) -> bool:
+    """One token, captured into a CUDA graph, on a model this path covers."""
+    if _gemv is None or token_ids.shape[0] != 1 or not token_ids.is_cuda or not torch.cuda.is_current_stream_capturing():
+        return False
+    if not hasattr(model, "_fused_decode_ok"):
+        model._fused_decode_ok = _covers(model)
+    return model._fused_decode_ok
+
+
+def _covers(model) -> bool:
+    from workers.models.transformer import MLP
+
+    if not (model.is_first_stage and model.is_last_stage) or model.embed_tokens.group.size > 1:
+        return False
+    if model.embed_tokens.weight.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if model.config.hidden_size > _gemv.MAX_NORM_K:
+        return False
+    return all(isinstance(layer.mlp, MLP) and layer.self_attn.o_proj.group.size == 1 for layer in model.layers.values())
+
+
+def forward(model, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """token_ids [1] -> final-normed hidden [1, d], as `CausalLM.forward` returns it."""
+    gemv = _gemv.gemv
+    h = model.embed_tokens(token_ids)
+    for layer in model.layers.values():
+        attn, mlp = layer.self_attn, layer.mlp
+        ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        qkv = gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
+        h = gemv(attn.attend(positions, qkv), attn.o_proj.weight, attn.o_proj.bias, residual=h)
+        act = gemv(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=ln2.weight, eps=ln2.eps, silu=True)
+        h = gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
+    return model.norm(h)
