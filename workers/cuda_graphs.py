@@ -3,7 +3,7 @@
 A decode step (every sequence runs one token) at batch B replays the graph of the smallest captured
 size >= B; rows past B are padding (slot -1: their K/V is not written; seq_len 0: attention reads
 nothing). All per-step inputs live in one int64 device buffer that the graphs read from fixed
-addresses; a step fills a pinned host mirror of it and copies it over with two non-blocking copies,
+addresses; a step fills a pinned host mirror of it and copies the used part over in one non-blocking copy,
 so a replay costs a few host microseconds whatever the model's depth.
 
 On one rank the graph runs the model's forward, the LM head, and greedy decoding (argmax and its
@@ -124,8 +124,8 @@ class DecodeGraphs:
         tables = h[self._small:self._small + bs * mb].reshape(bs, mb)
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = s.block_table
-        self.buf[:self._small].copy_(self.host[:self._small], non_blocking=True)
-        self.buf[self._small:self._small + bs * mb].copy_(self.host[self._small:self._small + bs * mb], non_blocking=True)
+        used = self._small + bs * mb  # the small fields and the first bs block-table rows: one contiguous copy
+        self.buf[:used].copy_(self.host[:used], non_blocking=True)
         self.graphs[bs].replay()
         return tuple(t[:b] for t in self.outputs[bs])
 

@@ -12,6 +12,11 @@ import torch
 from workers.sampling_params import SamplingParams
 from workers.scheduler_output import SampledToken, ScheduledSeq
 
+try:  # one-kernel greedy decoding on CUDA
+    from workers.kernels import sampling as _kernels
+except ImportError:  # no Triton (CPU machines)
+    _kernels = None
+
 # Below this a temperature is numerically greedy anyway; dividing by it could overflow float32.
 _MIN_TEMPERATURE = 1e-5
 _MASK64 = (1 << 64) - 1
@@ -91,6 +96,8 @@ class Sampler:
     def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
         """[B, V] logits -> [B, 2] float64 (argmax token id, its log-probability): one tensor, so one
         device-to-host copy (float64 holds any token id exactly). No host syncs: CUDA-graph safe."""
+        if _kernels is not None and logits.is_cuda:
+            return _kernels.greedy_pack(logits)
         raw = logits.float()
         tokens = raw.argmax(dim=-1)  # [B], first maximum on ties
         lps = raw.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)  # [B]

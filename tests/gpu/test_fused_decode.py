@@ -63,6 +63,32 @@ def test_residual_epilogue(n, k, bias):
     assert torch.equal(gemv(x, w, b, residual=r), want)
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (5, 1, 64), (4, 4, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rope_epilogue(hq, hkv, d, bias):
+    """q and k heads rotated at positions[0] exactly as the RoPE kernel rotates the GEMV's output; v untouched."""
+    from workers.kernels.fused_ops import rope
+    from workers.kernels.gemv import Rope, gemv
+
+    torch.manual_seed(hq * d)
+    k = 4096 if hq == 32 else 320
+    n = (hq + 2 * hkv) * d
+    h = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+    nw = torch.rand(k, device=DEV, dtype=torch.bfloat16) + 0.5
+    w = (torch.randn(n, k, device=DEV) / k**0.5).to(torch.bfloat16)
+    b = torch.randn(n, device=DEV, dtype=torch.bfloat16) if bias else None
+    pos = torch.tensor([777], device=DEV)
+    t = torch.arange(4096, device=DEV, dtype=torch.float32)[:, None] / (10000 ** (torch.arange(0, d, 2, device=DEV) / d))
+    emb = torch.cat([t, t], dim=-1)
+    cos_sin = torch.stack([emb.cos(), emb.sin()], dim=1).contiguous()  # [P, 2, D]
+    got = gemv(h, w, b, norm_weight=nw, eps=1e-5, rope=Rope(pos, cos_sin, d, (hq + hkv) * d))
+    qkv = gemv(h, w, b, norm_weight=nw, eps=1e-5)
+    q, kk, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    qr, kr = rope(pos, q.view(1, hq, d), kk.view(1, hkv, d), cos_sin)
+    want = torch.cat([qr.reshape(1, -1), kr.reshape(1, -1), v], dim=-1)
+    assert torch.equal(got, want)
+
+
 def _runner(llm):
     eng = llm.engine
     return getattr(eng, "runner", None) or eng.executor.runner

@@ -26,6 +26,7 @@ one row stay with F.linear.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -64,19 +65,27 @@ def _load_x(x_ptr, nw_ptr, k, K, offs_k, rstd, EVEN_K: tl.constexpr, NORM: tl.co
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, wu_ptr, bu_ptr, y_ptr, nw_ptr, r_ptr, N, K, stride_wn, eps,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, wu_ptr, bu_ptr, y_ptr, nw_ptr, r_ptr, pos_ptr, cs_ptr, N, K, stride_wn, stride_cp,
+                 eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                  EVEN_N: tl.constexpr, NORM: tl.constexpr, K_PAD: tl.constexpr, SILU: tl.constexpr,
-                 RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
+                 RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr,
+                 PAIRED: tl.constexpr, USE_PDL: tl.constexpr):
+    HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features; under ROPE, (row, row + D/2) pairs
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    u_ptrs = wu_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # SILU: the same rows of "up"
+    if ROPE:  # pair p: feature j < D/2 of head p // (D/2), and its rotate-half partner j + D/2
+        offs_a = (offs_n // HALF) * HEAD_DIM + offs_n % HALF
+        offs_b = offs_a + HALF
+    else:
+        offs_a = offs_n
+        offs_b = offs_n
+    w_ptrs = w_ptr + offs_a[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    u_ptrs = wu_ptr + offs_b[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # SILU: "up" rows; ROPE: partners
     # The first weight tile does not depend on the previous kernel: under PDL it loads while that one drains.
     w = _load_w(w_ptrs, 0, K, offs_k, n_mask, EVEN_K, EVEN_N)
-    if SILU:
+    if PAIRED:
         wu = _load_w(u_ptrs, 0, K, offs_k, n_mask, EVEN_K, EVEN_N)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x, residual and y's memory belong to earlier kernels: nothing before this touches them
@@ -87,14 +96,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, wu_ptr, bu_ptr, y_ptr, nw_ptr, r_ptr, N, K
         rstd = tl.math.rsqrt(tl.sum(h * h, 0) / K + eps)
     x = _load_x(x_ptr, nw_ptr, 0, K, offs_k, rstd, EVEN_K, NORM)
     acc = w.to(tl.float32) * x[None, :]
-    if SILU:
+    if PAIRED:
         acc_u = wu.to(tl.float32) * x[None, :]
     for k in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         w = _load_w(w_ptrs, k, K, offs_k, n_mask, EVEN_K, EVEN_N)
         x = _load_x(x_ptr, nw_ptr, k, K, offs_k, rstd, EVEN_K, NORM)
         acc += w.to(tl.float32) * x[None, :]
-        if SILU:
+        if PAIRED:
             u_ptrs += BLOCK_K
             wu = _load_w(u_ptrs, k, K, offs_k, n_mask, EVEN_K, EVEN_N)
             acc_u += wu.to(tl.float32) * x[None, :]
@@ -104,19 +113,37 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, wu_ptr, bu_ptr, y_ptr, nw_ptr, r_ptr, N, K
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         if not RESIDUAL:  # column-parallel: F.linear adds the bias before rounding
-            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if SILU:
+            y += tl.load(b_ptr + offs_a, mask=n_mask, other=0.0).to(tl.float32)
+    if ROPE:  # y holds features offs_a, u their partners offs_b; rotate q and k rows as `fused_ops.rope` does
         u = tl.sum(acc_u, axis=1)
         if HAS_BIAS:
-            u += tl.load(bu_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        g = y.to(dt).to(tl.float32)
-        s = tl.div_rn(g, 1.0 + libdevice.exp(-g)).to(dt)  # F.silu, rounded to the dtype
-        y = s.to(tl.float32) * u.to(dt).to(tl.float32)
-    if RESIDUAL:  # row-parallel: round, add the bias (rounded), add the residual stream (rounded)
-        if HAS_BIAS:
-            y = y.to(dt).to(tl.float32) + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        y = y.to(dt).to(tl.float32) + tl.load(r_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(dt), mask=n_mask)
+            u += tl.load(b_ptr + offs_b, mask=n_mask, other=0.0).to(tl.float32)
+        x1 = y.to(dt).to(tl.float32)
+        x2 = u.to(dt).to(tl.float32)
+        j = offs_n % HALF
+        cs = cs_ptr + tl.load(pos_ptr).to(tl.int64) * stride_cp  # table [P, 2, D] fp32: cos, then sin
+        c1 = tl.load(cs + j).to(dt).to(tl.float32)
+        c2 = tl.load(cs + HALF + j).to(dt).to(tl.float32)
+        s1 = tl.load(cs + HEAD_DIM + j).to(dt).to(tl.float32)
+        s2 = tl.load(cs + HEAD_DIM + HALF + j).to(dt).to(tl.float32)
+        o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+        o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+        rot = offs_a < ROT_ROWS  # q and k heads; v passes through
+        tl.store(y_ptr + offs_a, tl.where(rot, o1, x1).to(dt), mask=n_mask)
+        tl.store(y_ptr + offs_b, tl.where(rot, o2, x2).to(dt), mask=n_mask)
+    else:
+        if SILU:
+            u = tl.sum(acc_u, axis=1)
+            if HAS_BIAS:
+                u += tl.load(bu_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            g = y.to(dt).to(tl.float32)
+            s = tl.div_rn(g, 1.0 + libdevice.exp(-g)).to(dt)  # F.silu, rounded to the dtype
+            y = s.to(tl.float32) * u.to(dt).to(tl.float32)
+        if RESIDUAL:  # row-parallel: round, add the bias (rounded), add the residual stream (rounded)
+            if HAS_BIAS:
+                y = y.to(dt).to(tl.float32) + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            y = y.to(dt).to(tl.float32) + tl.load(r_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs_n, y.to(dt), mask=n_mask)
 
 
 def tile_config(n: int, k: int) -> dict:
@@ -149,24 +176,45 @@ def pdl_enabled() -> bool:
     return _PDL
 
 
+@dataclass(frozen=True)
+class Rope:
+    """Rotate-half RoPE of a fused qkv output: the first `rot_rows` features (q and k heads of
+    `head_dim`) at position positions[0], with the [P, 2, head_dim] fp32 cos/sin table."""
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    head_dim: int
+    rot_rows: int
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-         silu: bool = False) -> torch.Tensor:
+         silu: bool = False, rope: Rope | None = None) -> torch.Tensor:
     """F.linear(x, w, bias) for x [1, K] on CUDA (see `supports`), optionally with the RMSNorm of x
-    before, SiLU-and-mul of the [gate; up] halves after, or a residual add after (module docstring)."""
+    before, and after it SiLU-and-mul of the [gate; up] halves, RoPE of the q/k heads, or a residual
+    add (module docstring)."""
     k = x.shape[1]
     n = w.shape[0] // 2 if silu else w.shape[0]
     if norm_weight is not None and k > MAX_NORM_K:
         raise ValueError(f"gemv: the RMSNorm prologue supports K <= {MAX_NORM_K}, got {k}")
-    cfg = config or tile_config(n, k)
+    cfg = dict(config or tile_config(n, k))
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    grid_n = n
+    if rope is not None:  # each program takes BLOCK_N / 2 (row, partner) pairs: the same rows per program
+        if n % rope.head_dim or rope.rot_rows % rope.head_dim or rope.head_dim % 2 or rope.cos_sin.stride(-1) != 1:
+            raise ValueError("gemv: RoPE needs whole heads of an even head_dim and a contiguous cos/sin table")
+        grid_n = n // 2
+        cfg["BLOCK_N"] = max(1, min(cfg["BLOCK_N"] // 2, rope.head_dim // 2))
     pdl = torch.cuda.is_current_stream_capturing() and pdl_enabled()
     extra = dict(launch_pdl=True) if pdl else {}
+    if rope is not None:  # the RoPE products are rounded to the dtype before their sum, as `fused_ops.rope` does
+        extra["enable_fp_fusion"] = False
     b = bias if bias is not None else w
-    _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+    _gemv_kernel[(triton.cdiv(grid_n, cfg["BLOCK_N"]),)](
         x, w, b, w[n:] if silu else w, b[n:] if silu and bias is not None else b, y, norm_weight if norm_weight is not None else x,
-        residual if residual is not None else x, n, k, w.stride(0), eps,
-        HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, EVEN_N=n % cfg["BLOCK_N"] == 0,
+        residual if residual is not None else x, rope.positions if rope else x, rope.cos_sin if rope else x,
+        grid_n, k, w.stride(0), rope.cos_sin.stride(0) if rope else 0, eps,
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, EVEN_N=grid_n % cfg["BLOCK_N"] == 0,
         NORM=norm_weight is not None, K_PAD=triton.next_power_of_2(k) if norm_weight is not None else 1,
-        SILU=silu, RESIDUAL=residual is not None, USE_PDL=pdl, **cfg, **extra)
+        SILU=silu, RESIDUAL=residual is not None, ROPE=rope is not None, HEAD_DIM=rope.head_dim if rope else 2,
+        ROT_ROWS=rope.rot_rows if rope else 0, PAIRED=silu or rope is not None, USE_PDL=pdl, **cfg, **extra)
     return y

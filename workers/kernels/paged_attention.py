@@ -70,8 +70,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
                          stride_knt, stride_knh, stride_vnt, stride_vnh,
                          GQA: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_WRITE: tl.constexpr,
-                         TRIGGER: tl.constexpr):
-    if TRIGGER:  # the next kernel (a PDL-launched GEMV) may start loading its weights now
+                         USE_PDL: tl.constexpr):
+    if USE_PDL:  # batch-1 graphs: launched early behind the qkv GEMV; wait for it, then let the next kernel launch
+        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -140,8 +141,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
 
 @triton.jit
 def _decode_reduce_kernel(part_o, part_lse, out_ptr, stride_ot, stride_oh, HQ: tl.constexpr,
-                          D: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, TRIGGER: tl.constexpr):
-    if TRIGGER:
+                          D: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -205,8 +207,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     else:
         part_o = part_lse = out  # unused
     block_n = decode_block_n(kc.shape[1])
-    # Batch-1 graphs follow attention with a PDL-launched GEMV (workers/kernels/gemv.py): let it launch early.
-    trigger = b == 1 and torch.cuda.is_current_stream_capturing() and _pdl_enabled()
+    # Batch-1 graphs chain GEMV -> split -> reduce -> GEMV with programmatic dependent launches
+    # (workers/kernels/gemv.py): each kernel is resident before its predecessor ends.
+    pdl = b == 1 and torch.cuda.is_current_stream_capturing() and _pdl_enabled()
+    launch = dict(launch_pdl=True) if pdl else {}
     fuse = k_new is not None
     if fuse:
         assert k_new.stride(2) == 1 and v_new.stride(2) == 1 and slot_mapping is not None
@@ -219,10 +223,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GQA=gqa, G_PAD=g_pad, D=d, PAGE=kc.shape[1], BLOCK_N=block_n, NUM_SPLITS=s, FUSE_WRITE=fuse,
-        TRIGGER=trigger and s == 1, num_warps=4, num_stages=2)
+        USE_PDL=pdl, num_warps=4, num_stages=2, **launch)
     if s > 1:
         _decode_reduce_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), HQ=hq, D=d,
-                                       NUM_SPLITS=s, S_PAD=triton.next_power_of_2(s), TRIGGER=trigger, num_warps=4)
+                                       NUM_SPLITS=s, S_PAD=triton.next_power_of_2(s), USE_PDL=pdl, num_warps=4, **launch)
     return out
 
 

@@ -1,9 +1,10 @@
 """Batch-1 decode with the small ops folded into the GEMVs (CUDA-graph capture, one rank, dense MLP).
 
 A decoder layer at one token is four weight-streaming GEMVs with small kernels between them. The
-unfused path (`DecoderLayer.forward`) runs ten kernels per layer; here it is seven:
-    qkv   = GEMV(RMSNorm(h))                    input_layernorm in the GEMV's prologue
-    out   = attention(q, k, v)                  RoPE, then the decode kernel (which writes k/v)
+unfused path (`DecoderLayer.forward`) runs ten kernels per layer; here it is six (seven with
+Qwen3's per-head q/k norms, which must come before RoPE):
+    qkv   = RoPE(GEMV(RMSNorm(h)))              input_layernorm in the prologue, RoPE in the epilogue
+    out   = attention(q, k, v)                  the decode kernel (which also writes k/v)
     h     = GEMV(out) + h                       residual add in the epilogue
     act   = silu(GEMV_gate(RMSNorm(h))) * GEMV_up(...)   post_attention_layernorm and SiLU-and-mul
     h     = GEMV(act) + h
@@ -49,8 +50,11 @@ def forward(model, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Te
     for layer in model.layers.values():
         attn, mlp = layer.self_attn, layer.mlp
         ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-        qkv = gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
-        h = gemv(attn.attend(positions, qkv), attn.o_proj.weight, attn.o_proj.bias, residual=h)
+        # RoPE goes into the qkv epilogue unless per-head q/k norms (Qwen3) must come first
+        rope = None if attn.q_norm is not None else _gemv.Rope(
+            positions, attn.rotary.cos_sin, attn.head_dim, (attn.num_heads + attn.num_kv_heads) * attn.head_dim)
+        qkv = gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps, rope=rope)
+        h = gemv(attn.attend(positions, qkv, rotated=rope is not None), attn.o_proj.weight, attn.o_proj.bias, residual=h)
         act = gemv(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=ln2.weight, eps=ln2.eps, silu=True)
         h = gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
     return model.norm(h)

@@ -64,15 +64,17 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attend(positions, self.qkv_proj(x)))
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv [T, (Hq + 2 Hkv) D] of this rank -> attention output [T, Hq D], before o_proj."""
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, rotated: bool = False) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) D] of this rank -> attention output [T, Hq D], before o_proj.
+        `rotated`: RoPE is already applied (the batch-1 fused GEMV does it, workers/models/fused_decode.py)."""
         q, k, v = self.qkv_proj.split(qkv)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if not rotated:
+            q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v)  # [T, Hq, D]
         return out.reshape(-1, self.num_heads * self.head_dim)
 
