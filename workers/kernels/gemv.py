@@ -14,10 +14,14 @@ launches as in work (65 + 32 of a step's 340 kernels for Llama-3.1-8B), so the G
     all of h (8 KB from L2) and feeds w_norm * (h * rstd) to the product, rounded as `RMSNorm` rounds;
   - `silu`: w is the fused [gate; up] weight; each program owns the same rows of both halves and
     writes silu(gate) * up (rounded as `silu_and_mul`);
-  - `residual`: y = round(round(x @ w^T) (+ bias)) + residual, the RMSNorm kernel's residual add.
-Under CUDA-graph capture on Hopper the GEMV is launched with programmatic dependent launch: its
+  - `residual`: y = round(round(x @ w^T) (+ bias)) + residual, the RMSNorm kernel's residual add;
+  - `rope`: RoPE of the q/k heads of a fused qkv output; each program owns row pairs (j, j + D/2) of
+    its heads, so the rotation needs nothing from other programs (`Rope`).
+Under CUDA-graph capture on Hopper the GEMV is launched with programmatic dependent launch (PDL): its
 first weight tile is loaded before it waits for the previous kernel (weights never depend on it), and
-the decode kernels before it let it launch early.
+it lets the next kernel launch once its main loop is done. The decode-attention and greedy kernels take
+part in the same chain at batch 1 (`paged_attention.py`, `sampling.py`); every kernel of the chain waits
+(`gdc_wait`) before it reads or writes activations, so the stream order still holds.
 
 Tiles come from `scripts/bench_gemv.py --sweep` (CUDA graphs, weights rotated past L2 as in a
 real forward). A tensor-core variant for 8 rows was only level with cuBLAS, so batches of more than
