@@ -17,6 +17,7 @@ MoE kernel has none).
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -80,14 +81,23 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its pool
-                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                    self._step(bs)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=stream):
-                    outputs = self._step(bs)
-                self.graphs[bs], self.outputs[bs] = g, outputs
+        # A garbage collection during a capture can destroy an unreachable engine's graphs or events,
+        # a CUDA call that invalidates the capture: collect first, then keep the collector off.
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.stream(stream):
+                for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its pool
+                    for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
+                        self._step(bs)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool, stream=stream):
+                        outputs = self._step(bs)
+                    self.graphs[bs], self.outputs[bs] = g, outputs
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.graphs), self.batch_sizes[0],

@@ -65,6 +65,30 @@ def test_rope_bitwise(dtype, hq, hkv, d):
     assert torch.equal(fq, _rotate(q, cos, sin)) and torch.equal(fk, _rotate(k, cos, sin))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (4, 1, 64)])
+def test_qk_norm_rope_matches_separate_kernels(dtype, hq, hkv, d):
+    """Qwen3's per-head q/k RMSNorm and RoPE in one launch = the RMSNorm kernel then the RoPE kernel,
+    but for the odd element whose norm sum (two halves here, one pass there) rounds the other way."""
+    from workers.kernels.fused_ops import qk_norm_rope, rms_norm, rope
+    from workers.models.layers import RotaryEmbedding
+
+    emb = RotaryEmbedding(types.SimpleNamespace(rope_theta=1000000.0), d, 4096).to(DEV)
+    emb.init_buffers()
+    t = 29
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEV).to(dtype) * 3
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    qw = (1 + 0.1 * torch.randn(d, device=DEV)).to(dtype)
+    kw = (1 + 0.1 * torch.randn(d, device=DEV)).to(dtype)
+    pos = torch.randint(0, 4096, (t,), device=DEV)
+    got_q, got_k = qk_norm_rope(pos, q, k, qw, kw, 1e-6, emb.cos_sin)
+    want_q, want_k = rope(pos, rms_norm(q, qw, 1e-6), rms_norm(k, kw, 1e-6), emb.cos_sin)
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        assert (got != want).float().mean().item() < 1e-2
+
+
 @pytest.mark.parametrize("t,e,k,h,i", [(1, 128, 8, 2048, 768), (7, 8, 2, 256, 512), (300, 16, 4, 512, 256), (2048, 128, 8, 2048, 768)])
 def test_fused_moe_matches_expert_loop(t, e, k, h, i):
     from workers.kernels.fused_moe import fused_moe

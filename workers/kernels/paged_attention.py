@@ -62,6 +62,19 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 # ---------------------------------------------------------------- decode (split-K)
 
 @triton.jit
+def _decode_tile(q, k, v, mask_n, m_i, l_i, acc, qk_scale):
+    """One K/V tile of online softmax: q [G, D], k/v [BLOCK_N, D] -> updated (m_i, l_i, acc)."""
+    qk = tl.dot(q, tl.trans(k)) * qk_scale  # [G_PAD, BLOCK_N], log2 domain
+    qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_o, part_lse,
                          k_new, v_new, slot_ptr,  # FUSE_WRITE: this step's k/v [B, Hkv, D] and their slots
                          qk_scale,  # softmax scale * log2(e)
@@ -71,9 +84,6 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
                          GQA: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_WRITE: tl.constexpr,
                          USE_PDL: tl.constexpr):
-    if USE_PDL:  # batch-1 graphs: launched early behind the qkv GEMV; wait for it, then let the next kernel launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -87,6 +97,19 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
     offs_d = tl.arange(0, D)
     heads = kvh * GQA + offs_g
     mask_g = offs_g < GQA
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    # The slice's first K/V tile holds earlier steps' tokens only (this step's token comes from registers
+    # below), so it is loaded before waiting for the kernel that produces q: under PDL (batch-1 graphs) that
+    # load overlaps the qkv GEMV's tail. Block tables and seq_lens were copied in before the graph started.
+    offs_n = first * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < seq_len  # all false for a slice with no tiles
+    blk = tl.load(bt_row + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
+    kv_off = blk * stride_cb + (offs_n % PAGE) * stride_cs + kvh * stride_ch
+    k_first = tl.load(k_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    v_first = tl.load(v_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    if USE_PDL:  # wait for the qkv GEMV, then let the next kernel launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None], other=0.0)
     if FUSE_WRITE:
@@ -103,27 +126,25 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for tile in range(first, last):
+    if first < last:
+        k, v = k_first, v_first
+        if FUSE_WRITE:
+            is_new = (offs_n == seq_len - 1)[:, None]
+            k = tl.where(is_new, kn[None, :], k)
+            v = tl.where(is_new, vn[None, :], v)
+        m_i, l_i, acc = _decode_tile(q, k, v, mask_n, m_i, l_i, acc, qk_scale)
+    for tile in range(first + 1, last):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < seq_len
         blk = tl.load(bt_row + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
         kv_off = blk * stride_cb + (offs_n % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(k_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(v_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         if FUSE_WRITE:
             is_new = (offs_n == seq_len - 1)[:, None]
             k = tl.where(is_new, kn[None, :], k)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale  # [G_PAD, BLOCK_N], log2 domain
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        if FUSE_WRITE:
             v = tl.where(is_new, vn[None, :], v)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _decode_tile(q, k, v, mask_n, m_i, l_i, acc, qk_scale)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -81,8 +81,14 @@ class RotaryEmbedding(nn.Module):
         table = torch.stack((emb.cos() * scaling, emb.sin() * scaling), dim=1)  # [P, 2, D]
         self.cos_sin = table.to(self.cos_sin.device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, Hq, D]; k [T, Hkv, D]."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: "RMSNorm | None" = None,
+                k_norm: "RMSNorm | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; q [T, Hq, D]; k [T, Hkv, D]. With q_norm/k_norm (Qwen3), each head is
+        RMS-normed first; on CUDA norms and rotation are one kernel."""
+        if q_norm is not None and k_norm is not None:
+            if _use_fused(q) and q_norm.weight.dtype == q.dtype and q_norm.eps == k_norm.eps:
+                return _fused.qk_norm_rope(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, self.cos_sin)
+            q, k = q_norm(q), k_norm(k)
         if _use_fused(q):
             return _fused.rope(positions, q, k, self.cos_sin)
         cos_sin = self.cos_sin[positions].to(q.dtype)  # [T, 2, D]

@@ -71,10 +71,8 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if not rotated:
-            q, k = self.rotary(positions, q, k)
+        if not rotated:  # (rotated only comes from models without per-head norms)
+            q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
         out = self.attn(q, k, v)  # [T, Hq, D]
         return out.reshape(-1, self.num_heads * self.head_dim)
 
