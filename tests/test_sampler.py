@@ -170,6 +170,9 @@ def test_top_p_without_full_sort_keeps_the_sorted_set(device, monkeypatch):
     assert _kept(got) == _kept(want)
     assert torch.equal(got[torch.isfinite(got)], want[torch.isfinite(want)])
     assert len(_kept(got)[4]) == 32000  # no top-k, no top-p: every token stays
+    all_top_k = [SamplingParams(top_k=40, top_p=0.5), SamplingParams(top_k=3000, top_p=0.97), SamplingParams(top_k=7)] * 6
+    got = sampler_mod._top_k_top_p(logits[:18].clone(), all_top_k)  # no row can reach past the candidates
+    assert not sorted_calls and _kept(got) == _kept(real_sorted(logits[:18].clone(), all_top_k))
 
     flat = torch.randn(2, 32000, device=device) * 0.01  # 1,024 logits hold ~3% of the mass
     got = sampler_mod._top_k_top_p(flat.clone(), [SamplingParams(top_p=0.9), SamplingParams(top_k=50)])

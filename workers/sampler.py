@@ -266,10 +266,14 @@ def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vals, idx = x.topk(c, dim=-1)  # [R, C], descending
     kth = vals.gather(1, (k.clamp(max=c) - 1)[:, None])  # [R, 1]
     vals = vals.masked_fill(has_k[:, None] & (vals < kth), float("-inf"))  # ties with the k-th survive
-    # top-p is on the distribution after top-k: renormalised over the k kept, else over the vocabulary
-    lse = torch.where(has_k, torch.logsumexp(vals, dim=-1), torch.logsumexp(x, dim=-1))  # [R]
+    # top-p is on the distribution after top-k: renormalised over the k kept, else over the vocabulary.
+    # Only top-p rows without top-k need the vocabulary's log-sum-exp, and only they can reach past C.
+    open_rows = any(not 0 < q.top_k < vocab and q.top_p < 1.0 for q in params)
+    lse = torch.logsumexp(vals, dim=-1)  # [R]
+    if open_rows:
+        lse = torch.where(has_k, lse, torch.logsumexp(x, dim=-1))
     probs = (vals - lse[:, None]).exp()  # [R, C]
-    if bool((~has_k & (p < 1.0) & (probs.sum(dim=-1) < p)).any()):
+    if open_rows and bool((~has_k & (p < 1.0) & (probs.sum(dim=-1) < p)).any()):
         return _top_k_top_p_sorted(x, params)
     keep = (probs.cumsum(dim=-1) - probs) < p[:, None]  # the better tokens hold less than top_p
     keep[:, 0] = True  # always keep the best token
