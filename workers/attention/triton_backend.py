@@ -26,12 +26,12 @@ class TritonAttention:
         d = meta.num_decodes
         if d == 0:
             write_kv(kv_cache, k, v, meta.slot_mapping)
-            return prefill_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            return prefill_attention(q, k, v, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                      meta.max_query_len, scale)
         out = torch.empty_like(q)
         decode_attention(q[:d], kv_cache, meta.block_tables[:d], meta.seq_lens[:d], scale, max(meta.seq_lens_cpu[:d]),
                          out=out[:d], k_new=k[:d], v_new=v[:d], slot_mapping=meta.slot_mapping[:d])
         write_kv(kv_cache, k[d:], v[d:], meta.slot_mapping[d:])
-        prefill_attention(q[d:], kv_cache, meta.block_tables[d:], meta.seq_lens[d:], meta.query_start_loc[d:] - d,
+        prefill_attention(q[d:], k[d:], v[d:], kv_cache, meta.block_tables[d:], meta.seq_lens[d:], meta.query_start_loc[d:] - d,
                           meta.max_query_len, scale, out=out[d:])
         return out

@@ -105,8 +105,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- RoPE (neox / rotate-half)
 
 @triton.jit
-def _rope_rows(x_ptr, out_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, c1, c2, s1, s2,
-               H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr):
+def _rope_rows(x_ptr, out_ptr, w_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, c1, c2, s1, s2, eps,
+               H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+    """Rotate-half RoPE of one token's heads; under NORM each head is RMS-normed first (with weight
+    w_ptr [D]), rounded as `_rms_norm_kernel` rounds it."""
     HALF: tl.constexpr = D // 2
     dt = x_ptr.dtype.element_ty
     offs_h = tl.arange(0, H_PAD)
@@ -115,6 +117,12 @@ def _rope_rows(x_ptr, out_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, c1
     base = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh
     x1 = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)[:, None]  # [H_PAD, 1]
+        w1 = tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs_d).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     # x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype as PyTorch does
     o1 = ((x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)).to(dt)
     o2 = ((x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)).to(dt)
@@ -124,33 +132,10 @@ def _rope_rows(x_ptr, out_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, c1
 
 
 @triton.jit
-def _norm_rope_rows(x_ptr, out_ptr, w_ptr, t, stride_xt, stride_xh, stride_ot, stride_oh, c1, c2, s1, s2, eps,
-                    H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr):
-    """Per-head RMSNorm (as `_rms_norm_kernel` rounds it) then rotate-half RoPE (as `_rope_rows`)."""
-    HALF: tl.constexpr = D // 2
-    dt = x_ptr.dtype.element_ty
-    offs_h = tl.arange(0, H_PAD)
-    offs_d = tl.arange(0, HALF)
-    mask = offs_h[:, None] < H
-    base = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh
-    x1 = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)[:, None]  # [H_PAD, 1]
-    w1 = tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + offs_d).to(tl.float32)[None, :]
-    x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    o1 = ((x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)).to(dt)
-    obase = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh
-    tl.store(obase + offs_d[None, :], o1, mask=mask)
-    tl.store(obase + HALF + offs_d[None, :], o2, mask=mask)
-
-
-@triton.jit
-def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_sin_ptr,
+def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, pos_ptr, cos_sin_ptr, eps,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cp,
-                 HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr, HK_PAD: tl.constexpr, D: tl.constexpr):
+                 HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr, HK_PAD: tl.constexpr, D: tl.constexpr,
+                 NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     HALF: tl.constexpr = D // 2
@@ -162,62 +147,35 @@ def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_sin_ptr,
     c2 = tl.load(cs + HALF + offs_d).to(dt).to(tl.float32)
     s1 = tl.load(cs + D + offs_d).to(dt).to(tl.float32)
     s2 = tl.load(cs + D + HALF + offs_d).to(dt).to(tl.float32)
-    _rope_rows(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, c1, c2, s1, s2, HQ, HQ_PAD, D)
-    _rope_rows(k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, c1, c2, s1, s2, HK, HK_PAD, D)
+    _rope_rows(q_ptr, qo_ptr, qw_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, c1, c2, s1, s2, eps, HQ, HQ_PAD, D, NORM)
+    _rope_rows(k_ptr, ko_ptr, kw_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, c1, c2, s1, s2, eps, HK, HK_PAD, D, NORM)
 
 
-@triton.jit
-def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, pos_ptr, cos_sin_ptr, eps,
-                         stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
-                         stride_cp, HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr, HK_PAD: tl.constexpr,
-                         D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    HALF: tl.constexpr = D // 2
-    offs_d = tl.arange(0, HALF)
-    cs = cos_sin_ptr + pos * stride_cp
-    dt = q_ptr.dtype.element_ty
-    c1 = tl.load(cs + offs_d).to(dt).to(tl.float32)
-    c2 = tl.load(cs + HALF + offs_d).to(dt).to(tl.float32)
-    s1 = tl.load(cs + D + offs_d).to(dt).to(tl.float32)
-    s2 = tl.load(cs + D + HALF + offs_d).to(dt).to(tl.float32)
-    _norm_rope_rows(q_ptr, qo_ptr, qw_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, c1, c2, s1, s2, eps, HQ, HQ_PAD, D)
-    _norm_rope_rows(k_ptr, ko_ptr, kw_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, c1, c2, s1, s2, eps, HK, HK_PAD, D)
+def _launch_rope(positions, q, k, cos_sin, q_weight=None, k_weight=None, eps: float = 0.0):
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    qo = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    ko = torch.empty(t, hk, d, dtype=k.dtype, device=k.device)
+    norm = q_weight is not None
+    if t:
+        _rope_kernel[(t,)](q, k, qo, ko, q_weight if norm else q, k_weight if norm else k, positions, cos_sin, eps,
+                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0), qo.stride(1),
+                           ko.stride(0), ko.stride(1), cos_sin.stride(0), HQ=hq, HQ_PAD=triton.next_power_of_2(hq),
+                           HK=hk, HK_PAD=triton.next_power_of_2(hk), D=d, NORM=norm, num_warps=4, **_EXACT)
+    return qo, ko
 
 
 def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                  k_weight: torch.Tensor, eps: float, cos_sin: torch.Tensor):
     """RMSNorm over each head of q [T, Hq, D] and k [T, Hkv, D] (weights [D]), then RoPE: what
     `rope(positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos_sin)` computes, in one launch."""
-    t, hq, d = q.shape
-    hk = k.shape[1]
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if k.stride(2) != 1:
-        k = k.contiguous()
-    qo = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
-    ko = torch.empty(t, hk, d, dtype=k.dtype, device=k.device)
-    if t:
-        _qk_norm_rope_kernel[(t,)](q, k, qo, ko, q_weight, k_weight, positions, cos_sin, eps,
-                                   q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0), qo.stride(1),
-                                   ko.stride(0), ko.stride(1), cos_sin.stride(0), HQ=hq, HQ_PAD=triton.next_power_of_2(hq),
-                                   HK=hk, HK_PAD=triton.next_power_of_2(hk), D=d, num_warps=4, **_EXACT)
-    return qo, ko
+    return _launch_rope(positions, q, k, cos_sin, q_weight, k_weight, eps)
 
 
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
     """q [T, Hq, D], k [T, Hkv, D], cos_sin [P, 2, D] fp32 contiguous -> rotated (q, k), new tensors."""
-    t, hq, d = q.shape
-    hk = k.shape[1]
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if k.stride(2) != 1:
-        k = k.contiguous()
-    qo = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
-    ko = torch.empty(t, hk, d, dtype=k.dtype, device=k.device)
-    if t:
-        _rope_kernel[(t,)](q, k, qo, ko, positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                           qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos_sin.stride(0),
-                           HQ=hq, HQ_PAD=triton.next_power_of_2(hq), HK=hk, HK_PAD=triton.next_power_of_2(hk), D=d,
-                           num_warps=4, **_EXACT)
-    return qo, ko
+    return _launch_rope(positions, q, k, cos_sin)

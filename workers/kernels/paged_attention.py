@@ -10,8 +10,9 @@ lives in block block_table[p // block_size] at offset p % block_size.
   by their log-sum-exp. S depends only on the batch size and `max_seq_len`, never on the device
   data, so a step can be captured in a CUDA graph.
 * `prefill_attention`: variable-length, causal, queries of each sequence at positions
-  [seq_len - q_len, seq_len); keys (prefix-cached context and the new tokens, already written)
-  are read from the paged cache through the block table. Grid (Hq, B, q blocks), heaviest q blocks first.
+  [seq_len - q_len, seq_len). Keys of the cached context (prefix hits, earlier chunks) are read
+  from the paged cache through the block table; the step's own keys straight from the k/v the
+  projection produced (contiguous rows; TMA loads on Hopper). Grid (Hq, B, q blocks), heaviest q blocks first.
 """
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ import triton
 import triton.language as tl
 
 from workers.kernels.gemv import pdl_enabled as _pdl_enabled
+
+try:  # TMA descriptors (Triton >= 3.4, Hopper and newer)
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:
+    _TensorDescriptor = None
 
 _LOG2E = 1.4426950408889634
 
@@ -254,11 +260,28 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
 # ---------------------------------------------------------------- prefill (varlen, causal, paged)
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, qk_scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh,
+def _prefill_tile(q, k, v, m_i, l_i, acc, qk_scale, visible, MASK: tl.constexpr):
+    """One K/V tile of online softmax; q [M, D], k/v [N, D], visible [M, N] (used only with MASK)."""
+    qk = tl.dot(q, tl.trans(k))
+    if MASK:
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+    else:  # scale folded into the exponent's subtraction (one FMA per score)
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # the MMA accumulates into the rescaled acc
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, k_cache, v_cache, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+                    qk_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                     stride_cb, stride_cs, stride_ch, stride_bt,
                     GQA: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
     # Heads vary fastest (GQA neighbours share K/V tiles in L2) and query blocks run last-first: the
     # causal blocks with the most keys start first, so the grid's tail is the short ones.
     h = tl.program_id(0)
@@ -268,62 +291,94 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, qsl_ptr, out_
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     if qb * BLOCK_M >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + b)
-    ctx = seq_len - q_len
+    ctx = tl.load(seq_lens_ptr + b) - q_len
     kvh = h // GQA
-    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within this sequence's new tokens
     offs_d = tl.arange(0, D)
     mask_m = offs_m < q_len
     rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mask_m[:, None], other=0.0)
-    q_pos = ctx + offs_m  # absolute positions of the queries
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
+    # 1. Cached context [0, ctx), through the block table: every query sees all of it.
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    kv_end = ctx + tl.minimum((qb + 1) * BLOCK_M, q_len)  # last query of this block sees keys < kv_end
-    # keys below ctx + qb * BLOCK_M are visible to every query of the block: no causal mask needed there
-    full_end = ctx + qb * BLOCK_M
-    full_end = (full_end // BLOCK_N) * BLOCK_N
-    for start_n in range(0, full_end, BLOCK_N):
+    ctx_full = (ctx // BLOCK_N) * BLOCK_N
+    for start_n in range(0, ctx_full, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         blk = tl.load(bt_row + offs_n // PAGE).to(tl.int64)
         kv_off = blk * stride_cb + (offs_n % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(k_cache + kv_off[:, None] + offs_d[None, :])
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache + kv_off[:, None] + offs_d[None, :])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    for start_n in range(full_end, kv_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < kv_end
+        m_i, l_i, acc = _prefill_tile(q, k, v, m_i, l_i, acc, qk_scale, None, False)
+    if ctx_full < ctx:
+        offs_n = ctx_full + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < ctx
         blk = tl.load(bt_row + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
         kv_off = blk * stride_cb + (offs_n % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(k_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
-        visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _prefill_tile(q, k, v, m_i, l_i, acc, qk_scale, mask_n[None, :], True)
+    # 2. This step's own keys, read from the k/v the projection just produced (contiguous rows, no
+    # block-table gather). New keys below qb * BLOCK_M are visible to every query of the block;
+    # the diagonal tiles take the causal mask.
+    full_end = qb * BLOCK_M
+    diag_end = tl.minimum(full_end + BLOCK_M, q_len)
+    for start_n in range(0, full_end, BLOCK_N):
+        if TMA:
+            k = k_desc.load([q_start + start_n, kvh * D])
+            v = v_desc.load([q_start + start_n, kvh * D])
+        else:
+            offs_n = (q_start + start_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+            k = tl.load(k_ptr + offs_n[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :])
+            v = tl.load(v_ptr + offs_n[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :])
+        m_i, l_i, acc = _prefill_tile(q, k, v, m_i, l_i, acc, qk_scale, None, False)
+    for start_n in range(full_end, diag_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < q_len
+        if TMA:  # rows past the sequence are the next one's (or zero-filled past T): masked below
+            k = k_desc.load([q_start + start_n, kvh * D])
+            v = v_desc.load([q_start + start_n, kvh * D])
+        else:
+            kv_rows = (q_start + offs_n).to(tl.int64)
+            k = tl.load(k_ptr + kv_rows[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                        mask=mask_n[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                        mask=mask_n[:, None], other=0.0)
+        visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
+        m_i, l_i, acc = _prefill_tile(q, k, v, m_i, l_i, acc, qk_scale, visible, True)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None])
 
 
-def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                      query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, Hq, D] laid end to end per sequence (query_start_loc [B+1]); k/v of the new tokens must
-    already be in the cache. Returns [T, Hq, D]."""
+def prefill_tiles(max_query_len: int, head_dim: int, element_size: int, tma: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel. From an H100 sweep at 8K tokens,
+    D=128, bf16 (scripts/bench_prefill_attention.py): with TMA loads 128 x 128 tiles, 8 warps, 3 stages
+    (546 TFLOP/s); with plain loads 128 x 64 (443) -- three stages of 128 x 128 K/V tiles need Hopper's
+    shared memory."""
+    if max_query_len >= 128 and head_dim <= 128 and element_size == 2:
+        return (128, 128, 8, 3) if tma else (128, 64, 8, 3)
+    if max_query_len >= 128 and head_dim <= 128:  # fp32 tiles: three stages would not fit in shared memory
+        return 128, 64, 8, 2
+    return max(16, min(64, triton.next_power_of_2(max_query_len))), 64, 4, 2
+
+
+def _tma_supported(*xs: torch.Tensor) -> bool:
+    """TMA needs Hopper or newer and 16-byte aligned bases and row strides."""
+    x = xs[0]
+    if _TensorDescriptor is None or not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in xs)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                      max_query_len: int, scale: float, out: torch.Tensor | None = None,
+                      tiles: tuple[int, int, int, int] | None = None, tma: bool | None = None) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D]: this step's tokens laid end to end per sequence (query_start_loc
+    [B+1]). The context before them is read from the paged cache; their own keys from k/v (which
+    `write_kv` also puts in the cache). Returns [T, Hq, D]. `tiles`/`tma` override the defaults (benchmarks)."""
     t, hq, d = q.shape
     kc, vc = kv_cache[0], kv_cache[1]
     hkv = kc.shape[2]
@@ -332,18 +387,17 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         out = torch.empty_like(q)
     if t == 0:
         return out
-    if max_query_len >= 128 and d <= 128 and q.element_size() == 2:
-        # H100, 8K-token causal prefill, D=128 (scripts/bench_prefill_attention.py): 367 TFLOP/s vs 306 with (128, 64, 8, 2)
-        block_m, block_n, warps, stages = 128, 64, 4, 3
-    elif max_query_len >= 128 and d <= 128:  # fp32 tiles: three stages would not fit in shared memory
-        block_m, block_n, warps, stages = 128, 64, 8, 2
-    else:
-        block_m = max(16, min(64, triton.next_power_of_2(max_query_len)))
-        block_n, warps, stages = 64, 4, 2
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k.stride(1) == d and v.stride(1) == d
+    use_tma = _tma_supported(k, v) if tma is None else tma
+    block_m, block_n, warps, stages = tiles or prefill_tiles(max_query_len, d, q.element_size(), use_tma)
+    k_desc = v_desc = None
+    if use_tma:  # 2-D views [T, Hkv * D] with their row strides: one TMA box is one head's BLOCK_N rows
+        k_desc = _TensorDescriptor(k, [t, hkv * d], [k.stride(0), 1], [block_n, d])
+        v_desc = _TensorDescriptor(v, [t, hkv * d], [v.stride(0), 1], [block_n, d])
     grid = (hq, b, triton.cdiv(max_query_len, block_m))
-    _prefill_kernel[grid](q, kc, vc, block_tables, seq_lens, query_start_loc, out, scale * _LOG2E,
-                          q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                          kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
-                          GQA=hq // hkv, D=d, PAGE=kc.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+    _prefill_kernel[grid](q, k, v, k_desc, v_desc, kc, vc, block_tables, seq_lens, query_start_loc, out,
+                          scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                          out.stride(0), out.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
+                          GQA=hq // hkv, D=d, PAGE=kc.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, TMA=use_tma,
                           num_warps=warps, num_stages=stages)
     return out
