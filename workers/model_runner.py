@@ -55,21 +55,27 @@ class ModelRunner:
 
     def _warm_up_kernels(self) -> None:
         """Compile the Triton attention kernels for every query-tile size (16, 32, 64, 128 tokens) and the
-        mixed decode+prefill layout now, not while serving: each first use of a variant stalls its step
-        for a compile (about a second; on an H100 the first 1,000-request offline run of an 8B model took
-        36 s against 21 s for the second). Runs real steps on scratch KV blocks, on every rank alike."""
+        mixed decode+prefill layout (decode context in one slice and in several) now, not while serving:
+        each first use of a variant stalls its step for a compile (about a second; on an H100 the first
+        1,000-request offline run of an 8B model took 36 s against 21 s for the second). Runs real steps
+        on scratch KV blocks, on every rank alike."""
         if self.device.type != "cuda" or getattr(self.backend, "name", "") != "triton":
             return
+        from workers.kernels.paged_attention import decode_block_n
+
         bs = self.block_size
         blocks = lambda first, tokens: list(range(first, first + -(-tokens // bs)))  # noqa: E731
-        if self.num_blocks < len(blocks(0, 128)) + len(blocks(0, 17)) + len(blocks(0, 56)):
+        decode_ctx = 2 * decode_block_n(bs)  # two tiles: the decode kernel splits the context
+        chunk_blocks = len(blocks(0, decode_ctx + 1))
+        if self.num_blocks < max(len(blocks(0, 128)), chunk_blocks + len(blocks(0, 56))) or self.max_model_len <= decode_ctx:
             return
         t0 = time.perf_counter()
         for n in (16, 32, 64, 128):
             self.execute(SchedulerOutput([ScheduledSeq("warm-up", [0] * n, 0, blocks(0, n), True, _GREEDY, 0)]))
-        decode = ScheduledSeq("warm-up-decode", [0], 16, blocks(0, 17), True, _GREEDY, 1)
-        chunk = ScheduledSeq("warm-up-chunk", [0] * 40, 16, blocks(len(blocks(0, 17)), 56), True, _GREEDY, 0)
-        self.execute(SchedulerOutput([decode, chunk]))
+        for ctx in (16, decode_ctx):
+            decode = ScheduledSeq("warm-up-decode", [0], ctx, blocks(0, ctx + 1), True, _GREEDY, 1)
+            chunk = ScheduledSeq("warm-up-chunk", [0] * 40, 16, blocks(chunk_blocks, 56), True, _GREEDY, 0)
+            self.execute(SchedulerOutput([decode, chunk]))
         torch.cuda.synchronize()
         log.info("attention kernels warmed up in %.1f s", time.perf_counter() - t0)
 

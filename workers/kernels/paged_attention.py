@@ -88,14 +88,17 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
                          stride_cb, stride_cs, stride_ch, stride_bt,
                          stride_knt, stride_knh, stride_vnt, stride_vnh,
                          GQA: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSE_WRITE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FUSE_WRITE: tl.constexpr,
                          USE_PDL: tl.constexpr):
+    # The split count is the grid's third dimension, not a compile-time constant: one compiled kernel
+    # serves every count (SPLIT: partials for the merge kernel, else the output directly).
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + b)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     first = split * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
 
@@ -152,13 +155,13 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
             v = tl.where(is_new, vn[None, :], v)
         m_i, l_i, acc = _decode_tile(q, k, v, mask_n, m_i, l_i, acc, qk_scale)
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
     else:
         # partials: part_o [B, Hq, S, D] fp32 (normalised), part_lse [B, Hq, S] (log2 domain, -inf if empty)
-        row = (b.to(tl.int64) * (tl.num_programs(1) * GQA) + heads) * NUM_SPLITS + split  # [G_PAD]
+        row = (b.to(tl.int64) * (tl.num_programs(1) * GQA) + heads) * num_splits + split  # [G_PAD]
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -249,7 +252,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        GQA=gqa, G_PAD=g_pad, D=d, PAGE=kc.shape[1], BLOCK_N=block_n, NUM_SPLITS=s, FUSE_WRITE=fuse,
+        GQA=gqa, G_PAD=g_pad, D=d, PAGE=kc.shape[1], BLOCK_N=block_n, SPLIT=s > 1, FUSE_WRITE=fuse,
         USE_PDL=pdl, num_warps=4, num_stages=2, **launch)
     if s > 1:
         _decode_reduce_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), HQ=hq, D=d,
