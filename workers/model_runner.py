@@ -54,11 +54,11 @@ class ModelRunner:
         self.cuda_graphs = self._capture_cuda_graphs() if tp_group().size == 1 else None
 
     def _warm_up_kernels(self) -> None:
-        """Compile the Triton attention kernels for every query-tile size (16, 32, 64, 128 tokens) and the
-        mixed decode+prefill layout (decode context in one slice and in several) now, not while serving:
-        each first use of a variant stalls its step for a compile (about a second; on an H100 the first
-        1,000-request offline run of an 8B model took 36 s against 21 s for the second). Runs real steps
-        on scratch KV blocks, on every rank alike."""
+        """Compile the Triton kernels for every prefill tile size (16, 32, 64, 128 tokens; 512 for the
+        fused MoE's GEMM tiles) and the mixed decode+prefill layout (decode context in one slice and in
+        several) now, not while serving: each first use of a variant stalls its step for a compile (about
+        a second; on an H100 the first 1,000-request offline run of an 8B model took 36 s against 21 s for
+        the second). Runs real steps on scratch KV blocks, on every rank alike."""
         if self.device.type != "cuda" or getattr(self.backend, "name", "") != "triton":
             return
         from workers.kernels.paged_attention import decode_block_n
@@ -70,14 +70,17 @@ class ModelRunner:
         if self.num_blocks < max(len(blocks(0, 128)), chunk_blocks + len(blocks(0, 56))) or self.max_model_len <= decode_ctx:
             return
         t0 = time.perf_counter()
-        for n in (16, 32, 64, 128):
+        # 512 tokens: the fused MoE's middle GEMM tiles (the profiling step covers the largest)
+        budget = min(self.max_model_len, self.config.scheduler.max_num_batched_tokens, self.num_blocks * bs)
+        sizes = [n for n in (16, 32, 64, 128, 512) if n <= budget]  # never a bigger step than serving runs
+        for n in sizes:
             self.execute(SchedulerOutput([ScheduledSeq("warm-up", [0] * n, 0, blocks(0, n), True, _GREEDY, 0)]))
         for ctx in (16, decode_ctx):
             decode = ScheduledSeq("warm-up-decode", [0], ctx, blocks(0, ctx + 1), True, _GREEDY, 1)
             chunk = ScheduledSeq("warm-up-chunk", [0] * 40, 16, blocks(chunk_blocks, 56), True, _GREEDY, 0)
             self.execute(SchedulerOutput([decode, chunk]))
         torch.cuda.synchronize()
-        log.info("attention kernels warmed up in %.1f s", time.perf_counter() - t0)
+        log.info("Triton kernels warmed up in %.1f s", time.perf_counter() - t0)
 
     def _capture_cuda_graphs(self):
         """Decode CUDA graphs (workers/cuda_graphs.py) on CUDA, alone or under TP; None where they don't

@@ -19,7 +19,8 @@ import triton.language as tl
 from workers.kernels.fused_ops import silu_and_mul
 
 
-@triton.jit
+# The pair count changes every step: specialising on it (multiple of 16 or not) would compile while serving.
+@triton.jit(do_not_specialize=["num_valid"])
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, weights_ptr,
                          N, K, num_valid,
                          stride_am, stride_be, stride_bn, stride_cm,
@@ -62,7 +63,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, 
     tl.store(c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], c, mask=valid[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "max_rows", "num_blocks"])
 def _align_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, scratch_ptr, n, expert_start, max_rows,
                   num_blocks, E: tl.constexpr, NBINS: tl.constexpr, N_PAD: tl.constexpr, NB_PAD: tl.constexpr,
                   BM: tl.constexpr, FILL: tl.constexpr):
