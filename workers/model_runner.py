@@ -67,8 +67,8 @@ class ModelRunner:
         blocks = lambda first, tokens: list(range(first, first + -(-tokens // bs)))  # noqa: E731
         decode_ctx = 2 * decode_block_n(bs)  # two tiles: the decode kernel splits the context
         chunk_blocks = len(blocks(0, decode_ctx + 1))
-        if self.num_blocks < max(len(blocks(0, 128)), chunk_blocks + len(blocks(0, 56))) or self.max_model_len <= decode_ctx:
-            return
+        if self.num_blocks < chunk_blocks + len(blocks(0, 56)) or self.max_model_len <= decode_ctx:
+            return  # too small for the mixed steps (the prefill sizes are filtered below)
         t0 = time.perf_counter()
         # 512 tokens: the fused MoE's middle GEMM tiles (the profiling step covers the largest)
         budget = min(self.max_model_len, self.config.scheduler.max_num_batched_tokens, self.num_blocks * bs)

@@ -187,3 +187,27 @@ def test_prefill_new_keys_plain_and_tma_loads(tma):
     for i in range(len(q_lens)):
         a, b = meta.query_start_loc[i].item(), meta.query_start_loc[i + 1].item()
         assert rel_err(out[a:b], ref[a:b]) < 2e-2, f"sequence {i}"
+
+
+def test_serving_compiles_no_attention_kernel():
+    """The engine compiles every attention-kernel variant it will need at start-up (ModelRunner's
+    warm-up), and no kernel specialises on per-step values (block-table width, slice alignment, split
+    count): staggered prompts that chunk and mix with decodes add no compiled variant."""
+    from tests.models import prompts_of_lengths, tiny_model
+    from workers import LLM, SamplingParams
+    from workers.kernels import paged_attention as pa
+
+    def variants() -> dict[str, int]:
+        kernels = {"prefill": pa._prefill_kernel, "decode": pa._decode_split_kernel, "write_kv": pa._write_kv_kernel}
+        return {name: sum(len(c[0]) for c in fn.device_caches.values()) for name, fn in kernels.items()}
+
+    llm = LLM(tiny_model("llama"), device="cuda", dtype="bfloat16", attention_backend="triton", max_model_len=256,
+              max_num_batched_tokens=64, max_num_seqs=8, show_progress=False)
+    try:
+        before = variants()
+        prompts = prompts_of_lengths([5, 40, 17, 130, 200, 77, 1, 64], 200, seed=11)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        assert all(len(o.token_ids) == 12 for o in outs)
+        assert variants() == before
+    finally:
+        llm.engine.shutdown()
