@@ -2,7 +2,7 @@
 
 `linear(x, w, bias)` is F.linear, except for one row of 16-bit activations on CUDA (batch-1
 decode) while a CUDA graph is being captured, which goes to the Triton GEMV in
-workers/kernels/gemv.py: there a step is pure weight streaming, and cuBLAS leaves part of the GPU
+parallel/kernels/gemv.py: there a step is pure weight streaming, and cuBLAS leaves part of the GPU
 idle (scripts/bench_gemv.py). Outside a graph, a Triton launch costs tens of microseconds of Python
 per call, more than the GEMV saves: eager decode (multi-rank layouts, enforce_eager) keeps cuBLAS.
 """
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 try:
-    from workers.kernels import gemv as _gemv
+    from parallel.kernels import gemv as _gemv
 except ImportError:  # no Triton (CPU machines): F.linear everywhere
     _gemv = None
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ray.serve.config import AutoscalingConfig
 
 from parallel.config import ParallelConfig
-from workers.cli import DEFAULT_MODEL
+from workers.config import DEFAULT_MODEL
 from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 

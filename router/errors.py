@@ -12,7 +12,7 @@ import grpc
 from pydantic import ValidationError
 
 from router.protocol import BackendUnavailable
-from workers.scheduler import QueueFullError
+from engine.scheduler import QueueFullError
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import AsyncIterator, Callable
 import anyio
 
 from router.protocol import Backend, GenerateRequest
-from workers.engine import RequestOutput
+from engine.llm_engine import RequestOutput
 
 
 class Fanout:

@@ -26,7 +26,7 @@ from router.metrics import RequestTimer
 from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
 from router.protocol import Backend, GenerateRequest
-from workers.engine import RequestOutput
+from engine.llm_engine import RequestOutput
 from workers.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = SamplingParams.model_fields["max_tokens"].default

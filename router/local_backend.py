@@ -1,6 +1,6 @@
 """`LocalBackend`: the `Backend` over one in-process engine (colocated prefill and decode, no KV handoff).
 
-All engine driving (the step loop, ordering, aborts on disconnect) is `workers.async_engine.AsyncEngine`;
+All engine driving (the step loop, ordering, aborts on disconnect) is `engine.async_engine.AsyncEngine`;
 this adapter maps it onto the front ends' contract (router/protocol.py).
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import AsyncIterator
 from router.config import AppConfig
 from router.metrics import PoolGauges
 from router.protocol import BackendUnavailable, GenerateRequest
-from workers.async_engine import AsyncEngine, EngineDeadError
-from workers.engine import LLMEngine, RequestOutput
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.llm_engine import LLMEngine, RequestOutput
 
 
 class LocalBackend:

@@ -27,7 +27,7 @@ from router.metrics import RequestTimer
 from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                                     delta_logprobs, usage)
 from router.protocol import Backend, GenerateRequest
-from workers.engine import RequestOutput
+from engine.llm_engine import RequestOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

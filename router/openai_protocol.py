@@ -10,7 +10,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from router.errors import bad_request
-from workers.engine import RequestOutput
+from engine.llm_engine import RequestOutput
 
 MAX_N = 128  # choices per prompt; each is a full sequence in the batch
 

@@ -1,7 +1,7 @@
 """The two pool deployments. Each Serve replica owns one engine whose ranks are Ray actors (so the
 peer pool can reach them for KV transfers); Serve scales each pool on its own ongoing requests.
 
-The decode replica drives the handoff (workers/disagg.py): it reserves its blocks, asks the prefill
+The decode replica drives the handoff (engine/disagg.py): it reserves its blocks, asks the prefill
 pool (through Serve, so any prefill replica may answer) to run the prompt, then moves the KV.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from ray.serve.handle import DeploymentHandle
 from router import metrics
 from router.config import AppConfig
 from router.protocol import GenerateRequest
-from workers.disagg import DecodeReplica, PrefillReady, PrefillReplica, Reservation, TransferStats
-from workers.engine import LLMEngine, RequestOutput
+from engine.disagg import DecodeReplica, PrefillReady, PrefillReplica, Reservation, TransferStats
+from engine.llm_engine import LLMEngine, RequestOutput
 from workers.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ no-op for unknown or finished requests.
 
 Errors a backend raises, and what the front ends make of them:
     ValueError                  -> 400 / INVALID_ARGUMENT     (the request itself is bad)
-    workers.scheduler.QueueFullError -> 429 + Retry-After / RESOURCE_EXHAUSTED
+    engine.scheduler.QueueFullError -> 429 + Retry-After / RESOURCE_EXHAUSTED
     BackendUnavailable          -> 503 / UNAVAILABLE
     asyncio.TimeoutError        -> 504 / DEADLINE_EXCEEDED
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
-from workers.engine import RequestOutput
+from engine.llm_engine import RequestOutput
 from workers.sampling_params import SamplingParams
 
 

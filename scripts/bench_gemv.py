@@ -6,7 +6,7 @@ Each measurement replays a CUDA graph that runs the layer over ROTATE distinct w
 bandwidth. Shapes are the linear layers of the models in scripts/model_shapes.py.
 
     python scripts/bench_gemv.py                       # the default tile choice vs cuBLAS
-    python scripts/bench_gemv.py --sweep               # also every tile config (what workers/kernels/gemv.py's table came from)
+    python scripts/bench_gemv.py --sweep               # also every tile config (what parallel/kernels/gemv.py's table came from)
 Prints a table; writes JSON (--out).
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def main() -> None:
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gemv needs a CUDA GPU")
-    from workers.kernels.gemv import gemv, tile_config
+    from parallel.kernels.gemv import gemv, tile_config
 
     sweep = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
              for bn, bk, nw, ns in itertools.product([8, 16, 32], [256, 512, 1024], [4, 8], [3, 4, 5])

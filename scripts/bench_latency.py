@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workers import LLM, SamplingParams  # noqa: E402
+from tandem import LLM, SamplingParams  # noqa: E402
 
 H100_BF16_DENSE_TFLOPS = 989.4  # datasheet, SXM
 

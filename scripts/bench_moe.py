@@ -44,7 +44,7 @@ def main():
     p.add_argument("--tokens", default="1,8,64,512,2048,8192")
     p.add_argument("--out", default="bench_results/bench_moe.json")
     a = p.parse_args()
-    from workers.kernels.fused_moe import fused_moe
+    from parallel.kernels.fused_moe import fused_moe
     from workers.models.moe import Experts
 
     sh = SHAPES[a.shape]

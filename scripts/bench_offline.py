@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workers import LLM, SamplingParams  # noqa: E402
-from workers.cli import DEFAULT_MODEL  # noqa: E402
+from tandem import LLM, SamplingParams  # noqa: E402
+from workers.config import DEFAULT_MODEL  # noqa: E402
 from workers.config import DTYPES  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tile sweep of the Triton causal prefill kernel (workers/kernels/paged_attention.py) on one sequence.
+"""Tile sweep of the Triton causal prefill kernel (parallel/kernels/paged_attention.py) on one sequence.
 
 One layer's attention, bf16, Llama-3.1-8B heads (32 query, 8 KV, D=128), two cases:
 * `fresh`: a T-token prompt with nothing cached (keys are the step's own k/v);
@@ -40,7 +40,7 @@ def main() -> None:
         sys.exit("bench_prefill_attention needs a CUDA GPU")
     import triton
 
-    from workers.kernels import paged_attention as pa
+    from parallel.kernels import paged_attention as pa
 
     t, hq, hkv, d, page = a.tokens, 32, 8, 128, 16
     nb = t // page + 8

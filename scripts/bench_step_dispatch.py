@@ -65,7 +65,7 @@ def ray_round_trips(ranks: int, iters: int) -> dict:
 
 def engine_decode_step(ranks: int, tokens: int) -> float:
     from tests.models import tiny_model
-    from workers import LLM, SamplingParams
+    from tandem import LLM, SamplingParams
 
     llm = LLM(tiny_model("llama", num_hidden_layers=2), tensor_parallel_size=ranks, max_model_len=256, num_blocks=64,
               block_size=16, show_progress=False)

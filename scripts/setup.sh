@@ -10,4 +10,4 @@ if ! $PY -c "import torch" 2>/dev/null; then
 fi
 $PY -m pip install -q -e ".[dev]"
 $PY -m router.proto  # gRPC stubs from router/proto/inference.proto, made by the grpc just installed
-$PY -c "import torch, transformers, ray, workers; print(f'tandem ready: torch {torch.__version__}, transformers {transformers.__version__}, ray {ray.__version__}')"
+$PY -c "import torch, transformers, ray, engine, tandem; print(f'tandem ready: torch {torch.__version__}, transformers {transformers.__version__}, ray {ray.__version__}')"

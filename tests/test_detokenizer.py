@@ -4,7 +4,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from workers.detokenizer import IncrementalDetokenizer, find_stop_string, streamable_len
+from engine.detokenizer import IncrementalDetokenizer, find_stop_string, streamable_len
 
 CORPUS = [
     "Café naïve résumé déjà vu, señor. Ça va très bien!",

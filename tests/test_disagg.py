@@ -27,14 +27,14 @@ import ray
 from transformers import AutoConfig
 
 from tests.models import assert_engine_clean, hf_greedy, prompts_of_lengths, tiny_model
-from workers.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError
 from workers.config import EngineConfig
-from workers.disagg import DecodeReplica, PrefillReady, PrefillReplica, Reservation
-from workers.engine import LLMEngine, RequestOutput
+from engine.disagg import DecodeReplica, PrefillReady, PrefillReplica, Reservation
+from engine.llm_engine import LLMEngine, RequestOutput
 from workers.executor import ExecutorError
 from workers.kv_transfer.plan import RankShard
 from workers.kv_transfer.transport import KVTransferError
-from workers.llm import LLM
+from engine.llm import LLM
 from workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -23,8 +23,8 @@ from tests.test_disagg import (  # noqa: F401 - `run` and `reference` are fixtur
     kv_bytes_per_block, reference, run, settle,
 )
 from workers.config import EngineConfig
-from workers.disagg import DecodeReplica, PrefillReady, PrefillReplica, Reservation
-from workers.engine import LLMEngine
+from engine.disagg import DecodeReplica, PrefillReady, PrefillReplica, Reservation
+from engine.llm_engine import LLMEngine
 from workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -6,8 +6,8 @@ import shutil
 import pytest
 
 from tests.models import assert_engine_clean, hf_greedy, prompts_of_lengths, tiny_model
-from workers import LLM, SamplingParams
-from workers.sequence import SeqStatus
+from tandem import LLM, SamplingParams
+from engine.sequence import SeqStatus
 
 VOCAB = 300
 

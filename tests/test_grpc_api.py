@@ -17,7 +17,7 @@ from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
 from tests.models import CORPUS
 from tests.serving import ENGINE_KWARGS, build_chat_model, make_backend
-from workers import LLM, SamplingParams
+from tandem import LLM, SamplingParams
 
 NAME = "grpc-llama"
 PROMPT = CORPUS[2]

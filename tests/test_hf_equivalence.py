@@ -8,7 +8,7 @@ import torch
 
 from tests.models import (ARCHITECTURES, assert_engine_clean, hf_greedy, hf_greedy_batch, hf_model, prompts_of_lengths,
                           tiny_model)
-from workers import LLM, SamplingParams
+from tandem import LLM, SamplingParams
 
 LENGTHS = [1, 2, 4, 5, 8, 11, 17, 26]  # 1 token up to several blocks of 4 (and of 8)
 MAX_NEW = 10

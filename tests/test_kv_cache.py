@@ -1,9 +1,9 @@
 """BlockManager unit tests: chained block hashes, prefix reuse, LRU eviction, ref counts, invariants."""
 import pytest
 
-from workers.kv_cache import BlockManager, hash_block, prefix_block_hashes
+from engine.block_manager import BlockManager, hash_block, prefix_block_hashes
 from workers.sampling_params import SamplingParams
-from workers.sequence import Sequence
+from engine.sequence import Sequence
 
 BS = 4
 

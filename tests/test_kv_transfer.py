@@ -11,11 +11,12 @@ import torch
 import torch.distributed as dist
 
 from tests.multiprocess import run_ranks
-from workers.kv_cache import BlockManager, block_owner, local_block_id
+from engine.block_manager import BlockManager
+from workers.kv_layout import block_owner, local_block_id
 from workers.kv_transfer.plan import Transfer, plan_transfers, replica_shards
 from workers.kv_transfer.transport import KVTransferAgent, PairSpec
 from workers.sampling_params import SamplingParams
-from workers.sequence import Sequence
+from engine.sequence import Sequence
 
 LAYERS, KV_HEADS = 6, 2  # more layers than LAYERS_PER_MESSAGE: transfers go out as several chunks
 

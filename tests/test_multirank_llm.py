@@ -17,7 +17,7 @@ from tests.models import load_hf, prompts_of_lengths, tiny_model
 from workers.executor import ExecutorError
 from workers.loader import load_hf_config
 from workers.models.transformer import head_dim_of, stage_layers
-from workers.llm import LLM
+from engine.llm import LLM
 from workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

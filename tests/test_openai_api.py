@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from router.openai_api import create_openai_app
 from tests.models import CORPUS
 from tests.serving import ENGINE_KWARGS, LiveServer, build_chat_model, make_backend
-from workers import LLM, SamplingParams
+from tandem import LLM, SamplingParams
 
 PROMPTS = [CORPUS[0], CORPUS[4]]
 NAME = "chat-llama"  # the served model name: the model folder's name

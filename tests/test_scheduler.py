@@ -2,11 +2,11 @@
 import pytest
 
 from workers.config import SchedulerConfig
-from workers.kv_cache import BlockManager
+from engine.block_manager import BlockManager
 from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler
+from engine.scheduler import Scheduler
 from workers.scheduler_output import ModelRunnerOutput, SampledToken
-from workers.sequence import SeqStatus, Sequence
+from engine.sequence import SeqStatus, Sequence
 
 BS = 4
 

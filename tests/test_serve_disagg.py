@@ -131,7 +131,7 @@ def reference(cluster, hf_tokens) -> dict[str, str]:
     """HF's greedy tokens as text, detokenized as a stream is (a trailing partial character is withheld)."""
     from transformers import AutoTokenizer
 
-    from workers.detokenizer import IncrementalDetokenizer
+    from engine.detokenizer import IncrementalDetokenizer
 
     tok = AutoTokenizer.from_pretrained(cluster["model"])
     texts = {}

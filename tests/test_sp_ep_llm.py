@@ -13,7 +13,7 @@ import torch
 
 from parallel.config import ParallelConfig
 from tests.models import load_hf, prompts_of_lengths, tiny_model
-from workers.llm import LLM
+from engine.llm import LLM
 from workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

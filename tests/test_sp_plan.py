@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from parallel.state import Group
-from workers.kv_cache import BlockManager, block_owner
+from engine.block_manager import BlockManager
+from workers.kv_layout import block_owner
 from workers.sampling_params import SamplingParams
 from workers.scheduler_output import ScheduledSeq
-from workers.sequence import Sequence
+from engine.sequence import Sequence
 from workers.sp_plan import owned_positions, plan_sp_step, sample_owner
 
 BS = 4

@@ -1,8 +1,2 @@
-"""One replica's inference engine: models, paged KV cache, scheduler, model runner, sampler."""
-from workers.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from workers.engine import LLMEngine, RequestOutput
-from workers.llm import LLM
-from workers.sampling_params import SamplingParams
-
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "EngineConfig", "ModelConfig", "ParallelConfig",
-           "CacheConfig", "SchedulerConfig"]
+"""Per-rank model execution: the model runner, models, attention backends, sampler, KV transfer, and the
+engine's config and step contract (scheduler_output) they share with the engine above."""

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from parallel.config import ParallelConfig
+
+# The shipped tiny model: the default of every surface (CLI, Serve args, demo) when no model is given.
+DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "tandem-tiny")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

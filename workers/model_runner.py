@@ -61,7 +61,7 @@ class ModelRunner:
         the second). Runs real steps on scratch KV blocks, on every rank alike."""
         if self.device.type != "cuda" or getattr(self.backend, "name", "") != "triton":
             return
-        from workers.kernels.paged_attention import decode_block_n
+        from parallel.kernels.paged_attention import decode_block_n
 
         bs = self.block_size
         blocks = lambda first, tokens: list(range(first, first + -(-tokens // bs)))  # noqa: E731

@@ -13,7 +13,7 @@ from workers.sampling_params import SamplingParams
 from workers.scheduler_output import SampledToken, ScheduledSeq
 
 try:  # one-kernel greedy decoding on CUDA
-    from workers.kernels import sampling as _kernels
+    from parallel.kernels import sampling as _kernels
 except ImportError:  # no Triton (CPU machines)
     _kernels = None
 

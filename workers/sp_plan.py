@@ -17,7 +17,7 @@ from parallel.ring_attention import TokenShard
 from parallel.state import Group
 from workers.attention import AttentionMetadata
 from workers.attention.sp_backend import SPAttentionMetadata, SPDecodePart, SPRingPart
-from workers.kv_cache import block_owner, local_block_id
+from workers.kv_layout import block_owner, local_block_id
 from workers.scheduler_output import ScheduledSeq
 
 

@@ -17,8 +17,9 @@ MODEL = str(Path(__file__).resolve().parents[2] / "models" / "tandem-tiny")
 def test_prefill_gpu0_to_decode_gpu1_matches_single_gpu():
     import ray
 
-    from workers import LLM, EngineConfig, LLMEngine, SamplingParams
-    from workers.disagg import DecodeReplica, PrefillReplica
+    from engine import LLM, LLMEngine, SamplingParams
+    from workers.config import EngineConfig
+    from engine.disagg import DecodeReplica, PrefillReplica
 
     ray.init(num_gpus=2, num_cpus=8, include_dashboard=False, ignore_reinit_error=True)
     try:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.models import prompts_of_lengths, tiny_model
-from workers import LLM, SamplingParams
+from tandem import LLM, SamplingParams
 
 DEV = "cuda"
 
@@ -22,8 +22,8 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("n,k", [(6144, 4096), (1000, 320), (37, 4104)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_norm_prologue(n, k, bias):
-    from workers.kernels.fused_ops import rms_norm
-    from workers.kernels.gemv import gemv
+    from parallel.kernels.fused_ops import rms_norm
+    from parallel.kernels.gemv import gemv
 
     torch.manual_seed(n + k)
     h = torch.randn(1, k, device=DEV, dtype=torch.bfloat16) * 3
@@ -36,8 +36,8 @@ def test_norm_prologue(n, k, bias):
 @pytest.mark.parametrize("n,k", [(14336, 4096), (1024, 256), (300, 520)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_silu_epilogue_with_norm(n, k, bias):
-    from workers.kernels.fused_ops import rms_norm, silu_and_mul
-    from workers.kernels.gemv import gemv
+    from parallel.kernels.fused_ops import rms_norm, silu_and_mul
+    from parallel.kernels.gemv import gemv
 
     torch.manual_seed(n)
     h = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
@@ -52,7 +52,7 @@ def test_silu_epilogue_with_norm(n, k, bias):
 @pytest.mark.parametrize("n,k", [(4096, 14336), (4096, 4096), (96, 200)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_residual_epilogue(n, k, bias):
-    from workers.kernels.gemv import gemv
+    from parallel.kernels.gemv import gemv
 
     torch.manual_seed(k)
     x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
@@ -67,8 +67,8 @@ def test_residual_epilogue(n, k, bias):
 @pytest.mark.parametrize("bias", [False, True])
 def test_rope_epilogue(hq, hkv, d, bias):
     """q and k heads rotated at positions[0] exactly as the RoPE kernel rotates the GEMV's output; v untouched."""
-    from workers.kernels.fused_ops import rope
-    from workers.kernels.gemv import Rope, gemv
+    from parallel.kernels.fused_ops import rope
+    from parallel.kernels.gemv import Rope, gemv
 
     torch.manual_seed(hq * d)
     k = 4096 if hq == 32 else 320

@@ -23,7 +23,7 @@ def _ref_rms(x, w, eps, res=None):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("n", [128, 4096, 5120])
 def test_rms_norm(dtype, n):
-    from workers.kernels.fused_ops import rms_norm
+    from parallel.kernels.fused_ops import rms_norm
 
     x = torch.randn(37, n, device=DEV).to(dtype)
     r = torch.randn(37, n, device=DEV).to(dtype)
@@ -39,7 +39,7 @@ def test_rms_norm(dtype, n):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_silu_and_mul_bitwise(dtype):
-    from workers.kernels.fused_ops import silu_and_mul
+    from parallel.kernels.fused_ops import silu_and_mul
 
     x = torch.randn(19, 2 * 14336, device=DEV).to(dtype)
     g, u = x.chunk(2, -1)
@@ -49,7 +49,7 @@ def test_silu_and_mul_bitwise(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (12, 4, 64)])
 def test_rope_bitwise(dtype, hq, hkv, d):
-    from workers.kernels.fused_ops import rope
+    from parallel.kernels.fused_ops import rope
     from workers.models.layers import RotaryEmbedding, _rotate
 
     emb = RotaryEmbedding(types.SimpleNamespace(rope_theta=500000.0), d, 4096).to(DEV)
@@ -70,7 +70,7 @@ def test_rope_bitwise(dtype, hq, hkv, d):
 def test_qk_norm_rope_matches_separate_kernels(dtype, hq, hkv, d):
     """Qwen3's per-head q/k RMSNorm and RoPE in one launch = the RMSNorm kernel then the RoPE kernel,
     but for the odd element whose norm sum (two halves here, one pass there) rounds the other way."""
-    from workers.kernels.fused_ops import qk_norm_rope, rms_norm, rope
+    from parallel.kernels.fused_ops import qk_norm_rope, rms_norm, rope
     from workers.models.layers import RotaryEmbedding
 
     emb = RotaryEmbedding(types.SimpleNamespace(rope_theta=1000000.0), d, 4096).to(DEV)
@@ -91,7 +91,7 @@ def test_qk_norm_rope_matches_separate_kernels(dtype, hq, hkv, d):
 
 @pytest.mark.parametrize("t,e,k,h,i", [(1, 128, 8, 2048, 768), (7, 8, 2, 256, 512), (300, 16, 4, 512, 256), (2048, 128, 8, 2048, 768)])
 def test_fused_moe_matches_expert_loop(t, e, k, h, i):
-    from workers.kernels.fused_moe import fused_moe
+    from parallel.kernels.fused_moe import fused_moe
     from workers.models.moe import Experts
 
     torch.manual_seed(t)
@@ -110,7 +110,7 @@ def test_fused_moe_matches_expert_loop(t, e, k, h, i):
 
 @pytest.mark.parametrize("t,k,e,start,hi", [(1, 8, 128, 0, 128), (256, 8, 128, 0, 128), (37, 2, 8, 0, 8), (20, 2, 4, 4, 16)])
 def test_align_kernel_matches_torch(t, k, e, start, hi):
-    from workers.kernels.fused_moe import _align_torch, align_by_expert
+    from parallel.kernels.fused_moe import _align_torch, align_by_expert
 
     ids = torch.randint(0, hi, (t, k), device=DEV)
     a = align_by_expert(ids, e, 16, start)
@@ -122,7 +122,7 @@ def test_align_kernel_matches_torch(t, k, e, start, hi):
 
 def test_fused_moe_expert_parallel_slice():
     """Experts [4, 8) of 16 held here: pairs routed elsewhere contribute nothing."""
-    from workers.kernels.fused_moe import fused_moe
+    from parallel.kernels.fused_moe import fused_moe
     from workers.models.moe import Experts
 
     ex = Experts(16, 256, 128, local_experts=range(4, 8)).to(DEV).to(torch.bfloat16)

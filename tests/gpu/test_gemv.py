@@ -10,7 +10,7 @@ DEV = "cuda"
 
 
 def _check(x, w, b, config=None):
-    from workers.kernels.gemv import gemv
+    from parallel.kernels.gemv import gemv
 
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
     got = gemv(x, w, b, config)
@@ -45,7 +45,7 @@ def test_configs_and_bias(block_n, block_k, warps):
 
 def test_strided_input_and_dispatch():
     """x as a slice of a wider row, and which calls `supports` takes."""
-    from workers.kernels.gemv import supports
+    from parallel.kernels.gemv import supports
 
     x = torch.randn(1, 8192, device=DEV, dtype=torch.bfloat16)[:, :4096]
     w = torch.randn(512, 4096, device=DEV, dtype=torch.bfloat16) / 64
@@ -59,7 +59,7 @@ def test_strided_input_and_dispatch():
 def test_parallel_linear_routes_batch_one_in_graphs():
     """Batch-1 calls captured in a CUDA graph run the GEMV; eager calls and larger batches run cuBLAS."""
     from parallel.matmul import linear
-    from workers.kernels.gemv import gemv
+    from parallel.kernels.gemv import gemv
 
     torch.manual_seed(0)
     w = torch.randn(2048, 1024, device=DEV, dtype=torch.bfloat16) / 32

@@ -18,7 +18,7 @@ def _reference(logits: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows,vocab", [(1, 128256), (37, 151936), (5, 1000), (3, 2049)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_matches_torch(rows, vocab, dtype):
-    from workers.kernels.sampling import greedy_pack
+    from parallel.kernels.sampling import greedy_pack
 
     torch.manual_seed(rows + vocab)
     logits = (torch.randn(rows, vocab, device=DEV) * 5).to(dtype)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.models import prompts_of_lengths, tiny_model
-from workers import LLM, SamplingParams
+from tandem import LLM, SamplingParams
 
 MAX_NEW = 12
 NEAR_TIE = 0.1  # nats of HF fp32 log-probability between HF's token and Tandem's

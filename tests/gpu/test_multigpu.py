@@ -14,7 +14,7 @@ import torch
 
 from tests.models import load_hf, prompts_of_lengths, tiny_model
 from workers.executor import ExecutorError
-from workers.llm import LLM
+from engine.llm import LLM
 from workers.sampling_params import SamplingParams
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

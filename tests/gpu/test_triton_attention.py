@@ -79,7 +79,7 @@ def test_decode_matches_torch(hq, hkv, d, page):
 
 @pytest.mark.parametrize("splits", [1, 2, 8, 64])
 def test_decode_split_counts_agree(splits):
-    from workers.kernels.paged_attention import decode_attention, write_kv
+    from parallel.kernels.paged_attention import decode_attention, write_kv
 
     q, k, v, cache, meta = make_batch([1] * 4, [5, 64, 700, 2049], 32, 8, 128, 16, torch.bfloat16, seed=7)
     ref, _ = reference(q, k, v, cache, meta, 128 ** -0.5)
@@ -90,7 +90,7 @@ def test_decode_split_counts_agree(splits):
 
 def test_decode_padding_rows_are_inert():
     """CUDA-graph padding: slot -1 writes nothing, seq_len 0 attends to nothing and gives no NaN."""
-    from workers.kernels.paged_attention import decode_attention, write_kv
+    from parallel.kernels.paged_attention import decode_attention, write_kv
 
     q, k, v, cache, meta = make_batch([1, 1], [30, 200], 8, 2, 64, 16, torch.bfloat16, seed=3)
     ref, ref_cache = reference(q, k, v, cache, meta, 0.125)
@@ -169,7 +169,7 @@ def test_prefill_new_keys_plain_and_tma_loads(tma):
     """The step's own keys come from k/v (here v is a strided view of a fused qkv buffer, as in the
     model), not from the cache: with plain loads and with TMA loads. A diagonal tile of one sequence
     over-reads the next sequence's rows (TMA) or past the end of the step: the mask must hide both."""
-    from workers.kernels.paged_attention import _tma_supported, prefill_attention, write_kv
+    from parallel.kernels.paged_attention import _tma_supported, prefill_attention, write_kv
 
     hq, hkv, d = 32, 8, 128
     q_lens, ctx = [130, 257, 1, 70], [0, 48, 1000, 0]
@@ -194,8 +194,8 @@ def test_serving_compiles_no_attention_kernel():
     warm-up), and no kernel specialises on per-step values (block-table width, slice alignment, split
     count): staggered prompts that chunk and mix with decodes add no compiled variant."""
     from tests.models import prompts_of_lengths, tiny_model
-    from workers import LLM, SamplingParams
-    from workers.kernels import paged_attention as pa
+    from tandem import LLM, SamplingParams
+    from parallel.kernels import paged_attention as pa
 
     def variants() -> dict[str, int]:
         kernels = {"prefill": pa._prefill_kernel, "decode": pa._decode_split_kernel, "write_kv": pa._write_kv_kernel}

@@ -1,6 +1,6 @@
 """Attention when a sequence's tokens and KV are spread over the sequence-parallel (SP) ranks.
 
-Each SP rank runs the model on the new tokens whose KV blocks it owns (`workers/kv_cache.py`,
+Each SP rank runs the model on the new tokens whose KV blocks it owns (`engine/block_manager.py`,
 `block_owner`) and keeps their K/V in its own cache. Attention then needs keys held by other ranks:
 
 * sequences with several new tokens (prefill chunks) use ring attention: each rank's keys of those

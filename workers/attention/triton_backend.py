@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from workers.attention.backend import AttentionMetadata
-from workers.kernels.paged_attention import decode_attention, prefill_attention, write_kv
+from parallel.kernels.paged_attention import decode_attention, prefill_attention, write_kv
 
 
 class TritonAttention:

@@ -6,14 +6,14 @@ differently, so each decode rank gathers its (layers x heads) from whichever pre
 Sources for replicated heads are spread over the replicas to balance senders.
 
 With sequence parallelism (SP) on the prefill side a rank also holds only the blocks its SP rank owns
-(`workers.kv_cache.block_owner`), so every (layer, head) is split further by sequence block index:
+(`workers.kv_layout.block_owner`), so every (layer, head) is split further by sequence block index:
 each block comes from a rank of its owner. Decode replicas do not use SP: their ranks hold every block.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.kv_cache import block_owner
+from workers.kv_layout import block_owner
 
 
 def kv_head_range(tp_rank: int, tp_size: int, num_kv_heads: int) -> range:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from workers.kv_cache import block_pool, local_block_id
+from workers.kv_layout import block_pool, local_block_id
 from workers.kv_transfer.blocks import gather_blocks, scatter_blocks, transfer_shape
 from workers.kv_transfer.plan import RankShard, Transfer
 
@@ -199,7 +199,7 @@ class KVTransferAgent:
 
     def _local_ids(self, block_ids: list[int]) -> list[int]:
         """Block ids -> indices into this rank's cache. Under SP the ids are global and this cache holds
-        only its SP rank's pool of them (workers/kv_cache.py); without SP the two are the same."""
+        only its SP rank's pool of them (engine/block_manager.py); without SP the two are the same."""
         pool_size = self.kv_cache.shape[2]
         foreign = [b for b in block_ids if block_pool(b, pool_size) != self.shard.sp_rank]
         if foreign:  # the plan and the block manager disagree on ownership: never send another pool's bytes

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 try:
-    from workers.kernels import gemv as _gemv
+    from parallel.kernels import gemv as _gemv
 except ImportError:  # no Triton (CPU machines)
     _gemv = None
 

@@ -13,7 +13,7 @@ from parallel.linear import default_weight_loader, set_weight_loader
 from workers.attention import AttentionBackend, get_forward_context
 
 try:  # fused Triton kernels for the CUDA path; the CPU path below never uses them
-    from workers.kernels import fused_ops as _fused
+    from parallel.kernels import fused_ops as _fused
 except ImportError:  # no Triton (CPU machines)
     _fused = None
 

@@ -18,7 +18,7 @@ from parallel.moe_dispatch import ep_moe, expert_range, gather_token_shares, tok
 from parallel.state import Group, ep_group, tp_group
 
 try:  # Triton grouped-GEMM MoE for the CUDA path; the expert loop below is the reference and the CPU path
-    from workers.kernels.fused_moe import fused_moe as _fused_moe
+    from parallel.kernels.fused_moe import fused_moe as _fused_moe
 except ImportError:
     _fused_moe = None
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.kernels.fused_ops import silu_and_mul
+from parallel.kernels.fused_ops import silu_and_mul
 
 
 # The pair count changes every step: specialising on it (multiple of 16 or not) would compile while serving.

@@ -1,7 +1,7 @@
 """The disaggregated application: `Router` (ingress: OpenAI HTTP + gRPC) -> `DecodePool` -> `PrefillPool`.
 
 The router tokenises and validates (in the front ends), then streams each request from the decode
-pool, which drives the prefill and the KV handoff (router/pools.py, workers/disagg.py). The KV never
+pool, which drives the prefill and the KV handoff (router/pools.py, engine/disagg.py). The KV never
 passes through the router; only token deltas do. The decode replica is the one with the most free KV
 blocks, and the decode replica's prefill call goes to the prefill replica its prompt's leading block
 hashes to, unless that one is overloaded (router/routing.py); a decode replica that is full answers
@@ -25,7 +25,7 @@ from router.grpc_api import InferenceServicer
 from router.openai_api import create_openai_app
 from router.pools import DecodePool, PrefillPool
 from router.protocol import BackendUnavailable, GenerateRequest
-from workers.engine import RequestOutput
+from engine.llm_engine import RequestOutput
 
 log = logging.getLogger(__name__)
 INFO_TIMEOUT_S = 600.0  # the first answer waits for a decode replica to load its model

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.kernels.gemv import pdl_enabled
+from parallel.kernels.gemv import pdl_enabled
 
 
 @triton.jit

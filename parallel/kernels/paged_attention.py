@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.kernels.gemv import pdl_enabled as _pdl_enabled
+from parallel.kernels.gemv import pdl_enabled as _pdl_enabled
 
 try:  # TMA descriptors (Triton >= 3.4, Hopper and newer)
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
@@ -238,7 +238,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         part_o = part_lse = out  # unused
     block_n = decode_block_n(kc.shape[1])
     # Batch-1 graphs chain GEMV -> split -> reduce -> GEMV with programmatic dependent launches
-    # (workers/kernels/gemv.py): each kernel is resident before its predecessor ends.
+    # (parallel/kernels/gemv.py): each kernel is resident before its predecessor ends.
     pdl = b == 1 and torch.cuda.is_current_stream_capturing() and _pdl_enabled()
     launch = dict(launch_pdl=True) if pdl else {}
     fuse = k_new is not None

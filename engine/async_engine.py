@@ -15,7 +15,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import AsyncIterator, Callable, TypeVar
 
-from workers.engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine, RequestOutput
 from workers.sampling_params import SamplingParams
 from workers.scheduler_output import SampledToken
 

@@ -7,7 +7,7 @@ from typing import Sequence as Seq
 from tqdm.auto import tqdm
 
 from workers.config import EngineConfig
-from workers.engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine, RequestOutput
 from workers.sampling_params import SamplingParams
 
 

@@ -12,9 +12,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from workers.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from workers.config import DEFAULT_MODEL, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
-DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "tandem-tiny")
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -43,7 +42,7 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from workers import LLM, SamplingParams
+    from tandem import LLM, SamplingParams
 
     try:
         params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
@@ -71,7 +70,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
-    from router.demo import main as demo
+    from tandem.demo import main as demo
 
     return demo(model=ns.model, prompt=ns.prompt, max_tokens=ns.max_tokens)
 
@@ -85,7 +84,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from ray import serve
 
     from router.config import AppConfig
-    from router.demo import start
+    from tandem.demo import start
 
     args = {}
     if ns.config:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import bisect
 
 from workers.config import SchedulerConfig
-from workers.kv_cache import BlockManager
+from engine.block_manager import BlockManager
 from workers.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
-from workers.sequence import SeqStatus, Sequence
+from engine.sequence import SeqStatus, Sequence
 
 
 class QueueFullError(RuntimeError):

@@ -14,14 +14,15 @@ from dataclasses import dataclass, field, replace
 from transformers import AutoTokenizer, GenerationConfig
 
 from workers.config import EngineConfig
-from workers.detokenizer import IncrementalDetokenizer, find_stop_string, streamable_len
-from workers.kv_cache import BlockManager
+from engine.detokenizer import IncrementalDetokenizer, find_stop_string, streamable_len
+from engine.block_manager import BlockManager
 from workers.loader import load_hf_config
-from workers.executor import Executor, make_executor
+from engine.executor import make_executor
+from workers.executor import Executor
 from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler
+from engine.scheduler import Scheduler
 from workers.scheduler_output import SampledToken
-from workers.sequence import Sequence
+from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(path)
         # One process, or one Ray actor per rank: the engine sees only `execute` and `num_blocks`.
         self.executor: Executor = make_executor(config, self.hf_config, self.max_model_len, self.eos_token_ids, show_progress)
-        # Under SP each rank's cache is one pool of the block ids (workers/kv_cache.py): sp times the blocks.
+        # Under SP each rank's cache is one pool of the block ids (engine/block_manager.py): sp times the blocks.
         sp = config.parallel.sequence_parallel_size
         num_blocks = self.executor.num_blocks * sp
         self.max_model_len = self._fit_max_model_len_to_cache(num_blocks * config.cache.block_size)

@@ -6,11 +6,11 @@ prefix reuses it. Blocks with no owner but a hash stay cached, in LRU order, unt
 allocation needs them. The device memory itself lives with the model runner; this module only hands
 out block ids.
 
-With sequence parallelism (SP) the block ids are split into one pool per SP rank: pool p is ids
-[p * N, (p + 1) * N), held in SP rank p's KV cache at local index id - p * N. A sequence's i-th block
-always comes from pool `block_owner(i, num_pools)`, so the rank holding a position is known from the
-position alone, and a cached prefix block (whose chained hash pins its index) is always in the pool
-the next sequence needs it in: prefix caching works unchanged.
+With sequence parallelism (SP) the block ids are split into one pool per SP rank (the layout is in
+workers/kv_layout.py): a sequence's i-th block always comes from pool `block_owner(i, num_pools)`,
+so the rank holding a position is known from the position alone, and a cached prefix block (whose
+chained hash pins its index) is always in the pool the next sequence needs it in: prefix caching
+works unchanged.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workers.sequence import Sequence
+from engine.sequence import Sequence
+from workers.kv_layout import block_owner, block_pool
 
 BlockHash = bytes
 
@@ -41,23 +42,6 @@ def prefix_block_hashes(token_ids: list[int], block_size: int, num_blocks: int |
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(parent)
     return hashes
-
-
-def block_owner(block_index: int, num_pools: int) -> int:
-    """The pool (SP rank) of a sequence's block_index-th block: zig-zag over blocks with period 2 * n
-    (0, 1, .., n-1, n-1, .., 0, 0, 1, ..), so every rank holds early and late blocks of the causal triangle."""
-    j = block_index % (2 * num_pools)
-    return j if j < num_pools else 2 * num_pools - 1 - j
-
-
-def block_pool(block_id: int, pool_size: int) -> int:
-    """The pool (SP rank) a block id belongs to, with pool_size ids per pool."""
-    return block_id // pool_size
-
-
-def local_block_id(block_id: int, pool_size: int) -> int:
-    """Where a block id lives in its pool's KV cache (pool p holds ids [p * N, (p + 1) * N) at 0..N-1)."""
-    return block_id % pool_size
 
 
 @dataclass

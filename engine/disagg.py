@@ -23,13 +23,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from workers.async_engine import AsyncEngine
-from workers.engine import LLMEngine, RequestOutput
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine, RequestOutput
 from workers.executor import ExecutorError
 from workers.kv_transfer.plan import RankShard, Transfer, plan_transfers
 from workers.kv_transfer.transport import KVTransferError, PairSpec
 from workers.sampling_params import SamplingParams
-from workers.scheduler import QueueFullError
+from engine.scheduler import QueueFullError
 from workers.scheduler_output import SampledToken
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,58 @@
+"""Colocated serving: one ingress deployment whose replicas each run a whole engine (`LocalBackend`)
+behind the OpenAI HTTP routes and the gRPC methods. No KV moves between processes."""
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve import Application
+
+from router.config import AppConfig
+from router.grpc_api import InferenceServicer
+from router.local_backend import LocalBackend
+from router.openai_api import create_openai_app
+
+
+@serve.ingress()
+class ColocatedServer(InferenceServicer):
+    """One replica: an in-process engine, the OpenAI routes (built per replica by
+    `__serve_build_asgi_app__`) and the gRPC methods Generate / GenerateStream (inherited)."""
+
+    def __init__(self, args: dict[str, Any]):
+        self.config = AppConfig.model_validate(args)
+        InferenceServicer.__init__(self, LocalBackend.from_config(self.config), self.config.resolved_api_keys(),
+                                   self.config.request_timeout_s)
+
+    def __serve_build_asgi_app__(self):
+        return create_openai_app(self.backend, self.config.resolved_api_keys(), self.config.request_timeout_s)
+
+    async def engine_stats(self) -> dict:
+        """KV blocks, running/waiting counts, prefix-cache hits of this replica (via a handle)."""
+        return await self.backend.stats()
+
+    async def check_health(self) -> None:
+        """Serve restarts a replica whose engine has failed."""
+        if not await self.backend.ready():
+            raise RuntimeError("the engine of this replica has stopped")
+
+
+def _gpus_per_replica(config: AppConfig) -> float:
+    if config.device == "cpu":
+        return 0
+    if config.device == "cuda":
+        return 1
+    # "auto": use a GPU when the cluster has any (the head node building the app may have none itself).
+    return 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0 else 0
+
+
+def build_colocated_app(config: AppConfig) -> Application:
+    # Serve's default of 5 concurrent requests per replica would starve continuous batching: let in
+    # what the engine can run plus what it may queue (its own bound answers 429 beyond that).
+    ongoing = config.max_num_seqs + (config.max_waiting_requests or config.max_num_seqs)
+    deployment = serve.deployment(ColocatedServer, name="TandemColocated").options(
+        max_ongoing_requests=ongoing,
+        ray_actor_options={"num_gpus": _gpus_per_replica(config), "resources": dict(config.decode.ray_resources)},
+        **config.decode.serve_options(),
+    )
+    return deployment.bind(config.model_dump(mode="json"))
