@@ -2,7 +2,8 @@
 its shard of the model in a `ModelRunner`, and runs every step the driver sends it."""
 from __future__ import annotations
 
-from cluster.rendezvous import free_port, join_process_group, node_address
+from cluster.rendezvous import join_process_group, node_address
+from parallel.net import free_port
 from parallel.state import init_groups
 from workers.config import EngineConfig
 from workers.model_runner import ModelRunner
@@ -16,7 +17,7 @@ class RankWorker:
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Called on rank 0 only: where the process group's store will listen."""
-        return node_address(), free_port()
+        return node_address(), free_port(host="")  # other nodes connect to it
 
     def init(self, address: str, port: int, config: EngineConfig, hf_config, max_model_len: int,
              eos_token_ids: list[int], show_progress: bool, timeout_s: float) -> int:

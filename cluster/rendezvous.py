@@ -6,7 +6,6 @@ No fixed ports: two replicas (or two test runs) on one machine never collide.
 from __future__ import annotations
 
 import datetime
-import socket
 
 import ray
 import torch.distributed as dist
@@ -15,14 +14,6 @@ import torch.distributed as dist
 def node_address() -> str:
     """This node's IP as Ray knows it (reachable from the other nodes of the cluster)."""
     return ray.util.get_node_ip_address()
-
-
-def free_port() -> int:
-    """A TCP port free right now. The tiny window before torch binds it is accepted: ports are
-    handed out in a random order, so a collision needs another process to take this exact one."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def join_process_group(address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:

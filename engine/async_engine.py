@@ -30,7 +30,7 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[dict], None] | None = None,
                  lease_check_interval_s: float = 1.0):
-        self.engine = engine
+        self.llm_engine = engine
         self.on_step = on_step  # called with engine.stats() after every step (metrics)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-engine")
         self._queues: dict[str, asyncio.Queue] = {}
@@ -51,7 +51,7 @@ class AsyncEngine:
         try:
             return await self.call(fn, *args)
         except asyncio.CancelledError:
-            self._free_soon(self.engine.abort, request_id)
+            self._free_soon(self.llm_engine.abort, request_id)
             raise
 
     async def cleanup(self, fn: Callable[..., object], *args) -> None:
@@ -79,7 +79,7 @@ class AsyncEngine:
         return self._dead is None
 
     async def stats(self) -> dict:
-        return await self.call(self.engine.stats)
+        return await self.call(self.llm_engine.stats)
 
     # ---- request streams ----
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
@@ -87,7 +87,7 @@ class AsyncEngine:
         """Outputs of one request, step by step; the last one has `finish_reason` set."""
         queue = self._open(request_id)
         try:
-            await self.call_for(request_id, self.engine.add_request, request_id, prompt, params, priority, handoff)
+            await self.call_for(request_id, self.llm_engine.add_request, request_id, prompt, params, priority, handoff)
         except BaseException:
             self._queues.pop(request_id, None)
             raise
@@ -98,7 +98,7 @@ class AsyncEngine:
         """Decode side: continue a reserved request whose KV has arrived, from its first token."""
         queue = self._open(request_id)
         try:
-            first_out = await self.call_for(request_id, lambda: self.engine.start(request_id, first).snapshot())
+            first_out = await self.call_for(request_id, lambda: self.llm_engine.start(request_id, first).snapshot())
         except BaseException:
             self._queues.pop(request_id, None)
             raise
@@ -133,13 +133,13 @@ class AsyncEngine:
                 # Cancelled, closed early or failed (a dead engine too): free the request now. Submitted,
                 # not awaited, so it also happens while the task is being cancelled; the engine thread runs
                 # it after the add.
-                self._free_soon(self.engine.abort, request_id)
+                self._free_soon(self.llm_engine.abort, request_id)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream (if any) ends with finish_reason "abort". No-op if unknown."""
         if self._dead is not None:
             return
-        out = await self.call(self.engine.abort, request_id)
+        out = await self.call(self.llm_engine.abort, request_id)
         queue = self._queues.get(request_id)
         if out is not None and queue is not None:
             queue.put_nowait(out.snapshot())
@@ -164,21 +164,21 @@ class AsyncEngine:
 
     def _step(self) -> tuple[list[RequestOutput], dict]:
         """On the engine thread: snapshots are taken before the next step mutates the outputs."""
-        self.engine.expire_leases()
-        outputs = [o.snapshot() for o in self.engine.step()]
-        return outputs, self.engine.stats()
+        self.llm_engine.expire_leases()
+        outputs = [o.snapshot() for o in self.llm_engine.step()]
+        return outputs, self.llm_engine.stats()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while self._dead is None:
-            if not self.engine.scheduler.has_work:
+            if not self.llm_engine.scheduler.has_work:
                 self._wake.clear()
                 try:
                     # Leases (held/reserved KV) must expire even when nothing runs.
                     await asyncio.wait_for(self._wake.wait(), self._lease_interval)
                 except asyncio.TimeoutError:
-                    if self.engine.scheduler.has_leases:
-                        await self.call(self.engine.expire_leases)
+                    if self.llm_engine.scheduler.has_leases:
+                        await self.call(self.llm_engine.expire_leases)
                 continue
             try:
                 outputs, stats = await loop.run_in_executor(self._thread, self._step)

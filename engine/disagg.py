@@ -81,7 +81,8 @@ def _ray_executor(engine: LLMEngine):
 class PrefillReplica:
     def __init__(self, engine: LLMEngine, replica_id: str | None = None):
         self.replica_id = replica_id or f"prefill-{uuid.uuid4().hex[:8]}"
-        self.engine = AsyncEngine(engine)
+        self.llm_engine = engine
+        self.async_engine = AsyncEngine(engine)
         self.executor = _ray_executor(engine)
         self.executor.kv_setup("prefill")
         self.shards: list[RankShard] = self.executor.kv_call("get_shard")
@@ -90,7 +91,7 @@ class PrefillReplica:
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
                       reservation: Reservation) -> AsyncIterator[PrefillReady]:
         first: RequestOutput | None = None
-        async for out in self.engine.generate(request_id, prompt_token_ids, params, priority, handoff=True):
+        async for out in self.async_engine.generate(request_id, prompt_token_ids, params, priority, handoff=True):
             first = out
         ready = PrefillReady(self.replica_id, first)
         if ready.finished:
@@ -98,7 +99,7 @@ class PrefillReplica:
             return
         try:
             ready.first = SampledToken(first.token_ids[0], *_first_logprobs(first))
-            ready.block_ids = await self.engine.call(self.engine.engine.held_block_ids, request_id)
+            ready.block_ids = await self.async_engine.call(self.llm_engine.held_block_ids, request_id)
             ready.shards, ready.rank_handles = self.shards, list(self.executor.workers)
             yield ready
             # The decode replica drove our ranks' send and reads on: hold the blocks until they report it done.
@@ -108,7 +109,7 @@ class PrefillReplica:
         finally:
             # Delivered, given up on (the decode side closed the stream) or failed: free the held blocks,
             # even if this engine has died meanwhile.
-            await self.engine.cleanup(self.engine.engine.release, request_id)
+            await self.async_engine.cleanup(self.llm_engine.release, request_id)
 
 
 def _first_logprobs(out: RequestOutput) -> tuple[float, list[tuple[int, float]] | None]:
@@ -125,7 +126,8 @@ class DecodeReplica:
             # KV arrives into one block table that every rank holds in full; SP splits blocks over ranks.
             raise ValueError("decode replicas do not support sequence_parallel_size > 1 (only prefill replicas use SP)")
         self.replica_id = replica_id or f"decode-{uuid.uuid4().hex[:8]}"
-        self.engine = AsyncEngine(engine)
+        self.llm_engine = engine
+        self.async_engine = AsyncEngine(engine)
         self.executor = _ray_executor(engine)
         self.executor.kv_setup("decode")
         self.shards: list[RankShard] = self.executor.kv_call("get_shard")
@@ -140,7 +142,7 @@ class DecodeReplica:
     @property
     def alive(self) -> bool:
         """False once this replica's engine or one of its ranks failed: it serves nothing more."""
-        return self.engine.alive and self.executor.alive
+        return self.async_engine.alive and self.executor.alive
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -156,7 +158,7 @@ class DecodeReplica:
         if isinstance(first, RequestOutput):  # finished on its first token
             yield first
             return
-        async for out in self.engine.start(request_id, first):
+        async for out in self.async_engine.start(request_id, first):
             yield out
 
     async def _handoff(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int) -> SampledToken | RequestOutput:
@@ -165,8 +167,8 @@ class DecodeReplica:
         let go of the request's blocks, or are letting go of them, when this raises."""
         if not self.executor.alive:
             raise ExecutorError(f"decode replica {self.replica_id} lost its ranks; it serves nothing more")
-        engine = self.engine.engine
-        reserved = await self.engine.call_for(request_id, engine.reserve, request_id, prompt, params, priority)
+        engine = self.llm_engine
+        reserved = await self.async_engine.call_for(request_id, engine.reserve, request_id, prompt, params, priority)
         if reserved is None:
             raise QueueFullError(f"decode replica {self.replica_id} has no room for request {request_id}")
         block_ids, hits = reserved
@@ -189,7 +191,7 @@ class DecodeReplica:
     async def _give_up(self, request_id: str, stream) -> None:
         """Free the reservation (even on a dead engine) and close the prefill stream, which frees its KV."""
         try:
-            await self.engine.cleanup(self.engine.engine.cancel_reservation, request_id)
+            await self.async_engine.cleanup(self.llm_engine.cancel_reservation, request_id)
         finally:
             await _close(stream)
 

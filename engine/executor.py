@@ -13,9 +13,9 @@ def make_executor(config: EngineConfig, hf_config, max_model_len: int, eos_token
                   show_progress: bool = True) -> Executor:
     """A single-process executor for one rank, Ray actors for more."""
     backend = config.parallel.distributed_executor_backend
-    if backend == "uniproc" and config.parallel.world_size > 1:
-        raise ValueError("distributed_executor_backend='uniproc' runs one rank; this layout needs 'ray'")
-    if backend == "uniproc" or (backend == "auto" and config.parallel.world_size == 1):
+    if backend == "uni" and config.parallel.world_size > 1:
+        raise ValueError("distributed_executor_backend='uni' runs one rank; this layout needs 'ray'")
+    if backend == "uni" or (backend == "auto" and config.parallel.world_size == 1):
         return UniprocExecutor(config, hf_config, max_model_len, eos_token_ids, show_progress)
     # Imported here so the single-process path never imports Ray.
     from cluster.ray_executor import RayExecutor

@@ -18,7 +18,7 @@ class LLM:
     def __init__(self, model: str, **kwargs):
         show_progress = kwargs.pop("show_progress", True)
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
-        self.engine = self._make_engine(self.config, show_progress)
+        self.llm_engine = self._make_engine(self.config, show_progress)
         self._ids = itertools.count()
 
     @staticmethod
@@ -27,11 +27,11 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the engine's ranks (the Ray actors of a multi-rank layout). The LLM is unusable afterwards."""
-        self.engine.shutdown()
+        self.llm_engine.shutdown()
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.llm_engine.tokenizer
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: Seq[int] | None = None) -> list[RequestOutput]:
@@ -48,15 +48,15 @@ class LLM:
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         try:
             for rid, prompt, p, prio in zip(ids, prompts, params, priority):
-                self.engine.add_request(rid, prompt, p, prio)
+                self.llm_engine.add_request(rid, prompt, p, prio)
         except Exception:
             for rid in ids:
-                self.engine.abort(rid)
+                self.llm_engine.abort(rid)
             raise
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
             while len(finished) < len(ids):
-                for out in self.engine.step():
+                for out in self.llm_engine.step():
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)

@@ -3,26 +3,39 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
-class ParallelConfig(BaseModel):
+class StrictModel(BaseModel):
+    """Every config model: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ParallelConfig(StrictModel):
     """world_size = pp * sp * tp. Experts are spread (EP) over the TP x SP ranks of a pipeline stage.
 
     EP adds no ranks: expert_parallel_size is 1 or tp * sp. Given alone, expert_parallel_size=N means
     tensor_parallel_size=N (attention tensor-parallel over the N ranks, whole experts spread over them).
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
     tensor_parallel_size: int = Field(default=1, ge=1)
     pipeline_parallel_size: int = Field(default=1, ge=1)
     sequence_parallel_size: int = Field(default=1, ge=1)
     expert_parallel_size: int = Field(default=1, ge=1)
-    distributed_executor_backend: Literal["auto", "ray", "uniproc"] = Field(
-        default="auto", description="auto: in-process for one rank, Ray actors for more. Pools always use ray.")
+    distributed_executor_backend: Literal["auto", "ray", "uni"] = Field(
+        default="auto", description="auto: in-process (uni) for one rank, Ray actors for more. Served pools always use ray.")
     rank_resources: dict[str, float] = Field(
-        default_factory=dict, description="Custom Ray resources every rank also takes (keeps a pool on its node group).")
+        default_factory=dict, description="Custom Ray resources every rank also takes besides its GPU, e.g. "
+        '{"tandem_decode_gpu": 1} keeps a pool on the node group that provides them.')
+
+    @field_validator("rank_resources")
+    @classmethod
+    def _custom_resources(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: n for k, n in v.items() if n <= 0 or k in ("CPU", "GPU", "memory")}
+        if bad:
+            raise ValueError(f"rank_resources must be positive custom resources (not CPU/GPU/memory): {bad}")
+        return v
 
     @model_validator(mode="before")
     @classmethod

@@ -47,12 +47,14 @@ def _gpus_per_replica(config: AppConfig) -> float:
 
 
 def build_colocated_app(config: AppConfig) -> Application:
-    # Serve's default of 5 concurrent requests per replica would starve continuous batching: let in
-    # what the engine can run plus what it may queue (its own bound answers 429 beyond that).
-    ongoing = config.max_num_seqs + (config.max_waiting_requests or config.max_num_seqs)
+    args = config.engine_args("decode")
+    # One rank runs inside the replica actor, which then takes the ranks' custom resources; more ranks
+    # are Ray actors of their own that take them (cluster/placement.py).
+    in_process = args.parallel_config().world_size == 1 and args.distributed_executor_backend != "ray"
     deployment = serve.deployment(ColocatedServer, name="TandemColocated").options(
-        max_ongoing_requests=ongoing,
-        ray_actor_options={"num_gpus": _gpus_per_replica(config), "resources": dict(config.decode.ray_resources)},
+        max_ongoing_requests=config.max_ongoing_requests("decode"),
+        ray_actor_options={"num_gpus": _gpus_per_replica(config) if in_process else 0,
+                           "resources": dict(args.rank_resources) if in_process else {}},
         **config.decode.serve_options(),
     )
-    return deployment.bind(config.model_dump(mode="json"))
+    return deployment.bind(config.to_args())

@@ -103,10 +103,8 @@ class Router(InferenceServicer):
 
 
 def build_disaggregated_app(config: AppConfig) -> Application:
-    args = config.model_dump(mode="json")
+    args = config.to_args()
     # Pool replicas hold no devices themselves: their ranks are Ray actors that take the GPUs/CPUs.
-    # Serve's default of 5 concurrent requests per replica would starve continuous batching.
-    ongoing = config.max_num_seqs + (config.max_waiting_requests or config.max_num_seqs)
     actor = {"num_cpus": 0, "num_gpus": 0}
     # Prefill by prefix affinity (bounded by load), decode by free KV blocks: router/routing.py.
     prefill_router = RequestRouterConfig(request_router_class="router.routing:PrefillAffinityRouter",
@@ -115,11 +113,11 @@ def build_disaggregated_app(config: AppConfig) -> Application:
     decode_router = RequestRouterConfig(request_router_class="router.routing:DecodeCapacityRouter",
                                         request_routing_stats_period_s=1.0)
     prefill = serve.deployment(PrefillPool, name="PrefillPool").options(
-        max_ongoing_requests=ongoing, ray_actor_options=actor, request_router_config=prefill_router,
+        max_ongoing_requests=config.max_ongoing_requests("prefill"), ray_actor_options=actor, request_router_config=prefill_router,
         **config.prefill.serve_options()).bind(args)
     decode = serve.deployment(DecodePool, name="DecodePool").options(
-        max_ongoing_requests=ongoing, ray_actor_options=actor, request_router_config=decode_router,
+        max_ongoing_requests=config.max_ongoing_requests("decode"), ray_actor_options=actor, request_router_config=decode_router,
         **config.decode.serve_options()).bind(args, prefill)
     router = serve.deployment(Router, name="Router").options(
-        max_ongoing_requests=4 * ongoing, ray_actor_options={"num_cpus": 0}).bind(args, decode)
+        max_ongoing_requests=4 * config.max_ongoing_requests("decode"), ray_actor_options={"num_cpus": 0}).bind(args, decode)
     return router

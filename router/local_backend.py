@@ -16,7 +16,7 @@ from engine.llm_engine import LLMEngine, RequestOutput
 
 class LocalBackend:
     def __init__(self, engine: LLMEngine, model_name: str):
-        self.engine = engine
+        self.llm_engine = engine
         self.async_engine = AsyncEngine(engine, on_step=PoolGauges("colocated"))
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len

@@ -25,7 +25,6 @@ log = logging.getLogger(__name__)
 def _engine(config: AppConfig, pool: str) -> LLMEngine:
     engine_config = config.engine_config(pool)
     engine_config.parallel.distributed_executor_backend = "ray"
-    engine_config.parallel.rank_resources = dict((config.prefill if pool == "prefill" else config.decode).ray_resources)
     return LLMEngine(engine_config, show_progress=False)
 
 
@@ -42,18 +41,18 @@ class _PoolMethods:
     replica: PrefillReplica | DecodeReplica
 
     async def stats(self) -> dict:
-        return await self.replica.engine.stats()
+        return await self.replica.async_engine.stats()
 
     def record_routing_stats(self) -> dict:
         """For router/routing.py (polled by Serve). Plain reads of counters the engine thread updates:
         a slightly stale view is fine for routing."""
-        engine = self.replica.engine.engine
+        engine = self.replica.llm_engine
         scheduler, blocks = engine.scheduler, engine.block_manager
         return {"free_blocks": blocks.num_free_blocks, "running": len(scheduler.running) + len(scheduler.reserved),
                 "waiting": len(scheduler.waiting)}
 
     async def check_health(self) -> None:
-        if not self.replica.engine.alive:
+        if not self.replica.async_engine.alive:
             raise RuntimeError(f"{self.replica.replica_id}: its engine has stopped")
 
 
@@ -61,7 +60,7 @@ class PrefillPool(_PoolMethods):
     def __init__(self, args: dict[str, Any]):
         self.config = AppConfig.model_validate(args)
         self.replica = PrefillReplica(_engine(self.config, "prefill"), _replica_id("prefill"))
-        self.replica.engine.on_step = metrics.PoolGauges("prefill")
+        self.replica.async_engine.on_step = metrics.PoolGauges("prefill")
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
                       reservation: Reservation) -> AsyncIterator[PrefillReady]:
@@ -76,7 +75,7 @@ class DecodePool(_PoolMethods):
         engine = _engine(self.config, "decode")
         self.replica = DecodeReplica(engine, self._prefill_client, _replica_id("decode"))
         self.replica.on_transfer = _record_transfer
-        self.replica.engine.on_step = metrics.PoolGauges("decode")
+        self.replica.async_engine.on_step = metrics.PoolGauges("decode")
 
     def _prefill_client(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
                         reservation: Reservation):
@@ -87,7 +86,7 @@ class DecodePool(_PoolMethods):
             yield out
 
     async def info(self) -> dict:
-        engine = self.replica.engine.engine
+        engine = self.replica.llm_engine
         return {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size}
 
 

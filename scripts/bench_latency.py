@@ -108,20 +108,20 @@ def hf_decode(model_dir: str, prompt: list[int], gen: int) -> dict:
 def make_llm(model_dir: str, mode: str, args, max_model_len: int, num_blocks: int, max_batched: int) -> LLM:
     backend = "torch" if mode == "torch" else "triton"
     llm = LLM(model=model_dir, device="cuda", dtype="bfloat16", load_format=args.load_format, attention_backend=backend,
-              enforce_eager=mode != "graphs", tensor_parallel_size=args.tensor_parallel_size, max_model_len=max_model_len, num_blocks=num_blocks, block_size=16,
+              enforce_eager=mode != "graphs", tensor_parallel_size=args.tensor_parallel_size, max_model_len=max_model_len, num_gpu_blocks_override=num_blocks, block_size=16,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, enable_prefix_caching=False,
               show_progress=False)
     if mode == "eager-loop-moe":
         from workers.models.moe import Experts
 
-        for m in llm.engine.executor.runner.model.modules():
+        for m in llm.llm_engine.executor.runner.model.modules():
             if isinstance(m, Experts):
                 m.use_fused = False
     return llm
 
 
 def tandem_decode(llm: LLM, prompt: list[int], gen: int) -> dict:
-    eng = llm.engine
+    eng = llm.llm_engine
     llm.generate([prompt[:32]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
     eng.add_request("bench", prompt, SamplingParams(max_tokens=gen + 1, temperature=0.0, ignore_eos=True))
     sync()
@@ -152,7 +152,7 @@ def tandem_decode(llm: LLM, prompt: list[int], gen: int) -> dict:
 
 
 def tandem_prefill(llm: LLM, lengths: list[int], vocab: int, flops_fn, peak: float, matmul: float) -> list[dict]:
-    eng = llm.engine
+    eng = llm.llm_engine
     g = torch.Generator().manual_seed(1)
     out = []
     for n in lengths:
@@ -281,7 +281,7 @@ def main() -> None:
             r["prefill"] = tandem_prefill(llm, prefill_lens, cfg.vocab_size, flops, tp * H100_BF16_DENSE_TFLOPS, tp * mm)
         report["tandem"][mode] = r
         print(f"tandem {mode}: {r['decode_tok_per_s']:.1f} tok/s ({100 * r['fraction_of_roofline']:.0f}% of roofline)", flush=True)
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
         del llm
         free_cuda()
 

@@ -37,7 +37,7 @@ from workers.config import DTYPES  # noqa: E402
 
 def _engine_facts(llm) -> dict:
     """KV blocks and whether decode replays CUDA graphs, from the in-process runner or the Ray ranks."""
-    ex = llm.engine.executor
+    ex = llm.llm_engine.executor
     runner = getattr(ex, "runner", None)
     if runner is not None:
         return {"num_kv_blocks": runner.num_blocks, "cuda_graphs": getattr(runner, "cuda_graphs", None) is not None}
@@ -77,7 +77,7 @@ def run_tandem(args, prompts, out_lens) -> dict:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from step_profile import StepProfile
 
-        profile = StepProfile(llm.engine, gpu_every=args.profile_steps)
+        profile = StepProfile(llm.llm_engine, gpu_every=args.profile_steps)
     sync(args.device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
@@ -85,12 +85,12 @@ def run_tandem(args, prompts, out_lens) -> dict:
     dt = time.perf_counter() - t0
     n_out = sum(len(o.token_ids) for o in outs)
     assert n_out == sum(out_lens), "Tandem produced a different number of tokens than requested"
-    result = {"seconds": dt, "output_tokens": n_out, "preemptions": llm.engine.scheduler.num_preemptions,
+    result = {"seconds": dt, "output_tokens": n_out, "preemptions": llm.llm_engine.scheduler.num_preemptions,
               **_engine_facts(llm)}
     if profile is not None:
         result["step_profile"] = profile.summary()
         print(profile.table())
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
     del llm, outs
     if args.device.startswith("cuda"):  # free the weights and KV cache before HF loads its copy
         import gc

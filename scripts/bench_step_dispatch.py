@@ -67,10 +67,10 @@ def engine_decode_step(ranks: int, tokens: int) -> float:
     from tests.models import tiny_model
     from tandem import LLM, SamplingParams
 
-    llm = LLM(tiny_model("llama", num_hidden_layers=2), tensor_parallel_size=ranks, max_model_len=256, num_blocks=64,
+    llm = LLM(tiny_model("llama", num_hidden_layers=2), tensor_parallel_size=ranks, max_model_len=256, num_gpu_blocks_override=64,
               block_size=16, show_progress=False)
     try:
-        eng = llm.engine
+        eng = llm.llm_engine
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
         eng.add_request("bench", [5, 6, 7, 8], SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True))
         eng.step()  # prefill

@@ -34,8 +34,8 @@ def main():
     path = write_model_folder(a.shape, os.path.join(tempfile.mkdtemp(), a.shape))
     per_seq = -(-(a.context + 64) // 16)
     llm = LLM(model=path, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=max(1024, a.context + 64),
-              num_blocks=a.batch * per_seq + 64, max_num_seqs=max(4, a.batch), show_progress=False)
-    eng = llm.engine
+              num_gpu_blocks_override=a.batch * per_seq + 64, max_num_seqs=max(4, a.batch), show_progress=False)
+    eng = llm.llm_engine
     runner = getattr(eng, "runner", None) or eng.executor.runner
     prompts = [[100 + (i * 7 + j) % 1000 for j in range(a.context)] for i in range(a.batch)]
     llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # fills the graph inputs

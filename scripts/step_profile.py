@@ -1,7 +1,7 @@
 """Where an engine's steps spend their time: host phases (schedule, execute, output processing) by
 wall clock, and, for a sample of steps, the GPU's kernel time under torch.profiler.
 
-    prof = StepProfile(llm.engine, gpu_every=25); ...run...; print(prof.summary())
+    prof = StepProfile(llm.llm_engine, gpu_every=25); ...run...; print(prof.summary())
 Used by `scripts/bench_offline.py --profile-steps`. Steps are grouped by kind: `decode-graph` (a
 CUDA-graph replay), `decode` (one token per sequence, eager) and `mixed` (prefill chunks).
 """

@@ -1,78 +1,126 @@
-"""The `tandem` command line: `generate` (offline engine), `serve` and `demo` (the served app).
+"""The `tandem` command line: `serve`, `generate`, `demo` and `bench`.
 
-Engine flags are generated from the same pydantic models as the Python API."""
+Engine flags are generated from `workers.config.EngineArgs` and the served app's from
+`router.config.AppConfig` (tandem/flags.py), so every engine argument has the same name, default and
+validation here as in `LLM(...)` and the Serve YAML.
+
+    tandem serve models/tandem-tiny --max-num-seqs 64            # colocated, OpenAI on :8000, gRPC on :9000
+    tandem serve MODEL --disaggregated --prefill-args '{"tensor_parallel_size": 2}'
+    tandem serve --config deploy/serve_config.yaml                # a Serve config, as `serve deploy` reads it
+    tandem generate --model MODEL --prompt "def f():"
+    tandem bench offline --help
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
-import typing
-from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
-from workers.config import DEFAULT_MODEL, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tandem.flags import add_field_flag, add_model_flags, collect
+from workers.config import ENGINE_FIELDS, SECTIONS, EngineArgs
+
+SECTION_TITLES = {"model": "model", "parallel": "parallelism (per replica)", "cache": "KV cache",
+                  "scheduler": "batching and queues"}
+SERVED_FIELDS = ("served_model_name", "api_keys", "api_keys_env", "request_timeout_s")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    for cfg in (ModelConfig, ParallelConfig, CacheConfig, SchedulerConfig):
-        group = p.add_argument_group(cfg.__name__)
-        for name, field in cfg.model_fields.items():
-            flag = "--" + name.replace("_", "-")
-            if name == "model":
-                group.add_argument(flag, default=DEFAULT_MODEL, help="HF model folder (default: the shipped tandem-tiny)")
-                continue
-            ann = field.annotation
-            args = [a for a in typing.get_args(ann) if a is not type(None)] or [ann]
-            base = args[0]
-            help_text = field.description or ""
-            if base is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-            elif typing.get_origin(base) is typing.Literal:
-                group.add_argument(flag, choices=typing.get_args(base), default=None, help=help_text)
-            else:
-                group.add_argument(flag, type=base if base in (int, float) else str, default=None, help=help_text)
+class CommandError(Exception):
+    """A bad command line or config: printed as `error: ...`, exit status 2."""
 
 
-def _engine_kwargs(ns: argparse.Namespace) -> dict:
-    names = [n for cfg in (ModelConfig, ParallelConfig, CacheConfig, SchedulerConfig) for n in cfg.model_fields]
-    return {n: getattr(ns, n) for n in names if getattr(ns, n, None) is not None}
+def describe(e: Exception) -> str:
+    """One readable line per problem, naming the argument (pydantic's own text is multi-line)."""
+    if not isinstance(e, ValidationError):
+        return str(e)
+    lines = []
+    for err in e.errors():
+        where = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(lines)
 
 
+def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    for section, model in SECTIONS.items():
+        group = parser.add_argument_group(f"engine arguments: {SECTION_TITLES[section]}")
+        add_model_flags(group, EngineArgs, [n for n in model.model_fields if n not in skip])
+
+
+# ---- generate
 def cmd_generate(ns: argparse.Namespace) -> int:
     from tandem import LLM, SamplingParams
 
-    try:
-        params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
-                                seed=ns.seed_sampling, stop=ns.stop or [], ignore_eos=ns.ignore_eos)
-        llm = LLM(show_progress=False, **_engine_kwargs(ns))
-    except (ValueError, ValidationError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                            seed=ns.sampling_seed, stop=ns.stop or [], ignore_eos=ns.ignore_eos)
+    llm = LLM(show_progress=False, **EngineArgs(**collect(ns, ENGINE_FIELDS)).given())
     prompts = ns.prompt or ["def fibonacci(n):"]
     try:
-        if ns.chat:
-            outs = [llm.chat([{"role": "user", "content": p}], params) for p in prompts]
-        else:
-            outs = llm.generate(prompts, params)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        outs = [llm.chat([{"role": "user", "content": p}], params) for p in prompts] if ns.chat \
+            else llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
     for prompt, out in zip(prompts, outs):
         if ns.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}))
+            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                              "finish_reason": out.finish_reason}))
         else:
-            print(f"--- prompt: {prompt!r}\n{prompt if not ns.chat else ''}{out.text}\n--- finish_reason: {out.finish_reason}, "
-                  f"{len(out.token_ids)} tokens")
+            print(f"--- prompt: {prompt!r}\n{'' if ns.chat else prompt}{out.text}\n"
+                  f"--- finish_reason: {out.finish_reason}, {len(out.token_ids)} tokens")
     return 0
 
 
-def cmd_demo(ns: argparse.Namespace) -> int:
-    from tandem.demo import main as demo
+# ---- serve
+def serve_spec(ns: argparse.Namespace):
+    """The Serve spec a `tandem serve` command line describes (validated, nothing started)."""
+    import yaml
 
-    return demo(model=ns.model, prompt=ns.prompt, max_tokens=ns.max_tokens)
+    from router.config import AppConfig
+    from tandem.serving import ServeSpec
+
+    args = {**collect(ns, ENGINE_FIELDS), **collect(ns, SERVED_FIELDS)}
+    if ns.model_positional is not None:
+        if "model" in args and args["model"] != ns.model_positional:
+            raise CommandError("give the model once: as the positional MODEL or as --model")
+        args["model"] = ns.model_positional
+    args.update(_layout(ns))
+    if ns.config:
+        try:
+            with open(ns.config) as f:
+                loaded = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise CommandError(f"--config {ns.config}: {e}") from None
+        if not isinstance(loaded, dict):
+            raise CommandError(f"--config {ns.config}: expected a Serve config or a mapping of app args")
+        spec = ServeSpec.from_file_content(loaded)
+    else:
+        spec = ServeSpec.from_args({})
+    spec.override(getattr(ns, "host", None), getattr(ns, "port", None), getattr(ns, "grpc_port", None), args)
+    config = AppConfig.model_validate(spec.tandem_app()["args"])
+    config.engine_config("decode")  # the model folder must exist here: this machine runs the replicas
+    return spec, config
+
+
+def _layout(ns: argparse.Namespace) -> dict[str, Any]:
+    """Pool sizes and per-pool overrides from the layout flags (none given: leave the config's)."""
+    prefill_args, decode_args = getattr(ns, "prefill_args", None), getattr(ns, "decode_args", None)
+    pool_flags = [ns.prefill_replicas, ns.decode_replicas, prefill_args]
+    if not ns.disaggregated and any(v is not None for v in pool_flags):
+        raise CommandError("--prefill-replicas, --decode-replicas and --prefill-args need --disaggregated")
+    if ns.disaggregated and ns.replicas is not None:
+        raise CommandError("--replicas sizes a colocated app; with --disaggregated give --prefill-replicas "
+                           "and --decode-replicas")
+    if ns.disaggregated:
+        return {"colocated": False,
+                "prefill": {**(prefill_args or {}), "num_replicas": ns.prefill_replicas or 1},
+                "decode": {**(decode_args or {}), "num_replicas": ns.decode_replicas or 1}}
+    if ns.config and ns.replicas is None and decode_args is None:
+        return {}  # the config's own layout
+    return {"colocated": True, "decode": {**(decode_args or {}), "num_replicas": ns.replicas or 1}}
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -80,70 +128,135 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     import signal
     import threading
 
-    import yaml
     from ray import serve
 
-    from router.config import AppConfig
-    from tandem.demo import start
+    from tandem.serving import start, wait_ready
 
-    args = {}
-    if ns.config:
-        with open(ns.config) as f:
-            loaded = yaml.safe_load(f) or {}
-        # Accept a Serve config file (its first application's args) or a bare args mapping.
-        args = loaded["applications"][0].get("args", {}) if "applications" in loaded else loaded
+    spec, config = serve_spec(ns)
+    keys = sorted(config.resolved_api_keys())
+    if spec.http_host not in LOOPBACK and not keys:
+        print(f"warning: serving on {spec.http_host} with no API key: anyone who reaches this port can use it "
+              "(set --api-keys, or --api-keys-env NAME)", file=sys.stderr)
+    layout = "colocated" if config.colocated else "disaggregated (prefill + decode pools)"
+    print(f"Starting Tandem: model {config.model} as {config.served_model_name!r}, {layout}", flush=True)
+    start(spec, verbose=ns.verbose)
     try:
-        AppConfig.model_validate(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    start(args, ns.port, ns.grpc_port, ns.app_name)
-    print(f"Tandem serving on http://127.0.0.1:{ns.port} (OpenAI) and 127.0.0.1:{ns.grpc_port} (gRPC); Ctrl-C stops")
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    stop.wait()
-    serve.shutdown()
+        seconds = wait_ready(spec.local_url(), config.served_model_name, ns.ready_timeout, keys[0] if keys else None)
+        print(f"Tandem ready after {seconds:.1f}s: OpenAI API at http://{spec.http_host}:{spec.http_port}/v1, "
+              f"gRPC tandem.v1.Inference at {spec.http_host}:{spec.grpc_port}. Ctrl-C stops.", flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        stop.wait()
+    finally:
+        print("Shutting down.", flush=True)
+        serve.shutdown()
     return 0
+
+
+# ---- demo and bench
+def cmd_demo(ns: argparse.Namespace) -> int:
+    from tandem.demo import main as demo
+
+    return demo(model=ns.model, prompt=ns.prompt, max_tokens=ns.max_tokens, verbose=ns.verbose)
+
+
+def cmd_bench(ns: argparse.Namespace) -> int:
+    from tandem import bench
+
+    if ns.name is None:
+        print(f"usage: tandem bench NAME [ARGS...]; `tandem bench NAME --help` for its flags\n\n{bench.listing()}")
+        return 0
+    return bench.run(ns.name, ns.args)
+
+
+# ---- parser
+def _add_generate(sub) -> None:
+    gen = sub.add_parser("generate", help="Generate text offline with the engine (no server).",
+                         description="Generate text offline with the engine (no server).")
+    add_engine_flags(gen)
+    s = gen.add_argument_group("sampling")
+    s.add_argument("--prompt", action="append", help="Prompt text; repeat for a batch (default: 'def fibonacci(n):')")
+    s.add_argument("--chat", action="store_true", help="Wrap each prompt as a user message in the chat template.")
+    s.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate per prompt (default: 64)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0.0)")
+    s.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (default: 1.0)")
+    s.add_argument("--top-k", type=int, default=0, help="Top-k sampling; 0 = off (default: 0)")
+    s.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed (default: unset)")
+    s.add_argument("--stop", action="append", help="Stop string; repeatable (default: none)")
+    s.add_argument("--ignore-eos", action="store_true", help="Generate max-tokens even past end-of-sequence.")
+    s.add_argument("--json", action="store_true", help="One JSON object per output line.")
+    gen.set_defaults(func=cmd_generate)
+
+
+def _add_serve(sub) -> None:
+    from router.config import AppConfig
+
+    srv = sub.add_parser("serve", help="Serve a model: OpenAI HTTP and gRPC, in the foreground on local Ray.",
+                         description="Serve a model with the OpenAI HTTP API and gRPC, in the foreground on the "
+                         "current (or a new local) Ray cluster, until Ctrl-C. Colocated replicas by default; "
+                         "--disaggregated splits prefill and decode into pools. For clusters: serve deploy "
+                         "deploy/serve_config.yaml.")
+    srv.add_argument("model_positional", nargs="?", metavar="MODEL",
+                     help="Hugging Face model folder (default: the shipped tandem-tiny)")
+    net = srv.add_argument_group("server")
+    net.add_argument("--config", help="A Serve config YAML (as `serve deploy` reads it: http/gRPC options and "
+                     "every application) or a YAML of app args; flags given here override it.")
+    net.add_argument("--host", default=argparse.SUPPRESS, help="HTTP bind address (default: 0.0.0.0, or the config's)")
+    net.add_argument("--port", type=int, default=argparse.SUPPRESS, help="HTTP port (default: 8000)")
+    net.add_argument("--grpc-port", type=int, default=argparse.SUPPRESS, help="gRPC port (default: 9000)")
+    net.add_argument("--ready-timeout", type=float, default=900.0, help="Seconds to wait for the first "
+                     "successful request before giving up (default: 900)")
+    net.add_argument("--verbose", action="store_true", help="Ray and Serve logs at INFO (default: warnings only)")
+    app = srv.add_argument_group("served app")
+    add_model_flags(app, AppConfig, SERVED_FIELDS)
+    layout = srv.add_argument_group("layout")
+    layout.add_argument("--replicas", type=int, help="Colocated replicas, each a whole engine (default: 1)")
+    layout.add_argument("--disaggregated", action="store_true", help="Prefill and decode in separate pools, "
+                        "KV handed from one to the other.")
+    layout.add_argument("--prefill-replicas", type=int, help="Prefill pool replicas (default: 1)")
+    layout.add_argument("--decode-replicas", type=int, help="Decode pool replicas (default: 1)")
+    add_field_flag(layout, "prefill_args", _pool_args_field("prefill"))
+    add_field_flag(layout, "decode_args", _pool_args_field("decode"))
+    add_engine_flags(srv)
+    srv.set_defaults(func=cmd_serve)
+
+
+def _pool_args_field(pool: str):
+    from pydantic.fields import FieldInfo
+
+    return FieldInfo(default=None, annotation=dict, description=f"Engine arguments of the {pool} pool's replicas only, "
+                 "as JSON, e.g. '{\"tensor_parallel_size\": 2}'")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: distributed LLM inference on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="Generate text offline with the engine (no server).")
-    _add_engine_flags(gen)
-    gen.add_argument("--prompt", action="append", help="Prompt text (repeat for a batch).")
-    gen.add_argument("--chat", action="store_true", help="Wrap each prompt as a user message in the chat template.")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed-sampling", type=int, default=None, help="Per-request sampling seed.")
-    gen.add_argument("--stop", action="append", help="Stop string (repeatable).")
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--json", action="store_true", help="One JSON object per output line.")
-    gen.set_defaults(func=cmd_generate)
-
+    _add_serve(sub)
+    _add_generate(sub)
     demo = sub.add_parser("demo", help="The main job: local Ray, the served app (1 prefill + 1 decode replica, CPU), "
-                                       "one streamed OpenAI and one gRPC request, then shut down.")
+                          "one streamed OpenAI and one gRPC request, then shut down.")
     demo.add_argument("--model", default=None, help="HF model folder (default: the shipped tandem-tiny)")
-    demo.add_argument("--prompt", default="def fibonacci(n):")
-    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--prompt", default="def fibonacci(n):", help="(default: 'def fibonacci(n):')")
+    demo.add_argument("--max-tokens", type=int, default=48, help="(default: 48)")
+    demo.add_argument("--verbose", action="store_true", help="Ray and Serve logs at INFO (default: warnings only)")
     demo.set_defaults(func=cmd_demo)
-
-    srv = sub.add_parser("serve", help="Run the served app in the foreground (for clusters: serve deploy deploy/serve_config.yaml).")
-    srv.add_argument("--config", help="A Serve config YAML (its first application's args) or a YAML of app args.")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--grpc-port", type=int, default=9000)
-    srv.add_argument("--app-name", default="tandem")
-    srv.set_defaults(func=cmd_serve)
+    bench = sub.add_parser("bench", help="Run a benchmark of scripts/ (`tandem bench` lists them).",
+                           add_help=False)
+    bench.add_argument("name", nargs="?", help="The benchmark (scripts/bench_NAME.py)")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="Its own arguments (NAME --help shows them)")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ns = build_parser().parse_args(argv)
-    return ns.func(ns)
+    try:
+        return ns.func(ns)
+    except (CommandError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+        print(f"error: {describe(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

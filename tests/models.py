@@ -325,7 +325,7 @@ def hf_greedy_batch(path: str, prompts: list[list[int]], max_new_tokens: int) ->
 
 def assert_engine_clean(llm) -> None:
     """After every request finished or was aborted: nothing queued, no block owned, invariants hold."""
-    engine = getattr(llm, "engine", llm)
+    engine = getattr(llm, "llm_engine", llm)
     bm = engine.block_manager
     bm.check_invariants()
     assert not engine.has_unfinished_requests(), f"requests left: {list(engine.requests)}"

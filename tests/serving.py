@@ -17,7 +17,7 @@ CHAT_TEMPLATE = (
 )
 
 # Engine settings small enough for a shared 2-core machine.
-ENGINE_KWARGS = dict(dtype="float32", device="cpu", num_blocks=96, block_size=16, max_num_batched_tokens=256)
+ENGINE_KWARGS = dict(dtype="float32", device="cpu", num_gpu_blocks_override=96, block_size=16, max_num_batched_tokens=256)
 
 
 def build_chat_model(path: str | os.PathLike) -> str:

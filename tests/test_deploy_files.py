@@ -58,7 +58,7 @@ def test_aws_cluster_has_gpu_workers_for_both_pools():
     app = AppConfig.model_validate(serve_args)
     workers = {k: v for k, v in config["available_node_types"].items() if k != config["head_node_type"]}
     assert config["available_node_types"][config["head_node_type"]]["resources"] == {"CPU": 0}
-    need = sum(_max_replicas(p) * p.parallel.world_size for p in (app.prefill, app.decode))
+    need = sum(_max_replicas(app.pool(n)) * app.engine_args(n).parallel_config().world_size for n in ("prefill", "decode"))
     assert sum(t["max_workers"] for t in workers.values()) >= need  # one GPU per worker node
 
 
@@ -188,11 +188,12 @@ def test_rayservice_serve_config_and_worker_groups_fit_the_pools():
     groups = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     for name, pool in (("prefill", app.prefill), ("decode", app.decode)):
         # The groups that offer this pool's custom resources (all GPU groups when it asks for none).
-        hosts = [g for g in groups if all(k in g.get("resources", {}) for k in pool.ray_resources) and _gpus_per_pod(g)]
-        assert hosts, f"no worker group provides {name}'s ray_resources {pool.ray_resources}"
-        ranks = _max_replicas(pool) * pool.parallel.world_size
+        args = app.engine_args(name)
+        hosts = [g for g in groups if all(k in g.get("resources", {}) for k in args.rank_resources) and _gpus_per_pod(g)]
+        assert hosts, f"no worker group provides {name}'s rank_resources {args.rank_resources}"
+        ranks = _max_replicas(pool) * args.parallel_config().world_size
         assert sum(g["maxReplicas"] * _gpus_per_pod(g) for g in hosts) >= ranks, name
-        min_ranks = (pool.autoscaling_config or {}).get("min_replicas", 1) * pool.parallel.world_size
+        min_ranks = (pool.autoscaling_config or {}).get("min_replicas", 1) * args.parallel_config().world_size
         assert sum(g["minReplicas"] * _gpus_per_pod(g) for g in hosts) >= min_ranks, name
 
 

@@ -47,7 +47,7 @@ TRANSFER_TIMEOUT_S = 15.0  # kv_transfer_timeout_seconds of every engine here (d
 LEASE_S = 4.0  # kv_lease_seconds of the "tp1->tp2" prefill engine (default 60)
 TEST_TIMEOUT_S = 180.0
 WAIT_S = 60.0  # the longest any single condition is waited for
-COMMON = dict(block_size=BLOCK, num_blocks=128, distributed_executor_backend="ray",
+COMMON = dict(block_size=BLOCK, num_gpu_blocks_override=128, distributed_executor_backend="ray",
               kv_transfer_timeout_seconds=TRANSFER_TIMEOUT_S)
 PAIRS = {
     "tp2->tp1": dict(model=("llama", {}),
@@ -75,11 +75,11 @@ class Pair:
 
     @property
     def P(self) -> LLMEngine:
-        return self.prefill.engine.engine
+        return self.prefill.llm_engine
 
     @property
     def D(self) -> LLMEngine:
-        return self.decode.engine.engine
+        return self.decode.llm_engine
 
     def shutdown(self) -> None:
         for engine in (self.P, self.D):
@@ -105,7 +105,7 @@ def _build_pair(name: str) -> Pair:
     try:
         decode = DecodeReplica(engine(spec["decode"]), client)
     except BaseException:
-        prefill.engine.engine.shutdown()
+        prefill.llm_engine.shutdown()
         raise
     return Pair(path, prefill, decode, calls)
 
@@ -195,10 +195,10 @@ async def poll(ok: Callable[[], bool], what: str, timeout: float = WAIT_S) -> No
 
 async def on_engine(replica: PrefillReplica | DecodeReplica, fn: Callable[[LLMEngine], T]) -> T:
     """fn(engine), in turn with the engine's own calls; directly once the engine has died."""
-    aengine: AsyncEngine = replica.engine
+    aengine: AsyncEngine = replica.async_engine
     if aengine.alive:
-        return await aengine.call(fn, aengine.engine)
-    return fn(aengine.engine)
+        return await aengine.call(fn, aengine.llm_engine)
+    return fn(aengine.llm_engine)
 
 
 async def settle(pair: Pair, timeout: float = 10.0) -> None:
@@ -234,7 +234,7 @@ class StepGate:
     block ends: its later steps run nothing, while engine calls (new requests, aborts) still go through."""
 
     def __init__(self, replica: PrefillReplica | DecodeReplica, when: Callable[[LLMEngine], bool]):
-        self.engine: LLMEngine = replica.engine.engine
+        self.engine: LLMEngine = replica.llm_engine
         self.when = when
         self.reached = threading.Event()
         self._resume = threading.Event()

@@ -60,7 +60,7 @@ def _build_pair(prefill_kw: dict, decode_kw: dict) -> Pair:
     try:
         decode = DecodeReplica(engine(decode_kw), client)
     except BaseException:
-        prefill.engine.engine.shutdown()
+        prefill.llm_engine.shutdown()
         raise
     return Pair(path, prefill, decode, calls)
 

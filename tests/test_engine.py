@@ -96,9 +96,9 @@ def test_seeded_sampling_survives_preemption(make_llm):
     path = tiny_model("qwen3")
     prompts = prompts_of_lengths([3, 8, 13, 5], VOCAB, seed=5)
     roomy = make_llm(path).generate(prompts, SAMPLED)
-    tight = make_llm(path, num_blocks=9, max_num_batched_tokens=5)  # 36 tokens of KV for 4 x up to 25
+    tight = make_llm(path, num_gpu_blocks_override=9, max_num_batched_tokens=5)  # 36 tokens of KV for 4 x up to 25
     outs = tight.generate(prompts, SAMPLED)
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.llm_engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
 
 
@@ -183,7 +183,7 @@ def test_streamed_text_never_leaks_a_stop_string(make_llm):
     llm = make_llm()
     full = llm.generate(["Once upon a time"], greedy(24))[0]
     stop = _stop_candidates(full.text, 6)[0]
-    e = llm.engine
+    e = llm.llm_engine
     e.add_request("s", "Once upon a time", greedy(24, stop=[stop]))
     streamed, last = "", None
     while e.has_unfinished_requests():
@@ -201,7 +201,7 @@ def test_eos_stops_unless_ignore_eos_and_min_tokens_delays_it(make_llm, tmp_path
     j = first_new_token_index(free)
     path = with_extra_eos(src, tmp_path / "eos-model", free[j])
     llm = make_llm(path)
-    assert free[j] in llm.engine.eos_token_ids
+    assert free[j] in llm.llm_engine.eos_token_ids
 
     stopped = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason is None
@@ -231,7 +231,7 @@ def test_min_tokens_with_stop_string(shared):
 
 def test_abort_mid_prefill_mid_decode_and_waiting_frees_every_block(make_llm):
     llm = make_llm(block_size=4, max_num_batched_tokens=6, enable_prefix_caching=True, max_num_seqs=4)
-    e = llm.engine
+    e = llm.llm_engine
     system = prompts_of_lengths([8], VOCAB, seed=50)[0]
     prompts = [system + t for t in prompts_of_lengths([9, 13, 2, 6, 11, 5], VOCAB, seed=51)]
     sp = greedy(10)
@@ -275,8 +275,8 @@ def test_abort_mid_prefill_mid_decode_and_waiting_frees_every_block(make_llm):
 
 
 def test_abort_everything_while_running(make_llm):
-    llm = make_llm(max_num_batched_tokens=8, num_blocks=12)
-    e = llm.engine
+    llm = make_llm(max_num_batched_tokens=8, num_gpu_blocks_override=12)
+    e = llm.llm_engine
     for i, p in enumerate(prompts_of_lengths([5, 12, 3, 9], VOCAB, seed=52)):
         e.add_request(f"x{i}", p, greedy(20))
     for _ in range(4):
@@ -293,8 +293,8 @@ def test_abort_everything_while_running(make_llm):
 def test_sequence_longer_than_the_kv_cache_finishes_instead_of_hanging(make_llm):
     """Regression: with max_model_len beyond the cache, a lone sequence that outgrew the cache preempted
     itself and then waited forever (LLM.generate spun). max_model_len is now capped at the cache size."""
-    llm = make_llm(num_blocks=4, block_size=4)
-    e = llm.engine
+    llm = make_llm(num_gpu_blocks_override=4, block_size=4)
+    e = llm.llm_engine
     assert e.max_model_len == 16
     e.add_request("long", prompts_of_lengths([10], VOCAB, seed=53)[0], greedy(20))
     out = None
@@ -312,7 +312,7 @@ def test_sequence_longer_than_the_kv_cache_finishes_instead_of_hanging(make_llm)
 
 def test_priority_with_one_slot_serves_lower_value_first(make_llm):
     llm = make_llm(max_num_seqs=1)
-    e = llm.engine
+    e = llm.llm_engine
     prompts = prompts_of_lengths([5, 6, 7, 8], VOCAB, seed=60)
     e.add_request("early-low", prompts[0], greedy(3), priority=2)
     e.add_request("early-mid", prompts[1], greedy(3), priority=1)
@@ -353,7 +353,7 @@ def test_bad_engine_arguments(tmp_path):
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(model=path, device="cpu", max_model_len=10_000)  # beyond the model's positions
     with pytest.raises(ValueError, match="max_model_len"):
-        LLM(model=path, device="cpu", num_blocks=2, block_size=4, max_model_len=64)  # beyond the KV cache
+        LLM(model=path, device="cpu", num_gpu_blocks_override=2, block_size=4, max_model_len=64)  # beyond the KV cache
 
 
 def test_bad_sampling_params():
@@ -387,7 +387,7 @@ def test_bad_prompts_raise_and_leave_the_engine_clean(make_llm):
     # The longest valid prompt runs, and stops at max_model_len.
     out = llm.generate([list(range(3, 18))], greedy(8))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 1
-    e = llm.engine
+    e = llm.llm_engine
     e.add_request("dup", ok, greedy(2))
     with pytest.raises(ValueError, match="already in use"):
         e.add_request("dup", ok, greedy(2))
@@ -411,7 +411,7 @@ def test_mixed_steps_put_decodes_first_and_still_match_hf(make_llm):
     lists it first, the runner must hand attention the decode rows first (`num_decodes` of them),
     and the tokens must still be HF's."""
     llm = make_llm(max_num_batched_tokens=16)
-    runner = llm.engine.executor.runner
+    runner = llm.llm_engine.executor.runner
     seen = []
     forward = runner.backend.forward
 
@@ -425,7 +425,7 @@ def test_mixed_steps_put_decodes_first_and_still_match_hf(make_llm):
         layer.backend = runner.backend
     path = tiny_model("llama")
     short, long = prompts_of_lengths([5, 60], VOCAB, seed=3)
-    eng = llm.engine
+    eng = llm.llm_engine
     eng.add_request("short", short, greedy(20))
     eng.step()  # the short prompt is prefilled and decodes from now on
     eng.add_request("long", long, greedy(4), priority=-1)  # scheduled before "short" while it prefills

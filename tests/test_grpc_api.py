@@ -117,17 +117,17 @@ def _wait_for(pred, timeout: float = 20.0) -> None:
 def _slow_engine(backend, seconds_per_step: float = 0.01):
     """Each engine step takes at least this long, so that long requests are still running when the
     test cancels them (the tiny model would otherwise finish first)."""
-    real_step = backend.engine.step
+    real_step = backend.llm_engine.step
 
     def slow_step():
         time.sleep(seconds_per_step)
         return real_step()
 
-    backend.engine.step = slow_step
+    backend.llm_engine.step = slow_step
     try:
         yield
     finally:
-        del backend.engine.step
+        del backend.llm_engine.step
 
 
 def _code(fn, *args, **kwargs) -> tuple[grpc.StatusCode, str]:

@@ -86,14 +86,14 @@ def test_chunked_prefill_matches_hf(make_llm, arch, chunk):
     prompts = prompts_of_lengths(LENGTHS, VOCAB, seed=1)
     llm = make_llm(path, block_size=4, max_num_batched_tokens=chunk)
     steps = []
-    schedule = llm.engine.scheduler.schedule
+    schedule = llm.llm_engine.scheduler.schedule
 
     def spy():
         sched_out = schedule()
         steps.append([(s.start_pos, s.num_tokens) for s in sched_out.seqs])
         return sched_out
 
-    llm.engine.scheduler.schedule = spy
+    llm.llm_engine.scheduler.schedule = spy
     outputs = llm.generate(prompts, greedy(logprobs=0))
     check_against_hf(path, prompts, outputs)
     assert max(sum(n for _, n in st) for st in steps) <= chunk
@@ -114,16 +114,16 @@ def test_prefix_cache_hits_match_hf_and_uncached_run(make_llm):
     out1 = cached.generate(batch1, greedy(logprobs=0))
     # A follow-up turn: a prompt that extends an earlier prompt with its output.
     batch2.append(batch1[0] + out1[0].token_ids + [5, 6, 7])
-    hits_before = cached.engine.block_manager.hit_tokens
+    hits_before = cached.llm_engine.block_manager.hit_tokens
     out2 = cached.generate(batch2, greedy(logprobs=0))
-    hits = cached.engine.block_manager.hit_tokens - hits_before
+    hits = cached.llm_engine.block_manager.hit_tokens - hits_before
     assert hits > 0
     assert all(o.num_cached_tokens > 0 for o in out2)
     assert out2[-1].num_cached_tokens >= 16  # reused blocks that hold generated tokens
 
     plain = make_llm(path, block_size=4, enable_prefix_caching=False)
     ref2 = plain.generate(batch2, greedy(logprobs=0))
-    assert plain.engine.block_manager.hit_tokens == 0
+    assert plain.llm_engine.block_manager.hit_tokens == 0
     assert [o.token_ids for o in out2] == [o.token_ids for o in ref2]
     for a, b in zip(out2, ref2):
         assert all(abs(x[t] - y[t]) < ATOL for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids))
@@ -137,9 +137,9 @@ def test_preemption_under_tiny_kv_budget_matches_hf(make_llm, prefix_caching):
     prompts = prompts_of_lengths([5, 9, 13, 6, 3, 11], VOCAB, seed=3)
     n = 16
     # 10 blocks of 4 = 40 tokens of KV for 6 sequences that want up to 29 each.
-    llm = make_llm(path, block_size=4, num_blocks=10, enable_prefix_caching=prefix_caching)
+    llm = make_llm(path, block_size=4, num_gpu_blocks_override=10, enable_prefix_caching=prefix_caching)
     outputs = llm.generate(prompts, greedy(n, logprobs=0))
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.scheduler.num_preemptions > 0
     check_against_hf(path, prompts, outputs, n)
 
 
@@ -148,10 +148,10 @@ def test_chunking_prefix_cache_and_preemption_together_match_hf(make_llm):
     system = prompts_of_lengths([9], VOCAB, seed=11)[0]
     prompts = [system + t for t in prompts_of_lengths([1, 4, 7, 2, 10], VOCAB, seed=12)] + prompts_of_lengths([6, 15], VOCAB, seed=13)
     n = 12
-    llm = make_llm(path, block_size=4, num_blocks=14, max_num_batched_tokens=7, enable_prefix_caching=True)
+    llm = make_llm(path, block_size=4, num_gpu_blocks_override=14, max_num_batched_tokens=7, enable_prefix_caching=True)
     outputs = llm.generate(prompts, greedy(n, logprobs=0))
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.block_manager.hit_tokens > 0
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.block_manager.hit_tokens > 0
     check_against_hf(path, prompts, outputs, n)
 
 
@@ -228,7 +228,7 @@ def test_mistral_runs_up_to_its_sliding_window(make_llm):
 
     path = tiny_model("mistral")
     llm = make_llm(path, block_size=8)
-    assert llm.engine.max_model_len == MISTRAL_WINDOW
+    assert llm.llm_engine.max_model_len == MISTRAL_WINDOW
     prompt = prompts_of_lengths([30], VOCAB, seed=41)[0]
     out = llm.generate([prompt], greedy(64, logprobs=0))[0]
     assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == MISTRAL_WINDOW

@@ -89,7 +89,7 @@ def _expected_num_blocks(path: str, tp: int, pp: int) -> int:
 
 
 def _rank_cache_blocks(llm: LLM) -> list[int]:
-    return ray.get([w.__ray_call__.remote(lambda worker: worker.runner.kv_cache.shape[2]) for w in llm.engine.executor.workers],
+    return ray.get([w.__ray_call__.remote(lambda worker: worker.runner.kv_cache.shape[2]) for w in llm.llm_engine.executor.workers],
                    timeout=60)
 
 
@@ -106,7 +106,7 @@ def test_layout_matches_one_rank_and_hf(name: str, layout: str, references):
         # Every rank's cache is cut to the smallest stage's block count (block ids are shared).
         blocks = _expected_num_blocks(ref["path"], LAYOUTS[layout].get("tensor_parallel_size", 1),
                                       LAYOUTS[layout].get("pipeline_parallel_size", 1))
-        assert llm.engine.executor.num_blocks == blocks
+        assert llm.llm_engine.executor.num_blocks == blocks
         assert _rank_cache_blocks(llm) == [blocks] * llm.config.parallel.world_size
         greedy = llm.generate(PROMPTS, GREEDY)
         full = llm.generate(PROMPTS, FULL_LOGITS)
@@ -128,13 +128,13 @@ def test_layout_matches_one_rank_and_hf(name: str, layout: str, references):
 
 def test_killed_rank_fails_fast_with_its_name(references):
     llm = LLM(references["llama"]["path"], pipeline_parallel_size=2, **ENGINE_ARGS)
-    executor = llm.engine.executor
+    executor = llm.llm_engine.executor
     workers = list(executor.workers)
     assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == references["llama"]["hf"][:2]
 
     # Rank 1 (the second stage) dies between two steps of a generate: rank 0 then blocks on a send
     # that will never be received, and the executor must not wait for it.
-    steps, step = [0], llm.engine.step
+    steps, step = [0], llm.llm_engine.step
 
     def step_then_kill():
         steps[0] += 1
@@ -142,7 +142,7 @@ def test_killed_rank_fails_fast_with_its_name(references):
             ray.kill(workers[1])
         return step()
 
-    llm.engine.step = step_then_kill
+    llm.llm_engine.step = step_then_kill
     start = time.monotonic()
     with pytest.raises(ExecutorError, match=r"rank 1 \(pp=1, sp=0, tp=0\) died"):
         llm.generate(PROMPTS, GREEDY)

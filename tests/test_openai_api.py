@@ -356,17 +356,17 @@ def _recording_aborts(backend):
 def _slow_engine(backend, seconds_per_step: float = 0.01):
     """Each engine step takes at least this long, so a 200-token request outlives the client's exit
     (the tiny model would otherwise finish before the disconnect reaches the server)."""
-    real_step = backend.engine.step
+    real_step = backend.llm_engine.step
 
     def slow_step():
         time.sleep(seconds_per_step)
         return real_step()
 
-    backend.engine.step = slow_step
+    backend.llm_engine.step = slow_step
     try:
         yield
     finally:
-        del backend.engine.step
+        del backend.llm_engine.step
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(served):

@@ -77,7 +77,7 @@ def cluster(tmp_path_factory):
     config["grpc_options"]["port"] = ports["grpc"]
     config["proxy_location"] = "HeadOnly"
     args = config["applications"][0]["args"]
-    args.update(model=model, served_model_name=NAME, device="cpu", dtype="float32", num_blocks=64, block_size=8,
+    args.update(model=model, served_model_name=NAME, device="cpu", dtype="float32", num_gpu_blocks_override=64, block_size=8,
                 max_num_batched_tokens=128, max_num_seqs=16, max_waiting_requests=32, api_keys_env=None)
     args["prefill"] = {"num_replicas": 1, "tensor_parallel_size": 2}
     args["decode"] = {"num_replicas": 1, "tensor_parallel_size": 1}

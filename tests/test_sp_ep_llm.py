@@ -47,7 +47,7 @@ def generate(path: str, rounds: int = 1, **kwargs) -> tuple[list[list[list[int]]
     llm = LLM(path, **{**ENGINE_ARGS, **kwargs})
     try:
         outs = [[o.token_ids for o in llm.generate(PROMPTS, GREEDY)] for _ in range(rounds)]
-        return outs, llm.engine.stats()
+        return outs, llm.llm_engine.stats()
     finally:
         llm.shutdown()
 
@@ -75,8 +75,8 @@ def test_sequence_parallel_matches_one_rank_and_hf():
     path = tiny_model("llama")
     hf = hf_greedy(path, PROMPTS, MAX_TOKENS)
     # 14 blocks of 4 tokens per rank: the 41-token prompt alone takes 6 blocks of each rank's 14.
-    (one, one_again), _ = generate(path, rounds=2, num_blocks=28)
-    (sp, sp_again), stats = generate(path, rounds=2, num_blocks=14, sequence_parallel_size=2)
+    (one, one_again), _ = generate(path, rounds=2, num_gpu_blocks_override=28)
+    (sp, sp_again), stats = generate(path, rounds=2, num_gpu_blocks_override=14, sequence_parallel_size=2)
     assert one == one_again == hf
     assert sp == hf and sp_again == hf
     assert stats["num_blocks"] == 28  # two pools of 14

@@ -1,19 +1,25 @@
-"""One pydantic config tree for the engine, shared by the CLI, the Serve app args and `workers.LLM`.
+"""The engine's config, declared once and used by every surface.
+
+`EngineConfig` is the tree the engine reads (model, parallel, cache, scheduler sections).
+`EngineArgs` is the same fields flattened, with vLLM's names: `LLM(**kwargs)`, the served app's
+config (router/config.py subclasses it) and every `tandem` CLI flag (tandem/flags.py) are generated
+from it, so an argument has one name, one default and one validation everywhere.
 
 Validation happens here, once: a bad value raises `ValueError` (pydantic's `ValidationError` is a
 subclass) with the field's name, before any weights are touched.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, create_model, model_validator
 
-from parallel.config import ParallelConfig
+from parallel.config import ParallelConfig, StrictModel
 
 # The shipped tiny model: the default of every surface (CLI, Serve args, demo) when no model is given.
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "tandem-tiny")
@@ -25,21 +31,20 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
-
-
-class ModelConfig(_Strict):
+class ModelConfig(StrictModel):
     """What to load and how to run it."""
 
     model: str = Field(description="Path to a Hugging Face model folder (config.json + safetensors).")
     tokenizer: str | None = Field(default=None, description="Tokenizer folder; defaults to `model`.")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(default="auto", description="auto: float32 on "
+                                                                     "CPU, the checkpoint's half type on GPU.")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when available.")
     max_model_len: int | None = Field(default=None, gt=0, description="Prompt + output limit; defaults to the model's.")
-    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
-    seed: int = 0
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    load_format: Literal["auto", "safetensors", "dummy"] = Field(default="auto", description="dummy: random weights "
+                                                                 "of the real shapes (benchmarks).")
+    seed: int = Field(default=0, description="Seed of the sampler and of dummy weights.")
+    attention_backend: Literal["auto", "torch", "triton"] = Field(default="auto", description="auto: triton on "
+                                                                  "GPU, torch (the reference) on CPU.")
     enforce_eager: bool = Field(default=False, description="CUDA: no decode CUDA graphs (every step runs eagerly).")
 
     @model_validator(mode="after")
@@ -69,47 +74,99 @@ class ModelConfig(_Strict):
             return json.load(f)
 
 
-class CacheConfig(_Strict):
+class CacheConfig(StrictModel):
     """Paged KV cache: block size and how many blocks (from a memory budget, or given)."""
 
-    block_size: int = Field(default=16, ge=1, le=1024)
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
-    cpu_kv_cache_bytes: int = Field(default=1 << 30, gt=0, description="KV budget per rank on CPU.")
-    num_blocks: int | None = Field(default=None, gt=0, description="Override the budget: exact block count.")
+    block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV block.")
+    enable_prefix_caching: bool = Field(default=True, description="Reuse the KV of a shared prompt prefix.")
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0, description="Share of GPU memory for "
+                                          "weights, activations and the KV cache.")
+    cpu_kv_cache_bytes: int = Field(default=1 << 30, gt=0, description="KV budget per rank on CPU, in bytes.")
+    num_gpu_blocks_override: int | None = Field(default=None, gt=0, description="Exact KV block count per rank, "
+                                                "instead of the memory budget (on CPU too).")
     kv_lease_seconds: float = Field(default=60.0, gt=0, description="Disaggregation: how long KV is held for / reserved "
                                     "awaiting the peer pool before it is freed.")
     kv_transfer_timeout_seconds: float = Field(default=60.0, gt=0, description="Disaggregation: the longest one KV "
                                                "handoff (pair-group set-up, or one request's send/receive) may take.")
 
 
-class SchedulerConfig(_Strict):
+class SchedulerConfig(StrictModel):
     """Continuous batching limits. Prefill is chunked to fit `max_num_batched_tokens` per step."""
 
-    max_num_seqs: int = Field(default=256, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
-    max_waiting_requests: int | None = Field(default=None, ge=1, description="Queue bound; None = unbounded.")
+    max_num_seqs: int = Field(default=256, ge=1, description="Most sequences in one batch.")
+    max_num_batched_tokens: int = Field(default=2048, ge=1, description="Most tokens in one step; prefill is "
+                                        "chunked to fit.")
+    max_waiting_requests: int | None = Field(default=None, ge=1, description="Queue bound beyond which requests "
+                                             "are refused (429 when served); unset = unbounded.")
 
 
-class EngineConfig(_Strict):
+SECTIONS: dict[str, type[StrictModel]] = {
+    "model": ModelConfig, "parallel": ParallelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+class EngineConfig(StrictModel):
+    """The engine's config tree; build it from flat arguments with `from_kwargs` or `EngineArgs`."""
+
     model: ModelConfig
     parallel: ParallelConfig = ParallelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
-        """Build from flat, vLLM-style keyword arguments (`LLM(...)`, the CLI, the Serve args)."""
-        sections = {"model": ModelConfig, "parallel": ParallelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
-        grouped: dict[str, dict] = {name: {} for name in sections}
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from flat, vLLM-style keyword arguments; None means "the default"."""
+        grouped: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
         for key, value in kwargs.items():
-            owner = next((name for name, cfg in sections.items() if key in cfg.model_fields), None)
+            owner = next((name for name, cfg in SECTIONS.items() if key in cfg.model_fields), None)
             if owner is None:
-                raise ValueError(f"unknown engine argument {key!r}")
+                raise ValueError(unknown_argument_message(key))
             if value is not None:
                 grouped[owner][key] = value
-        return cls(**{name: sections[name](**vals) for name, vals in grouped.items()})
+        return cls(**{name: SECTIONS[name](**vals) for name, vals in grouped.items()})
 
-    @staticmethod
-    def flat_fields() -> list[str]:
-        return [f for cfg in (ModelConfig, ParallelConfig, CacheConfig, SchedulerConfig) for f in cfg.model_fields]
+
+def unknown_argument_message(key: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(key, list(EngineArgs.model_fields), n=1)
+    return f"unknown engine argument {key!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+
+
+class _EngineArgsBase(StrictModel):
+    """Methods of `EngineArgs`; its fields are generated below from the sections."""
+
+    def given(self) -> dict[str, Any]:
+        """The arguments set explicitly, so that the sections' own defaults and rules apply to the rest
+        (e.g. expert_parallel_size given alone implies the same tensor_parallel_size)."""
+        return {name: getattr(self, name) for name in self.model_fields_set if name in ENGINE_FIELDS}
+
+    def parallel_config(self) -> ParallelConfig:
+        given = self.given()
+        return ParallelConfig(**{k: v for k, v in given.items() if k in ParallelConfig.model_fields})
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's tree; checks the model folder exists on this node."""
+        return EngineConfig.from_kwargs(**{"model": self.model, **self.given()})
+
+    @model_validator(mode="after")
+    def _valid_rank_grid(self) -> "_EngineArgsBase":
+        self.parallel_config()  # the grid's own rules (EP spans a stage, ...) without loading anything
+        return self
+
+
+def _flat_fields() -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for section in SECTIONS.values():
+        for name, info in section.model_fields.items():
+            info = copy.deepcopy(info)
+            if name == "model":  # every surface defaults to the shipped tiny model
+                info.default = DEFAULT_MODEL
+            fields[name] = (info.annotation, info)
+    return fields
+
+
+# The flat engine arguments. The model folder is not checked here (a Serve head node validating the
+# app's args often has no weights); `engine_config()` checks it where the model loads.
+EngineArgs = create_model("EngineArgs", __base__=_EngineArgsBase, __module__=__name__, **_flat_fields())
+EngineArgs.__doc__ = "Every engine argument, flat, with vLLM's names: `LLM(**kwargs)`, the served config, the CLI."
+ENGINE_FIELDS: tuple[str, ...] = tuple(_flat_fields())

@@ -131,8 +131,8 @@ class ModelRunner:
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
-        if cache.num_blocks is not None:
-            return cache.num_blocks
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
         per_block = self.kv_bytes_per_block()
         if self.device.type == "cuda":
             budget = self._gpu_kv_budget()

@@ -23,7 +23,7 @@ def test_prefill_gpu0_to_decode_gpu1_matches_single_gpu():
 
     ray.init(num_gpus=2, num_cpus=8, include_dashboard=False, ignore_reinit_error=True)
     try:
-        kwargs = dict(model=MODEL, device="cuda", dtype="bfloat16", block_size=16, num_blocks=256,
+        kwargs = dict(model=MODEL, device="cuda", dtype="bfloat16", block_size=16, num_gpu_blocks_override=256,
                       distributed_executor_backend="ray")
         prefill = PrefillReplica(LLMEngine(EngineConfig.from_kwargs(**kwargs), show_progress=False))
         decode_engine = LLMEngine(EngineConfig.from_kwargs(**kwargs), show_progress=False)
@@ -46,11 +46,11 @@ def test_prefill_gpu0_to_decode_gpu1_matches_single_gpu():
         ranks = {ray.get(w.kv.remote("get_shard")).rank: None for w in prefill.executor.workers}
         assert ranks  # the prefill ranks answered over Ray
         assert len(decode.transfers) == len(prompts) and all(s.bytes > 0 for s in decode.transfers)
-        assert decode.engine.engine.block_manager.num_used_blocks == 0
-        assert prefill.engine.engine.block_manager.num_used_blocks == 0
+        assert decode.llm_engine.block_manager.num_used_blocks == 0
+        assert prefill.llm_engine.block_manager.num_used_blocks == 0
         for executor in (prefill.executor, decode.executor):
             executor.shutdown()
     finally:
         ray.shutdown()
-    want = LLM(MODEL, device="cuda", dtype="bfloat16", block_size=16, num_blocks=256, show_progress=False).generate(prompts, params)
+    want = LLM(MODEL, device="cuda", dtype="bfloat16", block_size=16, num_gpu_blocks_override=256, show_progress=False).generate(prompts, params)
     assert got == [o.token_ids for o in want]

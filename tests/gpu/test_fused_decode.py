@@ -90,7 +90,7 @@ def test_rope_epilogue(hq, hkv, d, bias):
 
 
 def _runner(llm):
-    eng = llm.engine
+    eng = llm.llm_engine
     return getattr(eng, "runner", None) or eng.executor.runner
 
 
@@ -113,7 +113,7 @@ def test_fused_decode_graph_matches_unfused(arch, overrides, monkeypatch):
     # No prefix caching: the second pass must prefill exactly as the first (a prefix hit would read the
     # prompt's keys from the cache in other tiles, moving logprobs by bf16 rounding), so only decode differs.
     llm = LLM(path, device="cuda", dtype="bfloat16", attention_backend="triton", max_model_len=256, block_size=16,
-              num_blocks=128, max_num_seqs=4, enable_prefix_caching=False, show_progress=False)
+              num_gpu_blocks_override=128, max_num_seqs=4, enable_prefix_caching=False, show_progress=False)
     try:
         runner = _runner(llm)
         assert calls, "the batch-1 graph was not captured through the fused path"
@@ -124,7 +124,7 @@ def test_fused_decode_graph_matches_unfused(arch, overrides, monkeypatch):
         runner.cuda_graphs = runner._capture_cuda_graphs()
         unfused = [llm.generate([p], params)[0] for p in prompts]
     finally:
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
     for f, u in zip(fused, unfused):
         assert f.token_ids == u.token_ids
         lf = [lp[t] for lp, t in zip(f.logprobs, f.token_ids)]

@@ -21,7 +21,7 @@ _HF: dict = {}
 
 
 def _runner(llm):
-    eng = llm.engine
+    eng = llm.llm_engine
     return getattr(eng, "runner", None) or eng.executor.runner
 
 
@@ -80,12 +80,12 @@ def test_greedy_matches_hf_bf16(arch, overrides, enforce_eager):
         hf_gaps.append(_hf32_gap(path, prompts[i] + hf32[i][:j], hf32[i][j], hf16[i][j]))
     tol = max([NEAR_TIE] + hf_gaps)
     llm = LLM(path, device="cuda", dtype="bfloat16", attention_backend="triton", max_model_len=256, block_size=16,
-              num_blocks=256, max_num_seqs=16, enforce_eager=enforce_eager, show_progress=False)
+              num_gpu_blocks_override=256, max_num_seqs=16, enforce_eager=enforce_eager, show_progress=False)
     try:
         assert (_runner(llm).cuda_graphs is None) == enforce_eager
         outs = llm.generate([prompts[i] for i in stable], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
     finally:
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
     exact, gaps = 0, []
     for i, o in zip(stable, outs):
         got, want = o.token_ids, hf32[i]

@@ -30,7 +30,7 @@ LAYOUTS = {
     "tp2pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2),
 }
 # A fixed block count: no memory profiling, and the one-GPU reference leaves room for the ranks.
-ENGINE_ARGS = dict(device="cuda", dtype="float32", num_blocks=256, block_size=16, max_num_batched_tokens=24,
+ENGINE_ARGS = dict(device="cuda", dtype="float32", num_gpu_blocks_override=256, block_size=16, max_num_batched_tokens=24,
                    max_num_seqs=8, show_progress=False)
 MAX_TOKENS = 8
 PROMPTS = prompts_of_lengths([5, 17, 9, 30, 3], vocab_size=290, seed=7)
@@ -89,7 +89,7 @@ def test_layout_matches_one_gpu_and_hf(name: str, layout: str, references):
     llm = LLM(ref["path"], **args, **ENGINE_ARGS)
     try:
         # TP-only layouts replay decode CUDA graphs on every rank; pipeline stages run eagerly
-        graph_sizes = ray.get([w.cuda_graph_sizes.remote() for w in llm.engine.executor.workers])
+        graph_sizes = ray.get([w.cuda_graph_sizes.remote() for w in llm.llm_engine.executor.workers])
         assert all(bool(s) == ("pipeline_parallel_size" not in args) for s in graph_sizes), graph_sizes
         greedy = llm.generate(PROMPTS, GREEDY)
         full = llm.generate(PROMPTS, FULL_LOGITS)
@@ -105,7 +105,7 @@ def test_layout_matches_one_gpu_and_hf(name: str, layout: str, references):
 
 def test_killed_rank_fails_fast(references):
     llm = LLM(references["llama"]["path"], tensor_parallel_size=2, **ENGINE_ARGS)
-    workers = list(llm.engine.executor.workers)
+    workers = list(llm.llm_engine.executor.workers)
     llm.generate(PROMPTS[:1], GREEDY)
     ray.kill(workers[1])
     start = time.monotonic()

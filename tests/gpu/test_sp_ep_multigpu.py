@@ -16,7 +16,7 @@ NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 CUDA GPUs")]
 
 # Prompts of up to 6 blocks; a 32-token budget chunks the long ones and mixes them with decodes.
-ENGINE_ARGS = dict(device="cuda", dtype="float32", num_blocks=128, block_size=16, max_num_batched_tokens=32,
+ENGINE_ARGS = dict(device="cuda", dtype="float32", num_gpu_blocks_override=128, block_size=16, max_num_batched_tokens=32,
                    max_num_seqs=8, show_progress=False)
 MAX_TOKENS = 8
 PROMPTS = prompts_of_lengths([5, 40, 17, 90, 33], vocab_size=290, seed=5)
@@ -58,7 +58,7 @@ def test_sp_ep_layout_matches_hf(case: str):
     try:
         first = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         again = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]  # prefix-cache hits
-        hits = llm.engine.stats()["prefix_hit_tokens"]
+        hits = llm.llm_engine.stats()["prefix_hit_tokens"]
     finally:
         llm.shutdown()
     ref = hf_greedy(path, PROMPTS, MAX_TOKENS)

@@ -210,4 +210,4 @@ def test_serving_compiles_no_attention_kernel():
         assert all(len(o.token_ids) == 12 for o in outs)
         assert variants() == before
     finally:
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()

@@ -1,0 +1,143 @@
+"""Running the served app in the foreground: from a full Serve config file or from bare app args.
+
+`ServeSpec` is what `serve deploy` would read (http/gRPC options and every application), so
+`tandem serve --config deploy/serve_config.yaml` honours the same file a cluster runs. `start`
+brings up local Ray and Serve and deploys each application; `wait_ready` returns only once a real
+one-token completion succeeds, so "ready" means the first request of a client will too.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+TANDEM_IMPORT_PATH = "router.app:build_app"
+GRPC_SERVICER = "router.proto.inference_pb2_grpc.add_InferenceServicer_to_server"
+
+
+@dataclass
+class ServeSpec:
+    """Serve's http_options, grpc_options and applications (each: name, route_prefix, import_path, args)."""
+
+    applications: list[dict[str, Any]]
+    http_options: dict[str, Any] = field(default_factory=dict)
+    grpc_options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_file_content(cls, loaded: dict[str, Any]) -> "ServeSpec":
+        """A Serve config (with `applications`) or a bare mapping of app args."""
+        if "applications" not in loaded:
+            return cls.from_args(loaded)
+        apps = [dict(app) for app in loaded["applications"]]
+        if not apps:
+            raise ValueError("the Serve config has no applications")
+        for app in apps:
+            app.setdefault("name", "default")
+            app.setdefault("route_prefix", "/")
+            app.setdefault("args", {})
+            if "import_path" not in app:
+                raise ValueError(f"application {app['name']!r} has no import_path")
+        return cls(apps, dict(loaded.get("http_options") or {}), dict(loaded.get("grpc_options") or {}))
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any], name: str = "tandem") -> "ServeSpec":
+        app = {"name": name, "route_prefix": "/", "import_path": TANDEM_IMPORT_PATH, "args": dict(args)}
+        return cls([app], {"host": "0.0.0.0", "port": 8000}, {"port": 9000})
+
+    def tandem_app(self) -> dict[str, Any]:
+        """The application Tandem serves (the first one built by router.app)."""
+        for app in self.applications:
+            if app["import_path"] == TANDEM_IMPORT_PATH:
+                return app
+        raise ValueError(f"no application with import_path {TANDEM_IMPORT_PATH!r} in the Serve config")
+
+    def override(self, host: str | None = None, port: int | None = None, grpc_port: int | None = None,
+                 args: dict[str, Any] | None = None) -> None:
+        """Command-line values win over the file's."""
+        if host is not None:
+            self.http_options["host"] = host
+        if port is not None:
+            self.http_options["port"] = port
+        if grpc_port is not None:
+            self.grpc_options["port"] = grpc_port
+        if args:
+            self.tandem_app()["args"].update(args)
+
+    @property
+    def http_host(self) -> str:
+        return self.http_options.get("host", "127.0.0.1")
+
+    @property
+    def http_port(self) -> int:
+        return int(self.http_options.get("port", 8000))
+
+    @property
+    def grpc_port(self) -> int:
+        return int(self.grpc_options.get("port", 9000))
+
+    def local_url(self) -> str:
+        """Where this machine reaches the HTTP proxy."""
+        host = self.http_host
+        return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{self.http_port}"
+
+
+def _build(app: dict[str, Any]):
+    """Serve's rule for import_path: an application builder is called with the args, a bound
+    application is used as is."""
+    from ray.serve import Application
+
+    module, _, attr = app["import_path"].partition(":")
+    if not attr:
+        module, _, attr = app["import_path"].rpartition(".")
+    target = getattr(importlib.import_module(module), attr)
+    return target if isinstance(target, Application) else target(app["args"])
+
+
+def start(spec: ServeSpec, verbose: bool = False) -> None:
+    """Local Ray (unless one is running) and Serve with the spec's proxies, then every application."""
+    import logging
+
+    import ray
+    from ray import serve
+    from ray.serve.schema import LoggingConfig
+
+    if not ray.is_initialized():
+        # Pool ranks are Ray actors taking one CPU each; ask for enough slots even on a 2-core machine.
+        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
+                 logging_level=logging.INFO if verbose else logging.ERROR,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    grpc = dict(spec.grpc_options)
+    grpc["grpc_servicer_functions"] = list(dict.fromkeys([*grpc.get("grpc_servicer_functions", []), GRPC_SERVICER]))
+    logging_config = LoggingConfig(log_level="INFO" if verbose else "WARNING")
+    serve.start(http_options=spec.http_options, grpc_options=grpc, logging_config=logging_config)
+    for app in spec.applications:
+        serve.run(_build(app), name=app["name"], route_prefix=app["route_prefix"], blocking=False,
+                  logging_config=logging_config)
+
+
+def wait_ready(base_url: str, model: str, timeout_s: float, api_key: str | None = None) -> float:
+    """Poll with a one-token completion until one succeeds; the seconds it took. A 4xx other than 404
+    (routes not up yet) or 429/503 (replicas starting) means a bad configuration: raised at once."""
+    body = json.dumps({"model": model, "prompt": "ready?", "max_tokens": 1, "temperature": 0.0}).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    t0 = time.monotonic()
+    last = "no answer"
+    while time.monotonic() - t0 < timeout_s:
+        request = urllib.request.Request(f"{base_url}/v1/completions", data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                json.load(r)
+                return time.monotonic() - t0
+        except urllib.error.HTTPError as e:
+            last = f"HTTP {e.code}: {e.read()[:300].decode(errors='replace')}"
+            if 400 <= e.code < 500 and e.code not in (404, 408, 429):
+                raise RuntimeError(f"the app refused a test request: {last}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError) as e:
+            last = str(e)
+        time.sleep(0.5)
+    raise TimeoutError(f"the app at {base_url} did not answer a request within {timeout_s:.0f}s (last: {last})")
