@@ -19,10 +19,14 @@ class ParallelConfig(StrictModel):
     tensor_parallel_size=N (attention tensor-parallel over the N ranks, whole experts spread over them).
     """
 
-    tensor_parallel_size: int = Field(default=1, ge=1)
-    pipeline_parallel_size: int = Field(default=1, ge=1)
-    sequence_parallel_size: int = Field(default=1, ge=1)
-    expert_parallel_size: int = Field(default=1, ge=1)
+    tensor_parallel_size: int = Field(default=1, ge=1, description="Ranks each layer's weights are split over "
+                                      "(attention heads, MLP columns/rows).")
+    pipeline_parallel_size: int = Field(default=1, ge=1, description="Stages the layers are split into, one "
+                                        "group of ranks each.")
+    sequence_parallel_size: int = Field(default=1, ge=1, description="Ranks a long prompt's tokens are split "
+                                        "over (ring attention); prefill pools and colocated replicas.")
+    expert_parallel_size: int = Field(default=1, ge=1, description="MoE: ranks the experts are spread over: 1, "
+                                      "or all the TP x SP ranks of a stage (alone, it sets the TP size too).")
     distributed_executor_backend: Literal["auto", "ray", "uni"] = Field(
         default="auto", description="auto: in-process (uni) for one rank, Ray actors for more. Served pools always use ray.")
     rank_resources: dict[str, float] = Field(

@@ -7,7 +7,6 @@ flags and JSON output are unchanged.
 from __future__ import annotations
 
 import ast
-import runpy
 import sys
 from pathlib import Path
 
@@ -39,7 +38,8 @@ def run(name: str, argv: list[str]) -> int:
     saved = sys.argv
     sys.argv = [f"tandem bench {name}", *argv]
     try:
-        runpy.run_path(str(path), run_name="__main__")
+        # Not runpy.run_path: it resets argv[0] to the file, and the usage line should read `tandem bench NAME`.
+        exec(compile(path.read_text(), str(path), "exec"), {"__name__": "__main__", "__file__": str(path)})
     except SystemExit as e:  # a script's sys.exit(code) or argparse's exit
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:

@@ -57,7 +57,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
                             seed=ns.sampling_seed, stop=ns.stop or [], ignore_eos=ns.ignore_eos)
-    llm = LLM(show_progress=False, **EngineArgs(**collect(ns, ENGINE_FIELDS)).given())
+    args = EngineArgs(**collect(ns, ENGINE_FIELDS))
+    llm = LLM(**{**args.given(), "model": args.model}, show_progress=False)
     prompts = ns.prompt or ["def fibonacci(n):"]
     try:
         outs = [llm.chat([{"role": "user", "content": p}], params) for p in prompts] if ns.chat \

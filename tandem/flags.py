@@ -17,6 +17,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from workers.config import DEFAULT_MODEL
+
 
 def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
@@ -54,6 +56,8 @@ def _default_text(info: FieldInfo) -> str:
         return "required"
     if info.default is None:
         return "unset"
+    if info.default == DEFAULT_MODEL:
+        return "the shipped models/tandem-tiny"
     return str(info.default).lower() if isinstance(info.default, bool) else str(info.default)
 
 
