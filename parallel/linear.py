@@ -111,20 +111,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.kv_head_start = group.rank * self.num_kv_heads
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        # Built directly at the per-rank size (kv heads may be replicated, so not total/tp).
-        nn.Module.__init__(self)
-        self.group = group
-        self.input_size = hidden_size
-        self.output_size_per_rank = self.q_size + 2 * self.kv_size
-        self.gather_output = False
-        self.weight = set_weight_loader(
-            nn.Parameter(torch.empty(self.output_size_per_rank, hidden_size), requires_grad=False), self.weight_loader
-        )
-        self.bias = (
-            set_weight_loader(nn.Parameter(torch.empty(self.output_size_per_rank), requires_grad=False), self.weight_loader)
-            if bias
-            else None
-        )
+        # The per-rank width is q + k + v of this rank's heads; KV heads may be replicated, so the
+        # whole output is that width times tp (not num_heads + 2 * num_kv_heads heads).
+        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp, bias=bias, group=group)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:  # type: ignore[override]
         if shard_id == "q":

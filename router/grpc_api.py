@@ -13,8 +13,10 @@ aborted on the way out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable
 
 import grpc
@@ -47,6 +49,14 @@ def _metadata(grpc_context: Any) -> dict[str, str]:
     return {k.lower(): v for k, v in (grpc_context.invocation_metadata() or ())}
 
 
+@dataclass
+class _Call:
+    """What an RPC body gets from `InferenceServicer._call`."""
+    req: GenerateRequest
+    fanout: Fanout
+    timer: RequestTimer
+
+
 class InferenceServicer:
     def __init__(self, backend: Backend, api_keys: Iterable[str] = (), request_timeout_s: float | None = None):
         self.backend = backend
@@ -55,33 +65,30 @@ class InferenceServicer:
 
     # ---- RPCs ----
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any) -> pb.GenerateResponse:
-        timer, fanout = RequestTimer(), None
-        try:
-            req = await self._prepare(request, grpc_context)
-            fanout = Fanout(self.backend, [req], self._timeout(grpc_context))
-            [out] = await fanout.final_outputs(lambda o: timer.token(len(o.new_token_ids)))
+        async with self._call(request, grpc_context) as call:
+            [out] = await call.fanout.final_outputs(lambda o: call.timer.token(len(o.new_token_ids)))
             self._check_not_aborted(out)
-            timer.finish("ok")
-            return self._response(req, out, out.text, out.token_ids)
-        except asyncio.CancelledError:
-            timer.finish("cancelled")
-            raise
-        except Exception as e:
-            self._fail(grpc_context, e, timer)
-        finally:
-            if fanout is not None:
-                await fanout.aclose()
+            return self._response(call.req, out, out.text, out.token_ids)
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        async with self._call(request, grpc_context) as call:
+            async for _, out in call.fanout:
+                call.timer.token(len(out.new_token_ids))
+                self._check_not_aborted(out)
+                if out.new_text or out.new_token_ids or out.finished:
+                    yield self._response(call.req, out, out.new_text, out.new_token_ids)
+
+    # ---- helpers ----
+    @contextlib.asynccontextmanager
+    async def _call(self, request: pb.GenerateRequest, grpc_context: Any) -> AsyncIterator[_Call]:
+        """One RPC's shared skeleton: authenticate and parse the request, start its `Fanout` under the
+        timeout, and on the way out record the outcome, map a failure to its gRPC status (`_fail`) and
+        abort the backend request (a cancelled client cancels the handler task)."""
         timer, fanout = RequestTimer(), None
         try:
             req = await self._prepare(request, grpc_context)
             fanout = Fanout(self.backend, [req], self._timeout(grpc_context))
-            async for _, out in fanout:
-                timer.token(len(out.new_token_ids))
-                self._check_not_aborted(out)
-                if out.new_text or out.new_token_ids or out.finished:
-                    yield self._response(req, out, out.new_text, out.new_token_ids)
+            yield _Call(req, fanout, timer)
             timer.finish("ok")
         except asyncio.CancelledError:
             timer.finish("cancelled")
@@ -92,7 +99,6 @@ class InferenceServicer:
             if fanout is not None:
                 await fanout.aclose()
 
-    # ---- helpers ----
     def _fail(self, grpc_context: Any, exc: Exception, timer: RequestTimer) -> None:
         err = api_error(exc)
         timer.finish(err.status_tag)

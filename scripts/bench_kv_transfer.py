@@ -28,7 +28,6 @@ import json
 import platform
 import queue
 import random
-import socket
 import statistics
 import sys
 import time
@@ -43,6 +42,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from parallel.net import free_port  # noqa: E402
 from workers.kv_transfer.blocks import gather_blocks, scatter_blocks  # noqa: E402
 from workers.kv_transfer.plan import RankShard, plan_transfers  # noqa: E402
 from workers.kv_transfer.transport import KVTransferAgent, PairSpec  # noqa: E402
@@ -68,12 +68,6 @@ class Shape:
 
 
 # ---------------------------------------------------------------- two processes, one GPU each
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_device(rank: int, device_type: str) -> torch.device:
@@ -108,7 +102,7 @@ def run_pair(fn: Callable[[int, Any], Any], args: Any, device_type: str = "cuda"
         raise RuntimeError(f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_child, args=(rank, port, device_type, fn, args, results), daemon=True) for rank in range(2)]
     for p in procs:
         p.start()

@@ -208,7 +208,7 @@ def linear_params(params: dict[str, torch.Tensor], cfg) -> int:
     return n_lin
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-3.1-8b", help="a name in scripts/model_shapes.py (dummy weights)")
     p.add_argument("--model", default=None, help="a model folder instead of --shape")
@@ -225,7 +225,11 @@ def main() -> None:
     p.add_argument("--prefill-lens", default="2048,8192")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--out", default="bench_results/bench_latency.json")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_latency needs a CUDA GPU")
 
@@ -250,6 +254,17 @@ def main() -> None:
         report["hf"] = hf_decode(model_dir, prompt, args.gen_len)
         print(f"HF generate: {report['hf']['decode_tok_per_s']:.1f} tok/s", flush=True)
 
+    bench_tandem(args, model_dir, cfg, prompt, prefill_lens, report, bw, mm)
+    print_summary(report, bw)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+def bench_tandem(args: argparse.Namespace, model_dir: str, cfg, prompt: list[int], prefill_lens: list[int], report: dict,
+                 bw: float, mm: float) -> None:
+    """Decode (and, for graphs, prefill) of each --modes variant into report["tandem"], with the roofline."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
     max_len = max([args.prompt_len + args.gen_len + 64] + [n + 64 for n in prefill_lens])
@@ -285,6 +300,8 @@ def main() -> None:
         del llm
         free_cuda()
 
+
+def print_summary(report: dict, bw: float) -> None:
     print(f"\n{report['gpu']}  copy {bw / 1e12:.2f} TB/s  weights {report['weight_bytes'] / 1e9:.2f} GB "
           f"(read per step {report['weight_bytes_read'] / 1e9:.2f} GB)  KV/step {report['kv_bytes_per_step'] / 1e6:.1f} MB")
     print(f"roofline: {report['roofline_tok_per_s']:.1f} tok/s (all weights), {report['roofline_read_tok_per_s']:.1f} (bytes read)")
@@ -299,10 +316,6 @@ def main() -> None:
         for pr in r.get("prefill", []):
             print(f"  prefill {pr['tokens']:5d} tok: {1e3 * pr['seconds']:.1f} ms, {pr['tflops']:.0f} TFLOP/s, "
                   f"MFU {100 * pr['mfu_vs_datasheet']:.1f}% of {H100_BF16_DENSE_TFLOPS:.0f} ({100 * pr['mfu_vs_measured_matmul']:.1f}% of measured matmul)")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ import sys
 import sysconfig
 import textwrap
 import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 BOS = EOS = PAD = "<|endoftext|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -231,28 +233,48 @@ def build_stream(token_lists, eos_id: int):
     return torch.tensor(flat, dtype=torch.long), starts
 
 
-def main() -> int:
-    args = parse_args()
-    os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))  # tokenizers' thread pool
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if args.threads > 1 else "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+@dataclass
+class Data:
+    """The corpus, the tokenizer as shipped, and the token streams the training draws from."""
+    train_docs: list
+    val_docs: list
+    n_files: int
+    train_bytes: int
+    val_bytes: int
+    tok: Any
+    eos_id: int
+    im_end_id: int
+    vocab: int
+    train_stream: Any
+    val_stream: Any
+    chats_train: list
+    chat_stream: Any
+    chat_starts: list[int]
+    chat_val_stream: Any
+    chat_val_starts: list[int]
 
-    import torch
-    import torch.nn.functional as F
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
-    t_start = time.time()
-    out = args.out
-    os.makedirs(out, exist_ok=True)
+@dataclass
+class TrainResult:
+    steps: int
+    history: list[tuple[int, float]]
+    train_s: float
+    final_train: float
+    val_fp32: float
 
+
+def make_logger(t_start: float) -> Callable[[str], None]:
     def log(msg: str) -> None:
         print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
 
-    # 1. corpus
+    return log
+
+
+def prepare_data(args: argparse.Namespace, rng: random.Random, log: Callable[[str], None]) -> Data:
+    """1. gather the corpus, 2. train and save the tokenizer, then tokenize documents and chat samples."""
+    from transformers import AutoTokenizer
+
+    out = args.out
     train_docs, val_docs, root, n_files = gather_corpus(
         int(args.max_corpus_mb * 1e6), args.max_file_kb * 1000, args.val_every
     )
@@ -261,7 +283,6 @@ def main() -> int:
     log(f"corpus: {n_files} files from {root}: train {len(train_docs)} files / {train_bytes / 1e6:.2f} MB, "
         f"val {len(val_docs)} files / {val_bytes / 1e6:.2f} MB")
 
-    # 2. tokenizer
     hf_tok = train_tokenizer(train_docs, args.vocab_size)
     save_tokenizer(hf_tok, out)
     tok = AutoTokenizer.from_pretrained(out)  # use exactly what we ship
@@ -285,8 +306,16 @@ def main() -> int:
     log(f"tokens: train {len(train_stream):,} ({train_bytes / len(train_stream):.2f} bytes/token), "
         f"val {len(val_stream):,}; chat samples: train {len(chats_train):,} ({len(chat_stream):,} tokens), "
         f"val {len(chats_val):,}")
+    return Data(train_docs=train_docs, val_docs=val_docs, n_files=n_files, train_bytes=train_bytes,
+                val_bytes=val_bytes, tok=tok, eos_id=eos_id, im_end_id=im_end_id, vocab=vocab,
+                train_stream=train_stream, val_stream=val_stream, chats_train=chats_train, chat_stream=chat_stream,
+                chat_starts=chat_starts, chat_val_stream=chat_val_stream, chat_val_starts=chat_val_starts)
 
-    # 3. model
+
+def build_model(args: argparse.Namespace, vocab: int, eos_id: int):
+    """3. a freshly initialised LlamaForCausalLM of the requested shape."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=args.hidden_size,
@@ -305,64 +334,88 @@ def main() -> int:
         initializer_range=0.02,
         architectures=["LlamaForCausalLM"],
     )
-    model = LlamaForCausalLM(config)
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"model: {n_params:,} parameters")
+    return LlamaForCausalLM(config)
+
+
+def make_optimizer(args: argparse.Namespace, model):
+    """AdamW, with weight decay on the matrices only."""
+    import torch
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
     )
+
+
+def lr_at(args: argparse.Namespace, step: int, frac: float) -> float:
+    """Linear warmup over --warmup-steps, then cosine decay to --min-lr-ratio as `frac` goes 0 -> 1."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    frac = min(max(frac, 0.0), 1.0)
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def sample_batch(args: argparse.Namespace, data: Data, g: random.Random):
+    """A [batch, seq_len + 1] batch of random windows: corpus text, or (--chat-frac of rows) chat samples."""
+    import torch
+
     L = args.seq_len
-    budget_s = args.minutes * 60.0
-
-    def lr_at(step: int, frac: float) -> float:
-        if step < args.warmup_steps:
-            return args.lr * (step + 1) / args.warmup_steps
-        frac = min(max(frac, 0.0), 1.0)
-        return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
-
-    def sample_batch(g: random.Random):
-        rows = []
-        for _ in range(args.batch_size):
-            if chat_starts and g.random() < args.chat_frac:
-                s = min(g.choice(chat_starts), len(chat_stream) - L - 1)
-                rows.append(chat_stream[s : s + L + 1])
-            else:
-                s = g.randrange(0, len(train_stream) - L - 1)
-                rows.append(train_stream[s : s + L + 1])
-        return torch.stack(rows)
-
-    def fixed_windows(stream, starts, n, seed):
-        g = random.Random(seed)
-        if len(stream) <= L + 1:
-            return None
-        if starts:
-            picks = [min(g.choice(starts), len(stream) - L - 1) for _ in range(n)]
+    rows = []
+    for _ in range(args.batch_size):
+        if data.chat_starts and g.random() < args.chat_frac:
+            s = min(g.choice(data.chat_starts), len(data.chat_stream) - L - 1)
+            rows.append(data.chat_stream[s : s + L + 1])
         else:
-            picks = [g.randrange(0, len(stream) - L - 1) for _ in range(n)]
-        return torch.stack([stream[s : s + L + 1] for s in picks])
+            s = g.randrange(0, len(data.train_stream) - L - 1)
+            rows.append(data.train_stream[s : s + L + 1])
+    return torch.stack(rows)
 
-    val_windows = fixed_windows(val_stream, None, args.val_windows, args.seed + 1)
-    chat_val_windows = fixed_windows(chat_val_stream, chat_val_starts, max(8, args.val_windows // 4), args.seed + 2)
 
-    @torch.no_grad()
-    def evaluate(m, windows):
+def fixed_windows(stream, starts, n: int, seed: int, L: int):
+    """n windows of L + 1 tokens of `stream` (at sample starts if given), the same on every call; None if too short."""
+    import torch
+
+    g = random.Random(seed)
+    if len(stream) <= L + 1:
+        return None
+    if starts:
+        picks = [min(g.choice(starts), len(stream) - L - 1) for _ in range(n)]
+    else:
+        picks = [g.randrange(0, len(stream) - L - 1) for _ in range(n)]
+    return torch.stack([stream[s : s + L + 1] for s in picks])
+
+
+def evaluate(m, windows, batch_size: int) -> float:
+    """Mean next-token cross-entropy of `m` over `windows` (nan when there are none)."""
+    import torch
+    import torch.nn.functional as F
+
+    with torch.no_grad():
         if windows is None:
             return float("nan")
         m.eval()
         tot, n = 0.0, 0
-        for i in range(0, len(windows), args.batch_size):
-            x = windows[i : i + args.batch_size]
+        for i in range(0, len(windows), batch_size):
+            x = windows[i : i + batch_size]
             logits = m(input_ids=x[:, :-1]).logits.float()
             tot += F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1), reduction="sum").item()
             n += x[:, 1:].numel()
         m.train()
         return tot / n
 
-    log(f"initial val loss {evaluate(model, val_windows):.3f} (uniform = ln {vocab} = {math.log(vocab):.3f})")
+
+def train(args: argparse.Namespace, model, data: Data, val_windows, log: Callable[[str], None]) -> TrainResult:
+    """The training loop: until --max-steps, or the wall-clock budget when that is unset."""
+    import torch
+    import torch.nn.functional as F
+
+    opt = make_optimizer(args, model)
+    L = args.seq_len
+    budget_s = args.minutes * 60.0
+    log(f"initial val loss {evaluate(model, val_windows, args.batch_size):.3f} "
+        f"(uniform = ln {data.vocab} = {math.log(data.vocab):.3f})")
     log(f"training: budget {args.minutes} min, max_steps {args.max_steps}, batch {args.batch_size}x{L}, "
         f"threads {args.threads}, lr {args.lr}, amp {args.amp}")
 
@@ -381,10 +434,10 @@ def main() -> int:
             if elapsed >= budget_s:
                 break
             frac = elapsed / budget_s
-        lr = lr_at(step, frac)
+        lr = lr_at(args, step, frac)
         for group in opt.param_groups:
             group["lr"] = lr
-        x = sample_batch(data_rng)
+        x = sample_batch(args, data, data_rng)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp == "bf16"):
             logits = model(input_ids=x[:, :-1]).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), x[:, 1:].reshape(-1))
@@ -400,18 +453,24 @@ def main() -> int:
             sps = step / (time.time() - t_train)
             log(f"step {step:5d}  loss {avg:.3f}  lr {lr:.2e}  {sps:.2f} steps/s  {sps * x.numel():.0f} tok/s")
         if time.time() - last_eval >= args.eval_every_minutes * 60:
-            v = evaluate(model, val_windows)
+            v = evaluate(model, val_windows, args.batch_size)
             history.append((step, v))
             log(f"step {step:5d}  val loss {v:.3f}")
             last_eval = time.time()
 
     train_s = time.time() - t_train
     final_train = sum(recent[-args.log_every :]) / max(1, len(recent[-args.log_every :]))
-    val_fp32 = evaluate(model, val_windows)
+    val_fp32 = evaluate(model, val_windows, args.batch_size)
     log(f"done: {step} steps in {train_s / 60:.1f} min; train loss (last {args.log_every} steps) {final_train:.3f}, "
         f"val loss fp32 {val_fp32:.3f}")
+    return TrainResult(steps=step, history=history, train_s=train_s, final_train=final_train, val_fp32=val_fp32)
 
-    # 4. save (bf16) and reload what we ship
+
+def save_model(model, out: str, eos_id: int, im_end_id: int):
+    """4. save in bf16 (with the generation config and a classic config.json) and reload what we ship."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     model = model.to(torch.bfloat16)
     model.config.dtype = "bfloat16"
     model.generation_config = GenerationConfig(
@@ -433,27 +492,59 @@ def main() -> int:
     os.chmod(os.path.join(out, "model.safetensors"), 0o644)
     shipped = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     shipped.eval()
-    val_bf16 = evaluate(shipped, val_windows)
-    chat_val = evaluate(shipped, chat_val_windows)
+    return shipped
+
+
+def main() -> int:
+    args = parse_args()
+    os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))  # tokenizers' thread pool
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if args.threads > 1 else "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    log = make_logger(time.time())
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+
+    data = prepare_data(args, rng, log)
+    model = build_model(args, data.vocab, data.eos_id)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {n_params:,} parameters")
+    L = args.seq_len
+    val_windows = fixed_windows(data.val_stream, None, args.val_windows, args.seed + 1, L)
+    chat_val_windows = fixed_windows(data.chat_val_stream, data.chat_val_starts, max(8, args.val_windows // 4),
+                                     args.seed + 2, L)
+    result = train(args, model, data, val_windows, log)
+
+    shipped = save_model(model, out, data.eos_id, data.im_end_id)
+    val_bf16 = evaluate(shipped, val_windows, args.batch_size)
+    chat_val = evaluate(shipped, chat_val_windows, args.batch_size)
     log(f"shipped bf16 weights: val loss {val_bf16:.3f}, chat val loss {chat_val:.3f}")
 
-    samples = card_samples(shipped, tok)
+    samples = card_samples(shipped, data.tok)
     for title, text in samples:
         log(f"sample {title}:\n{text}\n" + "-" * 60)
 
     files = sorted(os.listdir(out))
     size = sum(os.path.getsize(os.path.join(out, f)) for f in files if f != "README.md")
     cmd = "python scripts/train_tiny_model.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    step = result.steps
     write_card(
         out,
         dict(
-            n_files=n_files, train_files=len(train_docs), val_files=len(val_docs), train_mb=train_bytes / 1e6,
-            val_mb=val_bytes / 1e6, train_tokens=len(train_stream), val_tokens=len(val_stream),
-            chat_train=len(chats_train), python=platform.python_version(), vocab=vocab, n_params=n_params,
-            args=args, steps=step, train_min=train_s / 60, final_train=final_train, val_fp32=val_fp32,
-            val_bf16=val_bf16, chat_val=chat_val, tokens_seen=step * args.batch_size * L, cmd=cmd,
-            samples=samples, torch=torch.__version__, transformers=transformers.__version__, size_mb=size / 1e6,
-            history=history, uniform=math.log(vocab), eos_id=eos_id, im_end_id=im_end_id,
+            n_files=data.n_files, train_files=len(data.train_docs), val_files=len(data.val_docs),
+            train_mb=data.train_bytes / 1e6, val_mb=data.val_bytes / 1e6, train_tokens=len(data.train_stream),
+            val_tokens=len(data.val_stream), chat_train=len(data.chats_train), python=platform.python_version(),
+            vocab=data.vocab, n_params=n_params, args=args, steps=step, train_min=result.train_s / 60,
+            final_train=result.final_train, val_fp32=result.val_fp32, val_bf16=val_bf16, chat_val=chat_val,
+            tokens_seen=step * args.batch_size * L, cmd=cmd, samples=samples, torch=torch.__version__,
+            transformers=transformers.__version__, size_mb=size / 1e6, history=result.history,
+            uniform=math.log(data.vocab), eos_id=data.eos_id, im_end_id=data.im_end_id,
             cpu=platform.processor() or platform.machine(),
             repro_note=(
                 " (the LR schedule follows the wall clock, so steps and losses vary a little by machine; add"
@@ -492,11 +583,10 @@ def card_samples(model, tok, max_new_tokens: int = 80) -> list[tuple[str, str]]:
     return out
 
 
-def write_card(out: str, d: dict) -> None:
+def _card_front_and_data(d: dict) -> str:
+    """The front matter, the introduction and the Data section."""
     a = d["args"]
-    hist = "".join(f"| {s} | {v:.3f} |\n" for s, v in d["history"])
-    samples = "\n".join(f"**{t}**\n\n````text\n{s}\n````\n" for t, s in d["samples"])
-    card = f"""---
+    return f"""---
 license: apache-2.0
 library_name: transformers
 pipeline_tag: text-generation
@@ -521,7 +611,13 @@ answers are mostly docstring-flavoured text.
   first docstring paragraph; "Write the function `x`..." → its source), drawn for ~{a.chat_frac:.0%} of batch rows.
 - **Data license:** Python Software Foundation License (PSF-2.0), a permissive license.
 
-## License
+"""
+
+
+def _card_license_and_architecture(d: dict) -> str:
+    """The License and Architecture sections."""
+    a = d["args"]
+    return f"""## License
 
 The weights and tokenizer are released under the **Apache-2.0** license (as is Tandem). The training data is
 PSF-licensed Python source code.
@@ -546,7 +642,14 @@ No token is added automatically when encoding. The chat template is ChatML
 (`<|im_start|>role\\n...<|im_end|>\\n`, roles system/user/assistant) and supports `add_generation_prompt`.
 `generation_config.json` stops on `<|endoftext|>` or `<|im_end|>`.
 
-## Training
+"""
+
+
+def _card_training(d: dict) -> str:
+    """The Training section: settings, losses, validation history and the command to reproduce."""
+    a = d["args"]
+    hist = "".join(f"| {s} | {v:.3f} |\n" for s, v in d["history"])
+    return f"""## Training
 
 - Plain PyTorch {d['torch']} on CPU, transformers {d['transformers']}, {a.threads} thread(s) ({d['cpu']}), fp32 master weights{", bf16 autocast" if a.amp == "bf16" else ""}.
 - AdamW (betas 0.9/0.95, weight decay {a.weight_decay}, grad clip 1.0), peak LR {a.lr}, {a.warmup_steps} warmup steps, cosine
@@ -569,7 +672,13 @@ Reproduce{d['repro_note']}:
 {d['cmd']}
 ```
 
-## Samples
+"""
+
+
+def _card_samples_and_usage(d: dict) -> str:
+    """The Samples and Usage sections."""
+    samples = "\n".join(f"**{t}**\n\n````text\n{s}\n````\n" for t, s in d["samples"])
+    return f"""## Samples
 
 Greedy decoding, bf16 weights. Expect repetition: the model is tiny. End prompts on a word rather than a
 trailing space or newline (the byte-level BPE attaches leading whitespace to the next token).
@@ -585,6 +694,11 @@ ids = tok("import os\\n", return_tensors="pt").input_ids
 print(tok.decode(model.generate(ids, max_new_tokens=60, do_sample=False)[0]))
 ```
 """
+
+
+def write_card(out: str, d: dict) -> None:
+    card = "".join(section(d) for section in (_card_front_and_data, _card_license_and_architecture, _card_training,
+                                                _card_samples_and_usage))
     with open(os.path.join(out, "README.md"), "w") as f:
         f.write(card)
 

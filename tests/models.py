@@ -323,6 +323,26 @@ def hf_greedy_batch(path: str, prompts: list[list[int]], max_new_tokens: int) ->
     return result
 
 
+def hf_greedy_argmax(path: str, prompts: list[list[int]], n: int, device: str = "cpu") -> list[list[int]]:
+    """n greedy tokens per prompt by the plain argmax loop: the whole HF forward over the sequence so
+    far at every step (no KV cache, no `generate`, EOS not special). Not memoised; on CUDA the model is
+    freed (and the cache emptied) before returning."""
+    model = load_hf(path)
+    if device != "cpu":
+        model = model.to(device)
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            for _ in range(n):
+                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            outs.append(ids[0, len(p):].tolist())
+    if device != "cpu":
+        del model
+        torch.cuda.empty_cache()
+    return outs
+
+
 def assert_engine_clean(llm) -> None:
     """After every request finished or was aborted: nothing queued, no block owned, invariants hold."""
     engine = getattr(llm, "llm_engine", llm)

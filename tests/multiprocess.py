@@ -7,7 +7,6 @@ fn must be a module-level function (it is pickled into the children).
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 
@@ -16,13 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from parallel.config import ParallelConfig
+from parallel.net import free_port
 from parallel.state import init_groups
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(rank: int, world_size: int, port: int, error_dir: str, parallel: dict | None, fn, args) -> None:
@@ -51,7 +45,7 @@ def run_ranks(fn, world_size: int, *args, parallel: dict | None = None) -> None:
     ctx.set_forkserver_preload(["torch", "torch.distributed", "parallel.state", fn.__module__])
     with tempfile.TemporaryDirectory() as error_dir:
         try:
-            mp.start_processes(_child, args=(world_size, _free_port(), error_dir, parallel, fn, args),
+            mp.start_processes(_child, args=(world_size, free_port(), error_dir, parallel, fn, args),
                                nprocs=world_size, join=True, start_method="forkserver")
         except Exception as e:
             reports = [open(os.path.join(error_dir, f)).read() for f in sorted(os.listdir(error_dir))]

@@ -1,7 +1,9 @@
-"""Helpers for the front-end tests: a tiny model with a chat template, and a LocalBackend over it."""
+"""Helpers for the front-end tests: a tiny model with a chat template, a LocalBackend over it, and
+waiting on (or slowing down) its engine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import threading
@@ -33,6 +35,45 @@ def make_backend(model: str, **overrides):
     from router.local_backend import LocalBackend
 
     return LocalBackend.from_config(AppConfig(model=model, colocated=True, **{**ENGINE_KWARGS, **overrides}))
+
+
+IDLE_FIELDS = ("blocks_used", "running", "waiting")
+
+
+def wait_idle(get_stats, timeout: float = 10.0, fields=IDLE_FIELDS, interval: float = 0.02) -> dict:
+    """Poll `get_stats()` (engine stats) until every one of `fields` is 0; returns those stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = get_stats()
+        if all(stats[f] == 0 for f in fields):
+            return stats
+        assert time.monotonic() < deadline, f"engine not idle: {stats}"
+        time.sleep(interval)
+
+
+def wait_for(pred, timeout: float = 20.0) -> None:
+    """Poll `pred()` until true; fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def slow_engine(backend, seconds_per_step: float = 0.01):
+    """Each engine step of `backend` takes at least this long, so that long requests are still running
+    when the test cancels or disconnects them (the tiny model would otherwise finish first)."""
+    real_step = backend.llm_engine.step
+
+    def slow_step():
+        time.sleep(seconds_per_step)
+        return real_step()
+
+    backend.llm_engine.step = slow_step
+    try:
+        yield
+    finally:
+        del backend.llm_engine.step
 
 
 class LiveServer:

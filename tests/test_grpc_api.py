@@ -3,7 +3,6 @@ thread), called with the generated synchronous stubs. No Ray."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import os
 import threading
@@ -16,7 +15,7 @@ from router.grpc_api import InferenceServicer, add_to_aio_server
 from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
 from tests.models import CORPUS
-from tests.serving import ENGINE_KWARGS, build_chat_model, make_backend
+from tests.serving import ENGINE_KWARGS, build_chat_model, make_backend, slow_engine, wait_for, wait_idle
 from tandem import LLM, SamplingParams
 
 NAME = "grpc-llama"
@@ -97,37 +96,7 @@ def _engine_left_empty(request, harness):
 
 
 def _wait_idle(harness, backend, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = harness.stats(backend)
-        if stats["blocks_used"] == 0 and stats["running"] == 0 and stats["waiting"] == 0:
-            return stats
-        assert time.monotonic() < deadline, f"engine not idle: {stats}"
-        time.sleep(0.02)
-
-
-def _wait_for(pred, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
-
-
-@contextlib.contextmanager
-def _slow_engine(backend, seconds_per_step: float = 0.01):
-    """Each engine step takes at least this long, so that long requests are still running when the
-    test cancels them (the tiny model would otherwise finish first)."""
-    real_step = backend.llm_engine.step
-
-    def slow_step():
-        time.sleep(seconds_per_step)
-        return real_step()
-
-    backend.llm_engine.step = slow_step
-    try:
-        yield
-    finally:
-        del backend.llm_engine.step
+    return wait_idle(lambda: harness.stats(backend), timeout)
 
 
 def _code(fn, *args, **kwargs) -> tuple[grpc.StatusCode, str]:
@@ -271,11 +240,11 @@ def test_full_queue_is_resource_exhausted(harness, model):
     harness.backends.append(small)
     stub = pb_grpc.InferenceStub(harness.serve(InferenceServicer(small)))
     long = pb.GenerateRequest(prompt=PROMPT, max_tokens=60, ignore_eos=True)
-    with _slow_engine(small):
+    with slow_engine(small):
         running, waiting = stub.Generate.future(long), None
-        _wait_for(lambda: harness.stats(small)["running"] == 1)
+        wait_for(lambda: harness.stats(small)["running"] == 1)
         waiting = stub.Generate.future(long)
-        _wait_for(lambda: harness.stats(small)["waiting"] == 1)
+        wait_for(lambda: harness.stats(small)["waiting"] == 1)
         for rpc in (stub.Generate, stub.GenerateStream):
             with pytest.raises(grpc.RpcError) as e:
                 list(rpc(pb.GenerateRequest(prompt="x"))) if rpc is stub.GenerateStream else rpc(pb.GenerateRequest(prompt="x"))
@@ -288,7 +257,7 @@ def test_full_queue_is_resource_exhausted(harness, model):
 def test_deadlines(harness, backend):
     limited = pb_grpc.InferenceStub(harness.serve(InferenceServicer(backend, request_timeout_s=0.3)))
     long = pb.GenerateRequest(prompt=PROMPT, max_tokens=200, ignore_eos=True)
-    with _slow_engine(backend):  # 200 steps take >= 2 s
+    with slow_engine(backend):  # 200 steps take >= 2 s
         for rpc in (limited.Generate, limited.GenerateStream):  # the server's request_timeout_s
             assert _code(rpc, long)[0] == grpc.StatusCode.DEADLINE_EXCEEDED
             _wait_idle(harness, backend)
@@ -298,7 +267,7 @@ def test_deadlines(harness, backend):
 
 
 def test_client_cancel_aborts_and_frees_blocks(harness, backend, stub):
-    with _slow_engine(backend):
+    with slow_engine(backend):
         call = stub.GenerateStream(pb.GenerateRequest(prompt=PROMPT, max_tokens=200, ignore_eos=True))
         first = next(call)
         assert first.token_ids and harness.stats(backend)["running"] == 1
@@ -309,7 +278,7 @@ def test_client_cancel_aborts_and_frees_blocks(harness, backend, stub):
 
 
 def test_server_side_abort_is_cancelled(harness, backend, stub):
-    with _slow_engine(backend):
+    with slow_engine(backend):
         call = stub.GenerateStream(pb.GenerateRequest(prompt=PROMPT, max_tokens=200, ignore_eos=True, request_id="to-abort"))
         next(call)
         harness.run(backend.abort("to-abort"))

@@ -11,9 +11,8 @@ import time
 
 import pytest
 import ray
-import torch
 
-from tests.models import load_hf, prompts_of_lengths, tiny_model
+from tests.models import hf_greedy_argmax, prompts_of_lengths, tiny_model
 from workers.executor import ExecutorError
 from workers.loader import load_hf_config
 from workers.models.transformer import head_dim_of, stage_layers
@@ -55,18 +54,6 @@ def ray_session():
     ray.shutdown()
 
 
-def hf_greedy(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
-    model = load_hf(path)
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            for _ in range(n):
-                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-            outs.append(ids[0, len(p):].tolist())
-    return outs
-
-
 @pytest.fixture(scope="module")
 def references() -> dict[str, dict]:
     """Per model: its folder, HF greedy tokens, and the one-rank engine's outputs."""
@@ -74,7 +61,7 @@ def references() -> dict[str, dict]:
     for name, overrides in MODELS.items():
         path = tiny_model(name, **overrides)
         llm = LLM(path, **ENGINE_ARGS)
-        refs[name] = dict(path=path, hf=hf_greedy(path, PROMPTS, MAX_TOKENS), greedy=llm.generate(PROMPTS, GREEDY),
+        refs[name] = dict(path=path, hf=hf_greedy_argmax(path, PROMPTS, MAX_TOKENS), greedy=llm.generate(PROMPTS, GREEDY),
                           full=llm.generate(PROMPTS, FULL_LOGITS))
         llm.shutdown()
     return refs

@@ -9,14 +9,13 @@ import contextlib
 import json
 import socket
 import threading
-import time
 
 import pytest
 from fastapi.testclient import TestClient
 
 from router.openai_api import create_openai_app
 from tests.models import CORPUS
-from tests.serving import ENGINE_KWARGS, LiveServer, build_chat_model, make_backend
+from tests.serving import ENGINE_KWARGS, LiveServer, build_chat_model, make_backend, slow_engine, wait_for, wait_idle
 from tandem import LLM, SamplingParams
 
 PROMPTS = [CORPUS[0], CORPUS[4]]
@@ -66,13 +65,7 @@ def _stats(client, backend) -> dict:
 
 
 def _wait_idle(client, backend, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = _stats(client, backend)
-        if stats["blocks_used"] == 0 and stats["running"] == 0 and stats["waiting"] == 0:
-            return stats
-        assert time.monotonic() < deadline, f"engine not idle: {stats}"
-        time.sleep(0.02)
+    return wait_idle(lambda: _stats(client, backend), timeout)
 
 
 def _events(text: str) -> list[dict]:
@@ -352,26 +345,9 @@ def _recording_aborts(backend):
         del backend.abort
 
 
-@contextlib.contextmanager
-def _slow_engine(backend, seconds_per_step: float = 0.01):
-    """Each engine step takes at least this long, so a 200-token request outlives the client's exit
-    (the tiny model would otherwise finish before the disconnect reaches the server)."""
-    real_step = backend.llm_engine.step
-
-    def slow_step():
-        time.sleep(seconds_per_step)
-        return real_step()
-
-    backend.llm_engine.step = slow_step
-    try:
-        yield
-    finally:
-        del backend.llm_engine.step
-
-
 def test_disconnect_mid_stream_aborts_and_frees_blocks(served):
     client, backend = served
-    with _recording_aborts(backend) as aborted, _slow_engine(backend):
+    with _recording_aborts(backend) as aborted, slow_engine(backend):
         req = {"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
         with client.stream("POST", "/v1/completions", json=req) as r:
             assert r.status_code == 200
@@ -392,15 +368,15 @@ def test_full_queue_is_429_with_retry_after(model):
     backend = make_backend(model, max_num_seqs=1, max_waiting_requests=1)
     client = _serve(backend)
     try:
-        with _slow_engine(backend):
+        with slow_engine(backend):
             long = {"prompt": PROMPTS[0], "max_tokens": 60, "ignore_eos": True, "temperature": 0}
             results: list = []
             threads = [threading.Thread(target=lambda: results.append(client.post("/v1/completions", json=long)))
                        for _ in range(2)]
             threads[0].start()  # runs (max_num_seqs=1) ...
-            _wait_for(lambda: _stats(client, backend)["running"] == 1)
+            wait_for(lambda: _stats(client, backend)["running"] == 1)
             threads[1].start()  # ... and this one waits (max_waiting_requests=1)
-            _wait_for(lambda: _stats(client, backend)["waiting"] == 1)
+            wait_for(lambda: _stats(client, backend)["waiting"] == 1)
             r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             err = _assert_error(r, 429)
             assert err["type"] == "rate_limit_error" and r.headers["retry-after"] == "1"
@@ -419,7 +395,7 @@ def test_request_timeout_is_504_and_aborts(model):
     backend = make_backend(model)
     client = _serve(backend, request_timeout_s=0.3)
     try:
-        with _slow_engine(backend):  # 200 tokens take >= 2 s
+        with slow_engine(backend):  # 200 tokens take >= 2 s
             long = {"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True}
             err = _assert_error(client.post("/v1/completions", json=long), 504)
             assert err["type"] == "timeout"
@@ -434,13 +410,6 @@ def test_request_timeout_is_504_and_aborts(model):
             _wait_idle(client, backend)
     finally:
         _close(client, backend)
-
-
-def _wait_for(pred, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 # ---------------------------------------------------------------- a real socket (uvicorn)
@@ -485,7 +454,7 @@ def _raw_post(port: int, body: dict) -> socket.socket:
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
 def test_socket_closed_mid_request_frees_blocks(live, stream):
     server, backend = live
-    with _recording_aborts(backend) as aborted, _slow_engine(backend):
+    with _recording_aborts(backend) as aborted, slow_engine(backend):
         s = _raw_post(server.port, {"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": stream})
         try:
             if stream:
@@ -494,10 +463,10 @@ def test_socket_closed_mid_request_frees_blocks(live, stream):
                     received += s.recv(4096)
                 assert received.startswith(b"HTTP/1.1 200")
             else:
-                _wait_for(lambda: server.call(backend.stats)["running"] == 1)
+                wait_for(lambda: server.call(backend.stats)["running"] == 1)
         finally:
             s.close()
-        _wait_for(lambda: server.call(backend.stats)["running"] == 0, timeout=5.0)
+        wait_for(lambda: server.call(backend.stats)["running"] == 0, timeout=5.0)
     assert len(aborted) == 1
     stats = server.call(backend.stats)
     assert stats["blocks_used"] == 0 and stats["waiting"] == 0

@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 
+from parallel.net import free_port
 from tests.models import CORPUS
-from tests.serving import ENGINE_KWARGS, build_chat_model
+from tests.serving import ENGINE_KWARGS, build_chat_model, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -21,12 +20,6 @@ REPO = str(Path(__file__).resolve().parents[1])
 NAME = "serve-llama"
 KEY = "sk-serve"
 AUTH = [("authorization", f"Bearer {KEY}")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +30,7 @@ def app(tmp_path_factory):
     from router.app import build_app
 
     model = build_chat_model(tmp_path_factory.mktemp("models") / NAME)
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = free_port(), free_port()
     with pytest.MonkeyPatch.context() as mp:
         # Ray's workers (replicas, proxies) inherit the raylet's environment: let them import this repo.
         mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
@@ -68,13 +61,7 @@ def _stats(app) -> dict:
 
 
 def _wait_idle(app, timeout: float = 15.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = _stats(app)
-        if stats["blocks_used"] == 0 and stats["running"] == 0:
-            return stats
-        assert time.monotonic() < deadline, f"engine not idle: {stats}"
-        time.sleep(0.05)
+    return wait_idle(lambda: _stats(app), timeout, fields=("blocks_used", "running"), interval=0.05)
 
 
 def test_http_and_grpc_agree(app, stub):

@@ -11,7 +11,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ import grpc
 import pytest
 import yaml
 
+from parallel.net import free_port
 from tests.models import hf_greedy
 from tests.serving import build_chat_model
 
@@ -31,12 +31,6 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 NAME = "tiny-disagg"
 PROMPTS = ["def add(a, b):", "import os\n", "x", "class Node:\n    def __init__(self):"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(*cmd: str, env: dict, timeout: float = 300) -> str:
@@ -64,7 +58,7 @@ def _wait(predicate, timeout: float, what: str, interval: float = 1.0):
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("disagg")
     model = build_chat_model(tmp / NAME)
-    ports = {name: _free_port() for name in ("gcs", "dashboard", "http", "grpc", "metrics")}
+    ports = {name: free_port() for name in ("gcs", "dashboard", "http", "grpc", "metrics")}
     token = tmp / "ray_auth_token"
     token.write_text(secrets.token_hex(32))
     # Token authentication on, with the test's own token: the dashboard (serve deploy's endpoint) then

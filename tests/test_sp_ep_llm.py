@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import ray
-import torch
 
 from parallel.config import ParallelConfig
-from tests.models import load_hf, prompts_of_lengths, tiny_model
+from tests.models import hf_greedy_argmax, prompts_of_lengths, tiny_model
 from engine.llm import LLM
 from workers.sampling_params import SamplingParams
 
@@ -28,18 +27,6 @@ ENGINE_ARGS = dict(block_size=4, max_num_batched_tokens=20, max_num_seqs=8, show
 def ray_session():
     yield
     ray.shutdown()
-
-
-def hf_greedy(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
-    model = load_hf(path)
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            for _ in range(n):
-                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-            outs.append(ids[0, len(p):].tolist())
-    return outs
 
 
 def generate(path: str, rounds: int = 1, **kwargs) -> tuple[list[list[list[int]]], dict]:
@@ -64,7 +51,7 @@ def test_expert_parallel_size_must_span_a_stage():
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
 def test_expert_parallel_matches_one_rank_and_hf(name: str):
     path = tiny_model(name)
-    hf = hf_greedy(path, PROMPTS, MAX_TOKENS)
+    hf = hf_greedy_argmax(path, PROMPTS, MAX_TOKENS)
     (one,), _ = generate(path)
     (ep,), _ = generate(path, expert_parallel_size=2)
     assert one == hf
@@ -73,7 +60,7 @@ def test_expert_parallel_matches_one_rank_and_hf(name: str):
 
 def test_sequence_parallel_matches_one_rank_and_hf():
     path = tiny_model("llama")
-    hf = hf_greedy(path, PROMPTS, MAX_TOKENS)
+    hf = hf_greedy_argmax(path, PROMPTS, MAX_TOKENS)
     # 14 blocks of 4 tokens per rank: the 41-token prompt alone takes 6 blocks of each rank's 14.
     (one, one_again), _ = generate(path, rounds=2, num_gpu_blocks_override=28)
     (sp, sp_again), stats = generate(path, rounds=2, num_gpu_blocks_override=14, sequence_parallel_size=2)
@@ -87,4 +74,4 @@ def test_sequence_parallel_matches_one_rank_and_hf():
 def test_sequence_and_expert_parallel_together_match_hf():
     path = tiny_model("qwen3_moe_nonorm")
     (sp_ep,), _ = generate(path, sequence_parallel_size=2, expert_parallel_size=2)
-    assert sp_ep == hf_greedy(path, PROMPTS, MAX_TOKENS)
+    assert sp_ep == hf_greedy_argmax(path, PROMPTS, MAX_TOKENS)

@@ -9,6 +9,8 @@ Every rank plans from the same `SchedulerOutput`, so all ranks agree on every si
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -35,78 +37,108 @@ def sample_owner(seq: ScheduledSeq, block_size: int, sp_size: int) -> int:
     return block_owner((seq.context_len - 1) // block_size, sp_size)
 
 
+@dataclass
+class _StepLists:
+    """One SP step's per-token and per-sequence lists on rank `me`, filled sequence by sequence (`add`)
+    before they become tensors."""
+    me: int
+    n: int
+    bs: int
+    blocks_per_rank: int
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    query_start: list[int] = field(default_factory=lambda: [0])
+    sample_rows: list[int] = field(default_factory=list)
+    ring_rows: list[int] = field(default_factory=list)
+    ring_q: list[list[int]] = field(default_factory=list)
+    ring_kv: list[list[list[int]]] = field(init=False)
+    ring_slots: list[int] = field(default_factory=list)
+    dec_rows: list[int] = field(default_factory=list)
+    dec_mine: list[int] = field(default_factory=list)
+    dec_owner_index: list[tuple[int, int]] = field(default_factory=list)  # (owner rank, index among that rank's decode queries)
+    dec_held: list[int] = field(init=False)
+    dec_slots: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.ring_kv = [[] for _ in range(self.n)]
+        self.dec_held = [0] * self.n
+
+    def slot(self, table: list[int], p: int) -> int:
+        return local_block_id(table[p // self.bs], self.blocks_per_rank) * self.bs + p % self.bs
+
+    def add(self, s: ScheduledSeq) -> None:
+        me, n, bs = self.me, self.n, self.bs
+        row0 = len(self.token_ids)
+        new = owned_positions(s.start_pos, s.context_len, me, n, bs)
+        self.token_ids.extend(s.token_ids[p - s.start_pos] for p in new)
+        self.positions.extend(new)
+        self.slots.extend(self.slot(s.block_table, p) for p in new)
+        self.query_start.append(len(self.token_ids))
+        rows = range(row0, len(self.token_ids))
+        if s.sample and sample_owner(s, bs, n) == me:
+            self.sample_rows.append(rows[-1])
+        mine_kv = owned_positions(0, s.context_len, me, n, bs)
+        if s.num_tokens > 1:
+            self._add_ring(s, rows, new, mine_kv)
+        else:
+            self._add_decode(s, rows, mine_kv)
+
+    def _add_ring(self, s: ScheduledSeq, rows: range, new: list[int], mine_kv: list[int]) -> None:
+        self.ring_rows.extend(rows)
+        self.ring_q.append(new)
+        for r in range(self.n):
+            self.ring_kv[r].append(mine_kv if r == self.me else owned_positions(0, s.context_len, r, self.n, self.bs))
+        self.ring_slots.extend(self.slot(s.block_table, p) for p in mine_kv)
+
+    def _add_decode(self, s: ScheduledSeq, rows: range, mine_kv: list[int]) -> None:
+        owner = block_owner(s.start_pos // self.bs, self.n)
+        if owner == self.me:
+            self.dec_rows.extend(rows)
+            self.dec_mine.append(len(self.dec_owner_index))
+        self.dec_owner_index.append((owner, self.dec_held[owner]))
+        self.dec_held[owner] += 1
+        self.dec_slots.append([self.slot(s.block_table, p) for p in mine_kv])
+
+    def ring_part(self, t: Callable[..., torch.Tensor]) -> SPRingPart | None:
+        if not self.ring_q:
+            return None
+        return SPRingPart(q_rows=t(self.ring_rows), q_shard=TokenShard(self.ring_q),
+                          kv_shards=[TokenShard(p) for p in self.ring_kv], kv_slots=t(self.ring_slots))
+
+    def decode_part(self, t: Callable[..., torch.Tensor]) -> SPDecodePart | None:
+        if not self.dec_owner_index:
+            return None
+        width = max(self.dec_held)
+        length = max(1, max(map(len, self.dec_slots)))
+        return SPDecodePart(
+            q_rows=t(self.dec_rows), mine=t(self.dec_mine), width=width,
+            gather_index=t([owner * width + i for owner, i in self.dec_owner_index]),
+            kv_slots=t([row + [0] * (length - len(row)) for row in self.dec_slots]),
+            kv_lens=t([len(row) for row in self.dec_slots]),
+        )
+
+
 def plan_sp_step(seqs: list[ScheduledSeq], block_size: int, blocks_per_rank: int, group: Group,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
     """This rank's share of a step: (token_ids [T], positions [T], metadata, rows to sample).
 
     blocks_per_rank: the size N of each rank's pool (block ids map to this rank's cache by `local_block_id`).
     """
-    me, n, bs = group.rank, group.size, block_size
-    token_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_start = [0]
-    sample_rows: list[int] = []
-    ring_rows: list[int] = []
-    ring_q: list[list[int]] = []
-    ring_kv: list[list[list[int]]] = [[] for _ in range(n)]
-    ring_slots: list[int] = []
-    dec_rows: list[int] = []
-    dec_mine: list[int] = []
-    dec_owner_index: list[tuple[int, int]] = []  # (owner rank, index among that rank's decode queries)
-    dec_held = [0] * n
-    dec_slots: list[list[int]] = []
-
-    def slot(table: list[int], p: int) -> int:
-        return local_block_id(table[p // bs], blocks_per_rank) * bs + p % bs
-
+    lists = _StepLists(group.rank, group.size, block_size, blocks_per_rank)
     for s in seqs:
-        row0 = len(token_ids)
-        new = owned_positions(s.start_pos, s.context_len, me, n, bs)
-        token_ids.extend(s.token_ids[p - s.start_pos] for p in new)
-        positions.extend(new)
-        slots.extend(slot(s.block_table, p) for p in new)
-        query_start.append(len(token_ids))
-        rows = range(row0, len(token_ids))
-        if s.sample and sample_owner(s, bs, n) == me:
-            sample_rows.append(rows[-1])
-        mine_kv = owned_positions(0, s.context_len, me, n, bs)
-        if s.num_tokens > 1:
-            ring_rows.extend(rows)
-            ring_q.append(new)
-            for r in range(n):
-                ring_kv[r].append(mine_kv if r == me else owned_positions(0, s.context_len, r, n, bs))
-            ring_slots.extend(slot(s.block_table, p) for p in mine_kv)
-        else:
-            owner = block_owner(s.start_pos // bs, n)
-            if owner == me:
-                dec_rows.extend(rows)
-                dec_mine.append(len(dec_owner_index))
-            dec_owner_index.append((owner, dec_held[owner]))
-            dec_held[owner] += 1
-            dec_slots.append([slot(s.block_table, p) for p in mine_kv])
+        lists.add(s)
 
     def t(x, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
 
-    ring = None
-    if ring_q:
-        ring = SPRingPart(q_rows=t(ring_rows), q_shard=TokenShard(ring_q), kv_shards=[TokenShard(p) for p in ring_kv],
-                          kv_slots=t(ring_slots))
-    decode = None
-    if dec_owner_index:
-        width = max(dec_held)
-        length = max(1, max(map(len, dec_slots)))
-        decode = SPDecodePart(
-            q_rows=t(dec_rows), mine=t(dec_mine), width=width,
-            gather_index=t([owner * width + i for owner, i in dec_owner_index]),
-            kv_slots=t([row + [0] * (length - len(row)) for row in dec_slots]),
-            kv_lens=t([len(row) for row in dec_slots]),
-        )
+    ring = lists.ring_part(t)
+    decode = lists.decode_part(t)
+    query_start = lists.query_start
     query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
     seq_lens = [s.context_len for s in seqs]
     meta = AttentionMetadata(
-        slot_mapping=t(slots),
+        slot_mapping=t(lists.slots),
         query_start_loc=t(query_start, torch.int32),
         seq_lens=t(seq_lens, torch.int32),
         block_tables=torch.zeros((len(seqs), 0), dtype=torch.int32, device=device),  # the SP backend uses slots instead
@@ -116,7 +148,7 @@ def plan_sp_step(seqs: list[ScheduledSeq], block_size: int, blocks_per_rank: int
         max_seq_len=max(seq_lens),
         sp=SPAttentionMetadata(group=group, ring=ring, decode=decode),
     )
-    return t(token_ids), t(positions), meta, sample_rows
+    return t(lists.token_ids), t(lists.positions), meta, lists.sample_rows
 
 
 def gather_sample_hidden(hidden: torch.Tensor, owners: list[int], group: Group) -> torch.Tensor | None:

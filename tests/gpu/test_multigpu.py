@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from tests.models import load_hf, prompts_of_lengths, tiny_model
+from tests.models import hf_greedy_argmax, prompts_of_lengths, tiny_model
 from workers.executor import ExecutorError
 from engine.llm import LLM
 from workers.sampling_params import SamplingParams
@@ -51,27 +51,13 @@ def ray_session():
     ray.shutdown()
 
 
-def hf_greedy(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
-    model = load_hf(path).cuda()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p], device="cuda")
-            for _ in range(n):
-                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-            outs.append(ids[0, len(p):].tolist())
-    del model
-    torch.cuda.empty_cache()
-    return outs
-
-
 @pytest.fixture(scope="module")
 def references() -> dict[str, dict]:
     refs = {}
     for name, overrides in MODELS.items():
         path = tiny_model(name, **overrides)
         llm = LLM(path, **ENGINE_ARGS)
-        refs[name] = dict(path=path, hf=hf_greedy(path, PROMPTS, MAX_TOKENS), greedy=llm.generate(PROMPTS, GREEDY),
+        refs[name] = dict(path=path, hf=hf_greedy_argmax(path, PROMPTS, MAX_TOKENS, device="cuda"), greedy=llm.generate(PROMPTS, GREEDY),
                           full=llm.generate(PROMPTS, FULL_LOGITS))
         llm.shutdown()
         del llm

@@ -8,7 +8,7 @@ import pytest
 import ray
 import torch
 
-from tests.models import load_hf, prompts_of_lengths, tiny_model
+from tests.models import hf_greedy_argmax, prompts_of_lengths, tiny_model
 from engine.llm import LLM
 from workers.sampling_params import SamplingParams
 
@@ -36,20 +36,6 @@ def ray_session():
     ray.shutdown()
 
 
-def hf_greedy(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
-    model = load_hf(path).cuda()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p], device="cuda")
-            for _ in range(n):
-                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-            outs.append(ids[0, len(p):].tolist())
-    del model
-    torch.cuda.empty_cache()
-    return outs
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_sp_ep_layout_matches_hf(case: str):
     name, layout = CASES[case]
@@ -61,7 +47,7 @@ def test_sp_ep_layout_matches_hf(case: str):
         hits = llm.llm_engine.stats()["prefix_hit_tokens"]
     finally:
         llm.shutdown()
-    ref = hf_greedy(path, PROMPTS, MAX_TOKENS)
+    ref = hf_greedy_argmax(path, PROMPTS, MAX_TOKENS, device="cuda")
     assert first == ref
     assert again == ref
     assert hits > 0
