@@ -3,11 +3,13 @@ its shard of the model in a `ModelRunner`, and runs every step the driver sends 
 from __future__ import annotations
 
 from cluster.rendezvous import join_process_group, node_address
+from cluster.step_channel import run_rank_loop
 from parallel.net import free_port
 from parallel.state import init_groups
 from workers.config import EngineConfig
 from workers.model_runner import ModelRunner
 from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from workers.step_delta import StepDecoder
 
 
 class RankWorker:
@@ -37,9 +39,22 @@ class RankWorker:
         return sorted(graphs.graphs) if graphs is not None else []
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """One step as a Ray task (tests and tools; the engine's steps go through the step loop)."""
         result = self.runner.execute(out)
         # Only the output rank's answer is read; the others send nothing back.
         return result if self.runner.is_output_rank else None
+
+    def start_step_loop(self, address: str, port: int) -> None:
+        """Connect to the driver's step channel and serve its steps on a thread of this actor
+        (cluster/step_channel.py); returns once connected."""
+        self.decoder = StepDecoder()
+        run_rank_loop((address, port), self.rank, self._on_message)
+
+    def _on_message(self, message: tuple):
+        kind = message[0]
+        if kind == "step":
+            return self.execute(self.decoder.decode(message[1]))
+        raise ValueError(f"unknown step-channel message {kind!r}")
 
     def kv_setup(self, role: str) -> None:
         from workers.kv_transfer.transport import KVTransferAgent

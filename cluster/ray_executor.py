@@ -5,8 +5,10 @@ rendezvous address, then every rank joins torch.distributed (gloo on CPU, NCCL o
 process groups and loads its shard. The KV cache is cut down to the smallest block count of any
 rank, since the scheduler's block ids must be valid on all of them.
 
-A step: the `SchedulerOutput` is put in the object store once and every rank executes it; the
-sampled tokens come back from the output rank (last pipeline stage, first TP rank).
+A step goes through the step channel (cluster/step_channel.py), not a Ray task: the changes since the
+last step (workers/step_delta.py) are pickled once and sent to every rank's loop over its own TCP
+connection; every rank answers, the output rank (last pipeline stage, first TP rank) with the sampled
+tokens.
 
 Failure: every wait has a deadline, and results are collected as they arrive, so a rank that dies
 or raises is noticed at once even while the others sit in a collective waiting for it. The executor
@@ -24,10 +26,13 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from cluster.placement import RankPlacement
 from cluster.rank_worker import RankWorker
 from cluster.ray_runtime import ensure_ray, rank_runtime_env
+from cluster.rendezvous import node_address
+from cluster.step_channel import RankFailure, StepChannel
 from parallel.state import rank_grid
 from workers.config import EngineConfig
 from workers.executor import Executor, ExecutorError
 from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from workers.step_delta import StepEncoder
 
 PLACEMENT_TIMEOUT_S = 300.0  # resources exist but are held by others: wait this long for them
 INIT_TIMEOUT_S = 900.0  # process start, weight loading
@@ -46,6 +51,7 @@ class RayExecutor(Executor):
         self.output_rank = rank_grid(self.parallel)[-1][0][0]
         self.workers: list = []
         self.placement: RankPlacement | None = None
+        self.channel: StepChannel | None = None
         use_cuda = config.model.resolved_device().type == "cuda"
         ensure_ray(self.world_size)
         self.placement = RankPlacement(self.parallel, use_cuda, PLACEMENT_TIMEOUT_S)
@@ -65,9 +71,21 @@ class RayExecutor(Executor):
             }, init_timeout_s, "start-up")
             self.num_blocks = min(blocks.values())
             self._collect({r: w.resize_kv_cache.remote(self.num_blocks) for r, w in enumerate(self.workers)}, init_timeout_s, "KV cache sizing")
+            self._open_step_channel(init_timeout_s)
         except BaseException:
             self.shutdown()
             raise
+
+    def _open_step_channel(self, timeout_s: float) -> None:
+        self.channel = StepChannel(node_address(), self.world_size)
+        self.encoder = StepEncoder()
+        refs = {r: w.start_step_loop.remote(*self.channel.address) for r, w in enumerate(self.workers)}
+        try:
+            self.channel.accept(timeout_s)
+        except TimeoutError as e:
+            self._collect(refs, 1.0, "step loop start")  # a rank that failed to connect says why
+            self._fail(f"step loop start: {e}", e)
+        self._collect(refs, timeout_s, "step loop start")
 
     def describe(self, rank: int) -> str:
         p, s, t = self._coords[rank]
@@ -86,9 +104,14 @@ class RayExecutor(Executor):
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._check_usable("run more steps")
-        # Passed by value: Ray inlines small arguments in the task (a decode step's output is a few KB), where
-        # a ray.put cost ~1.2 ms a step through the object store (scripts/bench_step_dispatch.py).
-        results = self._collect({r: w.execute.remote(out) for r, w in enumerate(self.workers)}, self.step_timeout_s, "step")
+        payload = self.encoder.encode(out)
+        try:
+            self.channel.broadcast(("step", payload))
+            results = self.channel.gather(self.step_timeout_s)
+        except RankFailure as e:
+            if len(e.late) > 1:
+                self._fail(f"step: {', '.join(self.describe(r) for r in e.late)} {e.what}", e)
+            self._fail(f"step: {self.describe(e.rank)} {e.what}", e)
         return results[self.output_rank]
 
     def kv_setup(self, role: str) -> None:
@@ -140,6 +163,9 @@ class RayExecutor(Executor):
         raise ExecutorError(message) from cause
 
     def shutdown(self) -> None:
+        if self.channel is not None:
+            self.channel.close()  # the rank loops see the connection end and return
+            self.channel = None
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)

@@ -1,0 +1,129 @@
+"""The multi-rank step path without Ray tasks: step deltas rebuild every step exactly, and the step
+channel reports a rank's error, death or silence by rank, fast."""
+from __future__ import annotations
+
+import pickle
+import random
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from cluster.step_channel import RankFailure, StepChannel, run_rank_loop
+from workers.sampling_params import SamplingParams
+from workers.scheduler_output import ScheduledSeq, SchedulerOutput
+from workers.step_delta import StepDecoder, StepEncoder
+
+
+def _random_schedules(steps: int, seed: int = 0):
+    """Steps as a scheduler makes them: admissions (whole prompts or chunks), decodes with growing
+    tables, preemptions (dropped, then back with a new table), finishes."""
+    rng = random.Random(seed)
+    live: dict[str, dict] = {}
+    next_block, n = 0, 0
+    for _ in range(steps):
+        dropped = []
+        for seq_id in list(live):
+            if rng.random() < 0.08:
+                dropped.append(seq_id)
+                del live[seq_id]
+        while rng.random() < 0.5:
+            n += 1
+            params = SamplingParams(max_tokens=8, temperature=rng.choice([0.0, 0.7]), seed=n)
+            live[f"s{n}"] = {"params": params, "table": [], "pos": 0, "out": 0}
+        seqs = []
+        for seq_id, st in live.items():
+            if rng.random() < 0.2:
+                continue  # not scheduled this step
+            k = rng.choice([1, 1, 1, 5, 9])
+            st["pos"] += k
+            while len(st["table"]) * 4 < st["pos"]:
+                st["table"].append(next_block)
+                next_block += 1
+            sample = rng.random() < 0.8
+            seqs.append(ScheduledSeq(seq_id, [rng.randrange(100) for _ in range(k)], st["pos"] - k, list(st["table"]),
+                                     sample, st["params"], st["out"]))
+            st["out"] += sample
+        # A preempted sequence may come back at once with a fresh table (the drop is in the same step).
+        if dropped and rng.random() < 0.5:
+            seq_id = dropped[0]
+            live[seq_id] = {"params": SamplingParams(max_tokens=4), "table": [next_block], "pos": 3, "out": 0}
+            next_block += 1
+            seqs.append(ScheduledSeq(seq_id, [1, 2, 3], 0, [next_block - 1], True, live[seq_id]["params"], 0))
+        yield SchedulerOutput(seqs=seqs, finished_seq_ids=dropped)
+
+
+def test_deltas_rebuild_every_step_exactly():
+    encoder, decoder = StepEncoder(), StepDecoder()
+    for out in _random_schedules(400):
+        got = decoder.decode(encoder.encode(out))
+        assert got == out
+    assert decoder.num_held > 0
+
+
+def test_deltas_send_less_than_the_whole_step():
+    params = SamplingParams(max_tokens=64)
+    tables = {f"s{i}": list(range(i * 40, i * 40 + 40)) for i in range(64)}
+    step = lambda pos: SchedulerOutput([ScheduledSeq(k, [5], pos, t, True, params, pos - 100) for k, t in tables.items()])  # noqa: E731
+    encoder = StepEncoder()
+    first = encoder.encode(step(100))
+    later = encoder.encode(step(101))
+    assert len(later) < len(first) / 4 < len(pickle.dumps(step(101))) / 4
+
+
+def _channel(handlers):
+    channel = StepChannel("127.0.0.1", len(handlers))
+    threads = [run_rank_loop(channel.address, rank, h) for rank, h in enumerate(handlers)]
+    channel.accept(timeout_s=10)
+    return channel, threads
+
+
+def test_channel_round_trip_and_a_raising_rank():
+    def rank1(message):
+        if message[1] == "boom":
+            raise ValueError("bad step")
+        return None
+
+    channel, _ = _channel([lambda m: ("rank0 saw", m[1]), rank1])
+    try:
+        channel.broadcast(("step", 1))
+        assert channel.gather(5) == {0: ("rank0 saw", 1), 1: None}
+        channel.broadcast(("step", "boom"))
+        with pytest.raises(RankFailure) as e:
+            channel.gather(5)
+        assert e.value.rank == 1 and "ValueError('bad step')" in e.value.what
+    finally:
+        channel.close()
+
+
+def test_channel_names_a_dead_rank_at_once_and_a_silent_one_at_the_deadline():
+    stuck = threading.Event()
+    channel = StepChannel("127.0.0.1", 3)
+    run_rank_loop(channel.address, 0, lambda m: stuck.wait())  # never answers in time
+    run_rank_loop(channel.address, 1, lambda m: None)
+    dead = socket.create_connection(channel.address)  # rank 2: connects, then its process "dies"
+    dead.sendall(struct.pack("<I", 2))
+    channel.accept(timeout_s=10)
+    try:
+        channel.broadcast(("step", 0))
+        dead.close()
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure) as e:
+            channel.gather(30)
+        assert e.value.rank == 2 and "died" in e.value.what and time.monotonic() - t0 < 2
+    finally:
+        channel.close()
+    channel = StepChannel("127.0.0.1", 2)
+    run_rank_loop(channel.address, 0, lambda m: stuck.wait())
+    run_rank_loop(channel.address, 1, lambda m: None)
+    channel.accept(timeout_s=10)
+    try:
+        channel.broadcast(("step", 0))
+        with pytest.raises(RankFailure) as e:
+            channel.gather(0.5)
+        assert e.value.late == [0] and "did not answer" in e.value.what
+    finally:
+        stuck.set()
+        channel.close()
