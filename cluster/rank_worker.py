@@ -2,14 +2,17 @@
 its shard of the model in a `ModelRunner`, and runs every step the driver sends it."""
 from __future__ import annotations
 
+import time
+
 from cluster.rendezvous import join_process_group, node_address
 from cluster.step_channel import run_rank_loop
 from parallel.net import free_port
 from parallel.state import init_groups
 from workers.config import EngineConfig
 from workers.model_runner import ModelRunner
+from workers.rank_profile import RankProfile, step_kind
 from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from workers.step_delta import StepDecoder
+from workers.step_delta import StepDecoder, pack_output
 
 
 class RankWorker:
@@ -48,13 +51,33 @@ class RankWorker:
         """Connect to the driver's step channel and serve its steps on a thread of this actor
         (cluster/step_channel.py); returns once connected."""
         self.decoder = StepDecoder()
+        self.profile: RankProfile | None = None
+        self._answered_at = time.perf_counter()
         run_rank_loop((address, port), self.rank, self._on_message)
 
     def _on_message(self, message: tuple):
         kind = message[0]
         if kind == "step":
-            return self.execute(self.decoder.decode(message[1]))
+            return self._step(message[1])
+        if kind == "profile":  # ("profile", "start", gpu_every) or ("profile", "report")
+            if message[1] == "start":
+                self.profile = RankProfile(self.rank, message[2])
+                return None
+            return self.profile.summary() if self.profile is not None else {}
         raise ValueError(f"unknown step-channel message {kind!r}")
+
+    def _step(self, payload: bytes):
+        start = time.perf_counter()
+        out = self.decoder.decode(payload)
+        if self.profile is None:
+            result = self.execute(out)
+        else:
+            kind = step_kind(out, self.runner.cuda_graphs)
+            result = self.profile.step(kind, start - self._answered_at, time.perf_counter() - start,
+                                       lambda: self.execute(out))
+        packed = pack_output(result)
+        self._answered_at = time.perf_counter()
+        return packed
 
     def kv_setup(self, role: str) -> None:
         from workers.kv_transfer.transport import KVTransferAgent

@@ -32,7 +32,7 @@ from parallel.state import rank_grid
 from workers.config import EngineConfig
 from workers.executor import Executor, ExecutorError
 from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from workers.step_delta import StepEncoder
+from workers.step_delta import StepEncoder, unpack_output
 
 PLACEMENT_TIMEOUT_S = 300.0  # resources exist but are held by others: wait this long for them
 INIT_TIMEOUT_S = 900.0  # process start, weight loading
@@ -112,7 +112,17 @@ class RayExecutor(Executor):
             if len(e.late) > 1:
                 self._fail(f"step: {', '.join(self.describe(r) for r in e.late)} {e.what}", e)
             self._fail(f"step: {self.describe(e.rank)} {e.what}", e)
-        return results[self.output_rank]
+        return unpack_output(results[self.output_rank])
+
+    def profile(self, action: str, gpu_every: int = 0) -> list[dict]:
+        self._check_usable("profile")
+        message = ("profile", "start", gpu_every) if action == "start" else ("profile", "report")
+        try:
+            self.channel.broadcast(message)
+            results = self.channel.gather(self.step_timeout_s)
+        except RankFailure as e:
+            self._fail(f"profile: {self.describe(e.rank)} {e.what}", e)
+        return [] if action == "start" else [results[r] for r in range(self.world_size)]
 
     def kv_setup(self, role: str) -> None:
         self._collect({r: w.kv_setup.remote(role) for r, w in enumerate(self.workers)}, self.step_timeout_s, "KV agent set-up")

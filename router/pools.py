@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 def _engine(config: AppConfig, pool: str) -> LLMEngine:
     engine_config = config.engine_config(pool)
+    # Pool ranks are always Ray actors, even one: the peer pool's ranks reach them for the KV handoff.
+    # Their steps still skip Ray (the step channel, cluster/step_channel.py).
     engine_config.parallel.distributed_executor_backend = "ray"
     return LLMEngine(engine_config, show_progress=False)
 

@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""What a multi-rank step pays to reach its Ray rank actors, on any machine (no GPU needed).
+"""What a multi-rank step pays to reach its rank actors, on any machine (no GPU needed).
 
-1. Ray alone: a step's SchedulerOutput-sized payload to N idle actors and back, through `ray.put`
-   (one object-store copy every rank reads) and passed by value (Ray inlines small arguments in the
-   task), side by side.
-2. The engine: median decode-step time of `LLM(tensor_parallel_size=N)` on the CPU over gloo with a
-   tiny model, where the model's own compute is small and the dispatch shows.
+1. Dispatch alone: a decode step of --seqs sequences (tables of 40 blocks) sent to N idle rank actors
+   and answered, the way the engine does it (step deltas over the step channel, cluster/step_channel.py)
+   beside the old way (one Ray task per rank, the whole SchedulerOutput pickled by Ray), same run.
+2. The engine: median decode-step time of a tiny model in-process (`uni`) and through the rank
+   actors (`ray`) at world size 1, then TP=N on the CPU over gloo; at world size 1 the difference
+   is what the rank-actor path costs per step.
 
-    python scripts/bench_step_dispatch.py                # N = 2
+    python scripts/bench_step_dispatch.py --ranks 1,2,4
+    python scripts/bench_step_dispatch.py --ranks 1 --device cuda      # on a GPU host
 Prints a table; writes JSON (--out).
 """
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import platform
 import statistics
 import sys
@@ -25,86 +26,134 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def ray_round_trips(ranks: int, iters: int) -> dict:
+def decode_step(seqs: int, step: int):
+    from workers.sampling_params import SamplingParams
+    from workers.scheduler_output import ScheduledSeq, SchedulerOutput
+
+    params = [SamplingParams(max_tokens=512, temperature=0.7, top_p=0.9, seed=i) for i in range(seqs)]
+    return SchedulerOutput([ScheduledSeq(f"req-{i}", [7], 600 + step, list(range(i * 40, i * 40 + 40)), True, params[i],
+                                         step) for i in range(seqs)])
+
+
+class _IdleRank:
+    """A rank actor that does everything but run the model: decodes the step, answers like the engine's."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def start_step_loop(self, address: str, port: int) -> None:
+        from cluster.step_channel import run_rank_loop
+        from workers.step_delta import StepDecoder
+
+        decoder = StepDecoder()
+        from workers.step_delta import pack_output
+
+        run_rank_loop((address, port), self.rank, lambda m: pack_output(self._answer(decoder.decode(m[1]))))
+
+    def execute(self, out):
+        return self._answer(out)
+
+    def _answer(self, out):
+        from workers.scheduler_output import ModelRunnerOutput, SampledToken
+
+        return ModelRunnerOutput({s.seq_id: SampledToken(1, -0.5) for s in out.seqs}) if self.rank == 0 else None
+
+
+def dispatch_us(ranks: int, seqs: int, iters: int) -> dict:
+    """Per-step microseconds: the step channel with deltas, and a Ray task per rank."""
     import ray
 
-    @ray.remote(num_cpus=0, max_concurrency=16)
-    class Rank:
-        def execute(self, out):
-            return None
+    from cluster.rendezvous import node_address
+    from cluster.step_channel import StepChannel
+    from workers.step_delta import StepEncoder, unpack_output
 
-    actors = [Rank.remote() for _ in range(ranks)]
-    payload = {"seqs": [list(range(40)) for _ in range(64)]}  # ~5 KB pickled, like a 64-sequence decode step
+    actor = ray.remote(num_cpus=0, max_concurrency=16)(_IdleRank)
+    actors = [actor.remote(r) for r in range(ranks)]
+    channel = StepChannel(node_address(), ranks)
+    refs = [a.start_step_loop.remote(*channel.address) for a in actors]
+    channel.accept(60)
+    ray.get(refs)
+    encoder = StepEncoder()
+    steps = [decode_step(seqs, i) for i in range(iters + 20)]
 
-    def collect(refs):  # the executor's fail-fast wait: one result at a time
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=30)
-            ray.get(ready)
+    def channel_step(out):
+        channel.broadcast(("step", encoder.encode(out)))
+        return unpack_output(channel.gather(60)[0])
 
-    def through_store():
-        ref = ray.put(payload)
-        collect([a.execute.remote(ref) for a in actors])
+    def ray_step(out):
+        return ray.get([a.execute.remote(out) for a in actors])[0]
 
-    variants = {
-        "ray.put then refs": through_store,
-        "by value (inlined)": lambda: collect([a.execute.remote(payload) for a in actors]),
-    }
-    out = {"payload_bytes": len(pickle.dumps(payload))}
-    for name, fn in variants.items():
-        for _ in range(20):
-            fn()
+    result = {}
+    for name, fn in (("step channel + deltas", channel_step), ("Ray task per rank", ray_step)):
+        for out in steps[:20]:
+            fn(out)
         t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        out[name] = (time.perf_counter() - t0) / iters * 1e3
+        for out in steps[20:]:
+            fn(out)
+        result[name] = (time.perf_counter() - t0) / iters * 1e6
+    channel.close()
     for a in actors:
         ray.kill(a)
-    return out
+    return result
 
 
-def engine_decode_step(ranks: int, tokens: int) -> float:
-    from tests.models import tiny_model
+def engine_step_ms(backend: str, ranks: int, device: str, tokens: int) -> float:
     from tandem import LLM, SamplingParams
+    from tests.models import tiny_model
 
-    llm = LLM(tiny_model("llama", num_hidden_layers=2), tensor_parallel_size=ranks, max_model_len=256, num_gpu_blocks_override=64,
-              block_size=16, show_progress=False)
+    llm = LLM(tiny_model("llama", num_hidden_layers=2), tensor_parallel_size=ranks, distributed_executor_backend=backend,
+              device=device, max_model_len=256, num_gpu_blocks_override=64, block_size=16, show_progress=False)
     try:
         eng = llm.llm_engine
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
         eng.add_request("bench", [5, 6, 7, 8], SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True))
         eng.step()  # prefill
-        steps = []
+        times = []
         while eng.has_unfinished_requests():
             t = time.perf_counter()
             eng.step()
-            steps.append(time.perf_counter() - t)
-        return 1e3 * statistics.median(steps)
+            times.append(time.perf_counter() - t)
+        return 1e3 * statistics.median(times)
     finally:
         llm.shutdown()
 
 
+def run(ranks_list: list[int], seqs: int, iters: int, tokens: int, device: str) -> dict:
+    rows = []
+    for n in ranks_list:
+        row = {"ranks": n, "dispatch_us": dispatch_us(n, seqs, iters)}
+        if n == 1:
+            row["engine_step_ms"] = {b: engine_step_ms(b, 1, device, tokens) for b in ("uni", "ray")}
+        elif device == "cpu":
+            row["engine_step_ms"] = {"ray": engine_step_ms("ray", n, device, tokens)}
+        rows.append(row)
+        d = row["dispatch_us"]
+        line = f"world size {n}: dispatch {d['step channel + deltas']:7.1f} us (Ray task per rank {d['Ray task per rank']:7.1f} us)"
+        if "engine_step_ms" in row:
+            line += "; tiny-model decode step " + ", ".join(f"{b} {ms:.3f} ms" for b, ms in row["engine_step_ms"].items())
+        print(line, flush=True)
+    return {"benchmark": "step_dispatch", "date": time.strftime("%Y-%m-%d"), "device": device,
+            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "seqs_per_step": seqs,
+            "iters": iters, "rows": rows}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--ranks", default="1,2", help="world sizes, comma-separated (default: 1,2)")
+    p.add_argument("--seqs", type=int, default=64, help="sequences in the dispatched decode step (default: 64)")
     p.add_argument("--iters", type=int, default=300)
-    p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--tokens", type=int, default=200, help="decode steps timed in the engine (default: 200)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", default="bench_results/bench_step_dispatch.json")
     a = p.parse_args()
     import ray
 
-    ray.init(num_cpus=max(a.ranks, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    ranks_list = [int(x) for x in a.ranks.split(",")]
+    ray.init(num_cpus=max(max(ranks_list), os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     try:
-        trips = ray_round_trips(a.ranks, a.iters)
-        step_ms = engine_decode_step(a.ranks, a.tokens)
+        report = run(ranks_list, a.seqs, a.iters, a.tokens, a.device)
     finally:
         ray.shutdown()
-    report = {"benchmark": "step_dispatch", "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
-              "cpus": os.cpu_count(), "ranks": a.ranks, "ray_round_trip_ms": trips, "engine_decode_step_ms": step_ms}
-    print(f"{a.ranks} rank actors, payload {trips['payload_bytes']} bytes pickled, {os.cpu_count()} CPUs")
-    for name in ("ray.put then refs", "by value (inlined)"):
-        print(f"  Ray round trip, {name:20s} {trips[name]:6.2f} ms")
-    print(f"  engine decode step, TP={a.ranks} on CPU (tiny Llama): {step_ms:.2f} ms (median)")
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(report, f, indent=2)

@@ -127,3 +127,41 @@ def test_channel_names_a_dead_rank_at_once_and_a_silent_one_at_the_deadline():
     finally:
         stuck.set()
         channel.close()
+
+
+@pytest.fixture(scope="module")
+def private_ray():
+    import ray
+
+    yield
+    ray.shutdown()  # the executor started a private Ray; later modules start their own
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"distributed_executor_backend": "ray"}, {"tensor_parallel_size": 2}, {}])
+def test_every_rank_profiles_its_steps(layout, private_ray):
+    """Through the rank actors at world size 1 and 2, and in-process: each rank's idle, dispatch and
+    execute time per step kind; the sampled steps also give communication time where ranks talk."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from step_profile import StepProfile
+    from tandem import LLM, SamplingParams
+    from tests.models import tiny_model
+
+    llm = LLM(tiny_model("llama", num_hidden_layers=2), device="cpu", show_progress=False, **layout)
+    try:
+        prof = StepProfile(llm.llm_engine, gpu_every=2)
+        llm.generate([[1, 2, 3, 4, 5] * 4] * 3, SamplingParams(max_tokens=6, ignore_eos=True))
+        summary, table = prof.summary(), prof.table()
+    finally:
+        llm.shutdown()
+    ranks = summary["ranks"]
+    assert len(ranks) == layout.get("tensor_parallel_size", 1)
+    for by_kind in ranks:
+        assert by_kind["mixed"]["steps"] == 1 and by_kind["decode"]["steps"] == 5
+        assert by_kind["decode"]["ms_execute"] > 0 and by_kind["decode"]["sampled_steps"] >= 2
+        assert (by_kind["decode"]["ms_comm"] > 0) == (len(ranks) > 1)
+    assert summary["host"]["decode"]["steps"] == 5
+    assert "rank kind" in table

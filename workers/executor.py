@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 
 from workers.config import EngineConfig
 from workers.model_runner import ModelRunner
+from workers.rank_profile import ProfiledRunner
 from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -27,6 +28,12 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Release the ranks and their memory. Safe to call more than once."""
 
+    @abstractmethod
+    def profile(self, action: str, gpu_every: int = 0) -> list[dict]:
+        """Per-rank step profiles (workers/rank_profile.py): "start" begins recording on every rank
+        (every gpu_every-th step also under torch.profiler); "report" returns each rank's summary by
+        step kind, in rank order."""
+
     # ---- KV transfer between pools (workers/kv_transfer) ----
     @abstractmethod
     def kv_setup(self, role: str) -> None:
@@ -43,12 +50,21 @@ class UniprocExecutor(Executor):
 
     def __init__(self, config: EngineConfig, hf_config, max_model_len: int, eos_token_ids: list[int], show_progress: bool = True):
         self.runner: ModelRunner | None = ModelRunner(config, hf_config, max_model_len, eos_token_ids, show_progress)
+        self.profiled: ProfiledRunner | None = None
         self.num_blocks = self.runner.num_blocks
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if self.runner is None:
             raise ExecutorError("the executor was shut down")
+        if self.profiled is not None:
+            return self.profiled.execute(out)
         return self.runner.execute(out)
+
+    def profile(self, action: str, gpu_every: int = 0) -> list[dict]:
+        if action == "start":
+            self.profiled = ProfiledRunner(self.runner, gpu_every)
+            return []
+        return [self.profiled.profile.summary() if self.profiled is not None else {}]
 
     def shutdown(self) -> None:
         # Dropping the runner frees the weights and the KV cache (nothing else holds them).

@@ -16,7 +16,7 @@ import pickle
 from dataclasses import dataclass
 
 from workers.sampling_params import SamplingParams
-from workers.scheduler_output import ScheduledSeq, SchedulerOutput
+from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 
 # A sequence the ranks know: (seq_id, token_ids, start_pos, new_block_ids, sample, num_output_tokens,
 # prompt_token_ids, output_token_ids). The last two are empty unless the parameters need the history.
@@ -89,11 +89,23 @@ class StepDecoder:
                 seq_id, tokens, start, appended, sample, n_out, prompt, output = next(known_it)
                 held = self._held[seq_id]
                 held.block_table.extend(appended)
-            # The table is copied: the runner may keep a step's ScheduledSeq past the next decode.
-            seqs.append(ScheduledSeq(seq_id, tokens, start, list(held.block_table), sample, held.sampling_params,
+            # The held table itself, not a copy: the rank runs this step to the end before it decodes
+            # (and extends the table for) the next one.
+            seqs.append(ScheduledSeq(seq_id, tokens, start, held.block_table, sample, held.sampling_params,
                                      n_out, prompt, output))
         return SchedulerOutput(seqs=seqs, finished_seq_ids=forget)
 
     @property
     def num_held(self) -> int:
         return len(self._held)
+
+
+def pack_output(out: ModelRunnerOutput | None) -> tuple | None:
+    """The output rank's answer as plain tuples (pickles several times faster than the dataclasses)."""
+    if out is None:
+        return None
+    return tuple((seq_id, t.token_id, t.logprob, t.top_logprobs) for seq_id, t in out.sampled.items())
+
+
+def unpack_output(packed: tuple) -> ModelRunnerOutput:
+    return ModelRunnerOutput({seq_id: SampledToken(token, logprob, top) for seq_id, token, logprob, top in packed})
