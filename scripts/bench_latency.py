@@ -106,11 +106,15 @@ def hf_decode(model_dir: str, prompt: list[int], gen: int) -> dict:
 # ---------------------------------------------------------------- Tandem
 
 def make_llm(model_dir: str, mode: str, args, max_model_len: int, num_blocks: int, max_batched: int) -> LLM:
+    """`mode` is a variant, optionally @executor: graphs, eager, torch, eager-loop-moe; graphs@ray runs the
+    same engine through the Ray rank actors (the path of every multi-GPU layout), graphs@uni in-process."""
+    mode, _, executor = mode.partition("@")
     backend = "torch" if mode == "torch" else "triton"
     llm = LLM(model=model_dir, device="cuda", dtype="bfloat16", load_format=args.load_format, attention_backend=backend,
-              enforce_eager=mode != "graphs", tensor_parallel_size=args.tensor_parallel_size, max_model_len=max_model_len, num_gpu_blocks_override=num_blocks, block_size=16,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, enable_prefix_caching=False,
-              show_progress=False)
+              enforce_eager=mode != "graphs", tensor_parallel_size=args.tensor_parallel_size,
+              distributed_executor_backend=executor or "auto", max_model_len=max_model_len,
+              num_gpu_blocks_override=num_blocks, block_size=16, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=max_batched, enable_prefix_caching=False, show_progress=False)
     if mode == "eager-loop-moe":
         from workers.models.moe import Experts
 
@@ -148,6 +152,10 @@ def tandem_decode(llm: LLM, prompt: list[int], gen: int) -> dict:
         end.record()
         end.synchronize()
         res["graph_replay_ms"] = start.elapsed_time(end) / 20
+    elif hasattr(eng.executor, "workers"):  # Ray rank actors: do they replay decode graphs?
+        import ray
+
+        res["rank_cuda_graph_sizes"] = ray.get([w.cuda_graph_sizes.remote() for w in eng.executor.workers])
     return res
 
 
@@ -215,7 +223,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=256)
-    p.add_argument("--modes", default="graphs,eager,torch", help="Tandem variants: graphs, eager, torch, eager-loop-moe")
+    p.add_argument("--modes", default="graphs,eager,torch", help="Tandem variants: graphs, eager, torch, eager-loop-moe; "
+                   "append @uni or @ray for the executor (graphs@uni,graphs@ray compares them in one run)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="also the largest captured decode batch")
     p.add_argument("--no-fused-decode", action="store_true",
                    help="batch-1 graphs without the norm/SiLU/residual folded into the GEMVs (ablation); "
@@ -289,7 +298,7 @@ def bench_tandem(args: argparse.Namespace, model_dir: str, cfg, prompt: list[int
         r = tandem_decode(llm, prompt, args.gen_len)
         r["fraction_of_roofline"] = r["decode_tok_per_s"] / report["roofline_tok_per_s"]
         r["fraction_of_roofline_read"] = r["decode_tok_per_s"] / report["roofline_read_tok_per_s"]
-        if mode == "graphs" and prefill_lens:
+        if mode.split("@")[0] == "graphs" and prefill_lens:
             n_lin = linear_params(params, cfg)
             attn = lambda n: 2 * n * n * head_dim * cfg.num_attention_heads * cfg.num_hidden_layers  # noqa: E731 causal QK^T + PV
             flops = lambda n: 2 * n_lin * n + attn(n) + 2 * cfg.vocab_size * cfg.hidden_size  # noqa: E731

@@ -62,14 +62,30 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_tandem(args, prompts, out_lens) -> dict:
+def parse_layout(spec: str) -> dict:
+    """"uni", "ray", "tp2", "pp2", "sp2", "ep2" and "+"-joined combinations ("tp2+ray") as engine arguments."""
+    sizes = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "sp": "sequence_parallel_size",
+             "ep": "expert_parallel_size"}
+    layout: dict = {}
+    for part in spec.split("+"):
+        if part in ("uni", "ray", "auto"):
+            layout["distributed_executor_backend"] = part
+        elif part[:2] in sizes and part[2:].isdigit():
+            layout[sizes[part[:2]]] = int(part[2:])
+        else:
+            raise SystemExit(f"--layouts: cannot read {part!r} (uni, ray, tpN, ppN, spN, epN, joined with +)")
+    return layout
+
+
+def run_tandem(args, prompts, out_lens, layout: dict | None = None) -> dict:
     extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    layout = layout if layout is not None else {"tensor_parallel_size": args.tensor_parallel_size}
     if args.device.startswith("cuda"):
         extra.update(attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                      gpu_memory_utilization=args.gpu_memory_utilization)
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              tensor_parallel_size=args.tensor_parallel_size, show_progress=False, **extra)
+              show_progress=False, **layout, **extra)
     params = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in out_lens]
     llm.generate(prompts[:2], params[:2])  # warm-up (allocator, kernels)
     profile = None
@@ -148,6 +164,9 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (Ray ranks) Tandem shards the model over")
+    p.add_argument("--layouts", default=None, help="compare engine layouts in one run, space-separated, each "
+                   "uni, ray, tpN, ppN, spN, epN or a + join (e.g. 'uni ray' or 'tp1 tp2'); ratios vs the first")
+    p.add_argument("--repeat", type=int, default=1, help="with --layouts: run the whole list this many times")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--skip-hf", action="store_true")
@@ -178,7 +197,14 @@ def main() -> None:
     prompts, out_lens = synthetic_requests(args.num_requests, vocab, args.mean_input, args.mean_output,
                                            args.max_input, args.max_output, args.seed)
     n_in = sum(len(x) for x in prompts)
-    results = {"tandem": run_tandem(args, prompts, out_lens)}
+    if args.layouts:
+        results = {}
+        for run in range(1, args.repeat + 1):
+            for spec in args.layouts.split():
+                results[f"tandem[{spec}]#{run}"] = run_tandem(args, prompts, out_lens, parse_layout(spec))
+                print(f"tandem[{spec}]#{run}: {results[f'tandem[{spec}]#{run}']['seconds']:.2f} s", flush=True)
+    else:
+        results = {"tandem": run_tandem(args, prompts, out_lens)}
     if not args.skip_hf:
         k = args.hf_num_requests or len(prompts)
         results["hf"] = run_hf(args, prompts[:k], out_lens[:k])
@@ -198,11 +224,18 @@ def main() -> None:
         "args": vars(args),
         "results": results,
     }
-    if "hf" in results:
+    if "hf" in results and "tandem" in results:
         report["speedup_total_tok_per_s"] = results["tandem"]["total_tok_per_s"] / results["hf"]["total_tok_per_s"]
-    print(f"{'engine':8} {'seconds':>9} {'out tok/s':>10} {'total tok/s':>12}")
+    if args.layouts:  # each layout's runs against the first layout's run of the same round
+        first = args.layouts.split()[0]
+        for name, r in results.items():
+            if name.startswith("tandem["):
+                base = results[f"tandem[{first}]#{name.rsplit('#', 1)[1]}"]
+                r["vs_first_layout"] = r["total_tok_per_s"] / base["total_tok_per_s"]
+    print(f"{'engine':20} {'seconds':>9} {'out tok/s':>10} {'total tok/s':>12} {'vs first':>9}")
     for name, r in results.items():
-        print(f"{name:8} {r['seconds']:9.2f} {r['output_tok_per_s']:10.1f} {r['total_tok_per_s']:12.1f}")
+        print(f"{name:20} {r['seconds']:9.2f} {r['output_tok_per_s']:10.1f} {r['total_tok_per_s']:12.1f} "
+              f"{r.get('vs_first_layout', float('nan')):9.3f}")
     if "speedup_total_tok_per_s" in report:
         print(f"speedup (total tok/s): {report['speedup_total_tok_per_s']:.2f}x")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
