@@ -75,7 +75,7 @@ class RankWorker:
             kind = step_kind(out, self.runner.cuda_graphs)
             result = self.profile.step(kind, start - self._answered_at, time.perf_counter() - start,
                                        lambda: self.execute(out))
-        packed = pack_output(result)
+        packed = pack_output(result, out)
         self._answered_at = time.perf_counter()
         return packed
 

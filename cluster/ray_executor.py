@@ -112,7 +112,7 @@ class RayExecutor(Executor):
             if len(e.late) > 1:
                 self._fail(f"step: {', '.join(self.describe(r) for r in e.late)} {e.what}", e)
             self._fail(f"step: {self.describe(e.rank)} {e.what}", e)
-        return unpack_output(results[self.output_rank])
+        return unpack_output(results[self.output_rank], out)
 
     def profile(self, action: str, gpu_every: int = 0) -> list[dict]:
         self._check_usable("profile")

@@ -124,9 +124,14 @@ def make_llm(model_dir: str, mode: str, args, max_model_len: int, num_blocks: in
     return llm
 
 
-def tandem_decode(llm: LLM, prompt: list[int], gen: int) -> dict:
+def tandem_decode(llm: LLM, prompt: list[int], gen: int, profile_every: int = 0) -> dict:
     eng = llm.llm_engine
     llm.generate([prompt[:32]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
+    profile = None
+    if profile_every:
+        from step_profile import StepProfile
+
+        profile = StepProfile(eng, gpu_every=profile_every)
     eng.add_request("bench", prompt, SamplingParams(max_tokens=gen + 1, temperature=0.0, ignore_eos=True))
     sync()
     t0 = time.perf_counter()
@@ -140,6 +145,9 @@ def tandem_decode(llm: LLM, prompt: list[int], gen: int) -> dict:
         steps.append(time.perf_counter() - t)
     total = sum(steps)
     res = {"decode_tok_per_s": n / total, "median_step_ms": 1e3 * statistics.median(steps), "ttft_s": ttft, "gen_tokens": n}
+    if profile is not None:
+        res["step_profile"] = profile.summary()
+        print(profile.table(), flush=True)
     runner = getattr(eng.executor, "runner", None)  # None under TP (the ranks are Ray actors)
     graphs = runner.cuda_graphs if runner is not None else None
     if graphs is not None:  # GPU time of the captured step (forward, LM head, greedy) alone: the rest of a step is host overhead
@@ -232,6 +240,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs Tandem shards over; the roofline then counts that many GPUs' bandwidth")
     p.add_argument("--prefill-lens", default="2048,8192")
+    p.add_argument("--profile-steps", type=int, default=0, metavar="N", help="per-rank step profile of the decode "
+                   "run (scripts/step_profile.py), every N-th step under torch.profiler; slows that run")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--out", default="bench_results/bench_latency.json")
     return p.parse_args()
@@ -295,7 +305,7 @@ def bench_tandem(args: argparse.Namespace, model_dir: str, cfg, prompt: list[int
             # Under TP each GPU streams its 1/tp of the bytes: the bandwidth that counts is tp GPUs'.
             report.update(weight_bytes=total, weight_bytes_read=read, kv_bytes_per_step=kv, tensor_parallel_size=tp,
                           roofline_tok_per_s=tp * bw / (total + kv), roofline_read_tok_per_s=tp * bw / (read + kv))
-        r = tandem_decode(llm, prompt, args.gen_len)
+        r = tandem_decode(llm, prompt, args.gen_len, args.profile_steps)
         r["fraction_of_roofline"] = r["decode_tok_per_s"] / report["roofline_tok_per_s"]
         r["fraction_of_roofline_read"] = r["decode_tok_per_s"] / report["roofline_read_tok_per_s"]
         if mode.split("@")[0] == "graphs" and prefill_lens:

@@ -48,7 +48,11 @@ class _IdleRank:
         decoder = StepDecoder()
         from workers.step_delta import pack_output
 
-        run_rank_loop((address, port), self.rank, lambda m: pack_output(self._answer(decoder.decode(m[1]))))
+        def handle(message):
+            out = decoder.decode(message[1])
+            return pack_output(self._answer(out), out)
+
+        run_rank_loop((address, port), self.rank, handle)
 
     def execute(self, out):
         return self._answer(out)
@@ -78,7 +82,7 @@ def dispatch_us(ranks: int, seqs: int, iters: int) -> dict:
 
     def channel_step(out):
         channel.broadcast(("step", encoder.encode(out)))
-        return unpack_output(channel.gather(60)[0])
+        return unpack_output(channel.gather(60)[0], out)
 
     def ray_step(out):
         return ray.get([a.execute.remote(out) for a in actors])[0]

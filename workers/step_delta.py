@@ -1,32 +1,28 @@
 """What a multi-rank step sends its ranks: only what changed since the last step.
 
 A running sequence's block table only grows, and its sampling parameters never change, so after a
-sequence's first step the driver sends its new tokens, its position and the block ids appended since
-(usually none). Each rank keeps the tables and parameters it was sent (`StepDecoder`) and rebuilds
-the full `SchedulerOutput` that `ModelRunner.execute` takes. Sequences in `finished_seq_ids`
-(finished, aborted or preempted) are forgotten on both sides before the step's sequences are read, so
-a preempted sequence that comes back with a new table is sent whole again.
+sequence's first step the driver sends its slot (a small int standing for the sequence), its new
+tokens, its position and the block ids appended since (usually none). Each rank keeps the sequences it
+was sent (`StepDecoder`) and rebuilds the `SchedulerOutput` that `ModelRunner.execute` takes, reusing
+each sequence's `ScheduledSeq` from step to step. Sequences in `finished_seq_ids` (finished, aborted
+or preempted) are forgotten on both sides before the step's sequences are read, so a preempted
+sequence that comes back with a new table is sent whole again.
 
-The encoded step is tuples of ints and lists (fast to pickle); `StepEncoder` pickles it once and the
-same bytes go to every rank.
+The answer goes back the same way: the sampled tokens in the step's order of sequences to sample,
+without their ids. The encoded step is tuples of ints and lists (fast to pickle); `StepEncoder`
+pickles it once and the same bytes go to every rank.
 """
 from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
 
-from workers.sampling_params import SamplingParams
 from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
-
-# A sequence the ranks know: (seq_id, token_ids, start_pos, new_block_ids, sample, num_output_tokens,
-# prompt_token_ids, output_token_ids). The last two are empty unless the parameters need the history.
-Known = tuple
-# A sequence sent whole: (seq_id, ..., same fields with the full block table, sampling_params).
-New = tuple
 
 
 @dataclass
 class _Sent:
+    slot: int
     num_blocks: int  # block ids the ranks hold for this sequence
     first_block: int  # a cheap check that the table was not rebuilt without a finish in between
 
@@ -36,76 +32,99 @@ class StepEncoder:
 
     def __init__(self) -> None:
         self._sent: dict[str, _Sent] = {}
+        self._free_slots: list[int] = []
+        self._num_slots = 0
+
+    def _slot(self) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        self._num_slots += 1
+        return self._num_slots - 1
 
     def encode(self, out: SchedulerOutput) -> bytes:
+        forget = []
         for seq_id in out.finished_seq_ids:
-            self._sent.pop(seq_id, None)
-        new: list[New] = []
-        known: list[Known] = []
-        order: list[int] = []  # 0 = next of `new`, 1 = next of `known`: the step keeps its sequence order
+            sent = self._sent.pop(seq_id, None)
+            if sent is not None:
+                forget.append(sent.slot)
+                self._free_slots.append(sent.slot)
+        new, known = [], []
+        order = bytearray()  # 0 = next of `new`, 1 = next of `known`: the step keeps its sequence order
         for s in out.seqs:
             sent = self._sent.get(s.seq_id)
             table = s.block_table
-            if sent is None or len(table) < sent.num_blocks or (table and table[0] != sent.first_block):
-                new.append((s.seq_id, s.token_ids, s.start_pos, table, s.sample, s.num_output_tokens,
+            if sent is not None and (len(table) < sent.num_blocks or (table and table[0] != sent.first_block)):
+                forget.append(sent.slot)  # rebuilt without a finish in between: resend it whole
+                self._free_slots.append(sent.slot)
+                del self._sent[s.seq_id]
+                sent = None
+            if sent is None:
+                sent = self._sent[s.seq_id] = _Sent(self._slot(), len(table), table[0] if table else -1)
+                new.append((sent.slot, s.seq_id, s.token_ids, s.start_pos, table, s.sample, s.num_output_tokens,
                             s.prompt_token_ids, s.output_token_ids, s.sampling_params))
                 order.append(0)
             else:
-                known.append((s.seq_id, s.token_ids, s.start_pos, table[sent.num_blocks:], s.sample,
-                              s.num_output_tokens, s.prompt_token_ids, s.output_token_ids))
+                known.append((sent.slot, s.token_ids, s.start_pos, table[sent.num_blocks:] if len(table) > sent.num_blocks
+                              else None, s.sample, s.num_output_tokens, s.prompt_token_ids or None,
+                              s.output_token_ids or None))
                 order.append(1)
-            self._sent[s.seq_id] = _Sent(len(table), table[0] if table else -1)
-        forget = [seq_id for seq_id in out.finished_seq_ids]
-        return pickle.dumps((forget, new, known, order), protocol=pickle.HIGHEST_PROTOCOL)
-
-    def reset(self) -> None:
-        """After the ranks lost their state (never while they live): send everything whole."""
-        self._sent.clear()
-
-
-@dataclass
-class _Held:
-    block_table: list[int]
-    sampling_params: SamplingParams
+                sent.num_blocks = len(table)
+        return pickle.dumps((out.finished_seq_ids, forget, new, known, bytes(order)), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class StepDecoder:
-    """Rank side: the tables and parameters sent so far; rebuilds each step's SchedulerOutput."""
+    """Rank side: the sequences sent so far, by slot; rebuilds each step's SchedulerOutput."""
 
     def __init__(self) -> None:
-        self._held: dict[str, _Held] = {}
+        self._held: dict[int, ScheduledSeq] = {}
 
     def decode(self, payload: bytes) -> SchedulerOutput:
-        forget, new, known, order = pickle.loads(payload)
-        for seq_id in forget:
-            self._held.pop(seq_id, None)
+        finished_ids, forget, new, known, order = pickle.loads(payload)
+        held = self._held
+        for slot in forget:
+            held.pop(slot, None)
         new_it, known_it = iter(new), iter(known)
         seqs: list[ScheduledSeq] = []
         for kind in order:
             if kind == 0:
-                seq_id, tokens, start, table, sample, n_out, prompt, output, params = next(new_it)
-                held = self._held[seq_id] = _Held(list(table), params)
+                slot, seq_id, tokens, start, table, sample, n_out, prompt, output, params = next(new_it)
+                seq = held[slot] = ScheduledSeq(seq_id, tokens, start, list(table), sample, params, n_out, prompt, output)
             else:
-                seq_id, tokens, start, appended, sample, n_out, prompt, output = next(known_it)
-                held = self._held[seq_id]
-                held.block_table.extend(appended)
-            # The held table itself, not a copy: the rank runs this step to the end before it decodes
-            # (and extends the table for) the next one.
-            seqs.append(ScheduledSeq(seq_id, tokens, start, held.block_table, sample, held.sampling_params,
-                                     n_out, prompt, output))
-        return SchedulerOutput(seqs=seqs, finished_seq_ids=forget)
+                # The held ScheduledSeq itself, updated: the rank runs this step to the end before it decodes
+                # the next one.
+                slot, tokens, start, appended, sample, n_out, prompt, output = next(known_it)
+                seq = held[slot]
+                seq.token_ids, seq.start_pos, seq.sample, seq.num_output_tokens = tokens, start, sample, n_out
+                if appended:
+                    seq.block_table.extend(appended)
+                seq.prompt_token_ids, seq.output_token_ids = prompt or [], output or []
+            seqs.append(seq)
+        return SchedulerOutput(seqs=seqs, finished_seq_ids=finished_ids)
 
     @property
     def num_held(self) -> int:
         return len(self._held)
 
 
-def pack_output(out: ModelRunnerOutput | None) -> tuple | None:
-    """The output rank's answer as plain tuples (pickles several times faster than the dataclasses)."""
-    if out is None:
+def pack_output(result: ModelRunnerOutput | None, out: SchedulerOutput) -> tuple | None:
+    """The output rank's answer as plain lists in the step's order of sequences to sample (no ids), or
+    keyed by id where a runner answered for other sequences."""
+    if result is None:
         return None
-    return tuple((seq_id, t.token_id, t.logprob, t.top_logprobs) for seq_id, t in out.sampled.items())
+    sampled = result.sampled
+    expected = [s.seq_id for s in out.seqs if s.sample]
+    if len(expected) == len(sampled) and all(seq_id in sampled for seq_id in expected):
+        tokens = [sampled[seq_id] for seq_id in expected]
+        tops = [t.top_logprobs for t in tokens]
+        return ("ordered", [t.token_id for t in tokens], [t.logprob for t in tokens], tops if any(tops) else None)
+    return ("keyed", [(seq_id, t.token_id, t.logprob, t.top_logprobs) for seq_id, t in sampled.items()])
 
 
-def unpack_output(packed: tuple) -> ModelRunnerOutput:
-    return ModelRunnerOutput({seq_id: SampledToken(token, logprob, top) for seq_id, token, logprob, top in packed})
+def unpack_output(packed: tuple, out: SchedulerOutput) -> ModelRunnerOutput:
+    if packed[0] == "keyed":
+        return ModelRunnerOutput({seq_id: SampledToken(tok, lp, top) for seq_id, tok, lp, top in packed[1]})
+    _, token_ids, logprobs, tops = packed
+    ids = [s.seq_id for s in out.seqs if s.sample]
+    tops = tops or [None] * len(ids)
+    return ModelRunnerOutput({seq_id: SampledToken(tok, lp, top)
+                              for seq_id, tok, lp, top in zip(ids, token_ids, logprobs, tops)})
