@@ -2,7 +2,10 @@
 its shard of the model in a `ModelRunner`, and runs every step the driver sends it."""
 from __future__ import annotations
 
+import os
 import time
+
+import torch
 
 from cluster.rendezvous import join_process_group, node_address
 from cluster.step_channel import run_rank_loop
@@ -13,6 +16,14 @@ from workers.model_runner import ModelRunner
 from workers.rank_profile import RankProfile, step_kind
 from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from workers.step_delta import StepDecoder, pack_output
+
+
+def set_rank_threads(world_size: int) -> None:
+    """Ray starts actors with OMP_NUM_THREADS=1. A GPU rank's host work (building a step's inputs,
+    sampling bookkeeping) gets its share of the node's cores instead, as the in-process engine has.
+    CPU ranks keep one thread each: they compute on the cores they share with each other."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // world_size))
 
 
 class RankWorker:
@@ -28,6 +39,8 @@ class RankWorker:
              eos_token_ids: list[int], show_progress: bool, timeout_s: float) -> int:
         """Join the process group, load this rank's shard; returns how many KV blocks it can hold."""
         backend = "nccl" if config.model.resolved_device().type == "cuda" else "gloo"
+        if backend == "nccl":
+            set_rank_threads(config.parallel.world_size)
         join_process_group(address, port, self.rank, config.parallel.world_size, backend, timeout_s)
         init_groups(config.parallel)
         self.runner = ModelRunner(config, hf_config, max_model_len, eos_token_ids, show_progress)

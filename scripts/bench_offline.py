@@ -107,7 +107,7 @@ def run_tandem(args, prompts, out_lens, layout: dict | None = None) -> dict:
         result["step_profile"] = profile.summary()
         print(profile.table())
     llm.llm_engine.shutdown()
-    del llm, outs
+    del llm, outs, profile  # the profile's hooks hold the engine
     if args.device.startswith("cuda"):  # free the weights and KV cache before HF loads its copy
         import gc
 

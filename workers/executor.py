@@ -69,6 +69,7 @@ class UniprocExecutor(Executor):
     def shutdown(self) -> None:
         # Dropping the runner frees the weights and the KV cache (nothing else holds them).
         self.runner = None
+        self.profiled = None  # it holds the runner too
         self.kv_agent = None
 
     def kv_setup(self, role: str) -> None:
