@@ -27,6 +27,12 @@ from typing import Any, Callable
 
 _HEADER = struct.Struct("<Q")
 
+# Every rank loop's handler stays referenced from here, so a loop thread that ends while the process
+# exits (its driver hung up during shutdown) never drops the last reference to the rank's model: a
+# daemon thread freeing CUDA/torch objects during interpreter finalization is killed mid-free and the
+# process aborts.
+_HANDLERS: list[Callable[[tuple], Any]] = []
+
 
 class ChannelClosed(ConnectionError):
     """The peer closed the connection (its process exited or was killed)."""
@@ -136,6 +142,7 @@ def run_rank_loop(address: tuple[str, int], rank: int, handle: Callable[[tuple],
     """Rank side: connect to the driver and serve its messages on a daemon thread until it hangs up.
     `handle(message)` returns the answer; an exception is sent back as an error and the loop goes on
     (the driver decides: a failed step makes it stop every rank)."""
+    _HANDLERS.append(handle)
     sock = socket.create_connection(address, timeout=60)
     sock.settimeout(None)
     _configure(sock)

@@ -106,10 +106,13 @@ def start(spec: ServeSpec, verbose: bool = False) -> None:
     from ray import serve
     from ray.serve.schema import LoggingConfig
 
-    if not ray.is_initialized():
+    level = logging.INFO if verbose else logging.ERROR
+    logging.getLogger("ray.serve").setLevel(logging.INFO if verbose else logging.WARNING)  # this process's Serve client
+    if not ray.is_initialized() and os.environ.get("RAY_ADDRESS"):
+        ray.init(logging_level=level)  # the cluster $RAY_ADDRESS names, with its own resources
+    elif not ray.is_initialized():
         # Pool ranks are Ray actors taking one CPU each; ask for enough slots even on a 2-core machine.
-        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
-                 logging_level=logging.INFO if verbose else logging.ERROR,
+        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, logging_level=level,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     grpc = dict(spec.grpc_options)
     grpc["grpc_servicer_functions"] = list(dict.fromkeys([*grpc.get("grpc_servicer_functions", []), GRPC_SERVICER]))
