@@ -113,6 +113,17 @@ def test_layout_matches_one_rank_and_hf(name: str, layout: str, references):
         assert list(got_lp.values()) == pytest.approx(list(want_lp.values()), abs=1e-4)
 
 
+def _wait_dead(actor, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.cuda_graph_sizes.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise TimeoutError("the killed rank is still alive")
+
+
 def test_killed_rank_fails_fast_with_its_name(references):
     llm = LLM(references["llama"]["path"], pipeline_parallel_size=2, **ENGINE_ARGS)
     executor = llm.llm_engine.executor
@@ -127,6 +138,7 @@ def test_killed_rank_fails_fast_with_its_name(references):
         steps[0] += 1
         if steps[0] == 3:
             ray.kill(workers[1])
+            _wait_dead(workers[1])  # ray.kill is asynchronous; steps are fast enough to finish before it lands
         return step()
 
     llm.llm_engine.step = step_then_kill
