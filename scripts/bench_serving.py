@@ -190,8 +190,13 @@ def summarize(results: list[Result], elapsed: float, args) -> dict:
 # ---------------------------------------------------------------- output
 
 
-def plot(points: list[dict], path: Path) -> None:
-    import matplotlib
+def plot(points: list[dict], path: Path) -> bool:
+    """Writes the latency-vs-throughput PNG; False (and nothing written) when matplotlib is not installed,
+    which is optional: the JSON and the table hold every number."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -214,6 +219,7 @@ def plot(points: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def _json_safe(d: dict) -> dict:
@@ -296,7 +302,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ttft-slo", type=float, default=1.0, help="goodput: TTFT limit in seconds")
     p.add_argument("--tpot-slo", type=float, default=0.1, help="goodput: TPOT limit in seconds")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench_results/serving", help="writes OUT.json and OUT.png")
+    p.add_argument("--out", default="bench_results/serving", help="writes OUT.json and, with matplotlib, OUT.png")
     p.add_argument("--save-requests", action="store_true", help="keep every request's timings in the JSON")
     args = p.parse_args(argv)
     if not args.request_rates and not args.concurrencies:
@@ -313,9 +319,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    plot(report["points"], out.with_suffix(".png"))
+    plotted = plot(report["points"], out.with_suffix(".png"))
     print(table(report["points"]))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    if plotted:
+        print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    else:
+        print(f"wrote {out.with_suffix('.json')}; skipped {out.with_suffix('.png')}: matplotlib is not installed")
     return 0 if any(p["summary"]["completed"] for p in report["points"]) else 1
 
 
