@@ -31,7 +31,10 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[dict], None] | None = None,
                  lease_check_interval_s: float = 1.0):
         self.llm_engine = engine
-        self.on_step = on_step  # called with engine.stats() after every step (metrics)
+        # Called on the engine thread with engine.stats() after every step and every other engine call:
+        # aborts, releases, reservation cancels and lease expiry free blocks outside steps, so gauges fed
+        # from it (router/metrics.py) would otherwise keep showing freed blocks while no step follows.
+        self.on_step = on_step
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-engine")
         self._queues: dict[str, asyncio.Queue] = {}
         self._wake: asyncio.Event | None = None
@@ -42,7 +45,8 @@ class AsyncEngine:
     # ---- engine calls, in order on the engine thread ----
     async def call(self, fn: Callable[..., T], *args) -> T:
         self._check_alive()
-        return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args))
+        run = functools.partial(self._then_report, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, run)
 
     async def call_for(self, request_id: str, fn: Callable[..., T], *args) -> T:
         """`call` for a method that creates state for `request_id` (admits, reserves or starts it). A
@@ -66,9 +70,25 @@ class AsyncEngine:
 
     def _free_soon(self, fn: Callable[..., object], *args) -> Future | None:
         try:
-            return self._thread.submit(fn, *args)
+            return self._thread.submit(self._then_report, fn, *args)
         except RuntimeError:  # closed: the engine thread is gone, and the engine with it
             return None
+
+    def _then_report(self, fn: Callable[..., T], *args) -> T:
+        """On the engine thread: an engine call, then its effect on the stats to `on_step`."""
+        try:
+            return fn(*args)
+        finally:
+            self._report()
+
+    def _report(self) -> None:
+        """On the engine thread (so reports arrive in the order of the changes they describe)."""
+        if self.on_step is None:
+            return
+        try:
+            self.on_step(self.llm_engine.stats())
+        except Exception:  # noqa: BLE001 - metrics must never fail an engine call
+            log.exception("reporting engine stats failed")
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -162,11 +182,12 @@ class AsyncEngine:
             self._wake = asyncio.Event()
             self._task = loop.create_task(self._run(), name="tandem-step-loop")
 
-    def _step(self) -> tuple[list[RequestOutput], dict]:
+    def _step(self) -> list[RequestOutput]:
         """On the engine thread: snapshots are taken before the next step mutates the outputs."""
         self.llm_engine.expire_leases()
         outputs = [o.snapshot() for o in self.llm_engine.step()]
-        return outputs, self.llm_engine.stats()
+        self._report()
+        return outputs
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -181,7 +202,7 @@ class AsyncEngine:
                         await self.call(self.llm_engine.expire_leases)
                 continue
             try:
-                outputs, stats = await loop.run_in_executor(self._thread, self._step)
+                outputs = await loop.run_in_executor(self._thread, self._step)
             except asyncio.CancelledError:
                 raise
             except BaseException as e:  # noqa: BLE001 - a rank died or a kernel raised: fail every stream, stop
@@ -194,8 +215,6 @@ class AsyncEngine:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
-            if self.on_step is not None:
-                self.on_step(stats)
             if not outputs:
                 # Prefill chunks sample nothing; yield to the loop so a burst of them can't starve it.
                 await asyncio.sleep(0)

@@ -8,7 +8,7 @@ recording is a cheap no-op, so callers never check.
 Who records what:
     front ends (openai_api, grpc_api): tandem_ttft_seconds, tandem_tpot_seconds, tandem_e2e_seconds,
         tandem_requests_total{status}
-    each engine replica's step loop (LocalBackend, the pools): tandem_queue_depth{pool},
+    each engine replica's engine thread, after every engine call (LocalBackend, the pools): tandem_queue_depth{pool},
         tandem_kv_blocks_used{pool}, tandem_prefix_cache_hit_tokens
     the KV handoff (disaggregated pools): tandem_kv_transfer_bytes, tandem_kv_transfer_seconds
 """
@@ -70,7 +70,9 @@ class RequestTimer:
 
 
 class PoolGauges:
-    """Per-step engine stats -> the pool's gauges and the prefix-hit counter (an `AsyncEngine.on_step`)."""
+    """Engine stats -> the pool's gauges and the prefix-hit counter (an `AsyncEngine.on_step`). Called after
+    every step and every other engine call (aborts, releases, reservations, lease expiry), so the gauges
+    are true at rest, when no step follows a free."""
 
     def __init__(self, pool: str) -> None:
         self.tags = {"pool": pool}
