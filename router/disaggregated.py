@@ -28,14 +28,18 @@ from router.protocol import BackendUnavailable, GenerateRequest
 from engine.llm_engine import RequestOutput
 
 log = logging.getLogger(__name__)
-INFO_TIMEOUT_S = 600.0  # the first answer waits for a decode replica to load its model
+INFO_TIMEOUT_S = 600.0  # the router's first health check waits this long for the pools to load their models
+READY_WAIT_S = 60.0  # a request that arrives before the pools answered waits this long, then gets 503
 
 
 class DisaggregatedBackend:
     """`router.protocol.Backend` over the decode pool's Serve handle."""
 
-    def __init__(self, config: AppConfig, decode: DeploymentHandle):
+    def __init__(self, config: AppConfig, decode: DeploymentHandle, prefill: DeploymentHandle | None = None,
+                 ready_wait_s: float = READY_WAIT_S):
         self.decode = decode
+        self.prefill = prefill
+        self.ready_wait_s = ready_wait_s
         self.model_name = config.served_model_name
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model, local_files_only=True)
         hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
@@ -45,20 +49,40 @@ class DisaggregatedBackend:
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
         self._streams: dict[str, Any] = {}
         self._info_task: asyncio.Task | None = None
+        self._ready = False
 
-    async def _refresh_info(self) -> None:
+    async def _fetch_info(self) -> None:
+        """Both pools answer: the decode pool with its limits (the checks need them), the prefill pool at all."""
         info = await self.decode.info.remote()
+        if self.prefill is not None:
+            await self.prefill.stats.remote()
         self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
+        self._ready = True
 
-    async def ready(self) -> bool:
-        if self._info_task is None:
-            self._info_task = asyncio.create_task(asyncio.wait_for(self._refresh_info(), INFO_TIMEOUT_S))
-        if not self._info_task.done():
+    def _info(self) -> asyncio.Task:
+        """The one fetch in flight; one that failed or timed out is replaced by a new one."""
+        task = self._info_task
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = self._info_task = asyncio.ensure_future(asyncio.wait_for(self._fetch_info(), INFO_TIMEOUT_S))
+        return task
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """True once both pools have answered; waits for that at most `timeout` seconds."""
+        if self._ready:
+            return True
+        task = self._info()
+        done, _ = await asyncio.wait([task], timeout=timeout)  # not wait_for: a caller's timeout must not cancel it
+        if not done:
             return False
-        if self._info_task.exception() is not None:
-            self._info_task = None  # try again on the next probe
+        if task.cancelled() or task.exception() is not None:
+            log.warning("the pools did not answer: %r", None if task.cancelled() else task.exception())
             return False
         return True
+
+    async def ready(self) -> bool:
+        # A request (or probe) that arrives while the pools load waits for them, bounded, rather than
+        # getting 503 at once: under Serve this only happens before the router's first health check.
+        return await self.wait_ready(self.ready_wait_s)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if not await self.ready():
@@ -93,13 +117,19 @@ class DisaggregatedBackend:
 class Router(InferenceServicer):
     """Ingress: the OpenAI routes (built per replica by `__serve_build_asgi_app__`) and the gRPC methods."""
 
-    def __init__(self, args: dict[str, Any], decode: DeploymentHandle):
+    def __init__(self, args: dict[str, Any], decode: DeploymentHandle, prefill: DeploymentHandle | None = None):
         self.config = AppConfig.model_validate(args)
-        InferenceServicer.__init__(self, DisaggregatedBackend(self.config, decode), self.config.resolved_api_keys(),
-                                   self.config.request_timeout_s)
+        InferenceServicer.__init__(self, DisaggregatedBackend(self.config, decode, prefill),
+                                   self.config.resolved_api_keys(), self.config.request_timeout_s)
 
     def __serve_build_asgi_app__(self):
         return create_openai_app(self.backend, self.config.resolved_api_keys(), self.config.request_timeout_s)
+
+    async def check_health(self) -> None:
+        """Serve runs this once before the replica counts as started (and so before the deployment and the
+        app report RUNNING), then periodically: ready means both pools answer, so the first request succeeds."""
+        if not await self.backend.wait_ready(INFO_TIMEOUT_S):
+            raise RuntimeError("the decode and prefill pools did not answer")
 
 
 def build_disaggregated_app(config: AppConfig) -> Application:
@@ -119,5 +149,6 @@ def build_disaggregated_app(config: AppConfig) -> Application:
         max_ongoing_requests=config.max_ongoing_requests("decode"), ray_actor_options=actor, request_router_config=decode_router,
         **config.decode.serve_options()).bind(args, prefill)
     router = serve.deployment(Router, name="Router").options(
-        max_ongoing_requests=4 * config.max_ongoing_requests("decode"), ray_actor_options={"num_cpus": 0}).bind(args, decode)
+        max_ongoing_requests=4 * config.max_ongoing_requests("decode"), ray_actor_options={"num_cpus": 0}).bind(
+        args, decode, prefill)
     return router
