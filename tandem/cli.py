@@ -253,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ns = build_parser().parse_args(argv)
+    if not os.environ.get("RAY_ADDRESS"):
+        # Any Ray this command starts (served app, multi-rank `generate`, benchmarks) is a private local
+        # one: it must not leave ~/.ray/auth_token behind for later `ray start`s (tandem/serving.py).
+        from tandem.serving import use_private_ray_token
+
+        use_private_ray_token()
     try:
         return ns.func(ns)
     except (CommandError, ValueError) as e:  # pydantic's ValidationError is a ValueError

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import secrets
 import time
 import urllib.error
 import urllib.request
@@ -98,22 +99,57 @@ def _build(app: dict[str, Any]):
     return target if isinstance(target, Application) else target(app["args"])
 
 
-def start(spec: ServeSpec, verbose: bool = False) -> None:
-    """Local Ray (unless one is running) and Serve with the spec's proxies, then every application."""
+AUTH_TOKEN_SOURCES = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def use_private_ray_token(environ: dict[str, str] | None = None) -> bool:
+    """Give the private local Ray this process is about to start a token of its own, in RAY_AUTH_TOKEN.
+
+    Why: Ray 2.60's `ray.init()` of a new local cluster turns token authentication on and, finding no
+    token, writes one to ~/.ray/auth_token. Every later `ray start` of this user then enables token
+    auth because that file exists, while `serve deploy` (RAY_AUTH_MODE unset) sends no token and fails
+    with "Missing authentication token". With the token in the environment (inherited by the GCS,
+    raylet and every worker this process starts, seen by no one else) the private instance is still
+    protected and nothing is left behind. A token or mode the user set wins: True only if one was set here.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("RAY_AUTH_MODE", "").lower() == "disabled" or any(environ.get(k) for k in AUTH_TOKEN_SOURCES):
+        return False
+    environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    return True
+
+
+def start_ray(verbose: bool = False) -> None:
+    """Join the Ray this process is connected to, else the cluster $RAY_ADDRESS names, else start a
+    private local one (address="local": a `ray start` cluster running here is not joined by accident)."""
     import logging
 
     import ray
+
+    level = logging.INFO if verbose else logging.ERROR
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(logging_level=level)  # the cluster $RAY_ADDRESS names, with its own resources and auth
+        return
+    use_private_ray_token()
+    # Ray's own notice that token auth is on (with RAY_AUTH_MODE unset) speaks of the user's cluster
+    # settings; this instance is private, so it stays out of the demo's output unless --verbose.
+    logging.getLogger("ray._private.authentication").setLevel(level)
+    # Pool ranks are Ray actors taking one CPU each; ask for enough slots even on a 2-core machine.
+    ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, logging_level=level,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+
+
+def start(spec: ServeSpec, verbose: bool = False) -> None:
+    """Ray (see start_ray) and Serve with the spec's proxies, then every application."""
+    import logging
+
     from ray import serve
     from ray.serve.schema import LoggingConfig
 
-    level = logging.INFO if verbose else logging.ERROR
     logging.getLogger("ray.serve").setLevel(logging.INFO if verbose else logging.WARNING)  # this process's Serve client
-    if not ray.is_initialized() and os.environ.get("RAY_ADDRESS"):
-        ray.init(logging_level=level)  # the cluster $RAY_ADDRESS names, with its own resources
-    elif not ray.is_initialized():
-        # Pool ranks are Ray actors taking one CPU each; ask for enough slots even on a 2-core machine.
-        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, logging_level=level,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    start_ray(verbose)
     grpc = dict(spec.grpc_options)
     grpc["grpc_servicer_functions"] = list(dict.fromkeys([*grpc.get("grpc_servicer_functions", []), GRPC_SERVICER]))
     logging_config = LoggingConfig(log_level="INFO" if verbose else "WARNING")
