@@ -57,7 +57,12 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
                             seed=ns.sampling_seed, stop=ns.stop or [], ignore_eos=ns.ignore_eos)
-    args = EngineArgs(**collect(ns, ENGINE_FIELDS))
+    given = collect(ns, ENGINE_FIELDS)
+    if _starts_private_ray(given):
+        from tandem.serving import use_private_ray_token
+
+        use_private_ray_token()  # the local Ray of the ranks leaves no ~/.ray/auth_token behind (tandem/serving.py)
+    args = EngineArgs(**given)
     llm = LLM(**{**args.given(), "model": args.model}, show_progress=False)
     prompts = ns.prompt or ["def fibonacci(n):"]
     try:
@@ -73,6 +78,13 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             print(f"--- prompt: {prompt!r}\n{'' if ns.chat else prompt}{out.text}\n"
                   f"--- finish_reason: {out.finish_reason}, {len(out.token_ids)} tokens")
     return 0
+
+
+def _starts_private_ray(given: dict[str, Any]) -> bool:
+    """Whether `generate` with these engine flags starts a local Ray: ranks as Ray actors, no $RAY_ADDRESS."""
+    sizes = [given.get(f"{kind}_parallel_size") or 1 for kind in ("tensor", "pipeline", "sequence", "expert")]
+    ray_ranks = given.get("distributed_executor_backend") == "ray" or any(size > 1 for size in sizes)
+    return ray_ranks and not os.environ.get("RAY_ADDRESS")
 
 
 # ---- serve
@@ -131,9 +143,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     from ray import serve
 
-    from tandem.serving import start, wait_ready
+    from tandem.serving import check_ports_free, start, wait_ready
 
     spec, config = serve_spec(ns)
+    if not os.environ.get("RAY_ADDRESS"):
+        check_ports_free(spec)  # this machine runs the proxies; on a cluster they may run elsewhere
     keys = sorted(config.resolved_api_keys())
     if spec.http_host not in LOOPBACK and not keys:
         print(f"warning: serving on {spec.http_host} with no API key: anyone who reaches this port can use it "
@@ -253,12 +267,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ns = build_parser().parse_args(argv)
-    if not os.environ.get("RAY_ADDRESS"):
-        # Any Ray this command starts (served app, multi-rank `generate`, benchmarks) is a private local
-        # one: it must not leave ~/.ray/auth_token behind for later `ray start`s (tandem/serving.py).
-        from tandem.serving import use_private_ray_token
-
-        use_private_ray_token()
     try:
         return ns.func(ns)
     except (CommandError, ValueError) as e:  # pydantic's ValidationError is a ValueError

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import errno
 import os
 import secrets
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -157,6 +159,23 @@ def start(spec: ServeSpec, verbose: bool = False) -> None:
     for app in spec.applications:
         serve.run(_build(app), name=app["name"], route_prefix=app["route_prefix"], blocking=False,
                   logging_config=logging_config)
+
+
+def check_ports_free(spec: ServeSpec) -> None:
+    """Serve's HTTP and gRPC proxies bind these ports on this machine. One already taken (an earlier
+    `tandem serve`, a `ray start` cluster's Serve app, vLLM) would otherwise surface only as a proxy
+    that never answers; raised as ValueError naming the port and the flag that moves it."""
+    for what, host, port, flag in (("HTTP", spec.http_host, spec.http_port, "--port"),
+                                   ("gRPC", "0.0.0.0", spec.grpc_port, "--grpc-port")):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the proxies bind: TIME_WAIT is no conflict
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise ValueError(f"{what} port {port} on {host}: {e.strerror}") from None
+                raise ValueError(f"{what} port {port} is already in use on this machine (see `ss -ltnp "
+                                 f"'sport = :{port}'`): stop what holds it, or pick another with {flag}") from None
 
 
 def wait_ready(base_url: str, model: str, timeout_s: float, api_key: str | None = None) -> float:

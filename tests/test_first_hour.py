@@ -24,9 +24,8 @@ import pytest
 import yaml
 
 from parallel.net import free_port
-from tandem.serving import wait_ready
-
-pytestmark = pytest.mark.slow
+from tandem import cli
+from tandem.serving import use_private_ray_token, wait_ready
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "tandem-tiny"
@@ -150,6 +149,7 @@ def _run_demo(env: dict, deadline: Deadline) -> None:
     assert not logs, "the demo's output holds log lines:\n" + "\n".join(logs[:10])
 
 
+@pytest.mark.slow
 def test_demo_then_cluster_flow_in_one_home(user_env, tmp_path):
     from openai import OpenAI
 
@@ -188,3 +188,30 @@ def _stop_head(head: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait(timeout=10)
+
+
+def test_private_ray_token_is_fresh_and_yields_to_the_users_settings():
+    env: dict[str, str] = {}
+    assert use_private_ray_token(env) and len(env["RAY_AUTH_TOKEN"]) == 64
+    other: dict[str, str] = {}
+    use_private_ray_token(other)
+    assert other["RAY_AUTH_TOKEN"] != env["RAY_AUTH_TOKEN"]
+    for given in ({"RAY_AUTH_MODE": "disabled"}, {"RAY_AUTH_TOKEN": "mine"}, {"RAY_AUTH_TOKEN_PATH": "/secrets/t"}):
+        env = dict(given)
+        assert not use_private_ray_token(env) and env == given
+
+
+@pytest.mark.parametrize("flag", ["--port", "--grpc-port"])
+def test_serve_on_a_taken_port_is_one_error_line(flag, capsys, monkeypatch):
+    import socket
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1" if flag == "--port" else "0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        other = "--grpc-port" if flag == "--port" else "--port"
+        argv = ["serve", "--device", "cpu", "--host", "127.0.0.1", flag, str(port), other, str(free_port())]
+        assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} is already in use" in err and f"pick another with {flag}" in err, err
