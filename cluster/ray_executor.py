@@ -8,7 +8,8 @@ rank, since the scheduler's block ids must be valid on all of them.
 A step goes through the step channel (cluster/step_channel.py), not a Ray task: the changes since the
 last step (workers/step_delta.py) are pickled once and sent to every rank's loop over its own TCP
 connection; every rank answers, the output rank (last pipeline stage, first TP rank) with the sampled
-tokens.
+tokens. `submit` returns once the step is sent, so the engine's text work for one step runs while the
+ranks compute the next (LLMEngine.step).
 
 Failure: every wait has a deadline, and results are collected as they arrive, so a rank that dies
 or raises is noticed at once even while the others sit in a collective waiting for it. The executor
@@ -30,7 +31,7 @@ from cluster.rendezvous import node_address
 from cluster.step_channel import RankFailure, StepChannel
 from parallel.state import rank_grid
 from workers.config import EngineConfig
-from workers.executor import Executor, ExecutorError
+from workers.executor import Executor, ExecutorError, PendingStep
 from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from workers.step_delta import StepEncoder, unpack_output
 
@@ -40,6 +41,8 @@ STEP_TIMEOUT_S = 300.0  # one step on every rank
 
 
 class RayExecutor(Executor):
+    overlaps_host_work = True  # the ranks compute while the engine's thread does its text work
+
     def __init__(self, config: EngineConfig, hf_config, max_model_len: int, eos_token_ids: list[int], show_progress: bool = True,
                  init_timeout_s: float = INIT_TIMEOUT_S, step_timeout_s: float = STEP_TIMEOUT_S):
         self.parallel = config.parallel
@@ -52,6 +55,7 @@ class RayExecutor(Executor):
         self.workers: list = []
         self.placement: RankPlacement | None = None
         self.channel: StepChannel | None = None
+        self._inflight: PendingStep | None = None
         use_cuda = config.model.resolved_device().type == "cuda"
         ensure_ray(self.world_size)
         self.placement = RankPlacement(self.parallel, use_cuda, PLACEMENT_TIMEOUT_S)
@@ -103,25 +107,47 @@ class RayExecutor(Executor):
             raise ExecutorError("the executor was shut down")
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.submit(out).result()
+
+    def submit(self, out: SchedulerOutput) -> PendingStep:
+        """Send the step to every rank and return at once; `result()` waits for the answers. The channel
+        carries one step at a time: an uncollected earlier step is collected first."""
         self._check_usable("run more steps")
+        self._settle()
         payload = self.encoder.encode(out)
         try:
             self.channel.broadcast(("step", payload))
+        except RankFailure as e:
+            self._step_failed("step", e)
+        self._inflight = PendingStep(lambda: self._collect_step(out))
+        return self._inflight
+
+    def _collect_step(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        try:
             results = self.channel.gather(self.step_timeout_s)
         except RankFailure as e:
-            if len(e.late) > 1:
-                self._fail(f"step: {', '.join(self.describe(r) for r in e.late)} {e.what}", e)
-            self._fail(f"step: {self.describe(e.rank)} {e.what}", e)
+            self._step_failed("step", e)
         return unpack_output(results[self.output_rank], out)
+
+    def _settle(self) -> None:
+        if self._inflight is not None:
+            pending, self._inflight = self._inflight, None
+            pending.result()
+
+    def _step_failed(self, what: str, e: RankFailure) -> NoReturn:
+        if len(e.late) > 1:
+            self._fail(f"{what}: {', '.join(self.describe(r) for r in e.late)} {e.what}", e)
+        self._fail(f"{what}: {self.describe(e.rank)} {e.what}", e)
 
     def profile(self, action: str, gpu_every: int = 0) -> list[dict]:
         self._check_usable("profile")
+        self._settle()
         message = ("profile", "start", gpu_every) if action == "start" else ("profile", "report")
         try:
             self.channel.broadcast(message)
             results = self.channel.gather(self.step_timeout_s)
         except RankFailure as e:
-            self._fail(f"profile: {self.describe(e.rank)} {e.what}", e)
+            self._step_failed("profile", e)
         return [] if action == "start" else [results[r] for r in range(self.world_size)]
 
     def kv_setup(self, role: str) -> None:

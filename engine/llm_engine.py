@@ -18,10 +18,10 @@ from engine.detokenizer import IncrementalDetokenizer, find_stop_string, streama
 from engine.block_manager import BlockManager
 from workers.loader import load_hf_config
 from engine.executor import make_executor
-from workers.executor import Executor
+from workers.executor import Executor, PendingStep
 from workers.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from workers.scheduler_output import SampledToken
+from workers.scheduler_output import SampledToken, SchedulerOutput
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, num_pools=sp)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.requests: dict[str, _Request] = {}
+        self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # sent to the ranks, not yet collected
         self.vocab_size = self.hf_config.vocab_size
 
     def _max_model_len(self) -> int:
@@ -206,16 +207,39 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
+        """Run one step and return the outputs it produced.
+
+        Where the executor runs steps elsewhere (Ray rank actors: `overlaps_host_work`), the next step
+        is sent to the ranks as soon as this one's tokens are in and its finished sequences freed, and
+        the text work (detokenizing, stop strings, outputs) runs while the ranks compute it. A stop
+        string found then finishes a sequence that the next step already runs: that step's token for it
+        is dropped (`Scheduler.update` skips finished sequences) and nothing else changes, because no
+        step is scheduled before the one in flight has answered."""
+        if self._inflight is None:
+            self._inflight = self._submit()
+            if self._inflight is None:
+                return []
+        sched_out, pending = self._inflight
+        self._inflight = None
+        result = pending.result()
+        got = [(self.requests[seq.seq_id], result.sampled[seq.seq_id]) for seq in self.scheduler.update(sched_out, result)]
+        verdicts = [self._check_token(req, sampled) for req, sampled in got]  # frees what finished
+        if self.executor.overlaps_host_work:
+            self._inflight = self._submit()
+        return [self._emit(req, sampled.token_id, reason, stop) for (req, sampled), (reason, stop) in zip(got, verdicts)]
+
+    def _submit(self) -> tuple[SchedulerOutput, PendingStep] | None:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
-            return []
-        result = self.executor.execute(sched_out)
-        outputs = []
-        for seq in self.scheduler.update(sched_out, result):
-            outputs.append(self._on_token(self.requests[seq.seq_id], result.sampled[seq.seq_id]))
-        return outputs
+            return None
+        return sched_out, self.executor.submit(sched_out)
 
     def _on_token(self, req: _Request, sampled: SampledToken) -> RequestOutput:
+        return self._emit(req, sampled.token_id, *self._check_token(req, sampled))
+
+    def _check_token(self, req: _Request, sampled: SampledToken) -> tuple[str | None, int | None]:
+        """Record the token and apply what the token alone decides (stop token, EOS, length, prefill
+        handoff): a finished sequence's blocks are freed before the next step is scheduled."""
         seq, out, params = req.seq, req.output, req.seq.sampling_params
         token = sampled.token_id
         out.token_ids.append(token)
@@ -231,32 +255,48 @@ class LLMEngine:
                 reason, stop = "stop", token
             elif token in self.eos_token_ids and not params.ignore_eos:
                 reason = "stop"
+        if reason is None and (num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is None and req.handoff:
+            reason = "handoff"  # the decode pool continues from here
+        if reason == "handoff":
+            self.scheduler.hold(seq, reason, time.monotonic() + self.config.cache.kv_lease_seconds)
+        elif reason is not None:
+            self.scheduler.finish(seq, reason)
+        if reason is not None:
+            del self.requests[seq.seq_id]
+        return reason, stop
+
+    def _emit(self, req: _Request, token: int, reason: str | None, stop: int | None) -> RequestOutput:
+        """The text side of a token: detokenize, look for stop strings, fill the output's text fields."""
+        seq, out, params = req.seq, req.output, req.seq.sampling_params
         old_len = len(req.detok.text)
-        if reason is None or params.include_stop_str_in_output:  # a stop token's own text is not output
+        if reason != "stop" or params.include_stop_str_in_output:  # a stop token's own text is not output
             req.detok.add_token(token)
         text = req.detok.text
-        if reason is None and params.stop and num_out >= params.min_tokens:
+        if reason != "stop" and params.stop and seq.num_output_tokens >= params.min_tokens:
             hit = find_stop_string(text, len(text) - old_len, params.stop, params.include_stop_str_in_output)
             if hit is not None:
                 stop, cut = hit
-                text, reason = text[:cut], "stop"
-        if reason is None and (num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
-            reason = "length"
+                text = text[:cut]
+                self._finish_late(seq, reason)
+                reason = "stop"
         out.text = text
         out.num_cached_tokens = seq.num_cached_tokens
-        if reason is None and req.handoff:
-            reason = "handoff"  # the decode pool continues from here
         if reason is not None:
             out.finish_reason, out.stop_reason = reason, stop
-            if reason == "handoff":
-                self.scheduler.hold(seq, reason, time.monotonic() + self.config.cache.kv_lease_seconds)
-            else:
-                self.scheduler.finish(seq, reason)
-            del self.requests[seq.seq_id]
         limit = streamable_len(text, params.stop, finished=reason is not None)
         out.new_text = text[req.streamed_chars : max(limit, req.streamed_chars)]
         req.streamed_chars = max(limit, req.streamed_chars)
         return out
+
+    def _finish_late(self, seq: Sequence, token_reason: str | None) -> None:
+        """A stop string ends a sequence that the token checks kept (or handed off, or ended by length)."""
+        if token_reason is None:
+            self.scheduler.finish(seq, "stop")
+            self.requests.pop(seq.seq_id, None)
+        elif token_reason == "handoff":
+            self.scheduler.release(seq.seq_id)  # nothing left to continue: the held KV is not needed
 
     def shutdown(self) -> None:
         """Release the executor's ranks (Ray actors, device memory)."""

@@ -4,7 +4,9 @@ GPU kernel and communication time: workers/rank_profile.py), whatever the execut
 
     prof = StepProfile(llm.llm_engine, gpu_every=25); ...run...; print(prof.table())
 Used by `scripts/bench_offline.py --profile-steps N`. Steps are grouped by kind: `decode-graph` (a
-CUDA-graph replay), `decode` (one token per sequence, eager) and `mixed` (prefill chunks).
+CUDA-graph replay), `decode` (one token per sequence, eager) and `mixed` (prefill chunks). Where the
+executor overlaps (Ray ranks), one engine step collects one step and sends the next: its `exec` is the
+time spent sending and waiting for the ranks, `sched` the next step's scheduling.
 """
 from __future__ import annotations
 
@@ -19,24 +21,36 @@ class StepProfile:
         self.engine, self.gpu_every = engine, gpu_every
         self.rows: list[dict] = []
         self._cur: dict = {}
-        sched, execute, step = engine.scheduler.schedule, engine.executor.execute, engine.step
+        sched, submit, step = engine.scheduler.schedule, engine.executor.submit, engine.step
         engine.executor.profile("start", gpu_every)
         runner = getattr(engine.executor, "runner", None)
+        kinds: list[tuple] = []  # (kind, seqs, tokens) of the steps sent and not yet collected
 
         def timed_schedule():
             t = time.perf_counter()
             out = sched()
-            self._cur["schedule"] = time.perf_counter() - t
+            self._cur["schedule"] = self._cur.get("schedule", 0.0) + time.perf_counter() - t
             return out
 
-        def timed_execute(out):
+        def timed_submit(out):
             # The driver cannot see remote ranks' CUDA graphs; their own profiles tell graph replays apart.
-            kind = step_kind(out, getattr(runner, "cuda_graphs", None))
-            self._cur.update(kind=kind, seqs=len(out.seqs), tokens=out.num_tokens)
+            kinds.append((step_kind(out, getattr(runner, "cuda_graphs", None)), len(out.seqs), out.num_tokens))
             t = time.perf_counter()
-            res = execute(out)
-            self._cur["execute"] = time.perf_counter() - t
-            return res
+            pending = submit(out)
+            self._cur["execute"] = self._cur.get("execute", 0.0) + time.perf_counter() - t
+            collect = pending.result
+
+            def timed_result():
+                if "kind" not in self._cur and kinds:  # the step this engine.step() call collects
+                    kind, seqs, tokens = kinds.pop(0)
+                    self._cur.update(kind=kind, seqs=seqs, tokens=tokens)
+                t = time.perf_counter()
+                res = collect()
+                self._cur["execute"] = self._cur.get("execute", 0.0) + time.perf_counter() - t
+                return res
+
+            pending.result = timed_result
+            return pending
 
         def timed_step():
             self._cur = {}
@@ -44,10 +58,11 @@ class StepProfile:
             outs = step()
             if "kind" in self._cur:
                 self._cur["step"] = time.perf_counter() - t
+                self._cur.setdefault("schedule", 0.0)
                 self.rows.append(self._cur)
             return outs
 
-        engine.scheduler.schedule, engine.executor.execute, engine.step = timed_schedule, timed_execute, timed_step
+        engine.scheduler.schedule, engine.executor.submit, engine.step = timed_schedule, timed_submit, timed_step
 
     def summary(self) -> dict:
         by = defaultdict(list)

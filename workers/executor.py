@@ -6,6 +6,7 @@ The engine only sees this interface: `UniprocExecutor` runs the one `ModelRunner
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Callable
 
 from workers.config import EngineConfig
 from workers.model_runner import ModelRunner
@@ -17,12 +18,39 @@ class ExecutorError(RuntimeError):
     """A rank died, raised, or stopped answering; the executor is unusable afterwards."""
 
 
+class PendingStep:
+    """A step sent to the ranks: `result()` waits for its sampled tokens (the first call collects them,
+    later calls return the same result or raise the same error)."""
+
+    def __init__(self, collect: Callable[[], ModelRunnerOutput] | None, result: ModelRunnerOutput | None = None):
+        self._collect, self._result, self._error = collect, result, None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            collect, self._collect = self._collect, None
+            try:
+                self._result = collect()
+            except BaseException as e:
+                self._error = e
+                raise
+        return self._result
+
+
 class Executor(ABC):
     num_blocks: int  # KV blocks every rank can hold: the scheduler's block ids are valid on all of them
+    # True where a step runs outside this thread (rank actors): the engine then does its text work for
+    # one step while the ranks compute the next (LLMEngine.step).
+    overlaps_host_work: bool = False
 
     @abstractmethod
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; the sampled tokens of the sequences with `sample=True`."""
+
+    def submit(self, out: SchedulerOutput) -> PendingStep:
+        """Start one step; its `result()` is `execute(out)`. Here the step runs before this returns."""
+        return PendingStep(None, self.execute(out))
 
     @abstractmethod
     def shutdown(self) -> None:

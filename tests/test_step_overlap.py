@@ -1,0 +1,73 @@
+"""The Ray executor's overlap: the engine sends the next step before it detokenizes the last one.
+
+A stop string is only found during that text work, so a sequence it ends is already in the step the
+ranks are running. The outputs must still equal the in-process engine's exactly (tokens, text, finish
+and stop reasons), and the finished sequence's blocks must all come back."""
+from __future__ import annotations
+
+import pytest
+import ray
+
+from engine.llm import LLM
+from tests.models import assert_engine_clean
+from workers.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MODEL = "models/tandem-tiny"
+PROMPTS = ["import os\n", "def add(a, b):\n", "class Stack:\n", "for i in range(10):\n", "# parse the file\n",
+           "x = [", "while True:\n", "print("]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def _params(reference: list[str]) -> list[SamplingParams]:
+    """Greedy requests whose stop strings are cut from the middle of their own reference text (so they
+    hit mid-stream), one with the stop string kept, one sampled with penalties, one ended by length."""
+    params = []
+    for i, text in enumerate(reference):
+        stop = text[len(text) // 2: len(text) // 2 + 3] if len(text) > 8 else None
+        params.append(SamplingParams(max_tokens=24, temperature=0.0, stop=[stop] if stop else [],
+                                     include_stop_str_in_output=(i % 3 == 1)))
+    params[-1] = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, repetition_penalty=1.2, stop=["\n\n"])
+    params[-2] = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    return params
+
+
+def _view(outs) -> list[tuple]:
+    return [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in outs]
+
+
+def test_ray_overlap_matches_in_process(ray_session):
+    uni = LLM(model=MODEL, dtype="float32", device="cpu", distributed_executor_backend="uni")
+    reference = [o.text for o in uni.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)]
+    params = _params(reference)
+    expected = uni.generate(PROMPTS, params, use_tqdm=False)
+    assert sum(isinstance(o.stop_reason, str) for o in expected) >= 3, "the test needs requests ended by stop strings"
+    uni.llm_engine.shutdown()
+
+    llm = LLM(model=MODEL, dtype="float32", device="cpu", distributed_executor_backend="ray")
+    try:
+        engine = llm.llm_engine
+        assert engine.executor.overlaps_host_work
+        dropped = []  # sequences a step ran after a stop string had ended them
+        update = engine.scheduler.update
+
+        def counting_update(out, result):
+            dropped.extend(s.seq_id for s in out.seqs if s.seq_id not in engine.scheduler.seqs)
+            return update(out, result)
+
+        engine.scheduler.update = counting_update
+        for _ in range(2):  # the second round starts with the first's last step still uncollected
+            got = llm.generate(PROMPTS, params, use_tqdm=False)
+            assert _view(got) == _view(expected)
+            llm.llm_engine.step()  # collects a step left in flight for sequences that stop strings ended
+            assert_engine_clean(llm)
+        assert dropped, "no stop string ended a sequence while its next step was in flight"
+    finally:
+        llm.llm_engine.shutdown()
