@@ -245,6 +245,17 @@ def test_disconnect_mid_stream_frees_blocks_in_both_pools(cluster):
 
     _wait(idle, 60, "the pools did not free the aborted request's blocks", interval=2.0)
 
+    # With no traffic after the abort, no step follows the frees: the exported KV gauges of both pools
+    # must still come down to 0 (they used to keep the blocks in use of the last step).
+    def gauges_at_rest():
+        text = urllib.request.urlopen(cluster["metrics"], timeout=10).read().decode()
+        used = {pool: [float(v) for v in re.findall(
+            r'^ray_tandem_kv_blocks_used\{[^}]*pool="' + pool + r'"[^}]*\} ([0-9.e+]+)$', text, re.M)]
+            for pool in ("prefill", "decode")}
+        return all(values and not any(values) for values in used.values())
+
+    _wait(gauges_at_rest, 60, "tandem_kv_blocks_used did not return to 0 in both pools at rest", interval=2.0)
+
 
 def test_kv_transfer_metric_shows_the_prompts_moving_between_pools(cluster):
     from transformers import AutoConfig
