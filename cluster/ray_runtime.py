@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 
 import ray
 
@@ -12,6 +13,25 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # NVLink multicast (NVLS) and symmetric-memory multicast hang or fail on some hosts; the ranks only
 # need plain NCCL collectives and p2p. A value already set in the driver's environment wins.
 _NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# Where a user or operator may have given Ray a token already: theirs wins.
+AUTH_TOKEN_SOURCES = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def use_private_ray_token(environ: dict[str, str] | None = None) -> bool:
+    """Give the private local Ray this process is about to start a token of its own, in RAY_AUTH_TOKEN.
+
+    Why: Ray 2.60's `ray.init()` of a new local cluster turns token authentication on and, finding no
+    token, writes one to ~/.ray/auth_token. Every later `ray start` of this user then enables token
+    auth because that file exists, while `serve deploy` (RAY_AUTH_MODE unset) sends no token and fails
+    with "Missing authentication token". With the token in the environment (inherited by the GCS,
+    raylet and every worker this process starts, seen by no one else) the private instance is still
+    protected and nothing is left behind. A token or mode the user set wins: True only if one was set here.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("RAY_AUTH_MODE", "").lower() == "disabled" or any(environ.get(k) for k in AUTH_TOKEN_SOURCES):
+        return False
+    environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    return True
 
 
 def ensure_ray(num_cpus: int) -> None:
@@ -26,6 +46,7 @@ def ensure_ray(num_cpus: int) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(logging_level=logging.WARNING)
         return
+    use_private_ray_token()  # leave no ~/.ray/auth_token behind (see above)
     ray.init(address="local", num_cpus=max(num_cpus, os.cpu_count() or 1), include_dashboard=False,
              logging_level=logging.WARNING)
 

@@ -152,8 +152,11 @@ def main() -> None:
     a = p.parse_args()
     import ray
 
+    from cluster.ray_runtime import use_private_ray_token
+
     ranks_list = [int(x) for x in a.ranks.split(",")]
-    ray.init(num_cpus=max(max(ranks_list), os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    use_private_ray_token()  # a private local Ray that leaves no ~/.ray/auth_token behind
+    ray.init(address="local", num_cpus=max(max(ranks_list), os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     try:
         report = run(ranks_list, a.seqs, a.iters, a.tokens, a.device)
     finally:

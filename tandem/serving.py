@@ -11,13 +11,14 @@ import importlib
 import json
 import errno
 import os
-import secrets
 import socket
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
+
+from cluster.ray_runtime import AUTH_TOKEN_SOURCES, use_private_ray_token  # re-exported: the CLI and tests use them
 
 TANDEM_IMPORT_PATH = "router.app:build_app"
 GRPC_SERVICER = "router.proto.inference_pb2_grpc.add_InferenceServicer_to_server"
@@ -99,26 +100,6 @@ def _build(app: dict[str, Any]):
         module, _, attr = app["import_path"].rpartition(".")
     target = getattr(importlib.import_module(module), attr)
     return target if isinstance(target, Application) else target(app["args"])
-
-
-AUTH_TOKEN_SOURCES = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
-
-
-def use_private_ray_token(environ: dict[str, str] | None = None) -> bool:
-    """Give the private local Ray this process is about to start a token of its own, in RAY_AUTH_TOKEN.
-
-    Why: Ray 2.60's `ray.init()` of a new local cluster turns token authentication on and, finding no
-    token, writes one to ~/.ray/auth_token. Every later `ray start` of this user then enables token
-    auth because that file exists, while `serve deploy` (RAY_AUTH_MODE unset) sends no token and fails
-    with "Missing authentication token". With the token in the environment (inherited by the GCS,
-    raylet and every worker this process starts, seen by no one else) the private instance is still
-    protected and nothing is left behind. A token or mode the user set wins: True only if one was set here.
-    """
-    environ = os.environ if environ is None else environ
-    if environ.get("RAY_AUTH_MODE", "").lower() == "disabled" or any(environ.get(k) for k in AUTH_TOKEN_SOURCES):
-        return False
-    environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-    return True
 
 
 def start_ray(verbose: bool = False) -> None:
