@@ -142,6 +142,17 @@ class BlockManager:
             seq.block_hashes.append(h)
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
 
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens of a prompt `match_prefix` would find cached now (nothing is taken)."""
+        if not self.enable_prefix_caching:
+            return 0
+        hits = 0
+        for h in prefix_block_hashes(token_ids, self.block_size, (len(token_ids) - 1) // self.block_size):
+            if self.cached.get(h) is None:
+                break
+            hits += 1
+        return hits * self.block_size
+
     def record_admission(self, seq: Sequence) -> None:
         self.queried_tokens += seq.num_tokens
         self.hit_tokens += seq.num_cached_tokens

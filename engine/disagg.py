@@ -67,6 +67,22 @@ class TransferStats:
     blocks: int
 
 
+@dataclass(frozen=True)
+class LocalPrefillPolicy:
+    """Conditional disaggregation, as Dynamo and llm-d do it: when a decode replica prefills a prompt
+    itself instead of handing it to the prefill pool. A handoff has a fixed cost (a prefill-pool hop,
+    a reservation, a KV push, the first token's trip back) that a short prompt's own compute does not
+    repay; and a decode replica with nothing running has no decodes that the prefill could delay."""
+
+    max_tokens: int = 0  # prompt tokens not already cached here: at most this many, prefill here
+    when_idle: bool = False  # nothing running or queued here: prefill here if one step holds the prompt
+
+    def prefill_here(self, uncached_tokens: int, busy: bool, step_tokens: int) -> bool:
+        if uncached_tokens <= self.max_tokens:
+            return True
+        return self.when_idle and not busy and uncached_tokens <= step_tokens
+
+
 PrefillClient = Callable[[str, list[int], SamplingParams, int, Reservation], AsyncIterator[PrefillReady]]
 
 
@@ -121,7 +137,8 @@ def _first_logprobs(out: RequestOutput) -> tuple[float, list[tuple[int, float]] 
 
 
 class DecodeReplica:
-    def __init__(self, engine: LLMEngine, prefill: PrefillClient, replica_id: str | None = None, max_attempts: int = 2):
+    def __init__(self, engine: LLMEngine, prefill: PrefillClient, replica_id: str | None = None, max_attempts: int = 2,
+                 local_prefill: LocalPrefillPolicy | None = None):
         if engine.config.parallel.sequence_parallel_size > 1:
             # KV arrives into one block table that every rank holds in full; SP splits blocks over ranks.
             raise ValueError("decode replicas do not support sequence_parallel_size > 1 (only prefill replicas use SP)")
@@ -138,6 +155,9 @@ class DecodeReplica:
         self._background: set[asyncio.Task] = set()  # prefill streams being read to their end (step 4)
         self.transfers: list[TransferStats] = []  # for metrics and tests
         self.on_transfer: Callable[[TransferStats], None] | None = None
+        self.local_prefill = local_prefill or LocalPrefillPolicy()
+        self.prefill_sites = {"local": 0, "remote": 0}  # requests by where their prompt ran
+        self.on_prefill_site: Callable[[str], None] | None = None
 
     @property
     def alive(self) -> bool:
@@ -146,6 +166,14 @@ class DecodeReplica:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
+        site = "local" if self._prefill_here(prompt_token_ids) else "remote"
+        self.prefill_sites[site] += 1
+        if self.on_prefill_site is not None:
+            self.on_prefill_site(site)
+        if site == "local":  # the engine runs the whole request, as a colocated replica would
+            async for out in self.async_engine.generate(request_id, prompt_token_ids, params, priority):
+                yield out
+            return
         for attempt in range(1, self.max_attempts + 1):
             try:
                 first = await self._handoff(request_id, prompt_token_ids, params, priority)
@@ -160,6 +188,14 @@ class DecodeReplica:
             return
         async for out in self.async_engine.start(request_id, first):
             yield out
+
+    def _prefill_here(self, prompt: list[int]) -> bool:
+        """Read from this thread while the engine thread steps: the prefix lookup only reads the
+        cache's dict, and a slightly stale load is fine for a routing choice."""
+        engine = self.llm_engine
+        uncached = len(prompt) - engine.block_manager.cached_prefix_tokens(prompt)
+        busy = engine.scheduler.has_work or engine.scheduler.has_leases
+        return self.local_prefill.prefill_here(uncached, busy, engine.config.scheduler.max_num_batched_tokens)
 
     async def _handoff(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int) -> SampledToken | RequestOutput:
         """Steps 1-4 of the protocol. Returns the first token (the reservation is then the request's, for

@@ -89,11 +89,21 @@ class AppConfig(EngineArgs):
     decode: PoolConfig = Field(default_factory=PoolConfig, description="The decode pool: size and overrides.")
     colocated: bool = Field(default=False, description="One engine per replica does prefill and decode (no KV "
                             "handoff); it takes the decode pool's size and overrides.")
+    local_prefill_max_tokens: int = Field(default=256, ge=0, description="Disaggregated: a prompt with at most "
+                                          "this many tokens not already cached on its decode replica is prefilled "
+                                          "there, with no KV handoff; 0 = hand every prompt off.")
+    local_prefill_when_idle: bool = Field(default=True, description="Disaggregated: a decode replica with nothing "
+                                          "running or queued prefills a prompt itself when one step holds it.")
     api_keys: list[str] = Field(default_factory=list, description="Accepted `Authorization: Bearer` keys; empty = no auth.")
     api_keys_env: str | None = Field(default=None, description="Environment variable with more comma-separated keys, "
                                      "read on the replica (keeps secrets out of the config).")
     request_timeout_s: float | None = Field(default=None, gt=0, description="Whole-request limit; past it: 504 / "
                                             "DEADLINE_EXCEEDED and the request is aborted.")
+    max_request_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0, description="Largest request body (HTTP) "
+                                        "or message (gRPC) accepted; larger: 413 / RESOURCE_EXHAUSTED, before parsing.")
+    max_prompt_chars: int | None = Field(default=None, gt=0, description="Most prompt characters per request (all "
+                                         "prompts or messages), checked before tokenizing: 400 / INVALID_ARGUMENT; "
+                                         "default: 32 x the context length in tokens.")
 
     @field_validator("api_keys")
     @classmethod

@@ -3,7 +3,13 @@
 They are `ray.util.metrics` objects: inside a Ray cluster each process's values are exported by
 Ray's metrics agent to Prometheus as `ray_<name>` (counters with a `_total` suffix unless the name
 has one, histograms as `_bucket`/`_sum`/`_count`). Outside Ray (tests, the standalone server)
-recording is a cheap no-op, so callers never check.
+that recording is a cheap no-op, so callers never check.
+
+Every metric also records into this process's own Prometheus registry, which the OpenAI app serves
+at `GET /metrics` (`prometheus_text`) under the same names less Ray's `ray_` prefix
+(`tandem_requests_total`, `tandem_ttft_seconds_bucket`, ...). So a scraper needs only the API port
+(and its key), not Ray's metrics port. It is per process: one replica's front-end metrics, plus, for a
+colocated replica, its own engine's gauges; the pools of a disaggregated app report through Ray.
 
 Who records what:
     front ends (openai_api, grpc_api): tandem_ttft_seconds, tandem_tpot_seconds, tandem_e2e_seconds,
@@ -11,12 +17,59 @@ Who records what:
     each engine replica's engine thread, after every engine call (LocalBackend, the pools): tandem_queue_depth{pool},
         tandem_kv_blocks_used{pool}, tandem_prefix_cache_hit_tokens
     the KV handoff (disaggregated pools): tandem_kv_transfer_bytes, tandem_kv_transfer_seconds
+    each decode replica, per request: tandem_prefill_site_total{site} (local: prefilled there; remote: handed off)
 """
 from __future__ import annotations
 
 import time
 
-from ray.util.metrics import Counter, Gauge, Histogram
+import prometheus_client as prom
+from ray.util import metrics as ray_metrics
+
+# This process's own registry (not prometheus_client's global one, which Ray's own processes may use).
+REGISTRY = prom.CollectorRegistry(auto_describe=True)
+
+
+class Counter(ray_metrics.Counter):
+    """A Ray counter that also counts in `REGISTRY`."""
+
+    def __init__(self, name: str, description: str = "", tag_keys: tuple[str, ...] = ()):
+        super().__init__(name, description=description, tag_keys=tag_keys)
+        # prometheus_client adds `_total` itself, as Ray's exporter does for names without it.
+        self._local = prom.Counter(name.removesuffix("_total"), description, tag_keys, registry=REGISTRY)
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        super().inc(value, tags=tags)
+        (self._local.labels(**tags) if tags else self._local).inc(value)
+
+
+class Gauge(ray_metrics.Gauge):
+    """A Ray gauge that also sets its value in `REGISTRY`."""
+
+    def __init__(self, name: str, description: str = "", tag_keys: tuple[str, ...] = ()):
+        super().__init__(name, description=description, tag_keys=tag_keys)
+        self._local = prom.Gauge(name, description, tag_keys, registry=REGISTRY)
+
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None:
+        super().set(value, tags=tags)
+        (self._local.labels(**tags) if tags else self._local).set(value)
+
+
+class Histogram(ray_metrics.Histogram):
+    """A Ray histogram that also observes into `REGISTRY`."""
+
+    def __init__(self, name: str, description: str = "", boundaries: list[float] | None = None):
+        super().__init__(name, description=description, boundaries=boundaries)
+        self._local = prom.Histogram(name, description, buckets=boundaries, registry=REGISTRY)
+
+    def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
+        super().observe(value, tags=tags)
+        self._local.observe(value)
+
+
+def prometheus_text() -> tuple[bytes, str]:
+    """This process's metrics in the Prometheus text format, and its content type."""
+    return prom.generate_latest(REGISTRY), prom.CONTENT_TYPE_LATEST
 
 # Latency buckets from interactive (10 ms) to long generations (5 min).
 _LATENCY_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
@@ -36,9 +89,12 @@ KV_BLOCKS_USED = Gauge("tandem_kv_blocks_used", description="KV cache blocks in 
 KV_TRANSFER_BYTES = Counter("tandem_kv_transfer_bytes", description="KV cache bytes sent from prefill to decode.")
 KV_TRANSFER_SECONDS = Histogram("tandem_kv_transfer_seconds", description="Duration of one request's KV handoff.",
                                 boundaries=_TRANSFER_S)
+PREFILL_SITE = Counter("tandem_prefill_site_total", description="Disaggregated requests by where their prompt was "
+                       "prefilled: local (on the decode replica, conditional disaggregation) or remote (prefill pool).",
+                       tag_keys=("site",))
 
 METRICS = {m.info["name"]: m for m in (TTFT, TPOT, E2E, QUEUE_DEPTH, REQUESTS, PREFIX_CACHE_HIT_TOKENS, KV_BLOCKS_USED,
-                                KV_TRANSFER_BYTES, KV_TRANSFER_SECONDS)}
+                                KV_TRANSFER_BYTES, KV_TRANSFER_SECONDS, PREFILL_SITE)}
 
 
 class RequestTimer:

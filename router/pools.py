@@ -15,7 +15,7 @@ from ray.serve.handle import DeploymentHandle
 from router import metrics
 from router.config import AppConfig
 from router.protocol import GenerateRequest
-from engine.disagg import DecodeReplica, PrefillReady, PrefillReplica, Reservation, TransferStats
+from engine.disagg import DecodeReplica, LocalPrefillPolicy, PrefillReady, PrefillReplica, Reservation, TransferStats
 from engine.llm_engine import LLMEngine, RequestOutput
 from workers.sampling_params import SamplingParams
 
@@ -75,8 +75,10 @@ class DecodePool(_PoolMethods):
         self.config = AppConfig.model_validate(args)
         self.prefill = prefill
         engine = _engine(self.config, "decode")
-        self.replica = DecodeReplica(engine, self._prefill_client, _replica_id("decode"))
+        policy = LocalPrefillPolicy(self.config.local_prefill_max_tokens, self.config.local_prefill_when_idle)
+        self.replica = DecodeReplica(engine, self._prefill_client, _replica_id("decode"), local_prefill=policy)
         self.replica.on_transfer = _record_transfer
+        self.replica.on_prefill_site = lambda site: metrics.PREFILL_SITE.inc(1, tags={"site": site})
         self.replica.async_engine.on_step = metrics.PoolGauges("decode")
 
     def _prefill_client(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,

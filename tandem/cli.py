@@ -25,7 +25,8 @@ from workers.config import ENGINE_FIELDS, SECTIONS, EngineArgs
 
 SECTION_TITLES = {"model": "model", "parallel": "parallelism (per replica)", "cache": "KV cache",
                   "scheduler": "batching and queues"}
-SERVED_FIELDS = ("served_model_name", "api_keys", "api_keys_env", "request_timeout_s")
+SERVED_FIELDS = ("served_model_name", "api_keys", "api_keys_env", "request_timeout_s", "local_prefill_max_tokens",
+                 "local_prefill_when_idle", "max_request_body_bytes", "max_prompt_chars")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 

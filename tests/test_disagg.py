@@ -29,7 +29,7 @@ from transformers import AutoConfig
 from tests.models import assert_engine_clean, hf_greedy, prompts_of_lengths, tiny_model
 from engine.async_engine import AsyncEngine, EngineDeadError
 from workers.config import EngineConfig
-from engine.disagg import DecodeReplica, PrefillReady, PrefillReplica, Reservation
+from engine.disagg import DecodeReplica, LocalPrefillPolicy, PrefillReady, PrefillReplica, Reservation
 from engine.llm_engine import LLMEngine, RequestOutput
 from workers.executor import ExecutorError
 from workers.kv_transfer.plan import RankShard
@@ -383,6 +383,45 @@ def test_concurrent_mixed_requests(pools, run, reference):
         if sp.greedy and sp.repetition_penalty == 1.0 and not sp.stop_token_ids:
             assert out.token_ids == hf_greedy(pair.path, prompt, sp.max_tokens)[0]
     assert len(pair.decode.transfers) - n == len(prompts) - 1
+    run(settle(pair))
+
+
+# ---------------------------------------------------------------- conditional disaggregation
+
+
+def test_local_prefill_policy_choice():
+    short_only = LocalPrefillPolicy(max_tokens=8)
+    assert short_only.prefill_here(8, busy=True, step_tokens=256)
+    assert not short_only.prefill_here(9, busy=False, step_tokens=256)
+    idle = LocalPrefillPolicy(max_tokens=8, when_idle=True)
+    assert idle.prefill_here(200, busy=False, step_tokens=256)  # nothing here for the prefill to delay
+    assert not idle.prefill_here(200, busy=True, step_tokens=256)
+    assert not idle.prefill_here(300, busy=False, step_tokens=256)  # more than one step: the prefill pool
+    assert not LocalPrefillPolicy().prefill_here(1, busy=False, step_tokens=256)  # default: always hand off
+
+
+def test_short_or_cached_prompts_prefill_on_the_decode_replica(pools, run, reference):
+    """Prompts with few uncached tokens run whole on the decode replica (no prefill call, no transfer),
+    longer ones are handed off; every output equals the single-process engine's."""
+    pair = pools.get("tp2->tp1")
+    short, long = prompts_of_lengths([6, 30], VOCAB, seed=11)
+    extended = long + [7, 8, 9]  # 30 of its 33 tokens were cached by `long`'s handoff: 28 in 4-token blocks
+    pair.decode.local_prefill = LocalPrefillPolicy(max_tokens=8)
+    try:
+        calls, transfers = len(pair.prefill_calls), len(pair.decode.transfers)
+        outs = [run(generate(pair.decode, f"cd-{i}", p, greedy(6))) for i, p in enumerate((short, long, extended))]
+        assert pair.prefill_calls[calls:] == ["cd-1"]  # only the long, uncached prompt went to the prefill pool
+        assert len(pair.decode.transfers) == transfers + 1
+        for out, want in zip(outs, reference(pair.path, [short, long, extended], greedy(6)), strict=True):
+            assert_same_output(out, want)
+        assert outs[2].num_cached_tokens == 28
+        # An idle decode replica prefills a prompt that one step holds, whatever its length.
+        pair.decode.local_prefill = LocalPrefillPolicy(max_tokens=0, when_idle=True)
+        (other,) = prompts_of_lengths([30], VOCAB, seed=12)
+        out = run(generate(pair.decode, "cd-idle", other, greedy(6)))
+        assert pair.prefill_calls[-1] == "cd-1" and out.token_ids == hf_greedy(pair.path, other, 6)[0]
+    finally:
+        pair.decode.local_prefill = LocalPrefillPolicy()
     run(settle(pair))
 
 

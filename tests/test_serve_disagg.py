@@ -72,7 +72,8 @@ def cluster(tmp_path_factory):
     config["proxy_location"] = "HeadOnly"
     args = config["applications"][0]["args"]
     args.update(model=model, served_model_name=NAME, device="cpu", dtype="float32", num_gpu_blocks_override=64, block_size=8,
-                max_num_batched_tokens=128, max_num_seqs=16, max_waiting_requests=32, api_keys_env=None)
+                max_num_batched_tokens=128, max_num_seqs=16, max_waiting_requests=32, api_keys_env=None,
+                local_prefill_max_tokens=0, local_prefill_when_idle=False)  # every request hands its KV over
     args["prefill"] = {"num_replicas": 1, "tensor_parallel_size": 2}
     args["decode"] = {"num_replicas": 1, "tensor_parallel_size": 1}
     config_path = tmp / "serve_config.yaml"
