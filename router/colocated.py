@@ -10,6 +10,7 @@ from ray.serve import Application
 
 from router.config import AppConfig
 from router.grpc_api import InferenceServicer
+from router.guards import RequestLimits
 from router.local_backend import LocalBackend
 from router.openai_api import create_openai_app
 
@@ -22,10 +23,11 @@ class ColocatedServer(InferenceServicer):
     def __init__(self, args: dict[str, Any]):
         self.config = AppConfig.model_validate(args)
         InferenceServicer.__init__(self, LocalBackend.from_config(self.config), self.config.resolved_api_keys(),
-                                   self.config.request_timeout_s)
+                                   self.config.request_timeout_s, RequestLimits.from_config(self.config))
 
     def __serve_build_asgi_app__(self):
-        return create_openai_app(self.backend, self.config.resolved_api_keys(), self.config.request_timeout_s)
+        return create_openai_app(self.backend, self.config.resolved_api_keys(), self.config.request_timeout_s,
+                                 RequestLimits.from_config(self.config))
 
     async def engine_stats(self) -> dict:
         """KV blocks, running/waiting counts, prefix-cache hits of this replica (via a handle)."""

@@ -8,22 +8,26 @@ code and details on `grpc_context` and raises `RpcError`: Serve's replica turns 
 plain `grpc.aio` server (tests, router.standalone), where `RpcError` becomes `context.abort`.
 
 A client that cancels (or whose deadline passes) cancels the handler task; the backend request is
-aborted on the way out.
+aborted on the way out. The engine request id is always made here (`grpc-<uuid>`); a client's
+`request_id` is only a label echoed in its responses, so reusing one (even one in flight) is fine and
+reveals nothing about other clients. Errors reach the client through `router.guards.public_error`;
+a request over the size limit is RESOURCE_EXHAUSTED, a prompt over the character limit
+INVALID_ARGUMENT, both before tokenizing, which runs off the event loop.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
-import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable
 
 import grpc
 
 from router import params
-from router.errors import ApiError, api_error, bad_request
+from router.errors import ApiError, bad_request
 from router.fanout import Fanout
+from router.guards import RequestLimits, new_request_id, off_loop, public_error
 from router.metrics import RequestTimer
 from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
@@ -33,6 +37,8 @@ from workers.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = SamplingParams.model_fields["max_tokens"].default
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "min_tokens")
+# gRPC's code for "message too large" (router.errors maps HTTP statuses; 413 is HTTP-only there).
+_EXTRA_CODES = {413: grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class RpcError(Exception):
@@ -53,22 +59,25 @@ def _metadata(grpc_context: Any) -> dict[str, str]:
 class _Call:
     """What an RPC body gets from `InferenceServicer._call`."""
     req: GenerateRequest
+    label: str  # the id the client sees: its own request_id, else the engine's
     fanout: Fanout
     timer: RequestTimer
 
 
 class InferenceServicer:
-    def __init__(self, backend: Backend, api_keys: Iterable[str] = (), request_timeout_s: float | None = None):
+    def __init__(self, backend: Backend, api_keys: Iterable[str] = (), request_timeout_s: float | None = None,
+                 limits: RequestLimits | None = None):
         self.backend = backend
         self.api_keys = [k.encode() for k in api_keys]
         self.request_timeout_s = request_timeout_s
+        self.limits = limits or RequestLimits()
 
     # ---- RPCs ----
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any) -> pb.GenerateResponse:
         async with self._call(request, grpc_context) as call:
             [out] = await call.fanout.final_outputs(lambda o: call.timer.token(len(o.new_token_ids)))
             self._check_not_aborted(out)
-            return self._response(call.req, out, out.text, out.token_ids)
+            return self._response(call, out, out.text, out.token_ids)
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context: Any) -> AsyncIterator[pb.GenerateResponse]:
         async with self._call(request, grpc_context) as call:
@@ -76,7 +85,7 @@ class InferenceServicer:
                 call.timer.token(len(out.new_token_ids))
                 self._check_not_aborted(out)
                 if out.new_text or out.new_token_ids or out.finished:
-                    yield self._response(call.req, out, out.new_text, out.new_token_ids)
+                    yield self._response(call, out, out.new_text, out.new_token_ids)
 
     # ---- helpers ----
     @contextlib.asynccontextmanager
@@ -84,29 +93,31 @@ class InferenceServicer:
         """One RPC's shared skeleton: authenticate and parse the request, start its `Fanout` under the
         timeout, and on the way out record the outcome, map a failure to its gRPC status (`_fail`) and
         abort the backend request (a cancelled client cancels the handler task)."""
-        timer, fanout = RequestTimer(), None
+        timer, fanout, rid = RequestTimer(), None, new_request_id("grpc")
         try:
-            req = await self._prepare(request, grpc_context)
+            req = await self._prepare(request, grpc_context, rid)
             fanout = Fanout(self.backend, [req], self._timeout(grpc_context))
-            yield _Call(req, fanout, timer)
+            yield _Call(req, request.request_id or rid, fanout, timer)
             timer.finish("ok")
         except asyncio.CancelledError:
             timer.finish("cancelled")
             raise
         except Exception as e:
-            self._fail(grpc_context, e, timer)
+            self._fail(grpc_context, e, timer, rid)
         finally:
             if fanout is not None:
                 await fanout.aclose()
 
-    def _fail(self, grpc_context: Any, exc: Exception, timer: RequestTimer) -> None:
-        err = api_error(exc)
+    def _fail(self, grpc_context: Any, exc: Exception, timer: RequestTimer, rid: str) -> None:
+        err = public_error(exc, rid)
+        code = _EXTRA_CODES.get(err.status, err.grpc_code)
         timer.finish(err.status_tag)
-        grpc_context.set_code(err.grpc_code)
+        grpc_context.set_code(code)
         grpc_context.set_details(err.message)
         if err.retry_after is not None:
             grpc_context.set_trailing_metadata([("retry-after", str(err.retry_after))])
-        raise RpcError(err.grpc_code, err.message) from exc
+        # Not chained: Serve pickles this to its proxy, and the cause's text is what must stay server-side.
+        raise RpcError(code, err.message) from None
 
     def _authenticate(self, grpc_context: Any) -> None:
         if not self.api_keys:
@@ -123,29 +134,37 @@ class InferenceServicer:
         limits = [t for t in (self.request_timeout_s, remaining) if t is not None]
         return min(limits) if limits else None
 
-    async def _prepare(self, request: pb.GenerateRequest, grpc_context: Any) -> GenerateRequest:
+    async def _prepare(self, request: pb.GenerateRequest, grpc_context: Any, rid: str) -> GenerateRequest:
         self._authenticate(grpc_context)
+        size = request.ByteSize()
+        if size > self.limits.max_body_bytes:
+            raise self.limits.body_too_large(size)
         if not await self.backend.ready():
             raise ApiError(503, "the model is not ready to serve yet", type="service_unavailable", code="unavailable")
         params.check_model(self.backend, request.model)
         if bool(request.prompt) == bool(request.prompt_token_ids):
             raise bad_request("set exactly one of prompt and prompt_token_ids", "prompt")
-        ids = self.backend.tokenizer.encode(request.prompt) if request.prompt else list(request.prompt_token_ids)
+        if request.prompt:
+            self.limits.check_prompt_chars(self.backend.max_model_len, [request.prompt], "prompt")
+            ids = await off_loop(self.backend.tokenizer.encode, request.prompt)
+        else:
+            ids = list(request.prompt_token_ids)
         params.check_prompt_ids(self.backend, ids, "prompt" if request.prompt else "prompt_token_ids")
         max_tokens = request.max_tokens if request.HasField("max_tokens") else DEFAULT_MAX_TOKENS
         max_tokens = params.resolve_max_tokens(self.backend, len(ids), max_tokens)
         optional = {f: getattr(request, f) for f in _OPTIONAL_SAMPLING if request.HasField(f)}
         sp = params.sampling_params(max_tokens=max_tokens, stop=list(request.stop), ignore_eos=request.ignore_eos,
                                     stop_token_ids=list(request.stop_token_ids), **optional)
-        return GenerateRequest(request.request_id or f"grpc-{uuid.uuid4().hex}", ids, sp, request.priority)
+        return GenerateRequest(rid, ids, sp, request.priority)
 
     @staticmethod
     def _check_not_aborted(out: RequestOutput) -> None:
         if out.finish_reason == "abort":  # stopped by the server (backend.abort, shutdown): CANCELLED
-            raise ApiError(499, f"request {out.request_id} was aborted by the server", type="cancelled", code="aborted")
+            raise ApiError(499, "the request was aborted by the server", type="cancelled", code="aborted")
 
-    def _response(self, req: GenerateRequest, out: RequestOutput, text: str, token_ids: list[int]) -> pb.GenerateResponse:
-        resp = pb.GenerateResponse(request_id=req.request_id, model=self.backend.model_name, text=text,
+    def _response(self, call: _Call, out: RequestOutput, text: str, token_ids: list[int]) -> pb.GenerateResponse:
+        req = call.req
+        resp = pb.GenerateResponse(request_id=call.label, model=self.backend.model_name, text=text,
                                    token_ids=token_ids, finish_reason=out.finish_reason or "")
         if out.finished:
             n_prompt, n_out = len(req.prompt_token_ids), len(out.token_ids)

@@ -1,8 +1,11 @@
 """The OpenAI-compatible HTTP front end over any `Backend`: `create_openai_app(backend, ...)`.
 
 /v1/models, /v1/completions, /v1/chat/completions (SSE streaming, usage chunk, logprobs, n, stop,
-seed, vLLM extras), /health. Every error is OpenAI's error object with a fitting status (never
-FastAPI's 422). A client that goes away (mid-stream or while waiting) aborts its requests at once.
+seed, vLLM extras), /health, /metrics (Prometheus text; behind the API keys when keys are on). Every
+error is OpenAI's error object with a fitting status (never FastAPI's 422), and never shows a backend's
+internals (router/guards.py). Bodies over the size limit get 413 before they are read in full; prompts
+over the character limit get 400 before tokenizing, which runs off the event loop. A client that goes
+away (mid-stream or while waiting) aborts its requests at once.
 """
 from __future__ import annotations
 
@@ -11,19 +14,19 @@ import hmac
 import json
 import logging
 import time
-import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router import params
-from router.errors import ApiError, api_error, bad_request
+from router.errors import ApiError, bad_request
 from router.fanout import Fanout
-from router.metrics import RequestTimer
+from router.guards import RequestLimits, new_request_id, off_loop, public_error
+from router.metrics import RequestTimer, prometheus_text
 from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                                     delta_logprobs, usage)
 from router.protocol import Backend, GenerateRequest
@@ -119,10 +122,49 @@ class ApiKeyAuth:
         await error_response(err)(scope, receive, send)
 
 
+class BodySizeLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 as soon as its declared
+    length (or, chunked, the bytes received so far) passes the limit: it is never parsed or tokenized.
+    The body is read here and handed on whole, so the app below sees an ordinary request."""
+
+    def __init__(self, app, limits: RequestLimits):
+        self.app, self.limits = app, limits
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limits.max_body_bytes:
+            return await self._refuse(int(declared), scope, receive, send)
+        chunks, size, more, last = [], 0, True, None
+        while more:
+            last = await receive()
+            if last["type"] != "http.request":
+                break  # the client left: let the app see the disconnect
+            chunks.append(last.get("body", b""))
+            size += len(chunks[-1])
+            more = last.get("more_body", False)
+            if size > self.limits.max_body_bytes:
+                return await self._refuse(size, scope, receive, send)
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}] \
+            if last is None or last["type"] == "http.request" else [last]
+
+        async def replayed_receive():
+            return replay.pop(0) if replay else await receive()
+
+        await self.app(scope, replayed_receive, send)
+
+    async def _refuse(self, size: int, scope, receive, send) -> None:
+        response = error_response(self.limits.body_too_large(size))
+        response.headers["Connection"] = "close"  # the rest of the body is not read
+        await response(scope, receive, send)
+
+
 class OpenAIServer:
-    def __init__(self, backend: Backend, request_timeout_s: float | None = None):
+    def __init__(self, backend: Backend, request_timeout_s: float | None = None, limits: RequestLimits | None = None):
         self.backend = backend
         self.request_timeout_s = request_timeout_s
+        self.limits = limits or RequestLimits()
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
 
@@ -151,7 +193,13 @@ class OpenAIServer:
                 reqs.append(GenerateRequest(f"{base}-{p * n + j}", ids, sp, priority))
         return reqs
 
-    async def _run(self, request: Request, reqs: list[GenerateRequest], stream: bool,
+    async def _encode(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Token ids of each prompt; text is measured first (400 past the limit) and encoded off the loop."""
+        self.limits.check_prompt_chars(self.backend.max_model_len, [p for p in prompts if isinstance(p, str)], "prompt")
+        encode = self.backend.tokenizer.encode
+        return await off_loop(lambda: [encode(p) if isinstance(p, str) else p for p in prompts])
+
+    async def _run(self, request: Request, rid: str, reqs: list[GenerateRequest], stream: bool,
                    respond: Callable[[list[RequestOutput]], dict], chunks: Callable[[Fanout, RequestTimer], AsyncIterator[str]]):
         timer = RequestTimer()
         fanout = Fanout(self.backend, reqs, self.request_timeout_s)
@@ -171,14 +219,15 @@ class OpenAIServer:
             timer.finish("cancelled")
             raise
         except Exception as e:
-            err = api_error(e)
+            err = public_error(e, rid)
             timer.finish(err.status_tag)
             return error_response(err)
         finally:
             if fanout is not None:
                 await fanout.aclose()
 
-    async def _sse_body(self, fanout: Fanout, timer: RequestTimer, chunk: Callable[[int, RequestOutput], dict | None],
+    async def _sse_body(self, rid: str, fanout: Fanout, timer: RequestTimer,
+                        chunk: Callable[[int, RequestOutput], dict | None],
                         final: Callable[[], dict | None]) -> AsyncIterator[str]:
         status = "cancelled"
         try:
@@ -193,7 +242,7 @@ class OpenAIServer:
             status = "ok"
             yield "data: [DONE]\n\n"
         except Exception as e:  # after the 200 went out: report in-band, as OpenAI and vLLM do
-            err = api_error(e)
+            err = public_error(e, rid)
             status = err.status_tag
             yield _sse(err.body())
             yield "data: [DONE]\n\n"
@@ -203,16 +252,16 @@ class OpenAIServer:
 
     # ---- /v1/completions ----
     async def completions(self, body: CompletionRequest, request: Request):
+        rid = new_request_id("cmpl")
         try:
             body.check()
             await self.check_ready()
             params.check_model(self.backend, body.model)
-            prompts = [self.backend.tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+            prompts = await self._encode(body.prompts())
             fields = {**body.sampling_fields(), "logprobs": body.logprobs}
-            rid = f"cmpl-{uuid.uuid4().hex}"
             reqs = self._requests(rid, prompts, body.n, body.max_tokens, body.priority, fields, "prompt")
         except Exception as e:
-            return error_response(api_error(e))
+            return error_response(public_error(e, rid))
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.backend.model_name}
         n_logprobs = body.logprobs
 
@@ -244,12 +293,12 @@ class OpenAIServer:
             outs = [finals[i] for i in range(len(reqs))]
             return {**head, "choices": [], "usage": self._usage(reqs, outs, body.n)}
 
-        return await self._run(request, reqs, body.stream, respond,
-                               lambda f, t: self._sse_body(f, t, chunk, final))
+        return await self._run(request, rid, reqs, body.stream, respond,
+                               lambda f, t: self._sse_body(rid, f, t, chunk, final))
 
     # ---- /v1/chat/completions ----
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [m.as_template_input() for m in body.messages]
+    def _chat_prompt(self, body: ChatCompletionRequest, messages: list[dict[str, str]]) -> list[int]:
+        """The chat template applied and tokenized (runs on the text thread pool)."""
         tok = self.backend.tokenizer
         if not getattr(tok, "chat_template", None):
             raise bad_request(f"the model `{self.backend.model_name}` has no chat template; use /v1/completions", "messages")
@@ -261,17 +310,19 @@ class OpenAIServer:
         return list(ids)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        rid = new_request_id("chatcmpl")
         try:
             body.check()
             await self.check_ready()
             params.check_model(self.backend, body.model)
-            prompt = self._chat_prompt(body)
+            messages = [m.as_template_input() for m in body.messages]
+            self.limits.check_prompt_chars(self.backend.max_model_len, [m["content"] for m in messages], "messages")
+            prompt = await off_loop(self._chat_prompt, body, messages)
             fields = {**body.sampling_fields(), "logprobs": body.num_logprobs}
-            rid = f"chatcmpl-{uuid.uuid4().hex}"
             reqs = self._requests(rid, [prompt], body.n, body.output_limit, body.priority, fields, "messages",
                                   aliases={"logprobs": "top_logprobs"})
         except Exception as e:
-            return error_response(api_error(e))
+            return error_response(public_error(e, rid))
         created, model = int(time.time()), self.backend.model_name
         n_logprobs = body.num_logprobs
 
@@ -309,8 +360,8 @@ class OpenAIServer:
                 return None
             return {**head, "choices": [], "usage": self._usage(reqs, [finals[i] for i in range(len(reqs))], body.n)}
 
-        return await self._run(request, reqs, body.stream, respond,
-                               lambda f, t: self._sse_body(f, t, chunk, final))
+        return await self._run(request, rid, reqs, body.stream, respond,
+                               lambda f, t: self._sse_body(rid, f, t, chunk, final))
 
     @staticmethod
     def _usage(reqs: list[GenerateRequest], outs: list[RequestOutput], n: int) -> dict:
@@ -340,11 +391,14 @@ def _validation_error(e: RequestValidationError) -> ApiError:
     return bad_request(f"{'.'.join(loc)}: {msg}", param)
 
 
-def create_openai_app(backend: Backend, api_keys: Iterable[str] = (), request_timeout_s: float | None = None) -> FastAPI:
-    """The FastAPI app; wrap-free: API keys are checked by an ASGI middleware added here."""
-    server = OpenAIServer(backend, request_timeout_s)
+def create_openai_app(backend: Backend, api_keys: Iterable[str] = (), request_timeout_s: float | None = None,
+                      limits: RequestLimits | None = None) -> FastAPI:
+    """The FastAPI app; wrap-free: API keys and the body-size limit are ASGI middlewares added here."""
+    server = OpenAIServer(backend, request_timeout_s, limits)
     app = FastAPI(title="Tandem", description="OpenAI-compatible LLM inference", docs_url="/docs")
     app.state.server = server
+    # Added last = runs first: the key is checked before the body is read or measured.
+    app.add_middleware(BodySizeLimit, limits=server.limits)
     app.add_middleware(ApiKeyAuth, api_keys=list(api_keys))
 
     @app.exception_handler(ApiError)
@@ -362,12 +416,18 @@ def create_openai_app(backend: Backend, api_keys: Iterable[str] = (), request_ti
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception):
-        return error_response(api_error(e))
+        return error_response(public_error(e, new_request_id("err")))
 
     @app.get("/health")
     async def health():
         ok = await backend.ready()
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        """This process's Tandem metrics (router/metrics.py), so a scraper needs only the API port."""
+        body, content_type = prometheus_text()
+        return PlainTextResponse(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def list_models():

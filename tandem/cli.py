@@ -27,7 +27,6 @@ SECTION_TITLES = {"model": "model", "parallel": "parallelism (per replica)", "ca
                   "scheduler": "batching and queues"}
 SERVED_FIELDS = ("served_model_name", "api_keys", "api_keys_env", "request_timeout_s", "local_prefill_max_tokens",
                  "local_prefill_when_idle", "max_request_body_bytes", "max_prompt_chars")
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class CommandError(Exception):
@@ -144,22 +143,20 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     from ray import serve
 
-    from tandem.serving import check_ports_free, start, wait_ready
+    from tandem.serving import check_ports_free, exposure_warnings, ready_line, start, wait_ready
 
     spec, config = serve_spec(ns)
     if not os.environ.get("RAY_ADDRESS"):
         check_ports_free(spec)  # this machine runs the proxies; on a cluster they may run elsewhere
     keys = sorted(config.resolved_api_keys())
-    if spec.http_host not in LOOPBACK and not keys:
-        print(f"warning: serving on {spec.http_host} with no API key: anyone who reaches this port can use it "
-              "(set --api-keys, or --api-keys-env NAME)", file=sys.stderr)
+    for line in exposure_warnings(spec, keys):
+        print(line, file=sys.stderr)
     layout = "colocated" if config.colocated else "disaggregated (prefill + decode pools)"
     print(f"Starting Tandem: model {config.model} as {config.served_model_name!r}, {layout}", flush=True)
     start(spec, verbose=ns.verbose)
     try:
         seconds = wait_ready(spec.local_url(), config.served_model_name, ns.ready_timeout, keys[0] if keys else None)
-        print(f"Tandem ready after {seconds:.1f}s: OpenAI API at http://{spec.http_host}:{spec.http_port}/v1, "
-              f"gRPC tandem.v1.Inference at {spec.http_host}:{spec.grpc_port}. Ctrl-C stops.", flush=True)
+        print(ready_line(spec, seconds), flush=True)
         stop = threading.Event()
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         signal.signal(signal.SIGTERM, lambda *_: stop.set())

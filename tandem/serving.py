@@ -90,6 +90,39 @@ class ServeSpec:
         return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{self.http_port}"
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# Ray Serve 2.60 starts its gRPC proxy on `[::]:<port>` (ray/serve/_private/grpc_util.py) and its
+# gRPCOptions has no host: the gRPC API listens on every interface whatever http_options.host says.
+GRPC_BIND = "*"
+GRPC_BIND_NOTE = "every interface: Ray Serve's gRPC proxy cannot bind one host"
+
+
+def bound_addresses(spec: ServeSpec) -> dict[str, str]:
+    """Where each API really listens, as `host:port` (`*` = every interface)."""
+    return {"http": f"{spec.http_host}:{spec.http_port}", "grpc": f"{GRPC_BIND}:{spec.grpc_port}"}
+
+
+def exposure_warnings(spec: ServeSpec, api_keys: frozenset[str] | list[str]) -> list[str]:
+    """One line per API that anyone reaching this machine can use: no key, and not on loopback only."""
+    if api_keys:
+        return []
+    fix = "(set --api-keys, or --api-keys-env NAME)"
+    warnings = []
+    if spec.http_host not in LOOPBACK:
+        warnings.append(f"warning: the OpenAI API listens on {spec.http_host}:{spec.http_port} with no API key: "
+                        f"anyone who reaches this port can use it {fix}")
+    warnings.append(f"warning: gRPC listens on {GRPC_BIND}:{spec.grpc_port} ({GRPC_BIND_NOTE}) with no API key: "
+                    f"anyone who reaches this port can use it {fix}")
+    return warnings
+
+
+def ready_line(spec: ServeSpec, seconds: float) -> str:
+    """What `tandem serve` prints once ready: the addresses really bound, not the ones asked for."""
+    bound = bound_addresses(spec)
+    return (f"Tandem ready after {seconds:.1f}s: OpenAI API at http://{bound['http']}/v1 (metrics at /metrics), "
+            f"gRPC tandem.v1.Inference at {bound['grpc']} ({GRPC_BIND_NOTE}). Ctrl-C stops.")
+
+
 def _build(app: dict[str, Any]):
     """Serve's rule for import_path: an application builder is called with the args, a bound
     application is used as is."""

@@ -278,10 +278,23 @@ def test_client_cancel_aborts_and_frees_blocks(harness, backend, stub):
 
 
 def test_server_side_abort_is_cancelled(harness, backend, stub):
-    with slow_engine(backend):
-        call = stub.GenerateStream(pb.GenerateRequest(prompt=PROMPT, max_tokens=200, ignore_eos=True, request_id="to-abort"))
-        next(call)
-        harness.run(backend.abort("to-abort"))
-        with pytest.raises(grpc.RpcError) as e:
-            list(call)
-        assert e.value.code() == grpc.StatusCode.CANCELLED and "aborted" in e.value.details()
+    engine_ids: list[str] = []  # the engine's id is the server's own, not the client's label
+    real_generate = backend.generate
+
+    def recording_generate(req):
+        engine_ids.append(req.request_id)
+        return real_generate(req)
+
+    backend.generate = recording_generate
+    try:
+        with slow_engine(backend):
+            call = stub.GenerateStream(pb.GenerateRequest(prompt=PROMPT, max_tokens=200, ignore_eos=True,
+                                                          request_id="to-abort"))
+            next(call)
+            assert engine_ids[0] != "to-abort"
+            harness.run(backend.abort(engine_ids[0]))
+            with pytest.raises(grpc.RpcError) as e:
+                list(call)
+            assert e.value.code() == grpc.StatusCode.CANCELLED and "aborted" in e.value.details()
+    finally:
+        del backend.generate

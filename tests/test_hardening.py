@@ -1,0 +1,292 @@
+"""Issue 19, items 2-4: request limits checked before tokenizing, text work off the event loop, metrics
+on the API port, honest bind addresses and warnings, no internals in client-facing errors, and
+engine request ids made by the server. In-process: FastAPI's TestClient, uvicorn, grpc.aio; no Ray."""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from fastapi.testclient import TestClient
+from ray.exceptions import RayTaskError
+
+from router.grpc_api import InferenceServicer
+from router.openai_api import create_openai_app
+from router.proto import inference_pb2 as pb
+from router.proto import inference_pb2_grpc as pb_grpc
+from router.protocol import BackendUnavailable
+from tests.models import CORPUS
+from tests.serving import LiveServer, build_chat_model, make_backend, slow_engine, wait_idle
+from tests.test_grpc_api import _code, _Harness
+
+NAME = "guard-llama"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return build_chat_model(tmp_path_factory.mktemp("models") / NAME)
+
+
+@pytest.fixture(scope="module")
+def backend(model):
+    backend = make_backend(model)
+    yield backend
+    # closed by whichever loop the last user ran on; the engine thread stops with the process otherwise
+
+
+@pytest.fixture(scope="module")
+def client(backend):
+    with TestClient(create_openai_app(backend)) as client:
+        yield client
+        client.portal.call(backend.close)
+
+
+@pytest.fixture(scope="module")
+def harness():
+    h = _Harness()
+    yield h
+    h.close()
+
+
+@pytest.fixture(scope="module")
+def grpc_backend(harness, model):
+    backend = make_backend(model)
+    harness.backends.append(backend)
+    return backend
+
+
+@pytest.fixture(scope="module")
+def stub(harness, grpc_backend):
+    return pb_grpc.InferenceStub(harness.serve(InferenceServicer(grpc_backend)))
+
+
+class _SpyTokenizer:
+    """The backend's tokenizer, recording `encode` calls and optionally blocking in them (a huge prompt)."""
+
+    def __init__(self, inner, block_s: float = 0.0):
+        self._inner, self.block_s = inner, block_s
+        self.encoded = 0
+        self.entered = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def encode(self, text, *args, **kwargs):
+        self.encoded += 1
+        self.entered.set()
+        time.sleep(self.block_s)  # blocking, as a slow tokenizer is: it holds whichever thread calls it
+        return self._inner.encode(text, *args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.encoded += 1
+        self.entered.set()
+        time.sleep(self.block_s)
+        return self._inner.apply_chat_template(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def spy_tokenizer(backend, block_s: float = 0.0):
+    real = backend.tokenizer
+    spy = backend.tokenizer = _SpyTokenizer(real, block_s)
+    try:
+        yield spy
+    finally:
+        backend.tokenizer = real
+
+
+def _error(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+# ---------------------------------------------------------------- item 2: limits before tokenizing
+
+
+def test_oversized_body_is_413_before_parsing(client, backend):
+    big = "a" * (5 * 1024 * 1024)  # over the default 4 MiB
+    with spy_tokenizer(backend) as spy:
+        t0 = time.monotonic()
+        r = client.post("/v1/completions", json={"prompt": big, "max_tokens": 1})
+        assert _error(r, 413)["code"] == "request_too_large"
+        assert time.monotonic() - t0 < 5 and spy.encoded == 0
+        # A chunked body (no Content-Length) is cut off too.
+        chunks = (big[i:i + 65536].encode() for i in range(0, len(big), 65536))
+        r = client.post("/v1/completions", content=chunks, headers={"content-type": "application/json"})
+        assert _error(r, 413)["code"] == "request_too_large" and spy.encoded == 0
+    assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_prompt_over_the_character_limit_is_400_without_tokenizing(client, backend, endpoint):
+    text = "word " * 2000  # 10000 characters > 32 x max_model_len (256): cannot fit, never encoded
+    body = {"prompt": [CORPUS[0], text]} if endpoint == "completions" else \
+        {"messages": [{"role": "user", "content": text}]}
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    with spy_tokenizer(backend) as spy:
+        err = _error(client.post(path, json={**body, "max_tokens": 1}), 400)
+        assert spy.encoded == 0
+    assert "characters" in err["message"] and err["param"] == ("prompt" if endpoint == "completions" else "messages")
+
+
+def test_limits_are_configurable(backend):
+    from router.guards import RequestLimits
+
+    with TestClient(create_openai_app(backend, limits=RequestLimits(max_body_bytes=2000, max_prompt_chars=100))) as c:
+        assert _error(c.post("/v1/completions", json={"prompt": "x" * 3000}), 413)["code"] == "request_too_large"
+        assert "at most 100" in _error(c.post("/v1/completions", json={"prompt": "x" * 150}), 400)["message"]
+        assert c.post("/v1/completions", json={"prompt": "x" * 50, "max_tokens": 1}).status_code == 200
+
+
+def test_tokenizing_does_not_block_health_or_other_requests(model):
+    backend = make_backend(model)
+    server = LiveServer(create_openai_app(backend))
+    try:
+        with spy_tokenizer(backend, block_s=2.0) as spy:
+            body = json.dumps({"prompt": CORPUS[1], "max_tokens": 1}).encode()
+            slow = threading.Thread(target=lambda: urllib.request.urlopen(urllib.request.Request(
+                f"{server.url}/v1/completions", data=body, headers={"Content-Type": "application/json"}), timeout=30).read())
+            slow.start()
+            assert spy.entered.wait(10)
+            t0 = time.monotonic()
+            with urllib.request.urlopen(f"{server.url}/health", timeout=10) as r:
+                assert r.status == 200
+            with urllib.request.urlopen(f"{server.url}/v1/models", timeout=10) as r:
+                assert r.status == 200
+            assert time.monotonic() - t0 < 1.0, "the event loop waited on a tokenizer"
+            slow.join(30)
+    finally:
+        server.call(backend.close)
+        server.stop()
+
+
+def test_grpc_limits_before_tokenizing(harness, grpc_backend, stub):
+    from router.guards import RequestLimits
+
+    with spy_tokenizer(grpc_backend) as spy:
+        code, details = _code(stub.Generate, pb.GenerateRequest(prompt="word " * 2000, max_tokens=1))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "characters" in details and spy.encoded == 0
+        small = pb_grpc.InferenceStub(harness.serve(InferenceServicer(grpc_backend, limits=RequestLimits(max_body_bytes=1000))))
+        code, _ = _code(small.Generate, pb.GenerateRequest(prompt="x" * 2000, max_tokens=1))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and spy.encoded == 0
+
+
+def test_grpc_tokenizing_does_not_block_other_calls(grpc_backend, stub):
+    with spy_tokenizer(grpc_backend, block_s=2.0) as spy:
+        slow = stub.Generate.future(pb.GenerateRequest(prompt=CORPUS[1], max_tokens=1))
+        assert spy.entered.wait(10)
+        t0 = time.monotonic()
+        fast = stub.Generate(pb.GenerateRequest(prompt_token_ids=[5, 17, 42], max_tokens=1), timeout=10)
+        assert fast.finish_reason and time.monotonic() - t0 < 1.0, "the event loop waited on a tokenizer"
+        assert slow.result(timeout=30).finish_reason
+
+
+# ---------------------------------------------------------------- item 3: metrics, binds, warnings
+
+
+def test_metrics_on_the_api_port(client, backend):
+    assert client.post("/v1/completions", json={"prompt": CORPUS[0], "max_tokens": 2}).status_code == 200
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert re.search(r'^tandem_requests_total\{status="ok"\} [1-9]', r.text, re.M)
+    assert "tandem_ttft_seconds_bucket" in r.text and "tandem_kv_blocks_used" in r.text
+    keyed = TestClient(create_openai_app(backend, api_keys=["sk-m"]))
+    assert _error(keyed.get("/metrics"), 401)["code"] == "invalid_api_key"
+    assert "tandem_requests_total" in keyed.get("/metrics", headers={"Authorization": "Bearer sk-m"}).text
+
+
+def test_cli_prints_what_is_bound_and_warns_without_keys():
+    from tandem.serving import ServeSpec, bound_addresses, exposure_warnings, ready_line
+
+    local = ServeSpec.from_args({})
+    local.override(host="127.0.0.1", port=8001, grpc_port=9001)
+    # Serve's gRPC proxy binds every interface whatever the HTTP host: said, not hidden.
+    assert bound_addresses(local) == {"http": "127.0.0.1:8001", "grpc": "*:9001"}
+    line = ready_line(local, 1.0)
+    assert "http://127.0.0.1:8001/v1" in line and "*:9001" in line and "127.0.0.1:9001" not in line
+    [warning] = exposure_warnings(local, [])
+    assert "gRPC" in warning and "*:9001" in warning
+    public = ServeSpec.from_args({})
+    assert len(exposure_warnings(public, [])) == 2 and "0.0.0.0:8000" in exposure_warnings(public, [])[0]
+    assert exposure_warnings(public, ["sk"]) == []
+
+
+# ---------------------------------------------------------------- item 4: errors and request ids
+
+_SECRET = ("Traceback (most recent call last):\n  File \"/home/ray/anaconda3/lib/python3.11/site-packages/ray/x.py\", "
+           "line 3\nactor died: pid=4242, ip=10.1.2.3, actor_id=0123456789abcdef0123456789abcdef")
+
+
+def _ray_wrapped(cause: Exception) -> Exception:
+    """What a Ray handle raises for an exception in a replica: the cause's type, a remote traceback's text."""
+    return RayTaskError("DecodePool.generate", _SECRET, cause, pid=4242, ip="10.1.2.3",
+                        actor_id="0123456789abcdef0123456789abcdef").as_instanceof_cause()
+
+
+class _Failing:
+    """A backend whose requests fail with `exc` after `after` outputs."""
+
+    def __init__(self, inner, exc: Exception, after: int = 0):
+        self._inner, self.exc, self.after = inner, exc, after
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    async def generate(self, req):
+        n = 0
+        async for out in self._inner.generate(req):
+            if n == self.after:
+                raise self.exc
+            n += 1
+            yield out
+
+
+FAILURES = {"ray_value_error": _ray_wrapped(ValueError("bad prompt at /srv/models/x.py pid=4242")),
+            "replica_died": BackendUnavailable(f"decode replica failed during request r-1: {_SECRET}"),
+            "unexpected": RuntimeError(f"boom in /home/ray/app/router/pools.py: {_SECRET}")}
+
+
+def _assert_clean(message: str) -> None:
+    for leak in ("Traceback", "/home", "/srv", ".py", "4242", "10.1.2.3", "0123456789abcdef", "actor_id"):
+        assert leak not in message, f"{leak!r} leaked: {message}"
+    assert "request id" in message
+
+
+@pytest.mark.parametrize("kind", sorted(FAILURES))
+@pytest.mark.parametrize("after", [0, 1], ids=["before_first_token", "mid_stream"])
+def test_http_errors_show_no_internals(backend, kind, after):
+    failing = _Failing(backend, FAILURES[kind], after)
+    with TestClient(create_openai_app(failing)) as c:
+        r = c.post("/v1/completions", json={"prompt": CORPUS[0], "max_tokens": 8, "ignore_eos": True})
+        assert r.status_code in (400, 500, 503)
+        _assert_clean(r.json()["error"]["message"])
+        r = c.post("/v1/completions", json={"prompt": CORPUS[0], "max_tokens": 8, "ignore_eos": True, "stream": True})
+        text = r.text if r.status_code == 200 else r.json()["error"]["message"]
+        _assert_clean(text)
+        wait_idle(lambda: c.portal.call(backend.stats))
+
+
+@pytest.mark.parametrize("kind", sorted(FAILURES))
+def test_grpc_errors_show_no_internals(harness, grpc_backend, kind):
+    stub = pb_grpc.InferenceStub(harness.serve(InferenceServicer(_Failing(grpc_backend, FAILURES[kind]))))
+    for rpc in (stub.Generate, stub.GenerateStream):
+        code, details = _code(rpc, pb.GenerateRequest(prompt=CORPUS[0], max_tokens=4))
+        assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
+        _assert_clean(details)
+
+
+def test_grpc_client_ids_are_labels_not_engine_ids(harness, grpc_backend, stub):
+    """Two clients (or one, twice) may use the same request_id at once: each gets its own request."""
+    with slow_engine(grpc_backend):
+        first = stub.GenerateStream(pb.GenerateRequest(prompt=CORPUS[0], max_tokens=30, ignore_eos=True,
+                                                       request_id="shared-id"))
+        head = next(first)
+        second = stub.Generate(pb.GenerateRequest(prompt=CORPUS[1], max_tokens=3, request_id="shared-id"), timeout=30)
+        rest = list(first)
+    assert second.request_id == "shared-id" and second.finish_reason
+    assert all(p.request_id == "shared-id" for p in [head, *rest]) and rest[-1].finish_reason
+    wait_idle(lambda: harness.stats(grpc_backend))
