@@ -9,7 +9,8 @@ The protocol (docs/architecture.md, "Prefill/decode handoff"):
     the prefill ranks send and its own ranks receive the blocks it lacks, resharded by `plan_transfers`.
  4. decode reads the rest of the prefill stream (in the background): the prefill replica waits for
     its ranks to report the send done (the ack), then frees the blocks; or when the lease ends.
- 5. decode: the request joins the running batch from the first token; outputs stream to the caller.
+ 5. decode: the first token goes to the caller as soon as step 2 answers, while step 3 moves the KV;
+    then the request joins the running batch from that token and the rest streams to the caller.
 A failure before step 5 is retried once (a new prefill, maybe on another replica), unless it is this
 decode replica's own (a dead rank); a cancelled caller aborts both sides. Every path frees the blocks
 on both sides, and no block is freed while a transfer may still write into it.
@@ -20,7 +21,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
 from engine.async_engine import AsyncEngine
@@ -128,6 +129,11 @@ class PrefillReplica:
             await self.async_engine.cleanup(self.llm_engine.release, request_id)
 
 
+def _streamable(handoff: RequestOutput) -> RequestOutput:
+    """The prefill side's first-token output as the client's first stream item: not finished."""
+    return replace(handoff, finish_reason=None, stop_reason=None, prompt_token_ids=[])
+
+
 def _first_logprobs(out: RequestOutput) -> tuple[float, list[tuple[int, float]] | None]:
     """The first token's logprob entry, in the form the decode side's engine rebuilds it from."""
     if out.logprobs is None:
@@ -174,20 +180,41 @@ class DecodeReplica:
             async for out in self.async_engine.generate(request_id, prompt_token_ids, params, priority):
                 yield out
             return
+        sent: SampledToken | None = None  # the first token, streamed to the client before its KV moved
         for attempt in range(1, self.max_attempts + 1):
             try:
-                first = await self._handoff(request_id, prompt_token_ids, params, priority)
+                ready, reservation, stream = await self._remote_prefill(request_id, prompt_token_ids, params, priority)
+                if ready.finished:  # the first token ended the request: no KV to move
+                    await self._give_up(request_id, stream)
+                    if sent is not None:
+                        raise RuntimeError(f"request {request_id}: its re-prefill ended where the first did not")
+                    yield ready.output
+                    return
+                if sent is None:
+                    sent = ready.first
+                    try:
+                        yield _streamable(ready.output)  # the client sees token 1 while its KV moves
+                    except BaseException:  # the client went away here: let go of both sides' blocks
+                        await asyncio.shield(self._give_up(request_id, stream))
+                        raise
+                await self._move_kv(request_id, ready, reservation, stream)
                 break
             except (KVTransferError, ConnectionError, RuntimeError) as e:
                 # A new prefill may fix a failed prefill replica or transfer; not a full or dead decode replica.
                 if isinstance(e, QueueFullError) or attempt == self.max_attempts or not self.alive:
                     raise
                 log.warning("request %s: handoff attempt %d failed (%s); re-prefilling", request_id, attempt, e)
-        if isinstance(first, RequestOutput):  # finished on its first token
-            yield first
-            return
-        async for out in self.async_engine.start(request_id, first):
-            yield out
+        # A re-prefill computes the same prompt KV; the request goes on from the token already sent.
+        stream_out = self.async_engine.start(request_id, sent)
+        try:
+            first = await anext(stream_out)  # token 1 again, now in this engine: already streamed
+            if first.finished:  # only the end is news
+                yield replace(first, new_token_ids=[], new_text="")
+                return
+            async for out in stream_out:
+                yield out
+        finally:
+            await stream_out.aclose()  # a client gone mid-stream: the engine aborts the request now
 
     def _prefill_here(self, prompt: list[int]) -> bool:
         """Read from this thread while the engine thread steps: the prefix lookup only reads the
@@ -197,10 +224,11 @@ class DecodeReplica:
         busy = engine.scheduler.has_work or engine.scheduler.has_leases
         return self.local_prefill.prefill_here(uncached, busy, engine.config.scheduler.max_num_batched_tokens)
 
-    async def _handoff(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int) -> SampledToken | RequestOutput:
-        """Steps 1-4 of the protocol. Returns the first token (the reservation is then the request's, for
-        `start`), or the final output if prefill finished it. On failure or cancellation both sides have
-        let go of the request's blocks, or are letting go of them, when this raises."""
+    async def _remote_prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
+                              priority: int) -> tuple[PrefillReady, Reservation, AsyncIterator[PrefillReady]]:
+        """Steps 1-2: reserve blocks here, have the prefill pool run the prompt. On failure or cancellation
+        both sides have let go of the request's blocks, or are letting go of them, when this raises;
+        otherwise the caller owns the reservation and the prefill stream (`_move_kv` or `_give_up`)."""
         if not self.executor.alive:
             raise ExecutorError(f"decode replica {self.replica_id} lost its ranks; it serves nothing more")
         engine = self.llm_engine
@@ -212,17 +240,21 @@ class DecodeReplica:
         stream = self.prefill(request_id, prompt, params, priority, reservation)
         try:
             ready = await anext(aiter(stream))
-            if not ready.finished:
-                await self._transfer(ready, reservation)
         except BaseException:
             # Shielded: a second cancellation must not leave the reservation or the prefill's KV behind.
             await asyncio.shield(self._give_up(request_id, stream))
             raise
-        if ready.finished:
-            await self._give_up(request_id, stream)
-            return ready.output
+        return ready, reservation, stream
+
+    async def _move_kv(self, request_id: str, ready: PrefillReady, reservation: Reservation, stream) -> None:
+        """Steps 3-4: move the KV into the reservation (which is then the request's, for `start`), and
+        read the prefill stream to its end in the background. Lets go of both sides if it raises."""
+        try:
+            await self._transfer(ready, reservation)
+        except BaseException:
+            await asyncio.shield(self._give_up(request_id, stream))
+            raise
         self._in_background(_read_to_end(stream))  # step 4, off the request's path
-        return ready.first
 
     async def _give_up(self, request_id: str, stream) -> None:
         """Free the reservation (even on a dead engine) and close the prefill stream, which frees its KV."""

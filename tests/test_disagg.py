@@ -19,7 +19,7 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable, Coroutine, TypeVar
 
 import pytest
@@ -509,6 +509,34 @@ def test_abort_while_transferring(pools, run):
     run(settle(pair))
 
 
+def test_first_token_streams_before_the_kv_moves(pools, run, reference):
+    """The client's first item is the prefill side's token, sent while the transfer is still stalled; the
+    stream then goes on from it without repeating it, and equals the single-process output."""
+    pair = pools.get("tp2->tp1")
+    (prompt,) = prompts_of_lengths([13], VOCAB, seed=13)
+    pair.prefill.executor.kv_call("set_send_delay", 1.0)  # well inside the transfer timeout
+    items: list[RequestOutput] = []
+    moved_at_first: list[int] = []
+
+    async def body() -> None:
+        before = len(pair.decode.transfers)
+        async for out in pair.decode.generate("ft-1", prompt, greedy(5, logprobs=1)):
+            if not items:
+                moved_at_first.append(len(pair.decode.transfers) - before)
+            items.append(replace(out, token_ids=list(out.token_ids), new_token_ids=list(out.new_token_ids)))
+
+    try:
+        run(body())
+    finally:
+        pair.prefill.executor.kv_call("set_send_delay", 0.0)
+    assert moved_at_first == [0] and items[0].finish_reason is None and len(items[0].new_token_ids) == 1
+    streamed = [t for it in items for t in it.new_token_ids]
+    (want,) = reference(pair.path, [prompt], greedy(5, logprobs=1))
+    assert streamed == want.token_ids and "".join(it.new_text for it in items) == want.text
+    assert_same_output(items[-1], want)
+    run(settle(pair))
+
+
 def test_abort_while_decoding(pools, run):
     pair = pools.get("tp2->tp1")
     (prompt,) = prompts_of_lengths([7], VOCAB, seed=8)
@@ -518,7 +546,8 @@ def test_abort_while_decoding(pools, run):
     async def consume() -> None:
         async for out in pair.decode.generate("d-1", prompt, greedy(150)):
             outs.append(out)
-            decoding.set()
+            if len(outs) >= 2:  # the first token comes from the prefill side, before the KV moved
+                decoding.set()
 
     async def body() -> None:
         task = asyncio.create_task(consume())
@@ -625,8 +654,9 @@ def test_killed_decode_rank_fails_fast_and_prefill_frees_its_kv(pools, run):
     decoding = asyncio.Event()
 
     async def consume() -> None:
-        async for _ in pair.decode.generate("kd-1", short, greedy(150)):
-            decoding.set()
+        async for out in pair.decode.generate("kd-1", short, greedy(150)):
+            if len(out.token_ids) >= 2:  # decoding here (the first token came from the prefill side)
+                decoding.set()
 
     async def body() -> None:
         running = asyncio.create_task(consume())

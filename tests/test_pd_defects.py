@@ -137,8 +137,9 @@ async def _abort_decoding(pair: Pair) -> None:
     decoding = asyncio.Event()
 
     async def consume() -> None:
-        async for _ in pair.decode.generate("g-d", prompt, greedy(150)):
-            decoding.set()
+        async for out in pair.decode.generate("g-d", prompt, greedy(150)):
+            if len(out.token_ids) >= 2:  # decoding (the first token comes from the prefill side)
+                decoding.set()
 
     task = asyncio.create_task(consume())
     await asyncio.wait_for(decoding.wait(), WAIT_S)
