@@ -32,6 +32,7 @@ from router.metrics import RequestTimer
 from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
 from router.protocol import Backend, GenerateRequest
+from router.serve_context import SeparateServeRequests
 from engine.llm_engine import RequestOutput
 from workers.sampling_params import SamplingParams
 
@@ -96,7 +97,7 @@ class InferenceServicer:
         timer, fanout, rid = RequestTimer(), None, new_request_id("grpc")
         try:
             req = await self._prepare(request, grpc_context, rid)
-            fanout = Fanout(self.backend, [req], self._timeout(grpc_context))
+            fanout = Fanout(SeparateServeRequests(self.backend), [req], self._timeout(grpc_context))
             yield _Call(req, request.request_id or rid, fanout, timer)
             timer.finish("ok")
         except asyncio.CancelledError:

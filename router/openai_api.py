@@ -30,6 +30,7 @@ from router.metrics import RequestTimer, prometheus_text
 from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                                     delta_logprobs, usage)
 from router.protocol import Backend, GenerateRequest
+from router.serve_context import SeparateServeRequests
 from engine.llm_engine import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,8 @@ class OpenAIServer:
     async def _run(self, request: Request, rid: str, reqs: list[GenerateRequest], stream: bool,
                    respond: Callable[[list[RequestOutput]], dict], chunks: Callable[[Fanout, RequestTimer], AsyncIterator[str]]):
         timer = RequestTimer()
-        fanout = Fanout(self.backend, reqs, self.request_timeout_s)
+        # Each (prompt, choice) its own Serve request: children sharing one stall Serve's router.
+        fanout = Fanout(SeparateServeRequests(self.backend), reqs, self.request_timeout_s)
         try:
             if stream:
                 await run_unless_disconnected(request, fanout.started())

@@ -290,3 +290,65 @@ def test_grpc_client_ids_are_labels_not_engine_ids(harness, grpc_backend, stub):
     assert second.request_id == "shared-id" and second.finish_reason
     assert all(p.request_id == "shared-id" for p in [head, *rest]) and rest[-1].finish_reason
     wait_idle(lambda: harness.stats(grpc_backend))
+
+
+# ---------------------------------------------------------------- item 1: n > 1 and prompt lists
+
+
+class _RecordingServeContext:
+    """A backend recording the Serve request context each `generate` runs in (Serve's handle calls read it)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.internal_ids: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def generate(self, req):
+        from ray.serve.context import _get_serve_request_context
+
+        self.internal_ids.append(_get_serve_request_context()._internal_request_id)
+        return self._inner.generate(req)
+
+
+def _as_serve_request(app, internal_id: str):
+    """The app as a Serve replica runs it: each request inside a Serve request context of its own."""
+    from ray.serve import context as serve_context
+
+    async def asgi(scope, receive, send):
+        serve_context._serve_request_context.set(serve_context._RequestContext(request_id="client-visible",
+                                                                              _internal_request_id=internal_id))
+        await app(scope, receive, send)
+
+    return asgi
+
+
+@pytest.mark.parametrize("body", [{"prompt": CORPUS[0], "n": 4}, {"prompt": [CORPUS[0], CORPUS[1], CORPUS[2]]}],
+                         ids=["n", "prompt_list"])
+def test_fanout_children_are_separate_serve_requests(backend, body):
+    """Serve's request router indexes pending requests by their internal id: children of one client
+    request that share it stall one another (issue 19 item 1). Each must carry its own."""
+    recording = _RecordingServeContext(backend)
+    with TestClient(_as_serve_request(create_openai_app(recording), "parent-id")) as c:
+        r = c.post("/v1/completions", json={**body, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    ids = recording.internal_ids
+    assert len(ids) == len(r.json()["choices"]) > 1
+    assert len(set(ids)) == len(ids) and "parent-id" not in ids
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("body", [{"prompt": CORPUS[0], "n": 16}, {"prompt": [CORPUS[i % 5] for i in range(32)]},
+                                  {"prompt": [CORPUS[1], CORPUS[3]], "n": 8}], ids=["n16", "list32", "list2_n8"])
+def test_large_n_and_prompt_lists_complete(client, backend, body, stream):
+    r = client.post("/v1/completions", json={**body, "max_tokens": 4, "ignore_eos": True, "stream": stream}, timeout=60)
+    assert r.status_code == 200, r.text
+    expected = len(body["prompt"]) * body.get("n", 1) if isinstance(body["prompt"], list) else body["n"]
+    if stream:
+        frames = [json.loads(f[6:]) for f in r.text.split("\n\n") if f.startswith("data: {")]
+        finished = {c["index"] for f in frames for c in f["choices"] if c["finish_reason"]}
+    else:
+        finished = {c["index"] for c in r.json()["choices"] if c["finish_reason"] == "length"}
+    assert finished == set(range(expected))
+    wait_idle(lambda: client.portal.call(backend.stats))
