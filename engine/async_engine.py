@@ -13,6 +13,7 @@ import asyncio
 import functools
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import AsyncIterator, Callable, TypeVar
 
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -138,11 +139,23 @@ class AsyncEngine:
     async def _drain(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         self._wake.set()
         finished = False
+        pending: RequestOutput | BaseException | None = None
+        first = True
         try:
             while True:
-                item = await queue.get()
+                item, pending = (pending, None) if pending is not None else (await queue.get(), None)
                 if isinstance(item, BaseException):
                     raise item
+                # Outputs that queued while the consumer was busy (a slow client, a loaded Serve hop) go
+                # out as one item: the latest, with the deltas of all. The first item stays alone (callers
+                # may treat it specially: a disaggregated decode replica's token 1 was already streamed).
+                while not first and not item.finished and not queue.empty():
+                    nxt = queue.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        pending = nxt
+                        break
+                    item = _merged(item, nxt)
+                first = False
                 finished = item.finished
                 yield item
                 if finished:
@@ -218,3 +231,8 @@ class AsyncEngine:
             if not outputs:
                 # Prefill chunks sample nothing; yield to the loop so a burst of them can't starve it.
                 await asyncio.sleep(0)
+
+
+def _merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive snapshots of one request as one: the later's cumulative fields, both deltas."""
+    return replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids, new_text=earlier.new_text + later.new_text)

@@ -151,7 +151,9 @@ class DecodeReplica:
         self.replica_id = replica_id or f"decode-{uuid.uuid4().hex[:8]}"
         self.llm_engine = engine
         self.async_engine = AsyncEngine(engine)
-        self.executor = _ray_executor(engine)
+        # Any executor: the decode side drives every transfer, so its ranks need not be reachable by the
+        # peer (one rank runs in this process; more are Ray actors). The prefill side's must be (above).
+        self.executor = engine.executor
         self.executor.kv_setup("decode")
         self.shards: list[RankShard] = self.executor.kv_call("get_shard")
         self.prefill = prefill

@@ -39,7 +39,8 @@ class ColocatedServer(InferenceServicer):
             raise RuntimeError("the engine of this replica has stopped")
 
 
-def _gpus_per_replica(config: AppConfig) -> float:
+def gpus_per_replica(config: AppConfig) -> float:
+    """GPUs a replica that runs its one rank in-process takes."""
     if config.device == "cpu":
         return 0
     if config.device == "cuda":
@@ -55,7 +56,7 @@ def build_colocated_app(config: AppConfig) -> Application:
     in_process = args.parallel_config().world_size == 1 and args.distributed_executor_backend != "ray"
     deployment = serve.deployment(ColocatedServer, name="TandemColocated").options(
         max_ongoing_requests=config.max_ongoing_requests("decode"),
-        ray_actor_options={"num_gpus": _gpus_per_replica(config) if in_process else 0,
+        ray_actor_options={"num_gpus": gpus_per_replica(config) if in_process else 0,
                            "resources": dict(args.rank_resources) if in_process else {}},
         **config.decode.serve_options(),
     )

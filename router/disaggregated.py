@@ -20,8 +20,10 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoConfig, AutoTokenizer
 
+from router.colocated import gpus_per_replica
 from router.config import AppConfig
 from router.grpc_api import InferenceServicer
+from router.guards import RequestLimits
 from router.openai_api import create_openai_app
 from router.pools import DecodePool, PrefillPool
 from router.protocol import BackendUnavailable, GenerateRequest
@@ -120,10 +122,12 @@ class Router(InferenceServicer):
     def __init__(self, args: dict[str, Any], decode: DeploymentHandle, prefill: DeploymentHandle | None = None):
         self.config = AppConfig.model_validate(args)
         InferenceServicer.__init__(self, DisaggregatedBackend(self.config, decode, prefill),
-                                   self.config.resolved_api_keys(), self.config.request_timeout_s)
+                                   self.config.resolved_api_keys(), self.config.request_timeout_s,
+                                   RequestLimits.from_config(self.config))
 
     def __serve_build_asgi_app__(self):
-        return create_openai_app(self.backend, self.config.resolved_api_keys(), self.config.request_timeout_s)
+        return create_openai_app(self.backend, self.config.resolved_api_keys(), self.config.request_timeout_s,
+                                 RequestLimits.from_config(self.config))
 
     async def check_health(self) -> None:
         """Serve runs this once before the replica counts as started (and so before the deployment and the
@@ -145,8 +149,13 @@ def build_disaggregated_app(config: AppConfig) -> Application:
     prefill = serve.deployment(PrefillPool, name="PrefillPool").options(
         max_ongoing_requests=config.max_ongoing_requests("prefill"), ray_actor_options=actor, request_router_config=prefill_router,
         **config.prefill.serve_options()).bind(args)
+    # A decode replica of one rank runs it in-process (router/pools.py), so it takes that rank's devices.
+    decode_args = config.engine_args("decode")
+    in_process = decode_args.parallel_config().world_size == 1 and decode_args.distributed_executor_backend != "ray"
+    decode_actor = ({"num_cpus": 0, "num_gpus": gpus_per_replica(config), "resources": dict(decode_args.rank_resources)}
+                    if in_process else actor)
     decode = serve.deployment(DecodePool, name="DecodePool").options(
-        max_ongoing_requests=config.max_ongoing_requests("decode"), ray_actor_options=actor, request_router_config=decode_router,
+        max_ongoing_requests=config.max_ongoing_requests("decode"), ray_actor_options=decode_actor, request_router_config=decode_router,
         **config.decode.serve_options()).bind(args, prefill)
     router = serve.deployment(Router, name="Router").options(
         max_ongoing_requests=4 * config.max_ongoing_requests("decode"), ray_actor_options={"num_cpus": 0}).bind(

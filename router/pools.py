@@ -1,7 +1,8 @@
 """The two pool deployments. Each Serve replica owns one engine whose ranks are Ray actors (so the
 peer pool can reach them for KV transfers); Serve scales each pool on its own ongoing requests.
 
-The decode replica drives the handoff (engine/disagg.py): it reserves its blocks, asks the prefill
+A decode replica of one rank (the default backend) runs its engine in its own process, like a colocated
+replica; more ranks, and every prefill replica's ranks, are Ray actors. The decode replica drives the handoff (engine/disagg.py): it reserves its blocks, asks the prefill
 pool (through Serve, so any prefill replica may answer) to run the prompt, then moves the KV.
 """
 from __future__ import annotations
@@ -24,9 +25,11 @@ log = logging.getLogger(__name__)
 
 def _engine(config: AppConfig, pool: str) -> LLMEngine:
     engine_config = config.engine_config(pool)
-    # Pool ranks are always Ray actors, even one: the peer pool's ranks reach them for the KV handoff.
-    # Their steps still skip Ray (the step channel, cluster/step_channel.py).
-    engine_config.parallel.distributed_executor_backend = "ray"
+    if pool == "prefill":
+        # Prefill ranks are always Ray actors, even one: the decode replica drives their KV sends through
+        # their actor handles. (Their steps still skip Ray: cluster/step_channel.py.) A decode replica of
+        # one rank runs it in its own process, as a colocated replica does: no rank process, no step hop.
+        engine_config.parallel.distributed_executor_backend = "ray"
     return LLMEngine(engine_config, show_progress=False)
 
 

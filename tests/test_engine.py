@@ -441,3 +441,30 @@ def test_mixed_steps_put_decodes_first_and_still_match_hf(make_llm):
     assert all(d >= 1 for _, d in mixed)
     assert outs["short"] == hf_greedy(path, short, 20)[0]
     assert outs["long"] == hf_greedy(path, long, 4)[0]
+
+
+def test_async_stream_coalesces_outputs_a_slow_consumer_missed(shared):
+    """Tokens that queue while the consumer is busy go out as one item with all their deltas, never lost
+    or repeated; the first item is always alone."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(shared.llm_engine)
+    (prompt,) = prompts_of_lengths([9], VOCAB, seed=21)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def consume() -> list:
+        items = []
+        async for out in engine.generate("coalesce-1", prompt, params):
+            items.append((list(out.new_token_ids), out.new_text, list(out.token_ids), out.text, out.finish_reason))
+            await asyncio.sleep(0.05)  # slower than the engine's steps
+        return items
+
+    items = asyncio.run(consume())
+    asyncio.run(engine.close())
+    tokens, text = items[-1][2], items[-1][3]
+    assert len(tokens) == 24 and items[-1][4] == "length"
+    assert [t for it in items for t in it[0]] == tokens and "".join(it[1] for it in items) == text
+    assert len(items[0][0]) == 1 and len(items) < 24  # merged after the first
+    assert tokens == hf_greedy(shared.llm_engine.config.model.model, prompt, 24)[0]

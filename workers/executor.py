@@ -48,6 +48,11 @@ class Executor(ABC):
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; the sampled tokens of the sequences with `sample=True`."""
 
+    @property
+    def alive(self) -> bool:
+        """False once the executor failed or was shut down: it runs nothing more."""
+        return True
+
     def submit(self, out: SchedulerOutput) -> PendingStep:
         """Start one step; its `result()` is `execute(out)`. Here the step runs before this returns."""
         return PendingStep(None, self.execute(out))
@@ -80,6 +85,10 @@ class UniprocExecutor(Executor):
         self.runner: ModelRunner | None = ModelRunner(config, hf_config, max_model_len, eos_token_ids, show_progress)
         self.profiled: ProfiledRunner | None = None
         self.num_blocks = self.runner.num_blocks
+
+    @property
+    def alive(self) -> bool:
+        return self.runner is not None
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if self.runner is None:
