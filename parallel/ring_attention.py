@@ -12,6 +12,11 @@ while it computes on the current one, so the transfer overlaps the compute. Caus
 the GLOBAL positions of queries and keys; blocks (or parts of blocks) that are entirely in the
 future of a query are never computed.
 
+Each step's partial attention is blockwise (`blockwise_attention_with_lse`): tiles of queries x keys
+with an online softmax, so a rank never holds more than one [Hq, tile_q, tile_k] score tile, whatever
+the prompt length; tiles wholly in the queries' future are skipped and only tiles that straddle the
+causal boundary are masked.
+
 Decode (`sharded_decode_attention`): the few queries are replicated, each rank attends over the KV
 it holds, and the partials are merged across the SP group (`merge_attention_partials`).
 
@@ -78,9 +83,100 @@ class TokenShard:
 
 
 # ---- partial attention and merging ----
+# Tile sizes (queries x keys) of the blockwise attention. One score tile is [Hq, TILE_Q, TILE_K] fp32:
+# 32 heads x 1024 x 2048 x 4 B = 256 MiB on a GPU, where bigger tiles mean fewer kernel launches from
+# the Python loop; on a CPU small tiles stay in cache and the loop's overhead is negligible next to the math.
+CUDA_TILES = (1024, 2048)
+CPU_TILES = (128, 512)
+
+
+def default_tiles(device: torch.device) -> tuple[int, int]:
+    return CUDA_TILES if device.type == "cuda" else CPU_TILES
+
+
+def _tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [Hkv, g * tq, D] fp32, k [Hkv, tk, D] fp32 -> scores [Hkv, g * tq, tk] fp32.
+
+    The only score tensor the blockwise attention makes, so a test can bound its size (the start-up OOM
+    of issue 25 was one [Hq, T/2, T/2] score matrix per layer)."""
+    return torch.bmm(q, k.transpose(1, 2)).mul_(scale)
+
+
+def blockwise_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                                 q_pos: list[int] | None = None, k_pos: list[int] | None = None,
+                                 tiles: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention computed tile by tile (flash-style online softmax), with its LSE, in fp32.
+
+    q [Tq, Hq, D]; k, v [Tk, Hkv, D] (Hq a multiple of Hkv: GQA, the KV heads are never repeated).
+    q_pos / k_pos: ascending global positions of the rows (host lists); a query attends to the keys at
+    positions <= its own. Both None: non-causal, every query sees every key. tiles: (queries, keys) per
+    tile, default by device. Memory: O((Tq + Tk) * H * D) plus one [Hq, tq, tk] tile, never [Tq, Tk].
+    Returns out [Tq, Hq, D] fp32 and lse [Tq, Hq] fp32; a query that sees no key gets out 0, lse -inf.
+    """
+    tq_all, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    tile_q, tile_k = tiles or default_tiles(q.device)
+    causal = q_pos is not None
+    # Query head h uses KV head h // g (as SDPA's enable_gqa): queries as [Hkv, g, Tq, D], keys [Hkv, Tk, D].
+    qh = q.float().view(tq_all, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, g, Tq, D] (a view; tiles copy)
+    kh = k.float().transpose(0, 1).contiguous()  # [Hkv, Tk, D]
+    vh = v.float().transpose(0, 1).contiguous()  # [Hkv, Tk, D]
+    qp = torch.tensor(q_pos, device=q.device) if causal else None  # [Tq] for the masks of diagonal tiles
+    kp = torch.tensor(k_pos, device=q.device) if causal else None  # [Tk]
+    out = q.new_zeros((hkv, g, tq_all, d), dtype=torch.float32)  # [Hkv, g, Tq, D]
+    lse = q.new_full((hkv, g, tq_all), NEG_INF, dtype=torch.float32)  # [Hkv, g, Tq]
+    for q0 in range(0, tq_all, tile_q):
+        q1 = min(q0 + tile_q, tq_all)
+        k_end, k_full = k.shape[0], k.shape[0]
+        if causal:
+            # Positions ascend: keys after the tile's last query are unseen by all of it (skipped), keys
+            # up to its first query are seen by all of it (no mask).
+            k_end = bisect.bisect_right(k_pos, q_pos[q1 - 1])
+            k_full = bisect.bisect_right(k_pos, q_pos[q0])
+        bounds = (q0, q1, k_end, k_full)
+        o_t, l_t = _query_tile(qh[:, :, q0:q1], kh, vh, qp, kp, scale, bounds, tile_k)
+        out[:, :, q0:q1], lse[:, :, q0:q1] = o_t, l_t
+    return out.permute(2, 0, 1, 3).reshape(tq_all, hq, d), lse.permute(2, 0, 1).reshape(tq_all, hq)
+
+
+def _query_tile(qt: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, qp: torch.Tensor | None,
+                kp: torch.Tensor | None, scale: float, bounds: tuple[int, int, int, int],
+                tile_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query tile over keys [0, k_end) by key tiles, with a running max / sum (online softmax).
+
+    qt [Hkv, g, tq, D]; kh, vh [Hkv, Tk, D]; qp [Tq], kp [Tk] positions (None: no mask anywhere);
+    bounds (q0, q1, k_end, k_full): the tile's rows [q0, q1) see keys [0, k_end), all of [0, k_full).
+    Returns out [Hkv, g, tq, D] and lse [Hkv, g, tq], fp32.
+    """
+    q0, q1, k_end, k_full = bounds
+    hkv, g, tq, d = qt.shape
+    qf = qt.reshape(hkv, g * tq, d)  # [Hkv, g * tq, D]: one bmm covers every query head of a KV head
+    m = qf.new_full((hkv, g * tq), NEG_INF)  # running max of the scores
+    s = qf.new_zeros((hkv, g * tq))  # running sum of exp(score - m)
+    acc = qf.new_zeros((hkv, g * tq, d))  # running sum of exp(score - m) * v
+    for k0 in range(0, k_end, tile_k):
+        k1 = min(k0 + tile_k, k_end)
+        scores = _tile_scores(qf, kh[:, k0:k1], scale)  # [Hkv, g * tq, tk]
+        if k1 > k_full:  # the tile straddles some query's position: mask the keys in its future
+            visible = qp[q0:q1, None] >= kp[None, k0:k1]  # [tq, tk]
+            scores.view(hkv, g, tq, k1 - k0).masked_fill_(~visible, NEG_INF)
+        m_new = torch.maximum(m, scores.amax(dim=-1))  # [Hkv, g * tq]
+        m_safe = _finite(m_new)  # rows with nothing seen yet stay -inf: exp(-inf - 0) = 0, no nan
+        probs = scores.sub_(m_safe.unsqueeze(-1)).exp_()  # [Hkv, g * tq, tk], in place: no second tile
+        rescale = torch.exp(m - m_safe)  # [Hkv, g * tq]: the old sums were relative to the old max
+        s = s * rescale + probs.sum(dim=-1)
+        acc = acc * rescale.unsqueeze(-1) + torch.bmm(probs, vh[:, k0:k1])
+        m = m_new
+    out = acc / torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)  # rows that saw nothing: acc = 0
+    lse = m + torch.log(s)  # -inf where nothing was seen (log 0)
+    return out.view(hkv, g, tq, d), lse.view(hkv, g, tq)
+
+
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                        mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention that also returns the LSE of the scores, computed in fp32.
+    """Dense softmax attention that also returns the LSE of the scores, computed in fp32: the reference
+    the blockwise attention is tested against (it makes the whole [Hq, Tq, Tk] score matrix).
 
     q [Tq, Hq, D]; k, v [Tk, Hkv, D] (Hq a multiple of Hkv: GQA); mask [Tq, Tk] bool, True = may attend.
     Returns out [Tq, Hq, D] fp32 and lse [Tq, Hq] fp32; a row with nothing to attend to gets out 0, lse -inf.
@@ -198,13 +294,16 @@ class _RingExchange:
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_shard: TokenShard,
-                   kv_shards: list[TokenShard], scale: float, group: Group) -> torch.Tensor:
+                   kv_shards: list[TokenShard], scale: float, group: Group,
+                   tiles: tuple[int, int] | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the keys of all ranks of `group` (ragged batch).
 
     q [Tq, Hq, D] holds the tokens of `q_shard`; k, v [Tk, Hkv, D] hold this rank's keys, described by
     kv_shards[group.rank]; kv_shards[r] describes rank r's keys (so receive buffers are sized without a
     handshake). A query at global position p attends to every key at position <= p, whichever rank holds
     it. Queries and keys may be different token sets (e.g. new tokens vs. new + cached). Returns [Tq, Hq, D].
+    Each step's partial is blockwise (`blockwise_attention_with_lse`, tiles as there): memory per rank is
+    O(Tq + Tk) plus one score tile, never the [Tq, Tk] score matrix.
     """
     n, me = group.size, group.rank
     acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -216,15 +315,18 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_shard: T
         if step < n - 1:
             # Start passing the block on before computing with it: the transfer overlaps the compute.
             exchange = _RingExchange(group, block, kv_shards[(src - 1) % n].num_tokens)
-        _attend_block(q, block, q_shard, kv_shards[src], scale, acc_out, acc_lse)
+        _attend_block(q, block, q_shard, kv_shards[src], scale, acc_out, acc_lse, tiles)
         if exchange is not None:
             block = exchange.wait()
     return acc_out.to(q.dtype)
 
 
 def _attend_block(q: torch.Tensor, block: torch.Tensor, q_shard: TokenShard, kv_shard: TokenShard, scale: float,
-                  acc_out: torch.Tensor, acc_lse: torch.Tensor) -> None:
-    """Merge each sequence's partial attention over one K/V block into the accumulators."""
+                  acc_out: torch.Tensor, acc_lse: torch.Tensor, tiles: tuple[int, int] | None) -> None:
+    """Merge each sequence's partial attention over one K/V block into the accumulators (exact, by LSE).
+
+    q [Tq, Hq, D]; block [2, Tk, Hkv, D] (the K/V heads travel, never the repeated query heads);
+    acc_out [Tq, Hq, D], acc_lse [Tq, Hq] fp32."""
     for b in range(q_shard.num_seqs):
         q_pos, k_pos = q_shard.positions[b], kv_shard.positions[b]
         part = _visible_part(q_pos, k_pos)
@@ -233,10 +335,8 @@ def _attend_block(q: torch.Tensor, block: torch.Tensor, q_shard: TokenShard, kv_
         q_lo, k_hi, full = part
         q0, q1 = q_shard.offsets[b] + q_lo, q_shard.offsets[b + 1]
         k0 = kv_shard.offsets[b]
-        mask = None
-        if not full:
-            qp = torch.tensor(q_pos[q_lo:], device=q.device)
-            kp = torch.tensor(k_pos[:k_hi], device=q.device)
-            mask = qp[:, None] >= kp[None, :]  # [q1 - q0, k_hi]
-        out, lse = attention_with_lse(q[q0:q1], block[0, k0 : k0 + k_hi], block[1, k0 : k0 + k_hi], scale, mask)
+        k1 = kv_shard.offsets[b] + k_hi
+        # A pair whose every query sees every key (full) runs unmasked; else the tiles mask by position.
+        qp, kp = (None, None) if full else (q_pos[q_lo:], k_pos[:k_hi])
+        out, lse = blockwise_attention_with_lse(q[q0:q1], block[0, k0:k1], block[1, k0:k1], scale, qp, kp, tiles)
         merge_into(acc_out[q0:q1], acc_lse[q0:q1], out, lse)

@@ -1,6 +1,8 @@
 """Ring attention (SP prefill) and sharded-KV decode attention against full single-process SDPA."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +10,7 @@ import torch.nn.functional as F
 from parallel.ring_attention import (
     TokenShard,
     attention_with_lse,
+    blockwise_attention_with_lse,
     decode_attention_partial,
     merge_into,
     ring_attention,
@@ -15,8 +18,10 @@ from parallel.ring_attention import (
     zigzag_chunks,
     zigzag_positions,
 )
+import parallel.ring_attention as ring_mod
 from parallel.state import Group, sp_group
 from tests.multiprocess import run_ranks
+from workers.kv_layout import block_owner
 
 D = 16
 SCALE = D**-0.5
@@ -61,6 +66,93 @@ def test_attention_with_lse_and_merge_match_sdpa():
     torch.testing.assert_close(acc_lse, lse, rtol=1e-5, atol=1e-5)
 
 
+def _rank_positions(n: int, sp: int, rank: int, block: int) -> list[int]:
+    """The positions of [0, n) in the blocks rank `rank` owns under the block-owned KV layout."""
+    return [p for p in range(n) if block_owner(p // block, sp) == rank]
+
+
+def _dense(q, k, v, q_pos, k_pos):
+    """The whole [Tq, Tk] score matrix, masked by position (None: no mask): the reference."""
+    mask = None if q_pos is None else torch.tensor(q_pos)[:, None] >= torch.tensor(k_pos)[None, :]
+    return attention_with_lse(q, k, v, SCALE, mask)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (5, 1)])  # MHA, GQA, MQA
+@pytest.mark.parametrize("tiles", [(3, 5), (4, 4), (128, 512), (1, 1)])
+def test_blockwise_matches_dense_for_interleaved_causal_layouts(hq: int, hkv: int, tiles: tuple[int, int]):
+    """Queries of one rank against the keys of every rank (block-owned layout, 3-token blocks, SP=3):
+    uneven chunk lengths, tiles that do not divide them, queries that precede every key (lse -inf)."""
+    n, sp, blk = 47, 3, 3
+    q_all, k_all, v_all = make_seqs([n], hq, hkv, seed=hq + hkv)[0]
+    for qr in range(sp):
+        q_pos = _rank_positions(n, sp, qr, blk)
+        for kr in range(sp):
+            k_pos = _rank_positions(n, sp, kr, blk)
+            args = (q_all[q_pos], k_all[k_pos], v_all[k_pos])
+            out, lse = blockwise_attention_with_lse(*args, SCALE, q_pos, k_pos, tiles)
+            ref_out, ref_lse = _dense(*args, q_pos, k_pos)
+            torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+            assert out.dtype == lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("tiles", [(2, 3), (7, 16)])
+def test_blockwise_non_causal_and_empty_sides(tiles: tuple[int, int]):
+    q, k, v = make_seqs([13], hq=8, hkv=2, seed=4)[0]
+    out, lse = blockwise_attention_with_lse(q, k[:11], v[:11], SCALE, tiles=tiles)
+    ref_out, ref_lse = _dense(q, k[:11], v[:11], None, None)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    # No keys at all: nothing to attend to, merges as nothing.
+    out, lse = blockwise_attention_with_lse(q, k[:0], v[:0], SCALE, list(range(13)), [], tiles)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    # No queries.
+    out, lse = blockwise_attention_with_lse(q[:0], k, v, SCALE, tiles=tiles)
+    assert out.shape == (0, 8, D) and lse.shape == (0, 8)
+    # Every key in the future of every query: all skipped, no nan.
+    out, lse = blockwise_attention_with_lse(q[:4], k[:4], v[:4], SCALE, [0, 1, 2, 3], [10, 11, 12, 13], tiles)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_blockwise_partials_merge_exactly_in_any_order():
+    """The ring's merge: one query set over keys split into uneven parts, merged in a shuffled order,
+    equals attention over all the keys at once (out and lse)."""
+    n = 40
+    q, k, v = make_seqs([n], hq=4, hkv=2, seed=5)[0]
+    pos = list(range(n))
+    ref_out, ref_lse = _dense(q, k, v, pos, pos)
+    parts = [pos[i:j] for i, j in [(0, 3), (3, 17), (17, 18), (18, 40)]]
+    random.Random(0).shuffle(parts)
+    acc_out, acc_lse = torch.zeros_like(ref_out), torch.full(ref_lse.shape, float("-inf"))
+    for part in parts:
+        o, l = blockwise_attention_with_lse(q, k[part], v[part], SCALE, pos, part, (5, 6))
+        merge_into(acc_out, acc_lse, o, l)
+    torch.testing.assert_close(acc_out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(acc_lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_blockwise_scores_never_exceed_one_tile(monkeypatch):
+    """O(chunk) memory: however long the chunk, the only score tensor is one tile, and tiles wholly in
+    the queries' future are never computed (about half of a causal square)."""
+    shapes = []
+    real = ring_mod._tile_scores
+
+    def spy(qt, kt, scale):
+        out = real(qt, kt, scale)
+        shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(ring_mod, "_tile_scores", spy)
+    n, tiles, hq, hkv = 1000, (64, 128), 4, 2
+    q, k, v = make_seqs([n], hq, hkv, seed=6)[0]
+    pos = list(range(n))
+    out, _ = blockwise_attention_with_lse(q, k, v, SCALE, pos, pos, tiles)
+    torch.testing.assert_close(out, reference(q, k, v, torch.arange(n)), rtol=1e-5, atol=1e-5)
+    assert max(s[1] for s in shapes) <= (hq // hkv) * tiles[0] and max(s[2] for s in shapes) <= tiles[1]
+    computed = sum(s[1] * s[2] for s in shapes) // (hq // hkv)
+    assert computed < 0.6 * n * n  # causal: the upper triangle's tiles are skipped
+
+
 def test_ring_attention_one_rank_is_plain_causal_attention():
     lens = [1, 7, 20]
     seqs = make_seqs(lens, hq=4, hkv=1, seed=1)
@@ -75,7 +167,7 @@ def test_ring_attention_one_rank_is_plain_causal_attention():
 LENS = [1, 3, 4, 5, 17, 64, 37]  # shorter than 2 * sp, not divisible by 2 * sp, divisible
 
 
-def _check_ring(rank: int, hq: int, hkv: int, dtype: torch.dtype) -> None:
+def _check_ring(rank: int, hq: int, hkv: int, dtype: torch.dtype, tiles: tuple[int, int] | None = None) -> None:
     group = sp_group()
     sp = group.size
     seqs = make_seqs(LENS, hq, hkv, seed=hq * 10 + hkv)
@@ -83,7 +175,7 @@ def _check_ring(rank: int, hq: int, hkv: int, dtype: torch.dtype) -> None:
     mine = shards[rank]
     local = [[t[pos] for t in s] for s, pos in zip(seqs, mine.positions)]
     q, k, v = (torch.cat([x[i] for x in local]).to(dtype) for i in range(3))
-    out = ring_attention(q, k, v, mine, shards, SCALE, group)
+    out = ring_attention(q, k, v, mine, shards, SCALE, group, tiles)
     ref = torch.cat([reference(sq[pos], sk, sv, torch.tensor(pos, dtype=torch.long))
                      for (sq, sk, sv), pos in zip(seqs, mine.positions)])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -134,6 +226,7 @@ def _check_sharded_decode(rank: int) -> None:
 def _all_checks(rank: int) -> None:
     _check_ring(rank, hq=4, hkv=4, dtype=torch.float32)
     _check_ring(rank, hq=4, hkv=2, dtype=torch.float32)  # GQA
+    _check_ring(rank, hq=4, hkv=2, dtype=torch.float32, tiles=(3, 5))  # several tiles per chunk pair
     _check_ring(rank, hq=6, hkv=1, dtype=torch.bfloat16)  # MQA, low precision
     _check_ring_queries_after_cached_prefix(rank)
     _check_sharded_decode(rank)
