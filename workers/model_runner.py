@@ -151,6 +151,17 @@ class ModelRunner:
         """Free memory after weights and the peak activations of a full-size step, times the utilisation."""
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        probe_bytes = self._run_profile_step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - probe_bytes
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info()
+        return int(total * self.config.cache.gpu_memory_utilization - peak)
+
+    def _run_profile_step(self) -> int:
+        """Run the largest step serving can schedule (one max_num_batched_tokens prompt) on scratch KV,
+        on any device; returns the scratch KV's bytes. Under SP this is a full ring-attention prefill of
+        that prompt, whose attention is blockwise: its activations grow with the prompt, not its square."""
         n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         probe_blocks = -(-n // self.block_size)
         a = self.attn_layers[0]
@@ -160,14 +171,11 @@ class ModelRunner:
             layer.kv_cache, layer.backend = probe[i], self.backend
         fake = ScheduledSeq("profile", [0] * n, 0, list(range(probe_blocks)), True, _GREEDY, 0)
         self.execute(SchedulerOutput([fake]))
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - probe.numel() * probe.element_size()
+        probe_bytes = probe.numel() * probe.element_size()
         del probe
         for layer in self.attn_layers:
             layer.kv_cache = None
-        torch.cuda.empty_cache()
-        _, total = torch.cuda.mem_get_info()
-        return int(total * self.config.cache.gpu_memory_utilization - peak)
+        return probe_bytes
 
     # ---- one step ----
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:

@@ -1,0 +1,54 @@
+"""SP start-up allocates no sequence² buffer (issue 25): the KV-budget profiling step of every SP rank
+(`ModelRunner._run_profile_step`, what `_gpu_kv_budget` runs on a GPU) is a full
+max_num_batched_tokens ring prefill, and on two H200s a 64K-token one asked for 128 GiB: one
+[Hq, T/2, T/2] fp32 score matrix. Here the same step runs on CPU ranks (gloo) with every score tensor
+recorded; the largest must be one tile, whatever the prompt length.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import parallel.ring_attention as ring_mod
+from tests.models import tiny_model
+from tests.multiprocess import run_ranks
+from workers.config import EngineConfig
+from workers.loader import load_hf_config
+
+pytestmark = pytest.mark.slow
+
+PROMPT = 2048  # tokens of the profiling step: 1024 queries per rank at SP=2, 512 at SP=4
+TILES = ring_mod.CPU_TILES
+
+
+def _profile_scores(rank: int, path: str, sp: int) -> None:
+    from workers.model_runner import ModelRunner  # in the rank: the forkserver preloads only torch
+
+    shapes: list[tuple[int, ...]] = []
+    real = ring_mod._tile_scores
+
+    def spy(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+        out = real(q, k, scale)
+        shapes.append(tuple(out.shape))
+        return out
+
+    ring_mod._tile_scores = spy
+    hf = load_hf_config(path)
+    config = EngineConfig.from_kwargs(model=path, sequence_parallel_size=sp, max_num_batched_tokens=PROMPT,
+                                      max_model_len=PROMPT, block_size=16, num_gpu_blocks_override=PROMPT // 16)
+    runner = ModelRunner(config, hf, PROMPT, eos_token_ids=[], show_progress=False)
+    probe_bytes = runner._run_profile_step()
+    assert probe_bytes > 0 and shapes, "the profiling step ran no ring attention"
+    g = hf.num_attention_heads // hf.num_key_value_heads
+    rows, cols = max(s[1] for s in shapes), max(s[2] for s in shapes)
+    # One tile at most ([Hkv, g * tile_q, tile_k]); the dense path made [Hkv, g * T/sp, ~T/sp] per pair.
+    assert rows <= g * TILES[0] and cols <= TILES[1], (rows, cols)
+    assert max(s[0] * s[1] * s[2] for s in shapes) <= hf.num_attention_heads * TILES[0] * TILES[1]
+    queries = PROMPT // sp
+    assert rows < g * queries  # the bound is the tile's, well below this rank's share of the prompt
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_sp_profiling_step_scores_are_bounded_by_the_tile(sp: int):
+    path = tiny_model("llama", max_position_embeddings=PROMPT)
+    run_ranks(_profile_scores, sp, path, sp)
