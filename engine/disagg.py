@@ -66,6 +66,8 @@ class TransferStats:
     bytes: int
     seconds: float
     blocks: int
+    start: float = 0.0  # wall clock (time.time()) when the transfer began, after the pair's lock was taken
+    end: float = 0.0  # wall clock when every rank of both sides had finished it
 
 
 @dataclass(frozen=True)
@@ -174,22 +176,28 @@ class DecodeReplica:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
+        # This replica's stages of the request (wall clock), merged into its last output's timeline.
+        timeline = {"replica_received": time.time()}
         site = "local" if self._prefill_here(prompt_token_ids) else "remote"
         self.prefill_sites[site] += 1
         if self.on_prefill_site is not None:
             self.on_prefill_site(site)
         if site == "local":  # the engine runs the whole request, as a colocated replica would
             async for out in self.async_engine.generate(request_id, prompt_token_ids, params, priority):
+                if out.finished:
+                    out.timeline = {**timeline, **(out.timeline or {})}
                 yield out
             return
         sent: SampledToken | None = None  # the first token, streamed to the client before its KV moved
         for attempt in range(1, self.max_attempts + 1):
             try:
-                ready, reservation, stream = await self._remote_prefill(request_id, prompt_token_ids, params, priority)
+                ready, reservation, stream = await self._remote_prefill(request_id, prompt_token_ids, params, priority,
+                                                                        timeline)
                 if ready.finished:  # the first token ended the request: no KV to move
                     await self._give_up(request_id, stream)
                     if sent is not None:
                         raise RuntimeError(f"request {request_id}: its re-prefill ended where the first did not")
+                    ready.output.timeline = timeline
                     yield ready.output
                     return
                 if sent is None:
@@ -199,7 +207,9 @@ class DecodeReplica:
                     except BaseException:  # the client went away here: let go of both sides' blocks
                         await asyncio.shield(self._give_up(request_id, stream))
                         raise
-                await self._move_kv(request_id, ready, reservation, stream)
+                timeline["kv_queued"] = time.time()
+                moved = await self._move_kv(request_id, ready, reservation, stream)
+                timeline.update(kv_push_start=moved.start, kv_push_end=moved.end)
                 break
             except (KVTransferError, ConnectionError, RuntimeError) as e:
                 # A new prefill may fix a failed prefill replica or transfer; not a full or dead decode replica.
@@ -211,9 +221,11 @@ class DecodeReplica:
         try:
             first = await anext(stream_out)  # token 1 again, now in this engine: already streamed
             if first.finished:  # only the end is news
-                yield replace(first, new_token_ids=[], new_text="")
+                yield replace(first, new_token_ids=[], new_text="", timeline={**timeline, **(first.timeline or {})})
                 return
             async for out in stream_out:
+                if out.finished:
+                    out.timeline = {**timeline, **(out.timeline or {})}
                 yield out
         finally:
             await stream_out.aclose()  # a client gone mid-stream: the engine aborts the request now
@@ -226,11 +238,12 @@ class DecodeReplica:
         busy = engine.scheduler.has_work or engine.scheduler.has_leases
         return self.local_prefill.prefill_here(uncached, busy, engine.config.scheduler.max_num_batched_tokens)
 
-    async def _remote_prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                              priority: int) -> tuple[PrefillReady, Reservation, AsyncIterator[PrefillReady]]:
+    async def _remote_prefill(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
+                              timeline: dict[str, float]) -> tuple[PrefillReady, Reservation, AsyncIterator[PrefillReady]]:
         """Steps 1-2: reserve blocks here, have the prefill pool run the prompt. On failure or cancellation
         both sides have let go of the request's blocks, or are letting go of them, when this raises;
-        otherwise the caller owns the reservation and the prefill stream (`_move_kv` or `_give_up`)."""
+        otherwise the caller owns the reservation and the prefill stream (`_move_kv` or `_give_up`).
+        Stamps "reserved" and "prefill_answered" into `timeline`, with the prefill engine's own stages."""
         if not self.executor.alive:
             raise ExecutorError(f"decode replica {self.replica_id} lost its ranks; it serves nothing more")
         engine = self.llm_engine
@@ -238,6 +251,7 @@ class DecodeReplica:
         if reserved is None:
             raise QueueFullError(f"decode replica {self.replica_id} has no room for request {request_id}")
         block_ids, hits = reserved
+        timeline["reserved"] = time.time()
         reservation = Reservation(request_id, self.replica_id, block_ids, hits, self.shards)
         stream = self.prefill(request_id, prompt, params, priority, reservation)
         try:
@@ -246,17 +260,19 @@ class DecodeReplica:
             # Shielded: a second cancellation must not leave the reservation or the prefill's KV behind.
             await asyncio.shield(self._give_up(request_id, stream))
             raise
+        timeline.update(ready.output.timeline or {}, prefill_answered=time.time())  # a retry's stamps replace the first's
         return ready, reservation, stream
 
-    async def _move_kv(self, request_id: str, ready: PrefillReady, reservation: Reservation, stream) -> None:
+    async def _move_kv(self, request_id: str, ready: PrefillReady, reservation: Reservation, stream) -> TransferStats:
         """Steps 3-4: move the KV into the reservation (which is then the request's, for `start`), and
         read the prefill stream to its end in the background. Lets go of both sides if it raises."""
         try:
-            await self._transfer(ready, reservation)
+            moved = await self._transfer(ready, reservation)
         except BaseException:
             await asyncio.shield(self._give_up(request_id, stream))
             raise
         self._in_background(_read_to_end(stream))  # step 4, off the request's path
+        return moved
 
     async def _give_up(self, request_id: str, stream) -> None:
         """Free the reservation (even on a dead engine) and close the prefill stream, which frees its KV."""
@@ -270,7 +286,7 @@ class DecodeReplica:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _transfer(self, ready: PrefillReady, res: Reservation) -> None:
+    async def _transfer(self, ready: PrefillReady, res: Reservation) -> TransferStats:
         pair_id = f"{ready.prefill_replica}->{self.replica_id}"
         spec = PairSpec(pair_id, len(ready.shards), len(self.shards))
         # The blocks the decode side lacks, by their index in the sequence (an SP prefill rank holds some of them).
@@ -283,7 +299,7 @@ class DecodeReplica:
             moving = asyncio.ensure_future(asyncio.to_thread(
                 self._transfer_blocking, spec, ready, plan, src_by_rank, dst_by_rank, res, len(blocks)))
             try:
-                await asyncio.shield(moving)
+                return await asyncio.shield(moving)
             except asyncio.CancelledError:
                 # Posted messages cannot be taken back: the transfer runs on (bounded by the transfer
                 # timeout) and writes into the reserved blocks. The caller frees them, and the next
@@ -292,11 +308,11 @@ class DecodeReplica:
                 raise
 
     def _transfer_blocking(self, spec: PairSpec, ready: PrefillReady, plan: list[Transfer], src_by_rank: dict[int, RankShard],
-                           dst_by_rank: dict[int, RankShard], res: Reservation, num_blocks: int) -> None:
+                           dst_by_rank: dict[int, RankShard], res: Reservation, num_blocks: int) -> TransferStats:
         import ray
 
         request_id = res.request_id
-        t0 = time.perf_counter()
+        t0, start = time.perf_counter(), time.time()
         try:
             if not self.executor.kv_call("has_group", spec.pair_id, ranks=[0])[0]:
                 self._connect(spec, ready.rank_handles)
@@ -309,10 +325,11 @@ class DecodeReplica:
             if isinstance(e, ExecutorError):
                 raise  # this replica's own ranks are gone: no new prefill can help
             raise KVTransferError(f"request {request_id}: KV transfer {spec.pair_id} failed: {e}") from e
-        stats = TransferStats(received, time.perf_counter() - t0, num_blocks)
+        stats = TransferStats(received, time.perf_counter() - t0, num_blocks, start, time.time())
         self.transfers.append(stats)
         if self.on_transfer is not None:
             self.on_transfer(stats)
+        return stats
 
     def _connect(self, spec: PairSpec, prefill_ranks: list) -> None:
         """Build the pair's group: prefill rank 0 hosts its store, every rank of both replicas joins."""

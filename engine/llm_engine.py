@@ -39,6 +39,12 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)  # this step's tokens
     new_text: str = ""  # text that became streamable this step
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Wall-clock stamps (time.time(), comparable across processes) of this request's stages on this engine:
+    # "queued" (added), "scheduled" (first step that ran it), "first_token", "decode_started" (a handed-off
+    # request joined the batch), "first_decode_step". Set on the outputs of tokens 1 and 2 and on the last
+    # one only, each time a new dict, so snapshots never share a dict that changes (docs/architecture.md,
+    # "Request timeline"); callers upstream add their own stages to the last output's copy.
+    timeline: dict[str, float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -58,6 +64,7 @@ class _Request:
     output: RequestOutput
     streamed_chars: int = 0
     handoff: bool = False  # prefill pool: stop after the first token and hold the KV for the decode pool
+    timeline: dict[str, float] = field(default_factory=dict)  # see RequestOutput.timeline
 
 
 class LLMEngine:
@@ -78,6 +85,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.requests: dict[str, _Request] = {}
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # sent to the ranks, not yet collected
+        self._unscheduled: dict[str, _Request] = {}  # added, not yet in any step: their "scheduled" stamp is due
         self.vocab_size = self.hf_config.vocab_size
 
     def _max_model_len(self) -> int:
@@ -131,7 +139,9 @@ class LLMEngine:
         token_ids = self._validated_prompt(request_id, prompt)
         seq = Sequence(request_id, token_ids, params, priority=priority)
         self.scheduler.add(seq)
-        self.requests[request_id] = self._new_request(seq, handoff)
+        req = self.requests[request_id] = self._new_request(seq, handoff)
+        req.timeline["queued"] = time.time()
+        self._unscheduled[request_id] = req
 
     def _new_request(self, seq: Sequence, handoff: bool = False) -> _Request:
         params = seq.sampling_params
@@ -156,6 +166,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request in any state (queued, running, holding or awaiting KV) and free its blocks."""
         req = self.requests.pop(request_id, None)
+        self._unscheduled.pop(request_id, None)
         self.scheduler.abort(request_id)
         if req is None:
             return None
@@ -189,6 +200,7 @@ class LLMEngine:
             raise KeyError(f"request {request_id} has no reservation here (cancelled or expired)")
         seq = self.scheduler.activate(request_id, first.token_id)
         req = self._new_request(seq)
+        req.timeline["decode_started"] = time.time()
         self.requests[request_id] = req
         return self._on_token(req, first)
 
@@ -232,7 +244,17 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return None
+        if self._unscheduled:  # only while some request waits for its first step: no cost at steady state
+            self._stamp_scheduled(sched_out)
         return sched_out, self.executor.submit(sched_out)
+
+    def _stamp_scheduled(self, sched_out: SchedulerOutput) -> None:
+        """The end of a request's queue wait: the first step that runs (part of) its prompt is sent now."""
+        now = time.time()
+        for s in sched_out.seqs:
+            req = self._unscheduled.pop(s.seq_id, None)
+            if req is not None:
+                req.timeline["scheduled"] = now
 
     def _on_token(self, req: _Request, sampled: SampledToken) -> RequestOutput:
         return self._emit(req, sampled.token_id, *self._check_token(req, sampled))
@@ -288,7 +310,20 @@ class LLMEngine:
         limit = streamable_len(text, params.stop, finished=reason is not None)
         out.new_text = text[req.streamed_chars : max(limit, req.streamed_chars)]
         req.streamed_chars = max(limit, req.streamed_chars)
+        if reason is not None or seq.num_output_tokens <= 2:
+            self._stamp_token(req)
         return out
+
+    @staticmethod
+    def _stamp_token(req: _Request) -> None:
+        """Tokens 1 and 2 end the prefill and the first decode step; their outputs and the last one carry
+        a copy of the timeline (a new dict each time: snapshots share the reference)."""
+        n, timeline = req.seq.num_output_tokens, req.timeline
+        if n == 1 and "decode_started" not in timeline:  # a handed-off request's token 1 came from its prefill
+            timeline["first_token"] = time.time()
+        elif n == 2:
+            timeline["first_decode_step"] = time.time()
+        req.output.timeline = dict(timeline)
 
     def _finish_late(self, seq: Sequence, token_reason: str | None) -> None:
         """A stop string ends a sequence that the token checks kept (or handed off, or ended by length)."""

@@ -23,11 +23,12 @@ class ColocatedServer(InferenceServicer):
     def __init__(self, args: dict[str, Any]):
         self.config = AppConfig.model_validate(args)
         InferenceServicer.__init__(self, LocalBackend.from_config(self.config), self.config.resolved_api_keys(),
-                                   self.config.request_timeout_s, RequestLimits.from_config(self.config))
+                                   self.config.request_timeout_s, RequestLimits.from_config(self.config),
+                                   self.config.trace_requests)
 
     def __serve_build_asgi_app__(self):
         return create_openai_app(self.backend, self.config.resolved_api_keys(), self.config.request_timeout_s,
-                                 RequestLimits.from_config(self.config))
+                                 RequestLimits.from_config(self.config), self.config.trace_requests)
 
     async def engine_stats(self) -> dict:
         """KV blocks, running/waiting counts, prefix-cache hits of this replica (via a handle)."""

@@ -101,6 +101,9 @@ class AppConfig(EngineArgs):
                                             "DEADLINE_EXCEEDED and the request is aborted.")
     max_request_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0, description="Largest request body (HTTP) "
                                         "or message (gRPC) accepted; larger: 413 / RESOURCE_EXHAUSTED, before parsing.")
+    trace_requests: bool = Field(default=False, description="Log one JSON line per finished request (logger "
+                                 "`tandem.trace`) with its stage timestamps relative to arrival: queue, prefill, KV "
+                                 "push, decode admission, first decode step, first byte.")
     max_prompt_chars: int | None = Field(default=None, gt=0, description="Most prompt characters per request (all "
                                          "prompts or messages), checked before tokenizing: 400 / INVALID_ARGUMENT; "
                                          "default: 32 x the context length in tokens.")

@@ -123,11 +123,11 @@ class Router(InferenceServicer):
         self.config = AppConfig.model_validate(args)
         InferenceServicer.__init__(self, DisaggregatedBackend(self.config, decode, prefill),
                                    self.config.resolved_api_keys(), self.config.request_timeout_s,
-                                   RequestLimits.from_config(self.config))
+                                   RequestLimits.from_config(self.config), self.config.trace_requests)
 
     def __serve_build_asgi_app__(self):
         return create_openai_app(self.backend, self.config.resolved_api_keys(), self.config.request_timeout_s,
-                                 RequestLimits.from_config(self.config))
+                                 RequestLimits.from_config(self.config), self.config.trace_requests)
 
     async def check_health(self) -> None:
         """Serve runs this once before the replica counts as started (and so before the deployment and the

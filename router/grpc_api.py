@@ -67,25 +67,27 @@ class _Call:
 
 class InferenceServicer:
     def __init__(self, backend: Backend, api_keys: Iterable[str] = (), request_timeout_s: float | None = None,
-                 limits: RequestLimits | None = None):
+                 limits: RequestLimits | None = None, trace_requests: bool = False):
         self.backend = backend
         self.api_keys = [k.encode() for k in api_keys]
         self.request_timeout_s = request_timeout_s
         self.limits = limits or RequestLimits()
+        self.trace_requests = trace_requests  # log each finished request's timeline (router/metrics.py)
 
     # ---- RPCs ----
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any) -> pb.GenerateResponse:
         async with self._call(request, grpc_context) as call:
-            [out] = await call.fanout.final_outputs(lambda o: call.timer.token(len(o.new_token_ids)))
+            [out] = await call.fanout.final_outputs(call.timer.output)
             self._check_not_aborted(out)
             return self._response(call, out, out.text, out.token_ids)
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context: Any) -> AsyncIterator[pb.GenerateResponse]:
         async with self._call(request, grpc_context) as call:
             async for _, out in call.fanout:
-                call.timer.token(len(out.new_token_ids))
+                call.timer.output(out)
                 self._check_not_aborted(out)
                 if out.new_text or out.new_token_ids or out.finished:
+                    call.timer.sent()
                     yield self._response(call, out, out.new_text, out.new_token_ids)
 
     # ---- helpers ----
@@ -94,7 +96,7 @@ class InferenceServicer:
         """One RPC's shared skeleton: authenticate and parse the request, start its `Fanout` under the
         timeout, and on the way out record the outcome, map a failure to its gRPC status (`_fail`) and
         abort the backend request (a cancelled client cancels the handler task)."""
-        timer, fanout, rid = RequestTimer(), None, new_request_id("grpc")
+        timer, fanout, rid = RequestTimer(self.trace_requests), None, new_request_id("grpc")
         try:
             req = await self._prepare(request, grpc_context, rid)
             fanout = Fanout(SeparateServeRequests(self.backend), [req], self._timeout(grpc_context))

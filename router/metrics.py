@@ -18,9 +18,13 @@ Who records what:
         tandem_kv_blocks_used{pool}, tandem_prefix_cache_hit_tokens
     the KV handoff (disaggregated pools): tandem_kv_transfer_bytes, tandem_kv_transfer_seconds
     each decode replica, per request: tandem_prefill_site_total{site} (local: prefilled there; remote: handed off)
+    front ends, per finished request, from its timeline (`RequestTimer`, `STAGES`):
+        tandem_request_stage_seconds{stage, site}; with `trace_requests`, one JSON line on the `tandem.trace` logger
 """
 from __future__ import annotations
 
+import json
+import logging
 import time
 
 import prometheus_client as prom
@@ -58,13 +62,14 @@ class Gauge(ray_metrics.Gauge):
 class Histogram(ray_metrics.Histogram):
     """A Ray histogram that also observes into `REGISTRY`."""
 
-    def __init__(self, name: str, description: str = "", boundaries: list[float] | None = None):
-        super().__init__(name, description=description, boundaries=boundaries)
-        self._local = prom.Histogram(name, description, buckets=boundaries, registry=REGISTRY)
+    def __init__(self, name: str, description: str = "", boundaries: list[float] | None = None,
+                 tag_keys: tuple[str, ...] = ()):
+        super().__init__(name, description=description, boundaries=boundaries, tag_keys=tag_keys)
+        self._local = prom.Histogram(name, description, tag_keys, buckets=boundaries, registry=REGISTRY)
 
     def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
         super().observe(value, tags=tags)
-        self._local.observe(value)
+        (self._local.labels(**tags) if tags else self._local).observe(value)
 
 
 def prometheus_text() -> tuple[bytes, str]:
@@ -74,6 +79,7 @@ def prometheus_text() -> tuple[bytes, str]:
 # Latency buckets from interactive (10 ms) to long generations (5 min).
 _LATENCY_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
 _TOKEN_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56]
+_STAGE_S = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0]
 _TRANSFER_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
 TTFT = Histogram("tandem_ttft_seconds", description="Time from request arrival to its first output token.",
@@ -92,19 +98,93 @@ KV_TRANSFER_SECONDS = Histogram("tandem_kv_transfer_seconds", description="Durat
 PREFILL_SITE = Counter("tandem_prefill_site_total", description="Disaggregated requests by where their prompt was "
                        "prefilled: local (on the decode replica, conditional disaggregation) or remote (prefill pool).",
                        tag_keys=("site",))
+REQUEST_STAGE = Histogram("tandem_request_stage_seconds", description="Duration of one stage of a request's "
+                          "timeline (`STAGES`), per site: colocated, local (prefilled on its decode replica) or remote "
+                          "(handed off to the prefill pool).", boundaries=_STAGE_S, tag_keys=("stage", "site"))
 
 METRICS = {m.info["name"]: m for m in (TTFT, TPOT, E2E, QUEUE_DEPTH, REQUESTS, PREFIX_CACHE_HIT_TOKENS, KV_BLOCKS_USED,
-                                KV_TRANSFER_BYTES, KV_TRANSFER_SECONDS, PREFILL_SITE)}
+                                KV_TRANSFER_BYTES, KV_TRANSFER_SECONDS, PREFILL_SITE, REQUEST_STAGE)}
+
+# ---- request timelines (docs/architecture.md, "Request timeline") ----
+# A finished request's `RequestOutput.timeline` holds wall-clock stamps (time.time()) from every process it
+# crossed: "arrival" and "first_byte" (this front end), "replica_received", "reserved", "prefill_answered",
+# "kv_queued", "kv_push_start", "kv_push_end" (the decode replica), "queued", "scheduled", "first_token" (the
+# engine that ran the prompt), "decode_started", "first_decode_step" (the engine that decodes). Each stage is
+# the time between two stamps: (name, start stamps (the first present counts), end stamp). A stage whose
+# stamps are missing did not happen on the request's path (a colocated request has no KV push).
+STAGES: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("dispatch", ("arrival",), "replica_received"),  # tokenizing, the Serve hop to the decode replica
+    ("reserve", ("replica_received",), "reserved"),  # decode admission, part 1: KV blocks reserved
+    ("prefill_dispatch", ("reserved",), "queued"),  # the call to the prefill pool, until its engine has it
+    ("engine_dispatch", ("replica_received", "arrival"), "queued"),  # colocated/local: until the engine has it
+    ("queue", ("queued",), "scheduled"),  # waiting for admission on the engine that prefills
+    ("prefill", ("scheduled",), "first_token"),  # prefill compute, to the first sampled token
+    ("prefill_return", ("first_token",), "prefill_answered"),  # token 1 and block ids back to the decode replica
+    ("kv_wait", ("prefill_answered",), "kv_push_start"),  # token 1 passed on, the pair's lock, the thread hop
+    ("kv_push", ("kv_push_start",), "kv_push_end"),
+    ("decode_admission", ("kv_push_end",), "decode_started"),  # part 2: the request joins the running batch
+    ("first_decode_step", ("decode_started", "first_token"), "first_decode_step"),
+    ("first_byte", ("first_token",), "first_byte"),  # token 1's trip from the engine to the client
+)
+trace_log = logging.getLogger("tandem.trace")
+
+
+def timeline_site(timeline: dict[str, float]) -> str:
+    """Where the request's prompt ran, from the stamps its path leaves."""
+    if "prefill_answered" in timeline:
+        return "remote"
+    return "local" if "replica_received" in timeline else "colocated"
+
+
+def stage_seconds(timeline: dict[str, float]) -> dict[str, float]:
+    """Each stage of `STAGES` that the timeline has both stamps of. Stamps from different hosts may be
+    skewed by their clocks: a stage that comes out negative is reported as 0."""
+    out = {}
+    for name, starts, end in STAGES:
+        start = next((timeline[k] for k in starts if k in timeline), None)
+        if start is not None and end in timeline:
+            out[name] = max(0.0, timeline[end] - start)
+    if "reserved" in timeline:  # a handoff's engine_dispatch is prefill_dispatch, already counted
+        out.pop("engine_dispatch", None)
+    return out
+
+
+def record_timeline(request_id: str, timeline: dict[str, float], trace: bool) -> None:
+    """Observe a finished request's stages; with `trace`, log its stamps relative to arrival (ms), in order."""
+    site = timeline_site(timeline)
+    for stage, seconds in stage_seconds(timeline).items():
+        REQUEST_STAGE.observe(seconds, tags={"stage": stage, "site": site})
+    if trace:
+        arrival = timeline.get("arrival", min(timeline.values()))
+        ms = {k: round((v - arrival) * 1e3, 3) for k, v in sorted(timeline.items(), key=lambda kv: kv[1])}
+        trace_log.info(json.dumps({"request_id": request_id, "site": site, "ms": ms}, separators=(",", ":")))
 
 
 class RequestTimer:
-    """Latency of one client request (one or more sequences): call `token` per streamed token batch."""
+    """Latency of one client request (one or more sequences): call `output` per backend output (or `token`
+    per streamed token batch) and `sent` when response bytes go out. Its finished outputs' timelines are
+    completed with this front end's stamps, recorded, and traced when `trace`."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace: bool = False) -> None:
         self.start = time.perf_counter()
+        self.arrival = time.time()  # wall clock: the timeline's origin, comparable with other processes' stamps
         self.first: float | None = None
         self.last: float | None = None
         self.num_tokens = 0
+        self.trace = trace
+        self.first_byte: float | None = None
+        self.timelines: list[tuple[str, dict[str, float]]] = []  # (engine request id, completed timeline)
+
+    def output(self, out) -> None:
+        """One backend output (`engine.llm_engine.RequestOutput`): its tokens, and its timeline once finished."""
+        self.token(len(out.new_token_ids))
+        if out.finished and out.timeline is not None:
+            self.timelines.append((out.request_id, out.timeline))
+
+    def sent(self) -> None:
+        """Response bytes went to the client (the first call counts)."""
+        if self.first_byte is None:
+            self.first_byte = time.time()
 
     def token(self, n: int = 1) -> None:
         if n <= 0:
@@ -117,7 +197,15 @@ class RequestTimer:
 
     def finish(self, status: str) -> None:
         REQUESTS.inc(1, tags={"status": status})
-        if status != "ok" or self.first is None:
+        if status != "ok":
+            return
+        self.sent()  # a unary response's first byte is its whole body, sent now
+        for request_id, timeline in self.timelines:
+            # The output's own dict (a new one per request on the engine side): completing it in place
+            # leaves the full timeline on the caller's final RequestOutput.
+            timeline.update(arrival=self.arrival, first_byte=self.first_byte)
+            record_timeline(request_id, timeline, self.trace)
+        if self.first is None:
             return
         TTFT.observe(self.first - self.start)
         E2E.observe(self.last - self.start)

@@ -162,10 +162,12 @@ class BodySizeLimit:
 
 
 class OpenAIServer:
-    def __init__(self, backend: Backend, request_timeout_s: float | None = None, limits: RequestLimits | None = None):
+    def __init__(self, backend: Backend, request_timeout_s: float | None = None, limits: RequestLimits | None = None,
+                 trace_requests: bool = False):
         self.backend = backend
         self.request_timeout_s = request_timeout_s
         self.limits = limits or RequestLimits()
+        self.trace_requests = trace_requests  # log each finished request's timeline (router/metrics.py)
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
 
@@ -201,8 +203,10 @@ class OpenAIServer:
         return await off_loop(lambda: [encode(p) if isinstance(p, str) else p for p in prompts])
 
     async def _run(self, request: Request, rid: str, reqs: list[GenerateRequest], stream: bool,
-                   respond: Callable[[list[RequestOutput]], dict], chunks: Callable[[Fanout, RequestTimer], AsyncIterator[str]]):
-        timer = RequestTimer()
+                   respond: Callable[[list[RequestOutput]], dict], chunks: Callable[[Fanout, RequestTimer], AsyncIterator[str]],
+                   received: float):
+        timer = RequestTimer(self.trace_requests)
+        timer.arrival = received  # the timeline starts when the handler did, before tokenizing
         # Each (prompt, choice) its own Serve request: children sharing one stall Serve's router.
         fanout = Fanout(SeparateServeRequests(self.backend), reqs, self.request_timeout_s)
         try:
@@ -211,7 +215,7 @@ class OpenAIServer:
                 response = SSEResponse(chunks(fanout, timer))
                 fanout = None  # the stream owns it now
                 return response
-            outs = await run_unless_disconnected(request, fanout.final_outputs(lambda o: timer.token(len(o.new_token_ids))))
+            outs = await run_unless_disconnected(request, fanout.final_outputs(timer.output))
             timer.finish("ok")
             return JSONResponse(respond(outs))
         except ClientGone:
@@ -234,9 +238,10 @@ class OpenAIServer:
         status = "cancelled"
         try:
             async for i, out in fanout:
-                timer.token(len(out.new_token_ids))
+                timer.output(out)
                 obj = chunk(i, out)
                 if obj is not None:
+                    timer.sent()
                     yield _sse(obj)
             last = final()
             if last is not None:
@@ -254,7 +259,7 @@ class OpenAIServer:
 
     # ---- /v1/completions ----
     async def completions(self, body: CompletionRequest, request: Request):
-        rid = new_request_id("cmpl")
+        rid, received = new_request_id("cmpl"), time.time()
         try:
             body.check()
             await self.check_ready()
@@ -296,7 +301,7 @@ class OpenAIServer:
             return {**head, "choices": [], "usage": self._usage(reqs, outs, body.n)}
 
         return await self._run(request, rid, reqs, body.stream, respond,
-                               lambda f, t: self._sse_body(rid, f, t, chunk, final))
+                               lambda f, t: self._sse_body(rid, f, t, chunk, final), received)
 
     # ---- /v1/chat/completions ----
     def _chat_prompt(self, body: ChatCompletionRequest, messages: list[dict[str, str]]) -> list[int]:
@@ -312,7 +317,7 @@ class OpenAIServer:
         return list(ids)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        rid = new_request_id("chatcmpl")
+        rid, received = new_request_id("chatcmpl"), time.time()
         try:
             body.check()
             await self.check_ready()
@@ -363,7 +368,7 @@ class OpenAIServer:
             return {**head, "choices": [], "usage": self._usage(reqs, [finals[i] for i in range(len(reqs))], body.n)}
 
         return await self._run(request, rid, reqs, body.stream, respond,
-                               lambda f, t: self._sse_body(rid, f, t, chunk, final))
+                               lambda f, t: self._sse_body(rid, f, t, chunk, final), received)
 
     @staticmethod
     def _usage(reqs: list[GenerateRequest], outs: list[RequestOutput], n: int) -> dict:
@@ -394,9 +399,9 @@ def _validation_error(e: RequestValidationError) -> ApiError:
 
 
 def create_openai_app(backend: Backend, api_keys: Iterable[str] = (), request_timeout_s: float | None = None,
-                      limits: RequestLimits | None = None) -> FastAPI:
+                      limits: RequestLimits | None = None, trace_requests: bool = False) -> FastAPI:
     """The FastAPI app; wrap-free: API keys and the body-size limit are ASGI middlewares added here."""
-    server = OpenAIServer(backend, request_timeout_s, limits)
+    server = OpenAIServer(backend, request_timeout_s, limits, trace_requests)
     app = FastAPI(title="Tandem", description="OpenAI-compatible LLM inference", docs_url="/docs")
     app.state.server = server
     # Added last = runs first: the key is checked before the body is read or measured.
