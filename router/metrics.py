@@ -127,6 +127,16 @@ STAGES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("first_byte", ("first_token",), "first_byte"),  # token 1's trip from the engine to the client
 )
 trace_log = logging.getLogger("tandem.trace")
+trace_log.setLevel(logging.INFO)  # it logs only when `trace_requests` is on: then at INFO, whatever the root's level
+
+
+def _trace_handler() -> None:
+    """A process whose logging nobody configured (a Ray worker outside Serve's loggers) would drop INFO
+    records through logging's last-resort handler: give the trace logger its own stderr handler then."""
+    if not trace_log.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        trace_log.addHandler(handler)
 
 
 def timeline_site(timeline: dict[str, float]) -> str:
@@ -155,6 +165,7 @@ def record_timeline(request_id: str, timeline: dict[str, float], trace: bool) ->
     for stage, seconds in stage_seconds(timeline).items():
         REQUEST_STAGE.observe(seconds, tags={"stage": stage, "site": site})
     if trace:
+        _trace_handler()
         arrival = timeline.get("arrival", min(timeline.values()))
         ms = {k: round((v - arrival) * 1e3, 3) for k, v in sorted(timeline.items(), key=lambda kv: kv[1])}
         trace_log.info(json.dumps({"request_id": request_id, "site": site, "ms": ms}, separators=(",", ":")))
