@@ -1,13 +1,17 @@
 """Build a model on the meta device, materialise this rank's shard, and fill it from safetensors.
 
 Only tensors that map to a local parameter are read (pipeline stages skip other stages' layers; EP
-ranks skip non-local experts), and each parameter's `weight_loader` narrows to its own shard.
+ranks skip non-local experts), and each parameter's `weight_loader` narrows to its own shard. A
+tensor that no rank would consume (e.g. a `weight_scale_inv` of an FP8 checkpoint whose config.json
+lacks its quantization_config) is an error, never silently dropped. Quantized checkpoints are
+detected from config.json's `quantization_config` alone (parallel/quant).
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
+import re
 
 import torch
 from safetensors import safe_open
@@ -44,6 +48,9 @@ def load_model(hf_config, model_path: str, dtype: torch.dtype, device: torch.dev
             model = build_model(hf_config, max_positions)
     finally:
         torch.set_default_dtype(previous)
+    if load_format == "dummy" and getattr(model, "quant_config", None) is not None:
+        raise ValueError(f"load_format='dummy' with a quantized model ({model.quant_config.name}) is not supported; "
+                         "write a quantized checkpoint with scripts/quantize.py")
     materialize(model, device)
     for module in model.modules():
         if hasattr(module, "init_buffers"):
@@ -81,15 +88,49 @@ def load_safetensors(model: CausalLM, files: list[str], show_progress: bool = Tr
                 for name in f.keys():
                     target = model.checkpoint_target(name)
                     if target is None:
+                        if not _belongs_elsewhere(model, name):
+                            raise ValueError(f"checkpoint tensor {name!r} is not used by the model{_quant_hint(model, name)}")
                         continue
                     param, args = target
                     loader = getattr(param, "weight_loader", default_weight_loader)
-                    loader(param, f.get_tensor(name), *args)
+                    try:
+                        loader(param, f.get_tensor(name), *args)
+                    except ValueError as e:
+                        raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
                     loaded.add(id(param))
             bar.update(1)
     missing = [n for n, p in model.named_parameters() if id(p) not in loaded]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} parameters, e.g. {missing[:5]}")
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _belongs_elsewhere(model: CausalLM, name: str) -> bool:
+    """A tensor another rank loads (other pipeline stages' layers, head or embedding; other EP ranks'
+    experts), or a buffer HF saved that Tandem recomputes (rotary inv_freq)."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    m = _LAYER.match(name)
+    if m and int(m.group(1)) not in model.layer_range:
+        return 0 <= int(m.group(1)) < model.config.num_hidden_layers
+    if model._EXPERT.match(name):  # a local layer's expert that lives on another EP rank
+        return True
+    if name.startswith("lm_head."):
+        return model.lm_head is None
+    if name.startswith("model.norm."):
+        return model.norm is None
+    if name.startswith("model.embed_tokens."):
+        return model.embed_tokens is None
+    return False
+
+
+def _quant_hint(model: CausalLM, name: str) -> str:
+    if getattr(model, "quant_config", None) is None and name.rsplit(".", 1)[-1] in (
+            "weight_scale_inv", "weight_scale", "input_scale", "qweight", "qzeros", "scales", "g_idx"):
+        return " (it belongs to a quantized checkpoint, but config.json has no quantization_config)"
+    return ""
 
 
 @torch.no_grad()

@@ -36,6 +36,8 @@ def _covers(model) -> bool:
 
     if not (model.is_first_stage and model.is_last_stage) or model.embed_tokens.group.size > 1:
         return False
+    if getattr(model, "quant_config", None) is not None:  # the GEMVs read plain weights; quantized layers dequantize
+        return False
     if model.embed_tokens.weight.dtype not in (torch.bfloat16, torch.float16):
         return False
     if model.config.hidden_size > _gemv.MAX_NORM_K:

@@ -14,6 +14,7 @@ from torch import nn
 
 from parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from parallel.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from parallel.quant import QuantConfig, parse_quant_config
 from parallel.state import pp_group, tp_group
 from workers.models import fused_decode
 from workers.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, silu_and_mul
@@ -49,11 +50,12 @@ def head_dim_of(hf_config) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, spec: ArchSpec, max_positions: int):
+    def __init__(self, cfg, spec: ArchSpec, max_positions: int, quant_config: QuantConfig | None = None):
         super().__init__()
         d = head_dim_of(cfg)
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, bias=spec.qkv_bias)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=spec.o_bias)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, bias=spec.qkv_bias,
+                                          quant_config=quant_config)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=spec.o_bias, quant_config=quant_config)
         self.head_dim = d
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if spec.qk_norm else None
@@ -78,10 +80,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, quant_config: QuantConfig | None = None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias,
+                                                       quant_config=quant_config)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, quant_config=quant_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -96,9 +99,9 @@ def _is_moe_layer(cfg, spec: ArchSpec, layer_idx: int) -> bool:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, spec: ArchSpec, layer_idx: int, max_positions: int):
+    def __init__(self, cfg, spec: ArchSpec, layer_idx: int, max_positions: int, quant_config: QuantConfig | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg, spec, max_positions)
+        self.self_attn = Attention(cfg, spec, max_positions, quant_config)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if _is_moe_layer(cfg, spec, layer_idx):
@@ -107,7 +110,7 @@ class DecoderLayer(nn.Module):
             else:
                 self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, renormalize=cfg.norm_topk_prob)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=bool(getattr(cfg, "mlp_bias", False)))
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=bool(getattr(cfg, "mlp_bias", False)), quant_config=quant_config)
 
     def forward(self, positions, x, residual):
         if residual is None:
@@ -140,11 +143,15 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.spec = arch_spec(cfg)
+        # Linear layers of the decoder only; embeddings, norms, the LM head and the MoE router stay plain.
+        self.quant_config = parse_quant_config(getattr(cfg, "quantization_config", None))
+        if self.quant_config is not None and self.spec.moe is not None:
+            raise ValueError(f"quantized MoE models ({self.quant_config.name} on {cfg.model_type}) are not supported yet")
         pp = pp_group()
         self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
         self.layer_range = stage_layers(cfg.num_hidden_layers, pp.size, pp.rank)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.is_first_stage else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, self.spec, i, max_positions) for i in self.layer_range})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, self.spec, i, max_positions, self.quant_config) for i in self.layer_range})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last_stage else None
         self.lm_head = None
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))

@@ -1,0 +1,86 @@
+"""The quantization-method interface and the unquantized method (today's F.linear path).
+
+Parameters carry their sharding as attributes, read by the layer's generic `weight_loader`
+(parallel/linear.py):
+    out_dim / out_unit   which tensor dim indexes output features, and how many features one element
+                         there covers (1; the pack factor of int32-packed codes; the block of a block scale)
+    in_dim / in_unit     the same for input features (pack factor, group size, block); in_dim None:
+                         every row-parallel rank holds the whole dim (one group, act-order scales)
+    ceil                 element counts round up (block scales cover a ragged last block)
+    scalar_ok            a one-element checkpoint tensor is broadcast (per-tensor FP8 scale)
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallel.matmul import linear
+
+
+def quant_param(shape: tuple[int, ...], dtype: torch.dtype, loader, *, out_dim: int | None = None, out_unit: int = 1,
+                in_dim: int | None = None, in_unit: int = 1, ceil: bool = False, scalar_ok: bool = False) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    p.out_dim, p.out_unit, p.in_dim, p.in_unit = out_dim, out_unit, in_dim, in_unit  # type: ignore[attr-defined]
+    p.ceil, p.scalar_ok = ceil, scalar_ok  # type: ignore[attr-defined]
+    return p
+
+
+def units(n: int, unit: int, ceil: bool, what: str) -> int:
+    """Elements covering n features. Packed codes and groups must divide exactly: a pack or a group
+    straddling two TP ranks (or two fused projections) cannot be split."""
+    if ceil:
+        return -(-n // unit)
+    if n % unit:
+        raise ValueError(f"{what}: {n} features are not a multiple of {unit} (pack factor / group size)")
+    return n // unit
+
+
+class LinearMethod:
+    """How one linear layer stores and applies its weight.
+
+    create_weights(layer, in_per_rank, out_per_rank, in_full): registers the parameters on `layer`
+    (layer.out_shards lists the per-rank output sizes of the fused projections, layer.row_parallel
+    says whether input features are split over TP ranks).
+    apply(layer, x, bias): x [T, in_per_rank] -> [T, out_per_rank], bias added (row-parallel layers
+    pass None and add theirs after the all-reduce).
+    """
+
+    quantized = True
+
+    def create_weights(self, layer: nn.Module, in_per_rank: int, out_per_rank: int, in_full: int) -> None:
+        raise NotImplementedError
+
+    def init_buffers(self, layer: nn.Module) -> None:
+        """Index tables on the layer's device, after the model is materialised from meta."""
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        """This rank's weight [out_per_rank, in_per_rank], float32."""
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # Dequantize-then-matmul: exact w.r.t. the dequantized model, on any device; only one layer's
+        # weight is ever materialised at a time. Fast fused kernels are a later stage (issue 15).
+        return linear(x, self.dequantize(layer).to(x.dtype), bias)
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """weight [out, in] in the model dtype; apply is the plain `linear` (layers inline it, see linear.py)."""
+
+    quantized = False
+
+    def create_weights(self, layer, in_per_rank, out_per_rank, in_full):
+        layer.weight = quant_param((out_per_rank, in_per_rank), torch.get_default_dtype(), layer.weight_loader,
+                                   out_dim=0, in_dim=1)
+
+    def apply(self, layer, x, bias):
+        return linear(x, layer.weight, bias)
+
+
+class QuantConfig:
+    """A parsed `quantization_config`: its method name and the linear method it gives."""
+
+    name: str = ""
+
+    def linear_method(self) -> LinearMethod:
+        raise NotImplementedError

@@ -1,0 +1,65 @@
+"""`quantization_config` (config.json) -> a QuantConfig, or a ValueError naming what is unsupported.
+
+Only what is understood is accepted: a method or an option value Tandem cannot honour is refused
+rather than ignored, because ignoring it would load the weights wrongly and generate garbage silently.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from parallel.quant.base import QuantConfig
+
+SUPPORTED_METHODS = ("gptq", "awq", "fp8")
+# Modules Tandem never quantizes anyway; a checkpoint saying so changes nothing.
+_ALWAYS_PLAIN = ("lm_head", "embed_tokens", "norm", "mlp.gate", "block_sparse_moe.gate")
+
+
+def _as_dict(qc: Any) -> dict:
+    if isinstance(qc, dict):
+        return qc
+    if hasattr(qc, "to_dict"):  # a transformers QuantizationConfigMixin
+        return qc.to_dict()
+    raise ValueError(f"quantization_config must be a JSON object, got {type(qc).__name__}")
+
+
+def quant_method_of(qc: Any) -> str | None:
+    """The lower-cased `quant_method` of a quantization_config, None without one."""
+    if qc is None:
+        return None
+    method = _as_dict(qc).get("quant_method")
+    if not method:
+        raise ValueError("config.json's quantization_config has no quant_method")
+    return str(method).lower()
+
+
+def check_plain_modules(qc: dict, key: str) -> None:
+    """`modules_to_not_convert`-style lists: fine when they name only modules that stay unquantized here."""
+    names = qc.get(key) or []
+    odd = [n for n in names if not any(str(n).endswith(p) or str(n).split(".")[-1] == p for p in _ALWAYS_PLAIN)]
+    if odd:
+        raise ValueError(f"quantization_config {key}={odd} (linear layers left unquantized) is not supported yet")
+
+
+def parse_quant_config(qc: Any) -> QuantConfig | None:
+    """None for an unquantized checkpoint; else the method's config, validated."""
+    method = quant_method_of(qc)
+    if method is None:
+        return None
+    qc = _as_dict(qc)
+    if method == "gptq":
+        from parallel.quant.gptq import GPTQConfig
+
+        return GPTQConfig.from_config(qc)
+    if method == "awq":
+        from parallel.quant.awq import AWQConfig
+
+        return AWQConfig.from_config(qc)
+    if method == "fp8":
+        from parallel.quant.fp8 import FP8Config
+
+        return FP8Config.from_config(qc)
+    if method == "compressed-tensors":
+        raise ValueError("quant_method 'compressed-tensors' (llm-compressor checkpoints) is not supported yet; "
+                         f"Tandem loads {list(SUPPORTED_METHODS)}")
+    raise ValueError(f"unsupported quant_method {method!r} in config.json's quantization_config; "
+                     f"Tandem loads {list(SUPPORTED_METHODS)}")

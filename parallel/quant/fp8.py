@@ -1,0 +1,89 @@
+"""FP8 (`quant_method: fp8`, e4m3 weights), run dequantized.
+
+Published layouts, per linear layer:
+    weight            float8_e4m3fn [out, in]
+    block-wise (`weight_block_size` [bn, bk], the Qwen3 / DeepSeek FP8 releases):
+    weight_scale_inv  float32 [ceil(out / bn), ceil(in / bk)]   w = weight * scale_inv of its block
+    otherwise:
+    weight_scale      float32 [] / [1] per tensor, or [out] / [out, 1] per channel   w = weight * scale
+Fused projections (q/k/v, gate/up) keep one block-scale row range per projection, since each was
+quantized on its own; a ragged last block is allowed on one rank, but under TP every rank's slice
+must start on a block boundary.
+"""
+from __future__ import annotations
+
+import torch
+
+from parallel.quant.base import LinearMethod, QuantConfig, quant_param, units
+from parallel.quant.config import check_plain_modules
+
+
+class FP8Config(QuantConfig):
+    name = "fp8"
+
+    def __init__(self, block: tuple[int, int] | None):
+        self.block = block
+
+    @classmethod
+    def from_config(cls, qc: dict) -> "FP8Config":
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise ValueError(f"FP8 activation_scheme={scheme!r} is not supported yet (dynamic; static input_scale comes later)")
+        fmt = qc.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"FP8 fmt={fmt!r} is not supported (e4m3)")
+        block = qc.get("weight_block_size")
+        if block is not None:
+            if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+                raise ValueError(f"FP8 weight_block_size={block!r} is not supported (two positive ints, e.g. [128, 128])")
+            block = (block[0], block[1])
+        check_plain_modules(qc, "modules_to_not_convert")
+        check_plain_modules(qc, "ignored_layers")
+        return cls(block)
+
+    def linear_method(self) -> "FP8LinearMethod":
+        return FP8LinearMethod(self)
+
+
+class FP8LinearMethod(LinearMethod):
+    def __init__(self, cfg: FP8Config):
+        self.cfg = cfg
+
+    def create_weights(self, layer, in_per_rank, out_per_rank, in_full):
+        load = layer.weight_loader
+        layer.weight = quant_param((out_per_rank, in_per_rank), torch.float8_e4m3fn, load, out_dim=0, in_dim=1)
+        if self.cfg.block is None:
+            layer.weight_scale = quant_param((out_per_rank, 1), torch.float32, load, out_dim=0, scalar_ok=True)
+            return
+        bn, bk = self.cfg.block
+        if layer.tp_size > 1:
+            # A rank's slice must begin on a block boundary, or its first block's scale is another rank's.
+            for size in layer.out_shards:
+                units(size, bn, False, "FP8 output features per rank vs weight_block_size[0]")
+            if layer.row_parallel:
+                units(in_per_rank, bk, False, "FP8 input features per rank vs weight_block_size[1]")
+        rows = sum(units(s, bn, True, "") for s in layer.out_shards)
+        layer.weight_scale_inv = quant_param((rows, units(in_per_rank, bk, True, "")), torch.float32, load,
+                                             out_dim=0, out_unit=bn, in_dim=1, in_unit=bk, ceil=True)
+        layer.register_buffer("fp8_scale_rows", torch.empty(out_per_rank, dtype=torch.long), persistent=False)
+        layer.register_buffer("fp8_scale_cols", torch.empty(in_per_rank, dtype=torch.long), persistent=False)
+
+    def init_buffers(self, layer):
+        if self.cfg.block is None:
+            return
+        bn, bk = self.cfg.block
+        # Row r of fused projection s uses scale row (rows of earlier projections) + r // bn.
+        rows, base = [], 0
+        for size in layer.out_shards:
+            rows.append(base + torch.arange(size) // bn)
+            base += -(-size // bn)
+        device = layer.fp8_scale_rows.device
+        layer.fp8_scale_rows = torch.cat(rows).to(device)
+        layer.fp8_scale_cols = (torch.arange(layer.fp8_scale_cols.numel()) // bk).to(device)
+
+    def dequantize(self, layer):
+        w = layer.weight.float()  # [out, in]
+        if self.cfg.block is None:
+            return w * layer.weight_scale  # [out, 1] broadcast over in
+        scale = layer.weight_scale_inv.index_select(0, layer.fp8_scale_rows).index_select(1, layer.fp8_scale_cols)
+        return w * scale
