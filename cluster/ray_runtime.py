@@ -25,10 +25,14 @@ def use_private_ray_token(environ: dict[str, str] | None = None) -> bool:
     auth because that file exists, while `serve deploy` (RAY_AUTH_MODE unset) sends no token and fails
     with "Missing authentication token". With the token in the environment (inherited by the GCS,
     raylet and every worker this process starts, seen by no one else) the private instance is still
-    protected and nothing is left behind. A token or mode the user set wins: True only if one was set here.
+    protected and nothing is left behind. A token or mode already set wins: True only if one was set here.
+
+    Any RAY_AUTH_MODE counts as set: Ray itself sets it in this process at its first local start, and
+    caches the token it used then; a new token in the environment after that would make the next
+    local start's GCS and this process's client disagree ("Failed to start GCS ... InvalidAuthToken").
     """
     environ = os.environ if environ is None else environ
-    if environ.get("RAY_AUTH_MODE", "").lower() == "disabled" or any(environ.get(k) for k in AUTH_TOKEN_SOURCES):
+    if environ.get("RAY_AUTH_MODE") or any(environ.get(k) for k in AUTH_TOKEN_SOURCES):
         return False
     environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     return True

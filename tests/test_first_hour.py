@@ -196,7 +196,8 @@ def test_private_ray_token_is_fresh_and_yields_to_the_users_settings():
     other: dict[str, str] = {}
     use_private_ray_token(other)
     assert other["RAY_AUTH_TOKEN"] != env["RAY_AUTH_TOKEN"]
-    for given in ({"RAY_AUTH_MODE": "disabled"}, {"RAY_AUTH_TOKEN": "mine"}, {"RAY_AUTH_TOKEN_PATH": "/secrets/t"}):
+    for given in ({"RAY_AUTH_MODE": "disabled"}, {"RAY_AUTH_MODE": "token"}, {"RAY_AUTH_TOKEN": "mine"},
+                  {"RAY_AUTH_TOKEN_PATH": "/secrets/t"}):
         env = dict(given)
         assert not use_private_ray_token(env) and env == given
 
