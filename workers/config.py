@@ -20,6 +20,7 @@ import torch
 from pydantic import Field, create_model, model_validator
 
 from parallel.config import ParallelConfig, StrictModel
+from parallel.quant import parse_quant_config, quant_method_of
 
 # The shipped tiny model: the default of every surface (CLI, Serve args, demo) when no model is given.
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "tandem-tiny")
@@ -46,12 +47,29 @@ class ModelConfig(StrictModel):
     attention_backend: Literal["auto", "torch", "triton"] = Field(default="auto", description="auto: triton on "
                                                                   "GPU, torch (the reference) on CPU.")
     enforce_eager: bool = Field(default=False, description="CUDA: no decode CUDA graphs (every step runs eagerly).")
+    quantization: Literal["auto", "gptq", "awq", "fp8"] | None = Field(default=None, description="Weight quantization. "
+                                                                       "auto/unset: config.json's quantization_config "
+                                                                       "decides; a method given must match it.")
 
     @model_validator(mode="after")
     def _model_exists(self) -> "ModelConfig":
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model: no config.json in {self.model!r}; pass a local Hugging Face model folder")
+        self._check_quantization()
         return self
+
+    def _check_quantization(self) -> None:
+        """The checkpoint's quantization_config is validated here, before any weights are touched; a
+        method named by `quantization` must be the checkpoint's (online quantization comes later)."""
+        qc = self.hf_config_dict().get("quantization_config")
+        parse_quant_config(qc)
+        found = quant_method_of(qc)
+        if self.quantization in (None, "auto") or self.quantization == found:
+            return
+        if found is None:
+            raise ValueError(f"quantization={self.quantization!r}: the checkpoint is not quantized, and quantizing "
+                             "at load time is not supported yet (write a quantized copy with scripts/quantize.py)")
+        raise ValueError(f"quantization={self.quantization!r} but the checkpoint's quantization_config says {found!r}")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
