@@ -43,6 +43,9 @@ class Reservation:
     block_ids: list[int]
     num_hit_blocks: int  # leading blocks the decode side holds already (prefix cache): not sent
     shards: list[RankShard]
+    # Prefill replicas whose rank handles the decode side holds already: they need not travel again
+    # (pickling actor handles costs a registration with Ray's ownership tables per request).
+    known_peers: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -54,7 +57,7 @@ class PrefillReady:
     first: SampledToken | None = None
     block_ids: list[int] = field(default_factory=list)
     shards: list[RankShard] = field(default_factory=list)
-    rank_handles: list = field(default_factory=list)  # Ray actor handles of the prefill ranks
+    rank_handles: list = field(default_factory=list)  # Ray actor handles of the prefill ranks ([]: already known)
 
     @property
     def finished(self) -> bool:
@@ -118,8 +121,12 @@ class PrefillReplica:
             return
         try:
             ready.first = SampledToken(first.token_ids[0], *_first_logprobs(first))
-            ready.block_ids = await self.async_engine.call(self.llm_engine.held_block_ids, request_id)
-            ready.shards, ready.rank_handles = self.shards, list(self.executor.workers)
+            # Read here, not on the engine thread (which may be inside a step): the engine held the blocks
+            # before it returned this output, and held blocks do not change until `release`.
+            ready.block_ids = self.llm_engine.held_block_ids(request_id)
+            ready.shards = self.shards
+            if self.replica_id not in reservation.known_peers:
+                ready.rank_handles = list(self.executor.workers)
             yield ready
             # The decode replica drove our ranks' send and reads on: hold the blocks until they report it done.
             sent = await asyncio.to_thread(self.executor.kv_call, "wait_sent", request_id, self.lease_s)
@@ -162,6 +169,7 @@ class DecodeReplica:
         self.max_attempts = max_attempts
         self.transfer_timeout_s = engine.config.cache.kv_transfer_timeout_seconds
         self._pair_locks: dict[str, asyncio.Lock] = {}
+        self._peer_ranks: dict[str, list] = {}  # prefill replica id -> its rank actor handles
         self._background: set[asyncio.Task] = set()  # prefill streams being read to their end (step 4)
         self.transfers: list[TransferStats] = []  # for metrics and tests
         self.on_transfer: Callable[[TransferStats], None] | None = None
@@ -252,16 +260,28 @@ class DecodeReplica:
             raise QueueFullError(f"decode replica {self.replica_id} has no room for request {request_id}")
         block_ids, hits = reserved
         timeline["reserved"] = time.time()
-        reservation = Reservation(request_id, self.replica_id, block_ids, hits, self.shards)
+        reservation = Reservation(request_id, self.replica_id, block_ids, hits, self.shards, frozenset(self._peer_ranks))
         stream = self.prefill(request_id, prompt, params, priority, reservation)
         try:
             ready = await anext(aiter(stream))
+            if not ready.finished:
+                self._peer_handles(ready)
         except BaseException:
             # Shielded: a second cancellation must not leave the reservation or the prefill's KV behind.
             await asyncio.shield(self._give_up(request_id, stream))
             raise
         timeline.update(ready.output.timeline or {}, prefill_answered=time.time())  # a retry's stamps replace the first's
         return ready, reservation, stream
+
+    def _peer_handles(self, ready: PrefillReady) -> None:
+        """Remember a prefill replica's rank handles the first time they come; fill them in after."""
+        if ready.rank_handles:
+            self._peer_ranks[ready.prefill_replica] = ready.rank_handles
+            return
+        handles = self._peer_ranks.get(ready.prefill_replica)
+        if handles is None:  # forgotten after a failed transfer while this request was on its way
+            raise KVTransferError(f"no rank handles for {ready.prefill_replica}; re-prefilling")
+        ready.rank_handles = handles
 
     async def _move_kv(self, request_id: str, ready: PrefillReady, reservation: Reservation, stream) -> TransferStats:
         """Steps 3-4: move the KV into the reservation (which is then the request's, for `start`), and
@@ -322,6 +342,7 @@ class DecodeReplica:
             ray.get(sends, timeout=self.transfer_timeout_s)
         except Exception as e:
             self._drop_pair(spec.pair_id, ready.rank_handles)
+            self._peer_ranks.pop(ready.prefill_replica, None)  # the next answer brings them anew
             if isinstance(e, ExecutorError):
                 raise  # this replica's own ranks are gone: no new prefill can help
             raise KVTransferError(f"request {request_id}: KV transfer {spec.pair_id} failed: {e}") from e

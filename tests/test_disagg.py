@@ -537,6 +537,26 @@ def test_first_token_streams_before_the_kv_moves(pools, run, reference):
     run(settle(pair))
 
 
+def test_prefill_rank_handles_travel_once_per_replica(pools, run, monkeypatch):
+    """The decode replica keeps a prefill replica's rank handles: later answers omit them."""
+    pair = pools.get("tp2->tp1")
+    sent: list[int] = []
+    original = pair.prefill.prefill
+
+    async def recording(*args):
+        async for ready in original(*args):
+            sent.append(len(ready.rank_handles))
+            yield ready
+
+    monkeypatch.setattr(pair.prefill, "prefill", recording)
+    pair.decode._peer_ranks.clear()
+    prompts = prompts_of_lengths([11, 12], VOCAB, seed=14)
+    outs = [run(generate(pair.decode, f"rh-{i}", p, greedy(4))) for i, p in enumerate(prompts)]
+    assert sent == [2, 0]  # two prefill ranks' handles, once
+    assert [o.token_ids for o in outs] == [hf_greedy(pair.path, p, 4)[0] for p in prompts]
+    run(settle(pair))
+
+
 def test_abort_while_decoding(pools, run):
     pair = pools.get("tp2->tp1")
     (prompt,) = prompts_of_lengths([7], VOCAB, seed=8)
