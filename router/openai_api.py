@@ -26,7 +26,7 @@ from router import params
 from router.errors import ApiError, bad_request
 from router.fanout import Fanout
 from router.guards import RequestLimits, new_request_id, off_loop, public_error
-from router.metrics import RequestTimer, prometheus_text
+from router.metrics import REQUESTS, RequestTimer, prometheus_text
 from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                                     delta_logprobs, usage)
 from router.protocol import Backend, GenerateRequest
@@ -39,6 +39,33 @@ T = TypeVar("T")
 
 class ClientGone(Exception):
     """The HTTP client disconnected before the response started."""
+
+
+class StreamUsage:
+    """A stream's usage as its chunks go out: the closing usage chunk (`include_usage`) and, with
+    `continuous_usage_stats`, the usage so far on every chunk. Counted over the whole request (every
+    prompt once, every choice's tokens so far), so the last chunk's usage equals the closing one's."""
+
+    def __init__(self, reqs: list[GenerateRequest], n: int, include: bool, continuous: bool):
+        self.reqs, self.n, self.include, self.continuous = reqs, n, include, continuous
+        self.latest: dict[int, RequestOutput] = {}
+
+    def update(self, i: int, out: RequestOutput) -> None:
+        self.latest[i] = out
+
+    def now(self) -> dict:
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in self.reqs[::self.n])
+        cached = sum(self.latest[i].num_cached_tokens for i in range(0, len(self.reqs), self.n) if i in self.latest)
+        return usage(prompt_tokens, sum(len(o.token_ids) for o in self.latest.values()), cached)
+
+    def on_chunk(self) -> dict[str, Any]:
+        """The usage field of a content chunk (OpenAI: null there unless usage is streamed continuously)."""
+        if self.continuous:
+            return {"usage": self.now()}
+        return {"usage": None} if self.include else {}
+
+    def closing(self, head: dict) -> dict | None:
+        return {**head, "choices": [], "usage": self.now()} if self.include else None
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -183,6 +210,14 @@ class OpenAIServer:
         return text
 
     # ---- shared request path ----
+    @staticmethod
+    def _refuse(exc: Exception, rid: str) -> JSONResponse:
+        """A request answered before it reached the backend (bad input, unknown model, not ready): it is
+        counted like any other, so that a dashboard shows refusals and 503s while the pools start."""
+        err = public_error(exc, rid)
+        REQUESTS.inc(1, tags={"status": err.status_tag})
+        return error_response(err)
+
     def _requests(self, base: str, prompts: list[list[int]], n: int, max_tokens: int | None, priority: int,
                   fields: dict[str, Any], prompt_param: str, aliases: dict[str, str] | None = None) -> list[GenerateRequest]:
         """One backend request per (prompt, choice); choice j of a seeded request gets seed + j."""
@@ -268,7 +303,7 @@ class OpenAIServer:
             fields = {**body.sampling_fields(), "logprobs": body.logprobs}
             reqs = self._requests(rid, prompts, body.n, body.max_tokens, body.priority, fields, "prompt")
         except Exception as e:
-            return error_response(public_error(e, rid))
+            return self._refuse(e, rid)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.backend.model_name}
         n_logprobs = body.logprobs
 
@@ -279,11 +314,10 @@ class OpenAIServer:
             return {**head, "choices": choices, "usage": self._usage(reqs, outs, body.n)}
 
         sent_chars = [0] * len(reqs)
-        finals: dict[int, RequestOutput] = {}
+        use = StreamUsage(reqs, body.n, body.include_usage, body.continuous_usage)
 
         def chunk(i: int, out: RequestOutput) -> dict | None:
-            if out.finished:
-                finals[i] = out
+            use.update(i, out)
             if not out.new_text and not out.finished and (n_logprobs is None or not out.new_token_ids):
                 return None  # text held back (a partial character or a possible stop string): nothing to send
             lp = None
@@ -292,16 +326,10 @@ class OpenAIServer:
             sent_chars[i] += len(out.new_text)
             choice = {"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": out.finish_reason,
                       "stop_reason": out.stop_reason}
-            return {**head, "choices": [choice], **({"usage": None} if body.include_usage else {})}
-
-        def final() -> dict | None:
-            if not body.include_usage:
-                return None
-            outs = [finals[i] for i in range(len(reqs))]
-            return {**head, "choices": [], "usage": self._usage(reqs, outs, body.n)}
+            return {**head, "choices": [choice], **use.on_chunk()}
 
         return await self._run(request, rid, reqs, body.stream, respond,
-                               lambda f, t: self._sse_body(rid, f, t, chunk, final), received)
+                               lambda f, t: self._sse_body(rid, f, t, chunk, lambda: use.closing(head)), received)
 
     # ---- /v1/chat/completions ----
     def _chat_prompt(self, body: ChatCompletionRequest, messages: list[dict[str, str]]) -> list[int]:
@@ -310,8 +338,7 @@ class OpenAIServer:
         if not getattr(tok, "chat_template", None):
             raise bad_request(f"the model `{self.backend.model_name}` has no chat template; use /v1/completions", "messages")
         try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
-                                          return_dict=False, **(body.chat_template_kwargs or {}))
+            ids = tok.apply_chat_template(messages, tokenize=True, return_dict=False, **body.template_kwargs())
         except Exception as e:  # a template error is the request's fault (roles, content it rejects)
             raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None
         return list(ids)
@@ -329,7 +356,7 @@ class OpenAIServer:
             reqs = self._requests(rid, [prompt], body.n, body.output_limit, body.priority, fields, "messages",
                                   aliases={"logprobs": "top_logprobs"})
         except Exception as e:
-            return error_response(public_error(e, rid))
+            return self._refuse(e, rid)
         created, model = int(time.time()), self.backend.model_name
         n_logprobs = body.num_logprobs
 
@@ -343,11 +370,10 @@ class OpenAIServer:
 
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         started: set[int] = set()
-        finals: dict[int, RequestOutput] = {}
+        use = StreamUsage(reqs, body.n, body.include_usage, body.continuous_usage)
 
         def chunk(i: int, out: RequestOutput) -> dict | None:
-            if out.finished:
-                finals[i] = out
+            use.update(i, out)
             delta: dict[str, Any] = {}
             if i not in started:  # OpenAI opens each choice with the role
                 started.add(i)
@@ -360,15 +386,10 @@ class OpenAIServer:
             if n_logprobs is not None:
                 lp = chat_logprobs(out.new_token_ids, delta_logprobs(out), n_logprobs, self.token_text)
             choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
-            return {**head, "choices": [choice], **({"usage": None} if body.include_usage else {})}
-
-        def final() -> dict | None:
-            if not body.include_usage:
-                return None
-            return {**head, "choices": [], "usage": self._usage(reqs, [finals[i] for i in range(len(reqs))], body.n)}
+            return {**head, "choices": [choice], **use.on_chunk()}
 
         return await self._run(request, rid, reqs, body.stream, respond,
-                               lambda f, t: self._sse_body(rid, f, t, chunk, final), received)
+                               lambda f, t: self._sse_body(rid, f, t, chunk, lambda: use.closing(head)), received)
 
     @staticmethod
     def _usage(reqs: list[GenerateRequest], outs: list[RequestOutput], n: int) -> dict:
@@ -414,7 +435,9 @@ def create_openai_app(backend: Backend, api_keys: Iterable[str] = (), request_ti
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError):
-        return error_response(_validation_error(e))
+        err = _validation_error(e)
+        REQUESTS.inc(1, tags={"status": err.status_tag})  # a malformed body is a request too
+        return error_response(err)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):

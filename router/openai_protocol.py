@@ -1,29 +1,92 @@
 """OpenAI request bodies (with vLLM's sampling extras) and the pieces of OpenAI's response objects.
 
-Unknown request fields are rejected (400), as OpenAI does, so that a misspelt parameter is not
-silently ignored; a few harmless bookkeeping fields (`user`, `metadata`, ...) are accepted.
+Unknown request fields are accepted, ignored and logged at WARNING (once per field name per
+process), as vLLM does: clients written for OpenAI or vLLM send fields this server has never heard
+of, and refusing the whole request for them breaks those clients. Fields this server *knows* but
+cannot honour (`UNSUPPORTED`: beam search, structured output, ...) are different: ignoring them
+would silently change the answer, so a request that sets one gets a 400 naming it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+import logging
+from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from router.errors import bad_request
 from engine.llm_engine import RequestOutput
 
+log = logging.getLogger(__name__)
+
 MAX_N = 128  # choices per prompt; each is a full sequence in the batch
 
+_IGNORED_LOGGED: set[str] = set()  # unknown field names already warned about (the log is not per request)
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+_STRUCTURED = "structured output (guided decoding) is not supported yet"
+# Known fields that change the result and that this server cannot honour: name -> (the value that
+# means "not used", why it is refused). Shared by both endpoints; each request class adds its own.
+UNSUPPORTED_COMMON: dict[str, tuple[Any, str]] = {
+    "use_beam_search": (False, "beam search is not supported"),
+    "length_penalty": (1.0, "length_penalty needs beam search, which is not supported"),
+    "allowed_token_ids": (None, "allowed_token_ids is not supported"),
+    "bad_words": (None, "bad_words is not supported"),
+    "truncate_prompt_tokens": (None, "truncate_prompt_tokens is not supported"),
+    "prompt_logprobs": (None, "prompt_logprobs is not supported yet"),
+    "logits_processors": (None, "logits_processors is not supported"),
+    "return_tokens_as_token_ids": (False, "return_tokens_as_token_ids is not supported"),
+    "spaces_between_special_tokens": (True, "spaces_between_special_tokens: false is not supported"),
+    "cache_salt": (None, "cache_salt (per-tenant prefix-cache isolation) is not supported"),
+    "guided_json": (None, _STRUCTURED),
+    "guided_regex": (None, _STRUCTURED),
+    "guided_choice": (None, _STRUCTURED),
+    "guided_grammar": (None, _STRUCTURED),
+    "guided_decoding_backend": (None, _STRUCTURED),
+    "guided_whitespace_pattern": (None, _STRUCTURED),
+    "structured_outputs": (None, _STRUCTURED),
+}
+
+
+def _log_ignored(name: str) -> None:
+    if name not in _IGNORED_LOGGED:
+        _IGNORED_LOGGED.add(name)
+        log.warning("ignoring unknown request field %r (accepted as vLLM does; logged once per field name)", name)
+
+
+class _Lenient(BaseModel):
+    """A request object that accepts unknown fields: each is logged once and dropped, except those in
+    `UNSUPPORTED`, which are kept in `model_extra` for `unsupported()` to refuse."""
+
+    model_config = ConfigDict(extra="allow")
+    WHERE: ClassVar[str] = ""  # how the field's name is written in the log ("messages[].", ...)
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {}
+
+    @model_validator(mode="after")
+    def _drop_unknown(self):
+        extra = self.__pydantic_extra__ or {}
+        for name in [k for k in extra if k not in self.UNSUPPORTED]:
+            _log_ignored(self.WHERE + name)
+            del extra[name]
+        return self
+
+    def unsupported(self) -> None:
+        """400 for a known-but-unsupported field set to anything but its "not used" value."""
+        for name, value in (self.__pydantic_extra__ or {}).items():
+            unused, why = self.UNSUPPORTED[name]
+            if value != unused and not (unused is None and value in ([], {}, "")):
+                raise bad_request(f"{why} (field `{self.WHERE}{name}`)", self.WHERE + name)
+
+
+class StreamOptions(_Lenient):
+    WHERE = "stream_options."
     include_usage: StrictBool = False
+    # vLLM's: usage (so far) on every chunk, not only in the closing one
+    continuous_usage_stats: StrictBool = False
 
 
-class _Common(BaseModel):
+class _Common(_Lenient):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    UNSUPPORTED = UNSUPPORTED_COMMON
 
     model: str | None = None
     temperature: float | None = None
@@ -54,10 +117,13 @@ class _Common(BaseModel):
 
     def check(self) -> None:
         """Semantic checks beyond the types (400 naming the parameter); the endpoints call it."""
+        self.unsupported()
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        if self.stream_options is not None:
+            self.stream_options.unsupported()
 
     def sampling_fields(self) -> dict[str, Any]:
         """SamplingParams fields (None = SamplingParams' default)."""
@@ -71,8 +137,15 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk; as in vLLM it needs include_usage too."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_Common):
+    UNSUPPORTED = {**UNSUPPORTED_COMMON, "add_special_tokens": (True, "add_special_tokens: false is not supported")}
+
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
@@ -99,14 +172,14 @@ class CompletionRequest(_Common):
         return list(p)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(_Lenient):
+    WHERE = "messages[].content[]."
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(_Lenient):
+    WHERE = "messages[]."
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -119,13 +192,36 @@ class ChatMessage(BaseModel):
         return msg
 
 
+UNSUPPORTED_CHAT: dict[str, tuple[Any, str]] = {
+    **UNSUPPORTED_COMMON,
+    "chat_template": (None, "a per-request chat_template is not accepted; the model's own template is used"),
+    "documents": (None, "documents (retrieval chat templates) are not supported"),
+    "functions": (None, "the deprecated `functions` is not supported; use `tools`"),
+    "function_call": (None, "the deprecated `function_call` is not supported; use `tool_choice`"),
+    "audio": (None, "audio output is not supported"),
+    "prediction": (None, "predicted outputs are not supported"),
+    "web_search_options": (None, "web search is not supported"),
+    "echo": (False, "echo on chat completions is not supported"),
+    "add_special_tokens": (False, "add_special_tokens: true is not supported on chat completions"),
+}
+
+# apply_chat_template arguments the server sets itself: a client may not override them through
+# chat_template_kwargs (tokenize/return_dict would break the server's own use of the result).
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                      "return_dict", "return_tensors", "padding", "truncation", "max_length",
+                                      "tokenizer_kwargs", "add_generation_prompt", "continue_final_message"})
+
+
 class ChatCompletionRequest(_Common):
+    UNSUPPORTED = UNSUPPORTED_CHAT
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # vLLM's: extend the last (assistant) message instead
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -141,6 +237,23 @@ class ChatCompletionRequest(_Common):
             raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise bad_request("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+        self._check_template_args()
+
+    def _check_template_args(self) -> None:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {reserved}: the server sets them (use the request "
+                              "fields of the same name where there is one)", "chat_template_kwargs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt: false", "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs the last message to be the assistant's",
+                              "continue_final_message")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for apply_chat_template: the client's extras, then the server's own."""
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     @property
     def output_limit(self) -> int | None:
