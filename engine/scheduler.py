@@ -9,6 +9,7 @@ to be recomputed later), and nothing new is admitted in that step.
 from __future__ import annotations
 
 import bisect
+import time
 
 from workers.config import SchedulerConfig
 from engine.block_manager import BlockManager
@@ -17,7 +18,8 @@ from engine.sequence import SeqStatus, Sequence
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at `max_waiting_requests`: the caller should back off and retry."""
+    """Admission refused: too many requests, or requests waiting too long, ahead of this one
+    (`max_waiting_requests`, `max_queue_delay_s`): the caller should back off and retry."""
 
 
 class Scheduler:
@@ -33,6 +35,8 @@ class Scheduler:
         # that is on its way (decode side). Both expire at a deadline so nothing leaks if the peer vanishes.
         self.held: dict[str, tuple[Sequence, float]] = {}
         self.reserved: dict[str, tuple[Sequence, float]] = {}
+        # When each waiting sequence (re-)entered the queue (time.monotonic()), for `max_queue_delay_s`.
+        self._enqueued_at: dict[str, float] = {}
 
     # ---- requests in and out ----
     def add(self, seq: Sequence) -> None:
@@ -42,14 +46,32 @@ class Scheduler:
         if not self.blocks.can_ever_hold(seq.num_tokens + 1):
             raise ValueError(f"request {seq.seq_id}: prompt of {seq.num_tokens} tokens needs {need} KV blocks, "
                              f"the cache has {self.blocks.num_blocks}")
-        limit = self.config.max_waiting_requests
-        if limit is not None and len(self.waiting) >= limit:
-            raise QueueFullError(f"request {seq.seq_id}: {len(self.waiting)} requests already waiting (max_waiting_requests={limit})")
+        self._check_admission(seq)
         self.seqs[seq.seq_id] = seq
         self._enqueue(seq)
 
+    def _check_admission(self, seq: Sequence) -> None:
+        """Admission control. Only the requests that would be admitted before `seq` count (same or more
+        important priority; the queue is sorted that way), so a more important request still gets in
+        while less important ones are refused, and its wait is what is bounded: at most
+        `max_waiting_requests` ahead, and none of them waiting longer than `max_queue_delay_s` (then the
+        queue is not draining fast enough for `seq` to start within that delay either)."""
+        ahead = self.waiting[:bisect.bisect_right(self.waiting, (seq.priority, float("inf")), key=lambda s: s.sort_key)]
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(ahead) >= limit:
+            raise QueueFullError(f"request {seq.seq_id}: {len(ahead)} requests already waiting ahead of it "
+                                 f"(max_waiting_requests={limit})")
+        max_delay = self.config.max_queue_delay_s
+        if max_delay is not None and ahead:
+            now = time.monotonic()
+            waited = now - min(self._enqueued_at.get(s.seq_id, now) for s in ahead)
+            if waited >= max_delay:
+                raise QueueFullError(f"request {seq.seq_id}: requests ahead of it have waited {waited:.1f}s for "
+                                     f"admission (max_queue_delay_s={max_delay:g})")
+
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
+        self._enqueued_at[seq.seq_id] = time.monotonic()
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -58,6 +80,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SeqStatus.WAITING:
             self.waiting.remove(seq)
+            self._enqueued_at.pop(seq.seq_id, None)
         self.blocks.free_seq(seq)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         del self.seqs[seq.seq_id]
@@ -177,6 +200,7 @@ class Scheduler:
                     break
                 self.blocks.grow(seq, n)
                 self.waiting.pop(0)
+                self._enqueued_at.pop(seq.seq_id, None)
                 self.blocks.record_admission(seq)
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)

@@ -27,6 +27,13 @@ Pool = Literal["prefill", "decode"]
 # same precision, and agree on the KV layout they hand over.
 SHARED_ONLY = ("model", "tokenizer", "dtype", "device", "load_format", "max_model_len", "block_size")
 
+# Admission control of a served engine (engine/scheduler.py `_check_admission`). Offline, the engine's
+# queue is unbounded (LLM.generate queues a whole dataset at once); served, a request that cannot start
+# soon is better refused with 429 + Retry-After, which a client or load balancer can act on, than
+# queued for tens of seconds. Unless given: one batch (`max_num_seqs`) may wait ahead of a request,
+# and none of it longer than this many seconds.
+SERVED_MAX_QUEUE_DELAY_S = 5.0
+
 
 class PoolConfig(StrictModel):
     """One pool of engine replicas: its size (fixed or autoscaled), and engine-argument overrides for its
@@ -137,7 +144,8 @@ class AppConfig(EngineArgs):
 
     def engine_args(self, pool: Pool) -> EngineArgs:
         """The engine arguments of one replica of `pool`: the top level's, overridden by the pool's."""
-        return EngineArgs(**{**{k: v for k, v in self.given().items()}, **self.pool(pool).engine_overrides()})
+        args = {**self.given(), **self.pool(pool).engine_overrides()}
+        return EngineArgs(**{**_served_admission_defaults(args), **args})
 
     def engine_config(self, pool: Pool) -> EngineConfig:
         """The EngineConfig of one replica of `pool` (checks that the model folder exists on this node)."""
@@ -145,9 +153,11 @@ class AppConfig(EngineArgs):
 
     def max_ongoing_requests(self, pool: Pool) -> int:
         """Serve's default of 5 concurrent requests per replica would starve continuous batching: let in
-        what the engine can run plus what it may queue (its own bound answers 429 beyond that)."""
+        what the engine can run plus twice what it may queue. The slack matters: past this limit Serve
+        queues requests itself, unbounded and without a 429, so the engine's own bound (which counts only
+        the requests ahead of a new one, by priority) must be what a surplus meets first."""
         args = self.engine_args(pool)
-        return args.max_num_seqs + (args.max_waiting_requests or args.max_num_seqs)
+        return args.max_num_seqs + 2 * (args.max_waiting_requests or args.max_num_seqs)
 
     def to_args(self) -> dict[str, Any]:
         """JSON args for the replicas, holding only what was given: they re-validate them, and the
@@ -159,6 +169,12 @@ class AppConfig(EngineArgs):
         if self.api_keys_env:
             keys.update(k.strip() for k in os.environ.get(self.api_keys_env, "").split(",") if k.strip())
         return frozenset(keys)
+
+
+def _served_admission_defaults(args: dict[str, Any]) -> dict[str, Any]:
+    """The served defaults of the engine's admission arguments (an explicit value, even null, wins)."""
+    max_num_seqs = args.get("max_num_seqs", EngineArgs.model_fields["max_num_seqs"].default)
+    return {"max_waiting_requests": max_num_seqs, "max_queue_delay_s": SERVED_MAX_QUEUE_DELAY_S}
 
 
 def _first_error(e: ValidationError) -> str:

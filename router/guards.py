@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
 from ray.exceptions import RayTaskError
+from ray.serve.exceptions import BackPressureError
 
 from router.errors import ApiError, api_error, bad_request
 from engine.scheduler import QueueFullError
@@ -105,6 +106,8 @@ def public_error(exc: BaseException, request_id: str) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     cause = _unwrap(exc)
+    if isinstance(cause, BackPressureError):  # Serve's own queue bound (max_queued_requests): overload, not a fault
+        cause = QueueFullError("every replica's queue is full")
     if isinstance(cause, ApiError):  # our own check, raised in a pool replica
         return ApiError(cause.status, redact(cause.message), type=cause.type, param=cause.param, code=cause.code)
     known = isinstance(cause, (ValueError, QueueFullError, BackendUnavailable, TimeoutError, asyncio.TimeoutError))

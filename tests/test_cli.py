@@ -35,7 +35,7 @@ VALUES: dict[str, typing.Any] = {
     "distributed_executor_backend": "ray", "rank_resources": {"tandem_gpu": 1.0},
     "block_size": 8, "enable_prefix_caching": False, "gpu_memory_utilization": 0.5, "cpu_kv_cache_bytes": 1 << 20,
     "num_gpu_blocks_override": 32, "kv_lease_seconds": 5.0, "kv_transfer_timeout_seconds": 7.0,
-    "max_num_seqs": 8, "max_num_batched_tokens": 128, "max_waiting_requests": 16,
+    "max_num_seqs": 8, "max_num_batched_tokens": 128, "max_waiting_requests": 16, "max_queue_delay_s": 2.5,
 }
 
 
@@ -127,7 +127,7 @@ def test_serve_spec_from_a_serve_config_keeps_its_options_and_every_application(
     assert (spec.http_host, spec.http_port, spec.grpc_port) == ("0.0.0.0", 8000, 9000)
     assert spec.http_options["request_timeout_s"] == 900
     assert spec.tandem_app()["name"] == "tandem" and not config.colocated
-    assert config.prefill.autoscaling_config["max_replicas"] == 4 and config.max_waiting_requests == 512
+    assert config.prefill.autoscaling_config["max_replicas"] == 4 and config.max_queue_delay_s == 5
     # Flags override the file: ports, and engine arguments of the Tandem app.
     ns = cli.build_parser().parse_args(["serve", "--config", str(ROOT / "deploy/serve_config.yaml"), "--port", "8123",
                                         "--host", "127.0.0.1", "--max-num-seqs", "32", "--replicas", "2"])

@@ -114,8 +114,12 @@ class SchedulerConfig(StrictModel):
     max_num_seqs: int = Field(default=256, ge=1, description="Most sequences in one batch.")
     max_num_batched_tokens: int = Field(default=2048, ge=1, description="Most tokens in one step; prefill is "
                                         "chunked to fit.")
-    max_waiting_requests: int | None = Field(default=None, ge=1, description="Queue bound beyond which requests "
-                                             "are refused (429 when served); unset = unbounded.")
+    max_waiting_requests: int | None = Field(default=None, ge=1, description="Most requests waiting ahead of a new "
+                                             "one (same or more important priority); more: refused (429 when served). "
+                                             "Unset: unbounded offline, max_num_seqs when served.")
+    max_queue_delay_s: float | None = Field(default=None, gt=0, description="Refuse a new request (429 when served) "
+                                            "while one ahead of it (same or more important priority) has waited this "
+                                            "many seconds for admission. Unset: no check offline, 5 when served.")
 
 
 SECTIONS: dict[str, type[StrictModel]] = {
