@@ -33,17 +33,24 @@ class LLM:
     def tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams (vLLM's name): the model's
+        generation_config.json defaults with generation_config="auto", else SamplingParams()."""
+        return SamplingParams(**self.llm_engine.default_sampling_fields)
+
     def generate(self, prompts: str | list[int] | Seq[str | list[int]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: Seq[int] | None = None) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        # Given params are used as they are, as vLLM's LLM does: the model's defaults fill no field of them.
+        params = [p.as_given() for p in params]
         priority = list(priority) if priority is not None else [0] * len(prompts)
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         try:

@@ -19,7 +19,7 @@ from engine.block_manager import BlockManager
 from workers.loader import load_hf_config
 from engine.executor import make_executor
 from workers.executor import Executor, PendingStep
-from workers.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams, model_default_fields
 from engine.scheduler import Scheduler
 from workers.scheduler_output import SampledToken, SchedulerOutput
 from engine.sequence import Sequence
@@ -75,6 +75,8 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer or path, local_files_only=True)
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = self._eos_token_ids(path)
+        # Filled into every request's unset sampling fields (add_request, reserve): vLLM's --generation-config auto.
+        self.default_sampling_fields = model_default_fields(path) if config.model.generation_config == "auto" else {}
         # One process, or one Ray actor per rank: the engine sees only `execute` and `num_blocks`.
         self.executor: Executor = make_executor(config, self.hf_config, self.max_model_len, self.eos_token_ids, show_progress)
         # Under SP each rank's cache is one pool of the block ids (engine/block_manager.py): sp times the blocks.
@@ -135,7 +137,7 @@ class LLMEngine:
                     handoff: bool = False) -> None:
         """Queue a request. With handoff=True (prefill pool) it stops after its first token and its KV
         blocks are held for the decode pool until `release` or the KV lease runs out."""
-        params = params or SamplingParams()
+        params = (params or SamplingParams()).with_defaults(self.default_sampling_fields)
         token_ids = self._validated_prompt(request_id, prompt)
         seq = Sequence(request_id, token_ids, params, priority=priority)
         self.scheduler.add(seq)
@@ -189,7 +191,7 @@ class LLMEngine:
         """Decode side: blocks for an incoming prompt's KV. Returns (block ids, number of leading blocks
         already cached here, which need not be sent), or None when this replica is full."""
         token_ids = self._validated_prompt(request_id, prompt_token_ids)
-        seq = Sequence(request_id, token_ids, params, priority=priority)
+        seq = Sequence(request_id, token_ids, params.with_defaults(self.default_sampling_fields), priority=priority)
         if not self.scheduler.reserve(seq, time.monotonic() + self.config.cache.kv_lease_seconds):
             return None
         return list(seq.block_table), seq.num_cached_tokens // self.config.cache.block_size

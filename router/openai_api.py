@@ -219,8 +219,12 @@ class OpenAIServer:
         return error_response(err)
 
     def _requests(self, base: str, prompts: list[list[int]], n: int, max_tokens: int | None, priority: int,
-                  fields: dict[str, Any], prompt_param: str, aliases: dict[str, str] | None = None) -> list[GenerateRequest]:
-        """One backend request per (prompt, choice); choice j of a seeded request gets seed + j."""
+                  fields: dict[str, Any], prompt_param: str, aliases: dict[str, str] | None = None,
+                  max_tokens_given: bool = True) -> list[GenerateRequest]:
+        """One backend request per (prompt, choice); choice j of a seeded request gets seed + j.
+        Fields the client left unset stay unset in the SamplingParams, so that the engine fills them
+        from the model's generation_config.json; so does a max_tokens the client did not give (the
+        context room, or completions' 16, is then only a ceiling on the model's max_new_tokens)."""
         reqs = []
         for p, ids in enumerate(prompts):
             params.check_prompt_ids(self.backend, ids, prompt_param)
@@ -228,7 +232,8 @@ class OpenAIServer:
             for j in range(n):
                 seed = fields.get("seed")
                 sp = params.sampling_params(aliases, **{**fields, "max_tokens": limit, "seed": None if seed is None else seed + j})
-                reqs.append(GenerateRequest(f"{base}-{p * n + j}", ids, sp, priority))
+                reqs.append(GenerateRequest(f"{base}-{p * n + j}", ids, sp if max_tokens_given else sp.leaving_unset("max_tokens"),
+                                            priority))
         return reqs
 
     async def _encode(self, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -301,7 +306,8 @@ class OpenAIServer:
             params.check_model(self.backend, body.model)
             prompts = await self._encode(body.prompts())
             fields = {**body.sampling_fields(), "logprobs": body.logprobs}
-            reqs = self._requests(rid, prompts, body.n, body.max_tokens, body.priority, fields, "prompt")
+            reqs = self._requests(rid, prompts, body.n, body.max_tokens, body.priority, fields, "prompt",
+                                  max_tokens_given="max_tokens" in body.model_fields_set)
         except Exception as e:
             return self._refuse(e, rid)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.backend.model_name}
@@ -354,7 +360,7 @@ class OpenAIServer:
             prompt = await off_loop(self._chat_prompt, body, messages)
             fields = {**body.sampling_fields(), "logprobs": body.num_logprobs}
             reqs = self._requests(rid, [prompt], body.n, body.output_limit, body.priority, fields, "messages",
-                                  aliases={"logprobs": "top_logprobs"})
+                                  aliases={"logprobs": "top_logprobs"}, max_tokens_given=body.output_limit is not None)
         except Exception as e:
             return self._refuse(e, rid)
         created, model = int(time.time()), self.backend.model_name

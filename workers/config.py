@@ -47,6 +47,11 @@ class ModelConfig(StrictModel):
     attention_backend: Literal["auto", "torch", "triton"] = Field(default="auto", description="auto: triton on "
                                                                   "GPU, torch (the reference) on CPU.")
     enforce_eager: bool = Field(default=False, description="CUDA: no decode CUDA graphs (every step runs eagerly).")
+    generation_config: Literal["auto", "vllm"] = Field(default="auto", description="auto: the model's "
+                                                       "generation_config.json supplies the temperature, top_p, top_k, "
+                                                       "min_p, repetition_penalty and max_tokens (max_new_tokens) of "
+                                                       "requests that leave them unset (as vLLM); vllm: the built-in "
+                                                       "defaults.")
     quantization: Literal["auto", "gptq", "awq", "fp8"] | None = Field(default=None, description="Weight quantization. "
                                                                        "auto/unset: config.json's quantization_config "
                                                                        "decides; a method given must match it.")

@@ -1,7 +1,20 @@
-"""Per-request sampling parameters (vLLM-compatible names)."""
+"""Per-request sampling parameters (vLLM-compatible names), and the model's defaults for them.
+
+Which fields the caller set is pydantic's `model_fields_set`; it travels with the params (pickled
+through Ray to every pool), so each engine fills the unset ones from the model's
+generation_config.json (`with_defaults`) no matter which front end built them.
+"""
 from __future__ import annotations
 
+import os
+from typing import Any, Mapping
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# generation_config.json key -> SamplingParams field: the keys vLLM's `--generation-config auto` reads.
+GENERATION_CONFIG_KEYS: dict[str, str] = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                                          "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                                          "max_new_tokens": "max_tokens"}
 
 
 class SamplingParams(BaseModel):
@@ -44,6 +57,31 @@ class SamplingParams(BaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         return self
 
+    def with_defaults(self, defaults: Mapping[str, Any]) -> "SamplingParams":
+        """These params with each field the caller left unset taken from `defaults` (the model's, see
+        `model_default_fields`). An unset max_tokens is a ceiling (16, or a front end's context room),
+        so a default may lower it, never raise it. Idempotent: filled fields count as set."""
+        fill = {k: v for k, v in defaults.items() if k not in self.model_fields_set}
+        if "max_tokens" in fill:
+            fill["max_tokens"] = min(fill["max_tokens"], self.max_tokens)
+        if not fill:
+            return self
+        merged = SamplingParams(**{**self.model_dump(), **fill})  # validated: min_tokens vs a lowered max_tokens
+        return merged._marked_given(self.model_fields_set | set(fill))
+
+    def leaving_unset(self, *names: str) -> "SamplingParams":
+        """A copy in which `names` count as not set by the caller: a front end's own fallback value
+        (max_tokens = the context room) that the model's defaults may still replace."""
+        return self._marked_given(self.model_fields_set - set(names))
+
+    def as_given(self) -> "SamplingParams":
+        """A copy with every field counted as set: the model's defaults leave it alone (vLLM's offline
+        `LLM.generate` uses explicit SamplingParams as they are)."""
+        return self._marked_given(set(type(self).model_fields))
+
+    def _marked_given(self, given: set[str]) -> "SamplingParams":
+        return SamplingParams.model_construct(_fields_set=given, **dict(self))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -52,3 +90,20 @@ class SamplingParams(BaseModel):
     def needs_token_history(self) -> bool:
         """Penalties read the tokens seen so far; other requests don't pay for shipping them."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def model_default_fields(model_path: str) -> dict[str, Any]:
+    """The sampling defaults in a model folder's generation_config.json, as SamplingParams fields;
+    only values the file sets (transformers' diff against its defaults, as vLLM reads it)."""
+    if not os.path.isfile(os.path.join(model_path, "generation_config.json")):
+        return {}
+    from transformers import GenerationConfig
+
+    diff = GenerationConfig.from_pretrained(model_path, local_files_only=True).to_diff_dict()
+    fields = {name: diff[key] for key, name in GENERATION_CONFIG_KEYS.items() if diff.get(key) is not None}
+    try:
+        SamplingParams(**fields)
+    except ValueError as e:
+        raise ValueError(f"{model_path}/generation_config.json has defaults Tandem cannot use ({e}); "
+                         "pass generation_config='vllm' to ignore them") from None
+    return fields
