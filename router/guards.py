@@ -21,10 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
 from router.errors import ApiError, api_error, bad_request
+from engine.async_engine import EngineDeadError
 from engine.scheduler import QueueFullError
 from router.protocol import BackendUnavailable
 
@@ -108,6 +109,10 @@ def public_error(exc: BaseException, request_id: str) -> ApiError:
     cause = _unwrap(exc)
     if isinstance(cause, BackPressureError):  # Serve's own queue bound (max_queued_requests): overload, not a fault
         cause = QueueFullError("every replica's queue is full")
+    if isinstance(cause, (EngineDeadError, RayActorError)):
+        # A pool replica's engine lost a rank, or a replica died, under this request: Serve replaces it, so
+        # this is "retry later" (503), not a server bug (500) - found by scripts/fault_load.py's kill-rank.
+        cause = BackendUnavailable(str(cause))
     if isinstance(cause, ApiError):  # our own check, raised in a pool replica
         return ApiError(cause.status, redact(cause.message), type=cause.type, param=cause.param, code=cause.code)
     known = isinstance(cause, (ValueError, QueueFullError, BackendUnavailable, TimeoutError, asyncio.TimeoutError))

@@ -1,0 +1,54 @@
+"""scripts/fault_load.py (issue 19 item 7) in a very short run, and the defect its first run found: a request
+whose pool replica lost a rank got a 500 "internal server error" instead of a retryable 503."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ray.exceptions import RayTaskError
+
+from engine.async_engine import EngineDeadError
+from router.guards import public_error
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+
+def test_dead_engine_under_a_request_is_a_retryable_503():
+    dead = EngineDeadError("the engine is not running: step: rank 0 (pp=0, sp=0, tp=0) died")
+    wrapped = RayTaskError("DecodePool.generate", "Traceback ...", dead, pid=4242, ip="10.1.2.3",
+                           actor_id="0123456789abcdef0123456789abcdef").as_instanceof_cause()
+    for exc in (dead, wrapped):
+        err = public_error(exc, "cmpl-1")
+        assert (err.status, err.code, err.retry_after) == (503, "unavailable", 1), err.message
+        assert "10.1.2.3" not in err.message and "4242" not in err.message
+
+
+def test_schedule_is_parsed_and_checked():
+    import fault_load
+
+    assert fault_load.parse_schedule("kill-rank@4, kill-prefill@1") == [(1.0, "kill-prefill"), (4.0, "kill-rank")]
+    with pytest.raises(SystemExit, match="FAULT@SECONDS"):
+        fault_load.parse_schedule("kill-router@3")
+
+
+@pytest.mark.slow
+def test_short_fault_load_loses_nothing_and_leaks_no_blocks(tmp_path):
+    import fault_load
+
+    t0 = time.monotonic()
+    out = tmp_path / "fault.json"
+    res = fault_load.main(["--rate", "3", "--duration", "8", "--schedule", "kill-rank@2,kill-prefill@4,kill-decode@6",
+                           "--deadline", "30", "--settle", "20", "--out", str(out)])
+    assert json.loads(out.read_text())["sent"] == res["sent"] >= 20
+    assert res["lost"] == 0, res["lost_examples"]
+    assert res["blocks_at_rest"] == 0
+    assert res["wrongly_accepted"] == 0
+    assert res["succeeded"] > 0 and res["clear_error"] > 0
+    assert all(not e["result"].startswith(("failed", "no live")) for e in res["faults"]), res["faults"]
+    # Every refusal is a status a client can act on: no 500 for a fault the server survives.
+    assert "500" not in res["error_statuses"], res["error_statuses"]
+    assert time.monotonic() - t0 < 90
