@@ -30,6 +30,7 @@ from router.metrics import REQUESTS, RequestTimer, prometheus_text
 from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                                     delta_logprobs, usage)
 from router.protocol import Backend, GenerateRequest
+from router.tool_parsers import HermesStream, parse_tool_calls
 from router.serve_context import SeparateServeRequests
 from engine.llm_engine import RequestOutput
 
@@ -343,8 +344,11 @@ class OpenAIServer:
         tok = self.backend.tokenizer
         if not getattr(tok, "chat_template", None):
             raise bad_request(f"the model `{self.backend.model_name}` has no chat template; use /v1/completions", "messages")
+        tools = body.template_tools()
+        if tools and "tools" not in str(tok.chat_template):  # it would drop them silently: the model never sees them
+            raise bad_request(f"the chat template of `{self.backend.model_name}` does not render tools", "tools")
         try:
-            ids = tok.apply_chat_template(messages, tokenize=True, return_dict=False, **body.template_kwargs())
+            ids = tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False, **body.template_kwargs())
         except Exception as e:  # a template error is the request's fault (roles, content it rejects)
             raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None
         return list(ids)
@@ -367,8 +371,7 @@ class OpenAIServer:
         n_logprobs = body.num_logprobs
 
         def respond(outs: list[RequestOutput]) -> dict:
-            choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason,
-                        "stop_reason": o.stop_reason,
+            choices = [{"index": i, **_reply_message(body, o), "stop_reason": o.stop_reason,
                         "logprobs": None if n_logprobs is None else chat_logprobs(o.token_ids, o.logprobs, n_logprobs, self.token_text)}
                        for i, o in enumerate(outs)]
             return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
@@ -377,6 +380,7 @@ class OpenAIServer:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         started: set[int] = set()
         use = StreamUsage(reqs, body.n, body.include_usage, body.continuous_usage)
+        tool_streams = {i: HermesStream() for i in range(len(reqs))} if body.parse_tools else {}
 
         def chunk(i: int, out: RequestOutput) -> dict | None:
             use.update(i, out)
@@ -384,14 +388,17 @@ class OpenAIServer:
             if i not in started:  # OpenAI opens each choice with the role
                 started.add(i)
                 delta["role"] = "assistant"
-            if out.new_text:
+            finish = out.finish_reason
+            if i in tool_streams:
+                finish = _tool_delta(tool_streams[i], out, body.parallel_tool_calls is not False, delta)
+            elif out.new_text:
                 delta["content"] = out.new_text
             if not delta and not out.finished and (n_logprobs is None or not out.new_token_ids):
                 return None
             lp = None
             if n_logprobs is not None:
                 lp = chat_logprobs(out.new_token_ids, delta_logprobs(out), n_logprobs, self.token_text)
-            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
             return {**head, "choices": [choice], **use.on_chunk()}
 
         return await self._run(request, rid, reqs, body.stream, respond,
@@ -408,6 +415,34 @@ class OpenAIServer:
     def model_card(self) -> dict:
         return {"id": self.backend.model_name, "object": "model", "created": self.created, "owned_by": "tandem",
                 "max_model_len": self.backend.max_model_len}
+
+
+def _reply_message(body: ChatCompletionRequest, out: RequestOutput) -> dict[str, Any]:
+    """A finished choice's message and finish_reason; with tools, calls in the text become tool_calls
+    (finish_reason "tool_calls", as vLLM reports it) and the text before them the content."""
+    if body.parse_tools:
+        content, calls = parse_tool_calls(out.text)
+        if calls:
+            calls = calls if body.parallel_tool_calls is not False else calls[:1]
+            return {"message": {"role": "assistant", "content": content, "tool_calls": calls}, "finish_reason": "tool_calls"}
+    return {"message": {"role": "assistant", "content": out.text}, "finish_reason": out.finish_reason}
+
+
+def _tool_delta(stream: HermesStream, out: RequestOutput, parallel: bool, delta: dict[str, Any]) -> str | None:
+    """Feed one streamed output through the choice's tool-call parser: its text into delta["content"],
+    calls completed now into delta["tool_calls"] (each whole, with its index among the choice's
+    calls); returns the chunk's finish_reason ("tool_calls" at the end of a reply that made calls)."""
+    before = len(stream.calls)
+    text, calls = stream.feed(out.new_text, final=out.finished)
+    if text:
+        delta["content"] = text
+    entries = [{"index": before + k, **c} for k, c in enumerate(calls)]
+    entries = entries if parallel else [e for e in entries if e["index"] == 0]
+    if entries:
+        delta["tool_calls"] = entries
+    if out.finished and stream.calls:
+        return "tool_calls"
+    return out.finish_reason
 
 
 def _validation_error(e: RequestValidationError) -> ApiError:

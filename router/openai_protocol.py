@@ -8,6 +8,7 @@ would silently change the answer, so a request that sets one gets a 400 naming i
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Callable, ClassVar, Literal
 
@@ -178,18 +179,71 @@ class TextPart(_Lenient):
     text: str
 
 
+class FunctionCall(_Lenient):
+    WHERE = "messages[].tool_calls[].function."
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Lenient):
+    WHERE = "messages[].tool_calls[]."
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def as_template_input(self) -> dict[str, Any]:
+        """Chat templates (Qwen's, Llama 3.1's, Hermes') write `arguments | tojson`: they want an
+        object, not the JSON text OpenAI transcripts carry (vLLM converts the same way)."""
+        try:
+            args = json.loads(self.function.arguments)
+        except ValueError:
+            raise bad_request(f"tool call {self.function.name!r}: arguments are not valid JSON", "messages") from None
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
+
+
 class ChatMessage(_Lenient):
     WHERE = "messages[]."
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        msg = {"role": self.role, "content": content}
+        msg: dict[str, Any] = {"role": self.role, "content": content}
         if self.name:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [c.as_template_input() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
+
+
+class FunctionDef(_Lenient):
+    WHERE = "tools[].function."
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Lenient):
+    WHERE = "tools[]."
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(_Lenient):
+    WHERE = "tool_choice."
+
+    class Name(_Lenient):
+        WHERE = "tool_choice.function."
+        name: str
+
+    type: Literal["function"]
+    function: Name
 
 
 UNSUPPORTED_CHAT: dict[str, tuple[Any, str]] = {
@@ -224,20 +278,44 @@ class ChatCompletionRequest(_Common):
     continue_final_message: StrictBool = False  # vLLM's: extend the last (assistant) message instead
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None  # false: at most one call is returned
 
     def check(self) -> None:
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise bad_request("tool calling is not supported", "tools")
+        self._check_tools()
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise bad_request("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         self._check_template_args()
+
+    def _check_tools(self) -> None:
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {t.function.name for t in self.tools}:
+                raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+
+    @property
+    def parse_tools(self) -> bool:
+        """Whether the reply is read for tool calls (tool_choice "none": the tools are still shown to
+        the template, as vLLM does, but the reply is plain text)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the template renders: a named tool_choice shows the model only that one (there is
+        no grammar engine yet to force the call, so this is how the choice is steered)."""
+        if not self.tools:
+            return None
+        tools = self.tools
+        if isinstance(self.tool_choice, NamedToolChoice):
+            tools = [t for t in tools if t.function.name == self.tool_choice.function.name]
+        return [t.model_dump(exclude_none=True) for t in tools]
 
     def _check_template_args(self) -> None:
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
