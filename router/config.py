@@ -46,6 +46,15 @@ class PoolConfig(StrictModel):
     autoscaling_config: dict[str, Any] | None = Field(default=None, description="Ray Serve autoscaling_config "
                                                       "(min_replicas, max_replicas, target_ongoing_requests, ...).")
 
+    # Serve's defaults (a check every 10 s, 30 s to answer) leave a replica whose engine died (a rank process
+    # lost) in the routing tables for up to 10 s, answering every request routed to it with 503. A check is
+    # one flag read on the replica (`_PoolMethods.check_health`), so checking often costs nothing.
+    health_check_period_s: float = Field(default=2.0, gt=0, description="Seconds between Serve's health checks "
+                                         "of each replica; one whose engine stopped is replaced after the first "
+                                         "failed check.")
+    health_check_timeout_s: float = Field(default=10.0, gt=0, description="Seconds a replica may take to answer "
+                                          "a health check before Serve counts it as failed.")
+
     @field_validator("autoscaling_config")
     @classmethod
     def _valid_autoscaling(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -80,10 +89,12 @@ class PoolConfig(StrictModel):
         return dict(self.__pydantic_extra__ or {})
 
     def serve_options(self) -> dict[str, Any]:
-        """The replica-count options for `Deployment.options(...)`."""
+        """The replica-count and health-check options for `Deployment.options(...)`."""
+        health = {"health_check_period_s": self.health_check_period_s,
+                  "health_check_timeout_s": self.health_check_timeout_s}
         if self.autoscaling_config is not None:
-            return {"autoscaling_config": dict(self.autoscaling_config)}
-        return {"num_replicas": self.num_replicas or 1}
+            return {"autoscaling_config": dict(self.autoscaling_config), **health}
+        return {"num_replicas": self.num_replicas or 1, **health}
 
 
 class AppConfig(EngineArgs):
