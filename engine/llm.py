@@ -67,6 +67,7 @@ class LLM:
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
+        self.llm_engine.drain()
         return [finished[rid] for rid in ids]
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:

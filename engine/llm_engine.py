@@ -22,7 +22,7 @@ from workers.executor import Executor, PendingStep
 from workers.sampling_params import SamplingParams, model_default_fields
 from engine.scheduler import Scheduler
 from workers.scheduler_output import SampledToken, SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.requests: dict[str, _Request] = {}
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # sent to the ranks, not yet collected
+        self._deferred: list[tuple[Sequence, str]] = []  # finished while the step in flight still runs them
         self._unscheduled: dict[str, _Request] = {}  # added, not yet in any step: their "scheduled" stamp is due
         self.vocab_size = self.hf_config.vocab_size
 
@@ -169,7 +170,11 @@ class LLMEngine:
         """Stop a request in any state (queued, running, holding or awaiting KV) and free its blocks."""
         req = self.requests.pop(request_id, None)
         self._unscheduled.pop(request_id, None)
-        self.scheduler.abort(request_id)
+        seq = self.scheduler.seqs.get(request_id)
+        if seq is not None and self._inflight is not None and seq.status == SeqStatus.RUNNING:
+            self._finish_after_inflight(seq, "abort")
+        else:
+            self.scheduler.abort(request_id)
         if req is None:
             return None
         req.output.finish_reason = "abort"
@@ -226,9 +231,9 @@ class LLMEngine:
         Where the executor runs steps elsewhere (Ray rank actors: `overlaps_host_work`), the next step
         is sent to the ranks as soon as this one's tokens are in and its finished sequences freed, and
         the text work (detokenizing, stop strings, outputs) runs while the ranks compute it. A stop
-        string found then finishes a sequence that the next step already runs: that step's token for it
-        is dropped (`Scheduler.update` skips finished sequences) and nothing else changes, because no
-        step is scheduled before the one in flight has answered."""
+        string found then (or an abort) ends a sequence that the next step already runs: its blocks are
+        freed once that step has answered, and that step's token for it is dropped (`Scheduler.update`
+        skips finished sequences). No step is scheduled before the one in flight has answered."""
         if self._inflight is None:
             self._inflight = self._submit()
             if self._inflight is None:
@@ -236,6 +241,7 @@ class LLMEngine:
         sched_out, pending = self._inflight
         self._inflight = None
         result = pending.result()
+        self._finish_deferred()  # before `update`, which then skips them
         got = [(self.requests[seq.seq_id], result.sampled[seq.seq_id]) for seq in self.scheduler.update(sched_out, result)]
         verdicts = [self._check_token(req, sampled) for req, sampled in got]  # frees what finished
         if self.executor.overlaps_host_work:
@@ -330,10 +336,35 @@ class LLMEngine:
     def _finish_late(self, seq: Sequence, token_reason: str | None) -> None:
         """A stop string ends a sequence that the token checks kept (or handed off, or ended by length)."""
         if token_reason is None:
-            self.scheduler.finish(seq, "stop")
             self.requests.pop(seq.seq_id, None)
+            if self._inflight is not None:
+                self._finish_after_inflight(seq, "stop")
+            else:
+                self.scheduler.finish(seq, "stop")
         elif token_reason == "handoff":
             self.scheduler.release(seq.seq_id)  # nothing left to continue: the held KV is not needed
+
+    def _finish_after_inflight(self, seq: Sequence, reason: str) -> None:
+        """The step in flight may still write this sequence's KV: its blocks are freed once that step has
+        answered, so that nothing allocated in between (a decode-side `reserve`, whose blocks a KV transfer
+        fills) shares a block with a write still under way. Until then only step() touches it."""
+        self._deferred.append((seq, reason))
+
+    def _finish_deferred(self) -> None:
+        for seq, reason in self._deferred:
+            if self.scheduler.seqs.get(seq.seq_id) is seq:
+                self.scheduler.finish(seq, reason)
+        self._deferred.clear()
+
+    def drain(self) -> None:
+        """With no request left, collect a step still in flight and free what waited on it (the offline
+        `LLM` calls this after each `generate`, so the engine is at rest in between)."""
+        if self._inflight is not None and not self.requests:
+            sched_out, pending = self._inflight
+            self._inflight = None
+            result = pending.result()
+            self._finish_deferred()
+            self.scheduler.update(sched_out, result)
 
     def shutdown(self) -> None:
         """Release the executor's ranks (Ray actors, device memory)."""

@@ -66,8 +66,34 @@ def test_ray_overlap_matches_in_process(ray_session):
         for _ in range(2):  # the second round starts with the first's last step still uncollected
             got = llm.generate(PROMPTS, params, use_tqdm=False)
             assert _view(got) == _view(expected)
-            llm.llm_engine.step()  # collects a step left in flight for sequences that stop strings ended
-            assert_engine_clean(llm)
+            assert_engine_clean(llm)  # generate collected the step left in flight for stop-string finishes
         assert dropped, "no stop string ended a sequence while its next step was in flight"
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_blocks_of_a_sequence_ended_mid_flight_are_freed_only_after_that_step(ray_session):
+    """An abort (or a late stop string) while the next step runs on the ranks must not free blocks that
+    step still writes: anything allocated in between (a decode-side reservation) could share them."""
+    llm = LLM(model=MODEL, dtype="float32", device="cpu", distributed_executor_backend="ray")
+    engine = llm.llm_engine
+    try:
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.add_request(f"mid-{i}", prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        engine.step()  # prefill collected; the first decode step is in flight
+        engine.step()
+        assert engine._inflight is not None
+        victim = engine.scheduler.seqs["mid-1"]
+        held = list(victim.block_table)
+        used = engine.block_manager.num_used_blocks
+        assert engine.abort("mid-1").finish_reason == "abort"
+        assert engine.block_manager.num_used_blocks == used, "freed while the step in flight still writes them"
+        assert victim.block_table == held
+        outs = engine.step()  # collects that step: now they are free, and mid-1 gets no more tokens
+        assert "mid-1" not in engine.scheduler.seqs and all(o.request_id != "mid-1" for o in outs)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.drain()
+        assert_engine_clean(llm)
+    finally:
+        engine.shutdown()
