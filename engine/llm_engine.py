@@ -171,10 +171,9 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         self._unscheduled.pop(request_id, None)
         seq = self.scheduler.seqs.get(request_id)
-        if seq is not None and self._inflight is not None and seq.status == SeqStatus.RUNNING:
-            self._finish_after_inflight(seq, "abort")
-        else:
-            self.scheduler.abort(request_id)
+        if seq is not None and seq.status == SeqStatus.RUNNING:
+            self._settle_inflight()  # the step in flight may still write its blocks: wait for it (ms)
+        self.scheduler.abort(request_id)
         if req is None:
             return None
         req.output.finish_reason = "abort"
@@ -197,6 +196,8 @@ class LLMEngine:
         already cached here, which need not be sent), or None when this replica is full."""
         token_ids = self._validated_prompt(request_id, prompt_token_ids)
         seq = Sequence(request_id, token_ids, params.with_defaults(self.default_sampling_fields), priority=priority)
+        if self._deferred:
+            self._settle_inflight()  # blocks still written by the step in flight must not be handed out
         if not self.scheduler.reserve(seq, time.monotonic() + self.config.cache.kv_lease_seconds):
             return None
         return list(seq.block_table), seq.num_cached_tokens // self.config.cache.block_size
@@ -347,8 +348,19 @@ class LLMEngine:
     def _finish_after_inflight(self, seq: Sequence, reason: str) -> None:
         """The step in flight may still write this sequence's KV: its blocks are freed once that step has
         answered, so that nothing allocated in between (a decode-side `reserve`, whose blocks a KV transfer
-        fills) shares a block with a write still under way. Until then only step() touches it."""
+        fills) shares a block with a write still under way (`reserve` settles first)."""
         self._deferred.append((seq, reason))
+
+    def _settle_inflight(self) -> None:
+        """Wait for the step in flight to answer (its result stays for step() to collect), then free what
+        waited on it. A failed step is left for step() to raise."""
+        if self._inflight is None:
+            return
+        try:
+            self._inflight[1].result()
+        except Exception:  # noqa: BLE001 - the executor failed; step() reports it
+            return
+        self._finish_deferred()
 
     def _finish_deferred(self) -> None:
         for seq, reason in self._deferred:
