@@ -90,6 +90,10 @@ class DecodePool(_PoolMethods):
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         async for out in self.replica.generate(req.request_id, req.prompt_token_ids, req.sampling_params, req.priority):
+            # Each item crosses the Serve hop to the router, which has the prompt: without this, a 2K-token
+            # prompt would be pickled again with every token. Items are snapshots: the engine's own
+            # output keeps its prompt.
+            out.prompt_token_ids = []
             yield out
 
     async def info(self) -> dict:
