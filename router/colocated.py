@@ -50,15 +50,20 @@ def gpus_per_replica(config: AppConfig) -> float:
     return 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0 else 0
 
 
+def in_process_rank_options(config: AppConfig, pool: str) -> dict | None:
+    """Actor options of a replica of `pool` whose engine runs its one rank in the replica's own process
+    (the uni executor): it then takes that rank's devices and custom resources. None where the ranks
+    are Ray actors of their own, which take them (cluster/placement.py)."""
+    args = config.engine_args(pool)
+    if args.parallel_config().world_size != 1 or args.distributed_executor_backend == "ray":
+        return None
+    return {"num_gpus": gpus_per_replica(config), "resources": dict(args.rank_resources)}
+
+
 def build_colocated_app(config: AppConfig) -> Application:
-    args = config.engine_args("decode")
-    # One rank runs inside the replica actor, which then takes the ranks' custom resources; more ranks
-    # are Ray actors of their own that take them (cluster/placement.py).
-    in_process = args.parallel_config().world_size == 1 and args.distributed_executor_backend != "ray"
     deployment = serve.deployment(ColocatedServer, name="TandemColocated").options(
         max_ongoing_requests=config.max_ongoing_requests("decode"),
-        ray_actor_options={"num_gpus": gpus_per_replica(config) if in_process else 0,
-                           "resources": dict(args.rank_resources) if in_process else {}},
+        ray_actor_options=in_process_rank_options(config, "decode") or {"num_gpus": 0, "resources": {}},
         **config.decode.serve_options(),
     )
     return deployment.bind(config.to_args())

@@ -20,7 +20,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoConfig, AutoTokenizer
 
-from router.colocated import gpus_per_replica
+from router.colocated import in_process_rank_options
 from router.config import AppConfig
 from router.grpc_api import InferenceServicer
 from router.guards import RequestLimits
@@ -150,10 +150,8 @@ def build_disaggregated_app(config: AppConfig) -> Application:
         max_ongoing_requests=config.max_ongoing_requests("prefill"), ray_actor_options=actor, request_router_config=prefill_router,
         **config.prefill.serve_options()).bind(args)
     # A decode replica of one rank runs it in-process (router/pools.py), so it takes that rank's devices.
-    decode_args = config.engine_args("decode")
-    in_process = decode_args.parallel_config().world_size == 1 and decode_args.distributed_executor_backend != "ray"
-    decode_actor = ({"num_cpus": 0, "num_gpus": gpus_per_replica(config), "resources": dict(decode_args.rank_resources)}
-                    if in_process else actor)
+    in_process = in_process_rank_options(config, "decode")
+    decode_actor = {"num_cpus": 0, **in_process} if in_process else actor
     decode = serve.deployment(DecodePool, name="DecodePool").options(
         max_ongoing_requests=config.max_ongoing_requests("decode"), ray_actor_options=decode_actor, request_router_config=decode_router,
         **config.decode.serve_options()).bind(args, prefill)

@@ -22,10 +22,10 @@ CHAT_TEMPLATE = (
 ENGINE_KWARGS = dict(dtype="float32", device="cpu", num_gpu_blocks_override=96, block_size=16, max_num_batched_tokens=256)
 
 
-def build_chat_model(path: str | os.PathLike) -> str:
+def build_chat_model(path: str | os.PathLike, template: str = CHAT_TEMPLATE) -> str:
     """The tiny Llama of tests/models.py plus a chat template (max_model_len 256, vocab 300)."""
     folder = build_model("llama", path)
-    Path(folder, "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    Path(folder, "chat_template.jinja").write_text(template)
     return folder
 
 

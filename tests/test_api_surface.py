@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -33,9 +32,7 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    folder = build_chat_model(tmp_path_factory.mktemp("models") / NAME)
-    Path(folder, "chat_template.jinja").write_text(TEMPLATE)
-    return folder
+    return build_chat_model(tmp_path_factory.mktemp("models") / NAME, TEMPLATE)
 
 
 @pytest.fixture(scope="module")

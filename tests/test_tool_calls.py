@@ -8,7 +8,6 @@ output is scripted (the real engine still runs the template and the request chec
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -47,9 +46,7 @@ TWO_CALLS = 'Let me check.' + CALL + '\n<tool_call>{"name": "time", "arguments":
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    folder = build_chat_model(tmp_path_factory.mktemp("models") / NAME)
-    Path(folder, "chat_template.jinja").write_text(TOOLS_TEMPLATE)
-    return folder
+    return build_chat_model(tmp_path_factory.mktemp("models") / NAME, TOOLS_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
