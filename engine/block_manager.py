@@ -175,6 +175,19 @@ class BlockManager:
         for i in range(len(seq.block_table), self.blocks_needed(seq.num_computed_tokens + num_new_tokens)):
             seq.block_table.append(self._allocate_fresh(block_owner(i, self.num_pools)))
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free seq's blocks past those covering its first num_tokens tokens (speculative decoding's
+        rejected lookahead slots). Only blocks beyond the computed KV go, so none holds a cached hash."""
+        keep = max(self.blocks_needed(num_tokens), self.blocks_needed(seq.num_computed_tokens))
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                pool = self._pool_of(block_id)
+                pool[block_id] = None
+                pool.move_to_end(block_id, last=False)  # no hash: reused before cached blocks
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register hashes for blocks that became full of computed KV (call after each step)."""
         if not self.enable_prefix_caching:

@@ -29,6 +29,12 @@ class LLM:
         """Stop the engine's ranks (the Ray actors of a multi-rank layout). The LLM is unusable afterwards."""
         self.llm_engine.shutdown()
 
+    def get_metrics(self) -> dict:
+        """The engine's counters and gauges: KV blocks, queue, prefix-cache hits, preemptions, and speculative
+        decoding's (spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens, per draft position
+        spec_decode_num_accepted_tokens_per_pos; zeros without speculation)."""
+        return self.llm_engine.stats()
+
     @property
     def tokenizer(self):
         return self.llm_engine.tokenizer

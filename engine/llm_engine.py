@@ -21,6 +21,7 @@ from engine.executor import make_executor
 from workers.executor import Executor, PendingStep
 from workers.sampling_params import SamplingParams, model_default_fields
 from engine.scheduler import Scheduler
+from engine.spec_decode import SpecDecoder, empty_metrics
 from workers.scheduler_output import SampledToken, SchedulerOutput
 from engine.sequence import SeqStatus, Sequence
 
@@ -85,6 +86,9 @@ class LLMEngine:
         self.max_model_len = self._fit_max_model_len_to_cache(num_blocks * config.cache.block_size)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, num_pools=sp)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        spec = config.speculative.spec
+        self.spec_decoder = None if spec is None else SpecDecoder(config, spec, num_blocks, self.max_model_len,
+                                                                   self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # sent to the ranks, not yet collected
         self._deferred: list[tuple[Sequence, str]] = []  # finished while the step in flight still runs them
@@ -135,9 +139,12 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0,
-                    handoff: bool = False) -> None:
+                    handoff: bool = False, speculate: bool = True) -> None:
         """Queue a request. With handoff=True (prefill pool) it stops after its first token and its KV
-        blocks are held for the decode pool until `release` or the KV lease runs out."""
+        blocks are held for the decode pool until `release` or the KV lease runs out. speculate=False:
+        this request decodes one token per step even when the engine speculates."""
+        if not speculate and self.spec_decoder is not None:
+            self.spec_decoder.opted_out.add(request_id)
         params = (params or SamplingParams()).with_defaults(self.default_sampling_fields)
         token_ids = self._validated_prompt(request_id, prompt)
         seq = Sequence(request_id, token_ids, params, priority=priority)
@@ -243,14 +250,38 @@ class LLMEngine:
         self._inflight = None
         result = pending.result()
         self._finish_deferred()  # before `update`, which then skips them
-        got = [(self.requests[seq.seq_id], result.sampled[seq.seq_id]) for seq in self.scheduler.update(sched_out, result)]
-        verdicts = [self._check_token(req, sampled) for req, sampled in got]  # frees what finished
+        got = [(self.requests[seq.seq_id], result.spec.get(seq.seq_id) or [result.sampled[seq.seq_id]])
+               for seq in self.scheduler.update(sched_out, result)]
+        if self.spec_decoder is not None:
+            self.spec_decoder.record(sched_out, result)
+        verdicts = [self._check_tokens(req, tokens) for req, tokens in got]  # frees what finished
         if self.executor.overlaps_host_work:
             self._inflight = self._submit()
-        return [self._emit(req, sampled.token_id, reason, stop) for (req, sampled), (reason, stop) in zip(got, verdicts)]
+        return [self._emit(req, ids, reason, stop) for (req, _), (ids, reason, stop) in zip(got, verdicts)]
+
+    def _check_tokens(self, req: _Request, tokens: list[SampledToken]) -> tuple[list[int], str | None, int | None]:
+        """A step's tokens for one request, in order (several from a verified speculative run): each is
+        checked before the next is taken, so a stop token, EOS or max_tokens inside a run ends it there.
+        Returns the tokens kept and the verdict of the last."""
+        kept: list[int] = []
+        reason = stop = None
+        for j, sampled in enumerate(tokens):
+            if j:
+                self.scheduler.accept(req.seq, sampled.token_id)
+            reason, stop = self._check_token(req, sampled, first=j == 0)
+            kept.append(sampled.token_id)
+            if reason is not None:
+                break
+        return kept, reason, stop
 
     def _submit(self) -> tuple[SchedulerOutput, PendingStep] | None:
-        sched_out = self.scheduler.schedule()
+        spec = self.spec_decoder
+        if spec is None:
+            sched_out = self.scheduler.schedule()
+        else:
+            spec.begin_step(len(self.scheduler.running))
+            sched_out = self.scheduler.schedule(spec.lookahead)
+            spec.propose(sched_out, self.scheduler.seqs)
         if sched_out.is_empty:
             return None
         if self._unscheduled:  # only while some request waits for its first step: no cost at steady state
@@ -266,15 +297,18 @@ class LLMEngine:
                 req.timeline["scheduled"] = now
 
     def _on_token(self, req: _Request, sampled: SampledToken) -> RequestOutput:
-        return self._emit(req, sampled.token_id, *self._check_token(req, sampled))
+        return self._emit(req, [sampled.token_id], *self._check_token(req, sampled))
 
-    def _check_token(self, req: _Request, sampled: SampledToken) -> tuple[str | None, int | None]:
+    def _check_token(self, req: _Request, sampled: SampledToken, first: bool = True) -> tuple[str | None, int | None]:
         """Record the token and apply what the token alone decides (stop token, EOS, length, prefill
         handoff): a finished sequence's blocks are freed before the next step is scheduled."""
         seq, out, params = req.seq, req.output, req.seq.sampling_params
         token = sampled.token_id
         out.token_ids.append(token)
-        out.new_token_ids = [token]
+        if first:
+            out.new_token_ids = [token]
+        else:  # a later token of the same step (speculative decoding)
+            out.new_token_ids.append(token)
         if out.logprobs is not None:
             entry = {token: sampled.logprob}
             entry.update(sampled.top_logprobs or [])
@@ -298,20 +332,31 @@ class LLMEngine:
             del self.requests[seq.seq_id]
         return reason, stop
 
-    def _emit(self, req: _Request, token: int, reason: str | None, stop: int | None) -> RequestOutput:
-        """The text side of a token: detokenize, look for stop strings, fill the output's text fields."""
+    def _emit(self, req: _Request, tokens: list[int], reason: str | None, stop: int | None) -> RequestOutput:
+        """The text side of a step's tokens: detokenize, look for stop strings, fill the output's text
+        fields. `reason` is the verdict of the last token; a stop string completed by an earlier one (a
+        speculative run) drops the tokens after it."""
         seq, out, params = req.seq, req.output, req.seq.sampling_params
-        old_len = len(req.detok.text)
-        if reason != "stop" or params.include_stop_str_in_output:  # a stop token's own text is not output
-            req.detok.add_token(token)
         text = req.detok.text
-        if reason != "stop" and params.stop and seq.num_output_tokens >= params.min_tokens:
-            hit = find_stop_string(text, len(text) - old_len, params.stop, params.include_stop_str_in_output)
-            if hit is not None:
-                stop, cut = hit
-                text = text[:cut]
-                self._finish_late(seq, reason)
-                reason = "stop"
+        for i, token in enumerate(tokens):
+            later = len(tokens) - 1 - i  # tokens of this step after this one
+            token_reason = reason if not later else None
+            old_len = len(req.detok.text)
+            if token_reason != "stop" or params.include_stop_str_in_output:  # a stop token's own text is not output
+                req.detok.add_token(token)
+            text = req.detok.text
+            if token_reason != "stop" and params.stop and seq.num_output_tokens - later >= params.min_tokens:
+                hit = find_stop_string(text, len(text) - old_len, params.stop, params.include_stop_str_in_output)
+                if hit is not None:
+                    stop, cut = hit
+                    text = text[:cut]
+                    if later:
+                        del out.token_ids[-later:], out.new_token_ids[-later:]
+                        if out.logprobs is not None:
+                            del out.logprobs[-later:]
+                    self._finish_late(seq, reason)
+                    reason = "stop"
+                    break
         out.text = text
         out.num_cached_tokens = seq.num_cached_tokens
         if reason is not None:
@@ -393,4 +438,5 @@ class LLMEngine:
             "prefix_hit_tokens": bm.hit_tokens,
             "prefix_queried_tokens": bm.queried_tokens,
             "preemptions": self.scheduler.num_preemptions,
+            **(self.spec_decoder.metrics() if self.spec_decoder is not None else empty_metrics()),
         }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from typing import Callable
 
 from workers.config import SchedulerConfig
 from engine.block_manager import BlockManager
@@ -171,25 +172,33 @@ class Scheduler:
         self._dropped.append(seq.seq_id)
         self._enqueue(seq)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, lookahead: Callable[[Sequence], int] | None = None) -> SchedulerOutput:
+        """`lookahead(seq)`: speculative decoding's draft slots for a decoding sequence (engine/spec_decode.py).
+        They are KV slots reserved past the sequence's last token; `update` frees the blocks that the
+        verification did not fill, so a rejected draft holds no block beyond its step."""
         budget = self.config.max_num_batched_tokens
-        planned: list[tuple[Sequence, int]] = []
+        planned: list[tuple[Sequence, int, int]] = []
         preempted = False
         self.running.sort(key=lambda s: s.sort_key)
         queue = list(self.running)  # most important first; victims come off the end
         while queue and budget > 0:
             seq = queue.pop(0)
             n = min(seq.num_uncomputed_tokens, budget)
-            while not self.blocks.can_grow(seq, n):
+            extra = 0
+            if lookahead is not None and seq.num_uncomputed_tokens == 1:
+                extra = max(0, min(lookahead(seq), budget - n))
+                if extra and not self.blocks.can_grow(seq, n + extra):
+                    extra = 0  # drafts are optional: never preempt for them
+            while not self.blocks.can_grow(seq, n + extra):
                 preempted = True
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                self.blocks.grow(seq, n)
-                planned.append((seq, n))
-                budget -= n
+                self.blocks.grow(seq, n + extra)
+                planned.append((seq, n, extra))
+                budget -= n + extra
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
@@ -204,13 +213,14 @@ class Scheduler:
                 self.blocks.record_admission(seq)
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
-                planned.append((seq, n))
+                planned.append((seq, n, 0))
                 budget -= n
         dropped, self._dropped = self._dropped, []
-        return SchedulerOutput(seqs=[self._scheduled(seq, n) for seq, n in planned], finished_seq_ids=dropped)
+        return SchedulerOutput(seqs=[self._scheduled(seq, n, extra) for seq, n, extra in planned],
+                               finished_seq_ids=dropped)
 
     @staticmethod
-    def _scheduled(seq: Sequence, n: int) -> ScheduledSeq:
+    def _scheduled(seq: Sequence, n: int, lookahead: int = 0) -> ScheduledSeq:
         start = seq.num_computed_tokens
         history = seq.sampling_params.needs_token_history
         return ScheduledSeq(
@@ -223,19 +233,32 @@ class Scheduler:
             num_output_tokens=seq.num_output_tokens,
             prompt_token_ids=seq.prompt_token_ids if history else [],
             output_token_ids=seq.output_token_ids if history else [],
+            num_lookahead=lookahead,
         )
 
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Sequence]:
-        """Advance computed counts, cache full blocks, append sampled tokens. Returns seqs that got a token."""
+        """Advance computed counts, cache full blocks, append sampled tokens. Returns seqs that got a token.
+
+        A speculating sequence appends only its first emitted token here; the engine appends the rest
+        with `accept` one by one, checking each (stop tokens, max_tokens) before the next."""
         got_token: list[Sequence] = []
         for s in out.seqs:
             seq = self.seqs.get(s.seq_id)
             if seq is None or seq.status != SeqStatus.RUNNING:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens += s.num_tokens
+            seq.num_computed_tokens += s.num_tokens - len(s.spec_token_ids)  # drafts count once accepted
             self.blocks.cache_full_blocks(seq)
             sampled = result.sampled.get(s.seq_id)
             if s.sample and sampled is not None:
                 seq.token_ids.append(sampled.token_id)
                 got_token.append(seq)
+            if s.num_lookahead:
+                # Blocks past the emitted tokens held only rejected (or unproposed) drafts' slots.
+                self.blocks.trim(seq, seq.num_tokens + max(0, len(result.spec.get(s.seq_id, ())) - 1))
         return got_token
+
+    def accept(self, seq: Sequence, token_id: int) -> None:
+        """The next token of a verified run: the draft before it is now computed KV, and it is appended."""
+        seq.num_computed_tokens += 1
+        seq.token_ids.append(token_id)
+        self.blocks.cache_full_blocks(seq)

@@ -243,6 +243,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=0, metavar="N", help="per-rank step profile of the decode "
                    "run (scripts/step_profile.py), every N-th step under torch.profiler; slows that run")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=False,
+                   help="run each --modes variant in a fresh process of this script (one engine per process, as users "
+                        "run it); the JSON merges them")
     p.add_argument("--out", default="bench_results/bench_latency.json")
     return p.parse_args()
 
@@ -297,6 +300,9 @@ def bench_tandem(args: argparse.Namespace, model_dir: str, cfg, prompt: list[int
     params = hf_meta_params(cfg)
     tp = args.tensor_parallel_size
     for mode in [m for m in args.modes.split(",") if m]:
+        if args.isolate:
+            report["tandem"][mode] = run_isolated(mode, report)
+            continue
         llm = make_llm(model_dir, mode, args, max_len, num_blocks, max(max(prefill_lens, default=0), 2048))
         if "weight_bytes" not in report:
             total, read = model_bytes(params, cfg)
@@ -318,6 +324,23 @@ def bench_tandem(args: argparse.Namespace, model_dir: str, cfg, prompt: list[int
         llm.llm_engine.shutdown()
         del llm
         free_cuda()
+
+
+def run_isolated(mode: str, report: dict) -> dict:
+    """One --modes variant in a child process with the same arguments; copies its roofline facts into `report`."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "run.json")
+        cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--no-isolate", "--modes", mode, "--skip-hf",
+               "--out", out]
+        subprocess.run(cmd, check=True)
+        with open(out) as f:
+            child = json.load(f)
+    for key in ("weight_bytes", "weight_bytes_read", "kv_bytes_per_step", "tensor_parallel_size", "roofline_tok_per_s",
+                "roofline_read_tok_per_s"):
+        report.setdefault(key, child[key])
+    return child["tandem"][mode]
 
 
 def print_summary(report: dict, bw: float) -> None:

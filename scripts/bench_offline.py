@@ -116,6 +116,20 @@ def run_tandem(args, prompts, out_lens, layout: dict | None = None) -> dict:
     return result
 
 
+def run_isolated(spec: str) -> dict:
+    """One layout's run in a child process of this script with the same arguments (same prompts: same seed)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "run.json")
+        cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--no-isolate", "--layouts", spec, "--repeat", "1",
+               "--skip-hf", "--out", out]
+        subprocess.run(cmd, check=True)
+        with open(out) as f:
+            return json.load(f)["results"][f"tandem[{spec}]#1"]
+
+
 def run_hf(args, prompts, out_lens) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -167,6 +181,9 @@ def main() -> None:
     p.add_argument("--layouts", default=None, help="compare engine layouts in one run, space-separated, each "
                    "uni, ray, tpN, ppN, spN, epN or a + join (e.g. 'uni ray' or 'tp1 tp2'); ratios vs the first")
     p.add_argument("--repeat", type=int, default=1, help="with --layouts: run the whole list this many times")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --layouts: run each layout in a fresh process of this script, as a user runs one engine "
+                        "per process (an engine run after another one in the same process measured up to 20%% slower)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--skip-hf", action="store_true")
@@ -201,7 +218,8 @@ def main() -> None:
         results = {}
         for run in range(1, args.repeat + 1):
             for spec in args.layouts.split():
-                results[f"tandem[{spec}]#{run}"] = run_tandem(args, prompts, out_lens, parse_layout(spec))
+                results[f"tandem[{spec}]#{run}"] = (run_isolated(spec) if args.isolate
+                                                    else run_tandem(args, prompts, out_lens, parse_layout(spec)))
                 print(f"tandem[{spec}]#{run}: {results[f'tandem[{spec}]#{run}']['seconds']:.2f} s", flush=True)
     else:
         results = {"tandem": run_tandem(args, prompts, out_lens)}

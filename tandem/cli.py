@@ -24,7 +24,7 @@ from tandem.flags import add_field_flag, add_model_flags, collect
 from workers.config import ENGINE_FIELDS, SECTIONS, EngineArgs
 
 SECTION_TITLES = {"model": "model", "parallel": "parallelism (per replica)", "cache": "KV cache",
-                  "scheduler": "batching and queues"}
+                  "scheduler": "batching and queues", "speculative": "speculative decoding"}
 SERVED_FIELDS = ("served_model_name", "api_keys", "api_keys_env", "request_timeout_s", "local_prefill_max_tokens",
                  "local_prefill_when_idle", "max_request_body_bytes", "max_prompt_chars", "trace_requests")
 

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, create_model, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
 
 from parallel.config import ParallelConfig, StrictModel
 from parallel.quant import parse_quant_config, quant_method_of
+from workers.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 # The shipped tiny model: the default of every surface (CLI, Serve args, demo) when no model is given.
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "models" / "tandem-tiny")
@@ -128,7 +129,8 @@ class SchedulerConfig(StrictModel):
 
 
 SECTIONS: dict[str, type[StrictModel]] = {
-    "model": ModelConfig, "parallel": ParallelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+    "model": ModelConfig, "parallel": ParallelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+    "speculative": SpeculativeSection}
 
 
 class EngineConfig(StrictModel):
@@ -137,6 +139,26 @@ class EngineConfig(StrictModel):
     model: ModelConfig
     parallel: ParallelConfig = ParallelConfig()
     cache: CacheConfig = CacheConfig()
+class SpeculativeSection(StrictModel):
+    """Speculative decoding (workers/spec_decode): off unless `speculative_config` is given."""
+
+    speculative_config: dict[str, Any] | None = Field(default=None, description="Speculative decoding, as vLLM: "
+                                                      '{"method": "ngram", "num_speculative_tokens": 4, '
+                                                      '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or '
+                                                      '{"model": "<draft folder>", "num_speculative_tokens": 4}; '
+                                                      "see docs/speculative_decoding.md.")
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parsed(cls, v: Any) -> Any:
+        spec = parse_speculative_config(v)  # ValueError naming the problem (unknown method, k < 1, ...)
+        return None if spec is None else spec.model_dump(exclude_defaults=True)
+
+    @property
+    def spec(self) -> SpeculativeConfig | None:
+        return parse_speculative_config(self.speculative_config)
+
+
     scheduler: SchedulerConfig = SchedulerConfig()
 
     @classmethod
@@ -148,6 +170,14 @@ class EngineConfig(StrictModel):
             if owner is None:
                 raise ValueError(unknown_argument_message(key))
             if value is not None:
+    speculative: SpeculativeSection = SpeculativeSection()
+
+    @model_validator(mode="after")
+    def _draft_matches_target(self) -> "EngineConfig":
+        spec = self.speculative.spec
+        if spec is not None:
+            spec.check_against_target(self.model.model)
+        return self
                 grouped[owner][key] = value
         return cls(**{name: SECTIONS[name](**vals) for name, vals in grouped.items()})
 
@@ -188,6 +218,7 @@ def _flat_fields() -> dict[str, Any]:
             info = copy.deepcopy(info)
             if name == "model":  # every surface defaults to the shipped tiny model
                 info.default = DEFAULT_MODEL
+        parse_speculative_config(getattr(self, "speculative_config", None))  # its keys; the draft folder loads later
             fields[name] = (info.annotation, info)
     return fields
 

@@ -25,6 +25,7 @@ from workers.sampling_params import SamplingParams
 from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from workers.sp_plan import gather_sample_hidden, plan_sp_step, sample_owner
 
+from workers.spec_decode.verify import verify
 log = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
@@ -195,8 +196,8 @@ class ModelRunner:
             table = s.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             query_start.append(query_start[-1] + s.num_tokens)
-            if s.sample:
-                sample_rows.append(query_start[-1] - 1)
+            if s.sample:  # a speculating sequence is verified at its last token and at each draft
+                sample_rows.extend(range(query_start[-1] - 1 - len(s.spec_token_ids), query_start[-1]))
         max_blocks = max(len(s.block_table) for s in out.seqs)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in out.seqs]
         seq_lens = [s.context_len for s in out.seqs]
@@ -283,6 +284,8 @@ class ModelRunner:
         Under TP, a batch of plain greedy rows gathers (max, id, log-sum-exp) per rank instead of
         the full vocabulary; anything else gathers full logits to the first TP rank.
         """
+        if any(s.spec_token_ids for s in seqs):  # speculative decoding: verify the drafts
+            return self._verify(hidden, seqs)
         head = self.model.lm_head
         if head.group.size > 1 and all(Sampler.is_plain_greedy(s) for s in seqs):
             result = head.greedy_tokens(hidden)
@@ -309,3 +312,27 @@ class ModelRunner:
         layers = self.model.layer_range
         return RankShard(rank, range(layers.start, layers.stop), range(qkv.kv_head_start, qkv.kv_head_start + qkv.num_kv_heads),
                          self.sp.rank, self.sp.size)
+    def _verify(self, hidden: torch.Tensor, seqs: list[ScheduledSeq]) -> ModelRunnerOutput:
+        """A step with speculating sequences: hidden has len(spec_token_ids) + 1 rows for each of them
+        (one for the others). Their proposals are verified (workers/spec_decode/verify.py); the others
+        sample as usual. Under TP the full logits meet on the first rank, as for any sampled batch."""
+        logits = self.model.lm_head.compute_logits(hidden)
+        if logits is None:
+            return ModelRunnerOutput({})
+        spec = [s for s in seqs if s.spec_token_ids]
+        plain = [s for s in seqs if not s.spec_token_ids]
+        spec_rows: list[int] = []
+        plain_rows: list[int] = []
+        row = 0
+        for s in seqs:
+            n = len(s.spec_token_ids) + 1
+            (spec_rows if s.spec_token_ids else plain_rows).extend(range(row, row + n))
+            row += n
+        out = ModelRunnerOutput({})
+        if plain:
+            out.sampled.update((s.seq_id, tok) for s, tok in zip(plain, self.sampler(logits[plain_rows], plain)))
+        for s, toks in zip(spec, verify(self.sampler, logits[spec_rows], spec)):
+            out.sampled[s.seq_id] = toks[0]
+            out.spec[s.seq_id] = toks
+        return out
+

@@ -156,6 +156,19 @@ class Sampler:
 
     def _sample(self, x: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
         """x: [R, V] processed logits (modified in place). Returns [R] token ids."""
+        return self.draw(self.probs(x, seqs), seqs)
+
+    def process(self, raw: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        """raw [B, V] logits -> a copy with penalties and min_tokens applied (what greedy takes the argmax of)."""
+        x = raw.float().clone()
+        self._apply_penalties(x, seqs)
+        self._apply_min_tokens(x, seqs)
+        return x
+
+    def probs(self, x: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        """x: [R, V] processed logits of sampled rows (modified in place) -> [R, V] the distribution a
+        token is drawn from: temperature, top-k, top-p, min-p, softmax. Speculative verification
+        compares these with the draft's (workers/spec_decode/verify.py)."""
         dev, vocab = x.device, x.shape[1]
         params = [s.sampling_params for s in seqs]
         temps = torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params], device=dev)  # [R]
@@ -173,21 +186,41 @@ class Sampler:
             min_p = torch.tensor([p.min_p for p in params], device=dev)  # [R]
             cutoff = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # [R, 1]
             x.masked_fill_(probs < cutoff, float("-inf"))
+        return x.softmax(dim=-1)  # [R, V]
 
-        probs = x.softmax(dim=-1)  # [R, V]
-        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is a draw from p. Seeded rows get
-        # their own noise, so their token depends only on (seed, step, their logits).
+    def draw(self, probs: torch.Tensor, seqs: list[ScheduledSeq], salt: int = 0) -> torch.Tensor:
+        """probs [R, V] (modified in place) -> [R] one draw per row.
+
+        Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is a draw from p. Seeded rows get their
+        own noise, so their token depends only on (seed, output index, salt, their probabilities);
+        `salt` separates other draws made for the same output index (a draft model's proposals)."""
         noise = torch.empty_like(probs)  # [R, V]
-        if any(p.seed is None for p in params):
-            noise.exponential_(generator=self._shared_generator(dev))
+        if any(s.sampling_params.seed is None for s in seqs):
+            noise.exponential_(generator=self._shared_generator(probs.device))
         for r, s in enumerate(seqs):
             if s.sampling_params.seed is not None:
-                g = torch.Generator(device=dev)
-                g.manual_seed(_row_seed(s.sampling_params.seed, s.num_output_tokens))
-                noise[r].exponential_(generator=g)
+                noise[r].exponential_(generator=self.seeded_generator(s, probs.device, salt))
         # an exact 0 draw would turn a masked token's 0/0 into NaN, which argmax would pick
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return probs.div_(noise).argmax(dim=-1)
+
+    @staticmethod
+    def seeded_generator(seq: ScheduledSeq, device: torch.device, salt: int = 0) -> torch.Generator:
+        """The generator of a seeded request's draw for output index `seq.num_output_tokens`."""
+        g = torch.Generator(device=device)
+        seed = _row_seed(seq.sampling_params.seed, seq.num_output_tokens)
+        g.manual_seed(_row_seed(seed, salt) if salt else seed)
+        return g
+
+    def uniform(self, seqs: list[ScheduledSeq], device: torch.device, salt: int) -> torch.Tensor:
+        """[R] uniform draws in [0, 1), one per row, seeded like `draw` (rejection sampling's coins)."""
+        u = torch.empty(len(seqs), device=device)
+        if any(s.sampling_params.seed is None for s in seqs):
+            u.uniform_(generator=self._shared_generator(device))
+        for r, s in enumerate(seqs):
+            if s.sampling_params.seed is not None:
+                u[r : r + 1].uniform_(generator=self.seeded_generator(s, device, salt))
+        return u
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         g = self._generators.get(device)

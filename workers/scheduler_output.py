@@ -7,6 +7,7 @@ how to sample the sequences whose last scheduled token completes their known tok
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from workers.sampling_params import SamplingParams
 
@@ -26,6 +27,14 @@ class ScheduledSeq:
 
     @property
     def num_tokens(self) -> int:
+    # Speculative decoding: the proposed tokens, which are also the last len(spec_token_ids) of token_ids
+    # (token_ids = [last known token, *drafts]); the runner verifies them (workers/spec_decode/verify.py).
+    spec_token_ids: list[int] = field(default_factory=list)
+    # [len(spec_token_ids), V] float32 draft probabilities of a sampled request's drafts (the proposal
+    # distribution q); None: the drafts were proposed deterministically (n-gram, greedy draft), q is one-hot.
+    spec_probs: Any = None
+    # Driver only: KV slots the scheduler reserved for drafts (the proposer fills up to this many).
+    num_lookahead: int = 0
         return len(self.token_ids)
 
     @property
@@ -61,3 +70,6 @@ class ModelRunnerOutput:
     """Tokens sampled this step, keyed by sequence (only sequences with `sample=True`)."""
 
     sampled: dict[str, SampledToken]
+    # Speculating sequences: every token emitted this step, in order (accepted drafts, then the corrected
+    # or bonus token); sampled[seq_id] is its first.
+    spec: dict[str, list[SampledToken]] = field(default_factory=dict)

@@ -69,7 +69,11 @@ class StepEncoder:
                               s.output_token_ids or None))
                 order.append(1)
                 sent.num_blocks = len(table)
-        return pickle.dumps((out.finished_seq_ids, forget, new, known, bytes(order)), protocol=pickle.HIGHEST_PROTOCOL)
+        # Speculative decoding's drafts (and a draft model's q, on the host) are per step: (index in the step, ...).
+        spec = [(i, s.spec_token_ids, None if s.spec_probs is None else s.spec_probs.cpu())
+                for i, s in enumerate(out.seqs) if s.spec_token_ids]
+        return pickle.dumps((out.finished_seq_ids, forget, new, known, bytes(order), spec),
+                            protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class StepDecoder:
@@ -79,7 +83,7 @@ class StepDecoder:
         self._held: dict[int, ScheduledSeq] = {}
 
     def decode(self, payload: bytes) -> SchedulerOutput:
-        finished_ids, forget, new, known, order = pickle.loads(payload)
+        finished_ids, forget, new, known, order, spec = pickle.loads(payload)
         held = self._held
         for slot in forget:
             held.pop(slot, None)
@@ -98,7 +102,10 @@ class StepDecoder:
                 if appended:
                     seq.block_table.extend(appended)
                 seq.prompt_token_ids, seq.output_token_ids = prompt or [], output or []
+            seq.spec_token_ids, seq.spec_probs = [], None  # a held sequence's drafts were last step's
             seqs.append(seq)
+        for i, drafts, probs in spec:
+            seqs[i].spec_token_ids, seqs[i].spec_probs = drafts, probs
         return SchedulerOutput(seqs=seqs, finished_seq_ids=finished_ids)
 
     @property
@@ -112,6 +119,10 @@ def pack_output(result: ModelRunnerOutput | None, out: SchedulerOutput) -> tuple
     if result is None:
         return None
     sampled = result.sampled
+    if result.spec:  # speculative decoding: several tokens per sequence
+        return ("spec", [(seq_id, [(t.token_id, t.logprob, t.top_logprobs) for t in toks])
+                         for seq_id, toks in result.spec.items()],
+                [(seq_id, t.token_id, t.logprob, t.top_logprobs) for seq_id, t in sampled.items() if seq_id not in result.spec])
     expected = [s.seq_id for s in out.seqs if s.sample]
     if len(expected) == len(sampled) and all(seq_id in sampled for seq_id in expected):
         tokens = [sampled[seq_id] for seq_id in expected]
@@ -121,6 +132,11 @@ def pack_output(result: ModelRunnerOutput | None, out: SchedulerOutput) -> tuple
 
 
 def unpack_output(packed: tuple, out: SchedulerOutput) -> ModelRunnerOutput:
+    if packed[0] == "spec":
+        spec = {seq_id: [SampledToken(*t) for t in toks] for seq_id, toks in packed[1]}
+        sampled = {seq_id: SampledToken(tok, lp, top) for seq_id, tok, lp, top in packed[2]}
+        sampled.update((seq_id, toks[0]) for seq_id, toks in spec.items())
+        return ModelRunnerOutput(sampled, spec)
     if packed[0] == "keyed":
         return ModelRunnerOutput({seq_id: SampledToken(tok, lp, top) for seq_id, tok, lp, top in packed[1]})
     _, token_ids, logprobs, tops = packed

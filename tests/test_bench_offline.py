@@ -1,0 +1,23 @@
+"""scripts/bench_offline.py --isolate: each layout's run in its own process, merged into one report."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_offline.py"
+
+
+def test_isolated_layouts_run_in_child_processes_and_merge(tmp_path):
+    out = tmp_path / "offline.json"
+    subprocess.run([sys.executable, str(SCRIPT), "--num-requests", "4", "--mean-output", "4", "--max-output", "8",
+                    "--layouts", "uni", "--repeat", "2", "--isolate", "--skip-hf", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    report = json.loads(out.read_text())
+    runs = report["results"]
+    assert set(runs) == {"tandem[uni]#1", "tandem[uni]#2"}
+    for r in runs.values():  # each child generated every requested token and reported its own timing
+        assert r["output_tokens"] == report["output_tokens"]
+        assert r["seconds"] > 0 and r["vs_first_layout"] == 1.0
+    assert report["args"]["isolate"] is True

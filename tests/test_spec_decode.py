@@ -1,0 +1,249 @@
+"""Speculative decoding (issue 16): config validation, the n-gram proposer, greedy outputs token-identical
+to plain decoding (n-gram and draft model, batched, with stops, max_tokens, logprobs, preemption and
+prefix caching inside speculative runs), mixed batches, the counters, and the scheduler's lookahead
+slots. The sampled distribution is tested in tests/test_spec_sampling.py."""
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.models import assert_engine_clean, tiny_model
+from tandem import LLM, SamplingParams
+from workers.spec_decode.ngram import propose_ngram
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Repetitive prompts (a list, a quoted sentence) and plain ones, of different lengths.
+PROMPTS = [
+    "numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 numbers: 0 1 2 3",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps",
+    "Hello world!",
+    "Paged attention keeps the KV cache in fixed-size blocks. Paged attention keeps the",
+]
+
+
+def perturbed_copy(src: str, dst, noise: float, seed: int = 0) -> str:
+    """A draft close to the target: its folder with every weight w -> w + noise * std(w) * N(0, 1)."""
+    path = shutil.copytree(src, dst)
+    weights = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    for name, w in weights.items():
+        if noise and w.numel() > 1:
+            weights[name] = w + noise * w.std() * torch.randn(w.shape, generator=g)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+def make(path=None, **kw) -> LLM:
+    kw = {"dtype": "float32", "device": "cpu", "show_progress": False, "block_size": 4, **kw}
+    return LLM(model=path or tiny_model("llama"), **kw)
+
+
+def greedy(n=24, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, **{"ignore_eos": True, **kw})
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return make()
+
+
+@pytest.fixture(scope="module")
+def same_draft(tmp_path_factory):
+    """The target's own weights as the draft: every greedy draft is accepted, so runs are k+1 long and
+    every stop condition lands inside one."""
+    return make(speculative_config={"model": perturbed_copy(tiny_model("llama"), tmp_path_factory.mktemp("d") / "m", 0.0),
+                                    "num_speculative_tokens": 4})
+
+
+def check_same(ref, out):
+    for a, b in zip(ref, out):
+        assert b.token_ids == a.token_ids
+        assert b.text == a.text
+        assert (b.finish_reason, b.stop_reason) == (a.finish_reason, a.stop_reason)
+
+
+# ---- config ----
+@pytest.mark.parametrize("cfg, message", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "unknown method 'eagle'"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be >= 1"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"num_speculative_tokens": 2}, "give a method"),
+    ({"model": "/nowhere", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size=2"),
+])
+def test_bad_config_is_a_value_error_naming_the_problem(cfg, message):
+    from workers.config import EngineArgs, EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_kwargs(model=tiny_model("llama"), speculative_config=cfg)
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(speculative_config=cfg)  # the served app's and the CLI's config too
+
+
+def test_draft_with_another_vocabulary_is_refused(tmp_path):
+    from workers.config import EngineConfig
+
+    other = tiny_model("llama", vocab_size=320)
+    with pytest.raises(ValueError, match="vocabulary of 320 tokens, the target 300"):
+        EngineConfig.from_kwargs(model=tiny_model("llama"), speculative_config={"model": other, "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="no config.json in the draft model folder"):
+        EngineConfig.from_kwargs(model=tiny_model("llama"), speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2})
+
+
+def test_cli_flag_parses_json():
+    from tandem.cli import build_parser
+
+    ns = build_parser().parse_args(["generate", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert ns.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+
+
+# ---- n-gram proposer ----
+def test_ngram_proposes_the_continuation_of_the_latest_longest_match():
+    assert propose_ngram([1, 2, 3, 4, 5, 1, 2, 3], 3, 1, 3) == [4, 5, 1]
+    assert propose_ngram([1, 2, 9, 7, 1, 2, 8, 6, 1, 2], 2, 1, 2) == [8, 6]  # most recent occurrence
+    assert propose_ngram([4, 5, 6, 1, 5, 6], 3, 1, 2) == [1, 5, 6]  # the 2-gram (5, 6) beats the 1-gram
+    assert propose_ngram([1, 2, 3], 3, 1, 3) == []
+    assert propose_ngram([7, 8, 7, 9], 2, 2, 3) == []  # only a 1-gram matches, below prompt_lookup_min
+    assert propose_ngram([5, 6, 5, 6], 4, 1, 3) == [5, 6]  # fewer than k where the context ends
+
+
+# ---- greedy: token-identical ----
+def test_ngram_greedy_is_token_identical_batched(plain):
+    spec = make(speculative_config=NGRAM)
+    params = [greedy(24), greedy(17, logprobs=2), greedy(30), greedy(9)]
+    ref = plain.generate(PROMPTS, params)
+    out = spec.generate(PROMPTS, params)
+    check_same(ref, out)
+    for lp_ref, lp in zip(ref[1].logprobs, out[1].logprobs):  # logprobs of every emitted token
+        assert lp.keys() == lp_ref.keys()
+        assert all(abs(lp[t] - lp_ref[t]) < 1e-4 for t in lp)
+    m = spec.get_metrics()
+    assert m["spec_decode_num_draft_tokens"] > 0 and m["spec_decode_num_accepted_tokens"] > 0
+    assert sum(m["spec_decode_num_accepted_tokens_per_pos"]) == m["spec_decode_num_accepted_tokens"]
+    assert m["spec_decode_num_accepted_tokens_per_pos"][0] >= m["spec_decode_num_accepted_tokens_per_pos"][-1]
+    assert_engine_clean(spec)
+
+
+def test_draft_model_greedy_is_token_identical(plain, tmp_path):
+    draft = perturbed_copy(tiny_model("llama"), tmp_path / "draft", 0.3)
+    spec = make(speculative_config={"model": draft, "num_speculative_tokens": 3})
+    params = [greedy(20), greedy(26), greedy(13), greedy(20, logprobs=1)]
+    check_same(plain.generate(PROMPTS, params), spec.generate(PROMPTS, params))
+    m = spec.get_metrics()
+    assert 0 < m["spec_decode_num_accepted_tokens"] < m["spec_decode_num_draft_tokens"]  # some rejected, some kept
+    assert_engine_clean(spec)
+
+
+def test_stops_inside_accepted_runs(plain, same_draft):
+    ref = plain.generate(PROMPTS[:2], greedy(30))
+    assert same_draft.get_metrics()["spec_decode_acceptance_rate"] in (0.0, 1.0)
+    for r in ref:
+        toks = r.token_ids
+        for n in (1, 2, 3, 6, 7, 11):  # max_tokens at every offset of a run of 5
+            check_same(plain.generate(r.prompt_token_ids, greedy(n)), same_draft.generate(r.prompt_token_ids, greedy(n)))
+        for j in (3, 7, 12):  # a stop token, an EOS-like stop, min_tokens past an earlier occurrence
+            stop = toks[j]
+            for kw in ({"stop_token_ids": [stop]}, {"stop_token_ids": [stop], "min_tokens": j + 1}):
+                p = greedy(30, **kw)
+                check_same(plain.generate(r.prompt_token_ids, p), same_draft.generate(r.prompt_token_ids, p))
+        text = r.text
+        for cut in (len(text) // 3, len(text) // 2):
+            stop = text[cut:cut + 3]
+            if not stop.strip():
+                continue
+            for inc in (False, True):
+                p = greedy(30, stop=[stop], include_stop_str_in_output=inc, logprobs=0)
+                a, b = plain.generate(r.prompt_token_ids, p), same_draft.generate(r.prompt_token_ids, p)
+                check_same(a, b)
+                assert len(b[0].logprobs) == len(b[0].token_ids)
+    m = same_draft.get_metrics()
+    assert m["spec_decode_acceptance_rate"] == 1.0 and m["spec_decode_num_draft_tokens"] > 50
+    assert_engine_clean(same_draft)
+
+
+def test_preemption_and_prefix_caching_with_speculation():
+    """A cache of 40 blocks of 4 tokens for 6 sequences of up to 60 tokens: sequences are preempted and
+    recomputed (their draft slots too), and the repeated prompts hit the prefix cache."""
+    prompts = PROMPTS + PROMPTS[:2]
+    params = greedy(40)
+    ref = make(num_gpu_blocks_override=40, max_model_len=100).generate(prompts, params)
+    spec = make(speculative_config=NGRAM, num_gpu_blocks_override=40, max_model_len=100)
+    out = spec.generate(prompts, params)
+    check_same(ref, out)
+    stats = spec.get_metrics()
+    assert stats["preemptions"] > 0 and stats["prefix_hit_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    spec.llm_engine.block_manager.check_invariants()
+    assert_engine_clean(spec)
+
+
+def test_mixed_batch_greedy_sampled_and_opted_out(plain, tmp_path):
+    """Greedy, seeded sampled (with penalties) and opted-out requests share steps; greedy and opted-out
+    ones equal plain decoding, seeded ones are reproducible."""
+    draft = perturbed_copy(tiny_model("llama"), tmp_path / "draft", 0.2)
+    spec = make(speculative_config={"model": draft, "num_speculative_tokens": 3})
+    eng = spec.llm_engine
+    sampled = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True,
+                             repetition_penalty=1.2, logprobs=1)
+
+    def run():
+        eng.add_request("g", PROMPTS[0], greedy(20))
+        eng.add_request("s", PROMPTS[1], sampled)
+        eng.add_request("o", PROMPTS[2], greedy(20), speculate=False)
+        eng.add_request("q", PROMPTS[3], greedy(20, frequency_penalty=0.5, min_tokens=5))
+        done = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+        return done
+
+    first, second = run(), run()
+    ref = plain.generate([PROMPTS[0], PROMPTS[2], PROMPTS[3]], [greedy(20), greedy(20), greedy(20, frequency_penalty=0.5, min_tokens=5)])
+    assert first["g"].token_ids == ref[0].token_ids
+    assert first["o"].token_ids == ref[1].token_ids
+    assert first["q"].token_ids == ref[2].token_ids
+    assert first["s"].token_ids == second["s"].token_ids and len(first["s"].token_ids) == 20  # seeded: reproducible
+    assert len(first["s"].logprobs) == 20
+    assert eng.spec_decoder.metrics()["spec_decode_num_accepted_tokens"] > 0
+    assert_engine_clean(spec)
+
+
+def test_speculation_turns_off_at_large_batches(plain):
+    spec = make(speculative_config={**NGRAM, "disable_by_batch_size": 3})
+    ref = plain.generate(PROMPTS, greedy(12))
+    check_same(ref, spec.generate(PROMPTS, greedy(12)))  # 4 running: never speculates
+    m = spec.get_metrics()
+    assert m["spec_decode_num_draft_tokens"] == 0 and m["spec_decode_num_steps_disabled"] > 0
+    check_same(ref[:2], spec.generate(PROMPTS[:2], greedy(12)))  # 2 running: speculates
+    assert spec.get_metrics()["spec_decode_num_draft_tokens"] > 0
+
+
+# ---- scheduler lookahead ----
+def test_lookahead_slots_are_reserved_and_rejected_ones_freed():
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+    from workers.config import SchedulerConfig
+    from workers.scheduler_output import ModelRunnerOutput, SampledToken
+
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(), bm)
+    seq = Sequence("a", list(range(1, 8)), SamplingParams(max_tokens=50))
+    sched.add(seq)
+    out = sched.schedule(lambda s: 5)  # prefill: no lookahead
+    assert out.seqs[0].num_lookahead == 0 and len(seq.block_table) == 2
+    sched.update(out, ModelRunnerOutput({"a": SampledToken(9, 0.0)}))  # 8 tokens, 7 computed
+    out = sched.schedule(lambda s: 5)
+    s = out.seqs[0]
+    assert s.num_lookahead == 5 and len(seq.block_table) == 4  # positions 7..12: blocks 0-3
+    s.spec_token_ids = [1, 2, 3, 4, 5]
+    s.token_ids = s.token_ids + s.spec_token_ids
+    # the verifier kept one draft and corrected the second: 2 tokens emitted
+    toks = [SampledToken(1, 0.0), SampledToken(7, 0.0)]
+    sched.update(out, ModelRunnerOutput({"a": toks[0]}, {"a": toks}))
+    sched.accept(seq, 7)
+    assert seq.num_computed_tokens == 9 and seq.token_ids[-2:] == [1, 7]
+    assert len(seq.block_table) == 3  # 10 tokens need 3 blocks: the 4th (rejected drafts' slots) is free again
+    assert bm.num_free_blocks == 13
+    bm.check_invariants()
