@@ -128,17 +128,6 @@ class SchedulerConfig(StrictModel):
                                             "many seconds for admission. Unset: no check offline, 5 when served.")
 
 
-SECTIONS: dict[str, type[StrictModel]] = {
-    "model": ModelConfig, "parallel": ParallelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-    "speculative": SpeculativeSection}
-
-
-class EngineConfig(StrictModel):
-    """The engine's config tree; build it from flat arguments with `from_kwargs` or `EngineArgs`."""
-
-    model: ModelConfig
-    parallel: ParallelConfig = ParallelConfig()
-    cache: CacheConfig = CacheConfig()
 class SpeculativeSection(StrictModel):
     """Speculative decoding (workers/spec_decode): off unless `speculative_config` is given."""
 
@@ -159,7 +148,26 @@ class SpeculativeSection(StrictModel):
         return parse_speculative_config(self.speculative_config)
 
 
+SECTIONS: dict[str, type[StrictModel]] = {
+    "model": ModelConfig, "parallel": ParallelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+    "speculative": SpeculativeSection}
+
+
+class EngineConfig(StrictModel):
+    """The engine's config tree; build it from flat arguments with `from_kwargs` or `EngineArgs`."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = ParallelConfig()
+    cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeSection = SpeculativeSection()
+
+    @model_validator(mode="after")
+    def _draft_matches_target(self) -> "EngineConfig":
+        spec = self.speculative.spec
+        if spec is not None:
+            spec.check_against_target(self.model.model)
+        return self
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -170,14 +178,6 @@ class SpeculativeSection(StrictModel):
             if owner is None:
                 raise ValueError(unknown_argument_message(key))
             if value is not None:
-    speculative: SpeculativeSection = SpeculativeSection()
-
-    @model_validator(mode="after")
-    def _draft_matches_target(self) -> "EngineConfig":
-        spec = self.speculative.spec
-        if spec is not None:
-            spec.check_against_target(self.model.model)
-        return self
                 grouped[owner][key] = value
         return cls(**{name: SECTIONS[name](**vals) for name, vals in grouped.items()})
 
@@ -208,6 +208,7 @@ class _EngineArgsBase(StrictModel):
     @model_validator(mode="after")
     def _valid_rank_grid(self) -> "_EngineArgsBase":
         self.parallel_config()  # the grid's own rules (EP spans a stage, ...) without loading anything
+        parse_speculative_config(getattr(self, "speculative_config", None))  # its keys; the draft folder loads later
         return self
 
 
@@ -218,7 +219,6 @@ def _flat_fields() -> dict[str, Any]:
             info = copy.deepcopy(info)
             if name == "model":  # every surface defaults to the shipped tiny model
                 info.default = DEFAULT_MODEL
-        parse_speculative_config(getattr(self, "speculative_config", None))  # its keys; the draft folder loads later
             fields[name] = (info.annotation, info)
     return fields
 

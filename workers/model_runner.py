@@ -24,8 +24,8 @@ from workers.sampler import Sampler
 from workers.sampling_params import SamplingParams
 from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from workers.sp_plan import gather_sample_hidden, plan_sp_step, sample_owner
-
 from workers.spec_decode.verify import verify
+
 log = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
@@ -284,9 +284,9 @@ class ModelRunner:
         Under TP, a batch of plain greedy rows gathers (max, id, log-sum-exp) per rank instead of
         the full vocabulary; anything else gathers full logits to the first TP rank.
         """
+        head = self.model.lm_head
         if any(s.spec_token_ids for s in seqs):  # speculative decoding: verify the drafts
             return self._verify(hidden, seqs)
-        head = self.model.lm_head
         if head.group.size > 1 and all(Sampler.is_plain_greedy(s) for s in seqs):
             result = head.greedy_tokens(hidden)
             if result is None:
@@ -302,16 +302,6 @@ class ModelRunner:
         sampled = self.sampler(logits, seqs)
         return ModelRunnerOutput({s.seq_id: tok for s, tok in zip(seqs, sampled)})
 
-    def kv_shard(self, rank: int) -> "RankShard":
-        """Which global layers and KV heads this rank's cache holds, and under SP which blocks (its SP
-        rank's), for resharding KV transfers."""
-        from parallel.linear import QKVParallelLinear
-        from workers.kv_transfer.plan import RankShard
-
-        qkv = next(m for m in self.model.modules() if isinstance(m, QKVParallelLinear))
-        layers = self.model.layer_range
-        return RankShard(rank, range(layers.start, layers.stop), range(qkv.kv_head_start, qkv.kv_head_start + qkv.num_kv_heads),
-                         self.sp.rank, self.sp.size)
     def _verify(self, hidden: torch.Tensor, seqs: list[ScheduledSeq]) -> ModelRunnerOutput:
         """A step with speculating sequences: hidden has len(spec_token_ids) + 1 rows for each of them
         (one for the others). Their proposals are verified (workers/spec_decode/verify.py); the others
@@ -336,3 +326,13 @@ class ModelRunner:
             out.spec[s.seq_id] = toks
         return out
 
+    def kv_shard(self, rank: int) -> "RankShard":
+        """Which global layers and KV heads this rank's cache holds, and under SP which blocks (its SP
+        rank's), for resharding KV transfers."""
+        from parallel.linear import QKVParallelLinear
+        from workers.kv_transfer.plan import RankShard
+
+        qkv = next(m for m in self.model.modules() if isinstance(m, QKVParallelLinear))
+        layers = self.model.layer_range
+        return RankShard(rank, range(layers.start, layers.stop), range(qkv.kv_head_start, qkv.kv_head_start + qkv.num_kv_heads),
+                         self.sp.rank, self.sp.size)

@@ -24,9 +24,6 @@ class ScheduledSeq:
     # Filled only when sampling_params.needs_token_history (penalties), else empty.
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
     # Speculative decoding: the proposed tokens, which are also the last len(spec_token_ids) of token_ids
     # (token_ids = [last known token, *drafts]); the runner verifies them (workers/spec_decode/verify.py).
     spec_token_ids: list[int] = field(default_factory=list)
@@ -35,6 +32,9 @@ class ScheduledSeq:
     spec_probs: Any = None
     # Driver only: KV slots the scheduler reserved for drafts (the proposer fills up to this many).
     num_lookahead: int = 0
+
+    @property
+    def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
