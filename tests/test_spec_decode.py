@@ -3,6 +3,7 @@ to plain decoding (n-gram and draft model, batched, with stops, max_tokens, logp
 prefix caching inside speculative runs), mixed batches, the counters, and the scheduler's lookahead
 slots. The sampled distribution is tested in tests/test_spec_sampling.py."""
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ PROMPTS = [
 
 def perturbed_copy(src: str, dst, noise: float, seed: int = 0) -> str:
     """A draft close to the target: its folder with every weight w -> w + noise * std(w) * N(0, 1)."""
-    path = shutil.copytree(src, dst)
+    path = Path(shutil.copytree(src, dst))
     weights = load_file(str(path / "model.safetensors"))
     g = torch.Generator().manual_seed(seed)
     for name, w in weights.items():
