@@ -18,6 +18,9 @@ Who records what:
         tandem_kv_blocks_used{pool}, tandem_prefix_cache_hit_tokens
     the KV handoff (disaggregated pools): tandem_kv_transfer_bytes, tandem_kv_transfer_seconds
     each decode replica, per request: tandem_prefill_site_total{site} (local: prefilled there; remote: handed off)
+    each engine replica that speculates (from its engine stats): tandem_spec_decode_num_drafts{pool},
+        tandem_spec_decode_num_draft_tokens{pool}, tandem_spec_decode_num_accepted_tokens{pool},
+        tandem_spec_decode_num_accepted_tokens_per_pos{pool, position}
     front ends, per finished request, from its timeline (`RequestTimer`, `STAGES`):
         tandem_request_stage_seconds{stage, site}; with `trace_requests`, one JSON line on the `tandem.trace` logger
 """
@@ -102,8 +105,20 @@ REQUEST_STAGE = Histogram("tandem_request_stage_seconds", description="Duration 
                           "timeline (`STAGES`), per site: colocated, local (prefilled on its decode replica) or remote "
                           "(handed off to the prefill pool).", boundaries=_STAGE_S, tag_keys=("stage", "site"))
 
+# Speculative decoding (engine/spec_decode.py), vLLM's names: proposals, drafted and accepted tokens, and accepted
+# tokens by draft position (acceptance at position i = accepted_per_pos{position=i} / drafts).
+SPEC_DRAFTS = Counter("tandem_spec_decode_num_drafts", description="Speculative proposals verified (one per "
+                      "speculating sequence and step).", tag_keys=("pool",))
+SPEC_DRAFT_TOKENS = Counter("tandem_spec_decode_num_draft_tokens", description="Draft tokens proposed and verified.",
+                            tag_keys=("pool",))
+SPEC_ACCEPTED_TOKENS = Counter("tandem_spec_decode_num_accepted_tokens", description="Draft tokens the target accepted.",
+                               tag_keys=("pool",))
+SPEC_ACCEPTED_PER_POS = Counter("tandem_spec_decode_num_accepted_tokens_per_pos", description="Draft tokens accepted, "
+                                "by position in the proposal (0 = first).", tag_keys=("pool", "position"))
+
 METRICS = {m.info["name"]: m for m in (TTFT, TPOT, E2E, QUEUE_DEPTH, REQUESTS, PREFIX_CACHE_HIT_TOKENS, KV_BLOCKS_USED,
-                                KV_TRANSFER_BYTES, KV_TRANSFER_SECONDS, PREFILL_SITE, REQUEST_STAGE)}
+                                KV_TRANSFER_BYTES, KV_TRANSFER_SECONDS, PREFILL_SITE, REQUEST_STAGE, SPEC_DRAFTS,
+                                SPEC_DRAFT_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_ACCEPTED_PER_POS)}
 
 # ---- request timelines (docs/architecture.md, "Request timeline") ----
 # A finished request's `RequestOutput.timeline` holds wall-clock stamps (time.time()) from every process it
@@ -232,6 +247,7 @@ class PoolGauges:
     def __init__(self, pool: str) -> None:
         self.tags = {"pool": pool}
         self.hits_seen = 0
+        self.spec_seen: dict[str, int] = {}  # engine counter (or per-position key) -> value already counted
 
     def __call__(self, stats: dict) -> None:
         QUEUE_DEPTH.set(stats["waiting"], tags=self.tags)
@@ -240,3 +256,19 @@ class PoolGauges:
         if hits > self.hits_seen:
             PREFIX_CACHE_HIT_TOKENS.inc(hits - self.hits_seen)
         self.hits_seen = hits
+        self._spec(stats)
+
+    def _spec(self, stats: dict) -> None:
+        """The engine's cumulative speculative-decoding counters -> the Prometheus counters, by difference."""
+        if not stats.get("spec_decode_num_drafts"):
+            return
+        totals = {name: (metric, self.tags, stats[name]) for name, metric in (
+            ("spec_decode_num_drafts", SPEC_DRAFTS), ("spec_decode_num_draft_tokens", SPEC_DRAFT_TOKENS),
+            ("spec_decode_num_accepted_tokens", SPEC_ACCEPTED_TOKENS))}
+        for pos, n in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", [])):
+            totals[f"pos{pos}"] = (SPEC_ACCEPTED_PER_POS, {**self.tags, "position": str(pos)}, n)
+        for key, (metric, tags, value) in totals.items():
+            seen = self.spec_seen.get(key, 0)
+            if value > seen:
+                metric.inc(value - seen, tags=tags)
+            self.spec_seen[key] = value
