@@ -53,6 +53,7 @@ class ModelRunner:
         self._warm_up_kernels()
         # TP ranks capture together in `resize_kv_cache` (a capture runs collectives), once the block count is agreed.
         self.cuda_graphs = self._capture_cuda_graphs() if tp_group().size == 1 else None
+        self.verify_graphs = self._capture_verify_graphs()
 
     def _warm_up_kernels(self) -> None:
         """Compile the Triton kernels for every prefill tile size (16, 32, 64, 128 tokens; 512 for the
@@ -93,6 +94,25 @@ class ModelRunner:
 
         return maybe_capture(self)
 
+    def _capture_verify_graphs(self):
+        """Speculative decoding's verification steps in CUDA graphs (workers/spec_decode/graphs.py), for the
+        batch sizes that speculate; None without speculation, where decode graphs are off, or under TP."""
+        spec = self.config.speculative.spec
+        if spec is None or self.cuda_graphs is None:
+            return None
+        from workers.spec_decode.graphs import maybe_capture_verify
+
+        max_batch = min(self.config.scheduler.max_num_seqs, spec.batch_size_limit - 1, 256)
+        return maybe_capture_verify(self, spec.num_speculative_tokens, max_batch)
+
+    @torch.inference_mode()
+    def logits_of(self, out: SchedulerOutput) -> torch.Tensor:
+        """The eager forward of one single-rank step: logits at its sample rows (each verified row)."""
+        token_ids, positions, meta, rows = self.prepare(out)
+        with forward_context(meta):
+            hidden, _ = self.model(token_ids, positions, None, None)
+        return self.model.lm_head.compute_logits(hidden[rows])
+
     @property
     def is_output_rank(self) -> bool:
         """The rank whose `execute` returns the sampled tokens: last pipeline stage, first TP/SP rank."""
@@ -117,7 +137,7 @@ class ModelRunner:
         if num_blocks < self.num_blocks:
             for layer in self.attn_layers:
                 layer.kv_cache = None
-            self.cuda_graphs = None  # they read the old cache's addresses
+            self.cuda_graphs = self.verify_graphs = None  # they read the old cache's addresses
             del self.kv_cache  # freed before the smaller one is made, so peak memory does not double
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -125,6 +145,7 @@ class ModelRunner:
             self.kv_cache = self._allocate_kv_cache(num_blocks)
         if self.cuda_graphs is None:
             self.cuda_graphs = self._capture_cuda_graphs()
+            self.verify_graphs = self._capture_verify_graphs()
 
     def kv_bytes_per_block(self) -> int:
         a = self.attn_layers[0]
@@ -228,6 +249,10 @@ class ModelRunner:
         return an empty output."""
         if out.is_empty:
             return ModelRunnerOutput({})
+        verify_graphs = getattr(self, "verify_graphs", None)
+        if verify_graphs is not None and verify_graphs.can_run(out):  # speculative decoding, graphed
+            logits, rows = verify_graphs.run(out)
+            return self._verify_logits(logits[rows], out.seqs)
         graphs = getattr(self, "cuda_graphs", None)  # unset while the KV budget is being profiled
         if graphs is not None and graphs.can_run(out):
             if not graphs.with_head:  # TP: every rank replays, the head runs eagerly
@@ -309,6 +334,10 @@ class ModelRunner:
         logits = self.model.lm_head.compute_logits(hidden)
         if logits is None:
             return ModelRunnerOutput({})
+        return self._verify_logits(logits, seqs)
+
+    def _verify_logits(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> ModelRunnerOutput:
+        """logits: len(spec_token_ids) + 1 rows per sequence, in order."""
         spec = [s for s in seqs if s.spec_token_ids]
         plain = [s for s in seqs if not s.spec_token_ids]
         spec_rows: list[int] = []
