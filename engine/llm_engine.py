@@ -89,6 +89,10 @@ class LLMEngine:
         spec = config.speculative.spec
         self.spec_decoder = None if spec is None else SpecDecoder(config, spec, num_blocks, self.max_model_len,
                                                                    self.eos_token_ids)
+        runner = getattr(self.executor, "runner", None)
+        if spec is not None and runner is not None and runner.device.type == "cuda" and runner.verify_graphs is None:
+            log.warning("speculative decoding: verification steps run without CUDA graphs (TP, enforce_eager, or "
+                        "their capture failed); on a GPU that is slower than plain decoding (docs/benchmarks.md)")
         self.requests: dict[str, _Request] = {}
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # sent to the ranks, not yet collected
         self._deferred: list[tuple[Sequence, str]] = []  # finished while the step in flight still runs them

@@ -33,7 +33,7 @@ class SpecDecoder:
 
             self.draft = DraftProposer(config, spec, num_blocks, max_model_len, eos_token_ids)
             self.max_len = min(self.max_len, self.draft.max_model_len)
-        self.batch_limit = spec.batch_size_limit
+        self.batch_limit = spec.batch_size_limit(config.model.resolved_device().type)
         self._step_k = self.k
         # Counters (vLLM's names): proposals, drafted and accepted tokens, acceptance per draft position.
         self.num_drafts = 0

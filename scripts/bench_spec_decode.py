@@ -251,6 +251,53 @@ def draft_batch1(llm: LLM, prompt: list[int], args) -> dict:
     return res
 
 
+NATURAL_PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main():", "class LRUCache:\n    def __init__(self, capacity):",
+                   "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(", "# Read a CSV file and sum a column\nimport csv\n",
+                   "def is_prime(n):\n    \"\"\"Return True if n is prime.\"\"\"", "with open(path) as f:\n    for line in f:",
+                   "class Stack:\n    \"\"\"A LIFO stack.\"\"\"\n"]
+
+
+def draft_natural(llm: LLM, args) -> dict:
+    """Plain vs draft model vs n-gram on ordinary code-completion prompts (no repeated context), one at a
+    time (batch 1) and all together: what a real draft's acceptance buys."""
+    n = args.new_tokens
+    prompts = [llm.llm_engine.tokenizer.encode(p) for p in NATURAL_PROMPTS]
+
+    def timed(engine: LLM) -> tuple[float, float, list[list[int]]]:
+        generate(engine, prompts[:1], 4, args.device)  # warm-up
+        t1 = sum(generate(engine, [p], n, args.device)[0] for p in prompts)
+        tb, outs = generate(engine, prompts, n, args.device)
+        return t1, tb, outs
+
+    set_spec(llm, None)
+    t1_plain, tb_plain, ref = timed(llm)
+    total = n * len(prompts)
+    res = {"prompts": len(prompts), "new_tokens": n, "plain": {"batch1_tok_s": round(total / t1_plain, 1),
+                                                             "batched_tok_s": round(total / tb_plain, 1)}}
+    for k in args.ngram_k:
+        candidates = [("ngram", None, ngram_decoder(llm, k))]
+        if args.draft:
+            candidates.append(("draft", LLM(model=args.model, device=args.device, dtype=args.dtype, show_progress=False,
+                                            load_format=args.load_format, max_num_seqs=len(prompts),
+                                            max_model_len=llm.llm_engine.max_model_len,
+                                            speculative_config={"model": args.draft, "num_speculative_tokens": k}), None))
+        for name, engine, spec in candidates:
+            if engine is None:
+                set_spec(llm, spec)  # the default batch-size policy, as the draft engine has it
+                engine = llm
+            spec = engine.llm_engine.spec_decoder
+            t1, tb, outs = timed(engine)
+            res[f"{name}_k{k}"] = {"batch1_tok_s": round(total / t1, 1), "batch1_speedup": round(t1_plain / t1, 3),
+                                   "batched_tok_s": round(total / tb, 1), "batched_speedup": round(tb_plain / tb, 3),
+                                   **spec_counts(spec), "agreement": agreement(ref, outs)}
+            print(f"natural prompts {name} k={k}: batch 1 {t1_plain / t1:.2f}x, batched {tb_plain / tb:.2f}x, "
+                  f"acceptance {res[f'{name}_k{k}']['acceptance']}", flush=True)
+            if engine is not llm:
+                engine.shutdown()
+        set_spec(llm, None)
+    return res
+
+
 def batches(llm: LLM, prompt: list[int], args) -> dict:
     out = {}
     n = args.batch_new_tokens
@@ -298,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-k", type=int, default=4)
     ap.add_argument("--batch-new-tokens", type=int, default=64)
     ap.add_argument("--sections", default="step_cost,ngram_batch1,batch",
-                    help="any of step_cost, ngram_batch1, batch, draft_batch1 (needs --draft)")
+                    help="any of step_cost, ngram_batch1, batch, draft_batch1 (needs --draft), draft_natural")
     ap.add_argument("--draft", default=None, help="draft model folder for draft_batch1")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes (CPU tests)")
     ap.add_argument("--out", default="spec_decode")
@@ -313,10 +360,15 @@ def main(argv: list[str] | None = None) -> int:
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     sections = args.sections.split(",")
 
-    max_batch = max(args.batch_sizes + args.step_batch_sizes)
+    max_batch = max(args.batch_sizes + args.step_batch_sizes + [len(NATURAL_PROMPTS)])
+    from workers.loader import load_hf_config
+
+    limit = getattr(load_hf_config(args.model), "max_position_embeddings", 1 << 20)
+    # the code-editing prompt is about 1.12 x the file; keep prompt + output inside the model's positions
+    args.file_tokens = max(32, min(args.file_tokens, int((limit - args.new_tokens - 64) / 1.2)))
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
               max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch * (args.max_k + 1)),
-              max_model_len=args.file_tokens * 2 + args.new_tokens + 256, show_progress=False,
+              max_model_len=min(limit, args.file_tokens * 2 + args.new_tokens + 256), show_progress=False,
               # The engine's own verification graphs: q = the largest k the runs below use, at every batch size
               # (the SpecDecoders swapped in per run carry their own policies).
               speculative_config={"method": "ngram", "disable_by_batch_size": max_batch + 1,
@@ -331,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     runs = {"step_cost": lambda: step_cost(llm, args), "ngram_batch1": lambda: batch1(llm, prompt, args),
             "batch": lambda: batches(llm, prompt[: min(len(prompt), 512)], args),
-            "draft_batch1": lambda: draft_batch1(llm, prompt, args)}
+            "draft_batch1": lambda: draft_batch1(llm, prompt, args), "draft_natural": lambda: draft_natural(llm, args)}
     failed = False
     for name in sections:
         try:

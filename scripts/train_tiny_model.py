@@ -65,6 +65,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-file-kb", type=int, default=200, help="skip source files larger than this")
     p.add_argument("--val-every", type=int, default=25, help="hold out every N-th file for validation")
     p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--tokenizer", default=None, help="reuse this folder's tokenizer instead of training one (a "
+                   "speculative-decoding draft for a model trained here: --tokenizer models/tandem-tiny)")
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -283,7 +285,11 @@ def prepare_data(args: argparse.Namespace, rng: random.Random, log: Callable[[st
     log(f"corpus: {n_files} files from {root}: train {len(train_docs)} files / {train_bytes / 1e6:.2f} MB, "
         f"val {len(val_docs)} files / {val_bytes / 1e6:.2f} MB")
 
-    hf_tok = train_tokenizer(train_docs, args.vocab_size)
+    if args.tokenizer:  # a draft model for speculative decoding must speak its target's tokens
+        hf_tok = AutoTokenizer.from_pretrained(args.tokenizer)
+        log(f"tokenizer: reused from {args.tokenizer}")
+    else:
+        hf_tok = train_tokenizer(train_docs, args.vocab_size)
     save_tokenizer(hf_tok, out)
     tok = AutoTokenizer.from_pretrained(out)  # use exactly what we ship
     eos_id = tok.convert_tokens_to_ids(EOS)

@@ -16,7 +16,7 @@ def test_dry_run_fills_every_section(tmp_path):
     out = tmp_path / "spec"
     tiny = str(REPO / "models" / "tandem-tiny")
     assert main(["--model", tiny, "--device", "cpu", "--dry-run", "--out", str(out), "--draft", tiny,
-                 "--sections", "step_cost,ngram_batch1,batch,draft_batch1"]) == 0
+                 "--sections", "step_cost,ngram_batch1,batch,draft_batch1,draft_natural"]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     for b in ("1", "2"):
         cost = report["step_cost"][b]
@@ -30,6 +30,9 @@ def test_dry_run_fills_every_section(tmp_path):
     assert 0.3 < emu["acceptance"] <= 1.0 and emu["drafts"] > 0  # the emulated proposer is verified like any
     row = report["batch"]["3"]
     assert row["plain_tok_s"] > 0 and row["forced_on"]["drafts"] > 0
-    assert row["policy"]["batch_size_limit"] == 128 // 5
+    assert row["policy"]["batch_size_limit"] == 24 // 5  # the CPU budget
     draft = report["draft_batch1"]["2"]  # the model as its own draft: every greedy draft is accepted
     assert draft["acceptance"] == 1.0 and draft["agreement"]["identical"] == "1/1"
+    natural = report["draft_natural"]
+    assert natural["draft_k2"]["acceptance"] == 1.0 and natural["draft_k2"]["agreement"]["identical"] == "8/8"
+    assert natural["ngram_k2"]["batch1_tok_s"] > 0 and natural["plain"]["batched_tok_s"] > 0

@@ -248,3 +248,30 @@ def test_lookahead_slots_are_reserved_and_rejected_ones_freed():
     assert len(seq.block_table) == 3  # 10 tokens need 3 blocks: the 4th (rejected drafts' slots) is free again
     assert bm.num_free_blocks == 13
     bm.check_invariants()
+
+
+# ---- multi-rank transport ----
+def test_drafts_and_verified_runs_cross_the_rank_channel():
+    """What a Ray executor sends its ranks (workers/step_delta.py): drafts and q per step, forgotten the
+    step after; several tokens per sequence back."""
+    from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
+    from workers.step_delta import StepDecoder, StepEncoder, pack_output, unpack_output
+
+    enc, dec = StepEncoder(), StepDecoder()
+    p = SamplingParams(temperature=0.7, max_tokens=9)
+    q = torch.rand(2, 300)
+    first = SchedulerOutput([ScheduledSeq("a", [5, 6, 7], 10, [0, 1, 2], True, p, 3, spec_token_ids=[6, 7], spec_probs=q),
+                             ScheduledSeq("b", [9], 4, [3], True, p, 1)])
+    got = dec.decode(enc.encode(first))
+    assert got.seqs[0].spec_token_ids == [6, 7] and torch.equal(got.seqs[0].spec_probs, q)
+    assert got.seqs[1].spec_token_ids == [] and got.seqs[1].spec_probs is None
+    second = SchedulerOutput([ScheduledSeq("a", [8], 13, [0, 1, 2], True, p, 6), ScheduledSeq("b", [2, 4], 5, [3], True, p, 2,
+                                                                                              spec_token_ids=[4])])
+    got = dec.decode(enc.encode(second))
+    assert got.seqs[0].spec_token_ids == [] and got.seqs[0].spec_probs is None  # last step's drafts are gone
+    assert got.seqs[1].spec_token_ids == [4] and got.seqs[1].spec_probs is None
+    result = ModelRunnerOutput({"a": SampledToken(1, -0.5), "b": SampledToken(4, -0.1, [(4, -0.1)])},
+                               {"b": [SampledToken(4, -0.1, [(4, -0.1)]), SampledToken(8, -1.0, [(8, -1.0)])]})
+    back = unpack_output(pack_output(result, second), second)
+    assert back.sampled["a"].token_id == 1 and [t.token_id for t in back.spec["b"]] == [4, 8]
+    assert back.sampled["b"].token_id == 4 and back.spec["b"][1].top_logprobs == [(8, -1.0)]

@@ -102,7 +102,7 @@ class ModelRunner:
             return None
         from workers.spec_decode.graphs import maybe_capture_verify
 
-        max_batch = min(self.config.scheduler.max_num_seqs, spec.batch_size_limit - 1, 256)
+        max_batch = min(self.config.scheduler.max_num_seqs, spec.batch_size_limit(self.device.type) - 1, 256)
         return maybe_capture_verify(self, spec.num_speculative_tokens, max_batch)
 
     @torch.inference_mode()

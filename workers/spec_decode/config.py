@@ -15,10 +15,12 @@ from parallel.config import StrictModel
 
 METHODS = ("ngram", "draft_model")
 
-# Speculation verifies (k+1) tokens per sequence; past this many tokens a step is compute-bound on a GPU
-# (docs/benchmarks.md, "Speculative decoding"), so the extra tokens cost real time and speculation only
-# pays with very high acceptance. `disable_by_batch_size` defaults to this budget / (k+1).
-VERIFY_TOKEN_BUDGET = 128
+# Speculation verifies (k+1) tokens per sequence. Past this many tokens in a step the extra tokens cost
+# real time (the step stops being bound by reading the weights) and speculation stops paying:
+# `disable_by_batch_size` defaults to budget // (k+1). CPU: measured with tandem-tiny and n-gram
+# (docs/benchmarks.md: 1.16x at 4 x 5 tokens, 0.75x at 8 x 5). GPU: where an 8B model's bf16 GEMMs
+# approach the H100's compute roofline; not yet measured with graphed verification.
+VERIFY_TOKEN_BUDGET = {"cuda": 128, "cpu": 24}
 
 
 class SpeculativeConfig(StrictModel):
@@ -29,7 +31,8 @@ class SpeculativeConfig(StrictModel):
     prompt_lookup_min: int = Field(default=2, description="ngram: shortest n-gram matched.")
     draft_tensor_parallel_size: int = Field(default=1, description="Ranks of the draft model: 1 (in the engine process).")
     disable_by_batch_size: int | None = Field(default=None, description="No speculation in a step with at least "
-                                              "this many running sequences; default: 128 // (k + 1).")
+                                              "this many running sequences; default: 128 // (k + 1) on a GPU, "
+                                              "24 // (k + 1) on CPU.")
     max_model_len: int | None = Field(default=None, description="Longest sequence speculated for (the draft's "
                                       "position limit by default); longer ones decode normally.")
 
@@ -73,12 +76,12 @@ class SpeculativeConfig(StrictModel):
             raise ValueError("speculative_config: max_model_len must be >= 1")
         return self
 
-    @property
-    def batch_size_limit(self) -> int:
-        """Steps with at least this many running sequences do not speculate."""
+    def batch_size_limit(self, device_type: str) -> int:
+        """Steps with at least this many running sequences do not speculate (batch 1 always may)."""
         if self.disable_by_batch_size is not None:
             return self.disable_by_batch_size
-        return max(2, VERIFY_TOKEN_BUDGET // (self.num_speculative_tokens + 1))
+        budget = VERIFY_TOKEN_BUDGET.get(device_type, VERIFY_TOKEN_BUDGET["cuda"])
+        return max(2, budget // (self.num_speculative_tokens + 1))
 
     def check_against_target(self, target_model: str) -> None:
         """A draft must share the target's vocabulary: its token ids are the target's."""
