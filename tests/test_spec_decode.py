@@ -270,6 +270,11 @@ def test_drafts_and_verified_runs_cross_the_rank_channel():
     got = dec.decode(enc.encode(second))
     assert got.seqs[0].spec_token_ids == [] and got.seqs[0].spec_probs is None  # last step's drafts are gone
     assert got.seqs[1].spec_token_ids == [4] and got.seqs[1].spec_probs is None
+    # a rejection freed "b"'s tail block and the next step regrew the table with another id: the ranks follow
+    third = SchedulerOutput([ScheduledSeq("b", [8], 7, [3, 6], True, p, 4)])
+    dec.decode(enc.encode(third))
+    fourth = SchedulerOutput([ScheduledSeq("b", [9], 8, [3, 7], True, p, 5)])
+    assert dec.decode(enc.encode(fourth)).seqs[0].block_table == [3, 7]
     result = ModelRunnerOutput({"a": SampledToken(1, -0.5), "b": SampledToken(4, -0.1, [(4, -0.1)])},
                                {"b": [SampledToken(4, -0.1, [(4, -0.1)]), SampledToken(8, -1.0, [(8, -1.0)])]})
     back = unpack_output(pack_output(result, second), second)

@@ -25,6 +25,9 @@ class _Sent:
     slot: int
     num_blocks: int  # block ids the ranks hold for this sequence
     first_block: int  # a cheap check that the table was not rebuilt without a finish in between
+    # The last block id the ranks hold: speculative decoding frees a table's tail blocks after a rejection
+    # (BlockManager.trim) and may regrow it with other ids, which the ranks must not miss.
+    last_block: int = -1
 
 
 class StepEncoder:
@@ -53,13 +56,15 @@ class StepEncoder:
         for s in out.seqs:
             sent = self._sent.get(s.seq_id)
             table = s.block_table
-            if sent is not None and (len(table) < sent.num_blocks or (table and table[0] != sent.first_block)):
+            if sent is not None and (len(table) < sent.num_blocks or (table and table[0] != sent.first_block)
+                                     or (sent.num_blocks and table[sent.num_blocks - 1] != sent.last_block)):
                 forget.append(sent.slot)  # rebuilt without a finish in between: resend it whole
                 self._free_slots.append(sent.slot)
                 del self._sent[s.seq_id]
                 sent = None
             if sent is None:
-                sent = self._sent[s.seq_id] = _Sent(self._slot(), len(table), table[0] if table else -1)
+                sent = self._sent[s.seq_id] = _Sent(self._slot(), len(table), table[0] if table else -1,
+                                                    table[-1] if table else -1)
                 new.append((sent.slot, s.seq_id, s.token_ids, s.start_pos, table, s.sample, s.num_output_tokens,
                             s.prompt_token_ids, s.output_token_ids, s.sampling_params))
                 order.append(0)
@@ -68,7 +73,7 @@ class StepEncoder:
                               else None, s.sample, s.num_output_tokens, s.prompt_token_ids or None,
                               s.output_token_ids or None))
                 order.append(1)
-                sent.num_blocks = len(table)
+                sent.num_blocks, sent.last_block = len(table), (table[-1] if table else -1)
         # Speculative decoding's drafts (and a draft model's q, on the host) are per step: (index in the step, ...).
         spec = [(i, s.spec_token_ids, None if s.spec_probs is None else s.spec_probs.cpu())
                 for i, s in enumerate(out.seqs) if s.spec_token_ids]
