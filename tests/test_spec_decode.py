@@ -280,3 +280,57 @@ def test_drafts_and_verified_runs_cross_the_rank_channel():
     back = unpack_output(pack_output(result, second), second)
     assert back.sampled["a"].token_id == 1 and [t.token_id for t in back.spec["b"]] == [4, 8]
     assert back.sampled["b"].token_id == 4 and back.spec["b"][1].top_logprobs == [(8, -1.0)]
+
+
+# ---- disaggregation: the decode side of a handoff ----
+def test_decode_replica_speculates_after_a_kv_handoff(plain):
+    """A prefill engine hands a prompt's KV and first token to a speculating decode engine (the KV copied
+    block by block, as the transfer does): the continuation equals plain decoding."""
+    from workers.scheduler_output import SampledToken
+
+    params = greedy(24)
+    prompt = plain.llm_engine.tokenize(PROMPTS[0])
+    ref = plain.generate(prompt, params)[0]
+    prefill, decode = make().llm_engine, make(speculative_config=NGRAM).llm_engine
+    prefill.add_request("r", prompt, params, handoff=True)
+    first = None
+    while first is None:
+        first = next((o for o in prefill.step() if o.finished), None)
+    assert first.finish_reason == "handoff" and first.token_ids == ref.token_ids[:1]
+    blocks, cached = decode.reserve("r", prompt, params)
+    src = prefill.held_block_ids("r")
+    for s, d in list(zip(src, blocks))[cached:]:
+        decode.executor.runner.kv_cache[:, :, d] = prefill.executor.runner.kv_cache[:, :, s]
+    prefill.release("r")
+    decode.start("r", SampledToken(first.token_ids[0], 0.0))
+    out = None
+    while out is None:
+        out = next((o for o in decode.step() if o.finished), None)
+    assert out.token_ids == ref.token_ids and out.text == ref.text
+    assert decode.spec_decoder.metrics()["spec_decode_num_accepted_tokens"] > 0
+    assert_engine_clean(decode)
+    assert_engine_clean(prefill)
+
+
+def test_speculation_next_to_chunked_prefill(plain):
+    """A 12-token step budget: prompts arrive in chunks while earlier requests speculate in the same steps."""
+    spec = make(speculative_config=NGRAM, max_num_batched_tokens=12)
+    eng = spec.llm_engine
+    ref = plain.generate(PROMPTS, greedy(20))
+    eng.add_request("early", PROMPTS[0], greedy(20))
+    for _ in range(8):  # its prompt in chunks, then its first speculative steps
+        eng.step()
+    for i, p in enumerate(PROMPTS[1:]):
+        eng.add_request(f"late{i}", p, greedy(20))
+    done = {}
+    mixed = False
+    while eng.has_unfinished_requests():
+        running = eng.scheduler.running
+        mixed |= any(s.num_uncomputed_tokens > 1 for s in running) and any(s.num_uncomputed_tokens == 1 for s in running)
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert mixed
+    assert [done[k].token_ids for k in ("early", "late0", "late1", "late2")] == [r.token_ids for r in ref]
+    assert spec.get_metrics()["spec_decode_num_accepted_tokens"] > 0
+    assert_engine_clean(spec)
