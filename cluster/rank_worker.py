@@ -60,13 +60,13 @@ class RankWorker:
         # Only the output rank's answer is read; the others send nothing back.
         return result if self.runner.is_output_rank else None
 
-    def start_step_loop(self, address: str, port: int) -> None:
+    def start_step_loop(self, address: str, port: int, spin_s: float = 0.0) -> None:
         """Connect to the driver's step channel and serve its steps on a thread of this actor
-        (cluster/step_channel.py); returns once connected."""
+        (cluster/step_channel.py); returns once connected. `spin_s`: poll for the next step this long."""
         self.decoder = StepDecoder()
         self.profile: RankProfile | None = None
         self._answered_at = time.perf_counter()
-        run_rank_loop((address, port), self.rank, self._on_message)
+        run_rank_loop((address, port), self.rank, self._on_message, spin_s)
 
     def _on_message(self, message: tuple):
         kind = message[0]

@@ -38,6 +38,10 @@ from workers.step_delta import StepEncoder, unpack_output
 PLACEMENT_TIMEOUT_S = 300.0  # resources exist but are held by others: wait this long for them
 INIT_TIMEOUT_S = 900.0  # process start, weight loading
 STEP_TIMEOUT_S = 300.0  # one step on every rank
+# GPU ranks: how long the driver polls for a step's answers, and a rank loop for the next step, before
+# blocking (cluster/step_channel.py). Covers a prefill-heavy step; an idle engine's ranks block after 50 ms.
+DRIVER_SPIN_S = 0.25
+RANK_SPIN_S = 0.05
 
 
 class RayExecutor(Executor):
@@ -57,6 +61,7 @@ class RayExecutor(Executor):
         self.channel: StepChannel | None = None
         self._inflight: PendingStep | None = None
         use_cuda = config.model.resolved_device().type == "cuda"
+        self._spin = use_cuda  # CPU ranks compute on the cores a spinning wait would take
         ensure_ray(self.world_size)
         self.placement = RankPlacement(self.parallel, use_cuda, PLACEMENT_TIMEOUT_S)
         try:
@@ -81,9 +86,10 @@ class RayExecutor(Executor):
             raise
 
     def _open_step_channel(self, timeout_s: float) -> None:
-        self.channel = StepChannel(node_address(), self.world_size)
+        self.channel = StepChannel(node_address(), self.world_size, spin_s=DRIVER_SPIN_S if self._spin else 0.0)
         self.encoder = StepEncoder()
-        refs = {r: w.start_step_loop.remote(*self.channel.address) for r, w in enumerate(self.workers)}
+        rank_spin_s = RANK_SPIN_S if self._spin else 0.0
+        refs = {r: w.start_step_loop.remote(*self.channel.address, rank_spin_s) for r, w in enumerate(self.workers)}
         try:
             self.channel.accept(timeout_s)
         except TimeoutError as e:

@@ -11,6 +11,12 @@ Failure stays loud and fast: a rank that raises answers with the error; a rank w
 closes its socket, which the driver sees at once (it waits on all ranks' sockets together); a rank
 that stops answering hits the step deadline. Each names the rank.
 
+Waiting can spin (`spin_s`): a thread blocked in `select`/`recv` for a whole GPU step sleeps, and its
+core's wake-up costs tens of microseconds per hop on the step's critical path (the same reason CUDA
+spin-waits on a synchronize). With GPU ranks the driver polls for the answers and each rank loop polls
+for the next step for up to `spin_s` before blocking; CPU ranks never spin (they compute on the cores
+a spinner would take).
+
 Frames are an 8-byte little-endian length, then a pickle (driver -> rank: a message tuple; rank ->
 driver: ("ok", result) or ("error", text)).
 """
@@ -65,8 +71,9 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
 class StepChannel:
     """Driver side. `ranks` answer in any order; `describe(rank)` names a rank in errors."""
 
-    def __init__(self, host: str, world_size: int):
+    def __init__(self, host: str, world_size: int, spin_s: float = 0.0):
         self.world_size = world_size
+        self.spin_s = spin_s
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.bind((host, 0))
         self._listener.listen(world_size)
@@ -103,8 +110,13 @@ class StepChannel:
         pending = {sock: rank for rank, sock in self._socks.items()}
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
+        spin_until = min(time.monotonic() + self.spin_s, deadline)
         while pending:
-            ready, _, _ = select.select(list(pending), [], [], max(deadline - time.monotonic(), 0.0))
+            spinning = time.monotonic() < spin_until
+            wait = 0.0 if spinning else max(deadline - time.monotonic(), 0.0)
+            ready, _, _ = select.select(list(pending), [], [], wait)
+            if not ready and spinning:
+                continue
             if not ready:
                 raise RankFailure(min(pending.values()), f"did not answer within {timeout_s:.0f}s",
                                   late=sorted(pending.values()))
@@ -138,10 +150,20 @@ class RankFailure(RuntimeError):
         self.rank, self.what, self.late = rank, what, late or [rank]
 
 
-def run_rank_loop(address: tuple[str, int], rank: int, handle: Callable[[tuple], Any]) -> threading.Thread:
+def _spin_until_readable(sock: socket.socket, spin_s: float) -> None:
+    """Poll `sock` for up to `spin_s`; the blocking receive that follows then finds data waiting."""
+    until = time.monotonic() + spin_s
+    while time.monotonic() < until:
+        if select.select([sock], [], [], 0.0)[0]:
+            return
+
+
+def run_rank_loop(address: tuple[str, int], rank: int, handle: Callable[[tuple], Any],
+                  spin_s: float = 0.0) -> threading.Thread:
     """Rank side: connect to the driver and serve its messages on a daemon thread until it hangs up.
     `handle(message)` returns the answer; an exception is sent back as an error and the loop goes on
-    (the driver decides: a failed step makes it stop every rank)."""
+    (the driver decides: a failed step makes it stop every rank). After each answer the loop polls for
+    the next message for up to `spin_s` before blocking."""
     _HANDLERS.append(handle)
     sock = socket.create_connection(address, timeout=60)
     sock.settimeout(None)
@@ -151,6 +173,8 @@ def run_rank_loop(address: tuple[str, int], rank: int, handle: Callable[[tuple],
     def loop() -> None:
         with sock:
             while True:
+                if spin_s > 0:
+                    _spin_until_readable(sock, spin_s)
                 try:
                     message = pickle.loads(recv_frame(sock))
                 except (ChannelClosed, OSError):

@@ -334,7 +334,11 @@ def run_isolated(mode: str, report: dict) -> dict:
         out = os.path.join(tmp, "run.json")
         cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--no-isolate", "--modes", mode, "--skip-hf",
                "--out", out]
-        subprocess.run(cmd, check=True)
+        code = subprocess.run(cmd).returncode
+        if not os.path.exists(out):  # a child that wrote its JSON and then failed to exit cleanly still counts
+            raise RuntimeError(f"the isolated run {mode!r} failed (exit code {code})")
+        if code:
+            print(f"warning: the isolated run exited with code {code} after writing its result", file=sys.stderr)
         with open(out) as f:
             child = json.load(f)
     for key in ("weight_bytes", "weight_bytes_read", "kv_bytes_per_step", "tensor_parallel_size", "roofline_tok_per_s",

@@ -125,7 +125,11 @@ def run_isolated(spec: str) -> dict:
         out = os.path.join(tmp, "run.json")
         cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--no-isolate", "--layouts", spec, "--repeat", "1",
                "--skip-hf", "--out", out]
-        subprocess.run(cmd, check=True)
+        code = subprocess.run(cmd).returncode
+        if not os.path.exists(out):  # a child that wrote its JSON and then failed to exit cleanly still counts
+            raise RuntimeError(f"the isolated run {spec!r} failed (exit code {code})")
+        if code:
+            print(f"warning: the isolated run exited with code {code} after writing its result", file=sys.stderr)
         with open(out) as f:
             return json.load(f)["results"][f"tandem[{spec}]#1"]
 

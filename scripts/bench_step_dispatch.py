@@ -41,7 +41,7 @@ class _IdleRank:
     def __init__(self, rank: int):
         self.rank = rank
 
-    def start_step_loop(self, address: str, port: int) -> None:
+    def start_step_loop(self, address: str, port: int, spin_s: float = 0.0) -> None:
         from cluster.step_channel import run_rank_loop
         from workers.step_delta import StepDecoder
 
@@ -52,7 +52,7 @@ class _IdleRank:
             out = decoder.decode(message[1])
             return pack_output(self._answer(out), out)
 
-        run_rank_loop((address, port), self.rank, handle)
+        run_rank_loop((address, port), self.rank, handle, spin_s)
 
     def execute(self, out):
         return self._answer(out)
@@ -64,40 +64,45 @@ class _IdleRank:
 
 
 def dispatch_us(ranks: int, seqs: int, iters: int) -> dict:
-    """Per-step microseconds: the step channel with deltas, and a Ray task per rank."""
+    """Per-step microseconds: the step channel with deltas (blocking waits, and spinning ones as GPU ranks
+    use), and a Ray task per rank."""
     import ray
 
+    from cluster.ray_executor import DRIVER_SPIN_S, RANK_SPIN_S
     from cluster.rendezvous import node_address
     from cluster.step_channel import StepChannel
     from workers.step_delta import StepEncoder, unpack_output
 
     actor = ray.remote(num_cpus=0, max_concurrency=16)(_IdleRank)
-    actors = [actor.remote(r) for r in range(ranks)]
-    channel = StepChannel(node_address(), ranks)
-    refs = [a.start_step_loop.remote(*channel.address) for a in actors]
-    channel.accept(60)
-    ray.get(refs)
-    encoder = StepEncoder()
     steps = [decode_step(seqs, i) for i in range(iters + 20)]
 
-    def channel_step(out):
-        channel.broadcast(("step", encoder.encode(out)))
-        return unpack_output(channel.gather(60)[0], out)
-
-    def ray_step(out):
-        return ray.get([a.execute.remote(out) for a in actors])[0]
-
-    result = {}
-    for name, fn in (("step channel + deltas", channel_step), ("Ray task per rank", ray_step)):
+    def timed(fn) -> float:
         for out in steps[:20]:
             fn(out)
         t0 = time.perf_counter()
         for out in steps[20:]:
             fn(out)
-        result[name] = (time.perf_counter() - t0) / iters * 1e6
-    channel.close()
-    for a in actors:
-        ray.kill(a)
+        return (time.perf_counter() - t0) / iters * 1e6
+
+    result = {}
+    for name, spin in (("step channel + deltas", False), ("step channel, spinning waits", True)):
+        actors = [actor.remote(r) for r in range(ranks)]
+        channel = StepChannel(node_address(), ranks, spin_s=DRIVER_SPIN_S if spin else 0.0)
+        refs = [a.start_step_loop.remote(*channel.address, RANK_SPIN_S if spin else 0.0) for a in actors]
+        channel.accept(60)
+        ray.get(refs)
+        encoder = StepEncoder()
+
+        def channel_step(out):
+            channel.broadcast(("step", encoder.encode(out)))
+            return unpack_output(channel.gather(60)[0], out)
+
+        result[name] = timed(channel_step)
+        channel.close()
+        if not spin:
+            result["Ray task per rank"] = timed(lambda out: ray.get([a.execute.remote(out) for a in actors])[0])
+        for a in actors:
+            ray.kill(a)
     return result
 
 
@@ -132,7 +137,8 @@ def run(ranks_list: list[int], seqs: int, iters: int, tokens: int, device: str) 
             row["engine_step_ms"] = {"ray": engine_step_ms("ray", n, device, tokens)}
         rows.append(row)
         d = row["dispatch_us"]
-        line = f"world size {n}: dispatch {d['step channel + deltas']:7.1f} us (Ray task per rank {d['Ray task per rank']:7.1f} us)"
+        line = (f"world size {n}: dispatch {d['step channel + deltas']:7.1f} us, spinning {d['step channel, spinning waits']:7.1f} us "
+                f"(Ray task per rank {d['Ray task per rank']:7.1f} us)")
         if "engine_step_ms" in row:
             line += "; tiny-model decode step " + ", ".join(f"{b} {ms:.3f} ms" for b, ms in row["engine_step_ms"].items())
         print(line, flush=True)

@@ -73,23 +73,27 @@ def test_deltas_send_less_than_the_whole_step():
     assert len(later) < len(first) / 4 < len(pickle.dumps(step(101))) / 4
 
 
-def _channel(handlers):
-    channel = StepChannel("127.0.0.1", len(handlers))
-    threads = [run_rank_loop(channel.address, rank, h) for rank, h in enumerate(handlers)]
+def _channel(handlers, spin_s: float = 0.0):
+    channel = StepChannel("127.0.0.1", len(handlers), spin_s=spin_s)
+    threads = [run_rank_loop(channel.address, rank, h, spin_s) for rank, h in enumerate(handlers)]
     channel.accept(timeout_s=10)
     return channel, threads
 
 
-def test_channel_round_trip_and_a_raising_rank():
+@pytest.mark.parametrize("spin_s", [0.0, 0.2], ids=["blocking", "spinning"])
+def test_channel_round_trip_and_a_raising_rank(spin_s):
     def rank1(message):
         if message[1] == "boom":
             raise ValueError("bad step")
         return None
 
-    channel, _ = _channel([lambda m: ("rank0 saw", m[1]), rank1])
+    channel, _ = _channel([lambda m: ("rank0 saw", m[1]), rank1], spin_s)
     try:
         channel.broadcast(("step", 1))
         assert channel.gather(5) == {0: ("rank0 saw", 1), 1: None}
+        time.sleep(0.3)  # the rank loops have stopped spinning and block: the next step still reaches them
+        channel.broadcast(("step", 2))
+        assert channel.gather(5) == {0: ("rank0 saw", 2), 1: None}
         channel.broadcast(("step", "boom"))
         with pytest.raises(RankFailure) as e:
             channel.gather(5)
@@ -98,9 +102,11 @@ def test_channel_round_trip_and_a_raising_rank():
         channel.close()
 
 
-def test_channel_names_a_dead_rank_at_once_and_a_silent_one_at_the_deadline():
+@pytest.mark.parametrize("spin_s", [0.0, 5.0], ids=["blocking", "spinning"])
+def test_channel_names_a_dead_rank_at_once_and_a_silent_one_at_the_deadline(spin_s):
+    """A spinning wait notices a death as fast, and never spins past the step deadline."""
     stuck = threading.Event()
-    channel = StepChannel("127.0.0.1", 3)
+    channel = StepChannel("127.0.0.1", 3, spin_s=spin_s)
     run_rank_loop(channel.address, 0, lambda m: stuck.wait())  # never answers in time
     run_rank_loop(channel.address, 1, lambda m: None)
     dead = socket.create_connection(channel.address)  # rank 2: connects, then its process "dies"
@@ -115,15 +121,16 @@ def test_channel_names_a_dead_rank_at_once_and_a_silent_one_at_the_deadline():
         assert e.value.rank == 2 and "died" in e.value.what and time.monotonic() - t0 < 2
     finally:
         channel.close()
-    channel = StepChannel("127.0.0.1", 2)
+    channel = StepChannel("127.0.0.1", 2, spin_s=spin_s)
     run_rank_loop(channel.address, 0, lambda m: stuck.wait())
     run_rank_loop(channel.address, 1, lambda m: None)
     channel.accept(timeout_s=10)
     try:
         channel.broadcast(("step", 0))
+        t0 = time.monotonic()
         with pytest.raises(RankFailure) as e:
             channel.gather(0.5)
-        assert e.value.late == [0] and "did not answer" in e.value.what
+        assert e.value.late == [0] and "did not answer" in e.value.what and time.monotonic() - t0 < 2
     finally:
         stuck.set()
         channel.close()
