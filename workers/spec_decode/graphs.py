@@ -109,8 +109,8 @@ class VerifyGraphs:
                 and all(s.sample and len(s.token_ids) <= self.q and len(s.block_table) <= self.max_blocks for s in seqs))
 
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """Replay; returns the graph's output [bs * q, ...] and the row of each real token, sequence by
-        sequence (len(token_ids) rows each): the rows the runner verifies or samples from."""
+        """Replay; returns the graph's output [bs * q, ...] and, sequence by sequence, the rows the runner
+        verifies or samples from (len(spec_token_ids) + 1 each, as `ModelRunner.prepare` picks them)."""
         seqs = out.seqs
         b, q = len(seqs), self.q
         bs = next(s for s in self.batch_sizes if s >= b)
@@ -128,7 +128,9 @@ class VerifyGraphs:
             h[2 * t + base + m:2 * t + base + q] = -1
             h[3 * t + i] = start + q
             tables[i, :len(table)] = table
-            rows.extend(range(base, base + m))
+            # the rows the eager path samples: a speculating sequence's last token and drafts, else its last
+            # token (a prompt's short final chunk can ride along)
+            rows.extend(range(base + m - 1 - len(s.spec_token_ids), base + m))
         # padding rows: no KV writes, no context (a larger batch may have left real values there)
         h[2 * t + b * q:2 * t + bs * q] = -1
         h[3 * t + b:3 * t + bs] = q
