@@ -334,3 +334,37 @@ def test_speculation_next_to_chunked_prefill(plain):
     assert [done[k].token_ids for k in ("early", "late0", "late1", "late2")] == [r.token_ids for r in ref]
     assert spec.get_metrics()["spec_decode_num_accepted_tokens"] > 0
     assert_engine_clean(spec)
+
+
+# ---- verification CUDA graphs: what a replay reads (the replay itself needs a GPU) ----
+def test_verify_graph_inputs_pad_to_k_plus_1_and_pick_the_eager_rows(monkeypatch):
+    """The host side of workers/spec_decode/graphs.py: real tokens at their slots, padding tokens and rows
+    with slot -1 (no KV write) and no context, positions valid, and the rows the eager path would sample."""
+    from types import SimpleNamespace
+
+    from workers.scheduler_output import ScheduledSeq, SchedulerOutput
+    from workers.spec_decode import graphs as vg
+
+    replayed = []
+    monkeypatch.setattr(vg.VerifyGraphs, "_capture", lambda self: self.graphs.update(
+        {bs: SimpleNamespace(replay=lambda bs=bs: replayed.append(bs)) for bs in self.batch_sizes}) or self.outputs.update(
+        {bs: torch.arange(bs * self.q) for bs in self.batch_sizes}))
+    runner = SimpleNamespace(device=torch.device("cpu"), block_size=4, max_model_len=64)
+    g = vg.VerifyGraphs(runner, q=4, batch_sizes=[1, 2, 4])
+    p = SamplingParams(temperature=0.0)
+    big = SchedulerOutput([ScheduledSeq(f"x{i}", [1, 2, 3, 4], 20, [0, 1, 2, 3, 4, 5], True, p, 2, spec_token_ids=[2, 3, 4])
+                           for i in range(4)])
+    g.run(big)  # leaves real values in every row
+    seqs = [ScheduledSeq("a", [7, 8, 9], 10, [5, 6, 7, 8], True, p, 3, spec_token_ids=[8, 9]),  # 2 drafts
+            ScheduledSeq("b", [5], 62, [9] * 16, True, p, 4),  # plain decode at the end of max_model_len
+            ScheduledSeq("c", [3, 4], 30, [1] * 8, True, p, 0)]  # a prompt's final chunk
+    assert g.can_run(SchedulerOutput(seqs)) and not g.can_run(SchedulerOutput(seqs[1:]))
+    out, rows = g.run(SchedulerOutput(seqs))
+    assert replayed == [4, 4] and rows == [0, 1, 2, 4, 9]
+    t, n, h = 4 * 4, 4, g.host_np
+    assert list(h[0:3]) == [7, 8, 9] and h[3] == 9  # padding repeats a real id
+    assert list(h[t:t + 4]) == [10, 11, 12, 12] and list(h[t + 4:t + 8]) == [62, 62, 62, 62]  # positions < 64
+    assert list(h[2 * t:2 * t + 4]) == [7 * 4 + 2, 7 * 4 + 3, 8 * 4 + 0, -1]  # slots of positions 10, 11, 12
+    assert list(h[2 * t + 4:2 * t + 8]) == [9 * 4 + 2, -1, -1, -1]
+    assert list(h[2 * t + 12:2 * t + 16]) == [-1] * 4  # the padding row writes nothing...
+    assert list(h[3 * t:3 * t + n]) == [14, 66, 34, 4]  # ...and has no context (seq_len = q)

@@ -41,7 +41,7 @@ class VerifyGraphs:
         # [tokens (t) | positions (t) | slots (t) | seq_lens (n) | query_start (n + 1) | block_tables (n * max_blocks)]
         self._small = 3 * t + 2 * n + 1
         total = self._small + n * self.max_blocks
-        self.host = torch.zeros(total, dtype=torch.int64, pin_memory=True)
+        self.host = torch.zeros(total, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self.host_np = self.host.numpy()
         self.buf = torch.zeros(total, dtype=torch.int64, device=self.device)
         self.token_ids = self.buf[0:t]
