@@ -14,7 +14,7 @@ from __future__ import annotations
 from workers.config import EngineConfig
 from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from workers.spec_decode.config import SpeculativeConfig
-from workers.spec_decode.ngram import propose_ngram
+from workers.spec_decode.ngram import TokenArrays, propose_ngram
 from engine.sequence import Sequence
 
 
@@ -43,6 +43,7 @@ class SpecDecoder:
         self.drafted_per_pos = [0] * self.k
         self.num_steps_disabled = 0
         self.opted_out: set[str] = set()  # requests that decode without speculation
+        self.token_arrays = TokenArrays()  # n-gram: each sequence's tokens as an array, extended per step
 
     # ---- scheduling ----
     def begin_step(self, num_running: int) -> None:
@@ -67,15 +68,18 @@ class SpecDecoder:
         last known token), with `spec_probs` for a draft model's sampled requests."""
         if self.draft is not None:
             self.draft.forget(out.finished_seq_ids)
-        self.opted_out.difference_update(s for s in out.finished_seq_ids if s not in seqs)
+        for seq_id in out.finished_seq_ids:
+            if seq_id not in seqs:  # finished (a preempted sequence keeps its tokens)
+                self.opted_out.discard(seq_id)
+                self.token_arrays.forget(seq_id)
         todo = [s for s in out.seqs if s.num_lookahead > 0]
         if not todo:
             return
         if self.draft is None:
             for s in todo:
                 p = self.spec
-                s.spec_token_ids = propose_ngram(seqs[s.seq_id].token_ids, s.num_lookahead, p.prompt_lookup_min,
-                                                 p.prompt_lookup_max)
+                tokens = self.token_arrays.get(s.seq_id, seqs[s.seq_id].token_ids)
+                s.spec_token_ids = propose_ngram(tokens, s.num_lookahead, p.prompt_lookup_min, p.prompt_lookup_max)
         else:
             proposals = self.draft.propose(todo, {s.seq_id: seqs[s.seq_id].token_ids for s in todo})
             for s, (drafts, probs) in zip(todo, proposals):

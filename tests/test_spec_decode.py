@@ -109,6 +109,32 @@ def test_ngram_proposes_the_continuation_of_the_latest_longest_match():
     assert propose_ngram([5, 6, 5, 6], 4, 1, 3) == [5, 6]  # fewer than k where the context ends
 
 
+def test_ngram_matches_a_brute_force_search_and_token_arrays_track_appends():
+    import random
+
+    import numpy as np
+
+    from workers.spec_decode.ngram import TokenArrays
+
+    def brute(tokens, k, lo, hi):
+        for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+            hits = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]]
+            if hits:
+                return tokens[hits[-1] + n:hits[-1] + n + k]
+        return []
+
+    rng = random.Random(0)
+    arrays = TokenArrays()
+    grown: list[int] = []
+    for _ in range(1500):
+        toks = [rng.randrange(rng.choice([3, 6, 20])) for _ in range(rng.randrange(1, 40))]
+        lo = rng.randrange(1, 4)
+        k, hi = rng.randrange(1, 6), lo + rng.randrange(0, 3)
+        assert propose_ngram(toks, k, lo, hi) == brute(toks, k, lo, hi), (toks, k, lo, hi)
+        grown.extend(toks[:3])
+        assert np.array_equal(arrays.get("s", grown), grown)
+
+
 # ---- greedy: token-identical ----
 def test_ngram_greedy_is_token_identical_batched(plain):
     spec = make(speculative_config=NGRAM)
