@@ -39,8 +39,11 @@ PLACEMENT_TIMEOUT_S = 300.0  # resources exist but are held by others: wait this
 INIT_TIMEOUT_S = 900.0  # process start, weight loading
 STEP_TIMEOUT_S = 300.0  # one step on every rank
 # GPU ranks: how long the driver polls for a step's answers, and a rank loop for the next step, before
-# blocking (cluster/step_channel.py). Covers a prefill-heavy step; an idle engine's ranks block after 50 ms.
-DRIVER_SPIN_S = 0.25
+# blocking (cluster/step_channel.py). The driver's covers a decode step (5-15 ms for an 8B model); a
+# prefill-heavy step (tens of ms) then pays one wake-up, which is small against it, and the driver leaves
+# the core (possibly a hyperthread sibling of a rank's launching thread) alone. The ranks' covers the
+# driver's work between two steps; an idle engine's ranks block after 50 ms.
+DRIVER_SPIN_S = 0.02
 RANK_SPIN_S = 0.05
 
 
