@@ -6,6 +6,7 @@ logic, and returns `RequestOutput`s with both the whole output so far and this s
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -16,6 +17,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from workers.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop_string, streamable_len
 from engine.block_manager import BlockManager
+from engine.grammar import GrammarManager
 from workers.loader import load_hf_config
 from engine.executor import make_executor
 from workers.executor import Executor, PendingStep
@@ -40,6 +42,9 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)  # this step's tokens
     new_text: str = ""  # text that became streamable this step
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs, on the first token's output and after: per prompt token, None
+    # for the first, then {its id: logprob, top-n ids: logprobs} (vLLM's prompt_logprobs).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     # Wall-clock stamps (time.time(), comparable across processes) of this request's stages on this engine:
     # "queued" (added), "scheduled" (first step that ran it), "first_token", "decode_started" (a handed-off
     # request joined the batch), "first_decode_step". Set on the outputs of tokens 1 and 2 and on the last
@@ -65,6 +70,7 @@ class _Request:
     output: RequestOutput
     streamed_chars: int = 0
     handoff: bool = False  # prefill pool: stop after the first token and hold the KV for the decode pool
+    prompt_lps: dict[int, dict[int, float]] = field(default_factory=dict)  # by prompt position, as chunks arrive
     timeline: dict[str, float] = field(default_factory=dict)  # see RequestOutput.timeline
 
 
@@ -98,6 +104,8 @@ class LLMEngine:
         self._deferred: list[tuple[Sequence, str]] = []  # finished while the step in flight still runs them
         self._unscheduled: dict[str, _Request] = {}  # added, not yet in any step: their "scheduled" stamp is due
         self.vocab_size = self.hf_config.vocab_size
+        # Structured output: grammars compiled off the step loop, one matcher per constrained request.
+        self.grammars = GrammarManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def _max_model_len(self) -> int:
         cfg = self.hf_config
@@ -151,7 +159,11 @@ class LLMEngine:
             self.spec_decoder.opted_out.add(request_id)
         params = (params or SamplingParams()).with_defaults(self.default_sampling_fields)
         token_ids = self._validated_prompt(request_id, prompt)
+        if params.prompt_logprobs is not None and self.config.parallel.sequence_parallel_size > 1:
+            raise ValueError("prompt_logprobs is not supported with sequence parallelism (the prompt's rows are spread over ranks)")
         seq = Sequence(request_id, token_ids, params, priority=priority)
+        if params.structured_outputs is not None:  # validated now (GrammarError), compiled in the background
+            self.grammars.add(request_id, params.structured_outputs)
         self.scheduler.add(seq)
         req = self.requests[request_id] = self._new_request(seq, handoff)
         req.timeline["queued"] = time.time()
@@ -181,6 +193,7 @@ class LLMEngine:
         """Stop a request in any state (queued, running, holding or awaiting KV) and free its blocks."""
         req = self.requests.pop(request_id, None)
         self._unscheduled.pop(request_id, None)
+        self.grammars.drop(request_id)
         seq = self.scheduler.seqs.get(request_id)
         if seq is not None and seq.status == SeqStatus.RUNNING:
             self._settle_inflight()  # the step in flight may still write its blocks: wait for it (ms)
@@ -209,7 +222,10 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params.with_defaults(self.default_sampling_fields), priority=priority)
         if self._deferred:
             self._settle_inflight()  # blocks still written by the step in flight must not be handed out
+        if seq.sampling_params.structured_outputs is not None:  # compiles while the KV travels
+            self.grammars.add(request_id, seq.sampling_params.structured_outputs)
         if not self.scheduler.reserve(seq, time.monotonic() + self.config.cache.kv_lease_seconds):
+            self.grammars.drop(request_id)
             return None
         return list(seq.block_table), seq.num_cached_tokens // self.config.cache.block_size
 
@@ -224,11 +240,14 @@ class LLMEngine:
         return self._on_token(req, first)
 
     def cancel_reservation(self, request_id: str) -> bool:
+        self.grammars.drop(request_id)
         return self.scheduler.cancel_reservation(request_id)
 
     def expire_leases(self) -> list[str]:
         """Free KV held or reserved past its lease (the peer pool vanished or gave up)."""
         expired = self.scheduler.expire(time.monotonic())
+        for request_id in expired:
+            self.grammars.drop(request_id)
         if expired:
             log.warning("freed the KV leases of %d requests whose peer never came: %s", len(expired), expired[:5])
         return expired
@@ -254,6 +273,8 @@ class LLMEngine:
         self._inflight = None
         result = pending.result()
         self._finish_deferred()  # before `update`, which then skips them
+        for seq_id, entries in result.prompt_logprobs.items():
+            self._add_prompt_logprobs(seq_id, entries)
         got = [(self.requests[seq.seq_id], result.spec.get(seq.seq_id) or [result.sampled[seq.seq_id]])
                for seq in self.scheduler.update(sched_out, result)]
         if self.spec_decoder is not None:
@@ -278,18 +299,43 @@ class LLMEngine:
                 break
         return kept, reason, stop
 
+    def _add_prompt_logprobs(self, seq_id: str, entries: list) -> None:
+        req = self.requests.get(seq_id)
+        if req is not None:
+            for pos, logprob, top in entries:
+                req.prompt_lps[pos] = {req.seq.token_ids[pos]: logprob, **dict(top)}
+
+    @contextlib.contextmanager
+    def _full_prompts_if_needed(self):
+        """A request that wants prompt logprobs needs the logits of every prompt position, so none may
+        come from the prefix cache: while one waits for admission, the step's admissions skip the cache
+        lookup (blocks are still cached for later requests)."""
+        blocks = self.block_manager
+        if not blocks.enable_prefix_caching or not any(
+                r.seq.sampling_params.prompt_logprobs is not None for r in self._unscheduled.values()):
+            yield
+            return
+        blocks.enable_prefix_caching = False
+        try:
+            yield
+        finally:
+            blocks.enable_prefix_caching = True
+
     def _submit(self) -> tuple[SchedulerOutput, PendingStep] | None:
         spec = self.spec_decoder
-        if spec is None:
-            sched_out = self.scheduler.schedule()
-        else:
-            spec.begin_step(len(self.scheduler.running))
-            sched_out = self.scheduler.schedule(spec.lookahead)
-            spec.propose(sched_out, self.scheduler.seqs)
+        with self._full_prompts_if_needed():
+            if spec is None:
+                sched_out = self.scheduler.schedule()
+            else:
+                spec.begin_step(len(self.scheduler.running))
+                sched_out = self.scheduler.schedule(spec.lookahead)
+                spec.propose(sched_out, self.scheduler.seqs)
         if sched_out.is_empty:
             return None
         if self._unscheduled:  # only while some request waits for its first step: no cost at steady state
             self._stamp_scheduled(sched_out)
+        if self.grammars.active:  # structured output: the step's allowed tokens go with it to the ranks
+            sched_out.token_bitmask = self.grammars.bitmask(sched_out.seqs)
         return sched_out, self.executor.submit(sched_out)
 
     def _stamp_scheduled(self, sched_out: SchedulerOutput) -> None:
@@ -324,6 +370,8 @@ class LLMEngine:
                 reason, stop = "stop", token
             elif token in self.eos_token_ids and not params.ignore_eos:
                 reason = "stop"
+        if seq.seq_id in self.grammars and self.grammars.accept(seq.seq_id, token) and reason is None:
+            reason = "stop"  # the grammar is complete (it accepted EOS): nothing more may follow
         if reason is None and (num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is None and req.handoff:
@@ -334,6 +382,7 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
         if reason is not None:
             del self.requests[seq.seq_id]
+            self.grammars.drop(seq.seq_id)
         return reason, stop
 
     def _emit(self, req: _Request, tokens: list[int], reason: str | None, stop: int | None) -> RequestOutput:
@@ -363,6 +412,8 @@ class LLMEngine:
                     break
         out.text = text
         out.num_cached_tokens = seq.num_cached_tokens
+        if params.prompt_logprobs is not None and out.prompt_logprobs is None:
+            out.prompt_logprobs = [None] + [req.prompt_lps.get(p) for p in range(1, seq.num_prompt_tokens)]
         if reason is not None:
             out.finish_reason, out.stop_reason = reason, stop
         limit = streamable_len(text, params.stop, finished=reason is not None)
@@ -387,6 +438,7 @@ class LLMEngine:
         """A stop string ends a sequence that the token checks kept (or handed off, or ended by length)."""
         if token_reason is None:
             self.requests.pop(seq.seq_id, None)
+            self.grammars.drop(seq.seq_id)
             if self._inflight is not None:
                 self._finish_after_inflight(seq, "stop")
             else:
@@ -429,6 +481,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release the executor's ranks (Ray actors, device memory)."""
+        self.grammars.shutdown()
         self.executor.shutdown()
 
     # ---- introspection ----

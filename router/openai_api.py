@@ -1,7 +1,11 @@
 """The OpenAI-compatible HTTP front end over any `Backend`: `create_openai_app(backend, ...)`.
 
 /v1/models, /v1/completions, /v1/chat/completions (SSE streaming, usage chunk, logprobs, n, stop,
-seed, vLLM extras), /health, /metrics (Prometheus text; behind the API keys when keys are on). Every
+seed, vLLM extras, structured output, tools), vLLM's /tokenize, /detokenize and /version, /health,
+/metrics (Prometheus text; behind the API keys when keys are on). Every response carries an
+X-Request-Id header (the client's, echoed, or a new one). A stream whose first tokens take longer than
+`sse_keepalive_s` (a long queue) starts anyway and sends SSE comment lines (": keep-alive") every
+`sse_keepalive_s` until they come, so that idle timeouts of proxies and clients do not fire. Every
 error is OpenAI's error object with a fitting status (never FastAPI's 422), and never shows a backend's
 internals (router/guards.py). Bodies over the size limit get 413 before they are read in full; prompts
 over the character limit get 400 before tokenizing, which runs off the event loop. A client that goes
@@ -14,6 +18,8 @@ import hmac
 import json
 import logging
 import time
+import uuid
+from importlib import metadata
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, TypeVar
 
 import anyio
@@ -27,10 +33,11 @@ from router.errors import ApiError, bad_request
 from router.fanout import Fanout
 from router.guards import RequestLimits, new_request_id, off_loop, public_error
 from router.metrics import REQUESTS, RequestTimer, prometheus_text
-from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
-                                    delta_logprobs, usage)
+from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                    chat_logprobs, completion_logprobs, delta_logprobs, echo_logprobs, joined_logprobs,
+                                    usage, vllm_prompt_logprobs)
 from router.protocol import Backend, GenerateRequest
-from router.tool_parsers import HermesStream, parse_tool_calls
+from router.tool_parsers import ForcedStream, ToolParser, ToolStream, forced_calls, parser_for
 from router.serve_context import SeparateServeRequests
 from engine.llm_engine import RequestOutput
 
@@ -151,6 +158,28 @@ class ApiKeyAuth:
         await error_response(err)(scope, receive, send)
 
 
+class RequestIdHeader:
+    """ASGI middleware: every HTTP response carries X-Request-Id, the client's own (echoed, at most
+    128 visible ASCII characters) or a new random one (as vLLM's --enable-request-id-headers)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id", b"")
+        rid = given if 0 < len(given) <= 128 and given.isascii() and all(32 < c < 127 for c in given) \
+            else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 class BodySizeLimit:
     """ASGI middleware: a request body over `limit` bytes is answered 413 as soon as its declared
     length (or, chunked, the bytes received so far) passes the limit: it is never parsed or tokenized.
@@ -191,8 +220,9 @@ class BodySizeLimit:
 
 class OpenAIServer:
     def __init__(self, backend: Backend, request_timeout_s: float | None = None, limits: RequestLimits | None = None,
-                 trace_requests: bool = False):
+                 trace_requests: bool = False, sse_keepalive_s: float = 5.0):
         self.backend = backend
+        self.sse_keepalive_s = sse_keepalive_s
         self.request_timeout_s = request_timeout_s
         self.limits = limits or RequestLimits()
         self.trace_requests = trace_requests  # log each finished request's timeline (router/metrics.py)
@@ -244,7 +274,8 @@ class OpenAIServer:
         return await off_loop(lambda: [encode(p) if isinstance(p, str) else p for p in prompts])
 
     async def _run(self, request: Request, rid: str, reqs: list[GenerateRequest], stream: bool,
-                   respond: Callable[[list[RequestOutput]], dict], chunks: Callable[[Fanout, RequestTimer], AsyncIterator[str]],
+                   respond: Callable[[list[RequestOutput]], dict],
+                   chunks: Callable[[Fanout, RequestTimer, asyncio.Future | None], AsyncIterator[str]],
                    received: float):
         timer = RequestTimer(self.trace_requests)
         timer.arrival = received  # the timeline starts when the handler did, before tokenizing
@@ -252,8 +283,17 @@ class OpenAIServer:
         fanout = Fanout(SeparateServeRequests(self.backend), reqs, self.request_timeout_s)
         try:
             if stream:
-                await run_unless_disconnected(request, fanout.started())
-                response = SSEResponse(chunks(fanout, timer))
+                # Errors before the first tokens (a full queue, a bad prompt) keep their status code; a
+                # request still queued after sse_keepalive_s starts its stream with keep-alive comments.
+                first = asyncio.ensure_future(fanout.started())
+                try:
+                    await run_unless_disconnected(request, asyncio.wait({first}, timeout=self.sse_keepalive_s))
+                except BaseException:
+                    first.cancel()
+                    raise
+                if first.done():
+                    first.result()
+                response = SSEResponse(chunks(fanout, timer, None if first.done() else first))
                 fanout = None  # the stream owns it now
                 return response
             outs = await run_unless_disconnected(request, fanout.final_outputs(timer.output))
@@ -275,9 +315,16 @@ class OpenAIServer:
 
     async def _sse_body(self, rid: str, fanout: Fanout, timer: RequestTimer,
                         chunk: Callable[[int, RequestOutput], dict | None],
-                        final: Callable[[], dict | None]) -> AsyncIterator[str]:
+                        final: Callable[[], dict | None], first: asyncio.Future | None = None) -> AsyncIterator[str]:
+        """The SSE frames; `first`: the still-pending wait for every choice's first output, kept alive
+        with comment lines until it is done."""
         status = "cancelled"
         try:
+            while first is not None and not first.done():
+                yield ": keep-alive\n\n"
+                await asyncio.wait({first}, timeout=self.sse_keepalive_s)
+            if first is not None:
+                first.result()  # an error while queued: reported in-band below
             async for i, out in fanout:
                 timer.output(out)
                 obj = chunk(i, out)
@@ -295,6 +342,8 @@ class OpenAIServer:
             yield _sse(err.body())
             yield "data: [DONE]\n\n"
         finally:
+            if first is not None:
+                first.cancel()
             await fanout.aclose()
             timer.finish(status)
 
@@ -305,7 +354,8 @@ class OpenAIServer:
             body.check()
             await self.check_ready()
             params.check_model(self.backend, body.model)
-            prompts = await self._encode(body.prompts())
+            raw = body.prompts()
+            prompts = await self._encode(raw)
             fields = {**body.sampling_fields(), "logprobs": body.logprobs}
             reqs = self._requests(rid, prompts, body.n, body.max_tokens, body.priority, fields, "prompt",
                                   max_tokens_given="max_tokens" in body.model_fields_set)
@@ -313,30 +363,41 @@ class OpenAIServer:
             return self._refuse(e, rid)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.backend.model_name}
         n_logprobs = body.logprobs
+        echo = _Echo(self, body, raw, reqs)
 
         def respond(outs: list[RequestOutput]) -> dict:
-            choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                        "logprobs": None if n_logprobs is None else completion_logprobs(o.token_ids, o.logprobs, n_logprobs, self.token_text)}
-                       for i, o in enumerate(outs)]
+            choices = []
+            for i, o in enumerate(outs):
+                lp = None if n_logprobs is None else completion_logprobs(o.token_ids, o.logprobs, n_logprobs, self.token_text)
+                text, lp = echo.prefixed(i, o, o.text, lp)
+                choices.append({"index": i, "text": text, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                                "logprobs": lp, **echo.prompt_logprobs_field(i, o)})
             return {**head, "choices": choices, "usage": self._usage(reqs, outs, body.n)}
 
         sent_chars = [0] * len(reqs)
         use = StreamUsage(reqs, body.n, body.include_usage, body.continuous_usage)
+        echoed: set[int] = set()
 
         def chunk(i: int, out: RequestOutput) -> dict | None:
             use.update(i, out)
-            if not out.new_text and not out.finished and (n_logprobs is None or not out.new_token_ids):
+            first = i not in echoed
+            if not first and not out.new_text and not out.finished and (n_logprobs is None or not out.new_token_ids):
                 return None  # text held back (a partial character or a possible stop string): nothing to send
+            echoed.add(i)
             lp = None
             if n_logprobs is not None:
                 lp = completion_logprobs(out.new_token_ids, delta_logprobs(out), n_logprobs, self.token_text, sent_chars[i])
-            sent_chars[i] += len(out.new_text)
-            choice = {"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": out.finish_reason,
-                      "stop_reason": out.stop_reason}
+            text, extra = out.new_text, {}
+            if first:  # the prompt (echo) and prompt logprobs go with each choice's first chunk
+                text, lp = echo.prefixed(i, out, text, lp)
+                extra = echo.prompt_logprobs_field(i, out)
+            sent_chars[i] += len(text)
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
+                      "stop_reason": out.stop_reason, **extra}
             return {**head, "choices": [choice], **use.on_chunk()}
 
         return await self._run(request, rid, reqs, body.stream, respond,
-                               lambda f, t: self._sse_body(rid, f, t, chunk, lambda: use.closing(head)), received)
+                               lambda f, t, w: self._sse_body(rid, f, t, chunk, lambda: use.closing(head), w), received)
 
     # ---- /v1/chat/completions ----
     def _chat_prompt(self, body: ChatCompletionRequest, messages: list[dict[str, str]]) -> list[int]:
@@ -369,18 +430,24 @@ class OpenAIServer:
             return self._refuse(e, rid)
         created, model = int(time.time()), self.backend.model_name
         n_logprobs = body.num_logprobs
+        parser = parser_for(getattr(self.backend.tokenizer, "chat_template", None))
 
         def respond(outs: list[RequestOutput]) -> dict:
-            choices = [{"index": i, **_reply_message(body, o), "stop_reason": o.stop_reason,
+            choices = [{"index": i, **_reply_message(body, parser, o), "stop_reason": o.stop_reason,
                         "logprobs": None if n_logprobs is None else chat_logprobs(o.token_ids, o.logprobs, n_logprobs, self.token_text)}
                        for i, o in enumerate(outs)]
+            extra = {} if body.prompt_logprobs is None else {  # vLLM's: on the response, for the (one) prompt
+                "prompt_logprobs": vllm_prompt_logprobs(reqs[0].prompt_token_ids, outs[0].prompt_logprobs,
+                                                        body.prompt_logprobs, self.token_text)}
             return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-                    "usage": self._usage(reqs, outs, body.n)}
+                    "usage": self._usage(reqs, outs, body.n), **extra}
 
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         started: set[int] = set()
         use = StreamUsage(reqs, body.n, body.include_usage, body.continuous_usage)
-        tool_streams = {i: HermesStream() for i in range(len(reqs))} if body.parse_tools else {}
+        tool_streams = {i: parser.stream() for i in range(len(reqs))} if body.parse_tools else {}
+        named = body.named_tool.name if body.named_tool is not None else None
+        forced = {i: ForcedStream(named) for i in range(len(reqs))} if body.forced_tool_schema() is not None else {}
 
         def chunk(i: int, out: RequestOutput) -> dict | None:
             use.update(i, out)
@@ -391,6 +458,8 @@ class OpenAIServer:
             finish = out.finish_reason
             if i in tool_streams:
                 finish = _tool_delta(tool_streams[i], out, body.parallel_tool_calls is not False, delta)
+            elif i in forced:
+                finish = _forced_delta(forced[i], out, delta)
             elif out.new_text:
                 delta["content"] = out.new_text
             if not delta and not out.finished and (n_logprobs is None or not out.new_token_ids):
@@ -402,7 +471,7 @@ class OpenAIServer:
             return {**head, "choices": [choice], **use.on_chunk()}
 
         return await self._run(request, rid, reqs, body.stream, respond,
-                               lambda f, t: self._sse_body(rid, f, t, chunk, lambda: use.closing(head)), received)
+                               lambda f, t, w: self._sse_body(rid, f, t, chunk, lambda: use.closing(head), w), received)
 
     @staticmethod
     def _usage(reqs: list[GenerateRequest], outs: list[RequestOutput], n: int) -> dict:
@@ -411,24 +480,99 @@ class OpenAIServer:
         cached = sum(o.num_cached_tokens for o in outs[::n])
         return usage(prompt_tokens, sum(len(o.token_ids) for o in outs), cached)
 
+    # ---- /tokenize, /detokenize (vLLM's) ----
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        body.check()
+        params.check_model(self.backend, body.model)
+        tok = self.backend.tokenizer
+        if body.messages is not None:
+            chat = body.as_chat()
+            messages = [m.as_template_input() for m in chat.messages]
+            self.limits.check_prompt_chars(self.backend.max_model_len, [m["content"] for m in messages], "messages")
+            ids = await off_loop(self._chat_prompt, chat, messages)
+        else:
+            self.limits.check_prompt_chars(self.backend.max_model_len, [body.prompt], "prompt")
+            special = body.add_special_tokens is not False
+            ids = await off_loop(lambda: tok.encode(body.prompt, add_special_tokens=special))
+        strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.backend.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        params.check_model(self.backend, body.model)
+        bad = [t for t in body.tokens if not 0 <= t < self.backend.vocab_size]
+        if bad:
+            raise bad_request(f"token ids {bad[:5]} are outside the vocabulary [0, {self.backend.vocab_size})", "tokens")
+        return {"prompt": await off_loop(self.backend.tokenizer.decode, body.tokens)}
+
     # ---- /v1/models ----
     def model_card(self) -> dict:
         return {"id": self.backend.model_name, "object": "model", "created": self.created, "owned_by": "tandem",
                 "max_model_len": self.backend.max_model_len}
 
 
-def _reply_message(body: ChatCompletionRequest, out: RequestOutput) -> dict[str, Any]:
+class _Echo:
+    """Completions' `echo` (the prompt before the completion, with its logprobs when logprobs are asked
+    for) and vLLM's `prompt_logprobs` field, per choice i (prompt i // n)."""
+
+    def __init__(self, server: OpenAIServer, body: CompletionRequest, raw: list[str | list[int]], reqs: list[GenerateRequest]):
+        self.server, self.body, self.raw, self.reqs = server, body, raw, reqs
+
+    def _prompt_lps(self, out: RequestOutput) -> list:
+        if out.prompt_logprobs is None:  # a deployment whose prefill side does not return them
+            raise ApiError(501, "prompt logprobs are not available from this deployment (colocated replicas only)",
+                           param="prompt_logprobs", code="not_implemented")
+        return out.prompt_logprobs
+
+    def prefixed(self, i: int, out: RequestOutput, text: str, lp: dict | None) -> tuple[str, dict | None]:
+        if not self.body.echo:
+            return text, lp
+        p = self.raw[i // self.body.n]
+        prompt_text = p if isinstance(p, str) else self.server.backend.tokenizer.decode(p)
+        if lp is not None:
+            ids = self.reqs[i].prompt_token_ids
+            lp = joined_logprobs(echo_logprobs(ids, self._prompt_lps(out), self.body.logprobs, self.server.token_text), lp)
+        return prompt_text + text, lp
+
+    def prompt_logprobs_field(self, i: int, out: RequestOutput) -> dict[str, Any]:
+        n = self.body.prompt_logprobs
+        if n is None:
+            return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(self.reqs[i].prompt_token_ids, self._prompt_lps(out), n,
+                                                        self.server.token_text)}
+
+
+def _reply_message(body: ChatCompletionRequest, parser: ToolParser, out: RequestOutput) -> dict[str, Any]:
     """A finished choice's message and finish_reason; with tools, calls in the text become tool_calls
-    (finish_reason "tool_calls", as vLLM reports it) and the text before them the content."""
+    (finish_reason "tool_calls", as vLLM reports it) and the text before them the content. A forced
+    call (tool_choice named: finish_reason stays "stop", as OpenAI and vLLM report it; "required":
+    "tool_calls") is the grammar-made JSON read as calls."""
+    if body.forced_tool_schema() is not None:
+        named = body.named_tool.name if body.named_tool is not None else None
+        calls = forced_calls(out.text, named)
+        if calls:
+            finish = out.finish_reason if named is not None else "tool_calls"
+            return {"message": {"role": "assistant", "content": None, "tool_calls": calls}, "finish_reason": finish}
     if body.parse_tools:
-        content, calls = parse_tool_calls(out.text)
+        content, calls = parser.parse(out.text)
         if calls:
             calls = calls if body.parallel_tool_calls is not False else calls[:1]
             return {"message": {"role": "assistant", "content": content, "tool_calls": calls}, "finish_reason": "tool_calls"}
     return {"message": {"role": "assistant", "content": out.text}, "finish_reason": out.finish_reason}
 
 
-def _tool_delta(stream: HermesStream, out: RequestOutput, parallel: bool, delta: dict[str, Any]) -> str | None:
+def _forced_delta(stream: ForcedStream, out: RequestOutput, delta: dict[str, Any]) -> str | None:
+    """A streamed forced tool call: its tool_calls delta entries; "required" ends with "tool_calls"."""
+    entries = stream.feed(out.new_text, final=out.finished)
+    if entries:
+        delta["tool_calls"] = entries
+    if out.finished and stream.named is None and stream.calls:
+        return "tool_calls"
+    if out.finished and not stream.calls and stream.text:  # cut off before the JSON closed: the text as it is
+        delta["content"] = stream.text
+    return out.finish_reason
+
+
+def _tool_delta(stream: ToolStream, out: RequestOutput, parallel: bool, delta: dict[str, Any]) -> str | None:
     """Feed one streamed output through the choice's tool-call parser: its text into delta["content"],
     calls completed now into delta["tool_calls"] (each whole, with its index among the choice's
     calls); returns the chunk's finish_reason ("tool_calls" at the end of a reply that made calls)."""
@@ -443,6 +587,13 @@ def _tool_delta(stream: HermesStream, out: RequestOutput, parallel: bool, delta:
     if out.finished and stream.calls:
         return "tool_calls"
     return out.finish_reason
+
+
+def _version() -> str:
+    try:
+        return metadata.version("tandem")
+    except metadata.PackageNotFoundError:  # run from a checkout without `pip install -e .`
+        return "unknown"
 
 
 def _validation_error(e: RequestValidationError) -> ApiError:
@@ -461,14 +612,16 @@ def _validation_error(e: RequestValidationError) -> ApiError:
 
 
 def create_openai_app(backend: Backend, api_keys: Iterable[str] = (), request_timeout_s: float | None = None,
-                      limits: RequestLimits | None = None, trace_requests: bool = False) -> FastAPI:
-    """The FastAPI app; wrap-free: API keys and the body-size limit are ASGI middlewares added here."""
-    server = OpenAIServer(backend, request_timeout_s, limits, trace_requests)
+                      limits: RequestLimits | None = None, trace_requests: bool = False,
+                      sse_keepalive_s: float = 5.0) -> FastAPI:
+    """The FastAPI app; wrap-free: API keys, the body-size limit and X-Request-Id are ASGI middlewares added here."""
+    server = OpenAIServer(backend, request_timeout_s, limits, trace_requests, sse_keepalive_s)
     app = FastAPI(title="Tandem", description="OpenAI-compatible LLM inference", docs_url="/docs")
     app.state.server = server
     # Added last = runs first: the key is checked before the body is read or measured.
     app.add_middleware(BodySizeLimit, limits=server.limits)
     app.add_middleware(ApiKeyAuth, api_keys=list(api_keys))
+    app.add_middleware(RequestIdHeader)  # outermost: refusals (401, 413) carry the id too
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError):
@@ -499,6 +652,18 @@ def create_openai_app(backend: Backend, api_keys: Iterable[str] = (), request_ti
         """This process's Tandem metrics (router/metrics.py), so a scraper needs only the API port."""
         body, content_type = prometheus_text()
         return PlainTextResponse(body, media_type=content_type)
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await server.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await server.detokenize(body)
 
     @app.get("/v1/models")
     async def list_models():

@@ -3,8 +3,10 @@
 Unknown request fields are accepted, ignored and logged at WARNING (once per field name per
 process), as vLLM does: clients written for OpenAI or vLLM send fields this server has never heard
 of, and refusing the whole request for them breaks those clients. Fields this server *knows* but
-cannot honour (`UNSUPPORTED`: beam search, structured output, ...) are different: ignoring them
-would silently change the answer, so a request that sets one gets a 400 naming it.
+cannot honour (`UNSUPPORTED`: beam search, ...) are different: ignoring them would silently change
+the answer, so a request that sets one gets a 400 naming it. Structured output (response_format,
+structured_outputs, guided_*, and chat's tool_choice required/named) becomes one constraint for the
+grammar engine (router/structured.py).
 """
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ import json
 import logging
 from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, model_validator
 
+from router import structured
 from router.errors import bad_request
 from engine.llm_engine import RequestOutput
+from workers.sampling_params import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +27,6 @@ MAX_N = 128  # choices per prompt; each is a full sequence in the batch
 
 _IGNORED_LOGGED: set[str] = set()  # unknown field names already warned about (the log is not per request)
 
-_STRUCTURED = "structured output (guided decoding) is not supported yet"
 # Known fields that change the result and that this server cannot honour: name -> (the value that
 # means "not used", why it is refused). Shared by both endpoints; each request class adds its own.
 UNSUPPORTED_COMMON: dict[str, tuple[Any, str]] = {
@@ -32,18 +35,11 @@ UNSUPPORTED_COMMON: dict[str, tuple[Any, str]] = {
     "allowed_token_ids": (None, "allowed_token_ids is not supported"),
     "bad_words": (None, "bad_words is not supported"),
     "truncate_prompt_tokens": (None, "truncate_prompt_tokens is not supported"),
-    "prompt_logprobs": (None, "prompt_logprobs is not supported yet"),
     "logits_processors": (None, "logits_processors is not supported"),
     "return_tokens_as_token_ids": (False, "return_tokens_as_token_ids is not supported"),
     "spaces_between_special_tokens": (True, "spaces_between_special_tokens: false is not supported"),
     "cache_salt": (None, "cache_salt (per-tenant prefix-cache isolation) is not supported"),
-    "guided_json": (None, _STRUCTURED),
-    "guided_regex": (None, _STRUCTURED),
-    "guided_choice": (None, _STRUCTURED),
-    "guided_grammar": (None, _STRUCTURED),
-    "guided_decoding_backend": (None, _STRUCTURED),
-    "guided_whitespace_pattern": (None, _STRUCTURED),
-    "structured_outputs": (None, _STRUCTURED),
+    "guided_whitespace_pattern": (None, "guided_whitespace_pattern is not supported (JSON is written compactly)"),
 }
 
 
@@ -115,10 +111,28 @@ class _Common(_Lenient):
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     priority: StrictInt = 0
+    prompt_logprobs: StrictInt | None = None  # vLLM's: logprob (and top-n) of every prompt token
+    # structured output (router/structured.py): OpenAI's, vLLM's, and vLLM's older names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    _constraint: StructuredOutputs | None = PrivateAttr(default=None)
+
+    def constraint_candidates(self) -> list[tuple[str, StructuredOutputs | None]]:
+        """Every structured-output field the request sets, as (field, spec)."""
+        return [("response_format", structured.from_response_format(self.response_format)),
+                ("structured_outputs", structured.from_structured_outputs(self.structured_outputs)),
+                *structured.from_guided(self.model_dump(include={"guided_json", "guided_regex", "guided_choice",
+                                                                 "guided_grammar", "guided_decoding_backend"}))]
 
     def check(self) -> None:
         """Semantic checks beyond the types (400 naming the parameter); the endpoints call it."""
         self.unsupported()
+        self._constraint = structured.resolve(self.constraint_candidates())
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -132,7 +146,8 @@ class _Common(_Lenient):
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, top_k=self.top_k,
                     min_p=self.min_p, repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
                     stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                    include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens)
+                    include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+                    structured_outputs=self._constraint, prompt_logprobs=self.prompt_logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -156,8 +171,8 @@ class CompletionRequest(_Common):
 
     def check(self) -> None:
         super().check()
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
+        if self.echo and self.prompt_logprobs is None and self.logprobs is not None:
+            self.prompt_logprobs = self.logprobs  # echo with logprobs scores the prompt too, top-n alike
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported", "best_of")
         if self.suffix:
@@ -277,18 +292,15 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # vLLM's: extend the last (assistant) message instead
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None  # false: at most one call is returned
 
     def check(self) -> None:
+        self._check_tools()  # first: the tool_choice constraint below reads the named tool
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
-        self._check_tools()
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise bad_request("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         self._check_template_args()
@@ -301,15 +313,41 @@ class ChatCompletionRequest(_Common):
             if name not in {t.function.name for t in self.tools}:
                 raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
 
+    def constraint_candidates(self) -> list[tuple[str, StructuredOutputs | None]]:
+        schema = self.forced_tool_schema()
+        forced = StructuredOutputs(kind="json", spec=json.dumps(schema, sort_keys=True)) if schema is not None else None
+        return [*super().constraint_candidates(), ("tool_choice", forced)]
+
+    @property
+    def named_tool(self) -> FunctionDef | None:
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        return next(t.function for t in self.tools if t.function.name == self.tool_choice.function.name)
+
+    def forced_tool_schema(self) -> dict[str, Any] | None:
+        """The JSON schema that enforces tool_choice, as vLLM builds it: a named function's output is
+        its arguments object; "required" is a list of at least one {"name", "parameters"} call of the
+        given tools (at most one without parallel_tool_calls)."""
+        if self.named_tool is not None:
+            return self.named_tool.parameters or {"type": "object", "properties": {}}
+        if self.tool_choice != "required":
+            return None
+        calls = [{"type": "object", "required": ["name", "parameters"],
+                  "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                 "parameters": t.function.parameters or {"type": "object", "properties": {}}}}
+                 for t in self.tools]
+        limit = {"maxItems": 1} if self.parallel_tool_calls is False else {}
+        return {"type": "array", "minItems": 1, **limit, "items": {"anyOf": calls}}
+
     @property
     def parse_tools(self) -> bool:
-        """Whether the reply is read for tool calls (tool_choice "none": the tools are still shown to
-        the template, as vLLM does, but the reply is plain text)."""
-        return bool(self.tools) and self.tool_choice != "none"
+        """Whether the reply is read for tool calls by the model's tool-call format ("auto"; with
+        tool_choice "none" the tools are still shown to the template, as vLLM does, but the reply is
+        plain text; "required" and a named function are grammar-forced JSON, read as such)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools the template renders: a named tool_choice shows the model only that one (there is
-        no grammar engine yet to force the call, so this is how the choice is steered)."""
+        """The tools the template renders: a named tool_choice shows the model only that one."""
         if not self.tools:
             return None
         tools = self.tools
@@ -392,3 +430,87 @@ def delta_logprobs(out: RequestOutput) -> list[dict[int, float]]:
     """This step's logprob entries (the snapshot's list is cumulative)."""
     k = len(out.new_token_ids)
     return (out.logprobs or [])[-k:] if k else []
+
+
+# ---------------------------------------------------------------- /tokenize, /detokenize (vLLM's)
+
+
+class TokenizeRequest(_Lenient):
+    """vLLM's /tokenize: a completion `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None  # default: True for a prompt, False for messages (vLLM's)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: StrictBool = False
+
+    def check(self) -> None:
+        self.unsupported()
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give either prompt or messages", "prompt")
+        if self.messages is not None and self.add_special_tokens:
+            raise bad_request("add_special_tokens: true is not supported with messages", "add_special_tokens")
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat request whose prompt this is (checked as /v1/chat/completions checks it)."""
+        chat = ChatCompletionRequest(messages=self.messages, tools=self.tools, add_generation_prompt=self.add_generation_prompt,
+                                     continue_final_message=self.continue_final_message,
+                                     chat_template_kwargs=self.chat_template_kwargs)
+        chat.check()
+        return chat
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+# ---------------------------------------------------------------- echo and prompt logprobs
+
+
+def echo_logprobs(prompt_ids: list[int], prompt_lps: list[dict[int, float] | None], n: int,
+                  token_text: Callable[[int], str]) -> dict[str, Any]:
+    """The prompt's part of completions' logprobs with echo: the first token has no logprob (null)."""
+    tokens = [token_text(t) for t in prompt_ids]
+    offsets, offset = [], 0
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens,
+            "token_logprobs": [None if e is None else e[t] for t, e in zip(prompt_ids, prompt_lps)],
+            "top_logprobs": [None if e is None else _by_text(_top(e, n), token_text) for e in prompt_lps],
+            "text_offset": offsets}
+
+
+def joined_logprobs(first: dict[str, Any], second: dict[str, Any] | None) -> dict[str, Any]:
+    """Two parallel-list logprobs objects one after the other (second's text offsets shifted)."""
+    if second is None:
+        return first
+    shift = first["text_offset"][-1] + len(first["tokens"][-1]) if first["tokens"] else 0
+    return {"tokens": first["tokens"] + second["tokens"], "token_logprobs": first["token_logprobs"] + second["token_logprobs"],
+            "top_logprobs": first["top_logprobs"] + second["top_logprobs"],
+            "text_offset": first["text_offset"] + [o + shift for o in second["text_offset"]]}
+
+
+def vllm_prompt_logprobs(prompt_ids: list[int], prompt_lps: list[dict[int, float] | None] | None, n: int,
+                         token_text: Callable[[int], str]) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token, null for the first, else {token id: {logprob,
+    rank, decoded_token}} for the token and the top-n (the token's rank is null when it is outside the
+    top-n: only the top-n are ranked)."""
+    if prompt_lps is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for t, entry in zip(prompt_ids, prompt_lps):
+        if entry is None:
+            out.append(None)
+            continue
+        top = _top(entry, len(entry))
+        outside = len(entry) > n  # the token itself is not among the top-n: it is the extra, last entry
+        ranks = {tid: r + 1 for r, (tid, _) in enumerate(top) if not (outside and tid == t)}
+        out.append({str(tid): {"logprob": lp, "rank": ranks.get(tid), "decoded_token": token_text(tid)}
+                    for tid, lp in top})
+    return out

@@ -1,5 +1,9 @@
-"""Tool calls out of model text: the Hermes format (vLLM's `hermes` parser), which Qwen2/Qwen2.5/Qwen3
-and many Llama fine-tunes emit:
+"""Tool calls out of model text, in the two formats vLLM's `hermes` and `llama3_json` parsers read;
+`parser_for(chat_template)` picks the one a model's template writes (Hermes when it has `<tool_call>`,
+else Llama-3 JSON). Calls forced by tool_choice ("required", a named function) are grammar-made JSON
+and read by `forced_calls` / `ForcedStream` instead.
+
+The Hermes format, which Qwen2/Qwen2.5/Qwen3 and many Llama fine-tunes emit:
 
     some optional text<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
 
@@ -17,7 +21,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Protocol
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
@@ -96,3 +100,133 @@ class HermesStream:
             content, self.pending = content + self.pending, ""
         self.calls += new
         return content, new
+
+
+# ---------------------------------------------------------------- Llama 3.x JSON
+
+PYTHON_TAG = "<|python_tag|>"
+_DECODER = json.JSONDecoder()
+
+
+def parse_llama3_json(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Llama 3.1/3.2 JSON tool calls (vLLM's llama3_json): the whole reply is one or more
+    {"name": ..., "parameters": {...}} objects ("arguments" too), separated by ";", optionally after
+    <|python_tag|>. Anything else, or any object that is not a call, is plain content."""
+    body = text.strip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG):].lstrip()
+    if not body.startswith("{"):
+        return text, []
+    calls, pos = [], 0
+    while pos < len(body):
+        try:
+            obj, end = _DECODER.raw_decode(body, pos)
+        except ValueError:
+            return text, []
+        call = _call(json.dumps(obj)) if isinstance(obj, dict) and ("parameters" in obj or "arguments" in obj) else None
+        if call is None:
+            return text, []
+        calls.append(call)
+        pos = end
+        while pos < len(body) and (body[pos].isspace() or body[pos] == ";"):
+            pos += 1
+    return None, calls
+
+
+@dataclass
+class Llama3JsonStream:
+    """One streamed choice in the Llama-3 JSON format: a reply that starts like a call ("{" or
+    <|python_tag|>) is held and its calls emitted whole at the end (not a call after all: the text then);
+    any other reply streams as content at once."""
+
+    pending: str = ""
+    mode: str = "undecided"  # "content" or "call" once the first non-blank text has arrived
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        self.pending += delta
+        if self.mode == "undecided":
+            head = self.pending.lstrip()
+            if head and not (head.startswith("{") or PYTHON_TAG.startswith(head[:len(PYTHON_TAG)])):
+                self.mode = "content"
+            elif head.startswith("{") or head.startswith(PYTHON_TAG):
+                self.mode = "call"
+        if self.mode == "content" or (final and self.mode == "undecided"):
+            text, self.pending = self.pending, ""
+            return text, []
+        if not final:
+            return "", []
+        content, calls = parse_llama3_json(self.pending)
+        self.pending = ""
+        self.calls += calls
+        return content or "", calls
+
+
+# ---------------------------------------------------------------- parser choice
+
+
+class ToolStream(Protocol):
+    calls: list[dict[str, Any]]
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]: ...
+
+
+@dataclass(frozen=True)
+class ToolParser:
+    name: str
+    parse: Callable[[str], tuple[str | None, list[dict[str, Any]]]]
+    stream: Callable[[], ToolStream]
+
+
+HERMES = ToolParser("hermes", parse_tool_calls, HermesStream)
+LLAMA3_JSON = ToolParser("llama3_json", parse_llama3_json, Llama3JsonStream)
+
+
+def parser_for(chat_template: str | None) -> ToolParser:
+    """The format the model's chat template writes tool calls in (its own past calls are rendered so)."""
+    return HERMES if OPEN in str(chat_template or "") else LLAMA3_JSON
+
+
+# ---------------------------------------------------------------- tool_choice required / named
+
+
+def new_call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def forced_calls(text: str, named: str | None) -> list[dict[str, Any]]:
+    """The calls in a grammar-forced reply: a named function's arguments object, or "required"'s
+    [{"name", "parameters"}, ...] list. [] when the text is not that (cut off by max_tokens)."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return []
+    if named is not None:
+        return [new_call(named, text)] if isinstance(obj, dict) else []
+    if not isinstance(obj, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in obj):
+        return []
+    return [new_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in obj]
+
+
+@dataclass
+class ForcedStream:
+    """A streamed grammar-forced reply. Named: the arguments stream as they come (the first delta
+    carries the call's id and name, as vLLM sends them). Required: the calls go out whole at the end."""
+
+    named: str | None
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    text: str = ""
+
+    def feed(self, delta: str, final: bool = False) -> list[dict[str, Any]]:
+        """tool_calls delta entries for this piece of text."""
+        self.text += delta
+        if self.named is not None:
+            if not self.calls:
+                self.calls.append(new_call(self.named, ""))
+                return [{"index": 0, **self.calls[0], "function": {"name": self.named, "arguments": delta}}]
+            return [{"index": 0, "function": {"arguments": delta}}] if delta else []
+        if not final:
+            return []
+        self.calls = forced_calls(self.text, None)
+        return [{"index": k, **c} for k, c in enumerate(self.calls)]

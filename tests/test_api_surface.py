@@ -84,14 +84,9 @@ def test_unknown_field_does_not_change_the_answer(client):
 
 UNSUPPORTED = [
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
-    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
-    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
-    (CHAT, {"messages": HELLO, "guided_choice": ["a", "b"]}, "guided_choice"),
-    (CHAT, {"messages": HELLO, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     (CHAT, {"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
-    (CHAT, {"messages": HELLO, "response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"messages": HELLO, "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
     (CHAT, {"messages": HELLO, "chat_template": "{{ messages }}"}, "chat_template"),
     (CHAT, {"messages": HELLO, "functions": [{"name": "f"}]}, "functions"),
     (CHAT, {"messages": HELLO, "chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),

@@ -22,7 +22,9 @@ from workers.microbatch import split_by_sequence
 from workers.models.layers import PagedAttention
 from workers.sampler import Sampler
 from workers.sampling_params import SamplingParams
-from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
+from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput, TokenBitmask
+from workers.structured_output import apply_token_bitmask, is_constrained
+from workers.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from workers.sp_plan import gather_sample_hidden, plan_sp_step, sample_owner
 from workers.spec_decode.verify import verify
 
@@ -245,8 +247,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on this rank. Only `is_output_rank` returns the sampled tokens; other ranks
-        return an empty output."""
+        """Run one step on this rank. Only `is_output_rank` returns the sampled tokens (and the prompt
+        logprobs of the prefill chunks that asked for them); other ranks return an empty output."""
+        self._prompt_logprobs = {}  # filled per micro-batch by _run_step (workers/prompt_logprobs.py)
+        result = self._run_step(out)
+        if self._prompt_logprobs:
+            result.prompt_logprobs = self._prompt_logprobs
+        return result
+
+    def _run_step(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if out.is_empty:
             return ModelRunnerOutput({})
         verify_graphs = getattr(self, "verify_graphs", None)
@@ -256,16 +265,17 @@ class ModelRunner:
         graphs = getattr(self, "cuda_graphs", None)  # unset while the KV budget is being profiled
         if graphs is not None and graphs.can_run(out):
             if not graphs.with_head:  # TP: every rank replays, the head runs eagerly
-                return self.sample(graphs.run(out)[0], out.seqs)
+                return self.sample(graphs.run(out)[0], out.seqs, out.token_bitmask)
             logits, greedy = graphs.run(out)
             params = [s.sampling_params for s in out.seqs]
-            if all(Sampler.is_plain_greedy(s) for s in out.seqs):
+            if all(Sampler.is_plain_greedy(s) for s in out.seqs) and not is_constrained(out.seqs, out.token_bitmask):
                 tokens = Sampler.greedy_outputs(greedy, params)
             else:
                 tokens = self.sampler(logits, out.seqs)
             return ModelRunnerOutput({s.seq_id: tok for s, tok in zip(out.seqs, tokens)})
         seqs = out.seqs
         if self.sp.size == 1:  # decodes first: attention runs them with the decode kernel (AttentionMetadata.num_decodes)
+                apply_token_bitmask(logits, out.seqs, out.token_bitmask)  # structured output
             seqs = sorted(seqs, key=lambda s: s.num_tokens != 1)
         # One micro-batch per stage keeps every stage busy once the pipeline is full.
         micro_batches = split_by_sequence(seqs, self.pp.size) if self.pp.size > 1 else [seqs]
@@ -282,6 +292,8 @@ class ModelRunner:
                 sends.append(send_to_next_stage([hidden, residual], self._pp_seq_no, self.pp))
             elif sample_rows or self.sp.size > 1:
                 sample_hidden.append(hidden[sample_rows])
+            if self.pp.is_last and self.sp.size == 1 and any(wants_prompt_logprobs(s) for s in batch):
+                self._prompt_logprobs.update(compute_prompt_logprobs(self.model.lm_head, batch, hidden))
             self._pp_seq_no += 1
         for pending in sends:
             pending.wait()
@@ -294,7 +306,7 @@ class ModelRunner:
             hidden = gather_sample_hidden(hidden, [sample_owner(s, self.block_size, self.sp.size) for s in to_sample], self.sp)
             if hidden is None:
                 return ModelRunnerOutput({})
-        return self.sample(hidden, to_sample)
+        return self.sample(hidden, to_sample, out.token_bitmask)
 
     def _recv_activations(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = recv_from_prev_stage(self._pp_seq_no, self.pp, self.device)
@@ -303,16 +315,17 @@ class ModelRunner:
                                f"for a micro-batch of {num_tokens} tokens")
         return hidden, residual
 
-    def sample(self, hidden: torch.Tensor, seqs: list[ScheduledSeq]) -> ModelRunnerOutput:
+    def sample(self, hidden: torch.Tensor, seqs: list[ScheduledSeq], mask: TokenBitmask | None = None) -> ModelRunnerOutput:
         """hidden [len(seqs), d] at the sampled positions -> next tokens (on the output rank only).
 
         Under TP, a batch of plain greedy rows gathers (max, id, log-sum-exp) per rank instead of
-        the full vocabulary; anything else gathers full logits to the first TP rank.
+        the full vocabulary; anything else gathers full logits to the first TP rank, where a grammar's
+        bitmask (structured output) is applied before the sampler.
         """
         head = self.model.lm_head
         if any(s.spec_token_ids for s in seqs):  # speculative decoding: verify the drafts
             return self._verify(hidden, seqs)
-        if head.group.size > 1 and all(Sampler.is_plain_greedy(s) for s in seqs):
+        if head.group.size > 1 and all(Sampler.is_plain_greedy(s) for s in seqs) and not is_constrained(seqs, mask):
             result = head.greedy_tokens(hidden)
             if result is None:
                 return ModelRunnerOutput({})
@@ -328,6 +341,7 @@ class ModelRunner:
         return ModelRunnerOutput({s.seq_id: tok for s, tok in zip(seqs, sampled)})
 
     def _verify(self, hidden: torch.Tensor, seqs: list[ScheduledSeq]) -> ModelRunnerOutput:
+        apply_token_bitmask(logits, seqs, mask)
         """A step with speculating sequences: hidden has len(spec_token_ids) + 1 rows for each of them
         (one for the others). Their proposals are verified (workers/spec_decode/verify.py); the others
         sample as usual. Under TP the full logits meet on the first rank, as for any sampled batch."""

@@ -7,7 +7,7 @@ generation_config.json (`with_defaults`) no matter which front end built them.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -15,6 +15,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 GENERATION_CONFIG_KEYS: dict[str, str] = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                                           "min_p": "min_p", "repetition_penalty": "repetition_penalty",
                                           "max_new_tokens": "max_tokens"}
+
+
+class StructuredOutputs(BaseModel):
+    """Constrained decoding (engine/grammar.py compiles it): the output must match `spec`, read as
+    `kind` says: json (a JSON schema, as JSON text), json_object (any JSON object; spec unused),
+    regex, choice (a JSON list of the allowed strings) or grammar (EBNF). Plain strings, so the
+    params pickle small to every pool and the spec is the grammar cache's key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    spec: str = ""
 
 
 class SamplingParams(BaseModel):
@@ -36,6 +48,9 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20, description="Top-n logprobs per output token.")
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20,
+                                        description="Logprob of each prompt token (after the first) plus the top-n.")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -88,8 +103,10 @@ class SamplingParams(BaseModel):
 
     @property
     def needs_token_history(self) -> bool:
-        """Penalties read the tokens seen so far; other requests don't pay for shipping them."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Penalties read the tokens seen so far, prompt logprobs the prompt's next tokens; other
+        requests don't pay for shipping them."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.prompt_logprobs is not None)
 
 
 def model_default_fields(model_path: str) -> dict[str, Any]:

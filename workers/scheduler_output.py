@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from workers.sampling_params import SamplingParams
 
 
@@ -44,10 +46,22 @@ class ScheduledSeq:
 
 
 @dataclass
+class TokenBitmask:
+    """The tokens each grammar-constrained sequence may sample this step (engine/grammar.py): row k
+    of `bitmask` [len(seq_ids), ceil(vocab / 32)] int32 belongs to seq_ids[k]; bit j of word w allows
+    token 32 * w + j. Only the bits travel to the ranks, never the grammar state."""
+
+    seq_ids: list[str]
+    bitmask: torch.Tensor
+
+
+@dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq]
     # Sequences that finished or were preempted/aborted since the last step: ranks drop any state they keep.
     finished_seq_ids: list[str] = field(default_factory=list)
+    # Structured output: allowed tokens of the constrained sequences that sample this step (None: none).
+    token_bitmask: TokenBitmask | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -73,3 +87,6 @@ class ModelRunnerOutput:
     # Speculating sequences: every token emitted this step, in order (accepted drafts, then the corrected
     # or bonus token); sampled[seq_id] is its first.
     spec: dict[str, list[SampledToken]] = field(default_factory=dict)
+    # Prompt logprobs of this step's prefill chunks that asked for them (workers/prompt_logprobs.py):
+    # seq_id -> [(prompt position, logprob of its token, top-n [(token id, logprob)])].
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)

@@ -77,7 +77,8 @@ class StepEncoder:
         # Speculative decoding's drafts (and a draft model's q, on the host) are per step: (index in the step, ...).
         spec = [(i, s.spec_token_ids, None if s.spec_probs is None else s.spec_probs.cpu())
                 for i, s in enumerate(out.seqs) if s.spec_token_ids]
-        return pickle.dumps((out.finished_seq_ids, forget, new, known, bytes(order), spec),
+        # The grammar bitmask (structured output) is per step: sent whole when there is one.
+        return pickle.dumps((out.finished_seq_ids, forget, new, known, bytes(order), out.token_bitmask, spec),
                             protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -88,7 +89,7 @@ class StepDecoder:
         self._held: dict[int, ScheduledSeq] = {}
 
     def decode(self, payload: bytes) -> SchedulerOutput:
-        finished_ids, forget, new, known, order, spec = pickle.loads(payload)
+        finished_ids, forget, new, known, order, token_bitmask, spec = pickle.loads(payload)
         held = self._held
         for slot in forget:
             held.pop(slot, None)
@@ -111,7 +112,7 @@ class StepDecoder:
             seqs.append(seq)
         for i, drafts, probs in spec:
             seqs[i].spec_token_ids, seqs[i].spec_probs = drafts, probs
-        return SchedulerOutput(seqs=seqs, finished_seq_ids=finished_ids)
+        return SchedulerOutput(seqs=seqs, finished_seq_ids=finished_ids, token_bitmask=token_bitmask)
 
     @property
     def num_held(self) -> int:
@@ -123,6 +124,9 @@ def pack_output(result: ModelRunnerOutput | None, out: SchedulerOutput) -> tuple
     keyed by id where a runner answered for other sequences."""
     if result is None:
         return None
+    if result.prompt_logprobs:  # rare (echo / prompt_logprobs prefill chunks): wrapped around the usual answer
+        inner = ModelRunnerOutput(result.sampled, result.spec)
+        return ("prompt", pack_output(inner, out), result.prompt_logprobs)
     sampled = result.sampled
     if result.spec:  # speculative decoding: several tokens per sequence
         return ("spec", [(seq_id, [(t.token_id, t.logprob, t.top_logprobs) for t in toks])
@@ -137,6 +141,10 @@ def pack_output(result: ModelRunnerOutput | None, out: SchedulerOutput) -> tuple
 
 
 def unpack_output(packed: tuple, out: SchedulerOutput) -> ModelRunnerOutput:
+    if packed[0] == "prompt":
+        result = unpack_output(packed[1], out)
+        result.prompt_logprobs = packed[2]
+        return result
     if packed[0] == "spec":
         spec = {seq_id: [SampledToken(*t) for t in toks] for seq_id, toks in packed[1]}
         sampled = {seq_id: SampledToken(tok, lp, top) for seq_id, tok, lp, top in packed[2]}
