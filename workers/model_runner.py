@@ -271,11 +271,11 @@ class ModelRunner:
             if all(Sampler.is_plain_greedy(s) for s in out.seqs) and not is_constrained(out.seqs, out.token_bitmask):
                 tokens = Sampler.greedy_outputs(greedy, params)
             else:
+                apply_token_bitmask(logits, out.seqs, out.token_bitmask)  # structured output
                 tokens = self.sampler(logits, out.seqs)
             return ModelRunnerOutput({s.seq_id: tok for s, tok in zip(out.seqs, tokens)})
         seqs = out.seqs
         if self.sp.size == 1:  # decodes first: attention runs them with the decode kernel (AttentionMetadata.num_decodes)
-                apply_token_bitmask(logits, out.seqs, out.token_bitmask)  # structured output
             seqs = sorted(seqs, key=lambda s: s.num_tokens != 1)
         # One micro-batch per stage keeps every stage busy once the pipeline is full.
         micro_batches = split_by_sequence(seqs, self.pp.size) if self.pp.size > 1 else [seqs]
@@ -288,12 +288,12 @@ class ModelRunner:
                 hidden, residual = self._recv_activations(token_ids.shape[0])
             with forward_context(meta):
                 hidden, residual = self.model(token_ids, positions, hidden, residual)
+            if self.pp.is_last and self.sp.size == 1 and any(wants_prompt_logprobs(s) for s in batch):
+                self._prompt_logprobs.update(compute_prompt_logprobs(self.model.lm_head, batch, hidden))
             if not self.pp.is_last:
                 sends.append(send_to_next_stage([hidden, residual], self._pp_seq_no, self.pp))
             elif sample_rows or self.sp.size > 1:
                 sample_hidden.append(hidden[sample_rows])
-            if self.pp.is_last and self.sp.size == 1 and any(wants_prompt_logprobs(s) for s in batch):
-                self._prompt_logprobs.update(compute_prompt_logprobs(self.model.lm_head, batch, hidden))
             self._pp_seq_no += 1
         for pending in sends:
             pending.wait()
@@ -337,11 +337,11 @@ class ModelRunner:
         logits = head.compute_logits(hidden)
         if logits is None:
             return ModelRunnerOutput({})
+        apply_token_bitmask(logits, seqs, mask)
         sampled = self.sampler(logits, seqs)
         return ModelRunnerOutput({s.seq_id: tok for s, tok in zip(seqs, sampled)})
 
     def _verify(self, hidden: torch.Tensor, seqs: list[ScheduledSeq]) -> ModelRunnerOutput:
-        apply_token_bitmask(logits, seqs, mask)
         """A step with speculating sequences: hidden has len(spec_token_ids) + 1 rows for each of them
         (one for the others). Their proposals are verified (workers/spec_decode/verify.py); the others
         sample as usual. Under TP the full logits meet on the first rank, as for any sampled batch."""
