@@ -142,8 +142,8 @@ def test_grammar_manager_compiles_off_the_step_and_caches(llm):
     mask = manager.bitmask([_seq("r1"), _seq("other")])
     assert mask.seq_ids == ["r1"] and mask.bitmask.shape == (1, -(-engine.vocab_size // 32))
     allowed = unpack_bitmask(mask.bitmask, engine.vocab_size)[0].nonzero().flatten().tolist()
-    assert allowed and all(engine.tokenizer.decode([t]) and "ab".startswith(engine.tokenizer.decode([t]))
-                           or "cd".startswith(engine.tokenizer.decode([t])) for t in allowed)
+    texts = [engine.tokenizer.decode([t]) for t in allowed]
+    assert texts and all(x and ("ab".startswith(x) or "cd".startswith(x)) for x in texts), texts
     assert engine.eos_token_ids[0] not in allowed  # EOS only in an accept state
     for t in engine.tokenizer.encode("ab"):
         assert not manager.accept("r1", t)
