@@ -96,3 +96,30 @@ def test_chat_prompt_logprobs_cover_the_templated_prompt(oa):
     field = r.model_extra["prompt_logprobs"]
     assert field[0] is None and len(field) == r.usage.prompt_tokens
     assert all(1 <= len(e) <= 3 and all(v["rank"] in (None, 1, 2) for v in e.values()) for e in field[1:])
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_under_tp2_and_pp2_ranks_equal_hf():
+    """Ray rank actors: the logits are gathered over 2 TP ranks, or come from the last of 2 pipeline
+    stages, and the answer travels back through the step channel (workers/step_delta.py)."""
+    import ray
+
+    from engine.llm import LLM
+
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(TINY).encode(TEXT)
+    ref = hf_prompt_logprobs(ids)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    try:
+        for layout in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)):
+            llm = LLM(model=TINY, dtype="float32", device="cpu", num_gpu_blocks_override=64, max_num_batched_tokens=32,
+                      distributed_executor_backend="ray", **layout)
+            try:
+                out = llm.generate([ids], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1))[0]
+            finally:
+                llm.shutdown()
+            for pos in range(1, len(ids)):
+                assert math.isclose(out.prompt_logprobs[pos][ids[pos]], ref[pos - 1, ids[pos]].item(), abs_tol=TOL), (layout, pos)
+    finally:
+        ray.shutdown()
