@@ -12,7 +12,10 @@ The protocol (docs/architecture.md, "Prefill/decode handoff"):
  5. decode: the first token goes to the caller as soon as step 2 answers, while step 3 moves the KV;
     then the request joins the running batch from that token and the rest streams to the caller.
 A failure before step 5 is retried once (a new prefill, maybe on another replica), unless it is this
-decode replica's own (a dead rank); a cancelled caller aborts both sides. Every path frees the blocks
+decode replica's own (a dead rank); a prefill replica that died (or whose engine died) before answering
+(`PrefillUnavailable`) is retried at once on this replica's own engine, which prefills the prompt itself,
+rather than through the pool (which, with no other live replica, would wait for a replacement); a
+cancelled caller aborts both sides. Every path frees the blocks
 on both sides, and no block is freed while a transfer may still write into it.
 """
 from __future__ import annotations
@@ -87,6 +90,11 @@ class LocalPrefillPolicy:
         if uncached_tokens <= self.max_tokens:
             return True
         return self.when_idle and not busy and uncached_tokens <= step_tokens
+
+
+class PrefillUnavailable(ConnectionError):
+    """The prefill replica that took a request died, or its engine did, before it answered: the prompt
+    never ran there. The pool's client (router/pools.py) raises it for the transport's own errors."""
 
 
 PrefillClient = Callable[[str, list[int], SamplingParams, int, Reservation], AsyncIterator[PrefillReady]]
@@ -176,6 +184,7 @@ class DecodeReplica:
         self.local_prefill = local_prefill or LocalPrefillPolicy()
         self.prefill_sites = {"local": 0, "remote": 0}  # requests by where their prompt ran
         self.on_prefill_site: Callable[[str], None] | None = None
+        self.prefill_fallbacks = 0  # requests whose prefill replica died and that this engine then ran whole
 
     @property
     def alive(self) -> bool:
@@ -191,9 +200,7 @@ class DecodeReplica:
         if self.on_prefill_site is not None:
             self.on_prefill_site(site)
         if site == "local":  # the engine runs the whole request, as a colocated replica would
-            async for out in self.async_engine.generate(request_id, prompt_token_ids, params, priority):
-                if out.finished:
-                    out.timeline = {**timeline, **(out.timeline or {})}
+            async for out in self._local(request_id, prompt_token_ids, params, priority, timeline):
                 yield out
             return
         sent: SampledToken | None = None  # the first token, streamed to the client before its KV moved
@@ -223,6 +230,14 @@ class DecodeReplica:
                 # A new prefill may fix a failed prefill replica or transfer; not a full or dead decode replica.
                 if isinstance(e, QueueFullError) or attempt == self.max_attempts or not self.alive:
                     raise
+                if isinstance(e, PrefillUnavailable) and sent is None:
+                    # Its prefill replica is gone: this engine runs the whole request now, rather than the pool
+                    # holding it until Serve has noticed the death and started a replacement (seconds).
+                    log.warning("request %s: %s; prefilling on this decode replica", request_id, e)
+                    self.prefill_fallbacks += 1
+                    async for out in self._local(request_id, prompt_token_ids, params, priority, timeline):
+                        yield out
+                    return
                 log.warning("request %s: handoff attempt %d failed (%s); re-prefilling", request_id, attempt, e)
         # A re-prefill computes the same prompt KV; the request goes on from the token already sent.
         stream_out = self.async_engine.start(request_id, sent)
@@ -237,6 +252,14 @@ class DecodeReplica:
                 yield out
         finally:
             await stream_out.aclose()  # a client gone mid-stream: the engine aborts the request now
+
+    async def _local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+                     timeline: dict[str, float]) -> AsyncIterator[RequestOutput]:
+        """The whole request on this replica's engine (prefill too), as a colocated replica runs it."""
+        async for out in self.async_engine.generate(request_id, prompt_token_ids, params, priority):
+            if out.finished:
+                out.timeline = {**timeline, **(out.timeline or {})}
+            yield out
 
     def _prefill_here(self, prompt: list[int]) -> bool:
         """Read from this thread while the engine thread steps: the prefix lookup only reads the

@@ -27,6 +27,7 @@ from router.guards import RequestLimits
 from router.openai_api import create_openai_app
 from router.pools import DecodePool, PrefillPool
 from router.protocol import BackendUnavailable, GenerateRequest
+from router.routing import ReplicasGone, first_unless_replicas_gone, never_empty
 from engine.llm_engine import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class DisaggregatedBackend:
         # configured or model limit, which the decode engine checks again.
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
         self._streams: dict[str, Any] = {}
+        self._decode_never_empty = never_empty(config.decode)
         self._info_task: asyncio.Task | None = None
         self._ready = False
 
@@ -95,11 +97,23 @@ class DisaggregatedBackend:
             self._streams[req.request_id] = stream
             got_any, finished = False, False
             try:
-                async for out in stream:
+                # A decode replica dying before the first token: Serve retries the call on another replica;
+                # with none left, the client gets 503 now rather than when a replacement has started.
+                try:
+                    out = await first_unless_replicas_gone(stream, self.decode, self._decode_never_empty)
+                except StopAsyncIteration:
+                    return
+                except ReplicasGone as e:
+                    raise BackendUnavailable(f"request {req.request_id}: the decode replica died and no other one "
+                                             "is left") from e
+                while True:
                     got_any = True
                     finished = out.finished
                     yield out
-                return
+                    try:
+                        out = await anext(stream)
+                    except StopAsyncIteration:
+                        return
             except RayActorError as e:
                 if got_any or attempt == attempts:
                     raise BackendUnavailable(f"decode replica failed during request {req.request_id}: {e}") from e

@@ -11,12 +11,16 @@ import logging
 from typing import Any, AsyncIterator
 
 from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
 
-from router import metrics
+from router import metrics, routing
 from router.config import AppConfig
 from router.protocol import GenerateRequest
-from engine.disagg import DecodeReplica, LocalPrefillPolicy, PrefillReady, PrefillReplica, Reservation, TransferStats
+from router.serve_context import in_own_serve_request
+from engine.async_engine import EngineDeadError
+from engine.disagg import (DecodeReplica, LocalPrefillPolicy, PrefillReady, PrefillReplica, PrefillUnavailable, Reservation,
+                           TransferStats)
 from engine.llm_engine import LLMEngine, RequestOutput
 from workers.sampling_params import SamplingParams
 
@@ -84,9 +88,32 @@ class DecodePool(_PoolMethods):
         self.replica.on_prefill_site = lambda site: metrics.PREFILL_SITE.inc(1, tags={"site": site})
         self.replica.async_engine.on_step = metrics.PoolGauges("decode")
 
-    def _prefill_client(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
-                        reservation: Reservation):
-        return self.prefill.options(stream=True).prefill.remote(request_id, prompt, params, priority, reservation)
+    async def _prefill_client(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
+                              reservation: Reservation) -> AsyncIterator[PrefillReady]:
+        """The prefill pool's stream for one prompt. A replica that died under it (the actor, or its engine:
+        a rank lost) is `PrefillUnavailable`, which the decode replica retries at once on its own engine."""
+        # Its own Serve request: the prefill calls of one decode call (several prompts) must not share an id.
+        response = in_own_serve_request(self.prefill.options(stream=True).prefill.remote, request_id, prompt, params,
+                                        priority, reservation)
+        try:
+            try:
+                yield await routing.first_unless_replicas_gone(
+                    response, self.prefill, already_empty_fails=routing.never_empty(self.config.prefill))
+            except routing.ReplicasGone as e:
+                raise PrefillUnavailable(f"request {request_id}: {e} in the prefill pool") from None
+            async for ready in response:
+                yield ready
+        except Exception as e:
+            cause = e
+            while isinstance(cause, RayTaskError) and isinstance(getattr(cause, "cause", None), BaseException):
+                cause = cause.cause
+            if isinstance(e, RayActorError) or isinstance(cause, (RayActorError, EngineDeadError)):
+                # The replica (ActorDiedError / ActorUnavailableError) or its engine (a rank lost) is gone.
+                raise PrefillUnavailable(f"the prefill replica failed under request {request_id}: "
+                                         f"{type(cause).__name__}") from e
+            raise
+        finally:
+            response.cancel()  # closed early (client gone, handoff given up): the prefill replica frees its KV
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         async for out in self.replica.generate(req.request_id, req.prompt_token_ids, req.sampling_params, req.priority):

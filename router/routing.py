@@ -13,6 +13,7 @@ Replicas report `record_routing_stats()` (router/pools.py); Serve polls it every
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from typing import Any, Protocol, Sequence
 
@@ -59,6 +60,51 @@ def rank_for_decode(replicas: Sequence[_Replica]) -> list[list[_Replica]]:
         return (-int(stats.get("free_blocks", -1)), int(stats.get("running", 0)))
 
     return [[r] for r in sorted(replicas, key=key)]
+
+
+def live_replicas(handle: Any) -> int | None:
+    """Replicas a Serve deployment handle may route to now, or None where that is not known (its router
+    not built before its first call). Serve drops a replica from this set as soon as a call to it failed
+    with its death (and after a failed health check), and adds a replacement once it has started: 0 means
+    a call would wait for a replacement. Read from Serve 2.60's handle internals, defensively."""
+    router = getattr(getattr(getattr(handle, "_router", None), "_asyncio_router", None), "_request_router", None)
+    replicas = getattr(router, "curr_replicas", None)
+    return None if replicas is None else len(replicas)
+
+
+def never_empty(pool: Any) -> bool:
+    """Whether a pool (router/config.py `PoolConfig`) always has a replica by design: a fixed size, or
+    autoscaling with min_replicas >= 1 (Serve's default). Then no live replica means they died."""
+    autoscaling = pool.autoscaling_config
+    return autoscaling is None or autoscaling.get("min_replicas", 1) > 0
+
+
+class ReplicasGone(ConnectionError):
+    """Every replica a call could go to has died under it: Serve would hold the call for a replacement."""
+
+
+REPLICAS_POLL_S = 0.05  # how often a call waiting for its first answer looks whether its pool still has a replica
+
+
+async def first_unless_replicas_gone(stream: Any, handle: Any, already_empty_fails: bool) -> Any:
+    """A Serve stream's first item, or `ReplicasGone` as soon as the handle's pool has no live replica.
+    A replica that dies under a call (or before it, unnoticed) makes Serve retry the call on another one;
+    with none left, Serve holds it until a replacement has started (seconds on a GPU node, more on CPU).
+    `already_empty_fails`: also when the pool had no replica at the call (else that wait is Serve's:
+    a pool scaling up from zero). StopAsyncIteration if the stream ends empty."""
+    first = asyncio.ensure_future(anext(aiter(stream)))
+    had_replicas = already_empty_fails or bool(live_replicas(handle))
+    try:
+        while True:
+            if had_replicas and live_replicas(handle) == 0:
+                raise ReplicasGone("no live replica is left to serve the call")
+            had_replicas = had_replicas or bool(live_replicas(handle))
+            done, _ = await asyncio.wait({first}, timeout=REPLICAS_POLL_S)
+            if done:
+                return first.result()
+    finally:
+        if not first.done():
+            first.cancel()
 
 
 class PrefillAffinityRouter(RequestRouter):

@@ -16,11 +16,14 @@ Client cancellation still reaches every child: Fanout.aclose cancels and aborts 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from router.protocol import Backend, GenerateRequest
 from engine.llm_engine import RequestOutput
+
+T = TypeVar("T")
 
 
 def own_serve_request_context() -> None:
@@ -32,6 +35,12 @@ def own_serve_request_context() -> None:
     if current is None:
         return
     serve_context._serve_request_context.set(dataclasses.replace(current, _internal_request_id=generate_request_id()))
+
+
+def in_own_serve_request(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` (a handle's `.remote`) as a Serve request of its own, leaving the caller's context as it was."""
+    ctx = contextvars.copy_context()
+    return ctx.run(lambda: (own_serve_request_context(), fn(*args))[1])
 
 
 class SeparateServeRequests:

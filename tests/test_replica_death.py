@@ -1,0 +1,130 @@
+"""Issue 19 item 6 under real Ray Serve: what in-flight requests see when a pool replica dies.
+
+- A prefill replica that dies (or is already dead, unnoticed by Serve) under a request: the request is
+  retried at once on an engine that can run it (the decode replica prefills it itself), instead of
+  waiting for Serve to start a replacement (with one prefill replica that took ~10-25 s).
+- A decode replica that dies under a stream: the stream ends with an OpenAI error event at once.
+
+One Ray start for the module: the prefill kill first (the decode replica survives it), the decode kill last.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from parallel.net import free_port
+from tests.serving import ENGINE_KWARGS, build_chat_model
+
+pytestmark = pytest.mark.slow
+
+REPO = str(Path(__file__).resolve().parents[1])
+APP = "tandem"
+RETRY_S = 2.0  # the issue's bound for a request whose prefill replica died
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from router.app import build_app
+
+    model = build_chat_model(tmp_path_factory.mktemp("models") / "death-llama")
+    port = free_port()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = {"model": model, "colocated": False, "local_prefill_max_tokens": 0, "local_prefill_when_idle": False,
+                "prefill": {"num_replicas": 1}, "decode": {"num_replicas": 1}, **ENGINE_KWARGS}
+        serve.run(build_app(args), name=APP, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _kill(deployment: str) -> None:
+    """Kill the (one) replica actor of `deployment` as a crash would: Serve must notice and replace it."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP}#{deployment}#"
+    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+
+def _complete(url: str, prompt: str, max_tokens: int = 4):
+    import httpx2
+
+    t0 = time.monotonic()
+    r = httpx2.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
+                    timeout=60)
+    return r, time.monotonic() - t0
+
+
+def test_requests_on_a_dead_prefill_replica_are_retried_at_once(url):
+    r, _ = _complete(url, "warm up the pools")  # both pools have answered once
+    assert r.status_code == 200, r.text
+    _kill("PrefillPool")
+    # Sent while Serve still routes to the dead replica (its health check has not run): each meets the death.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: _complete(url, f"request {i} after the prefill replica died"), range(4)))
+    for r, seconds in results:
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        assert seconds < RETRY_S, f"took {seconds:.1f}s: waited for a replacement prefill replica"
+
+
+def _stream(url: str, body: dict) -> tuple[int, list[str], float]:
+    """(status, the data lines, when it ended: time.monotonic())."""
+    import httpx2
+
+    with httpx2.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        return r.status_code, lines, time.monotonic()
+
+
+def _unavailable(status: int, lines: list[str]) -> bool:
+    """A clear 503: as the response's status (before the stream started) or as its last event."""
+    if status == 503:
+        return True
+    return status == 200 and lines[-1] == "[DONE]" and json.loads(lines[-2]).get("error", {}).get("code") == "unavailable"
+
+
+def test_a_dead_decode_replicas_streams_end_with_an_error_at_once(url):
+    import httpx2
+
+    body = {"prompt": "a long stream", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    events, killed_at = [], None
+    with concurrent.futures.ThreadPoolExecutor(3) as pool, \
+            httpx2.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if killed_at is None:
+                _kill("DecodePool")
+                killed_at = time.monotonic()
+                # In flight towards the dead replica before their first token (Serve's router has not noticed).
+                later = [pool.submit(_stream, url, {**body, "prompt": f"stream {i}"}) for i in range(3)]
+        ended_at = time.monotonic()
+        others = [f.result() for f in later]
+    # Mid-stream: the error event comes as soon as Ray reports the replica's death.
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert "error" in last, f"the stream ended without an error: {last}"
+    assert last["error"]["code"] == "unavailable" and "Traceback" not in last["error"]["message"]
+    assert sum(len(json.loads(e).get("choices", [])) for e in events[:-2]) < 200, "the stream finished before the kill"
+    assert ended_at - killed_at < 1.0, f"the error came {ended_at - killed_at:.1f}s after the decode replica died"
+    # Before the first token: no waiting for a replacement replica (there is no other one): a clear 503 at once.
+    for status, lines, end in others:
+        assert _unavailable(status, lines), (status, lines[-3:])
+        assert end - killed_at < 2.0, f"answered {end - killed_at:.1f}s after the decode replica died"

@@ -1,0 +1,72 @@
+"""Issue 19 item 6, the pieces without Ray: a call whose pool lost every replica stops waiting at once
+(router/routing.py), and pools that are never empty by design are told apart from ones that scale to zero."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from router.config import AppConfig
+from router.routing import ReplicasGone, first_unless_replicas_gone, live_replicas, never_empty
+
+
+class _Handle:
+    """What `live_replicas` reads of a Serve 2.60 deployment handle."""
+
+    def __init__(self, n: int | None):
+        self._router = type("R", (), {})()
+        self._router._asyncio_router = type("A", (), {})()
+        self._router._asyncio_router._request_router = None if n is None else type("Q", (), {"curr_replicas": {i: i for i in range(n)}})()
+
+    def set(self, n: int) -> None:
+        self._router._asyncio_router._request_router = type("Q", (), {"curr_replicas": {i: i for i in range(n)}})()
+
+
+async def _never():
+    await asyncio.sleep(3600)
+    yield None
+
+
+async def _one(item):
+    await asyncio.sleep(0.01)
+    yield item
+
+
+def test_live_replicas_reads_the_handle_and_is_none_when_unknown():
+    assert live_replicas(_Handle(None)) is None
+    assert live_replicas(object()) is None
+    assert live_replicas(_Handle(2)) == 2
+
+
+def test_a_call_stops_waiting_when_its_last_replica_dies():
+    async def body():
+        handle = _Handle(1)
+        waiting = asyncio.ensure_future(first_unless_replicas_gone(_never(), handle, already_empty_fails=False))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # a replica lives: the call waits for its answer, however long
+        t0 = time.monotonic()
+        handle.set(0)  # Serve dropped the dead replica
+        with pytest.raises(ReplicasGone):
+            await waiting
+        assert time.monotonic() - t0 < 0.5
+        assert await first_unless_replicas_gone(_one("ready"), _Handle(1), already_empty_fails=True) == "ready"
+
+    asyncio.run(body())
+
+
+def test_an_empty_pool_fails_at_once_unless_it_may_scale_from_zero():
+    async def body():
+        with pytest.raises(ReplicasGone):
+            await asyncio.wait_for(first_unless_replicas_gone(_never(), _Handle(0), already_empty_fails=True), 1)
+        with pytest.raises(asyncio.TimeoutError):  # scaling from zero: Serve's wait for a replica stands
+            await asyncio.wait_for(first_unless_replicas_gone(_never(), _Handle(0), already_empty_fails=False), 0.3)
+
+    asyncio.run(body())
+
+
+def test_never_empty_pools():
+    config = AppConfig(prefill={"num_replicas": 2}, decode={"autoscaling_config": {"min_replicas": 0, "max_replicas": 2}})
+    assert never_empty(config.prefill) and not never_empty(config.decode)
+    assert never_empty(AppConfig().decode)
+    assert never_empty(AppConfig(decode={"autoscaling_config": {"max_replicas": 3}}).decode)
