@@ -18,9 +18,10 @@ METHODS = ("ngram", "draft_model")
 # Speculation verifies (k+1) tokens per sequence. Past this many tokens in a step the extra tokens cost
 # real time (the step stops being bound by reading the weights) and speculation stops paying:
 # `disable_by_batch_size` defaults to budget // (k+1). CPU: measured with tandem-tiny and n-gram
-# (docs/benchmarks.md: 1.16x at 4 x 5 tokens, 0.75x at 8 x 5). GPU: where an 8B model's bf16 GEMMs
-# approach the H100's compute roofline; not yet measured with graphed verification.
-VERIFY_TOKEN_BUDGET = {"cuda": 128, "cpu": 24}
+# (docs/benchmarks.md: 1.16x at 4 x 5 tokens, 0.75x at 8 x 5). GPU: measured with graphed verification
+# on an H100, Llama-3.1-8B shapes, n-gram k = 4: 1.25x at 32 x 5 = 160 tokens, 0.77x at 128 x 5 = 640
+# (docs/benchmarks.md, run 3); 192 keeps the measured win with a margin, the crossover is not located.
+VERIFY_TOKEN_BUDGET = {"cuda": 192, "cpu": 24}
 
 
 class SpeculativeConfig(StrictModel):
@@ -31,7 +32,7 @@ class SpeculativeConfig(StrictModel):
     prompt_lookup_min: int = Field(default=2, description="ngram: shortest n-gram matched.")
     draft_tensor_parallel_size: int = Field(default=1, description="Ranks of the draft model: 1 (in the engine process).")
     disable_by_batch_size: int | None = Field(default=None, description="No speculation in a step with at least "
-                                              "this many running sequences; default: 128 // (k + 1) on a GPU, "
+                                              "this many running sequences; default: 192 // (k + 1) on a GPU, "
                                               "24 // (k + 1) on CPU.")
     max_model_len: int | None = Field(default=None, description="Longest sequence speculated for (the draft's "
                                       "position limit by default); longer ones decode normally.")
