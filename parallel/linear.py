@@ -120,7 +120,7 @@ class _TPLinear(nn.Module):
             loaded = _narrow(loaded, in_dim, start // unit, dst.shape[in_dim])
         if loaded.shape != dst.shape:
             raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(dst.shape)}")
-        if out_dim is None and getattr(param, "loaded_once", False) and not torch.equal(dst, loaded.to(dst.dtype)):
+        if out_dim is None and getattr(param, "loaded_once", False) and not torch.equal(dst, loaded.to(dst.device, dst.dtype)):
             # g_idx: one per fused layer. q/k/v (gate/up) share their input, so GPTQ's act order is the same.
             raise ValueError("fused projections (q/k/v or gate/up) carry different g_idx; they must share one act order")
         dst.copy_(loaded)

@@ -12,10 +12,19 @@ Only the decoder's linear layers are quantized (q/k/v/o, gate/up/down); embeddin
 head are copied unchanged. The dequantized reference is computed from the integer codes before they
 are packed, so a packing bug in this tool or an unpacking bug in the loader shows up as a mismatch.
 
-This is round-to-nearest (RTN): no calibration data. `--desc-act` orders each group of input features
-by the column norms of the projections sharing that input (q/k/v; gate/up), a stand-in for GPTQ's
-Hessian diagonal, to exercise act order's permutation and g_idx. GPTQ proper (error-compensating
-updates with calibration data) and the perplexity report of issue 15 are a later stage.
+Without calibration data this is round-to-nearest (RTN); `--desc-act` then orders each group of input
+features by the column norms of the projections sharing that input (q/k/v; gate/up), a stand-in for
+GPTQ's Hessian diagonal. With `--calibration-text FILE` (GPTQ only) it is GPTQ proper (Frantar et al.
+2022): the model runs in Hugging Face transformers on --nsamples windows of --seqlen tokens of that text,
+layer by layer (each layer sees the already quantized earlier ones), accumulating H = X^T X of every
+linear layer's input; each weight is then quantized column by column (act order: by decreasing H
+diagonal), each column's rounding error spread over the columns not yet quantized through the
+Cholesky factor of H^-1 (damped by --damp of its mean diagonal). Group scales and zeros are taken
+from the error-updated weights as each group starts, and written in the same GPTQ format.
+
+    python scripts/quantize.py models/tandem-tiny /tmp/tiny-gptq --method gptq --group-size 64 \
+        --calibration-text corpus.txt --nsamples 32 --seqlen 256
+`scripts/perplexity.py` compares the resulting models' perplexity on held-out text.
 """
 from __future__ import annotations
 
@@ -24,81 +33,18 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble k of a word holds output 8c + AWQ_ORDER[k]
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from parallel.quant.rtn import (AWQ_ORDER, FP8_MAX, Options, gptq_group_params, gptq_tensors, pack_cols, pack_rows,  # noqa: F401
+                                quantize_awq, quantize_fp8, quantize_gptq)
+
 QUANTIZABLE = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight$")
 # Projections that read the same input share one act-order permutation (GPTQ's Hessian is per input).
 _SIBLINGS = {"self_attn.q_proj": ("q", "k", "v"), "self_attn.k_proj": ("q", "k", "v"), "self_attn.v_proj": ("q", "k", "v"),
              "mlp.gate_proj": ("gate", "up"), "mlp.up_proj": ("gate", "up")}
-
-
-@dataclass
-class Options:
-    method: str  # gptq | awq | fp8
-    bits: int = 4
-    group_size: int = 128
-    sym: bool = True
-    desc_act: bool = False
-    block: tuple[int, int] | None = (128, 128)
-    fp8_scale: str = "block"  # block | tensor | channel
-
-    def check(self) -> None:
-        if self.method == "gptq" and self.bits not in (4, 8):
-            raise ValueError(f"GPTQ bits {self.bits}: 4 or 8")
-        if self.method == "awq" and self.bits != 4:
-            raise ValueError("AWQ is 4 bit")
-        if self.method not in ("gptq", "awq", "fp8"):
-            raise ValueError(f"unknown method {self.method!r}")
-        if self.group_size <= 0 and self.group_size != -1:
-            raise ValueError(f"group size {self.group_size}: positive or -1")
-
-    def quantization_config(self) -> dict:
-        if self.method == "gptq":
-            return {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size, "sym": self.sym,
-                    "desc_act": self.desc_act, "checkpoint_format": "gptq", "static_groups": False,
-                    "true_sequential": True, "damp_percent": 0.0, "pack_dtype": "int32",
-                    "meta": {"quantizer": ["tandem scripts/quantize.py (RTN)"]}}
-        if self.method == "awq":
-            return {"quant_method": "awq", "bits": 4, "group_size": self.group_size, "zero_point": True,
-                    "version": "gemm", "modules_to_not_convert": None}
-        qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
-        if self.fp8_scale == "block":
-            qc["weight_block_size"] = list(self.block)
-        return qc
-
-
-# ---------------------------------------------------------------- packing
-
-
-def _to_int32(words: torch.Tensor) -> torch.Tensor:
-    """uint32 values held in int64 -> the int32 with the same bits."""
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes [n, m] (0 <= c < 2**bits) -> int32 [n / pack, m], code of row pack*r + k in bits k*bits.. (GPTQ qweight)."""
-    pack = 32 // bits
-    c = codes.to(torch.int64).view(codes.shape[0] // pack, pack, codes.shape[1])
-    shifts = (torch.arange(pack, dtype=torch.int64) * bits).view(1, pack, 1)
-    return _to_int32((c << shifts).sum(1))
-
-
-def pack_cols(codes: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """codes [n, m] -> int32 [n, m / pack]; nibble k of word c holds column pack*c + order[k] (GPTQ qzeros: order = identity)."""
-    pack = 32 // bits
-    order = order or tuple(range(pack))
-    c = codes.to(torch.int64).view(codes.shape[0], codes.shape[1] // pack, pack)[:, :, list(order)]
-    shifts = (torch.arange(pack, dtype=torch.int64) * bits).view(1, 1, pack)
-    return _to_int32((c << shifts).sum(2))
-
-
-# ---------------------------------------------------------------- quantizers: weight [out, in] -> (tensors, dequantized)
 
 
 def _act_order(siblings: list[torch.Tensor]) -> torch.Tensor:
@@ -107,68 +53,97 @@ def _act_order(siblings: list[torch.Tensor]) -> torch.Tensor:
     return torch.argsort(norms, descending=True, stable=True)
 
 
-def quantize_gptq(w: torch.Tensor, o: Options, perm: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    out, n_in = w.shape
-    gs = n_in if o.group_size == -1 else o.group_size
+# ---------------------------------------------------------------- GPTQ with calibration data
+
+
+def gptq_solve(w: torch.Tensor, h: torch.Tensor, o: Options, damp: float = 0.01, block: int = 128
+               ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """GPTQ of one weight [out, in] given H = X^T X [in, in] of its inputs -> (checkpoint tensors, dequantized)."""
+    w = w.float().clone()
+    out, n = w.shape
+    h = h.double().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    perm = torch.argsort(torch.diag(h), descending=True, stable=True) if o.desc_act else torch.arange(n)
+    w, h = w[:, perm], h[perm][:, perm]
+    h += damp * torch.mean(torch.diag(h)) * torch.eye(n, dtype=h.dtype)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    gs = n if o.group_size == -1 else o.group_size
     maxq = 2**o.bits - 1
-    order = perm if perm is not None else torch.arange(n_in)
-    groups = -(-n_in // gs)
-    g_idx = torch.empty(n_in, dtype=torch.int32)
-    g_idx[order] = (torch.arange(n_in) // gs).to(torch.int32)  # act order: groups are runs of the permuted order
-    scales, zeros = torch.empty(groups, out), torch.empty(groups, out, dtype=torch.int64)
-    for g in range(groups):
-        cols = w[:, order[g * gs:(g + 1) * gs]].float()  # [out, n]
-        lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
-        if o.sym:
-            hi = torch.maximum(-lo, hi)
-            lo = -hi
-        scale = ((hi - lo) / maxq).clamp(min=1e-6)  # stays a nonzero fp16 (subnormal) scale
-        scales[g] = scale.half().float()  # the format stores fp16 scales: quantize against what is stored
-        # Symmetric: the mid code. Asymmetric: at least 1, since the format stores zero - 1 in `bits` bits.
-        zeros[g] = torch.full_like(scale, (maxq + 1) // 2, dtype=torch.int64) if o.sym else \
-            torch.round(-lo / scales[g]).clamp(1, maxq).to(torch.int64)
-    s, z = scales[g_idx.long()].t(), zeros[g_idx.long()].t()  # [out, in] per element
-    q = torch.clamp(torch.round(w.float() / s) + z, 0, maxq).to(torch.int64)  # [out, in]
-    deq = (q - z).float() * s
-    tensors = {"qweight": pack_rows(q.t().contiguous(), o.bits), "qzeros": pack_cols(zeros - 1, o.bits),
-               "scales": scales.half(), "g_idx": g_idx}
-    return tensors, deq
+    groups = -(-n // gs)
+    scales = torch.empty(groups, out)
+    zeros = torch.empty(groups, out, dtype=torch.int64)
+    codes = torch.empty(out, n, dtype=torch.int64)  # in permuted order
+    for i1 in range(0, n, block):
+        i2 = min(i1 + block, n)
+        w1, err1, h1 = w[:, i1:i2].clone(), torch.zeros(out, i2 - i1), hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % gs == 0:  # a group starts: its scale/zero from the weights as updated so far
+                cols = torch.cat([w1[:, i:], w[:, i2:]], 1)[:, :gs]
+                scales[col // gs], zeros[col // gs] = gptq_group_params(cols, o.bits, o.sym)
+            s, z = scales[col // gs], zeros[col // gs]
+            q = torch.clamp(torch.round(w1[:, i] / s) + z, 0, maxq)
+            codes[:, col] = q.to(torch.int64)
+            err = (w1[:, i] - (q - z) * s) / h1[i, i]
+            w1[:, i:] -= err[:, None] * h1[i, i:][None, :]
+            err1[:, i] = err
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    g_idx = torch.empty(n, dtype=torch.int64)
+    g_idx[perm] = torch.arange(n) // gs  # groups are runs of the (act) order
+    q = torch.empty_like(codes)
+    q[:, perm] = codes  # back to the input features' order
+    deq = (q - zeros[g_idx].t()).float() * scales[g_idx].t()
+    return gptq_tensors(q, scales, zeros, g_idx, o.bits), deq
 
 
-def quantize_awq(w: torch.Tensor, o: Options) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    out, n_in = w.shape
-    gs = n_in if o.group_size == -1 else o.group_size
-    if n_in % gs or out % 8:
-        raise ValueError(f"AWQ needs in ({n_in}) divisible by the group size ({gs}) and out ({out}) by 8")
-    wg = w.float().view(out, n_in // gs, gs)
-    lo, hi = wg.amin(2), wg.amax(2)  # [out, G] (AutoAWQ's asymmetric min/max)
-    scales = ((hi - lo).clamp(min=1e-5) / 15).half().float()
-    zeros = torch.clamp(-torch.round(lo / scales), 0, 15).to(torch.int64)
-    q = torch.clamp(torch.round(wg / scales[..., None]) + zeros[..., None], 0, 15).to(torch.int64)  # [out, G, gs]
-    deq = ((q - zeros[..., None]).float() * scales[..., None]).view(out, n_in)
-    tensors = {"qweight": pack_cols(q.view(out, n_in).t().contiguous(), 4, AWQ_ORDER),
-               "qzeros": pack_cols(zeros.t().contiguous(), 4, AWQ_ORDER), "scales": scales.t().contiguous().half()}
-    return tensors, deq
+_INPUT_OWNERS = {"self_attn.q_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                 "mlp.down_proj": ("mlp.down_proj",)}
 
 
-def quantize_fp8(w: torch.Tensor, o: Options) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    w = w.float()
-    out, n_in = w.shape
-    if o.fp8_scale == "block":
-        bn, bk = o.block
-        rows, cols = -(-out // bn), -(-n_in // bk)
-        padded = torch.zeros(rows * bn, cols * bk)
-        padded[:out, :n_in] = w
-        amax = padded.view(rows, bn, cols, bk).abs().amax(dim=(1, 3))  # [rows, cols]
-        scale = (amax / FP8_MAX).clamp(min=1e-12)
-        full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:out, :n_in]
-        name = "weight_scale_inv"  # DeepSeek's name; it multiplies: w = weight * weight_scale_inv
-    else:
-        amax = w.abs().amax() if o.fp8_scale == "tensor" else w.abs().amax(1, keepdim=True)  # [] or [out, 1]
-        scale = (amax / FP8_MAX).clamp(min=1e-12)
-        full, name = scale, "weight_scale"
-    q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return {"weight": q, name: scale.float()}, q.float() * full
+@torch.no_grad()
+def calibrated_gptq(src: str, o: Options, samples: list[list[int]], damp: float = 0.01) -> dict[str, tuple]:
+    """Checkpoint name -> (tensors, dequantized) for every decoder linear weight, quantized layer by layer
+    with each layer's inputs computed through the layers quantized before it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    batch = torch.tensor(samples)
+    results: dict[str, tuple] = {}
+    for i, layer in enumerate(model.model.layers):
+        hess: dict[str, torch.Tensor] = {}
+
+        def hook(name):
+            def fn(_module, args):
+                x = args[0].reshape(-1, args[0].shape[-1]).double()
+                hess[name] = hess.get(name, 0) + x.t() @ x
+            return fn
+
+        handles = [layer.get_submodule(owner).register_forward_pre_hook(hook(owner)) for owner in _INPUT_OWNERS]
+        model(batch)
+        for handle in handles:
+            handle.remove()
+        for owner, names in _INPUT_OWNERS.items():
+            for name in names:
+                module = layer.get_submodule(name)
+                tensors, deq = gptq_solve(module.weight, hess[owner], o, damp)
+                module.weight.copy_(deq)  # later layers see this layer quantized
+                results[f"model.layers.{i}.{name}.weight"] = (tensors, deq)
+    return results
+
+
+def calibration_samples(tokenizer_dir: str, text: str, n: int, seqlen: int, seed: int = 0) -> list[list[int]]:
+    """n random windows of seqlen tokens of `text`."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tokenizer_dir)(text)["input_ids"]
+    if len(ids) < seqlen + 1:
+        raise ValueError(f"calibration text has {len(ids)} tokens, fewer than one window of {seqlen}")
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(ids) - seqlen, (n,), generator=g).tolist()
+    return [ids[s:s + seqlen] for s in starts]
 
 
 # ---------------------------------------------------------------- the folder
@@ -203,14 +178,19 @@ def _quantize_one(name: str, w: torch.Tensor, o: Options, get) -> tuple[dict[str
     return quantize_gptq(w, o, perm)
 
 
-def quantize_folder(src: str, dst: str, o: Options, dequantized_out: str | None = None) -> None:
+def quantize_folder(src: str, dst: str, o: Options, dequantized_out: str | None = None,
+                    calibration: list[list[int]] | None = None, damp: float = 0.01) -> None:
+    """calibration: token windows for GPTQ proper (else round-to-nearest)."""
     o.check()
+    if calibration is not None and o.method != "gptq":
+        raise ValueError("calibration data is used by --method gptq only (AWQ and FP8 here are round-to-nearest)")
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     if config.get("quantization_config"):
         raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
     if any(k in config for k in ("num_experts", "num_local_experts")):
         raise ValueError("MoE models are not supported by this tool yet")
+    solved = calibrated_gptq(src, o, calibration, damp) if calibration is not None else {}
     files = _tensor_files(src)
     handles = {f: safe_open(os.path.join(src, f), framework="pt") for f in sorted(set(files.values()))}
     get = lambda n: handles[files[n]].get_tensor(n)  # noqa: E731
@@ -219,14 +199,15 @@ def quantize_folder(src: str, dst: str, o: Options, dequantized_out: str | None 
     for name, fname in files.items():
         t = get(name)
         if QUANTIZABLE.match(name):
-            tensors, deq = _quantize_one(name, t, o, get)
+            tensors, deq = solved[name] if name in solved else _quantize_one(name, t, o, get)
             base = name[: -len("weight")]
             out_files[fname].update({base + k: v.contiguous() for k, v in tensors.items()})
             ref_files[fname][name] = deq.contiguous()
         else:
             out_files[fname][name] = t
             ref_files[fname][name] = t
-    _write(src, dst, {**config, "quantization_config": o.quantization_config()}, out_files)
+    quantizer = f"tandem scripts/quantize.py (GPTQ, {len(calibration)} calibration windows)" if calibration else "tandem scripts/quantize.py (RTN)"
+    _write(src, dst, {**config, "quantization_config": o.quantization_config(quantizer)}, out_files)
     if dequantized_out:
         _write(src, dequantized_out, {**config, "dtype": "float32"}, ref_files)
 
@@ -259,9 +240,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block", type=int, nargs=2, default=[128, 128], help="FP8 weight_block_size")
     p.add_argument("--fp8-scale", choices=["block", "tensor", "channel"], default="block")
     p.add_argument("--dequantized-out", help="also write the dequantized model here as a plain checkpoint")
+    p.add_argument("--calibration-text", help="GPTQ proper: a text file to draw calibration windows from")
+    p.add_argument("--nsamples", type=int, default=32, help="calibration windows")
+    p.add_argument("--seqlen", type=int, default=256, help="tokens per calibration window")
+    p.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of H's mean diagonal")
     a = p.parse_args(argv)
     o = Options(a.method, a.bits, a.group_size, not a.asym, a.desc_act, tuple(a.block), a.fp8_scale)
-    quantize_folder(a.src, a.dst, o, a.dequantized_out)
+    calib = None
+    if a.calibration_text:
+        with open(a.calibration_text, encoding="utf-8") as f:
+            calib = calibration_samples(a.src, f.read(), a.nsamples, a.seqlen)
+    quantize_folder(a.src, a.dst, o, a.dequantized_out, calib, a.damp)
     print(f"wrote {a.dst} ({o.quantization_config()['quant_method']})" + (f" and {a.dequantized_out}" if a.dequantized_out else ""))
 
 

@@ -259,11 +259,12 @@ def test_quantization_argument_must_match_the_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="'awq' but the checkpoint"):
         _llm(dst, quantization="awq")
     with pytest.raises(ValueError, match="not quantized"):
-        _llm(tiny_model("llama"), quantization="fp8")
+        _llm(tiny_model("llama"), quantization="awq")
     with pytest.raises(ValueError, match="quantization"):
         _llm(dst, quantization="int3")
-    with pytest.raises(ValueError, match="dummy"):
-        _llm(dst, load_format="dummy")
+    dummy = _llm(dst, load_format="dummy")  # random weights, RTN-quantized into the checkpoint's layout
+    assert dummy.llm_engine.executor.runner.model.layers["0"].mlp.down_proj.qweight.any()
+    dummy.shutdown()
     assert _llm(dst, quantization="gptq").generate(PROMPTS[:1], GREEDY)[0].token_ids
 
 

@@ -20,7 +20,7 @@ import torch
 from pydantic import Field, create_model, field_validator, model_validator
 
 from parallel.config import ParallelConfig, StrictModel
-from parallel.quant import parse_quant_config, quant_method_of
+from parallel.quant.config import effective_quant_config
 from workers.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 # The shipped tiny model: the default of every surface (CLI, Serve args, demo) when no model is given.
@@ -55,7 +55,11 @@ class ModelConfig(StrictModel):
                                                        "defaults.")
     quantization: Literal["auto", "gptq", "awq", "fp8"] | None = Field(default=None, description="Weight quantization. "
                                                                        "auto/unset: config.json's quantization_config "
-                                                                       "decides; a method given must match it.")
+                                                                       "decides; a method given must match it, except "
+                                                                       "fp8 on an unquantized checkpoint (quantized at "
+                                                                       "load: per-channel weights, dynamic per-token "
+                                                                       "activations) and gptq/awq with load_format dummy "
+                                                                       "(random weights, 4-bit RTN at load).")
 
     @model_validator(mode="after")
     def _model_exists(self) -> "ModelConfig":
@@ -66,16 +70,16 @@ class ModelConfig(StrictModel):
 
     def _check_quantization(self) -> None:
         """The checkpoint's quantization_config is validated here, before any weights are touched; a
-        method named by `quantization` must be the checkpoint's (online quantization comes later)."""
-        qc = self.hf_config_dict().get("quantization_config")
-        parse_quant_config(qc)
-        found = quant_method_of(qc)
-        if self.quantization in (None, "auto") or self.quantization == found:
-            return
-        if found is None:
-            raise ValueError(f"quantization={self.quantization!r}: the checkpoint is not quantized, and quantizing "
-                             "at load time is not supported yet (write a quantized copy with scripts/quantize.py)")
-        raise ValueError(f"quantization={self.quantization!r} but the checkpoint's quantization_config says {found!r}")
+        method named by `quantization` must be the checkpoint's, or quantize an unquantized one at load
+        (fp8; gptq/awq on dummy weights)."""
+        self.quantization_config()
+
+    def quantization_config(self) -> dict | None:
+        """The quantization_config the model is built with (parallel/quant/config.py)."""
+        cfg = self.hf_config_dict()
+        heads = cfg.get("num_attention_heads", 1) * (cfg.get("head_dim") or cfg.get("hidden_size", 0) // cfg.get("num_attention_heads", 1))
+        in_features = tuple(n for n in (cfg.get("hidden_size"), cfg.get("intermediate_size"), heads) if isinstance(n, int) and n > 0)
+        return effective_quant_config(cfg.get("quantization_config"), self.quantization, self.load_format, in_features)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -102,6 +106,11 @@ class CacheConfig(StrictModel):
     """Paged KV cache: block size and how many blocks (from a memory budget, or given)."""
 
     block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV block.")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(default="auto", description="auto: the model dtype; "
+                                                               "fp8/fp8_e4m3: the cache stores float8_e4m3fn (scale 1.0 "
+                                                               "per tensor, values clamped to +-448), half the bytes "
+                                                               "per block, so twice the blocks in the same memory; "
+                                                               "attention upcasts what it reads.")
     enable_prefix_caching: bool = Field(default=True, description="Reuse the KV of a shared prompt prefix.")
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0, description="Share of GPU memory for "
                                           "weights, activations and the KV cache.")

@@ -8,6 +8,7 @@ detected from config.json's `quantization_config` alone (parallel/quant).
 """
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import os
@@ -19,6 +20,8 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from parallel.linear import default_weight_loader
+from parallel.quant.base import LinearMethod
+from parallel.quant.dummy import fill_dummy_quantized, rtn_options
 from workers.models import build_model
 from workers.models.transformer import CausalLM
 
@@ -40,7 +43,13 @@ def checkpoint_files(path: str) -> list[str]:
 
 
 def load_model(hf_config, model_path: str, dtype: torch.dtype, device: torch.device, max_positions: int,
-               load_format: str = "auto", seed: int = 0, show_progress: bool = True) -> CausalLM:
+               load_format: str = "auto", seed: int = 0, show_progress: bool = True,
+               quantization_config: dict | None | str = "checkpoint") -> CausalLM:
+    """quantization_config: what `ModelConfig.quantization_config()` resolved (the checkpoint's, or an
+    online / dummy one); "checkpoint" keeps hf_config's own."""
+    if quantization_config != "checkpoint":
+        hf_config = copy.copy(hf_config)
+        hf_config.quantization_config = quantization_config
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -48,9 +57,6 @@ def load_model(hf_config, model_path: str, dtype: torch.dtype, device: torch.dev
             model = build_model(hf_config, max_positions)
     finally:
         torch.set_default_dtype(previous)
-    if load_format == "dummy" and getattr(model, "quant_config", None) is not None:
-        raise ValueError(f"load_format='dummy' with a quantized model ({model.quant_config.name}) is not supported; "
-                         "write a quantized checkpoint with scripts/quantize.py")
     materialize(model, device)
     for module in model.modules():
         if hasattr(module, "init_buffers"):
@@ -59,7 +65,23 @@ def load_model(hf_config, model_path: str, dtype: torch.dtype, device: torch.dev
         fill_dummy_weights(model, seed)
     else:
         load_safetensors(model, checkpoint_files(model_path), show_progress)
+    torch.set_default_dtype(dtype)  # the activations' dtype, for the kernels' load-time tuning
+    try:
+        process_weights(model)
+    finally:
+        torch.set_default_dtype(previous)
     return model.eval()
+
+
+@torch.no_grad()
+def process_weights(model: torch.nn.Module) -> None:
+    """After loading: online quantization, and on CUDA the quantized kernels' weight layout (parallel/quant)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, LinearMethod) and method.quantized:
+            method.process_weights(module)
+    if any(p.is_cuda for p in model.parameters()):
+        torch.cuda.empty_cache()
 
 
 def materialize(model: torch.nn.Module, device: torch.device) -> None:
@@ -135,9 +157,19 @@ def _quant_hint(model: CausalLM, name: str) -> str:
 
 @torch.no_grad()
 def fill_dummy_weights(model: CausalLM, seed: int) -> None:
-    """Random weights of the real shapes, made on the target device (for benchmarks of models we cannot download)."""
+    """Random weights of the real shapes, made on the target device (for benchmarks of models we cannot download).
+    Quantized layers get random weights quantized by round-to-nearest into their checkpoint layout."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    quantized: set[int] = set()
+    rtn_cache: dict = {}
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, LinearMethod) and method.quantized and rtn_options(model.quant_config) is not None:
+            fill_dummy_quantized(module, rtn_options(model.quant_config), gen, rtn_cache)
+            quantized.update(id(p) for p in module.parameters() if p is not getattr(module, "bias", None))
     for name, p in model.named_parameters():
+        if id(p) in quantized:
+            continue
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         else:

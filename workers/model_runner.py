@@ -37,15 +37,19 @@ class ModelRunner:
         self.config = config
         self.device = config.model.resolved_device()
         self.dtype = config.model.resolved_dtype(hf_config)
+        self.kv_dtype = torch.float8_e4m3fn if config.cache.kv_cache_dtype.startswith("fp8") else self.dtype
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
         self.model = load_model(hf_config, config.model.model, self.dtype, self.device, max_model_len,
-                                config.model.load_format, config.model.seed, show_progress)
+                                config.model.load_format, config.model.seed, show_progress,
+                                quantization_config=config.model.quantization_config())
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.sp = sp_group()
         # Under SP each rank holds part of every sequence's KV: attention goes through the SP backend.
+        if self.sp.size > 1 and self.kv_dtype != self.dtype:
+            raise ValueError(f"kv_cache_dtype={config.cache.kv_cache_dtype!r} with sequence parallelism is not supported yet")
         self.backend = SequenceParallelAttention() if self.sp.size > 1 else get_backend(config.model.attention_backend, self.device)
         self.sampler = Sampler(eos_token_ids)
         self.pp = pp_group()
@@ -124,7 +128,7 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         a = self.attn_layers[0]
         kv_cache = torch.zeros(len(self.attn_layers), 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
-                               dtype=self.dtype, device=self.device)
+                               dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.attn_layers):
             layer.kv_cache, layer.backend = kv_cache[i], self.backend
         return kv_cache
@@ -151,7 +155,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         a = self.attn_layers[0]
-        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -190,7 +194,7 @@ class ModelRunner:
         probe_blocks = -(-n // self.block_size)
         a = self.attn_layers[0]
         probe = torch.zeros(len(self.attn_layers), 2, probe_blocks, self.block_size, a.num_kv_heads, a.head_dim,
-                            dtype=self.dtype, device=self.device)
+                            dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.attn_layers):
             layer.kv_cache, layer.backend = probe[i], self.backend
         fake = ScheduledSeq("profile", [0] * n, 0, list(range(probe_blocks)), True, _GREEDY, 0)

@@ -13,6 +13,10 @@ lives in block block_table[p // block_size] at offset p % block_size.
   [seq_len - q_len, seq_len). Keys of the cached context (prefix hits, earlier chunks) are read
   from the paged cache through the block table; the step's own keys straight from the k/v the
   projection produced (contiguous rows; TMA loads on Hopper). Grid (Hq, B, q blocks), heaviest q blocks first.
+
+FP8 cache (float8_e4m3fn, `kv_cache_dtype="fp8"`): every kernel writes clamp(x / kv_scale) in e4m3 and
+reads value * kv_scale in the queries' dtype (workers/attention/kv_quant.py); the step's own keys are
+rounded the same way, so a token attends to exactly what later steps will read.
 """
 from __future__ import annotations
 
@@ -30,11 +34,27 @@ except ImportError:
 _LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _to_cache(x, kv_scale, cache_ptr, FP8: tl.constexpr):
+    """A value for the cache: e4m3 of x / kv_scale, clamped to its finite range (FP8), else x as is."""
+    if FP8:
+        x = tl.clamp(x.to(tl.float32) / kv_scale, -448.0, 448.0).to(cache_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _from_cache(x, kv_scale, like_ptr, FP8: tl.constexpr):
+    """A cache value in like_ptr's dtype (FP8: upcast times kv_scale)."""
+    if FP8:
+        x = (x.to(tl.float32) * kv_scale).to(like_ptr.dtype.element_ty)
+    return x
+
+
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr"])  # slot_mapping[d:] in mixed steps
 def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_cb, stride_cs, stride_ch,
-                     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_cb, stride_cs, stride_ch, kv_scale,
+                     H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -47,12 +67,13 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_ptr,
     d = i % D
     dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
     k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
-    tl.store(k_cache + dst, k, mask=mask)
+    tl.store(k_cache + dst, _to_cache(k, kv_scale, k_cache, FP8), mask=mask)
     v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(v_cache + dst, v, mask=mask)
+    tl.store(v_cache + dst, _to_cache(v, kv_scale, v_cache, FP8), mask=mask)
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scale: float = 1.0) -> None:
     """kv_cache [2, num_blocks, block_size, Hkv, D]; k, v [T, Hkv, D] (last dim contiguous)."""
     t, h, d = k.shape
     if t == 0:
@@ -61,8 +82,12 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     assert k.stride(2) == 1 and v.stride(2) == 1 and kc.stride(3) == 1 and kc.stride(2) == d
     _write_kv_kernel[(t,)](k, v, kc, vc, slot_mapping,
                            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           kc.stride(0), kc.stride(1), kc.stride(2),
-                           H=h, D=d, PAGE=kc.shape[1], BLOCK=triton.next_power_of_2(h * d), num_warps=4)
+                           kc.stride(0), kc.stride(1), kc.stride(2), kv_scale,
+                           H=h, D=d, PAGE=kc.shape[1], BLOCK=triton.next_power_of_2(h * d), FP8=_is_fp8(kc), num_warps=4)
+
+
+def _is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.float8_e4m3fn
 
 
 # ---------------------------------------------------------------- decode (split-K)
@@ -86,10 +111,10 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
                          qk_scale,  # softmax scale * log2(e)
                          stride_qt, stride_qh, stride_ot, stride_oh,
                          stride_cb, stride_cs, stride_ch, stride_bt,
-                         stride_knt, stride_knh, stride_vnt, stride_vnh,
+                         stride_knt, stride_knh, stride_vnt, stride_vnh, kv_scale,
                          GQA: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FUSE_WRITE: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         USE_PDL: tl.constexpr, FP8: tl.constexpr):
     # The split count is the grid's third dimension, not a compile-time constant: one compiled kernel
     # serves every count (SPLIT: partials for the merge kernel, else the output directly).
     b = tl.program_id(0)
@@ -114,8 +139,10 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
     mask_n = offs_n < seq_len  # all false for a slice with no tiles
     blk = tl.load(bt_row + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
     kv_off = blk * stride_cb + (offs_n % PAGE) * stride_cs + kvh * stride_ch
-    k_first = tl.load(k_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-    v_first = tl.load(v_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    k_first = _from_cache(tl.load(k_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0),
+                          kv_scale, q_ptr, FP8)
+    v_first = _from_cache(tl.load(v_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0),
+                          kv_scale, q_ptr, FP8)
     if USE_PDL:  # wait for the qkv GEMV, then let the next kernel launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -124,14 +151,16 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
     if FUSE_WRITE:
         # The new token (position seq_len - 1) is taken from registers, not re-read from the cache, and
         # the program whose slice holds it writes it to its slot (no other program reads that slot now).
-        kn = tl.load(k_new + b.to(tl.int64) * stride_knt + kvh * stride_knh + offs_d)
-        vn = tl.load(v_new + b.to(tl.int64) * stride_vnt + kvh * stride_vnh + offs_d)
+        kn = _to_cache(tl.load(k_new + b.to(tl.int64) * stride_knt + kvh * stride_knh + offs_d), kv_scale, k_cache, FP8)
+        vn = _to_cache(tl.load(v_new + b.to(tl.int64) * stride_vnt + kvh * stride_vnh + offs_d), kv_scale, v_cache, FP8)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         owner = (num_tiles - 1) // tiles_per_split
         if (split == owner) & (slot >= 0) & (num_tiles > 0):
             dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kvh * stride_ch + offs_d
             tl.store(k_cache + dst, kn)
             tl.store(v_cache + dst, vn)
+        kn = _from_cache(kn, kv_scale, q_ptr, FP8)  # what later steps will read
+        vn = _from_cache(vn, kv_scale, q_ptr, FP8)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
@@ -147,8 +176,10 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
         mask_n = offs_n < seq_len
         blk = tl.load(bt_row + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
         kv_off = blk * stride_cb + (offs_n % PAGE) * stride_cs + kvh * stride_ch
-        k = tl.load(k_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        v = tl.load(v_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        k = _from_cache(tl.load(k_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0),
+                        kv_scale, q_ptr, FP8)
+        v = _from_cache(tl.load(v_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0),
+                        kv_scale, q_ptr, FP8)
         if FUSE_WRITE:
             is_new = (offs_n == seq_len - 1)[:, None]
             k = tl.where(is_new, kn[None, :], k)
@@ -218,7 +249,7 @@ def _sm_count(device: torch.device) -> int:
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, max_seq_len: int, out: torch.Tensor | None = None,
                      num_splits: int | None = None, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                     slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+                     slot_mapping: torch.Tensor | None = None, kv_scale: float = 1.0) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D]. The new token's k/v are either already in the cache, or given as
     k_new/v_new [B, Hkv, D] with slot_mapping [B]: then this kernel writes them (one launch less)."""
     b, hq, d = q.shape
@@ -251,9 +282,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         q, kc, vc, block_tables, seq_lens, out, part_o, part_lse, k_new, v_new, slot_mapping, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), kv_scale,
         GQA=gqa, G_PAD=g_pad, D=d, PAGE=kc.shape[1], BLOCK_N=block_n, SPLIT=s > 1, FUSE_WRITE=fuse,
-        USE_PDL=pdl, num_warps=4, num_stages=2, **launch)
+        USE_PDL=pdl, FP8=_is_fp8(kc), num_warps=4, num_stages=2, **launch)
     if s > 1:
         _decode_reduce_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), HQ=hq, D=d,
                                        NUM_SPLITS=s, S_PAD=triton.next_power_of_2(s), USE_PDL=pdl, num_warps=4, **launch)
@@ -284,9 +315,9 @@ def _prefill_tile(q, k, v, m_i, l_i, acc, qk_scale, visible, MASK: tl.constexpr)
 @triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["bt_ptr", "seq_lens_ptr", "qsl_ptr"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, k_cache, v_cache, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
                     qk_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                    stride_cb, stride_cs, stride_ch, stride_bt,
+                    stride_cb, stride_cs, stride_ch, stride_bt, kv_scale,
                     GQA: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr):
     # Heads vary fastest (GQA neighbours share K/V tiles in L2) and query blocks run last-first: the
     # causal blocks with the most keys start first, so the grid's tail is the short ones.
     h = tl.program_id(0)
@@ -313,16 +344,18 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, k_cache, v_cache, bt_pt
         offs_n = start_n + tl.arange(0, BLOCK_N)
         blk = tl.load(bt_row + offs_n // PAGE).to(tl.int64)
         kv_off = blk * stride_cb + (offs_n % PAGE) * stride_cs + kvh * stride_ch
-        k = tl.load(k_cache + kv_off[:, None] + offs_d[None, :])
-        v = tl.load(v_cache + kv_off[:, None] + offs_d[None, :])
+        k = _from_cache(tl.load(k_cache + kv_off[:, None] + offs_d[None, :]), kv_scale, q_ptr, FP8)
+        v = _from_cache(tl.load(v_cache + kv_off[:, None] + offs_d[None, :]), kv_scale, q_ptr, FP8)
         m_i, l_i, acc = _prefill_tile(q, k, v, m_i, l_i, acc, qk_scale, None, False)
     if ctx_full < ctx:
         offs_n = ctx_full + tl.arange(0, BLOCK_N)
         mask_n = offs_n < ctx
         blk = tl.load(bt_row + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
         kv_off = blk * stride_cb + (offs_n % PAGE) * stride_cs + kvh * stride_ch
-        k = tl.load(k_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        v = tl.load(v_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        k = _from_cache(tl.load(k_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0),
+                        kv_scale, q_ptr, FP8)
+        v = _from_cache(tl.load(v_cache + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0),
+                        kv_scale, q_ptr, FP8)
         m_i, l_i, acc = _prefill_tile(q, k, v, m_i, l_i, acc, qk_scale, mask_n[None, :], True)
     # 2. This step's own keys, read from the k/v the projection just produced (contiguous rows, no
     # block-table gather). New keys below qb * BLOCK_M are visible to every query of the block;
@@ -337,6 +370,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, k_cache, v_cache, bt_pt
             offs_n = (q_start + start_n + tl.arange(0, BLOCK_N)).to(tl.int64)
             k = tl.load(k_ptr + offs_n[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :])
             v = tl.load(v_ptr + offs_n[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :])
+        if FP8:  # the step's own keys as the cache holds them
+            k = _from_cache(_to_cache(k, kv_scale, k_cache, FP8), kv_scale, q_ptr, FP8)
+            v = _from_cache(_to_cache(v, kv_scale, v_cache, FP8), kv_scale, q_ptr, FP8)
         m_i, l_i, acc = _prefill_tile(q, k, v, m_i, l_i, acc, qk_scale, None, False)
     for start_n in range(full_end, diag_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -350,6 +386,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, k_cache, v_cache, bt_pt
                         mask=mask_n[:, None], other=0.0)
             v = tl.load(v_ptr + kv_rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
                         mask=mask_n[:, None], other=0.0)
+        if FP8:
+            k = _from_cache(_to_cache(k, kv_scale, k_cache, FP8), kv_scale, q_ptr, FP8)
+            v = _from_cache(_to_cache(v, kv_scale, v_cache, FP8), kv_scale, q_ptr, FP8)
         visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
         m_i, l_i, acc = _prefill_tile(q, k, v, m_i, l_i, acc, qk_scale, visible, True)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -380,7 +419,8 @@ def _tma_supported(*xs: torch.Tensor) -> bool:
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                       max_query_len: int, scale: float, out: torch.Tensor | None = None,
-                      tiles: tuple[int, int, int, int] | None = None, tma: bool | None = None) -> torch.Tensor:
+                      tiles: tuple[int, int, int, int] | None = None, tma: bool | None = None,
+                      kv_scale: float = 1.0) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D]: this step's tokens laid end to end per sequence (query_start_loc
     [B+1]). The context before them is read from the paged cache; their own keys from k/v (which
     `write_kv` also puts in the cache). Returns [T, Hq, D]. `tiles`/`tma` override the defaults (benchmarks)."""
@@ -403,6 +443,6 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     _prefill_kernel[grid](q, k, v, k_desc, v_desc, kc, vc, block_tables, seq_lens, query_start_loc, out,
                           scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                           out.stride(0), out.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
-                          GQA=hq // hkv, D=d, PAGE=kc.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, TMA=use_tma,
-                          num_warps=warps, num_stages=stages)
+                          kv_scale, GQA=hq // hkv, D=d, PAGE=kc.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, TMA=use_tma,
+                          FP8=_is_fp8(kc), num_warps=warps, num_stages=stages)
     return out

@@ -14,6 +14,7 @@ import torch
 from parallel.quant.base import LinearMethod, QuantConfig, quant_param, units
 from parallel.quant.config import check_plain_modules
 from parallel.quant.gptq import unpack_int32
+from parallel.quant.packed import from_int_codes
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # Output j of a word is nibble AWQ_REVERSE[j] (the inverse permutation of AWQ_ORDER).
@@ -73,3 +74,11 @@ class AWQLinearMethod(LinearMethod):
         z = unpack_awq(layer.qzeros)  # [G, out]
         g = torch.arange(q.shape[0], device=q.device) // layer.awq_group_size  # [in], local groups
         return ((q - z[g]).float() * layer.scales[g]).t()
+
+    def pack(self, layer):
+        q, z = unpack_awq(layer.qweight), unpack_awq(layer.qzeros)
+        g = torch.arange(q.shape[0], device=q.device) // layer.awq_group_size
+        return from_int_codes(q, z, layer.scales, g, 4, min(layer.awq_group_size, q.shape[0]))
+
+    def packed_params(self):
+        return ("qweight", "qzeros", "scales")

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from parallel.matmul import linear
+from parallel.quant.packed import PackedWeight, kernels_available
 
 
 def quant_param(shape: tuple[int, ...], dtype: torch.dtype, loader, *, out_dim: int | None = None, out_unit: int = 1,
@@ -42,6 +43,7 @@ class LinearMethod:
     create_weights(layer, in_per_rank, out_per_rank, in_full): registers the parameters on `layer`
     (layer.out_shards lists the per-rank output sizes of the fused projections, layer.row_parallel
     says whether input features are split over TP ranks).
+    process_weights(layer): after loading (online quantization; on CUDA, the kernels' layout).
     apply(layer, x, bias): x [T, in_per_rank] -> [T, out_per_rank], bias added (row-parallel layers
     pass None and add theirs after the all-reduce).
     """
@@ -58,9 +60,33 @@ class LinearMethod:
         """This rank's weight [out_per_rank, in_per_rank], float32."""
         raise NotImplementedError
 
+    def pack(self, layer: nn.Module) -> PackedWeight | None:
+        """This rank's weight in the GPU kernels' layout (packed.py), None where the kernels cannot take it."""
+        return None
+
+    def packed_params(self) -> tuple[str, ...]:
+        """Parameters the packed layout replaces (freed once it is built)."""
+        return ()
+
+    def process_weights(self, layer: nn.Module) -> None:
+        """After loading: on CUDA (with Triton) repack into the kernels' layout, and free what it replaces."""
+        device = next(p.device for p in layer.parameters())
+        if not kernels_available(device):
+            return
+        packed = self.pack(layer)
+        if packed is None:
+            return
+        layer.packed = packed
+        for name in self.packed_params():
+            delattr(layer, name)
+        packed.tune(torch.get_default_dtype())  # the activations' dtype: the loader sets the model's
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # Dequantize-then-matmul: exact w.r.t. the dequantized model, on any device; only one layer's
-        # weight is ever materialised at a time. Fast fused kernels are a later stage (issue 15).
+        packed = getattr(layer, "packed", None)
+        if packed is not None:  # CUDA: the Triton GEMV/GEMM or _scaled_mm (packed.py)
+            return packed.apply(x, bias)
+        # Dequantize-then-matmul (CPU, and shapes the kernels do not take): exact w.r.t. the dequantized
+        # model on any device; only one layer's weight is ever materialised at a time.
         return linear(x, self.dequantize(layer).to(x.dtype), bias)
 
 
@@ -72,6 +98,9 @@ class UnquantizedLinearMethod(LinearMethod):
     def create_weights(self, layer, in_per_rank, out_per_rank, in_full):
         layer.weight = quant_param((out_per_rank, in_per_rank), torch.get_default_dtype(), layer.weight_loader,
                                    out_dim=0, in_dim=1)
+
+    def process_weights(self, layer):
+        pass
 
     def apply(self, layer, x, bias):
         return linear(x, layer.weight, bias)

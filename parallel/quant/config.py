@@ -63,3 +63,29 @@ def parse_quant_config(qc: Any) -> QuantConfig | None:
                          f"Tandem loads {list(SUPPORTED_METHODS)}")
     raise ValueError(f"unsupported quant_method {method!r} in config.json's quantization_config; "
                      f"Tandem loads {list(SUPPORTED_METHODS)}")
+
+
+def effective_quant_config(checkpoint_qc: Any, quantization: str | None, load_format: str,
+                           in_features: tuple[int, ...] = ()) -> dict | None:
+    """The quantization_config the model is built with: the checkpoint's; or, for an unquantized
+    checkpoint, `quantization="fp8"` quantizes it at load (online FP8, per-channel weight scales), and
+    with load_format="dummy" `gptq` / `awq` make random weights quantized at load by round-to-nearest
+    (4 bit, group size 128 -- or 64, 32 where the layers' `in_features` need it -- in the layouts
+    scripts/quantize.py writes; for benchmarks)."""
+    parse_quant_config(checkpoint_qc)
+    found = quant_method_of(checkpoint_qc)
+    if quantization in (None, "auto") or quantization == found:
+        return _as_dict(checkpoint_qc) if checkpoint_qc is not None else None
+    if found is not None:
+        raise ValueError(f"quantization={quantization!r} but the checkpoint's quantization_config says {found!r}")
+    if quantization == "fp8":
+        from parallel.quant.fp8 import online_fp8_config
+
+        return online_fp8_config()
+    if quantization in ("gptq", "awq") and load_format == "dummy":
+        from parallel.quant.rtn import Options
+
+        gs = next((g for g in (128, 64, 32) if all(n % g == 0 for n in in_features)), -1)
+        return Options(quantization, bits=4, group_size=gs).quantization_config("tandem RTN (dummy weights)")
+    raise ValueError(f"quantization={quantization!r}: the checkpoint is not quantized, and only fp8 quantizes at load "
+                     f"(write a {quantization} copy with scripts/quantize.py, or use load_format='dummy' for benchmarks)")

@@ -6,6 +6,10 @@ Published layouts, per linear layer:
     weight_scale_inv  float32 [ceil(out / bn), ceil(in / bk)]   w = weight * scale_inv of its block
     otherwise:
     weight_scale      float32 [] / [1] per tensor, or [out] / [out, 1] per channel   w = weight * scale
+Online (`quantization="fp8"` on a 16/32-bit checkpoint; config key `tandem_online`: "channel" or
+"tensor"): the plain weight loads as usual and is quantized at load, w / scale in e4m3 with a
+per-output-channel (or per-tensor) float32 scale, the layout of the per-channel checkpoints above.
+Activations are quantized dynamically per token on the W8A8 path (parallel/quant/packed.py).
 Fused projections (q/k/v, gate/up) keep one block-scale row range per projection, since each was
 quantized on its own; a ragged last block is allowed on one rank, but under TP every rank's slice
 must start on a block boundary.
@@ -16,13 +20,23 @@ import torch
 
 from parallel.quant.base import LinearMethod, QuantConfig, quant_param, units
 from parallel.quant.config import check_plain_modules
+from parallel.quant.packed import from_fp8
+from parallel.quant.rtn import FP8_MAX, fp8_scale
+
+
+ONLINE_KEY = "tandem_online"
+
+
+def online_fp8_config(granularity: str = "channel") -> dict:
+    """The quantization_config of a checkpoint quantized to FP8 at load (`quantization="fp8"`)."""
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", ONLINE_KEY: granularity}
 
 
 class FP8Config(QuantConfig):
     name = "fp8"
 
-    def __init__(self, block: tuple[int, int] | None):
-        self.block = block
+    def __init__(self, block: tuple[int, int] | None, online: str | None = None):
+        self.block, self.online = block, online
 
     @classmethod
     def from_config(cls, qc: dict) -> "FP8Config":
@@ -39,7 +53,10 @@ class FP8Config(QuantConfig):
             block = (block[0], block[1])
         check_plain_modules(qc, "modules_to_not_convert")
         check_plain_modules(qc, "ignored_layers")
-        return cls(block)
+        online = qc.get(ONLINE_KEY)
+        if online is not None and (online not in ("channel", "tensor") or block is not None):
+            raise ValueError(f"FP8 {ONLINE_KEY}={online!r} is not supported ('channel' or 'tensor', without weight_block_size)")
+        return cls(block, online)
 
     def linear_method(self) -> "FP8LinearMethod":
         return FP8LinearMethod(self)
@@ -51,6 +68,9 @@ class FP8LinearMethod(LinearMethod):
 
     def create_weights(self, layer, in_per_rank, out_per_rank, in_full):
         load = layer.weight_loader
+        if self.cfg.online:  # the checkpoint's plain weight; quantized in process_weights
+            layer.weight = quant_param((out_per_rank, in_per_rank), torch.get_default_dtype(), load, out_dim=0, in_dim=1)
+            return
         layer.weight = quant_param((out_per_rank, in_per_rank), torch.float8_e4m3fn, load, out_dim=0, in_dim=1)
         if self.cfg.block is None:
             layer.weight_scale = quant_param((out_per_rank, 1), torch.float32, load, out_dim=0, scalar_ok=True)
@@ -69,7 +89,7 @@ class FP8LinearMethod(LinearMethod):
         layer.register_buffer("fp8_scale_cols", torch.empty(in_per_rank, dtype=torch.long), persistent=False)
 
     def init_buffers(self, layer):
-        if self.cfg.block is None:
+        if self.cfg.block is None or self.cfg.online:
             return
         bn, bk = self.cfg.block
         # Row r of fused projection s uses scale row (rows of earlier projections) + r // bn.
@@ -87,3 +107,20 @@ class FP8LinearMethod(LinearMethod):
             return w * layer.weight_scale  # [out, 1] broadcast over in
         scale = layer.weight_scale_inv.index_select(0, layer.fp8_scale_rows).index_select(1, layer.fp8_scale_cols)
         return w * scale
+
+    def process_weights(self, layer):
+        if self.cfg.online:
+            w = layer.weight.float()
+            scale = fp8_scale(w, self.cfg.online).expand(w.shape[0], 1).contiguous()  # [out, 1]
+            q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            layer.weight = torch.nn.Parameter(q, requires_grad=False)
+            layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+            del w
+        super().process_weights(layer)
+
+    def pack(self, layer):
+        if self.cfg.block is None:  # per-channel (a per-tensor scale was broadcast to every row at load)
+            return from_fp8(layer.weight, layer.weight_scale, layer.weight.shape[1], per_channel=True)
+        # [out, ceil(in / bk)]: each row's scale per block of bk input features
+        return from_fp8(layer.weight, layer.weight_scale_inv.index_select(0, layer.fp8_scale_rows), self.cfg.block[1],
+                        per_channel=False)

@@ -14,6 +14,7 @@ import torch
 
 from parallel.quant.base import LinearMethod, QuantConfig, quant_param, units
 from parallel.quant.config import check_plain_modules
+from parallel.quant.packed import from_int_codes
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -93,3 +94,15 @@ class GPTQLinearMethod(LinearMethod):
         g = (layer.g_idx - layer.gptq_group_offset).long()  # [in] -> this rank's rows of scales/zeros
         w = (q - z[g]).float() * layer.scales[g]  # [in, out]
         return w.t()
+
+    def pack(self, layer):
+        c = self.cfg
+        q = unpack_int32(layer.qweight, c.bits, 0)  # [in, out]
+        z = unpack_int32(layer.qzeros, c.bits, 1) + 1
+        g = (layer.g_idx - layer.gptq_group_offset).long()
+        # One group (-1): any run length dividing this rank's inputs serves; the kernels' tiles need K-sized runs at most.
+        gs = q.shape[0] if c.group_size == -1 else c.group_size
+        return from_int_codes(q, z, layer.scales, g, c.bits, gs)
+
+    def packed_params(self):
+        return ("qweight", "qzeros", "scales", "g_idx")

@@ -5,13 +5,15 @@ slice); prefill chunks use the varlen causal kernel. In a mixed step the decodes
 (`AttentionMetadata.num_decodes`) and each kernel takes its part: run through the prefill kernel, a
 decode row would pay a whole query tile per query head. Nothing here syncs with the device or reads the device
 tensors on the host, so decode steps can be captured in CUDA graphs (`workers/cuda_graphs.py`).
-The torch backend (`torch_backend.py`) is the reference these kernels are tested against.
+The torch backend (`torch_backend.py`) is the reference these kernels are tested against. An FP8 cache
+is written and read by the same kernels (scale `kv_quant.KV_SCALE`).
 """
 from __future__ import annotations
 
 import torch
 
 from workers.attention.backend import AttentionMetadata
+from workers.attention.kv_quant import KV_SCALE
 from parallel.kernels.paged_attention import decode_attention, prefill_attention, write_kv
 
 
@@ -22,16 +24,16 @@ class TritonAttention:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.decode_only:  # the decode kernel writes the new k/v itself
             return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len,
-                                    k_new=k, v_new=v, slot_mapping=meta.slot_mapping)
+                                    k_new=k, v_new=v, slot_mapping=meta.slot_mapping, kv_scale=KV_SCALE)
         d = meta.num_decodes
         if d == 0:
-            write_kv(kv_cache, k, v, meta.slot_mapping)
+            write_kv(kv_cache, k, v, meta.slot_mapping, KV_SCALE)
             return prefill_attention(q, k, v, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                     meta.max_query_len, scale)
+                                     meta.max_query_len, scale, kv_scale=KV_SCALE)
         out = torch.empty_like(q)
         decode_attention(q[:d], kv_cache, meta.block_tables[:d], meta.seq_lens[:d], scale, max(meta.seq_lens_cpu[:d]),
-                         out=out[:d], k_new=k[:d], v_new=v[:d], slot_mapping=meta.slot_mapping[:d])
-        write_kv(kv_cache, k[d:], v[d:], meta.slot_mapping[d:])
+                         out=out[:d], k_new=k[:d], v_new=v[:d], slot_mapping=meta.slot_mapping[:d], kv_scale=KV_SCALE)
+        write_kv(kv_cache, k[d:], v[d:], meta.slot_mapping[d:], KV_SCALE)
         prefill_attention(q[d:], k[d:], v[d:], kv_cache, meta.block_tables[d:], meta.seq_lens[d:], meta.query_start_loc[d:] - d,
-                          meta.max_query_len, scale, out=out[d:])
+                          meta.max_query_len, scale, out=out[d:], kv_scale=KV_SCALE)
         return out

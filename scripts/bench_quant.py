@@ -1,0 +1,316 @@
+#!/usr/bin/env python3
+"""Quantized inference beside bf16 in one run: batch-1 decode latency and offline throughput.
+
+Every variant loads the same model shapes with dummy weights (`load_format="dummy"`); quantized
+variants quantize those weights at load, in the layouts the project's tool writes (parallel/quant/rtn.py,
+shared with scripts/quantize.py):
+    bf16      the plain model (batch-1 decode through the fused bf16 GEMVs)
+    w4a16     quantization="gptq": 4-bit RTN GPTQ, group 128, Triton W4A16 GEMV / GEMM
+    w4a16-awq quantization="awq": 4-bit AWQ GEMM packing, same kernels after repacking
+    fp8       quantization="fp8": online FP8, per-channel weight scales, dynamic per-token activations
+              (W8A8 torch._scaled_mm above 4 rows; W8A16 Triton GEMV at 1-4 rows)
+    fp8-kv    bf16 weights, kv_cache_dtype="fp8" (KV blocks at the same memory, throughput)
+With --agreement-model (a real checkpoint, e.g. models/tandem-tiny) the greedy outputs of each variant
+that can run on it are compared token by token with its bf16 run on prompts cut from real text.
+
+    python scripts/bench_quant.py --shape llama-3.1-8b --device cuda            # the numbers in docs/benchmarks.md
+    python scripts/bench_quant.py --model models/tandem-tiny --device cpu ...   # dry run (tests/test_bench_quant.py)
+Prints a table with ratios against bf16; writes JSON (--out).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_offline import synthetic_requests  # noqa: E402
+from tandem import LLM, SamplingParams  # noqa: E402
+
+VARIANTS: dict[str, dict] = {
+    "bf16": {},
+    "w4a16": {"quantization": "gptq"},
+    "w4a16-awq": {"quantization": "awq"},
+    "fp8": {"quantization": "fp8"},
+    "fp8-kv": {"kv_cache_dtype": "fp8"},
+}
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def make_llm(args, model: str, variant: str, load_format: str, max_model_len: int | None = -1) -> LLM:
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    extra = {}
+    if args.device.startswith("cuda"):
+        extra["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.num_blocks:
+        extra["num_gpu_blocks_override"] = args.num_blocks
+    return LLM(model=model, device=args.device, dtype=dtype, load_format=load_format, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               max_model_len=args.max_model_len if max_model_len == -1 else max_model_len,
+               enable_prefix_caching=False, show_progress=False, **VARIANTS[variant], **extra)
+
+
+def decode(llm: LLM, args, vocab: int) -> dict:
+    """One request: prompt_len tokens, then gen_len greedy tokens; per-step wall time after the first token."""
+    eng = llm.llm_engine
+    g = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(16, vocab, (args.prompt_len,), generator=g).tolist()
+    llm.generate([prompt[:16]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
+    eng.add_request("bench-decode", prompt, SamplingParams(max_tokens=args.gen_len + 1, temperature=0.0, ignore_eos=True))
+    sync(args.device)
+    eng.step()  # prefill + first token
+    steps, n = [], 0
+    while eng.has_unfinished_requests():
+        t = time.perf_counter()
+        n += len(eng.step())
+        sync(args.device)
+        steps.append(time.perf_counter() - t)
+    res = {"decode_tok_per_s": n / sum(steps), "median_step_ms": 1e3 * statistics.median(steps), "gen_tokens": n}
+    graphs = getattr(getattr(eng.executor, "runner", None), "cuda_graphs", None)
+    if graphs is not None and 1 in graphs.graphs:  # GPU time of the captured batch-1 step alone
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graphs.graphs[1].replay()
+        start.record()
+        for _ in range(20):
+            graphs.graphs[1].replay()
+        end.record()
+        end.synchronize()
+        res["graph_replay_ms"] = start.elapsed_time(end) / 20
+    return res
+
+
+def offline(llm: LLM, args, vocab: int) -> dict:
+    prompts, out_lens = synthetic_requests(args.num_requests, vocab, args.mean_input, args.mean_output,
+                                           args.max_input, args.max_output, args.seed)
+    params = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in out_lens]
+    llm.generate(prompts[:2], params[:2])
+    sync(args.device)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync(args.device)
+    dt = time.perf_counter() - t0
+    n_out = sum(len(o.token_ids) for o in outs)
+    n_in = sum(len(p) for p in prompts)
+    return {"seconds": dt, "requests": len(prompts), "input_tokens": n_in, "output_tokens": n_out,
+            "output_tok_per_s": n_out / dt, "total_tok_per_s": (n_in + n_out) / dt,
+            "preemptions": llm.llm_engine.scheduler.num_preemptions}
+
+
+def engine_facts(llm: LLM) -> dict:
+    runner = llm.llm_engine.executor.runner
+    facts = {"num_kv_blocks": runner.num_blocks, "kv_bytes_per_block": runner.kv_bytes_per_block(),
+             "kv_dtype": str(runner.kv_cache.dtype).replace("torch.", ""), "cuda_graphs": runner.cuda_graphs is not None}
+    layer = runner.model.layers[next(iter(runner.model.layers))].mlp.down_proj
+    packed = getattr(layer, "packed", None)
+    facts["linear_kernel"] = ("reference dequantize" if layer.quantized and packed is None else
+                              "plain" if not layer.quantized else
+                              "w8a8 _scaled_mm + w8a16 gemv" if packed.w8a8_scale is not None else
+                              f"triton {'fp8' if packed.bits is None else f'int{packed.bits}'} gemv/gemm")
+    if packed is not None:
+        facts["down_proj_plan"] = packed.plan
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    for m in runner.model.modules():
+        pw = getattr(m, "packed", None)
+        if pw is not None and pw.bits is not None:
+            weight_bytes += sum(t.numel() * t.element_size() for t in (pw.codes, pw.scales, pw.zeros) if t is not None)
+    facts["weight_gib"] = weight_bytes / 2**30
+    return facts
+
+
+def agreement_checkpoint(model: str, variant: str) -> str:
+    """GPTQ / AWQ variants need a quantized checkpoint: a 4-bit RTN copy written by the project's tool
+    (group size 128, or the largest of 64 / 32 that the model's features allow)."""
+    method = VARIANTS[variant].get("quantization")
+    if method not in ("gptq", "awq"):
+        return model
+    from parallel.quant.config import effective_quant_config
+    from parallel.quant.rtn import Options
+    from quantize import quantize_folder
+
+    cfg = json.loads(Path(model, "config.json").read_text())
+    heads = cfg["num_attention_heads"] * (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    gs = effective_quant_config(None, method, "dummy", (cfg["hidden_size"], cfg["intermediate_size"], heads))["group_size"]
+    dst = os.path.join(tempfile.mkdtemp(), f"{Path(model).name}-{method}")
+    quantize_folder(model, dst, Options(method, bits=4, group_size=gs))
+    return dst
+
+
+def agreement(args) -> dict:
+    """Greedy tokens of each variant vs bf16 on a real checkpoint, prompts cut from real text."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.agreement_model)
+    text = Path(args.agreement_text).read_text(encoding="utf-8")
+    ids = tok(text)["input_ids"]
+    prompts = [ids[i:i + args.agreement_prompt_len] for i in range(0, len(ids) - args.agreement_prompt_len, 97)]
+    prompts = prompts[:args.agreement_prompts]
+    sp = SamplingParams(max_tokens=args.agreement_gen_len, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for variant in ["bf16"] + [v for v in args.variants if v != "bf16"]:
+        try:
+            llm = make_llm(args, agreement_checkpoint(args.agreement_model, variant), variant, "auto", None)
+        except ValueError as e:  # e.g. group size 128 vs a tiny model's features
+            outs[variant] = str(e)
+            continue
+        outs[variant] = [o.token_ids for o in llm.generate(prompts, sp)]
+        llm.shutdown()
+        del llm
+        free(args.device)
+    base, res = outs["bf16"], {}
+    for variant, got in outs.items():
+        if variant == "bf16":
+            continue
+        if isinstance(got, str):
+            res[variant] = {"skipped": got}
+            continue
+        same = sum(a == b for x, y in zip(base, got) for a, b in zip(x, y))
+        prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(base, got)]
+        res[variant] = {"token_agreement": same / sum(len(x) for x in base), "identical_requests": sum(x == y for x, y in zip(base, got)),
+                        "requests": len(base), "mean_tokens_before_first_divergence": statistics.mean(prefix)}
+    return res
+
+
+def run_variant(args, model: str, vocab: int, variant: str) -> dict:
+    t0 = time.perf_counter()
+    llm = make_llm(args, model, variant, "dummy")
+    res = {"load_s": time.perf_counter() - t0, **engine_facts(llm)}
+    res["decode"] = decode(llm, args, vocab)
+    if args.num_requests:
+        res["offline"] = offline(llm, args, vocab)
+    llm.shutdown()
+    del llm
+    free(args.device)
+    return res
+
+
+def ratios(results: dict) -> dict:
+    base = results.get("bf16")
+    if not base:
+        return {}
+    out = {}
+    for v, r in results.items():
+        if v == "bf16" or "decode" not in r:
+            continue
+        out[v] = {"decode_tok_per_s_x": r["decode"]["decode_tok_per_s"] / base["decode"]["decode_tok_per_s"],
+                  "kv_blocks_x": r["num_kv_blocks"] / base["num_kv_blocks"]}
+        if "graph_replay_ms" in r["decode"] and "graph_replay_ms" in base["decode"]:
+            out[v]["graph_step_x"] = base["decode"]["graph_replay_ms"] / r["decode"]["graph_replay_ms"]
+        if "offline" in r and "offline" in base:
+            out[v]["offline_tok_per_s_x"] = r["offline"]["output_tok_per_s"] / base["offline"]["output_tok_per_s"]
+    return out
+
+
+def print_table(report: dict) -> None:
+    print(f"\n{'variant':<10} {'kernel':<30} {'weights GiB':>11} {'KV blocks':>9} {'decode tok/s':>12} {'step ms':>8} "
+          f"{'graph ms':>8} {'offline tok/s':>13}")
+    for v, r in report["results"].items():
+        if "error" in r:
+            print(f"{v:<10} ERROR {r['error']}")
+            continue
+        d, o = r["decode"], r.get("offline", {})
+        print(f"{v:<10} {r['linear_kernel']:<30} {r['weight_gib']:>11.2f} {r['num_kv_blocks']:>9} {d['decode_tok_per_s']:>12.1f} "
+              f"{d['median_step_ms']:>8.2f} {d.get('graph_replay_ms', float('nan')):>8.2f} {o.get('output_tok_per_s', float('nan')):>13.1f}")
+    for v, r in report["ratios"].items():
+        print(f"{v} vs bf16: " + ", ".join(f"{k} {x:.2f}" for k, x in r.items()))
+    if report.get("agreement"):
+        print("greedy agreement vs bf16:", json.dumps(report["agreement"]))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default=None, help="a name in scripts/model_shapes.py (real shapes, dummy weights)")
+    p.add_argument("--model", default=None, help="a model folder instead of --shape (its weights are not read)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--variants", default="bf16,w4a16,fp8,fp8-kv", help=f"comma-separated, of {list(VARIANTS)}")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--gen-len", type=int, default=256)
+    p.add_argument("--num-requests", type=int, default=1000, help="offline run (0: skip)")
+    p.add_argument("--mean-input", type=int, default=256)
+    p.add_argument("--mean-output", type=int, default=256)
+    p.add_argument("--max-input", type=int, default=1024)
+    p.add_argument("--max-output", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks override (CPU dry runs)")
+    p.add_argument("--agreement-model", default=None, help="a real checkpoint for greedy agreement vs bf16")
+    p.add_argument("--agreement-text", default=str(Path(__file__).resolve().parents[1] / "README.md"))
+    p.add_argument("--agreement-prompts", type=int, default=32)
+    p.add_argument("--agreement-prompt-len", type=int, default=64)
+    p.add_argument("--agreement-gen-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_results/bench_quant.json")
+    args = p.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    from transformers import AutoConfig
+
+    model = args.model
+    if args.shape:
+        from model_shapes import write_model_folder
+
+        model = write_model_folder(args.shape, os.path.join(tempfile.mkdtemp(), args.shape))
+    if model is None:
+        raise SystemExit("give --shape or --model")
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    report = {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node(),
+              "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
+              "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()}, "results": {}}
+    for variant in args.variants:
+        print(f"--- {variant}", flush=True)
+        try:
+            report["results"][variant] = run_variant(args, model, vocab, variant)
+        except Exception as e:  # one variant failing must not lose the others' numbers
+            if args.device == "cpu":
+                raise
+            report["results"][variant] = {"error": f"{type(e).__name__}: {e}"}
+            free(args.device)
+        print(json.dumps(report["results"][variant]), flush=True)
+        report["ratios"] = ratios(report["results"])
+        write(report, args.out)  # after each variant: a run cut short keeps what it measured
+    if args.agreement_model:
+        report["agreement"] = agreement(args)
+    print_table(report)
+    write(report, args.out)
+    return report
+
+
+def write(report: dict, out: str | None) -> None:
+    if out:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

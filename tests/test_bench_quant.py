@@ -1,0 +1,42 @@
+"""scripts/bench_quant.py's CPU dry run: every variant loads (dummy weights quantized at load), decodes
+and runs the offline batch in one call, with ratios against bf16 and greedy agreement on a real model."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("bench_quant", ROOT / "scripts" / "bench_quant.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_quant_dry_run(tmp_path):
+    bench = _bench()
+    out = tmp_path / "bq.json"
+    model = str(ROOT / "models" / "tandem-tiny")
+    report = bench.main(["--model", model, "--device", "cpu", "--variants", "bf16,w4a16,w4a16-awq,fp8,fp8-kv",
+                         "--prompt-len", "8", "--gen-len", "3", "--num-requests", "3", "--mean-input", "6",
+                         "--mean-output", "3", "--max-input", "12", "--max-output", "6", "--max-model-len", "64",
+                         "--agreement-model", model, "--agreement-prompts", "2", "--agreement-prompt-len", "12",
+                         "--agreement-gen-len", "4", "--out", str(out)])
+    assert json.loads(out.read_text())["ratios"] == report["ratios"]
+    res = report["results"]
+    assert set(res) == {"bf16", "w4a16", "w4a16-awq", "fp8", "fp8-kv"}
+    for variant, r in res.items():
+        assert r["decode"]["gen_tokens"] == 3 and r["offline"]["output_tokens"] > 0, variant
+    assert res["bf16"]["linear_kernel"] == "plain"
+    assert res["w4a16"]["linear_kernel"] == "reference dequantize"  # CPU: no Triton kernels
+    assert res["fp8-kv"]["kv_dtype"] == "float8_e4m3fn"
+    assert res["fp8-kv"]["kv_bytes_per_block"] * 4 == res["bf16"]["kv_bytes_per_block"]  # fp32 on CPU
+    assert res["w4a16"]["weight_gib"] < res["bf16"]["weight_gib"]
+    assert set(report["ratios"]) == {"w4a16", "w4a16-awq", "fp8", "fp8-kv"}
+    agree = report["agreement"]
+    assert agree["fp8-kv"]["requests"] == 2 and 0.0 <= agree["w4a16"]["token_agreement"] <= 1.0
