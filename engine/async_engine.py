@@ -14,7 +14,7 @@ import functools
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import AsyncIterator, Callable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from engine.llm_engine import LLMEngine, RequestOutput
 from workers.sampling_params import SamplingParams
@@ -127,6 +127,48 @@ class AsyncEngine:
         async for out in self._drain(request_id, queue):
             yield out
 
+    async def generate_many(self, items: list[tuple[str, str | list[int], SamplingParams, int]]
+                            ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Several requests (a client's prompts and `n` choices: (request_id, prompt, params, priority)) as
+        one stream of (index, output). The requests of one prompt share its KV through the prefix cache:
+        the first of them is added with the first of every other prompt, in one engine call, and the rest
+        in one more call as soon as its prompt has run (its first output), so that they find its full
+        blocks cached and compute only the last partial one. Closing the stream aborts every unfinished one."""
+        async def start(indices: list[int], leader: RequestOutput | None) -> list[AsyncIterator[RequestOutput]]:
+            return await self.open_many([items[i] for i in indices])
+
+        async for i, out in staged_fanout([item[1] for item in items], start, lambda out, seen: True):
+            yield i, out
+
+    async def open_many(self, items: list[tuple[str, str | list[int], SamplingParams, int]]) -> list[AsyncIterator[RequestOutput]]:
+        """Add several requests in one engine call (all or none) and return their output streams."""
+        ids = [item[0] for item in items]
+        queues: list[asyncio.Queue] = []
+        try:
+            for rid in ids:
+                queues.append(self._open(rid))
+            await self.call(self._add_all, items)
+        except BaseException as e:
+            for rid in ids[:len(queues)]:
+                self._queues.pop(rid, None)
+            if isinstance(e, asyncio.CancelledError):
+                for rid in ids:
+                    self._free_soon(self.llm_engine.abort, rid)
+            raise
+        return [self._drain(rid, queue) for rid, queue in zip(ids, queues)]
+
+    def _add_all(self, items: list[tuple[str, str | list[int], SamplingParams, int]]) -> None:
+        """On the engine thread: add every request, or none (a refusal undoes the ones added before it)."""
+        added: list[str] = []
+        try:
+            for rid, prompt, params, priority in items:
+                self.llm_engine.add_request(rid, prompt, params, priority)
+                added.append(rid)
+        except BaseException:
+            for rid in added:
+                self.llm_engine.abort(rid)
+            raise
+
     def _open(self, request_id: str) -> asyncio.Queue:
         self._check_alive()
         if request_id in self._queues:
@@ -231,6 +273,59 @@ class AsyncEngine:
             if not outputs:
                 # Prefill chunks sample nothing; yield to the loop so a burst of them can't starve it.
                 await asyncio.sleep(0)
+
+
+async def staged_fanout(prompts: list, start: Callable[[list[int], RequestOutput | None], Awaitable[list[AsyncIterator[RequestOutput]]]],
+                        ready: Callable[[RequestOutput, int], bool]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The streams of several requests merged as (index, output), in arrival order. Requests with equal
+    prompts form a group whose first request leads: `start(leaders, None)` opens the leaders of every
+    group at once; a group's other requests are opened with `start(them, output)` once an output of their
+    leader satisfies `ready(output, outputs seen)` (or finishes), so that they run after the prompt's KV
+    exists and reuse it. Ends when every request has finished; on an error or when closed, every stream
+    opened is closed (which aborts its request)."""
+    groups: dict[object, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(prompt if isinstance(prompt, str) else tuple(prompt), []).append(i)
+    followers = {g[0]: g[1:] for g in groups.values() if len(g) > 1}
+    merged: asyncio.Queue = asyncio.Queue()
+    tasks: list[asyncio.Task] = []
+    unfinished = set(range(len(prompts)))
+    seen: dict[int, int] = {}
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                merged.put_nowait((i, out))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            merged.put_nowait((i, e))
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def launch(indices: list[int], leader: RequestOutput | None) -> None:
+        streams = await start(indices, leader)
+        tasks.extend(asyncio.ensure_future(pump(i, s)) for i, s in zip(indices, streams))
+
+    try:
+        await launch([g[0] for g in groups.values()], None)
+        while unfinished:
+            i, item = await merged.get()
+            if isinstance(item, BaseException):
+                raise item
+            seen[i] = seen.get(i, 0) + 1
+            if i in followers and (item.finished or ready(item, seen[i])):
+                await launch(followers.pop(i), item)
+            if item.finished:
+                unfinished.discard(i)
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:

@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, staged_fanout
 from engine.llm_engine import LLMEngine, RequestOutput
 from workers.executor import ExecutorError
 from workers.kv_transfer.plan import RankShard, Transfer, plan_transfers
@@ -252,6 +252,22 @@ class DecodeReplica:
                 yield out
         finally:
             await stream_out.aclose()  # a client gone mid-stream: the engine aborts the request now
+
+    async def generate_many(self, items: list[tuple[str, list[int], SamplingParams, int]]
+                            ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Several requests ((request_id, prompt, params, priority): a client's prompts and `n` choices) as one
+        stream of (index, output). The first request of each distinct prompt goes the usual way (handed off
+        or prefilled here); the others of that prompt start once their leader's KV is in this engine (its
+        second output, the first from this engine's own step) and run here, finding the prompt's full
+        blocks in the prefix cache: the shared prompt is prefilled once. Closing the stream aborts them all."""
+        async def start(indices: list[int], leader: RequestOutput | None) -> list[AsyncIterator[RequestOutput]]:
+            if leader is None or (leader.finished and len(leader.token_ids) <= 1):
+                # Leaders; or followers of a leader whose first token ended it (its KV never came here).
+                return [self.generate(*items[i]) for i in indices]
+            return await self.async_engine.open_many([items[i] for i in indices])
+
+        async for i, out in staged_fanout([item[1] for item in items], start, lambda out, seen: seen >= 2):
+            yield i, out
 
     async def _local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
                      timeline: dict[str, float]) -> AsyncIterator[RequestOutput]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from ray import serve
 from ray.exceptions import RayActorError
@@ -89,37 +89,57 @@ class DisaggregatedBackend:
         return await self.wait_ready(self.ready_wait_s)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        async for out in self._decode_call("generate", req, [req.request_id], lambda out: out.finished):
+            yield out
+
+    async def generate_batch(self, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """A client request's prompts and `n` choices in one decode-pool call (DecodePool.generate_batch):
+        (index into `reqs`, output) items."""
+        unfinished = set(range(len(reqs)))
+
+        def done(item: tuple[int, RequestOutput]) -> bool:
+            if item[1].finished:
+                unfinished.discard(item[0])
+            return not unfinished
+
+        async for item in self._decode_call("generate_batch", reqs, [r.request_id for r in reqs], done):
+            yield item
+
+    async def _decode_call(self, method: str, payload: Any, request_ids: list[str], done: Callable[[Any], bool]) -> AsyncIterator[Any]:
+        """A streaming call of the decode pool: its items, until `done(item)`."""
         if not await self.ready():
             raise BackendUnavailable("the decode pool is not ready yet")
+        name = request_ids[0]
         attempts = 2  # a decode replica that dies before the first token is retried once, elsewhere
         for attempt in range(1, attempts + 1):
-            stream = self.decode.options(stream=True).generate.remote(req)
-            self._streams[req.request_id] = stream
+            stream = getattr(self.decode.options(stream=True), method).remote(payload)
+            for rid in request_ids:
+                self._streams[rid] = stream
             got_any, finished = False, False
             try:
                 # A decode replica dying before the first token: Serve retries the call on another replica;
                 # with none left, the client gets 503 now rather than when a replacement has started.
                 try:
-                    out = await first_unless_replicas_gone(stream, self.decode, self._decode_never_empty)
+                    item = await first_unless_replicas_gone(stream, self.decode, self._decode_never_empty)
                 except StopAsyncIteration:
                     return
                 except ReplicasGone as e:
-                    raise BackendUnavailable(f"request {req.request_id}: the decode replica died and no other one "
-                                             "is left") from e
+                    raise BackendUnavailable(f"request {name}: the decode replica died and no other one is left") from e
                 while True:
                     got_any = True
-                    finished = out.finished
-                    yield out
+                    finished = done(item)
+                    yield item
                     try:
-                        out = await anext(stream)
+                        item = await anext(stream)
                     except StopAsyncIteration:
                         return
             except RayActorError as e:
                 if got_any or attempt == attempts:
-                    raise BackendUnavailable(f"decode replica failed during request {req.request_id}: {e}") from e
-                log.warning("request %s: decode replica died before its first token; retrying", req.request_id)
+                    raise BackendUnavailable(f"decode replica failed during request {name}: {e}") from e
+                log.warning("request %s: decode replica died before its first token; retrying", name)
             finally:
-                self._streams.pop(req.request_id, None)
+                for rid in request_ids:
+                    self._streams.pop(rid, None)
                 if not finished:
                     stream.cancel()  # client gone or error: the decode replica aborts, and cancels the prefill
 

@@ -1,6 +1,9 @@
-"""`Fanout`: the backend streams of one client request (several prompts, `n` choices) run together.
+"""`Fanout`: the backend requests of one client request (several prompts, `n` choices) run together.
 
-Outputs arrive merged in arrival order as `(index, RequestOutput)`. A deadline covers the whole
+With more than one request and a backend that has `generate_batch` (every backend here), they go to the
+backend as ONE call, which adds them to one engine together (so the choices of a prompt share its KV,
+engine/async_engine.py `staged_fanout`) and streams back outputs tagged with their index; otherwise one
+`generate` stream each. Outputs arrive merged in arrival order as `(index, RequestOutput)`. A deadline covers the whole
 request. `aclose()` cancels the streams and aborts every request that has not finished; it is
 shielded, so it completes even while the calling task is being cancelled (a client that went away).
 """
@@ -23,8 +26,21 @@ class Fanout:
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self._unfinished = set(range(len(requests)))
         self._deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
-        self._tasks = [asyncio.create_task(self._pump(i, r), name=f"stream-{r.request_id}") for i, r in enumerate(requests)]
+        if len(requests) > 1 and hasattr(backend, "generate_batch"):
+            self._tasks = [asyncio.create_task(self._pump_batch(), name=f"batch-{requests[0].request_id}")]
+        else:
+            self._tasks = [asyncio.create_task(self._pump(i, r), name=f"stream-{r.request_id}") for i, r in enumerate(requests)]
         self._buffer: list[tuple[int, RequestOutput]] = []
+
+    async def _pump_batch(self) -> None:
+        try:
+            async with contextlib.aclosing(self.backend.generate_batch(self.requests)) as stream:
+                async for i, out in stream:
+                    self._queue.put_nowait((i, out))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # the whole call failed: the consumer sees it on its next output
+            self._queue.put_nowait((-1, e))
 
     async def _pump(self, i: int, req: GenerateRequest) -> None:
         try:

@@ -39,6 +39,16 @@ class LocalBackend:
         except EngineDeadError as e:
             raise BackendUnavailable(str(e)) from e
 
+    async def generate_batch(self, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Several requests (a client's prompts and `n` choices) added to the engine together; outputs as
+        (index into `reqs`, output). Choices of one prompt share its KV (AsyncEngine.generate_many)."""
+        try:
+            items = [(r.request_id, r.prompt_token_ids, r.sampling_params, r.priority) for r in reqs]
+            async for i, out in self.async_engine.generate_many(items):
+                yield i, out
+        except EngineDeadError as e:
+            raise BackendUnavailable(str(e)) from e
+
     async def abort(self, request_id: str) -> None:
         await self.async_engine.abort(request_id)
 

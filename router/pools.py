@@ -123,6 +123,13 @@ class DecodePool(_PoolMethods):
             out.prompt_token_ids = []
             yield out
 
+    async def generate_batch(self, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """One client request's prompts and choices in one call: (index into `reqs`, output) items."""
+        items = [(r.request_id, r.prompt_token_ids, r.sampling_params, r.priority) for r in reqs]
+        async for i, out in self.replica.generate_many(items):
+            out.prompt_token_ids = []  # as in generate: the router has the prompts
+            yield i, out
+
     async def info(self) -> dict:
         engine = self.replica.llm_engine
         return {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size}

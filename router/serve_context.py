@@ -11,7 +11,10 @@ hands its replica to the first child, and the others wait on Serve's retry paths
 fine). Each stream here runs in its own task (Fanout), so a fresh id set in that task's context
 reaches exactly its own handle calls (and, through them, the pools' calls to each other).
 
-Client cancellation still reaches every child: Fanout.aclose cancels and aborts them itself.
+A client request with several prompts or choices is now one `generate_batch` call (router/fanout.py),
+which gets a fresh id the same way; a decode replica's prefill calls for its prompts each get their own
+(`in_own_serve_request`, router/pools.py). Client cancellation still reaches every child: Fanout.aclose
+cancels and aborts them itself.
 """
 from __future__ import annotations
 
@@ -51,6 +54,12 @@ class SeparateServeRequests:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
+
+    async def generate_batch(self, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        own_serve_request_context()
+        async with contextlib.aclosing(self._backend.generate_batch(reqs)) as stream:
+            async for item in stream:
+                yield item
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         own_serve_request_context()

@@ -301,6 +301,7 @@ class _RecordingServeContext:
     def __init__(self, inner):
         self._inner = inner
         self.internal_ids: list[str] = []
+        self.batch_sizes: list[int] = []
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -310,6 +311,13 @@ class _RecordingServeContext:
 
         self.internal_ids.append(_get_serve_request_context()._internal_request_id)
         return self._inner.generate(req)
+
+    def generate_batch(self, reqs):
+        from ray.serve.context import _get_serve_request_context
+
+        self.internal_ids.append(_get_serve_request_context()._internal_request_id)
+        self.batch_sizes.append(len(reqs))
+        return self._inner.generate_batch(reqs)
 
 
 def _as_serve_request(app, internal_id: str):
@@ -328,14 +336,15 @@ def _as_serve_request(app, internal_id: str):
                          ids=["n", "prompt_list"])
 def test_fanout_children_are_separate_serve_requests(backend, body):
     """Serve's request router indexes pending requests by their internal id: children of one client
-    request that share it stall one another (issue 19 item 1). Each must carry its own."""
+    request that share it stall one another (issue 19 item 1). The choices now go as one batched call
+    (router/fanout.py), which carries an id of its own."""
     recording = _RecordingServeContext(backend)
     with TestClient(_as_serve_request(create_openai_app(recording), "parent-id")) as c:
         r = c.post("/v1/completions", json={**body, "max_tokens": 2})
         assert r.status_code == 200, r.text
     ids = recording.internal_ids
-    assert len(ids) == len(r.json()["choices"]) > 1
-    assert len(set(ids)) == len(ids) and "parent-id" not in ids
+    assert recording.batch_sizes == [len(r.json()["choices"])] and len(r.json()["choices"]) > 1
+    assert len(ids) == 1 and "parent-id" not in ids
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])

@@ -1,4 +1,9 @@
-"""Issue 19 item 6 under real Ray Serve: what in-flight requests see when a pool replica dies.
+"""Issue 19 items 1 and 6 under real Ray Serve (disaggregated, every prompt handed off).
+
+Item 1: the `n` choices of a prompt reach the decode pool as one call, and their prompt is prefilled
+once (the other choices find its KV in the decode replica's prefix cache).
+
+Item 6: what in-flight requests see when a pool replica dies.
 
 - A prefill replica that dies (or is already dead, unnoticed by Serve) under a request: the request is
   retried at once on an engine that can run it (the decode replica prefills it itself), instead of
@@ -49,6 +54,32 @@ def url(tmp_path_factory):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _stats(deployment: str) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle(deployment, APP).stats.remote().result(timeout_s=30)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_n_choices_prefill_their_prompt_once(url, stream):
+    import httpx2
+
+    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    n_prompt = len(httpx2.post(f"{url}/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"])
+    before = _stats("PrefillPool")
+    r = httpx2.post(f"{url}/v1/completions", json={"prompt": prompt, "n": 8, "max_tokens": 3, "ignore_eos": True,
+                                                    "temperature": 1.0, "seed": 3, "stream": stream}, timeout=60)
+    assert r.status_code == 200, r.text
+    if stream:
+        frames = [json.loads(f[6:]) for f in r.text.split("\n\n") if f.startswith("data: {")]
+        finished = {c["index"] for f in frames for c in f["choices"] if c["finish_reason"]}
+    else:
+        finished = {c["index"] for c in r.json()["choices"] if c["finish_reason"] == "length"}
+    assert finished == set(range(8))
+    # The prefill pool saw the prompt once (before: once per choice, 8 handoffs).
+    assert _stats("PrefillPool")["prefix_queried_tokens"] - before["prefix_queried_tokens"] == n_prompt
 
 
 def _kill(deployment: str) -> None:

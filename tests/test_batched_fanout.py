@@ -1,0 +1,123 @@
+"""Issue 19 item 1: `n` > 1 and prompt lists reach the backend as ONE batched call (not one stream per
+choice), whose choices of one prompt share its KV through the prefix cache; per-choice seeds, client
+disconnects and the engine at rest afterwards. Colocated here (a LocalBackend under the OpenAI app); the
+disaggregated path is in tests/test_replica_death.py (shared Ray app) and tests/test_serve_fanout.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from router.fanout import Fanout
+from router.openai_api import create_openai_app
+from router.protocol import GenerateRequest
+from tests.serving import build_chat_model, make_backend, slow_engine, wait_idle
+from workers.sampling_params import SamplingParams
+
+# 40 tokens or more under the tiny tokenizer: two full 16-token blocks to share.
+LONG = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+
+
+class _Calls:
+    """The backend, recording how the front end called it."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.calls: list[tuple[str, int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def generate(self, req):
+        self.calls.append(("generate", 1))
+        return self._inner.generate(req)
+
+    def generate_batch(self, reqs):
+        self.calls.append(("generate_batch", len(reqs)))
+        return self._inner.generate_batch(reqs)
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory):
+    b = make_backend(build_chat_model(tmp_path_factory.mktemp("models") / "batch-llama"))
+    yield b
+    asyncio.run(b.close())
+
+
+@pytest.fixture
+def client(backend):
+    calls = _Calls(backend)
+    with TestClient(create_openai_app(calls)) as c:
+        c.calls = calls.calls
+        yield c
+        wait_idle(lambda: c.portal.call(backend.stats))
+
+
+def _finished(r, stream: bool) -> dict[int, str]:
+    """index -> text of every finished choice."""
+    if not stream:
+        return {c["index"]: c["text"] for c in r.json()["choices"] if c["finish_reason"]}
+    frames = [json.loads(f[6:]) for f in r.text.split("\n\n") if f.startswith("data: {")]
+    texts: dict[int, str] = {}
+    done = set()
+    for f in frames:
+        for c in f["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            if c["finish_reason"]:
+                done.add(c["index"])
+    return {i: texts[i] for i in done}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_n16_is_one_call_and_the_choices_share_the_prompt_kv(client, backend, stream):
+    before = client.portal.call(backend.stats)
+    ids = client.post("/tokenize", json={"prompt": LONG}).json()["tokens"]
+    r = client.post("/v1/completions", json={"prompt": LONG, "n": 16, "max_tokens": 3, "ignore_eos": True,
+                                             "temperature": 1.0, "seed": 11, "stream": stream})
+    assert r.status_code == 200, r.text
+    assert len(_finished(r, stream)) == 16
+    assert client.calls == [("generate_batch", 16)]
+    after = client.portal.call(backend.stats)
+    # The first choice computes the prompt; the other 15 find its full blocks cached (before: each of the
+    # 16 separate requests was admitted in the same step, and none found anything).
+    full_blocks_tokens = (len(ids) - 1) // 16 * 16
+    assert full_blocks_tokens >= 32
+    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] >= 15 * full_blocks_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_list_of_32_prompts_is_one_call(client, stream):
+    prompts = [f"prompt number {i}: " + "x" * (i % 7) for i in range(32)]
+    r = client.post("/v1/completions", json={"prompt": prompts, "n": 2, "max_tokens": 2, "ignore_eos": True,
+                                             "stream": stream})
+    assert r.status_code == 200, r.text
+    assert sorted(_finished(r, stream)) == list(range(64))
+    assert client.calls == [("generate_batch", 64)]
+
+
+def test_choices_keep_their_seeds(client):
+    """Choice j of a seeded request samples as a request of its own with seed + j would."""
+    body = {"prompt": LONG, "max_tokens": 6, "ignore_eos": True, "temperature": 1.0}
+    together = client.post("/v1/completions", json={**body, "n": 4, "seed": 100}).json()["choices"]
+    alone = [client.post("/v1/completions", json={**body, "seed": 100 + j}).json()["choices"][0]["text"] for j in range(4)]
+    assert [c["text"] for c in sorted(together, key=lambda c: c["index"])] == alone
+    assert len(set(alone)) > 1  # the seeds differ, so do the choices
+
+
+def test_closing_the_batch_aborts_every_choice(backend):
+    async def body():
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        reqs = [GenerateRequest(f"close-{i}", [5 + i, 6, 7, 8], params) for i in range(4) for _ in range(2)]
+        reqs = [GenerateRequest(f"close-{k}", r.prompt_token_ids, params) for k, r in enumerate(reqs)]
+        calls = _Calls(backend)
+        fanout = Fanout(calls, reqs)
+        await fanout.started()  # every choice runs
+        assert (await backend.stats())["running"] == 8
+        await fanout.aclose()
+        assert calls.calls == [("generate_batch", 8)]
+
+    with slow_engine(backend):
+        asyncio.run(body())
+    wait_idle(lambda: asyncio.run(backend.stats()))
