@@ -26,7 +26,7 @@ Pool = Literal["prefill", "decode"]
 # Engine arguments a pool cannot override: both pools must read the same weights and tokenizer at the
 # same precision, and agree on the KV layout they hand over.
 SHARED_ONLY = ("model", "tokenizer", "dtype", "device", "load_format", "max_model_len", "block_size",
-               "generation_config", "quantization")
+               "generation_config", "quantization", "kv_cache_dtype")
 
 # Admission control of a served engine (engine/scheduler.py `_check_admission`). Offline, the engine's
 # queue is unbounded (LLM.generate queues a whole dataset at once); served, a request that cannot start

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VALUES: dict[str, typing.Any] = {
     "model": DEFAULT_MODEL + "/", "tokenizer": DEFAULT_MODEL, "dtype": "bfloat16", "device": "cpu", "max_model_len": 64,
     "load_format": "dummy", "seed": 7, "attention_backend": "torch", "enforce_eager": True, "quantization": "auto",
-    "generation_config": "vllm",
+    "kv_cache_dtype": "fp8", "generation_config": "vllm",
     "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "sequence_parallel_size": 2, "expert_parallel_size": 2,
     "distributed_executor_backend": "ray", "rank_resources": {"tandem_gpu": 1.0},
     "block_size": 8, "enable_prefix_caching": False, "gpu_memory_utilization": 0.5, "cpu_kv_cache_bytes": 1 << 20,
