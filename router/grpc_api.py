@@ -7,6 +7,11 @@ code and details on `grpc_context` and raises `RpcError`: Serve's replica turns 
 `set_code` into exactly that status for the client. `add_to_aio_server` runs the same methods on a
 plain `grpc.aio` server (tests, router.standalone), where `RpcError` becomes `context.abort`.
 
+Parity with /v1: a chat (`messages`, rendered by the chat template), presence/frequency penalties,
+`logprobs` (each token's logprob and top alternatives), `n` choices (streamed messages carry their
+`index`; Generate returns them all in `choices`), and structured output (json_schema, regex, choice,
+grammar, json_object; checked against the grammar engine like /v1's, INVALID_ARGUMENT naming why).
+
 A client that cancels (or whose deadline passes) cancels the handler task; the backend request is
 aborted on the way out. The engine request id is always made here (`grpc-<uuid>`); a client's
 `request_id` is only a label echoed in its responses, so reusing one (even one in flight) is fine and
@@ -24,7 +29,7 @@ from typing import Any, AsyncIterator, Iterable
 
 import grpc
 
-from router import params
+from router import params, structured
 from router.errors import ApiError, bad_request
 from router.fanout import Fanout
 from router.guards import RequestLimits, new_request_id, off_loop, public_error
@@ -37,7 +42,9 @@ from engine.llm_engine import RequestOutput
 from workers.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = SamplingParams.model_fields["max_tokens"].default
-_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "min_tokens")
+_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "min_tokens",
+                      "presence_penalty", "frequency_penalty", "logprobs")
+MAX_N = 128  # choices per request, as /v1's limit
 # gRPC's code for "message too large" (router.errors maps HTTP statuses; 413 is HTTP-only there).
 _EXTRA_CODES = {413: grpc.StatusCode.RESOURCE_EXHAUSTED}
 
@@ -59,10 +66,11 @@ def _metadata(grpc_context: Any) -> dict[str, str]:
 @dataclass
 class _Call:
     """What an RPC body gets from `InferenceServicer._call`."""
-    req: GenerateRequest
+    reqs: list[GenerateRequest]  # one per choice
     label: str  # the id the client sees: its own request_id, else the engine's
     fanout: Fanout
     timer: RequestTimer
+    logprobs: bool  # the client asked for per-token logprobs
 
 
 class InferenceServicer:
@@ -77,18 +85,27 @@ class InferenceServicer:
     # ---- RPCs ----
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any) -> pb.GenerateResponse:
         async with self._call(request, grpc_context) as call:
-            [out] = await call.fanout.final_outputs(call.timer.output)
-            self._check_not_aborted(out)
-            return self._response(call, out, out.text, out.token_ids)
+            outs = await call.fanout.final_outputs(call.timer.output)
+            for out in outs:
+                self._check_not_aborted(out)
+            resp = self._response(call, 0, outs[0], outs[0].text, outs[0].token_ids, outs[0].logprobs)
+            if len(outs) > 1:
+                resp.choices.extend(pb.Choice(index=i, text=o.text, token_ids=o.token_ids, finish_reason=o.finish_reason or "",
+                                              logprobs=self._logprobs(call, o.token_ids, o.logprobs))
+                                    for i, o in enumerate(outs))
+                self._usage(resp, call, outs)
+            return resp
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context: Any) -> AsyncIterator[pb.GenerateResponse]:
         async with self._call(request, grpc_context) as call:
-            async for _, out in call.fanout:
+            async for i, out in call.fanout:
                 call.timer.output(out)
                 self._check_not_aborted(out)
                 if out.new_text or out.new_token_ids or out.finished:
                     call.timer.sent()
-                    yield self._response(call, out, out.new_text, out.new_token_ids)
+                    k = len(out.new_token_ids)
+                    yield self._response(call, i, out, out.new_text, out.new_token_ids,
+                                         (out.logprobs or [])[-k:] if k else [])
 
     # ---- helpers ----
     @contextlib.asynccontextmanager
@@ -98,9 +115,9 @@ class InferenceServicer:
         abort the backend request (a cancelled client cancels the handler task)."""
         timer, fanout, rid = RequestTimer(self.trace_requests), None, new_request_id("grpc")
         try:
-            req = await self._prepare(request, grpc_context, rid)
-            fanout = Fanout(SeparateServeRequests(self.backend), [req], self._timeout(grpc_context))
-            yield _Call(req, request.request_id or rid, fanout, timer)
+            reqs = await self._prepare(request, grpc_context, rid)
+            fanout = Fanout(SeparateServeRequests(self.backend), reqs, self._timeout(grpc_context))
+            yield _Call(reqs, request.request_id or rid, fanout, timer, request.HasField("logprobs"))
             timer.finish("ok")
         except asyncio.CancelledError:
             timer.finish("cancelled")
@@ -137,7 +154,8 @@ class InferenceServicer:
         limits = [t for t in (self.request_timeout_s, remaining) if t is not None]
         return min(limits) if limits else None
 
-    async def _prepare(self, request: pb.GenerateRequest, grpc_context: Any, rid: str) -> GenerateRequest:
+    async def _prepare(self, request: pb.GenerateRequest, grpc_context: Any, rid: str) -> list[GenerateRequest]:
+        """The backend requests of one RPC: one per choice (choice j of a seeded request gets seed + j)."""
         self._authenticate(grpc_context)
         size = request.ByteSize()
         if size > self.limits.max_body_bytes:
@@ -145,35 +163,77 @@ class InferenceServicer:
         if not await self.backend.ready():
             raise ApiError(503, "the model is not ready to serve yet", type="service_unavailable", code="unavailable")
         params.check_model(self.backend, request.model)
-        if bool(request.prompt) == bool(request.prompt_token_ids):
-            raise bad_request("set exactly one of prompt and prompt_token_ids", "prompt")
+        given = [f for f, v in (("prompt", request.prompt), ("prompt_token_ids", request.prompt_token_ids),
+                                ("messages", request.messages)) if v]
+        if len(given) != 1:
+            raise bad_request("set exactly one of prompt, prompt_token_ids and messages", given[1] if given else "prompt")
+        n = request.n if request.HasField("n") else 1
+        if not 1 <= n <= MAX_N:
+            raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
+        constraint = structured.resolve(self._constraints(request))
         if request.prompt:
             self.limits.check_prompt_chars(self.backend.max_model_len, [request.prompt], "prompt")
             ids = await off_loop(self.backend.tokenizer.encode, request.prompt)
+        elif request.messages:
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            self.limits.check_prompt_chars(self.backend.max_model_len, [m["content"] for m in messages], "messages")
+            ids = await off_loop(params.render_chat, self.backend, messages)
         else:
             ids = list(request.prompt_token_ids)
-        params.check_prompt_ids(self.backend, ids, "prompt" if request.prompt else "prompt_token_ids")
+        params.check_prompt_ids(self.backend, ids, given[0])
         max_tokens = request.max_tokens if request.HasField("max_tokens") else DEFAULT_MAX_TOKENS
         max_tokens = params.resolve_max_tokens(self.backend, len(ids), max_tokens)
         optional = {f: getattr(request, f) for f in _OPTIONAL_SAMPLING if request.HasField(f)}
-        sp = params.sampling_params(max_tokens=max_tokens, stop=list(request.stop), ignore_eos=request.ignore_eos,
-                                    stop_token_ids=list(request.stop_token_ids), **optional)
-        return GenerateRequest(rid, ids, sp, request.priority)
+        reqs = []
+        for j in range(n):
+            if "seed" in optional:
+                optional["seed"] = request.seed + j
+            sp = params.sampling_params(max_tokens=max_tokens, stop=list(request.stop), ignore_eos=request.ignore_eos,
+                                        stop_token_ids=list(request.stop_token_ids), structured_outputs=constraint, **optional)
+            reqs.append(GenerateRequest(rid if n == 1 else f"{rid}-{j}", ids, sp, request.priority))
+        return reqs
+
+    @staticmethod
+    def _constraints(request: pb.GenerateRequest) -> list[tuple[str, Any]]:
+        """Every structured-output field the request sets, as (field, spec) for `structured.resolve`."""
+        fields = (("json_schema", "json", request.json_schema), ("regex", "regex", request.regex),
+                  ("choice", "choice", list(request.choice)), ("grammar", "grammar", request.grammar),
+                  ("json_object", "json_object", request.json_object))
+        return [(name, structured.from_field(kind, value, name)) for name, kind, value in fields if value]
 
     @staticmethod
     def _check_not_aborted(out: RequestOutput) -> None:
         if out.finish_reason == "abort":  # stopped by the server (backend.abort, shutdown): CANCELLED
             raise ApiError(499, "the request was aborted by the server", type="cancelled", code="aborted")
 
-    def _response(self, call: _Call, out: RequestOutput, text: str, token_ids: list[int]) -> pb.GenerateResponse:
-        req = call.req
-        resp = pb.GenerateResponse(request_id=call.label, model=self.backend.model_name, text=text,
-                                   token_ids=token_ids, finish_reason=out.finish_reason or "")
+    def _response(self, call: _Call, index: int, out: RequestOutput, text: str, token_ids: list[int],
+                  logprobs: list[dict[int, float]] | None) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(request_id=call.label, model=self.backend.model_name, text=text, token_ids=token_ids,
+                                   finish_reason=out.finish_reason or "", index=index,
+                                   logprobs=self._logprobs(call, token_ids, logprobs))
         if out.finished:
-            n_prompt, n_out = len(req.prompt_token_ids), len(out.token_ids)
-            resp.usage.CopyFrom(pb.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
-                                         cached_tokens=out.num_cached_tokens))
+            self._usage(resp, call, [out])
         return resp
+
+    @staticmethod
+    def _usage(resp: pb.GenerateResponse, call: _Call, outs: list[RequestOutput]) -> None:
+        n_prompt, n_out = len(call.reqs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
+        resp.usage.CopyFrom(pb.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
+                                     cached_tokens=outs[0].num_cached_tokens))
+
+    @staticmethod
+    def _logprobs(call: _Call, token_ids: list[int], entries: list[dict[int, float]] | None) -> list[pb.TokenLogprob]:
+        """One entry per token: its logprob and the top alternatives, most likely first (each engine entry
+        maps the sampled id and the top-n ids to their logprobs)."""
+        if not call.logprobs or not entries:
+            return []
+        n_top = call.reqs[0].sampling_params.logprobs or 0
+        out = []
+        for tok, entry in zip(token_ids, entries):
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:n_top]
+            out.append(pb.TokenLogprob(token_id=tok, logprob=entry.get(tok, float("nan")),
+                                       top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in top]))
+        return out
 
 
 class _AioAdapter(pb_grpc.InferenceServicer):

@@ -51,3 +51,16 @@ def sampling_params(aliases: dict[str, str] | None = None, **fields: Any) -> Sam
             err.message = err.message.replace(err.param, aliases[err.param], 1)
             err.param = aliases[err.param]
         raise err from None
+
+
+def render_chat(backend: Backend, messages: list[dict[str, str]], param: str = "messages") -> list[int]:
+    """A chat's token ids through the model's chat template, with the assistant's turn opened (for
+    front ends without tools; /v1/chat/completions renders its own, with tools)."""
+    tok = backend.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise bad_request(f"the model `{backend.model_name}` has no chat template; send a prompt instead", param)
+    try:
+        ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    except Exception as e:  # a template error is the request's fault (roles, content it rejects)
+        raise bad_request(f"the chat template failed on these messages: {e}", param) from None
+    return list(ids)

@@ -48,6 +48,12 @@ def _spec(kind: str, value: Any, param: str) -> StructuredOutputs:
     return StructuredOutputs(kind=kind, spec=value)
 
 
+def from_field(kind: str, value: Any, param: str) -> StructuredOutputs:
+    """One constraint of `kind` (json, json_object, regex, choice, grammar) from a front end's field
+    `param` (gRPC's json_schema, regex, ...), a bad value a 400 naming that field."""
+    return _spec(kind, value, param)
+
+
 def from_response_format(fmt: dict[str, Any] | None) -> StructuredOutputs | None:
     kind = (fmt or {}).get("type", "text")
     if kind == "text":

@@ -4,6 +4,8 @@
     python scripts/grpc_client.py --prompt "def fibonacci(n):" --max-tokens 48
     python scripts/grpc_client.py --target my-cluster:9000 --stream --api-key "$TANDEM_API_KEY"
     python scripts/grpc_client.py --token-ids 12 34 56 --temperature 0.8 --seed 7
+    python scripts/grpc_client.py --chat --prompt "Name a prime." --choice 2 --choice 3 --choice 5
+    python scripts/grpc_client.py --prompt "A person as JSON:" --json-schema '{"type": "object"}' --logprobs 2
 
 Streams print text as it arrives; both modes end with the finish reason and token usage. A failed
 call prints its gRPC status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...) and exits with 1.
@@ -28,9 +30,16 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
                              ignore_eos=args.ignore_eos)
     if args.token_ids:
         req.prompt_token_ids.extend(args.token_ids)
+    elif args.chat:  # the prompt as the user's turn, rendered by the model's chat template
+        req.messages.append(pb.ChatMessage(role="user", content=args.prompt))
     else:
         req.prompt = args.prompt
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    if args.json_schema:
+        req.json_schema = args.json_schema
+    if args.regex:
+        req.regex = args.regex
+    req.choice.extend(args.choice or [])
+    for name in ("temperature", "top_p", "top_k", "seed", "logprobs"):
         value = getattr(args, name)
         if value is not None:
             setattr(req, name, value)
@@ -50,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true", help="send --prompt as a chat's user message (chat template)")
+    p.add_argument("--json-schema", help="structured output: a JSON schema the output must match")
+    p.add_argument("--regex", help="structured output: a regular expression the output must match")
+    p.add_argument("--choice", action="append", help="structured output: one allowed output (repeatable)")
+    p.add_argument("--logprobs", type=int, help="print each token's logprob with this many alternatives")
     p.add_argument("--stream", action="store_true", help="GenerateStream instead of Generate")
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), help="default: $TANDEM_API_KEY")
     p.add_argument("--application", help="Serve application name, when the cluster serves several")
@@ -76,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
+    if args.logprobs is not None and not args.stream:
+        for e in last.logprobs:
+            top = ", ".join(f"{t.token_id}:{t.logprob:.3f}" for t in e.top_logprobs)
+            print(f"  token {e.token_id} logprob {e.logprob:.4f}  [{top}]", file=sys.stderr)
     u = last.usage
     print(f"--- finish_reason={last.finish_reason} prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
           f"cached_tokens={u.cached_tokens}", file=sys.stderr)

@@ -37,6 +37,9 @@ class _Harness:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def serve(self, servicer: InferenceServicer) -> grpc.Channel:
+        return grpc.insecure_channel(f"127.0.0.1:{self.serve_port(servicer)}")
+
+    def serve_port(self, servicer: InferenceServicer) -> int:
         async def start():
             server = grpc.aio.server()
             add_to_aio_server(servicer, server)
@@ -45,7 +48,7 @@ class _Harness:
             self.servers.append(server)
             return port
 
-        return grpc.insecure_channel(f"127.0.0.1:{self.run(start())}")
+        return self.run(start())
 
     def stats(self, backend) -> dict:
         return self.run(backend.stats())
@@ -178,6 +181,98 @@ def test_sampling_fields_reach_the_engine(stub, llm):
     resp = stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=16, temperature=0, ignore_eos=True, stop=[stop]))
     expected = llm.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop]))[0]
     assert resp.text == expected.text and resp.finish_reason == expected.finish_reason
+
+
+# ---------------------------------------------------------------- parity with /v1: chat, penalties, logprobs, n, structured output
+
+
+def test_chat_messages_render_the_chat_template(stub, llm, model):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    ids = AutoTokenizer.from_pretrained(model).apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                                   return_dict=False)
+    ref = llm.generate(list(ids), SamplingParams(max_tokens=10, temperature=0))[0]
+    resp = stub.Generate(pb.GenerateRequest(messages=[pb.ChatMessage(**m) for m in messages], max_tokens=10, temperature=0))
+    assert list(resp.token_ids) == ref.token_ids and resp.usage.prompt_tokens == len(ids)
+
+
+def test_penalties_reach_the_engine(stub, llm):
+    fields = dict(temperature=0, presence_penalty=1.5, frequency_penalty=1.0, ignore_eos=True)
+    resp = stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=16, **fields))
+    assert resp.text == llm.generate(PROMPT, SamplingParams(max_tokens=16, **fields))[0].text
+    plain = stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=16, temperature=0, ignore_eos=True))
+    assert resp.text != plain.text  # the penalties changed the greedy path, so they were not dropped
+
+
+def test_logprobs_unary_and_streamed_equal_the_engine(stub, llm):
+    ref = llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True))[0]
+    req = pb.GenerateRequest(prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3, ignore_eos=True)
+    for entries in (stub.Generate(req).logprobs, [e for part in stub.GenerateStream(req) for e in part.logprobs]):
+        assert [e.token_id for e in entries] == ref.token_ids
+        for e, tok, expected in zip(entries, ref.token_ids, ref.logprobs):
+            assert e.logprob == pytest.approx(expected[tok], abs=1e-5)
+            assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token_id == tok  # greedy: the best is the one taken
+            assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+    assert not stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=4)).logprobs  # only when asked
+
+
+def test_n_choices_seeded_unary_and_streamed(stub, llm):
+    req = pb.GenerateRequest(prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11, n=3, ignore_eos=True)
+    resp = stub.Generate(req)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    for c in resp.choices:  # choice j is the engine's run with seed + j
+        assert c.text == llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=1.0, seed=11 + c.index,
+                                                             ignore_eos=True))[0].text
+    assert resp.text == resp.choices[0].text and resp.usage.completion_tokens == 24
+    streamed = {i: "" for i in range(3)}
+    for part in stub.GenerateStream(req):
+        streamed[part.index] += part.text
+    assert streamed == {c.index: c.text for c in resp.choices}
+
+
+@pytest.mark.parametrize("fields,check", [
+    (dict(choice=["yes", "no", "maybe"]), lambda text: text in ("yes", "no", "maybe")),
+    (dict(regex="[0-9]{3}-[a-z]{2}"), lambda text: __import__("re").fullmatch("[0-9]{3}-[a-z]{2}", text)),
+    (dict(json_schema='{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],'
+                      ' "additionalProperties": false}'),
+     lambda text: isinstance(__import__("json").loads(text)["a"], int)),
+], ids=["choice", "regex", "json_schema"])
+def test_structured_output_forces_the_shape(stub, fields, check):
+    """A random tiny model follows none of these on its own: the grammar forces every sample into shape."""
+    for seed in range(3):
+        req = pb.GenerateRequest(prompt=PROMPT, max_tokens=40, temperature=1.0, seed=seed, **fields)
+        resp = stub.Generate(req)
+        assert resp.finish_reason == "stop" and check(resp.text), resp.text
+        assert "".join(p.text for p in stub.GenerateStream(req)) == resp.text
+
+
+def test_example_client_sends_chat_constraints_and_logprobs(harness, backend, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "grpc_client.py"
+    spec = importlib.util.spec_from_file_location("grpc_client", path)
+    client = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(client)
+    target = f"127.0.0.1:{harness.serve_port(InferenceServicer(backend))}"
+    assert client.main(["--target", target, "--chat", "--prompt", "Pick one.", "--choice", "red", "--choice", "blue",
+                        "--temperature", "1.0", "--seed", "3", "--logprobs", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() in ("red", "blue") and "finish_reason=stop" in err and "logprob" in err
+
+
+@pytest.mark.parametrize("fields,hint", [
+    (dict(prompt="x", regex="a", choice=["b"]), "one structured-output constraint"),
+    (dict(prompt="x", json_schema="{not json"), "json_schema"),
+    (dict(prompt="x", n=0), "n must be"),
+    (dict(prompt="x", n=1000), "n must be"),
+    (dict(prompt="x", logprobs=50), "logprobs"),
+    (dict(prompt="x", messages=[pb.ChatMessage(role="user", content="hi")]), "exactly one"),
+], ids=["two-constraints", "bad-schema", "n-0", "n-big", "logprobs-big", "prompt-and-messages"])
+def test_parity_fields_reject_bad_values(stub, fields, hint):
+    code, details = _code(stub.Generate, pb.GenerateRequest(**fields))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and hint in details, details
 
 
 # ---------------------------------------------------------------- errors
