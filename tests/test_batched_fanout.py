@@ -121,3 +121,19 @@ def test_closing_the_batch_aborts_every_choice(backend):
     with slow_engine(backend):
         asyncio.run(body())
     wait_idle(lambda: asyncio.run(backend.stats()))
+
+
+def test_bench_fanout_dry_run(backend, tmp_path):
+    """scripts/bench_fanout.py in a tiny run: the batched case computes the shared prompt once."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_fanout
+
+    out = tmp_path / "fanout.json"
+    res = bench_fanout.main(["--model", backend.llm_engine.config.model.model, "--n", "4", "--prompt-tokens", "48",
+                             "--max-tokens", "2", "--repeat", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["batched"] == res["batched"]
+    assert res["batched"]["prefill_tokens_computed"] == 48 + 3 * 16  # the other 3 choices: the last partial block only
+    assert res["separate"]["prefill_tokens_computed"] >= res["batched"]["prefill_tokens_computed"]
