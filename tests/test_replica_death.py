@@ -82,6 +82,25 @@ def test_n_choices_prefill_their_prompt_once(url, stream):
     assert _stats("PrefillPool")["prefix_queried_tokens"] - before["prefix_queried_tokens"] == n_prompt
 
 
+def test_a_client_gone_mid_stream_aborts_every_choice_in_both_pools(url):
+    import httpx2
+
+    body = {"prompt": ["first of two prompts, long enough to hand off", "and the second one"], "n": 3,
+            "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx2.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # hang up after the first chunk
+    deadline = time.monotonic() + 10
+    while True:
+        stats = {d: _stats(d) for d in ("PrefillPool", "DecodePool")}
+        if all(s["blocks_used"] == s["running"] == s["waiting"] == 0 for s in stats.values()):
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+
+
 def _kill(deployment: str) -> None:
     """Kill the (one) replica actor of `deployment` as a crash would: Serve must notice and replace it."""
     import ray
