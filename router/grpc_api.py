@@ -113,9 +113,10 @@ class InferenceServicer:
         """One RPC's shared skeleton: authenticate and parse the request, start its `Fanout` under the
         timeout, and on the way out record the outcome, map a failure to its gRPC status (`_fail`) and
         abort the backend request (a cancelled client cancels the handler task)."""
-        timer, fanout, rid = RequestTimer(self.trace_requests), None, new_request_id("grpc")
+        timer, fanout, rid = RequestTimer(self.trace_requests, self.backend.model_name), None, new_request_id("grpc")
         try:
             reqs = await self._prepare(request, grpc_context, rid)
+            timer.num_prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
             fanout = Fanout(SeparateServeRequests(self.backend), reqs, self._timeout(grpc_context))
             yield _Call(reqs, request.request_id or rid, fanout, timer, request.HasField("logprobs"))
             timer.finish("ok")

@@ -17,7 +17,7 @@ from engine.llm_engine import LLMEngine, RequestOutput
 class LocalBackend:
     def __init__(self, engine: LLMEngine, model_name: str):
         self.llm_engine = engine
-        self.async_engine = AsyncEngine(engine, on_step=PoolGauges("colocated"))
+        self.async_engine = AsyncEngine(engine, on_step=PoolGauges("colocated", model_name))
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size

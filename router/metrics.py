@@ -7,15 +7,23 @@ that recording is a cheap no-op, so callers never check.
 
 Every metric also records into this process's own Prometheus registry, which the OpenAI app serves
 at `GET /metrics` (`prometheus_text`) under the same names less Ray's `ray_` prefix
-(`tandem_requests_total`, `tandem_ttft_seconds_bucket`, ...). So a scraper needs only the API port
+(`tandem_requests_total`, `tandem_time_to_first_token_seconds_bucket`, ...). So a scraper needs only the API port
 (and its key), not Ray's metrics port. It is per process: one replica's front-end metrics, plus, for a
 colocated replica, its own engine's gauges; the pools of a disaggregated app report through Ray.
 
+Names are vLLM's, with `tandem_` for `vllm:` (Ray refuses ':'), so vLLM dashboards and alerts port by
+renaming; every metric a front end records carries `model_name`, every engine metric `model_name`, `pool`
+and `replica` (the Serve replica; "local" outside Serve).
+
 Who records what:
-    front ends (openai_api, grpc_api): tandem_ttft_seconds, tandem_tpot_seconds, tandem_e2e_seconds,
-        tandem_requests_total{status}
-    each engine replica's engine thread, after every engine call (LocalBackend, the pools): tandem_queue_depth{pool},
-        tandem_kv_blocks_used{pool}, tandem_prefix_cache_hit_tokens
+    front ends (openai_api, grpc_api), per request: tandem_time_to_first_token_seconds,
+        tandem_request_time_per_output_token_seconds, tandem_inter_token_latency_seconds,
+        tandem_e2e_request_latency_seconds, tandem_requests_total{status}, tandem_prompt_tokens_total,
+        tandem_generation_tokens_total
+    each engine replica's engine thread, after every engine call (LocalBackend, the pools):
+        tandem_num_requests_running, tandem_num_requests_waiting, tandem_kv_cache_usage_perc,
+        tandem_kv_blocks_used, tandem_prefix_cache_queries_total, tandem_prefix_cache_hits_total (tokens),
+        tandem_num_preemptions_total
     the KV handoff (disaggregated pools): tandem_kv_transfer_bytes, tandem_kv_transfer_seconds
     each decode replica, per request: tandem_prefill_site_total{site} (local: prefilled there; remote: handed off)
     each engine replica that speculates (from its engine stats): tandem_spec_decode_num_drafts{pool},
@@ -85,16 +93,35 @@ _TOKEN_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28
 _STAGE_S = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0]
 _TRANSFER_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
-TTFT = Histogram("tandem_ttft_seconds", description="Time from request arrival to its first output token.",
-                 boundaries=_LATENCY_S)
-TPOT = Histogram("tandem_tpot_seconds", description="Mean time per output token after the first, per request.",
-                 boundaries=_TOKEN_S)
-E2E = Histogram("tandem_e2e_seconds", description="Time from request arrival to its last token.", boundaries=_LATENCY_S)
-QUEUE_DEPTH = Gauge("tandem_queue_depth", description="Requests waiting for admission, per pool.", tag_keys=("pool",))
-REQUESTS = Counter("tandem_requests_total", description="Finished requests by outcome.", tag_keys=("status",))
-PREFIX_CACHE_HIT_TOKENS = Counter("tandem_prefix_cache_hit_tokens",
-                                  description="Prompt tokens whose KV came from the prefix cache.")
-KV_BLOCKS_USED = Gauge("tandem_kv_blocks_used", description="KV cache blocks in use, per pool.", tag_keys=("pool",))
+# vLLM's metric names (vllm:x is tandem_x here: Ray refuses ':' in names), labelled with the served model
+# (`model_name`); engine gauges also with the pool and the Serve replica that reports them.
+_MODEL = ("model_name",)
+_ENGINE = ("model_name", "pool", "replica")
+TTFT = Histogram("tandem_time_to_first_token_seconds", description="Time from request arrival to its first output token.",
+                 boundaries=_LATENCY_S, tag_keys=_MODEL)
+TPOT = Histogram("tandem_request_time_per_output_token_seconds", description="Mean time per output token after the "
+                 "first, per request.", boundaries=_TOKEN_S, tag_keys=_MODEL)
+ITL = Histogram("tandem_inter_token_latency_seconds", description="Time between two output tokens of a request, as its "
+                "front end received them (tokens that arrive together share the gap).", boundaries=_TOKEN_S, tag_keys=_MODEL)
+E2E = Histogram("tandem_e2e_request_latency_seconds", description="Time from request arrival to its last token.",
+                boundaries=_LATENCY_S, tag_keys=_MODEL)
+REQUESTS = Counter("tandem_requests_total", description="Finished requests by outcome.", tag_keys=("status", "model_name"))
+PROMPT_TOKENS = Counter("tandem_prompt_tokens_total", description="Prompt tokens of finished requests (each choice's).",
+                        tag_keys=_MODEL)
+GENERATION_TOKENS = Counter("tandem_generation_tokens_total", description="Tokens generated for finished requests.",
+                            tag_keys=_MODEL)
+RUNNING = Gauge("tandem_num_requests_running", description="Sequences in the engine's running batch.", tag_keys=_ENGINE)
+WAITING = Gauge("tandem_num_requests_waiting", description="Sequences waiting for admission to the running batch.",
+                tag_keys=_ENGINE)
+KV_USAGE = Gauge("tandem_kv_cache_usage_perc", description="Fraction of the KV cache's blocks in use (0 to 1).",
+                 tag_keys=_ENGINE)
+KV_BLOCKS_USED = Gauge("tandem_kv_blocks_used", description="KV cache blocks in use.", tag_keys=_ENGINE)
+PREFIX_QUERIES = Counter("tandem_prefix_cache_queries_total", description="Prompt tokens looked up in the prefix cache.",
+                         tag_keys=_ENGINE)
+PREFIX_HITS = Counter("tandem_prefix_cache_hits_total", description="Prompt tokens whose KV came from the prefix cache.",
+                      tag_keys=_ENGINE)
+PREEMPTIONS = Counter("tandem_num_preemptions_total", description="Sequences preempted (their KV freed, recomputed "
+                      "later) for lack of KV blocks.", tag_keys=_ENGINE)
 KV_TRANSFER_BYTES = Counter("tandem_kv_transfer_bytes", description="KV cache bytes sent from prefill to decode.")
 KV_TRANSFER_SECONDS = Histogram("tandem_kv_transfer_seconds", description="Duration of one request's KV handoff.",
                                 boundaries=_TRANSFER_S)
@@ -116,9 +143,22 @@ SPEC_ACCEPTED_TOKENS = Counter("tandem_spec_decode_num_accepted_tokens", descrip
 SPEC_ACCEPTED_PER_POS = Counter("tandem_spec_decode_num_accepted_tokens_per_pos", description="Draft tokens accepted, "
                                 "by position in the proposal (0 = first).", tag_keys=("pool", "position"))
 
-METRICS = {m.info["name"]: m for m in (TTFT, TPOT, E2E, QUEUE_DEPTH, REQUESTS, PREFIX_CACHE_HIT_TOKENS, KV_BLOCKS_USED,
-                                KV_TRANSFER_BYTES, KV_TRANSFER_SECONDS, PREFILL_SITE, REQUEST_STAGE, SPEC_DRAFTS,
-                                SPEC_DRAFT_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_ACCEPTED_PER_POS)}
+METRICS = {m.info["name"]: m for m in (TTFT, TPOT, ITL, E2E, REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, RUNNING, WAITING,
+                                KV_USAGE, KV_BLOCKS_USED, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS, KV_TRANSFER_BYTES,
+                                KV_TRANSFER_SECONDS, PREFILL_SITE, REQUEST_STAGE, SPEC_DRAFTS, SPEC_DRAFT_TOKENS,
+                                SPEC_ACCEPTED_TOKENS, SPEC_ACCEPTED_PER_POS)}
+
+
+def replica_label() -> str:
+    """The Serve replica this process runs ("local" outside Serve: tests, the standalone server)."""
+    try:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+    except Exception:  # not in a Serve replica (Serve raises when asked outside one)
+        return "local"
+    replica_id = getattr(ctx, "replica_id", None)
+    return getattr(replica_id, "unique_id", None) or getattr(ctx, "replica_tag", None) or "local"
 
 # ---- request timelines (docs/architecture.md, "Request timeline") ----
 # A finished request's `RequestOutput.timeline` holds wall-clock stamps (time.time()) from every process it
@@ -191,7 +231,9 @@ class RequestTimer:
     per streamed token batch) and `sent` when response bytes go out. Its finished outputs' timelines are
     completed with this front end's stamps, recorded, and traced when `trace`."""
 
-    def __init__(self, trace: bool = False) -> None:
+    def __init__(self, trace: bool = False, model_name: str = "") -> None:
+        self.tags = {"model_name": model_name}
+        self.num_prompt_tokens = 0  # the requests' prompts (each choice counts, as vLLM counts them): set by the front end
         self.start = time.perf_counter()
         self.arrival = time.time()  # wall clock: the timeline's origin, comparable with other processes' stamps
         self.first: float | None = None
@@ -218,13 +260,19 @@ class RequestTimer:
         now = time.perf_counter()
         if self.first is None:
             self.first = now
+        else:  # the gap since the last tokens, shared by the n that arrived together
+            for _ in range(n):
+                ITL.observe((now - self.last) / n, tags=self.tags)
         self.last = now
         self.num_tokens += n
 
     def finish(self, status: str) -> None:
-        REQUESTS.inc(1, tags={"status": status})
+        REQUESTS.inc(1, tags={"status": status, **self.tags})
         if status != "ok":
             return
+        for counter, n in ((PROMPT_TOKENS, self.num_prompt_tokens), (GENERATION_TOKENS, self.num_tokens)):
+            if n > 0:  # Ray's counters refuse an increment of 0
+                counter.inc(n, tags=self.tags)
         self.sent()  # a unary response's first byte is its whole body, sent now
         for request_id, timeline in self.timelines:
             # The output's own dict (a new one per request on the engine side): completing it in place
@@ -233,40 +281,45 @@ class RequestTimer:
             record_timeline(request_id, timeline, self.trace)
         if self.first is None:
             return
-        TTFT.observe(self.first - self.start)
-        E2E.observe(self.last - self.start)
+        TTFT.observe(self.first - self.start, tags=self.tags)
+        E2E.observe(self.last - self.start, tags=self.tags)
         if self.num_tokens > 1:
-            TPOT.observe((self.last - self.first) / (self.num_tokens - 1))
+            TPOT.observe((self.last - self.first) / (self.num_tokens - 1), tags=self.tags)
 
 
 class PoolGauges:
-    """Engine stats -> the pool's gauges and the prefix-hit counter (an `AsyncEngine.on_step`). Called after
-    every step and every other engine call (aborts, releases, reservations, lease expiry), so the gauges
-    are true at rest, when no step follows a free."""
+    """Engine stats -> the pool's gauges and counters (an `AsyncEngine.on_step`). Called after every step and
+    every other engine call (aborts, releases, reservations, lease expiry), so the gauges are true at rest,
+    when no step follows a free. The engine's counters are cumulative; the Prometheus ones grow by difference."""
 
-    def __init__(self, pool: str) -> None:
-        self.tags = {"pool": pool}
-        self.hits_seen = 0
+    def __init__(self, pool: str, model_name: str = "") -> None:
+        self.tags = {"pool": pool, "model_name": model_name, "replica": replica_label()}
+        self.seen: dict[str, int] = {}  # engine counter -> value already counted
         self.spec_seen: dict[str, int] = {}  # engine counter (or per-position key) -> value already counted
 
     def __call__(self, stats: dict) -> None:
-        QUEUE_DEPTH.set(stats["waiting"], tags=self.tags)
+        RUNNING.set(stats["running"], tags=self.tags)
+        WAITING.set(stats["waiting"], tags=self.tags)
         KV_BLOCKS_USED.set(stats["blocks_used"], tags=self.tags)
-        hits = stats["prefix_hit_tokens"]
-        if hits > self.hits_seen:
-            PREFIX_CACHE_HIT_TOKENS.inc(hits - self.hits_seen)
-        self.hits_seen = hits
+        KV_USAGE.set(stats["blocks_used"] / max(stats["num_blocks"], 1), tags=self.tags)
+        for key, metric in (("prefix_queried_tokens", PREFIX_QUERIES), ("prefix_hit_tokens", PREFIX_HITS),
+                            ("preemptions", PREEMPTIONS)):
+            value, seen = stats[key], self.seen.get(key, 0)
+            if value > seen:
+                metric.inc(value - seen, tags=self.tags)
+            self.seen[key] = value
         self._spec(stats)
 
     def _spec(self, stats: dict) -> None:
         """The engine's cumulative speculative-decoding counters -> the Prometheus counters, by difference."""
         if not stats.get("spec_decode_num_drafts"):
             return
-        totals = {name: (metric, self.tags, stats[name]) for name, metric in (
+        tags = {"pool": self.tags["pool"]}
+        totals = {name: (metric, tags, stats[name]) for name, metric in (
             ("spec_decode_num_drafts", SPEC_DRAFTS), ("spec_decode_num_draft_tokens", SPEC_DRAFT_TOKENS),
             ("spec_decode_num_accepted_tokens", SPEC_ACCEPTED_TOKENS))}
         for pos, n in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", [])):
-            totals[f"pos{pos}"] = (SPEC_ACCEPTED_PER_POS, {**self.tags, "position": str(pos)}, n)
+            totals[f"pos{pos}"] = (SPEC_ACCEPTED_PER_POS, {**tags, "position": str(pos)}, n)
         for key, (metric, tags, value) in totals.items():
             seen = self.spec_seen.get(key, 0)
             if value > seen:

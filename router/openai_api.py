@@ -241,12 +241,11 @@ class OpenAIServer:
         return text
 
     # ---- shared request path ----
-    @staticmethod
-    def _refuse(exc: Exception, rid: str) -> JSONResponse:
+    def _refuse(self, exc: Exception, rid: str) -> JSONResponse:
         """A request answered before it reached the backend (bad input, unknown model, not ready): it is
         counted like any other, so that a dashboard shows refusals and 503s while the pools start."""
         err = public_error(exc, rid)
-        REQUESTS.inc(1, tags={"status": err.status_tag})
+        REQUESTS.inc(1, tags={"status": err.status_tag, "model_name": self.backend.model_name})
         return error_response(err)
 
     def _requests(self, base: str, prompts: list[list[int]], n: int, max_tokens: int | None, priority: int,
@@ -277,7 +276,8 @@ class OpenAIServer:
                    respond: Callable[[list[RequestOutput]], dict],
                    chunks: Callable[[Fanout, RequestTimer, asyncio.Future | None], AsyncIterator[str]],
                    received: float):
-        timer = RequestTimer(self.trace_requests)
+        timer = RequestTimer(self.trace_requests, self.backend.model_name)
+        timer.num_prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
         timer.arrival = received  # the timeline starts when the handler did, before tokenizing
         # Each (prompt, choice) its own Serve request: children sharing one stall Serve's router.
         fanout = Fanout(SeparateServeRequests(self.backend), reqs, self.request_timeout_s)
@@ -630,7 +630,7 @@ def create_openai_app(backend: Backend, api_keys: Iterable[str] = (), request_ti
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError):
         err = _validation_error(e)
-        REQUESTS.inc(1, tags={"status": err.status_tag})  # a malformed body is a request too
+        REQUESTS.inc(1, tags={"status": err.status_tag, "model_name": backend.model_name})  # a malformed body counts too
         return error_response(err)
 
     @app.exception_handler(StarletteHTTPException)

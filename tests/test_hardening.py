@@ -188,12 +188,46 @@ def test_grpc_tokenizing_does_not_block_other_calls(grpc_backend, stub):
 # ---------------------------------------------------------------- item 3: metrics, binds, warnings
 
 
+def _samples(text: str, name: str) -> dict[str, float]:
+    """Every sample of metric `name` in a Prometheus text page: {label text: value}."""
+    return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, re.M)}
+
+
+def test_vllm_named_metrics_move_with_traffic_and_rest_at_zero(client, backend):
+    """vLLM's names (tandem_ for vllm:) with model_name (and pool, replica on the engine's): the counters grow
+    by what the requests did, and the engine's gauges are back at 0 once they finish."""
+    before = client.get("/metrics").text
+    prompt = CORPUS[1]
+    for _ in range(2):  # the second run of the same prompt hits the prefix cache
+        body = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "ignore_eos": True}).json()
+    n_prompt = body["usage"]["prompt_tokens"]
+    wait_idle(lambda: client.portal.call(backend.stats))
+    after = client.get("/metrics").text
+
+    def total(text: str, name: str) -> float:  # this app's samples (other tests' engines share the registry)
+        return sum(v for k, v in _samples(text, name).items() if f'model_name="{backend.model_name}"' in k)
+
+    assert total(after, "tandem_prompt_tokens_total") - total(before, "tandem_prompt_tokens_total") == 2 * n_prompt
+    assert total(after, "tandem_generation_tokens_total") - total(before, "tandem_generation_tokens_total") == 10
+    assert total(after, "tandem_prefix_cache_queries_total") > total(before, "tandem_prefix_cache_queries_total")
+    assert total(after, "tandem_prefix_cache_hits_total") > total(before, "tandem_prefix_cache_hits_total")
+    assert total(after, "tandem_inter_token_latency_seconds_count") >= total(before, "tandem_inter_token_latency_seconds_count") + 8
+    for name in ("tandem_time_to_first_token_seconds_count", "tandem_e2e_request_latency_seconds_count",
+                 "tandem_request_time_per_output_token_seconds_count"):
+        assert total(after, name) == total(before, name) + 2, name
+    ours = f'model_name="{backend.model_name}",pool="colocated",replica="local"'  # this process: no Serve replica
+    for gauge in ("tandem_num_requests_running", "tandem_num_requests_waiting", "tandem_kv_cache_usage_perc",
+                  "tandem_kv_blocks_used"):
+        assert _samples(after, gauge)[ours] == 0.0, gauge  # at rest
+    assert "tandem_num_preemptions_total" in after
+
+
 def test_metrics_on_the_api_port(client, backend):
     assert client.post("/v1/completions", json={"prompt": CORPUS[0], "max_tokens": 2}).status_code == 200
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    assert re.search(r'^tandem_requests_total\{status="ok"\} [1-9]', r.text, re.M)
-    assert "tandem_ttft_seconds_bucket" in r.text and "tandem_kv_blocks_used" in r.text
+    assert re.search(r'^tandem_requests_total\{[^}]*status="ok"[^}]*\} [1-9]', r.text, re.M)
+    assert "tandem_time_to_first_token_seconds_bucket" in r.text and "tandem_kv_blocks_used" in r.text
     keyed = TestClient(create_openai_app(backend, api_keys=["sk-m"]))
     assert _error(keyed.get("/metrics"), 401)["code"] == "invalid_api_key"
     assert "tandem_requests_total" in keyed.get("/metrics", headers={"Authorization": "Bearer sk-m"}).text

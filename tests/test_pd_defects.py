@@ -85,7 +85,7 @@ def gauges(pair, monkeypatch) -> dict[str, GaugeRecorder]:
     """Both pools' gauges, attached as router/pools.py attaches them."""
     recorders = {"kv": GaugeRecorder(), "queue": GaugeRecorder()}
     monkeypatch.setattr(metrics, "KV_BLOCKS_USED", recorders["kv"])
-    monkeypatch.setattr(metrics, "QUEUE_DEPTH", recorders["queue"])
+    monkeypatch.setattr(metrics, "WAITING", recorders["queue"])
     pair.prefill.async_engine.on_step = metrics.PoolGauges("prefill")
     pair.decode.async_engine.on_step = metrics.PoolGauges("decode")
     yield recorders
