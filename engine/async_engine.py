@@ -10,6 +10,7 @@ cancelled) aborts its request, which frees its blocks whatever state it was in.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -134,11 +135,29 @@ class AsyncEngine:
         the first of them is added with the first of every other prompt, in one engine call, and the rest
         in one more call as soon as its prompt has run (its first output), so that they find its full
         blocks cached and compute only the last partial one. Closing the stream aborts every unfinished one."""
-        async def start(indices: list[int], leader: RequestOutput | None) -> list[AsyncIterator[RequestOutput]]:
-            return await self.open_many([items[i] for i in indices])
+        opened: list[str] = []
+        finished: set[str] = set()
 
-        async for i, out in staged_fanout([item[1] for item in items], start, lambda out, seen: True):
-            yield i, out
+        async def start(indices: list[int], leader: RequestOutput | None) -> list[AsyncIterator[RequestOutput]]:
+            streams = await self.open_many([items[i] for i in indices])
+            opened.extend(items[i][0] for i in indices)
+            return streams
+
+        try:
+            async with contextlib.aclosing(staged_fanout([item[1] for item in items], start, lambda out, seen: True)) as merged:
+                async for i, out in merged:
+                    if out.finished:
+                        finished.add(out.request_id)
+                    yield i, out
+        finally:
+            self.abort_soon([rid for rid in opened if rid not in finished])
+
+    def abort_soon(self, request_ids: list[str]) -> None:
+        """Abort requests opened here whose streams may never have started (so their own cleanup never
+        ran): their queues go, and the aborts are queued on the engine thread (no-ops for finished ones)."""
+        for rid in request_ids:
+            self._queues.pop(rid, None)
+            self._free_soon(self.llm_engine.abort, rid)
 
     async def open_many(self, items: list[tuple[str, str | list[int], SamplingParams, int]]) -> list[AsyncIterator[RequestOutput]]:
         """Add several requests in one engine call (all or none) and return their output streams."""

@@ -21,6 +21,7 @@ on both sides, and no block is freed while a transfer may still write into it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -260,14 +261,25 @@ class DecodeReplica:
         or prefilled here); the others of that prompt start once their leader's KV is in this engine (its
         second output, the first from this engine's own step) and run here, finding the prompt's full
         blocks in the prefix cache: the shared prompt is prefilled once. Closing the stream aborts them all."""
+        opened: list[str] = []  # followers added to this engine at once (their streams may never start)
+        finished: set[str] = set()
+
         async def start(indices: list[int], leader: RequestOutput | None) -> list[AsyncIterator[RequestOutput]]:
             if leader is None or (leader.finished and len(leader.token_ids) <= 1):
                 # Leaders; or followers of a leader whose first token ended it (its KV never came here).
                 return [self.generate(*items[i]) for i in indices]
-            return await self.async_engine.open_many([items[i] for i in indices])
+            streams = await self.async_engine.open_many([items[i] for i in indices])
+            opened.extend(items[i][0] for i in indices)
+            return streams
 
-        async for i, out in staged_fanout([item[1] for item in items], start, lambda out, seen: seen >= 2):
-            yield i, out
+        try:
+            async with contextlib.aclosing(staged_fanout([item[1] for item in items], start, lambda out, seen: seen >= 2)) as merged:
+                async for i, out in merged:
+                    if out.finished:
+                        finished.add(items[i][0])
+                    yield i, out
+        finally:
+            self.async_engine.abort_soon([rid for rid in opened if rid not in finished])
 
     async def _local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
                      timeline: dict[str, float]) -> AsyncIterator[RequestOutput]:

@@ -5,6 +5,7 @@ this adapter maps it onto the front ends' contract (router/protocol.py).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import AsyncIterator
 
 from router.config import AppConfig
@@ -44,8 +45,9 @@ class LocalBackend:
         (index into `reqs`, output). Choices of one prompt share its KV (AsyncEngine.generate_many)."""
         try:
             items = [(r.request_id, r.prompt_token_ids, r.sampling_params, r.priority) for r in reqs]
-            async for i, out in self.async_engine.generate_many(items):
-                yield i, out
+            async with contextlib.aclosing(self.async_engine.generate_many(items)) as stream:  # closed: aborts all
+                async for i, out in stream:
+                    yield i, out
         except EngineDeadError as e:
             raise BackendUnavailable(str(e)) from e
 

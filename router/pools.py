@@ -7,6 +7,7 @@ pool (through Serve, so any prefill replica may answer) to run the prompt, then 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, AsyncIterator
 
@@ -126,9 +127,10 @@ class DecodePool(_PoolMethods):
     async def generate_batch(self, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """One client request's prompts and choices in one call: (index into `reqs`, output) items."""
         items = [(r.request_id, r.prompt_token_ids, r.sampling_params, r.priority) for r in reqs]
-        async for i, out in self.replica.generate_many(items):
-            out.prompt_token_ids = []  # as in generate: the router has the prompts
-            yield i, out
+        async with contextlib.aclosing(self.replica.generate_many(items)) as stream:
+            async for i, out in stream:
+                out.prompt_token_ids = []  # as in generate: the router has the prompts
+                yield i, out
 
     async def info(self) -> dict:
         engine = self.replica.llm_engine

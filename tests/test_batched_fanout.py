@@ -137,3 +137,21 @@ def test_bench_fanout_dry_run(backend, tmp_path):
     assert json.loads(out.read_text())["batched"] == res["batched"]
     assert res["batched"]["prefill_tokens_computed"] == 48 + 3 * 16  # the other 3 choices: the last partial block only
     assert res["separate"]["prefill_tokens_computed"] >= res["batched"]["prefill_tokens_computed"]
+
+
+def test_closing_right_after_the_choices_were_added_aborts_them(backend):
+    """The other choices of a prompt are added when their leader's first output arrives, just before that
+    output is handed on: a consumer that stops there must abort them too, though their streams never ran."""
+    async def body():
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        items = [(f"race-{j}", list(range(5, 45)), params, 0) for j in range(4)]
+        stream = backend.async_engine.generate_many(items)
+        i, first = await anext(stream)
+        assert i == 0 and first.new_token_ids
+        await stream.aclose()
+        await asyncio.sleep(0.3)  # the aborts are queued on the engine thread
+        return await backend.stats()
+
+    with slow_engine(backend, 0.02):
+        stats = asyncio.run(body())
+    assert stats["running"] == stats["waiting"] == stats["blocks_used"] == 0, stats
