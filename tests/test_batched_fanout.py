@@ -155,3 +155,20 @@ def test_closing_right_after_the_choices_were_added_aborts_them(backend):
     with slow_engine(backend, 0.02):
         stats = asyncio.run(body())
     assert stats["running"] == stats["waiting"] == stats["blocks_used"] == 0, stats
+
+
+def test_admission_counts_every_choice_of_the_batch(tmp_path):
+    """One batched call still meets the engine's queue bound per choice: n=4 on an engine that runs one
+    request and lets one wait is refused (429), whole, and leaves nothing behind."""
+    small = make_backend(build_chat_model(tmp_path / "adm-llama"), max_num_seqs=1)
+    calls = _Calls(small)
+    with TestClient(create_openai_app(calls)) as c:
+        try:
+            r = c.post("/v1/completions", json={"prompt": LONG, "n": 4, "max_tokens": 4, "ignore_eos": True})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+            assert calls.calls == [("generate_batch", 4)]
+            wait_idle(lambda: c.portal.call(small.stats))
+            r = c.post("/v1/completions", json={"prompt": LONG, "n": 2, "max_tokens": 4, "ignore_eos": True})
+            assert r.status_code == 200, r.text  # one runs, one waits: within the bound
+        finally:
+            c.portal.call(small.close)
