@@ -28,7 +28,8 @@ class ColocatedServer(InferenceServicer):
 
     def __serve_build_asgi_app__(self):
         return create_openai_app(self.backend, self.config.resolved_api_keys(), self.config.request_timeout_s,
-                                 RequestLimits.from_config(self.config), self.config.trace_requests)
+                                 RequestLimits.from_config(self.config), self.config.trace_requests,
+                                 self.config.sse_keepalive_s)
 
     async def engine_stats(self) -> dict:
         """KV blocks, running/waiting counts, prefix-cache hits of this replica (via a handle)."""

@@ -20,6 +20,7 @@ from ray.serve.config import AutoscalingConfig
 
 from parallel.config import StrictModel
 from workers.config import ENGINE_FIELDS, EngineArgs, EngineConfig, unknown_argument_message
+from workers.hub import is_model_id
 
 Pool = Literal["prefill", "decode"]
 
@@ -123,6 +124,9 @@ class AppConfig(EngineArgs):
     trace_requests: bool = Field(default=False, description="Log one JSON line per finished request (logger "
                                  "`tandem.trace`) with its stage timestamps relative to arrival: queue, prefill, KV "
                                  "push, decode admission, first decode step, first byte.")
+    sse_keepalive_s: float = Field(default=5.0, gt=0, description="A stream still queued after this many seconds "
+                                   "starts with SSE comment lines (`: keep-alive`), repeated at this period until its "
+                                   "first tokens, so that proxies' and clients' idle timeouts do not fire.")
     max_prompt_chars: int | None = Field(default=None, gt=0, description="Most prompt characters per request (all "
                                          "prompts or messages), checked before tokenizing: 400 / INVALID_ARGUMENT; "
                                          "default: 32 x the context length in tokens.")
@@ -138,7 +142,9 @@ class AppConfig(EngineArgs):
     def _pools(self) -> "AppConfig":
         if self.served_model_name is None:
             # Bypass validate_assignment (which would re-enter this validator).
-            object.__setattr__(self, "served_model_name", Path(self.model.rstrip("/")).name)
+            # A folder is served under its name; a Hugging Face ID under the whole ID, as vLLM does.
+            name = self.model if is_model_id(self.model) else Path(self.model.rstrip("/")).name
+            object.__setattr__(self, "served_model_name", name)
         for pool in ("prefill", "decode"):
             try:
                 args = self.engine_args(pool)

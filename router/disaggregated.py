@@ -29,6 +29,7 @@ from router.pools import DecodePool, PrefillPool
 from router.protocol import BackendUnavailable, GenerateRequest
 from router.routing import ReplicasGone, first_unless_replicas_gone, never_empty
 from engine.llm_engine import RequestOutput
+from workers.hub import resolve_model_path
 
 log = logging.getLogger(__name__)
 INFO_TIMEOUT_S = 600.0  # the router's first health check waits this long for the pools to load their models
@@ -44,8 +45,10 @@ class DisaggregatedBackend:
         self.prefill = prefill
         self.ready_wait_s = ready_wait_s
         self.model_name = config.served_model_name
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model, local_files_only=True)
-        hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
+        model = resolve_model_path(config.model, config.revision)  # a Hugging Face ID: its folder in the cache
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.tokenizer) if config.tokenizer else model,
+                                                       local_files_only=True)
+        hf_config = AutoConfig.from_pretrained(model, local_files_only=True)
         self.vocab_size = hf_config.vocab_size
         # Known exactly once a decode replica answers (the cache size may lower it); until then the
         # configured or model limit, which the decode engine checks again.
@@ -161,7 +164,8 @@ class Router(InferenceServicer):
 
     def __serve_build_asgi_app__(self):
         return create_openai_app(self.backend, self.config.resolved_api_keys(), self.config.request_timeout_s,
-                                 RequestLimits.from_config(self.config), self.config.trace_requests)
+                                 RequestLimits.from_config(self.config), self.config.trace_requests,
+                                 self.config.sse_keepalive_s)
 
     async def check_health(self) -> None:
         """Serve runs this once before the replica counts as started (and so before the deployment and the

@@ -70,7 +70,7 @@ class PrefillPool(_PoolMethods):
     def __init__(self, args: dict[str, Any]):
         self.config = AppConfig.model_validate(args)
         self.replica = PrefillReplica(_engine(self.config, "prefill"), _replica_id("prefill"))
-        self.replica.async_engine.on_step = metrics.PoolGauges("prefill")
+        self.replica.async_engine.on_step = metrics.PoolGauges("prefill", self.config.served_model_name)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
                       reservation: Reservation) -> AsyncIterator[PrefillReady]:
@@ -87,7 +87,7 @@ class DecodePool(_PoolMethods):
         self.replica = DecodeReplica(engine, self._prefill_client, _replica_id("decode"), local_prefill=policy)
         self.replica.on_transfer = _record_transfer
         self.replica.on_prefill_site = lambda site: metrics.PREFILL_SITE.inc(1, tags={"site": site})
-        self.replica.async_engine.on_step = metrics.PoolGauges("decode")
+        self.replica.async_engine.on_step = metrics.PoolGauges("decode", self.config.served_model_name)
 
     async def _prefill_client(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
                               reservation: Reservation) -> AsyncIterator[PrefillReady]:

@@ -21,6 +21,7 @@ from pydantic import Field, create_model, field_validator, model_validator
 
 from parallel.config import ParallelConfig, StrictModel
 from parallel.quant.config import effective_quant_config
+from workers.hub import resolve_model_path
 from workers.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 # The shipped tiny model: the default of every surface (CLI, Serve args, demo) when no model is given.
@@ -36,8 +37,11 @@ DTYPES: dict[str, torch.dtype] = {
 class ModelConfig(StrictModel):
     """What to load and how to run it."""
 
-    model: str = Field(description="Path to a Hugging Face model folder (config.json + safetensors).")
-    tokenizer: str | None = Field(default=None, description="Tokenizer folder; defaults to `model`.")
+    model: str = Field(description="A Hugging Face model folder (config.json + safetensors), or a Hugging Face model "
+                       "ID (owner/name), resolved through the Hugging Face cache and downloaded there if missing.")
+    revision: str | None = Field(default=None, description="Branch, tag or commit of a Hugging Face model ID "
+                                 "(default: main).")
+    tokenizer: str | None = Field(default=None, description="Tokenizer folder or model ID; defaults to `model`.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(default="auto", description="auto: float32 on "
                                                                      "CPU, the checkpoint's half type on GPU.")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda when available.")
@@ -63,8 +67,14 @@ class ModelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _model_exists(self) -> "ModelConfig":
+        # A model ID becomes its folder in the Hugging Face cache (workers/hub.py): everything downstream,
+        # rank processes included, reads a folder. The revision is kept for what it says.
+        name = self.model
+        object.__setattr__(self, "model", resolve_model_path(name, self.revision))
+        if self.tokenizer is not None:
+            object.__setattr__(self, "tokenizer", resolve_model_path(self.tokenizer))
         if not os.path.isfile(os.path.join(self.model, "config.json")):
-            raise ValueError(f"model: no config.json in {self.model!r}; pass a local Hugging Face model folder")
+            raise ValueError(f"model: no config.json in {self.model!r}; pass a Hugging Face model folder or model ID")
         self._check_quantization()
         return self
 
