@@ -27,7 +27,7 @@ from router.guards import RequestLimits
 from router.openai_api import create_openai_app
 from router.pools import DecodePool, PrefillPool
 from router.protocol import BackendUnavailable, GenerateRequest
-from router.routing import ReplicasGone, first_unless_replicas_gone, never_empty
+from router.routing import ReplicasGone, first_unless_replicas_gone
 from engine.llm_engine import RequestOutput
 from workers.hub import resolve_model_path
 
@@ -54,7 +54,6 @@ class DisaggregatedBackend:
         # configured or model limit, which the decode engine checks again.
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
         self._streams: dict[str, Any] = {}
-        self._decode_never_empty = never_empty(config.decode)
         self._info_task: asyncio.Task | None = None
         self._ready = False
 
@@ -120,10 +119,11 @@ class DisaggregatedBackend:
                 self._streams[rid] = stream
             got_any, finished = False, False
             try:
-                # A decode replica dying before the first token: Serve retries the call on another replica;
-                # with none left, the client gets 503 now rather than when a replacement has started.
+                # A decode replica dying under the call before its first token: Serve retries the call on
+                # another replica; with none left, the client gets 503 now rather than when a replacement has
+                # started. (A call made while Serve already knows of no live replica waits for one, as before.)
                 try:
-                    item = await first_unless_replicas_gone(stream, self.decode, self._decode_never_empty)
+                    item = await first_unless_replicas_gone(stream, self.decode, already_empty_fails=False)
                 except StopAsyncIteration:
                     return
                 except ReplicasGone as e:
