@@ -44,11 +44,11 @@ class LLM:
         generation_config.json defaults with generation_config="auto", else SamplingParams()."""
         return SamplingParams(**self.llm_engine.default_sampling_fields)
 
-    def generate(self, prompts: str | list[int] | Seq[str | list[int]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    def generate(self, prompts: str | list[int] | dict | Seq[str | list[int] | dict], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: Seq[int] | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [_prompt_of(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
@@ -83,3 +83,15 @@ class LLM:
         if isinstance(token_ids, dict):
             token_ids = token_ids["input_ids"]
         return self.generate([list(token_ids)], sampling_params)[0]
+
+
+def _prompt_of(prompt: str | list[int] | dict) -> str | list[int]:
+    """A prompt as the engine takes it; vLLM's prompt dicts too: {"prompt": text} or {"prompt_token_ids": ids}."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt) & {"prompt", "prompt_token_ids"}
+    if len(keys) != 1 or set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}:
+        raise ValueError(f"a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids', got keys {sorted(prompt)}")
+    if prompt.get("multi_modal_data"):
+        raise ValueError("multi_modal_data is not supported: Tandem serves text models")
+    return prompt[keys.pop()]

@@ -468,3 +468,16 @@ def test_async_stream_coalesces_outputs_a_slow_consumer_missed(shared):
     assert [t for it in items for t in it[0]] == tokens and "".join(it[1] for it in items) == text
     assert len(items[0][0]) == 1 and len(items) < 24  # merged after the first
     assert tokens == hf_greedy(shared.llm_engine.config.model.model, prompt, 24)[0]
+
+
+def test_vllm_prompt_dicts_are_prompts_and_bad_ones_are_refused(shared):
+    """vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts, alone or in a list, run as their content
+    (a dict used to be iterated into its keys and generated from the key's text)."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ref = shared.generate("def area(r):", params)[0]
+    outs = shared.generate([{"prompt": "def area(r):"}, {"prompt_token_ids": ref.prompt_token_ids}], params)
+    assert [o.token_ids for o in outs] == [ref.token_ids] * 2
+    assert shared.generate({"prompt": "def area(r):"}, params)[0].token_ids == ref.token_ids
+    for bad in ({"text": "x"}, {"prompt": "x", "prompt_token_ids": [1]}):
+        with pytest.raises(ValueError, match="exactly one of 'prompt' and 'prompt_token_ids'"):
+            shared.generate(bad, params)
