@@ -67,9 +67,23 @@ def live_replicas(handle: Any) -> int | None:
     not built before its first call). Serve drops a replica from this set as soon as a call to it failed
     with its death (and after a failed health check), and adds a replacement once it has started: 0 means
     a call would wait for a replacement. Read from Serve 2.60's handle internals, defensively."""
-    router = getattr(getattr(getattr(handle, "_router", None), "_asyncio_router", None), "_request_router", None)
-    replicas = getattr(router, "curr_replicas", None)
-    return None if replicas is None else len(replicas)
+    outer = getattr(getattr(handle, "_router", None), "_asyncio_router", None)
+    replicas = getattr(getattr(outer, "_request_router", None), "curr_replicas", None)
+    if replicas is None:
+        return None
+    if replicas:
+        try:
+            outer._tandem_had_replicas = True  # see had_replicas
+        except AttributeError:
+            pass
+    return len(replicas)
+
+
+def had_replicas(handle: Any) -> bool:
+    """Whether `live_replicas` ever saw a replica for this handle: an empty set before that is a router
+    not yet told of the pool's replicas (a replica's first calls), not a pool whose replicas died."""
+    outer = getattr(getattr(handle, "_router", None), "_asyncio_router", None)
+    return bool(getattr(outer, "_tandem_had_replicas", False))
 
 
 def never_empty(pool: Any) -> bool:
@@ -90,15 +104,16 @@ async def first_unless_replicas_gone(stream: Any, handle: Any, already_empty_fai
     """A Serve stream's first item, or `ReplicasGone` as soon as the handle's pool has no live replica.
     A replica that dies under a call (or before it, unnoticed) makes Serve retry the call on another one;
     with none left, Serve holds it until a replacement has started (seconds on a GPU node, more on CPU).
-    `already_empty_fails`: also when the pool had no replica at the call (else that wait is Serve's:
-    a pool scaling up from zero). StopAsyncIteration if the stream ends empty."""
+    `already_empty_fails`: also when the pool had no replica at the call, once it has had one (else that
+    wait is Serve's: a pool scaling up from zero). StopAsyncIteration if the stream ends empty."""
     first = asyncio.ensure_future(anext(aiter(stream)))
-    had_replicas = already_empty_fails or bool(live_replicas(handle))
+    armed = bool(live_replicas(handle)) or (already_empty_fails and had_replicas(handle))
     try:
         while True:
-            if had_replicas and live_replicas(handle) == 0:
+            live = live_replicas(handle)
+            if armed and live == 0:
                 raise ReplicasGone("no live replica is left to serve the call")
-            had_replicas = had_replicas or bool(live_replicas(handle))
+            armed = armed or bool(live)
             done, _ = await asyncio.wait({first}, timeout=REPLICAS_POLL_S)
             if done:
                 return first.result()

@@ -55,12 +55,17 @@ def test_a_call_stops_waiting_when_its_last_replica_dies():
     asyncio.run(body())
 
 
-def test_an_empty_pool_fails_at_once_unless_it_may_scale_from_zero():
+def test_an_emptied_pool_fails_at_once_unless_it_may_scale_from_zero():
     async def body():
+        emptied = _Handle(1)
+        assert live_replicas(emptied) == 1
+        emptied.set(0)  # its replicas died before this call
         with pytest.raises(ReplicasGone):
-            await asyncio.wait_for(first_unless_replicas_gone(_never(), _Handle(0), already_empty_fails=True), 1)
+            await asyncio.wait_for(first_unless_replicas_gone(_never(), emptied, already_empty_fails=True), 1)
         with pytest.raises(asyncio.TimeoutError):  # scaling from zero: Serve's wait for a replica stands
-            await asyncio.wait_for(first_unless_replicas_gone(_never(), _Handle(0), already_empty_fails=False), 0.3)
+            await asyncio.wait_for(first_unless_replicas_gone(_never(), emptied, already_empty_fails=False), 0.3)
+        with pytest.raises(asyncio.TimeoutError):  # a router not yet told of any replica: no verdict
+            await asyncio.wait_for(first_unless_replicas_gone(_never(), _Handle(0), already_empty_fails=True), 0.3)
 
     asyncio.run(body())
 
