@@ -91,8 +91,8 @@ def model(tmp_path_factory) -> str:
 
 def _count(status: str) -> float:
     text = prometheus_text()[0].decode()
-    m = re.search(r'^tandem_requests_total\{status="%s"\} ([0-9.e+]+)$' % status, text, re.M)
-    return float(m.group(1)) if m else 0.0
+    found = re.findall(r'^tandem_requests_total\{[^}]*status="%s"[^}]*\} ([0-9.e+]+)$' % status, text, re.M)
+    return sum(float(v) for v in found)  # every model_name's
 
 
 def test_served_default_bound_answers_429_and_counts_it(model):

@@ -38,13 +38,16 @@ class _Method:
 
 
 class _Stream:
-    """A `DeploymentResponseGenerator` stand-in: async-iterable, `cancel()` closes it."""
+    """A `DeploymentResponseGenerator` stand-in: an async iterator, `cancel()` closes it."""
 
     def __init__(self, agen: AsyncIterator):
         self.agen = agen
 
     def __aiter__(self) -> AsyncIterator:
-        return self.agen
+        return self
+
+    async def __anext__(self):
+        return await self.agen.__anext__()
 
     def cancel(self) -> None:
         asyncio.ensure_future(self.agen.aclose())
