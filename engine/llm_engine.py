@@ -74,6 +74,17 @@ class _Request:
     timeline: dict[str, float] = field(default_factory=dict)  # see RequestOutput.timeline
 
 
+def capacity_line(num_blocks: int, block_size: int, sp: int, max_model_len: int) -> str:
+    """What a user sizing long-context requests needs at start: the KV cache's size in tokens, the longest
+    prompt a request may have (one position is left for the first generated token), and how many
+    sequences of max_model_len tokens fit in the cache at once (vLLM's "maximum concurrency")."""
+    tokens = num_blocks * block_size
+    over = f" over {sp} sequence-parallel ranks ({num_blocks // sp} blocks each)" if sp > 1 else ""
+    return (f"KV cache: {num_blocks} blocks of {block_size} tokens = {tokens} tokens{over}; longest prompt "
+            f"{max_model_len - 1} tokens (max_model_len {max_model_len}); {tokens / max_model_len:.2f}x "
+            f"requests of max_model_len tokens fit at once")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         self.config = config
@@ -91,6 +102,7 @@ class LLMEngine:
         num_blocks = self.executor.num_blocks * sp
         self.max_model_len = self._fit_max_model_len_to_cache(num_blocks * config.cache.block_size)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, num_pools=sp)
+        log.info("%s", capacity_line(num_blocks, config.cache.block_size, sp, self.max_model_len))
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         spec = config.speculative.spec
         self.spec_decoder = None if spec is None else SpecDecoder(config, spec, num_blocks, self.max_model_len,

@@ -307,6 +307,24 @@ def test_sequence_longer_than_the_kv_cache_finishes_instead_of_hanging(make_llm)
     assert e.scheduler.num_preemptions == 0
 
 
+def test_start_up_logs_the_cache_size_and_the_longest_prompt(make_llm, caplog):
+    """At start the engine says how long a prompt may be and how many full-length requests fit (issue 25
+    item 5), and the line is true: a prompt of exactly that length runs, one token more is refused."""
+    from engine.llm_engine import capacity_line
+
+    with caplog.at_level("INFO", logger="engine.llm_engine"):
+        llm = make_llm(num_gpu_blocks_override=8, block_size=4, max_model_len=24)
+    line = capacity_line(8, 4, 1, 24)
+    assert line in caplog.text
+    assert "32 tokens" in line and "longest prompt 23 tokens" in line and "1.33x" in line
+    assert "over 2 sequence-parallel ranks (8 blocks each)" in capacity_line(16, 4, 2, 24)
+    e = llm.llm_engine
+    longest = prompts_of_lengths([24], VOCAB, seed=3)[0]
+    assert len(llm.generate([longest[:23]], greedy(1))[0].token_ids) == 1
+    with pytest.raises(ValueError, match="max_model_len=24"):
+        e.add_request("too-long", longest, greedy(1))
+
+
 # ---- priority ----
 
 
