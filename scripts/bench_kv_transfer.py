@@ -18,6 +18,7 @@ timed runs the decode blocks are checked against the prefill blocks, bit for bit
 
     python scripts/bench_kv_transfer.py                              # 1K, 8K, 32K-token prompts
     python scripts/bench_kv_transfer.py --tokens 1024 131072 --out bench_results/kv.json
+    python scripts/bench_kv_transfer.py --dtype fp8                  # an FP8 KV cache: half the bytes of bf16
     python scripts/bench_kv_transfer.py --device cpu --tokens 64 --layers 2   # the same code over gloo, as a check
 Prints a table; writes JSON (--out). Needs 2 CUDA GPUs (or --device cpu).
 """
@@ -47,7 +48,8 @@ from workers.kv_transfer.blocks import gather_blocks, scatter_blocks  # noqa: E4
 from workers.kv_transfer.plan import RankShard, plan_transfers  # noqa: E402
 from workers.kv_transfer.transport import KVTransferAgent, PairSpec  # noqa: E402
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# fp8: a kv_cache_dtype="fp8" cache (float8_e4m3fn), which moves as one byte per value, half of bf16's.
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -176,8 +178,8 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
     device = rank_device(rank, cfg["device"])
     cache_blocks = 2 * -(-max(tokens) // shape.block_size)  # room to scatter the largest prompt
     cache = shape.cache(cache_blocks, device)
-    if rank == 0:
-        cache.normal_(generator=torch.Generator(device).manual_seed(cfg["seed"]))
+    if rank == 0:  # drawn in float32: normal_ has no float8 kernel
+        cache.copy_(torch.randn(cache.shape, generator=torch.Generator(device).manual_seed(cfg["seed"]), device=device))
     shard = RankShard(0, range(shape.layers), range(shape.kv_heads))
     agent, spec = connect_agents(rank, cache, shard, cfg["timeout_s"])
     everything = slice(None)

@@ -1,6 +1,7 @@
 """KV transfer plans and data without Ray: `plan_transfers` over prefill layouts with sequence parallelism
 (each block sent by a rank of its owning SP rank), and `KVTransferAgent` send/recv between CPU processes
-over gloo: the decode blocks end up equal to the prefill KV, block for block, and nothing else is written.
+over gloo: the decode blocks end up equal to the prefill KV, block for block, and nothing else is written;
+an FP8 cache (`kv_cache_dtype="fp8"`) moves as bytes, half those of a 16-bit cache, bit for bit.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from tests.multiprocess import run_ranks
 from engine.block_manager import BlockManager
 from workers.kv_layout import block_owner, local_block_id
+from workers.kv_transfer.blocks import gather_blocks, scatter_blocks, wire_dtype
 from workers.kv_transfer.plan import Transfer, plan_transfers, replica_shards
 from workers.kv_transfer.transport import KVTransferAgent, PairSpec
 from workers.sampling_params import SamplingParams
@@ -115,21 +117,26 @@ def _sequence_kv() -> torch.Tensor:
     return torch.randn(LAYERS, 2, NUM_SEQ_BLOCKS, BS, KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(0))
 
 
-def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int) -> None:
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes (compared byte for byte: an FP8 NaN or -0 pattern must survive the trip too)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: torch.dtype = torch.float32) -> None:
     tp, sp = prefill
     src, dst = replica_shards(tp, 1, LAYERS, KV_HEADS, sp), replica_shards(decode_tp, 1, LAYERS, KV_HEADS)
     is_prefill = rank < len(src)
     shard = src[rank] if is_prefill else dst[rank - len(src)]
-    full, heads = _sequence_kv(), slice(shard.heads.start, shard.heads.stop)
+    full, heads = _sequence_kv().to(dtype), slice(shard.heads.start, shard.heads.stop)
     src_table, dst_table = _prefill_table(sp), _decode_table()
     if is_prefill:
         # This rank's pool: its own blocks hold the KV, every other slot a value no block has.
-        cache = torch.full((LAYERS, 2, PER_RANK, BS, len(shard.heads), HEAD_DIM), 99.0)
+        cache = torch.full((LAYERS, 2, PER_RANK, BS, len(shard.heads), HEAD_DIM), 99.0).to(dtype)
         for i in range(NUM_SEQ_BLOCKS):
             if block_owner(i, sp) == shard.sp_rank:
                 cache[:, :, local_block_id(src_table[i], PER_RANK)] = full[:, :, i, :, heads]
     else:
-        cache = torch.full((LAYERS, 2, DECODE_BLOCKS, BS, len(shard.heads), HEAD_DIM), SENTINEL)
+        cache = torch.full((LAYERS, 2, DECODE_BLOCKS, BS, len(shard.heads), HEAD_DIM), SENTINEL).to(dtype)
     agent = KVTransferAgent(cache, shard, "prefill" if is_prefill else "decode", timeout_s=60.0)
     spec = PairSpec("p->d", len(src), len(dst))
     address = [agent.open_store(spec.pair_id) if rank == 0 else None]
@@ -141,11 +148,13 @@ def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int) -> None:
         agent.send(spec, plan, {d.rank: d for d in dst}, src_table, "req")
         return
     received = agent.recv(spec, plan, {s.rank: s for s in src}, dst_table)
-    expected = torch.full_like(cache, SENTINEL)
+    expected = cache.clone()  # the sentinel everywhere, before the transfer
     for i in range(HITS, NUM_SEQ_BLOCKS):
         expected[:, :, dst_table[i]] = full[:, :, i, :, heads]
-    assert torch.equal(cache, expected), "decode blocks differ from the prefill KV (or blocks outside the request were written)"
-    assert received == (NUM_SEQ_BLOCKS - HITS) * LAYERS * 2 * BS * len(shard.heads) * HEAD_DIM * 4
+    assert torch.equal(_bytes(cache), _bytes(expected)), \
+        "decode blocks differ from the prefill KV (or blocks outside the request were written)"
+    assert received == (NUM_SEQ_BLOCKS - HITS) * LAYERS * 2 * BS * len(shard.heads) * HEAD_DIM * dtype.itemsize
+    assert agent.bytes_received == received
 
 
 @pytest.mark.slow
@@ -153,3 +162,51 @@ def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int) -> None:
 def test_sp_prefill_blocks_arrive_in_the_decode_blocks(prefill, decode_tp):
     tp, sp = prefill
     run_ranks(_transfer_rank, tp * sp + decode_tp, prefill, decode_tp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefill,decode_tp", [((2, 1), 1), ((1, 2), 1)], ids=["tp2->tp1", "sp2->tp1"])
+def test_fp8_cache_blocks_arrive_byte_for_byte(prefill, decode_tp):
+    """kv_cache_dtype="fp8" on both sides: the decode rank (both heads, the whole-block scatter) gets the
+    prefill ranks' e4m3 bytes unchanged, and counts 1 byte per value."""
+    tp, sp = prefill
+    run_ranks(_transfer_rank, tp * sp + decode_tp, prefill, decode_tp, torch.float8_e4m3fn)
+
+
+# ---------------------------------------------------------------- gather / scatter of an FP8 cache, one process
+
+FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
+
+
+def _cache(dtype: torch.dtype, seed: int, num_blocks: int = 8) -> torch.Tensor:
+    x = torch.randn(LAYERS, 2, num_blocks, BS, KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(seed))
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("heads", [slice(None), slice(1, 2)], ids=["all-heads", "one-head"])
+def test_fp8_gather_scatter_round_trip_is_byte_exact_and_half_of_bf16(heads):
+    src, dst = _cache(FP8, 0), _cache(FP8, 1)
+    before = dst.clone()
+    ids_src, ids_dst, layers = [5, 0, 3], [2, 7, 4], slice(1, 5)
+    buf = gather_blocks(src, ids_src, layers, heads)
+    assert buf.dtype == wire_dtype(FP8) == torch.uint8
+    bf16_buf = gather_blocks(_cache(BF16, 0), ids_src, layers, heads)
+    assert 2 * buf.numel() * buf.element_size() == bf16_buf.numel() * bf16_buf.element_size()
+    scatter_blocks(dst, ids_dst, layers, heads, buf)
+    expected = before.clone()
+    for s_id, d_id in zip(ids_src, ids_dst):
+        expected[layers, :, d_id, :, heads] = src[layers, :, s_id, :, heads]
+    assert torch.equal(_bytes(dst), _bytes(expected))
+
+
+def test_16_bit_cache_travels_in_its_own_dtype():
+    assert wire_dtype(BF16) == BF16 and wire_dtype(torch.float32) == torch.float32
+    cache = _cache(BF16, 0)
+    assert gather_blocks(cache, [1], slice(None), slice(None)).dtype == BF16
+
+
+def test_scatter_refuses_a_buffer_of_another_dtype():
+    """A bf16 buffer into an FP8 cache (pools with different kv_cache_dtype) is an error, not a silent cast."""
+    cache, buf = _cache(FP8, 0), gather_blocks(_cache(BF16, 1), [0], slice(None), slice(None))
+    with pytest.raises(ValueError, match="bfloat16.*takes torch.uint8"):
+        scatter_blocks(cache, [0], slice(None), slice(None), buf)

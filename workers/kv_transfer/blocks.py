@@ -1,21 +1,43 @@
-"""Gather KV blocks into one contiguous buffer per transfer (not one message per block), and back."""
+"""Gather KV blocks into one contiguous buffer per transfer (not one message per block), and back.
+
+Buffers travel in the cache's *wire dtype*: the cache's own dtype, except that a one-byte float cache
+(an FP8 KV cache, `kv_cache_dtype="fp8"`) moves as uint8 bytes. The bytes are the same, so an FP8
+handoff moves half the bytes of a 16-bit one, bit for bit; but CPU `index_copy_` has no Float8 kernel,
+and a plain byte buffer is something every backend sends (gloo, NCCL) whatever its float8 support.
+"""
 from __future__ import annotations
 
 import torch
 
 
+def wire_dtype(cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a cache of cache_dtype is gathered, sent and scattered in."""
+    return torch.uint8 if cache_dtype.is_floating_point and cache_dtype.itemsize == 1 else cache_dtype
+
+
+def _as_wire(t: torch.Tensor) -> torch.Tensor:
+    """t viewed in its wire dtype (no copy; a view, so writes land in t)."""
+    wire = wire_dtype(t.dtype)
+    return t if wire == t.dtype else t.view(wire)
+
+
 def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, heads: slice) -> torch.Tensor:
-    """kv_cache [L, 2, num_blocks, block_size, H, D] -> contiguous [l, 2, n, block_size, h, D]."""
+    """kv_cache [L, 2, num_blocks, block_size, H, D] -> contiguous [l, 2, n, block_size, h, D], in the wire dtype."""
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    return kv_cache[layers].index_select(2, index)[..., heads, :].contiguous()
+    return _as_wire(kv_cache)[layers].index_select(2, index)[..., heads, :].contiguous()
 
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, heads: slice, buf: torch.Tensor) -> None:
-    """Inverse of gather_blocks: write buf [l, 2, n, block_size, h, D] into the given blocks."""
+    """Inverse of gather_blocks: write buf [l, 2, n, block_size, h, D] (wire dtype) into the given blocks."""
+    wire = wire_dtype(kv_cache.dtype)
+    if buf.dtype != wire:
+        # Converting would write different numbers than the prefill side computed (or reinterpret bytes):
+        # both pools must share kv_cache_dtype (router/config.py SHARED_ONLY).
+        raise ValueError(f"KV buffer is {buf.dtype}, but a {kv_cache.dtype} cache takes {wire} buffers")
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    target = kv_cache[layers]  # a view: writes land in the cache
+    target = _as_wire(kv_cache)[layers]  # a view: writes land in the cache
     if heads == slice(None) or (heads.start in (0, None) and heads.stop == target.shape[4]):
-        target.index_copy_(2, index, buf.to(target.dtype))
+        target.index_copy_(2, index, buf)
     else:
         # Partial heads: index_copy_ cannot take a head slice, so copy block by block into the view.
         for i, b in enumerate(block_ids):

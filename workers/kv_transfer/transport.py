@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from workers.kv_layout import block_pool, local_block_id
-from workers.kv_transfer.blocks import gather_blocks, scatter_blocks, transfer_shape
+from workers.kv_transfer.blocks import gather_blocks, scatter_blocks, transfer_shape, wire_dtype
 from workers.kv_transfer.plan import RankShard, Transfer
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ class KVTransferAgent:
         # order, not by tag); each chunk is then scattered as it lands, overlapping the later ones.
         for tag, t, layers, heads in self._messages(plan, src_shards, sending=False):
             buf = torch.empty(transfer_shape(self.kv_cache, len(t.blocks), layers, heads),
-                              dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+                              dtype=wire_dtype(self.kv_cache.dtype), device=self.kv_cache.device)
             pending.append((group.recv([buf], t.src, tag), buf, [block_table[i] for i in t.blocks], layers, heads))
         received = 0
         for work, buf, block_ids, layers, heads in pending:
