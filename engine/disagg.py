@@ -240,16 +240,22 @@ class DecodeReplica:
                         yield out
                     return
                 log.warning("request %s: handoff attempt %d failed (%s); re-prefilling", request_id, attempt, e)
+        # The prompt's logprobs (vLLM's prompt_logprobs) were computed where the prompt ran: the prefill side.
+        # They went out with token 1 and go again with the last output, which a non-streaming client reads.
+        prompt_lps = ready.output.prompt_logprobs
         # A re-prefill computes the same prompt KV; the request goes on from the token already sent.
         stream_out = self.async_engine.start(request_id, sent)
         try:
             first = await anext(stream_out)  # token 1 again, now in this engine: already streamed
             if first.finished:  # only the end is news
-                yield replace(first, new_token_ids=[], new_text="", timeline={**timeline, **(first.timeline or {})})
+                yield replace(first, new_token_ids=[], new_text="", timeline={**timeline, **(first.timeline or {})},
+                              prompt_logprobs=prompt_lps if prompt_lps is not None else first.prompt_logprobs)
                 return
             async for out in stream_out:
                 if out.finished:
                     out.timeline = {**timeline, **(out.timeline or {})}
+                    if prompt_lps is not None:  # this engine ran none of the prompt: its entries are empty
+                        out.prompt_logprobs = prompt_lps
                 yield out
         finally:
             await stream_out.aclose()  # a client gone mid-stream: the engine aborts the request now

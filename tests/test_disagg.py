@@ -708,3 +708,24 @@ def test_killed_decode_rank_fails_fast_and_prefill_frees_its_kv(pools, run):
         run(body())
     finally:
         pools.close()
+
+
+def test_prompt_logprobs_travel_from_the_prefill_side(pools, run, reference):
+    """vLLM's prompt_logprobs of a handed-off request are the prefill engine's, on token 1 and on the last
+    output (which a non-streaming client reads), equal to the single-process engine's."""
+    pair = pools.get("tp2->tp1")
+    (prompt,) = prompts_of_lengths([11], VOCAB, seed=5)
+    params = greedy(5, prompt_logprobs=2)
+
+    async def outputs() -> list[RequestOutput]:
+        return [out async for out in pair.decode.generate("plp", prompt, params)]
+
+    outs = run(outputs())
+    (want,) = reference(pair.path, [prompt], params)
+    assert pair.decode.prefill_sites["remote"] >= 1 and outs[-1].finished
+    for out in (outs[0], outs[-1]):
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+        assert out.prompt_logprobs[0] is None
+        for got, exp in zip(out.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+            assert got.keys() == exp.keys() and all(abs(got[t] - exp[t]) < 1e-4 for t in got)
+    run(settle(pair))
