@@ -29,7 +29,7 @@ class ColocatedServer(InferenceServicer):
     def __serve_build_asgi_app__(self):
         return create_openai_app(self.backend, self.config.resolved_api_keys(), self.config.request_timeout_s,
                                  RequestLimits.from_config(self.config), self.config.trace_requests,
-                                 self.config.sse_keepalive_s)
+                                 self.config.sse_keepalive_s, self.config.tool_call_parser)
 
     async def engine_stats(self) -> dict:
         """KV blocks, running/waiting counts, prefix-cache hits of this replica (via a handle)."""

@@ -19,6 +19,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 from ray.serve.config import AutoscalingConfig
 
 from parallel.config import StrictModel
+from router.tool_parsers import ToolCallParserName
 from workers.config import ENGINE_FIELDS, EngineArgs, EngineConfig, unknown_argument_message
 from workers.hub import is_model_id
 
@@ -127,6 +128,11 @@ class AppConfig(EngineArgs):
     sse_keepalive_s: float = Field(default=5.0, gt=0, description="A stream still queued after this many seconds "
                                    "starts with SSE comment lines (`: keep-alive`), repeated at this period until its "
                                    "first tokens, so that proxies' and clients' idle timeouts do not fire.")
+    tool_call_parser: ToolCallParserName = Field(default="auto", description="How tool calls are read out of "
+                                                 "a chat reply (vLLM's `--tool-call-parser`): `hermes` "
+                                                 "(`<tool_call>{...}</tool_call>`, Qwen), `llama3_json` (`{\"name\", "
+                                                 "\"parameters\"}` objects, Llama 3.1/3.2), or `auto`: `hermes` when "
+                                                 "the chat template writes `<tool_call>`, else `llama3_json`.")
     max_prompt_chars: int | None = Field(default=None, gt=0, description="Most prompt characters per request (all "
                                          "prompts or messages), checked before tokenizing: 400 / INVALID_ARGUMENT; "
                                          "default: 32 x the context length in tokens.")

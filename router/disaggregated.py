@@ -165,7 +165,7 @@ class Router(InferenceServicer):
     def __serve_build_asgi_app__(self):
         return create_openai_app(self.backend, self.config.resolved_api_keys(), self.config.request_timeout_s,
                                  RequestLimits.from_config(self.config), self.config.trace_requests,
-                                 self.config.sse_keepalive_s)
+                                 self.config.sse_keepalive_s, self.config.tool_call_parser)
 
     async def check_health(self) -> None:
         """Serve runs this once before the replica counts as started (and so before the deployment and the

@@ -37,7 +37,7 @@ from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, De
                                     chat_logprobs, completion_logprobs, delta_logprobs, echo_logprobs, joined_logprobs,
                                     usage, vllm_prompt_logprobs)
 from router.protocol import Backend, GenerateRequest
-from router.tool_parsers import ForcedStream, ToolParser, ToolStream, forced_calls, parser_for
+from router.tool_parsers import ForcedStream, ToolParser, ToolStream, check_parser_setting, forced_calls, parser_for
 from router.serve_context import SeparateServeRequests
 from engine.llm_engine import RequestOutput
 
@@ -220,9 +220,10 @@ class BodySizeLimit:
 
 class OpenAIServer:
     def __init__(self, backend: Backend, request_timeout_s: float | None = None, limits: RequestLimits | None = None,
-                 trace_requests: bool = False, sse_keepalive_s: float = 5.0):
+                 trace_requests: bool = False, sse_keepalive_s: float = 5.0, tool_call_parser: str = "auto"):
         self.backend = backend
         self.sse_keepalive_s = sse_keepalive_s
+        self.tool_call_parser = check_parser_setting(tool_call_parser)  # "auto": from the chat template
         self.request_timeout_s = request_timeout_s
         self.limits = limits or RequestLimits()
         self.trace_requests = trace_requests  # log each finished request's timeline (router/metrics.py)
@@ -430,7 +431,7 @@ class OpenAIServer:
             return self._refuse(e, rid)
         created, model = int(time.time()), self.backend.model_name
         n_logprobs = body.num_logprobs
-        parser = parser_for(getattr(self.backend.tokenizer, "chat_template", None))
+        parser = parser_for(getattr(self.backend.tokenizer, "chat_template", None), self.tool_call_parser)
 
         def respond(outs: list[RequestOutput]) -> dict:
             choices = [{"index": i, **_reply_message(body, parser, o), "stop_reason": o.stop_reason,
@@ -574,13 +575,12 @@ def _forced_delta(stream: ForcedStream, out: RequestOutput, delta: dict[str, Any
 
 def _tool_delta(stream: ToolStream, out: RequestOutput, parallel: bool, delta: dict[str, Any]) -> str | None:
     """Feed one streamed output through the choice's tool-call parser: its text into delta["content"],
-    calls completed now into delta["tool_calls"] (each whole, with its index among the choice's
-    calls); returns the chunk's finish_reason ("tool_calls" at the end of a reply that made calls)."""
-    before = len(stream.calls)
-    text, calls = stream.feed(out.new_text, final=out.finished)
+    its tool_calls entries (a call's index, id and name first, its arguments whole or in fragments
+    after, as the parser reads them) into delta["tool_calls"]; returns the chunk's finish_reason
+    ("tool_calls" at the end of a reply that made calls)."""
+    text, entries = stream.step(out.new_text, final=out.finished)
     if text:
         delta["content"] = text
-    entries = [{"index": before + k, **c} for k, c in enumerate(calls)]
     entries = entries if parallel else [e for e in entries if e["index"] == 0]
     if entries:
         delta["tool_calls"] = entries
@@ -613,9 +613,10 @@ def _validation_error(e: RequestValidationError) -> ApiError:
 
 def create_openai_app(backend: Backend, api_keys: Iterable[str] = (), request_timeout_s: float | None = None,
                       limits: RequestLimits | None = None, trace_requests: bool = False,
-                      sse_keepalive_s: float = 5.0) -> FastAPI:
-    """The FastAPI app; wrap-free: API keys, the body-size limit and X-Request-Id are ASGI middlewares added here."""
-    server = OpenAIServer(backend, request_timeout_s, limits, trace_requests, sse_keepalive_s)
+                      sse_keepalive_s: float = 5.0, tool_call_parser: str = "auto") -> FastAPI:
+    """The FastAPI app; wrap-free: API keys, the body-size limit and X-Request-Id are ASGI middlewares added here.
+    `tool_call_parser` (vLLM's --tool-call-parser): "hermes", "llama3_json", or "auto" = by the chat template."""
+    server = OpenAIServer(backend, request_timeout_s, limits, trace_requests, sse_keepalive_s, tool_call_parser)
     app = FastAPI(title="Tandem", description="OpenAI-compatible LLM inference", docs_url="/docs")
     app.state.server = server
     # Added last = runs first: the key is checked before the body is read or measured.
