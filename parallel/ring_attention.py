@@ -12,10 +12,16 @@ while it computes on the current one, so the transfer overlaps the compute. Caus
 the GLOBAL positions of queries and keys; blocks (or parts of blocks) that are entirely in the
 future of a query are never computed.
 
-Each step's partial attention is blockwise (`blockwise_attention_with_lse`): tiles of queries x keys
-with an online softmax, so a rank never holds more than one [Hq, tile_q, tile_k] score tile, whatever
-the prompt length; tiles wholly in the queries' future are skipped and only tiles that straddle the
-causal boundary are masked.
+Each step's partial attention is blockwise: on CUDA (Triton importable, fp16/bf16/fp32, head dim a
+power of two) the fused kernel of parallel/kernels/ring_attention_triton.py, which also merges the
+partial into the rank's fp32 accumulators; elsewhere (CPU) `blockwise_attention_with_lse`, plain PyTorch
+tiles of queries x keys with an online softmax. Either way a rank never holds more than one score tile,
+whatever the prompt length; tiles wholly in the queries' future are skipped and only tiles that straddle
+the causal boundary are masked.
+
+`ring_rank_attention` is one rank's whole share of `ring_attention` (its queries against every rank's
+K/V block in ring order, merged) without the communication: what one GPU runs to measure a rank of
+SP=N (scripts/bench_sp_rank.py).
 
 Decode (`sharded_decode_attention`): the few queries are replicated, each rank attends over the KV
 it holds, and the partials are merged across the SP group (`merge_attention_partials`).
@@ -27,6 +33,7 @@ causal triangle. RoPE is applied by the caller at the global positions before ca
 from __future__ import annotations
 
 import bisect
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -67,11 +74,21 @@ class TokenShard:
 
     positions: list[list[int]]
     offsets: list[int] = field(init=False)
+    _on_device: dict = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.offsets = [0]
         for p in self.positions:
             self.offsets.append(self.offsets[-1] + len(p))
+
+    def positions_on(self, device: torch.device) -> torch.Tensor:
+        """All positions, row by row, as an int32 tensor on `device` [num_tokens]; made once per device
+        (every layer of a step shares the shard, and a host-to-device copy would wait for the GPU)."""
+        key = str(device)
+        if key not in self._on_device:
+            flat = [p for pos in self.positions for p in pos]
+            self._on_device[key] = torch.tensor(flat, dtype=torch.int32).to(device)
+        return self._on_device[key]
 
     @property
     def num_tokens(self) -> int:
@@ -302,31 +319,117 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_shard: T
     kv_shards[group.rank]; kv_shards[r] describes rank r's keys (so receive buffers are sized without a
     handshake). A query at global position p attends to every key at position <= p, whichever rank holds
     it. Queries and keys may be different token sets (e.g. new tokens vs. new + cached). Returns [Tq, Hq, D].
-    Each step's partial is blockwise (`blockwise_attention_with_lse`, tiles as there): memory per rank is
-    O(Tq + Tk) plus one score tile, never the [Tq, Tk] score matrix.
+    Each step's partial is blockwise (the Triton kernel on CUDA, else `blockwise_attention_with_lse` with
+    `tiles` as there): memory per rank is O(Tq + Tk) plus one score tile, never the [Tq, Tk] score matrix.
     """
     n, me = group.size, group.rank
-    acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    acc_lse = torch.full(q.shape[:2], NEG_INF, dtype=torch.float32, device=q.device)
+    acc_out, acc_lse = _accumulators(q)
     block = torch.stack([k, v]).contiguous()  # [2, Tk, Hkv, D]: one message per step instead of two
+    use_triton = _use_triton(q, block)
+    if use_triton:
+        _upload_positions([q_shard, *kv_shards], q.device)
     for step in range(n):
         src = (me - step) % n  # whose keys `block` holds now
         exchange = None
         if step < n - 1:
             # Start passing the block on before computing with it: the transfer overlaps the compute.
             exchange = _RingExchange(group, block, kv_shards[(src - 1) % n].num_tokens)
-        _attend_block(q, block, q_shard, kv_shards[src], scale, acc_out, acc_lse, tiles)
+        _attend_block(q, block, q_shard, kv_shards[src], scale, acc_out, acc_lse, tiles, use_triton)
         if exchange is not None:
             block = exchange.wait()
     return acc_out.to(q.dtype)
 
 
+def ring_rank_attention(q: torch.Tensor, blocks: list[torch.Tensor], shards: list[TokenShard], rank: int,
+                        scale: float, backend: str | None = None,
+                        tiles: tuple[int, int] | None = None) -> torch.Tensor:
+    """Everything SP rank `rank` computes in `ring_attention`, on one device and without communication.
+
+    q [Tq, Hq, D]: the rank's queries (rows of shards[rank]); blocks[r] [2, Tk_r, Hkv, D]: rank r's keys
+    and values (rows of shards[r]), attended in ring order (the rank's own, then rank - 1, rank - 2, ...)
+    and merged exactly, as the ring does. backend: "triton", "torch" or None (Triton where it runs).
+    Returns [Tq, Hq, D] in q's dtype. `split_for_ranks` builds the arguments from a whole prompt.
+    """
+    n = len(shards)
+    if len(blocks) != n or not 0 <= rank < n:
+        raise ValueError(f"need one K/V block per shard and 0 <= rank < {n}; got {len(blocks)} blocks, rank {rank}")
+    if backend not in (None, "triton", "torch"):
+        raise ValueError(f"backend must be 'triton', 'torch' or None, not {backend!r}")
+    use_triton = _use_triton(q, blocks[rank]) if backend is None else backend == "triton"
+    if use_triton and not _triton_runs(q, blocks[rank]):
+        raise ValueError("the Triton ring kernel needs Triton and CUDA tensors it supports (or TRITON_INTERPRET=1), "
+                         "see ring_attention_triton.supported")
+    if use_triton:
+        _upload_positions(shards, q.device)
+    acc_out, acc_lse = _accumulators(q)
+    for step in range(n):
+        src = (rank - step) % n
+        _attend_block(q, blocks[src], shards[rank], shards[src], scale, acc_out, acc_lse, tiles, use_triton)
+    return acc_out.to(q.dtype)
+
+
+def split_for_ranks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    positions: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[TokenShard]]:
+    """Cut one prompt's q [T, Hq, D], k/v [T, Hkv, D] into what each SP rank holds: positions[r] are rank
+    r's (ascending, together every position once). Returns per rank its queries [T_r, Hq, D], its K/V
+    block [2, T_r, Hkv, D] and its TokenShard, the arguments of `ring_rank_attention`."""
+    held = sorted(p for pos in positions for p in pos)
+    if held != list(range(q.shape[0])) or any(pos != sorted(pos) for pos in positions):
+        raise ValueError(f"positions must cover 0..{q.shape[0] - 1} once, each rank's ascending")
+    idx = [torch.tensor(pos, dtype=torch.long, device=q.device) for pos in positions]
+    qs = [q.index_select(0, i) for i in idx]
+    blocks = [torch.stack([k.index_select(0, i), v.index_select(0, i)]) for i in idx]
+    return qs, blocks, [TokenShard([pos]) for pos in positions]
+
+
+def _accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty merge state for q [Tq, Hq, D]: out [Tq, Hq, D] zeros and lse [Tq, Hq] -inf, fp32."""
+    acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    acc_lse = torch.full(q.shape[:2], NEG_INF, dtype=torch.float32, device=q.device)
+    return acc_out, acc_lse
+
+
+_TRITON_MODULE: list = []  # [module or None] once the import was tried
+
+
+def _triton_kernels():
+    """parallel/kernels/ring_attention_triton.py, or None where Triton cannot be imported."""
+    if not _TRITON_MODULE:
+        try:
+            from parallel.kernels import ring_attention_triton
+        except ImportError:
+            ring_attention_triton = None
+        _TRITON_MODULE.append(ring_attention_triton)
+    return _TRITON_MODULE[0]
+
+
+def _triton_runs(q: torch.Tensor, block: torch.Tensor) -> bool:
+    """Whether the Triton kernel can run on these tensors: Triton importable, inputs it supports, and CUDA
+    (or CPU tensors under Triton's interpreter, TRITON_INTERPRET=1: the kernel tests)."""
+    kernels = _triton_kernels()
+    on_device = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return on_device and kernels is not None and kernels.supported(q, block[0], block[1])
+
+
+def _use_triton(q: torch.Tensor, block: torch.Tensor) -> bool:
+    """The default: the Triton kernel on CUDA where it runs, the PyTorch tiles elsewhere (always on CPU)."""
+    return q.is_cuda and _triton_runs(q, block)
+
+
+def _upload_positions(shards: list[TokenShard], device: torch.device) -> None:
+    # Before the first kernel: a host-to-device copy issued later would wait for the kernels queued before it.
+    for shard in shards:
+        shard.positions_on(device)
+
+
 def _attend_block(q: torch.Tensor, block: torch.Tensor, q_shard: TokenShard, kv_shard: TokenShard, scale: float,
-                  acc_out: torch.Tensor, acc_lse: torch.Tensor, tiles: tuple[int, int] | None) -> None:
+                  acc_out: torch.Tensor, acc_lse: torch.Tensor, tiles: tuple[int, int] | None,
+                  use_triton: bool = False) -> None:
     """Merge each sequence's partial attention over one K/V block into the accumulators (exact, by LSE).
 
     q [Tq, Hq, D]; block [2, Tk, Hkv, D] (the K/V heads travel, never the repeated query heads);
-    acc_out [Tq, Hq, D], acc_lse [Tq, Hq] fp32."""
+    acc_out [Tq, Hq, D], acc_lse [Tq, Hq] fp32. use_triton: the fused kernel computes and merges each
+    partial in place (positions from the shards' device copies), else the PyTorch tiles and `merge_into`."""
     for b in range(q_shard.num_seqs):
         q_pos, k_pos = q_shard.positions[b], kv_shard.positions[b]
         part = _visible_part(q_pos, k_pos)
@@ -337,6 +440,12 @@ def _attend_block(q: torch.Tensor, block: torch.Tensor, q_shard: TokenShard, kv_
         k0 = kv_shard.offsets[b]
         k1 = kv_shard.offsets[b] + k_hi
         # A pair whose every query sees every key (full) runs unmasked; else the tiles mask by position.
+        if use_triton:
+            qp = None if full else q_shard.positions_on(q.device)[q0:q1]
+            kp = None if full else kv_shard.positions_on(q.device)[k0:k1]
+            _triton_kernels().chunk_attention_merge_(acc_out[q0:q1], acc_lse[q0:q1], q[q0:q1], block[0, k0:k1],
+                                                     block[1, k0:k1], scale, qp, kp)
+            continue
         qp, kp = (None, None) if full else (q_pos[q_lo:], k_pos[:k_hi])
         out, lse = blockwise_attention_with_lse(q[q0:q1], block[0, k0:k1], block[1, k0:k1], scale, qp, kp, tiles)
         merge_into(acc_out[q0:q1], acc_lse[q0:q1], out, lse)

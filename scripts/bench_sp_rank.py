@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""One layer's attention of one SP rank on one device, against SP=1 attention over the whole prompt.
+
+For each prompt length and SP size, every rank's share of ring attention is run on this one device with
+no communication (`parallel.ring_attention.ring_rank_attention`): the rank's queries, laid out as the SP
+path lays them out (block-owned: block i of the prompt belongs to rank `block_owner(i, sp)`,
+`workers.sp_plan.owned_positions`), against every rank's K/V block in ring order, merged by log-sum-exp.
+The slowest rank's time is compared with SP=1 attention over the whole prompt: the engine's own causal
+prefill kernel (parallel/kernels/paged_attention.py `prefill_attention`, what the Triton backend runs on
+GPU); PyTorch's flash SDPA is timed beside it for scale and is the reference of the error. Goals (issue
+25): the slowest rank <= 0.55x SP=1 at SP=2 and <= 0.3x at SP=4, error within bf16 tolerance, memory
+per rank linear in its chunk.
+
+    python scripts/bench_sp_rank.py                                   # 16K/64K/128K, SP 2 and 4, Llama-3.1-8B heads
+    python scripts/bench_sp_rank.py --device cpu --dry-run            # tiny shapes, CPU, seconds
+
+Per rank it reports the median time of --reps runs (after one warm-up run), the max abs error of its rows
+against SP=1 attention, and memory: `resident` (its queries, its own K/V block, the received block in hand
+and the one in flight: what a ring rank holds for attention) and `work_peak` (torch.cuda.max_memory_allocated during the call beyond what
+was allocated before it: accumulators, output, positions). Not timed: communication (none here), the
+gathers of K/V from the paged cache, the layout's host work. Writes JSON (--out) and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from parallel.ring_attention import ring_rank_attention, split_for_ranks  # noqa: E402
+from workers.sp_plan import owned_positions  # noqa: E402
+
+GOALS = {2: 0.55, 4: 0.3}  # issue 25: slowest rank's time / SP=1 attention's
+BF16_TOL = 2e-2  # max abs error counted as "within bf16 tolerance"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default=None, help="prompt lengths (default 16384,65536,131072; dry run 64,200)")
+    p.add_argument("--sp", default="2,4", help="SP sizes")
+    p.add_argument("--heads", type=int, default=None, help="query heads (default 32; dry run 4)")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default 8; dry run 2)")
+    p.add_argument("--head-dim", type=int, default=None, help="head dim (default 128; dry run 16)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--block-size", type=int, default=None, help="KV block size of the layout (default 16; dry run 4)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"],
+                   help="ring step: the Triton kernel, the PyTorch tiles, or auto (Triton on CUDA)")
+    p.add_argument("--reps", type=int, default=None, help="timed runs per cell (median; default 5, dry run 1)")
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes: a check that the script runs")
+    p.add_argument("--out", default="bench_results/bench_sp_rank.json")
+    a = p.parse_args(argv)
+    tiny = a.dry_run
+    a.lengths = [int(x) for x in (a.lengths or ("64,200" if tiny else "16384,65536,131072")).split(",") if x]
+    a.sp = [int(x) for x in a.sp.split(",") if x]
+    a.heads = a.heads or (4 if tiny else 32)
+    a.kv_heads = a.kv_heads or (2 if tiny else 8)
+    a.head_dim = a.head_dim or (16 if tiny else 128)
+    a.block_size = a.block_size or (4 if tiny else 16)
+    a.reps = a.reps or (1 if tiny else 5)
+    if min(a.lengths) < 1 or min(a.sp) < 1 or a.heads % a.kv_heads or a.reps < 1:
+        p.error("lengths, SP sizes and reps must be positive and heads a multiple of kv-heads")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA GPU (use --device cpu --dry-run to check the script)")
+    return a
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, reps: int) -> tuple[float, object]:
+    """Median seconds of `reps` calls of fn() after one warm-up call (compiles), and the last result."""
+    result = fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        result = fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def sp1_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, device: str, reps: int) -> dict:
+    """SP=1 over the whole prompt: the engine's prefill kernel (CUDA) and SDPA (flash on CUDA, math on CPU).
+    Returns seconds per kernel, the baseline's name and the reference output for the error."""
+    g = q.shape[1] // k.shape[1]
+    kr, vr = (x.repeat_interleave(g, dim=1).transpose(0, 1) for x in (k, v))  # MHA layout: flash takes it
+
+    def sdpa() -> torch.Tensor:
+        if device != "cuda":
+            return F.scaled_dot_product_attention(q.transpose(0, 1), kr, vr, is_causal=True, scale=scale).transpose(0, 1)
+        with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.FLASH_ATTENTION]):
+            return F.scaled_dot_product_attention(q.transpose(0, 1), kr, vr, is_causal=True, scale=scale).transpose(0, 1)
+
+    res = {}
+    res["sdpa_s"], ref = timed(sdpa, device, reps)
+    del kr, vr
+    res["baseline"], res["baseline_s"] = "sdpa", res["sdpa_s"]
+    if device == "cuda":
+        res["prefill_attention_s"] = timed(_engine_prefill(q, k, v, scale), device, reps)[0]
+        res["baseline"], res["baseline_s"] = "prefill_attention", res["prefill_attention_s"]
+    return {"res": res, "ref": ref}
+
+
+def _engine_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """A call of the Triton backend's prefill for one fresh prompt (no cached context: the cache is never
+    read), its metadata made once outside the timed call as the engine makes it once per step."""
+    from parallel.kernels.paged_attention import prefill_attention
+
+    t, dev = q.shape[0], q.device
+    cache = torch.zeros(2, 1, 16, k.shape[1], k.shape[2], dtype=k.dtype, device=dev)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    seq_lens = torch.tensor([t], dtype=torch.int32, device=dev)
+    qsl = torch.tensor([0, t], dtype=torch.int32, device=dev)
+    return lambda: prefill_attention(q, k, v, cache, tables, seq_lens, qsl, t, scale)
+
+
+def bench_rank(qs, blocks, shards, rank: int, scale: float, ref: torch.Tensor, a: argparse.Namespace) -> dict:
+    """Rank `rank`'s whole ring on this device: median seconds, max abs error of its rows, memory."""
+    backend = None if a.backend == "auto" else a.backend
+    run = lambda: ring_rank_attention(qs[rank], blocks, shards, rank, scale, backend)  # noqa: E731
+    seconds, out = timed(run, a.device, a.reps)
+    rows = torch.tensor(shards[rank].positions[0], dtype=torch.long, device=ref.device)
+    err = (out.float() - ref.index_select(0, rows).float()).abs().max().item() if rows.numel() else 0.0
+    others = [b.nbytes for r, b in enumerate(blocks) if r != rank]
+    cell = {"rank": rank, "query_tokens": qs[rank].shape[0], "seconds": seconds, "max_abs_err": err,
+            "resident_bytes": qs[rank].nbytes + blocks[rank].nbytes + 2 * max(others, default=0)}
+    if a.device == "cuda":
+        del out
+        sync(a.device)
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        sync(a.device)
+        cell["work_peak_bytes"] = torch.cuda.max_memory_allocated() - before
+        cell["peak_bytes"] = cell["resident_bytes"] + cell["work_peak_bytes"]
+        cell["peak_bytes_per_query_token"] = cell["peak_bytes"] / max(1, cell["query_tokens"])
+    return cell
+
+
+def bench_sp(q, k, v, sp: int, scale: float, sp1: dict, a: argparse.Namespace) -> dict:
+    """Every rank of SP=sp for one prompt: per-rank cells, the slowest, its ratio to SP=1 and the goal."""
+    n = q.shape[0]
+    positions = [owned_positions(0, n, r, sp, a.block_size) for r in range(sp)]
+    qs, blocks, shards = split_for_ranks(q, k, v, positions)
+    ranks = [bench_rank(qs, blocks, shards, r, scale, sp1["ref"], a) for r in range(sp)]
+    slowest = max(c["seconds"] for c in ranks)
+    res = {"ranks": ranks, "slowest_s": slowest, "ratio": slowest / sp1["res"]["baseline_s"],
+           "max_abs_err": max(c["max_abs_err"] for c in ranks), "goal": GOALS.get(sp)}
+    res["meets_goal"] = None if res["goal"] is None else res["ratio"] <= res["goal"]
+    res["within_bf16_tol"] = res["max_abs_err"] <= BF16_TOL
+    if a.device == "cuda":
+        res["peak_bytes_max"] = max(c["peak_bytes"] for c in ranks)
+    return res
+
+
+def bench_length(n: int, a: argparse.Namespace) -> dict:
+    """One prompt length: SP=1 and every SP size; an error (e.g. out of memory) is recorded per cell."""
+    gen = torch.Generator(device=a.device).manual_seed(n)
+    dtype, d = DTYPES[a.dtype], a.head_dim
+    q = torch.randn(n, a.heads, d, generator=gen, device=a.device, dtype=dtype)
+    k, v = (torch.randn(n, a.kv_heads, d, generator=gen, device=a.device, dtype=dtype) for _ in range(2))
+    scale = d ** -0.5
+    try:
+        sp1 = sp1_attention(q, k, v, scale, a.device, a.reps)
+    except Exception as e:  # noqa: BLE001 - recorded: the table says which cell failed and why
+        return {"tokens": n, "error": f"sp1: {type(e).__name__}: {str(e)[:300]}"}
+    cell = {"tokens": n, "sp1": sp1["res"], "sp": {}}
+    for sp in a.sp:
+        try:
+            cell["sp"][str(sp)] = bench_sp(q, k, v, sp, scale, sp1, a)
+        except Exception as e:  # noqa: BLE001
+            cell["sp"][str(sp)] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
+    return cell
+
+
+def table(results: list[dict]) -> str:
+    lines = [f"{'tokens':>8} {'SP':>3} {'slowest rank s':>14} {'SP=1 s':>9} {'ratio':>7} {'goal':>6} {'max err':>9} "
+             f"{'peak/rank MiB':>13}"]
+    for cell in results:
+        if "error" in cell:
+            lines.append(f"{cell['tokens']:8d} {cell['error']}")
+            continue
+        base = cell["sp1"]["baseline_s"]
+        lines.append(f"{cell['tokens']:8d} {1:3d} {'-':>14} {base:9.4f} {'1':>7} {'-':>6} {'-':>9} {'-':>13}"
+                     f"   ({cell['sp1']['baseline']}; sdpa {cell['sp1']['sdpa_s']:.4f} s)")
+        for sp, r in cell["sp"].items():
+            if "error" in r:
+                lines.append(f"{cell['tokens']:8d} {sp:>3} {r['error']}")
+                continue
+            goal = "-" if r["goal"] is None else f"{r['goal']:.2f}" + ("" if r["meets_goal"] else "!")
+            peak = f"{r['peak_bytes_max'] / 2**20:13.0f}" if "peak_bytes_max" in r else f"{'-':>13}"
+            lines.append(f"{cell['tokens']:8d} {sp:>3} {r['slowest_s']:14.4f} {base:9.4f} {r['ratio']:7.3f} {goal:>6} "
+                         f"{r['max_abs_err']:9.2e} {peak}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    device_name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+    results = [bench_length(n, a) for n in a.lengths]
+    report = {"benchmark": "sp_rank", "device": device_name, "date": time.strftime("%Y-%m-%d"),
+              "shape": {"heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim}, "dtype": a.dtype,
+              "block_size": a.block_size, "backend": a.backend, "reps": a.reps, "goals": GOALS, "results": results}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"{device_name}: one SP rank's attention (slowest rank) vs SP=1, Hq={a.heads} Hkv={a.kv_heads} "
+          f"D={a.head_dim} {a.dtype}, block {a.block_size}, '!' = goal missed")
+    print(table(results))
+    print(f"wrote {out}")
+    failed = any("error" in c or any("error" in r for r in c["sp"].values()) for c in results)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The Triton ring-attention step compiled on a GPU (its CPU twin runs in Triton's interpreter,
+tests/test_ring_attention_interpreted.py) against PyTorch SDPA: Llama-3.1-8B heads (32 query, 8 KV, D 128)
+and other GQA ratios, bf16/fp16/fp32, plain and TMA loads, causal chunk pairs of the SP layout (diagonal,
+interleaved, fully masked, fully visible), ragged lengths; one SP rank's whole ring (`ring_rank_attention`)
+for SP=2 and 4 against full causal SDPA; and `ring_attention`'s default picks the kernel on CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import parallel.ring_attention as ring_mod
+from parallel.kernels import ring_attention_triton as rt
+from parallel.kernels.paged_attention import _tma_supported
+from parallel.ring_attention import ring_rank_attention, split_for_ranks
+from workers.sp_plan import owned_positions
+
+DEV = "cuda"
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def sdpa_with_lse(q, k, v, scale, q_pos, k_pos):
+    """fp32 SDPA (output) and logsumexp of the masked scores (lse); rows that see nothing: out 0, lse -inf."""
+    qf, kf, vf = (x.float().transpose(0, 1) for x in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    kf, vf = kf.repeat_interleave(g, 0), vf.repeat_interleave(g, 0)
+    mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=DEV) if q_pos is None else \
+        q_pos[:, None] >= k_pos[None, :]
+    scores = (qf @ kf.transpose(1, 2)) * scale
+    lse = scores.masked_fill(~mask, float("-inf")).logsumexp(-1).transpose(0, 1)
+    seen = mask.any(1)
+    full = torch.zeros_like(qf)
+    if seen.any():
+        full[:, seen] = F.scaled_dot_product_attention(qf[:, seen], kf, vf, attn_mask=mask[seen], scale=scale)
+    return full.transpose(0, 1), lse
+
+
+def layout(n: int, sp: int, rank: int) -> torch.Tensor:
+    return torch.tensor(owned_positions(0, n, rank, sp, 16), device=DEV)
+
+
+CASES = {  # q positions, k positions (None, None: no mask)
+    "diagonal": lambda: (torch.arange(1000, device=DEV), torch.arange(1000, device=DEV)),
+    "sp2 rank1 x rank0": lambda: (layout(2100, 2, 1), layout(2100, 2, 0)),
+    "sp4 rank0 x rank3": lambda: (layout(2100, 4, 0), layout(2100, 4, 3)),
+    "fully masked": lambda: (torch.arange(300, device=DEV), torch.arange(200, device=DEV) + 500),
+    "fully visible": lambda: (torch.arange(333, device=DEV) + 900, torch.arange(777, device=DEV)),
+    "non-causal": lambda: (None, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (8, 1, 64), (4, 4, 128)])
+@pytest.mark.parametrize("tma", [False, True])
+def test_chunk_attention_matches_sdpa(case, dtype, hq, hkv, d, tma):
+    if tma and not _tma_supported(torch.empty(16, device=DEV)):
+        pytest.skip("TMA needs Hopper")
+    q_pos, k_pos = CASES[case]()
+    tq, tk = (q_pos.numel(), k_pos.numel()) if q_pos is not None else (517, 1029)
+    g = torch.Generator(device=DEV).manual_seed(tq + tk + hq)
+    q = torch.randn(tq, hq, d, device=DEV, generator=g).to(dtype)
+    k, v = (torch.randn(tk, hkv, d, device=DEV, generator=g).to(dtype) for _ in range(2))
+    scale = d ** -0.5
+    out, lse = rt.chunk_attention(q, k, v, scale, q_pos, k_pos, tma=tma)
+    ref_out, ref_lse = sdpa_with_lse(q, k, v, scale, q_pos, k_pos)
+    dead = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), dead) and (out[dead] == 0).all()
+    torch.testing.assert_close(out, ref_out, rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(lse[~dead], ref_lse[~dead], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_rank_work_matches_full_causal_sdpa(sp: int):
+    n, hq, hkv, d = 4099, 32, 8, 128
+    g = torch.Generator(device=DEV).manual_seed(sp)
+    q = torch.randn(n, hq, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(n, hkv, d, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                          enable_gqa=True).transpose(0, 1)
+    positions = [owned_positions(0, n, r, sp, 16) for r in range(sp)]
+    qs, blocks, shards = split_for_ranks(q, k, v, positions)
+    for r in range(sp):
+        got = ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, backend="triton")
+        torch.testing.assert_close(got.float(), want[positions[r]].float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got, ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, backend="torch"),
+                                   rtol=2e-2, atol=2e-2)
+
+
+def test_cuda_default_is_the_triton_kernel(monkeypatch):
+    """`ring_attention`'s steps on CUDA run the kernel, not the PyTorch tiles."""
+    def no_tiles(*a):
+        raise AssertionError("the PyTorch tiles ran on CUDA")
+
+    monkeypatch.setattr(ring_mod, "_tile_scores", no_tiles)
+    q, k, v = (torch.randn(64, h, 128, device=DEV, dtype=torch.bfloat16) for h in (8, 2, 2))
+    qs, blocks, shards = split_for_ranks(q, k, v, [owned_positions(0, 64, r, 2, 16) for r in range(2)])
+    ring_rank_attention(qs[0], blocks, shards, 0, 0.1)
