@@ -4,6 +4,7 @@ loads from config.json alone (parallel/quant): GPTQ (RTN), AWQ (RTN, GEMM packin
     python scripts/quantize.py SRC DST --method gptq --bits 4 --group-size 128 [--asym] [--desc-act]
     python scripts/quantize.py SRC DST --method awq --group-size 128
     python scripts/quantize.py SRC DST --method fp8 [--block 128 128 | --fp8-scale tensor | --fp8-scale channel]
+        [--activation-scheme static --calibration-text FILE]   (tensor/channel: static activation scales)
     ... --dequantized-out REF      also write REF: the same model with every quantized weight replaced by
                                    its dequantized float32 value, as a plain checkpoint (the reference that
                                    Hugging Face transformers runs in the tests)
@@ -21,6 +22,10 @@ linear layer's input; each weight is then quantized column by column (act order:
 diagonal), each column's rounding error spread over the columns not yet quantized through the
 Cholesky factor of H^-1 (damped by --damp of its mean diagonal). Group scales and zeros are taken
 from the error-updated weights as each group starts, and written in the same GPTQ format.
+
+FP8 with `--activation-scheme static` (per-tensor or per-channel weights) runs the unquantized model on
+the calibration windows and writes each linear layer's `input_scale` = max |input| / 448, float32 [],
+as FP8 checkpoints with static activations carry it (vLLM's layout); the weights are RTN as above.
 
     python scripts/quantize.py models/tandem-tiny /tmp/tiny-gptq --method gptq --group-size 64 \
         --calibration-text corpus.txt --nsamples 32 --seqlen 256
@@ -134,6 +139,28 @@ def calibrated_gptq(src: str, o: Options, samples: list[list[int]], damp: float 
     return results
 
 
+@torch.no_grad()
+def activation_input_scales(src: str, samples: list[list[int]]) -> dict[str, torch.Tensor]:
+    """FP8 static activations: checkpoint name (`...q_proj.input_scale`) -> max |input| / FP8_MAX over the
+    calibration windows, float32 [], for every decoder linear layer, measured on the unquantized model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    amax: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def fn(_module, args):
+            amax[name] = torch.maximum(amax.get(name, torch.zeros(())), args[0].detach().abs().max().float())
+        return fn
+
+    handles = [module.register_forward_pre_hook(hook(f"model.{name}.input_scale"))
+               for name, module in model.model.named_modules() if QUANTIZABLE.match(f"model.{name}.weight")]
+    model(torch.tensor(samples))
+    for handle in handles:
+        handle.remove()
+    return {name: (a / FP8_MAX).clamp(min=1e-12) for name, a in amax.items()}
+
+
 def calibration_samples(tokenizer_dir: str, text: str, n: int, seqlen: int, seed: int = 0) -> list[list[int]]:
     """n random windows of seqlen tokens of `text`."""
     from transformers import AutoTokenizer
@@ -182,15 +209,20 @@ def quantize_folder(src: str, dst: str, o: Options, dequantized_out: str | None 
                     calibration: list[list[int]] | None = None, damp: float = 0.01) -> None:
     """calibration: token windows for GPTQ proper (else round-to-nearest)."""
     o.check()
-    if calibration is not None and o.method != "gptq":
-        raise ValueError("calibration data is used by --method gptq only (AWQ and FP8 here are round-to-nearest)")
+    static = o.activation_scheme == "static"
+    if calibration is not None and o.method != "gptq" and not static:
+        raise ValueError("calibration data is used by --method gptq and FP8 static activations only "
+                         "(AWQ and FP8 weights here are round-to-nearest)")
+    if static and calibration is None:
+        raise ValueError("FP8 static activation scales need calibration data (--calibration-text)")
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     if config.get("quantization_config"):
         raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
     if any(k in config for k in ("num_experts", "num_local_experts")):
         raise ValueError("MoE models are not supported by this tool yet")
-    solved = calibrated_gptq(src, o, calibration, damp) if calibration is not None else {}
+    solved = calibrated_gptq(src, o, calibration, damp) if calibration is not None and o.method == "gptq" else {}
+    input_scales = activation_input_scales(src, calibration) if static else {}
     files = _tensor_files(src)
     handles = {f: safe_open(os.path.join(src, f), framework="pt") for f in sorted(set(files.values()))}
     get = lambda n: handles[files[n]].get_tensor(n)  # noqa: E731
@@ -202,11 +234,13 @@ def quantize_folder(src: str, dst: str, o: Options, dequantized_out: str | None 
             tensors, deq = solved[name] if name in solved else _quantize_one(name, t, o, get)
             base = name[: -len("weight")]
             out_files[fname].update({base + k: v.contiguous() for k, v in tensors.items()})
+            if static:
+                out_files[fname][base + "input_scale"] = input_scales[base + "input_scale"]
             ref_files[fname][name] = deq.contiguous()
         else:
             out_files[fname][name] = t
             ref_files[fname][name] = t
-    quantizer = f"tandem scripts/quantize.py (GPTQ, {len(calibration)} calibration windows)" if calibration else "tandem scripts/quantize.py (RTN)"
+    quantizer = f"tandem scripts/quantize.py (GPTQ, {len(calibration)} calibration windows)" if solved else "tandem scripts/quantize.py (RTN)"
     _write(src, dst, {**config, "quantization_config": o.quantization_config(quantizer)}, out_files)
     if dequantized_out:
         _write(src, dequantized_out, {**config, "dtype": "float32"}, ref_files)
@@ -239,13 +273,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--desc-act", action="store_true", help="GPTQ: act order (a permutation, stored as g_idx)")
     p.add_argument("--block", type=int, nargs=2, default=[128, 128], help="FP8 weight_block_size")
     p.add_argument("--fp8-scale", choices=["block", "tensor", "channel"], default="block")
+    p.add_argument("--activation-scheme", choices=["dynamic", "static"], default="dynamic",
+                   help="FP8 (tensor/channel): static writes each linear's input_scale from --calibration-text")
     p.add_argument("--dequantized-out", help="also write the dequantized model here as a plain checkpoint")
-    p.add_argument("--calibration-text", help="GPTQ proper: a text file to draw calibration windows from")
+    p.add_argument("--calibration-text", help="GPTQ proper, or FP8 static activation scales: a text file to draw "
+                   "calibration windows from")
     p.add_argument("--nsamples", type=int, default=32, help="calibration windows")
     p.add_argument("--seqlen", type=int, default=256, help="tokens per calibration window")
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of H's mean diagonal")
     a = p.parse_args(argv)
-    o = Options(a.method, a.bits, a.group_size, not a.asym, a.desc_act, tuple(a.block), a.fp8_scale)
+    o = Options(a.method, a.bits, a.group_size, not a.asym, a.desc_act, tuple(a.block), a.fp8_scale, a.activation_scheme)
     calib = None
     if a.calibration_text:
         with open(a.calibration_text, encoding="utf-8") as f:

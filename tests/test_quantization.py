@@ -47,6 +47,10 @@ CASES = {
     "fp8_block128": ("llama", qt.Options("fp8", block=(128, 128))),
     "fp8_tensor": ("llama", qt.Options("fp8", fp8_scale="tensor")),
     "fp8_channel": ("qwen2", qt.Options("fp8", fp8_scale="channel")),
+    # activation_scheme "static": an input_scale per linear, from calibration windows. On CPU weights run
+    # dequantized and activations unquantized, so the output is still HF's on the dequantized weights.
+    "fp8_tensor_static": ("llama", qt.Options("fp8", fp8_scale="tensor", activation_scheme="static")),
+    "fp8_channel_static": ("qwen3", qt.Options("fp8", fp8_scale="channel", activation_scheme="static")),
 }
 
 
@@ -54,7 +58,10 @@ def _quantized(tmp_path: Path, case: str) -> tuple[str, str, str]:
     arch, opts = CASES[case]
     src = tiny_model(arch)
     dst, ref = str(tmp_path / f"{case}-q"), str(tmp_path / f"{case}-ref")
-    qt.quantize_folder(src, dst, opts, dequantized_out=ref)
+    calib = None
+    if opts.activation_scheme == "static":
+        calib = qt.calibration_samples(src, (ROOT / "README.md").read_text(encoding="utf-8"), 4, 32)
+    qt.quantize_folder(src, dst, opts, dequantized_out=ref, calibration=calib)
     return src, dst, ref
 
 
@@ -76,6 +83,11 @@ def test_quantized_checkpoint_matches_hf_on_dequantized_weights(tmp_path, case):
         assert down.weight.dtype == torch.float8_e4m3fn
     else:
         assert down.qweight.dtype == torch.int32 and not hasattr(down, "weight")
+    if CASES[case][1].activation_scheme == "static":  # one scale per layer: q/k/v's largest, down's own
+        with safe_open(os.path.join(dst, "model.safetensors"), "pt") as f:
+            scale = lambda m: f.get_tensor(f"model.layers.0.{m}.input_scale")  # noqa: E731
+            want_qkv = torch.stack([scale(f"self_attn.{p}_proj") for p in "qkv"]).max()
+            assert qkv.input_scale.item() == want_qkv.item() and down.input_scale.item() == scale("mlp.down_proj").item()
     outs = llm.generate(PROMPTS, GREEDY)
     llm.shutdown()
     for prompt, out, (expected, _) in zip(PROMPTS, outs, hf_greedy_batch(ref, PROMPTS, MAX_NEW)):
@@ -212,7 +224,8 @@ def _with_quant_config(tmp_path: Path, qc: dict | None, arch: str = "llama") -> 
     ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size=0"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemv"),
     ({"quant_method": "awq", "bits": 8, "group_size": 128}, "bits=8"),
-    ({"quant_method": "fp8", "activation_scheme": "static"}, "static"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "static"),
+    ({"quant_method": "fp8", "activation_scheme": "per_token"}, "per_token"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
     ({"quant_method": "fp8", "modules_to_not_convert": ["model.layers.0.self_attn.q_proj"]}, "modules_to_not_convert"),
     ({"bits": 4}, "quant_method"),
@@ -272,3 +285,102 @@ def test_quantized_moe_is_refused(tmp_path):
     path = _with_quant_config(tmp_path, {"quant_method": "fp8", "weight_block_size": [128, 128]}, arch="mixtral")
     with pytest.raises(ValueError, match="MoE"):
         _llm(path)
+
+
+# ---- FP8 static activations (activation_scheme "static"): loading, and which scale the W8A8 GEMM uses ----
+
+def test_fp8_static_checkpoint_without_input_scales_is_refused(tmp_path):
+    _, dst, _ = _quantized(tmp_path, "fp8_tensor_static")
+    f = os.path.join(dst, "model.safetensors")
+    with safe_open(f, "pt") as h:
+        tensors = {k: h.get_tensor(k) for k in h.keys() if k != "model.layers.0.self_attn.k_proj.input_scale"}
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="no input_scale"):
+        _llm(dst)
+
+
+def test_fp8_dynamic_checkpoint_with_input_scales_is_refused(tmp_path):
+    """An input_scale the config does not ask for is never dropped in silence."""
+    _, dst, _ = _quantized(tmp_path, "fp8_tensor_static")
+    cfg = json.loads(Path(dst, "config.json").read_text())
+    cfg["quantization_config"]["activation_scheme"] = "dynamic"
+    Path(dst, "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="input_scale"):
+        _llm(dst)
+
+
+def _static_qkv(tp: int, rank: int, scales: dict[str, float], bad: float | None = None):
+    o = qt.Options("fp8", fp8_scale="tensor", activation_scheme="static")
+    layer = _build(QKVParallelLinear, tp, rank, o, 64, 8, 8, 4)
+    layer.init_buffers()
+    g = torch.Generator().manual_seed(0)
+    for sid, n in zip("qkv", (64, 32, 32)):
+        tensors, _ = qt.quantize_fp8(torch.randn(n, 64, generator=g), o)
+        tensors["input_scale"] = torch.tensor(scales[sid] if bad is None else bad)
+        _load(layer, tensors, sid)
+    return layer
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_static_input_scale_is_the_largest_of_the_fused_projections_on_every_rank(tp):
+    for rank in range(tp):
+        layer = _static_qkv(tp, rank, {"q": 0.25, "k": 0.5, "v": 0.125})
+        assert layer.input_scale.tolist() == [0.25, 0.5, 0.125]
+        layer.quant_method.process_weights(layer)
+        assert layer.input_scale.tolist() == [0.5]
+        packed = layer.quant_method.pack(layer)  # the CUDA layout, built here on CPU: it carries the scale
+        assert packed.act_scale.tolist() == [0.5]
+
+
+@pytest.mark.parametrize("bad", [0.0, float("inf")])
+def test_fp8_static_input_scale_must_be_positive_and_finite(bad):
+    layer = _static_qkv(1, 0, {}, bad=bad)
+    with pytest.raises(ValueError, match="positive and finite"):
+        layer.quant_method.process_weights(layer)
+
+
+def test_fp8_static_input_scale_of_many_values_is_refused():
+    layer = _static_qkv(1, 0, {"q": 1.0, "k": 1.0, "v": 1.0})
+    with pytest.raises(ValueError, match="one float per tensor"):
+        layer.input_scale.weight_loader(layer.input_scale, torch.ones(64), "q")
+
+
+def test_fp8_w8a8_uses_the_static_scale_and_else_a_dynamic_one(monkeypatch):
+    """The scale selection of the W8A8 GEMM (run on CUDA; its torch parts checked here): with the
+    checkpoint's input_scale the activations are clamp(x / s) in e4m3 and cuBLAS gets s for every row;
+    without one the per-token Triton quantizer runs."""
+    qg = pytest.importorskip("parallel.kernels.quant_gemm")
+    calls: dict = {}
+
+    def fake_scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        calls.update(a=a, scale_a=scale_a)
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
+    x = torch.randn(5, 32, dtype=torch.bfloat16) * 3
+    w8, w_scale = torch.randn(8, 32).to(torch.float8_e4m3fn), torch.ones(1, 8)
+    s = torch.tensor([0.02])
+    y = qg.scaled_mm_fp8(x, w8, w_scale, None, input_scale=s)
+    assert y.shape == (5, 8)
+    assert calls["scale_a"].shape == (16, 1) and torch.equal(calls["scale_a"], torch.full((16, 1), 0.02))
+    want = (x.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(calls["a"][:5].view(torch.uint8), want.view(torch.uint8))
+    assert not calls["a"][5:].float().any()  # padding rows (cuBLAS wants M a multiple of 16) are zero
+
+    dynamic: list = []
+    monkeypatch.setattr(qg, "quant_fp8_rows", lambda x, rows: dynamic.append(rows) or
+                        (torch.zeros(rows, x.shape[1], dtype=torch.float8_e4m3fn), torch.ones(rows, 1)))
+    qg.scaled_mm_fp8(x, w8, w_scale, None)
+    assert dynamic == [16]
+
+
+def test_fp8_packed_weight_hands_its_static_scale_to_the_w8a8_gemm(monkeypatch):
+    from parallel.quant import packed as pk
+
+    got: list = []
+    monkeypatch.setattr(pk, "_kernels", type("K", (), {"scaled_mm_fp8": staticmethod(
+        lambda x, codes, w_scale, bias, input_scale: got.append(input_scale) or x)}))
+    w = pk.PackedWeight(torch.zeros(8, 32, dtype=torch.float8_e4m3fn), torch.ones(8, 1), None, 32, None,
+                        w8a8_scale=torch.ones(1, 8), act_scale=torch.tensor([0.5]))
+    w.apply(torch.zeros(6, 32, dtype=torch.bfloat16), None)  # > 4 rows, bf16: the W8A8 path
+    assert [t.tolist() for t in got] == [[0.5]]

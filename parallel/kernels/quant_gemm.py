@@ -322,12 +322,31 @@ def quant_fp8_rows(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tens
     return q, s
 
 
-def scaled_mm_fp8(x: torch.Tensor, w8: torch.Tensor, w_scale_row: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """W8A8: x [M, K] (16-bit) quantized per token, w8 [N, K] e4m3 with per-output-channel scales
-    w_scale_row [1, N] float32 -> [M, N] in x's dtype, through cuBLASLt's FP8 GEMM (row-wise scaling)."""
+def quant_fp8_static(x: torch.Tensor, input_scale: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 clamp(x / input_scale) [R, K], input_scale repeated [R, 1] float32): a checkpoint's
+    static per-tensor activation scale (FP8 activation_scheme "static"), with rows past M zero, as in
+    quant_fp8_rows. input_scale is a float32 [1] tensor on x's device (no host sync: CUDA-graph safe)."""
+    m, k = x.shape
+    r = rows or m
+    scale = input_scale.reshape(1, 1).float()
+    q = torch.zeros(r, k, dtype=torch.float8_e4m3fn, device=x.device)
+    q[:m] = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q, scale.expand(r, 1).contiguous()
+
+
+def fp8_activations(x: torch.Tensor, rows: int, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W8A8 GEMM's activations: with the checkpoint's static scale when it has one, else per token."""
+    return quant_fp8_rows(x, rows) if input_scale is None else quant_fp8_static(x, input_scale, rows)
+
+
+def scaled_mm_fp8(x: torch.Tensor, w8: torch.Tensor, w_scale_row: torch.Tensor, bias: torch.Tensor | None,
+                  input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8: x [M, K] (16-bit) quantized per token (or with the static input_scale [1] float32), w8 [N, K]
+    e4m3 with per-output-channel scales w_scale_row [1, N] float32 -> [M, N] in x's dtype, through
+    cuBLASLt's FP8 GEMM (row-wise scaling: a static scale is repeated per row)."""
     m = x.shape[0]
     padded = -(-m // 16) * 16
-    xq, xs = quant_fp8_rows(x, padded)
+    xq, xs = fp8_activations(x, padded, input_scale)
     y = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scale_row, out_dtype=x.dtype)
     y = y[:m] if padded != m else y
     return y + bias if bias is not None else y

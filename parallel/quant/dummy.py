@@ -7,7 +7,11 @@ import torch
 from torch import nn
 
 from parallel.quant.base import QuantConfig, units
-from parallel.quant.rtn import Options, quantize
+from parallel.quant.rtn import FP8_MAX, Options, quantize
+
+# Static FP8 activation scale of dummy weights: activations up to +-16 (RMS-normed hidden states and the
+# small products of uniform(-1e-2, 1e-2) weights stay well inside) keep e4m3's full precision.
+DUMMY_INPUT_SCALE = 16.0 / FP8_MAX
 
 
 def rtn_options(cfg: QuantConfig | None) -> Options | None:
@@ -47,3 +51,6 @@ def fill_dummy_quantized(layer: nn.Module, o: Options, gen: torch.Generator, cac
                 raise ValueError(f"dummy quantized weights: {name} of shape {tuple(t.shape)} does not fit {tuple(dst.shape)} "
                                  f"on this rank (use a checkpoint written by scripts/quantize.py)")
             dst.copy_(t)
+    if hasattr(layer, "input_scale"):  # FP8 activation_scheme "static": RTN has no activations to calibrate on
+        layer.input_scale.data.fill_(DUMMY_INPUT_SCALE)
+        layer.input_scale.loaded_slots = set(range(layer.input_scale.numel()))

@@ -9,8 +9,9 @@ GPTQ and AWQ codes, zeros and scales (and FP8 weights with their scales) become
 `dequantize()` unpacks this layout with plain torch: the CPU tests check it against each method's
 reference dequantization, and the GPU tests check the kernels against it.
 On CUDA, `apply` runs the Triton GEMV (1-4 rows) or GEMM (W4A16, W8A16), or, for FP8 per-channel /
-per-tensor weights, bf16 activations and more than 4 rows, dynamic per-token FP8 activations and
-torch._scaled_mm (W8A8, compute capability >= 8.9; cuBLASLt's row-wise scaling wants bf16 output).
+per-tensor weights, bf16 activations and more than 4 rows, FP8 activations and torch._scaled_mm (W8A8,
+compute capability >= 8.9; cuBLASLt's row-wise scaling wants bf16 output): quantized per token, or with
+the checkpoint's static `input_scale` (`act_scale`) when it has one.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class PackedWeight:
     bits: int | None  # None: FP8 codes
     perm: torch.Tensor | None = None
     w8a8_scale: torch.Tensor | None = None  # [1, N] float32: FP8 per-channel weights go through _scaled_mm
+    act_scale: torch.Tensor | None = None  # [1] float32: FP8 static activation scale (None: dynamic per token)
     plan: dict | None = None  # measured kernel choices (quant_gemm.tune), set on CUDA before serving
 
     def tune(self, dtype: torch.dtype) -> None:
@@ -68,7 +70,7 @@ class PackedWeight:
             x = x.index_select(1, self.perm)
         x = x.contiguous()
         if self.w8a8_scale is not None and x.shape[0] > quant_tiles.GEMV_MAX_ROWS and x.dtype == torch.bfloat16:
-            return _kernels.scaled_mm_fp8(x, self.codes, self.w8a8_scale, bias)
+            return _kernels.scaled_mm_fp8(x, self.codes, self.w8a8_scale, bias, self.act_scale)
         return _kernels.matmul_q(x, self.codes, self.scales, self.zeros, self.group_size, self.bits, bias, self.plan)
 
 
@@ -105,15 +107,18 @@ def from_int_codes(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g
                         zeros[first].t().contiguous().to(scale_dtype), group_size, bits, perm)
 
 
-def from_fp8(weight: torch.Tensor, scales: torch.Tensor, group_size: int, per_channel: bool) -> PackedWeight | None:
-    """weight e4m3 [N, K], scales [N, G] float32 (one per row and group of input features)."""
+def from_fp8(weight: torch.Tensor, scales: torch.Tensor, group_size: int, per_channel: bool,
+             input_scale: torch.Tensor | None = None) -> PackedWeight | None:
+    """weight e4m3 [N, K], scales [N, G] float32 (one per row and group of input features); input_scale:
+    the static activation scale [1] float32 of a checkpoint with activation_scheme "static"."""
     k = weight.shape[1]
     if not _kernels_fit(k, group_size, None):
         return None
     w8a8 = None
     if per_channel and _kernels is not None and weight.is_cuda and torch.cuda.get_device_capability(weight.device) >= (8, 9):
         w8a8 = scales.reshape(1, -1).float().contiguous()
-    return PackedWeight(weight.contiguous(), scales.float().contiguous(), None, group_size, None, None, w8a8)
+    act = input_scale.reshape(1).float().contiguous() if input_scale is not None else None
+    return PackedWeight(weight.contiguous(), scales.float().contiguous(), None, group_size, None, None, w8a8, act_scale=act)
 
 
 def _kernels_fit(k: int, group_size: int, bits: int | None) -> bool:

@@ -25,8 +25,13 @@ class Options:
     desc_act: bool = False
     block: tuple[int, int] | None = (128, 128)
     fp8_scale: str = "block"  # block | tensor | channel
+    activation_scheme: str = "dynamic"  # FP8: dynamic | static (an input_scale per linear, from calibration data)
 
     def check(self) -> None:
+        if self.activation_scheme not in ("dynamic", "static"):
+            raise ValueError(f"activation scheme {self.activation_scheme!r}: 'dynamic' or 'static'")
+        if self.activation_scheme == "static" and (self.method != "fp8" or self.fp8_scale == "block"):
+            raise ValueError("a static activation scheme is FP8 with per-tensor or per-channel weight scales only")
         if self.method == "gptq" and self.bits not in (4, 8):
             raise ValueError(f"GPTQ bits {self.bits}: 4 or 8")
         if self.method == "awq" and self.bits != 4:
@@ -45,7 +50,7 @@ class Options:
         if self.method == "awq":
             return {"quant_method": "awq", "bits": 4, "group_size": self.group_size, "zero_point": True,
                     "version": "gemm", "modules_to_not_convert": None}
-        qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
+        qc = {"quant_method": "fp8", "activation_scheme": self.activation_scheme, "fmt": "e4m3"}
         if self.fp8_scale == "block":
             qc["weight_block_size"] = list(self.block)
         return qc
