@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import deque
 from typing import Callable
 
 from workers.config import SchedulerConfig
@@ -19,8 +20,48 @@ from engine.sequence import SeqStatus, Sequence
 
 
 class QueueFullError(RuntimeError):
-    """Admission refused: too many requests, or requests waiting too long, ahead of this one
-    (`max_waiting_requests`, `max_queue_delay_s`): the caller should back off and retry."""
+    """Admission refused: too many requests, too many prompt blocks, or requests waiting too long (or
+    predicted to), ahead of this one (`max_waiting_requests`, `max_waiting_kv_ratio`, `max_queue_delay_s`):
+    the caller should back off and retry, after about `retry_after_s` (None: no estimate)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s  # kept by pickling (in __dict__): it crosses Ray to the front end
+
+
+class DrainRate:
+    """How fast the waiting queue drains while it is backlogged: admissions per second of backlogged time
+    over the last `window_s` seconds. Time with nothing left waiting is left out, since admissions then
+    follow the arrivals, not the engine's capacity to start requests (a lightly loaded server would look
+    slow). Unknown (None) until the queue has been backlogged `min_backlog_s` in the window and at least
+    one request left it: a queue that is stuck is caught by `max_queue_delay_s`'s staleness check."""
+
+    def __init__(self, window_s: float = 10.0, min_backlog_s: float = 1.0):
+        self.window_s, self.min_backlog_s = window_s, min_backlog_s
+        self._intervals: deque[tuple[float, float, int]] = deque()  # (end, backlogged seconds, admitted)
+        self._backlog_s, self._admitted = 0.0, 0
+        self._since: float | None = None  # when the last schedule() left requests waiting
+
+    def observe(self, now: float, admitted: int, still_waiting: bool) -> None:
+        """One schedule() at `now`: it admitted `admitted`; requests are `still_waiting` after it."""
+        if self._since is not None:
+            self._intervals.append((now, now - self._since, admitted))
+            self._backlog_s += now - self._since
+            self._admitted += admitted
+        self._since = now if still_waiting else None
+        self._expire(now)
+
+    def rate(self, now: float) -> float | None:
+        self._expire(now)
+        if self._backlog_s < self.min_backlog_s or self._admitted == 0:
+            return None
+        return self._admitted / self._backlog_s
+
+    def _expire(self, now: float) -> None:
+        while self._intervals and self._intervals[0][0] < now - self.window_s:
+            _, seconds, admitted = self._intervals.popleft()
+            self._backlog_s -= seconds
+            self._admitted -= admitted
 
 
 class Scheduler:
@@ -38,6 +79,7 @@ class Scheduler:
         self.reserved: dict[str, tuple[Sequence, float]] = {}
         # When each waiting sequence (re-)entered the queue (time.monotonic()), for `max_queue_delay_s`.
         self._enqueued_at: dict[str, float] = {}
+        self.drain = DrainRate()  # how fast the queue drains when backlogged: the predicted queueing delay
 
     # ---- requests in and out ----
     def add(self, seq: Sequence) -> None:
@@ -54,21 +96,52 @@ class Scheduler:
     def _check_admission(self, seq: Sequence) -> None:
         """Admission control. Only the requests that would be admitted before `seq` count (same or more
         important priority; the queue is sorted that way), so a more important request still gets in
-        while less important ones are refused, and its wait is what is bounded: at most
-        `max_waiting_requests` ahead, and none of them waiting longer than `max_queue_delay_s` (then the
-        queue is not draining fast enough for `seq` to start within that delay either)."""
+        while less important ones are refused, and its wait is what is bounded (`_refusal`). A refusal
+        carries an estimate of when a retry could get in: the time the queue ahead takes to drain."""
         ahead = self.waiting[:bisect.bisect_right(self.waiting, (seq.priority, float("inf")), key=lambda s: s.sort_key)]
-        limit = self.config.max_waiting_requests
-        if limit is not None and len(ahead) >= limit:
-            raise QueueFullError(f"request {seq.seq_id}: {len(ahead)} requests already waiting ahead of it "
-                                 f"(max_waiting_requests={limit})")
+        if not ahead:
+            return  # nothing waits before it: it starts as soon as the batch has room, whatever the bounds
+        now = time.monotonic()
+        rate = self.drain.rate(now)
+        why = self._refusal(seq, ahead, rate, now)
+        if why is not None:
+            raise QueueFullError(f"request {seq.seq_id}: {why}", retry_after_s=self._drain_estimate(ahead, rate, now))
+
+    def _drain_estimate(self, ahead: list[Sequence], rate: float | None, now: float) -> float | None:
+        """Seconds until the requests ahead have started: at the measured rate, len/rate. Unmeasured, a
+        queue whose oldest request has waited past the target delay has moved no faster than that wait;
+        otherwise there is no evidence it is slow (None: the front end's minimum)."""
+        if rate is not None:
+            return len(ahead) / rate
+        oldest_wait = now - min(self._enqueued_at.get(s.seq_id, now) for s in ahead)
         max_delay = self.config.max_queue_delay_s
-        if max_delay is not None and ahead:
-            now = time.monotonic()
-            waited = now - min(self._enqueued_at.get(s.seq_id, now) for s in ahead)
-            if waited >= max_delay:
-                raise QueueFullError(f"request {seq.seq_id}: requests ahead of it have waited {waited:.1f}s for "
-                                     f"admission (max_queue_delay_s={max_delay:g})")
+        return oldest_wait if max_delay is not None and oldest_wait >= max_delay else None
+
+    def _refusal(self, seq: Sequence, ahead: list[Sequence], rate: float | None, now: float) -> str | None:
+        """Why `seq` cannot wait behind `ahead`, or None. The queue is sized by KV capacity (the prompts
+        waiting, with its own, may need at most `max_waiting_kv_ratio` of the cache: more cannot start
+        before the running batch has turned over that much) and by the target delay `max_queue_delay_s`:
+        refused when a request ahead has already waited that long, or when the queue ahead, at the rate it
+        recently drained, would take longer than that to start. `max_waiting_requests` is a hard ceiling."""
+        cfg = self.config
+        if cfg.max_waiting_requests is not None and len(ahead) >= cfg.max_waiting_requests:
+            return f"{len(ahead)} requests already waiting ahead of it (max_waiting_requests={cfg.max_waiting_requests})"
+        if cfg.max_waiting_kv_ratio is not None:
+            need = sum(self.blocks.blocks_needed(s.num_tokens + 1) for s in (*ahead, seq))
+            if need > cfg.max_waiting_kv_ratio * self.blocks.num_blocks:
+                return (f"its prompt and the {len(ahead)} waiting ahead of it need {need} KV blocks, more than "
+                        f"{cfg.max_waiting_kv_ratio:g} x the cache's {self.blocks.num_blocks} (max_waiting_kv_ratio)")
+        max_delay = cfg.max_queue_delay_s
+        if max_delay is None:
+            return None
+        waited = now - min(self._enqueued_at.get(s.seq_id, now) for s in ahead)
+        if waited >= max_delay:
+            return (f"requests ahead of it have waited {waited:.1f}s for admission "
+                    f"(max_queue_delay_s={max_delay:g})")
+        if rate is not None and len(ahead) / rate > max_delay:
+            return (f"the {len(ahead)} requests ahead of it need about {len(ahead) / rate:.1f}s to start at the "
+                    f"recent {rate:.1f} admissions/s (max_queue_delay_s={max_delay:g})")
+        return None
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -179,6 +252,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         planned: list[tuple[Sequence, int, int]] = []
         preempted = False
+        admitted = 0
         self.running.sort(key=lambda s: s.sort_key)
         queue = list(self.running)  # most important first; victims come off the end
         while queue and budget > 0:
@@ -215,6 +289,8 @@ class Scheduler:
                 self.running.append(seq)
                 planned.append((seq, n, 0))
                 budget -= n
+                admitted += 1
+        self.drain.observe(time.monotonic(), admitted, bool(self.waiting))
         dropped, self._dropped = self._dropped, []
         return SchedulerOutput(seqs=[self._scheduled(seq, n, extra) for seq, n, extra in planned],
                                finished_seq_ids=dropped)

@@ -65,6 +65,6 @@ def build_colocated_app(config: AppConfig) -> Application:
     deployment = serve.deployment(ColocatedServer, name="TandemColocated").options(
         max_ongoing_requests=config.max_ongoing_requests("decode"),
         ray_actor_options=in_process_rank_options(config, "decode") or {"num_gpus": 0, "resources": {}},
-        **config.decode.serve_options(),
+        **config.decode.serve_options(), **config.backpressure_options("decode"),
     )
     return deployment.bind(config.to_args())

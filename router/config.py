@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
-from ray.serve.config import AutoscalingConfig
+from ray.serve.config import AutoscalingConfig, BackpressureConfig
 
 from parallel.config import StrictModel
 from router.tool_parsers import ToolCallParserName
@@ -33,9 +33,13 @@ SHARED_ONLY = ("model", "tokenizer", "dtype", "device", "load_format", "max_mode
 # Admission control of a served engine (engine/scheduler.py `_check_admission`). Offline, the engine's
 # queue is unbounded (LLM.generate queues a whole dataset at once); served, a request that cannot start
 # soon is better refused with 429 + Retry-After, which a client or load balancer can act on, than
-# queued for tens of seconds. Unless given: one batch (`max_num_seqs`) may wait ahead of a request,
-# and none of it longer than this many seconds.
+# queued for tens of seconds. Unless given, the queue ahead of a request is sized by the KV cache (its
+# prompts may need at most the whole cache: SERVED_MAX_WAITING_KV_RATIO) and by this target delay
+# (nothing ahead may have waited, or be predicted to wait, longer), under a ceiling of
+# SERVED_WAITING_CEILING batches that keeps Serve's own slack (`max_ongoing_requests`) finite.
 SERVED_MAX_QUEUE_DELAY_S = 5.0
+SERVED_MAX_WAITING_KV_RATIO = 1.0
+SERVED_WAITING_CEILING = 4
 
 
 class PoolConfig(StrictModel):
@@ -136,6 +140,18 @@ class AppConfig(EngineArgs):
     max_prompt_chars: int | None = Field(default=None, gt=0, description="Most prompt characters per request (all "
                                          "prompts or messages), checked before tokenizing: 400 / INVALID_ARGUMENT; "
                                          "default: 32 x the context length in tokens.")
+    max_queued_requests: int | None = Field(default=None, ge=-1, description="Requests Ray Serve may hold at each "
+                                            "caller (proxy, router, decode replica) while every replica of a deployment "
+                                            "is at its max_ongoing_requests; more: 429 + Retry-After / "
+                                            "RESOURCE_EXHAUSTED at once. Default: the pool's max_num_seqs (the router: "
+                                            "4 x the decode pool's); -1: unbounded (Serve's default).")
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _queued_bound(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("max_queued_requests must be -1 (no bound) or at least 1")
+        return v
 
     @field_validator("api_keys")
     @classmethod
@@ -177,11 +193,25 @@ class AppConfig(EngineArgs):
 
     def max_ongoing_requests(self, pool: Pool) -> int:
         """Serve's default of 5 concurrent requests per replica would starve continuous batching: let in
-        what the engine can run plus twice what it may queue. The slack matters: past this limit Serve
-        queues requests itself, unbounded and without a 429, so the engine's own bound (which counts only
-        the requests ahead of a new one, by priority) must be what a surplus meets first."""
+        what the engine can run plus twice the most it may queue. The slack matters: past this limit Serve
+        queues requests itself, blind to priority (bounded by `backpressure_options`), so the engine's own
+        bound (which counts only the requests ahead of a new one, by priority) must be what a surplus meets
+        first."""
         args = self.engine_args(pool)
         return args.max_num_seqs + 2 * (args.max_waiting_requests or args.max_num_seqs)
+
+    def backpressure_options(self, pool: Pool, scale: int = 1) -> dict[str, Any]:
+        """Serve's own queue at each caller of a deployment of `pool` (`scale` x its bound for the router,
+        whose replicas each take `scale` x a pool replica's requests): past it, Serve refuses at once
+        (`BackPressureError` at a handle, which the front ends answer as 429 / RESOURCE_EXHAUSTED and
+        count; Serve's proxy answers 429 itself for an ingress deployment) instead of queueing without
+        bound. Retry-After there: a queue at the target delay has drained by then."""
+        limit = self.max_queued_requests
+        if limit is None:
+            limit = self.engine_args(pool).max_num_seqs
+        retry = self.engine_args(pool).max_queue_delay_s or 1.0
+        return {"max_queued_requests": limit if limit == -1 else scale * limit,
+                "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=retry)}
 
     def to_args(self) -> dict[str, Any]:
         """JSON args for the replicas, holding only what was given: they re-validate them, and the
@@ -198,7 +228,8 @@ class AppConfig(EngineArgs):
 def _served_admission_defaults(args: dict[str, Any]) -> dict[str, Any]:
     """The served defaults of the engine's admission arguments (an explicit value, even null, wins)."""
     max_num_seqs = args.get("max_num_seqs", EngineArgs.model_fields["max_num_seqs"].default)
-    return {"max_waiting_requests": max_num_seqs, "max_queue_delay_s": SERVED_MAX_QUEUE_DELAY_S}
+    return {"max_waiting_requests": SERVED_WAITING_CEILING * max_num_seqs,
+            "max_waiting_kv_ratio": SERVED_MAX_WAITING_KV_RATIO, "max_queue_delay_s": SERVED_MAX_QUEUE_DELAY_S}
 
 
 def _first_error(e: ValidationError) -> str:

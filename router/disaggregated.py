@@ -5,7 +5,8 @@ pool, which drives the prefill and the KV handoff (router/pools.py, engine/disag
 passes through the router; only token deltas do. The decode replica is the one with the most free KV
 blocks, and the decode replica's prefill call goes to the prefill replica its prompt's leading block
 hashes to, unless that one is overloaded (router/routing.py); a decode replica that is full answers
-`QueueFullError`, which reaches the client as 429.
+`QueueFullError`, which reaches the client as 429, as does Serve's `BackPressureError` when a pool's
+callers already queue `max_queued_requests` for it (`AppConfig.backpressure_options`).
 """
 from __future__ import annotations
 
@@ -186,14 +187,14 @@ def build_disaggregated_app(config: AppConfig) -> Application:
                                         request_routing_stats_period_s=1.0)
     prefill = serve.deployment(PrefillPool, name="PrefillPool").options(
         max_ongoing_requests=config.max_ongoing_requests("prefill"), ray_actor_options=actor, request_router_config=prefill_router,
-        **config.prefill.serve_options()).bind(args)
+        **config.prefill.serve_options(), **config.backpressure_options("prefill")).bind(args)
     # A decode replica of one rank runs it in-process (router/pools.py), so it takes that rank's devices.
     in_process = in_process_rank_options(config, "decode")
     decode_actor = {"num_cpus": 0, **in_process} if in_process else actor
     decode = serve.deployment(DecodePool, name="DecodePool").options(
         max_ongoing_requests=config.max_ongoing_requests("decode"), ray_actor_options=decode_actor, request_router_config=decode_router,
-        **config.decode.serve_options()).bind(args, prefill)
+        **config.decode.serve_options(), **config.backpressure_options("decode")).bind(args, prefill)
     router = serve.deployment(Router, name="Router").options(
-        max_ongoing_requests=4 * config.max_ongoing_requests("decode"), ray_actor_options={"num_cpus": 0}).bind(
-        args, decode, prefill)
+        max_ongoing_requests=4 * config.max_ongoing_requests("decode"), ray_actor_options={"num_cpus": 0},
+        **config.backpressure_options("decode", scale=4)).bind(args, decode, prefill)
     return router

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import grpc
 from pydantic import ValidationError
@@ -16,8 +17,12 @@ from engine.scheduler import QueueFullError
 
 log = logging.getLogger(__name__)
 
-# Seconds a client should wait before retrying a 429 / 503 (queues drain in well under that).
+# Retry-After of a 429 / 503, in whole seconds: the engine's estimate of when its queue has drained
+# (`QueueFullError.retry_after_s`) clamped to this range, or the minimum where there is no estimate. The
+# floor keeps clients from retrying in a tight loop; the ceiling keeps a bad estimate (a queue that just
+# stalled) from sending them away for long.
 RETRY_AFTER_S = 1
+RETRY_AFTER_MAX_S = 30
 
 GRPC_CODES: dict[int, grpc.StatusCode] = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -37,12 +42,13 @@ STATUS_TAGS: dict[int, str] = {200: "ok", 400: "bad_request", 401: "unauthorized
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, retry_after_s: float | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after_s = retry_after_s  # the backend's estimate, unclamped; None: none
 
     def __reduce__(self):  # keyword-only fields survive pickling (Ray ships exceptions between processes)
-        return (_rebuild_api_error, (self.status, self.message, self.type, self.param, self.code))
+        return (_rebuild_api_error, (self.status, self.message, self.type, self.param, self.code, self.retry_after_s))
 
     @property
     def grpc_code(self) -> grpc.StatusCode:
@@ -54,15 +60,21 @@ class ApiError(Exception):
 
     @property
     def retry_after(self) -> int | None:
-        return RETRY_AFTER_S if self.status in (429, 503) else None
+        """Whole seconds for the Retry-After header / gRPC trailer of a 429 or 503."""
+        if self.status not in (429, 503):
+            return None
+        if self.retry_after_s is None or not math.isfinite(self.retry_after_s):
+            return RETRY_AFTER_S
+        return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_S, math.ceil(self.retry_after_s)))
 
     def body(self) -> dict:
         """OpenAI's error object."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _rebuild_api_error(status: int, message: str, type: str, param: str | None, code: str | None) -> ApiError:
-    return ApiError(status, message, type=type, param=param, code=code)
+def _rebuild_api_error(status: int, message: str, type: str, param: str | None, code: str | None,
+                       retry_after_s: float | None = None) -> ApiError:
+    return ApiError(status, message, type=type, param=param, code=code, retry_after_s=retry_after_s)
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -83,7 +95,8 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ValidationError):
         return from_validation_error(exc)
     if isinstance(exc, QueueFullError):
-        return ApiError(429, f"server busy, retry later: {exc}", type="rate_limit_error", code="queue_full")
+        return ApiError(429, f"server busy, retry later: {exc}", type="rate_limit_error", code="queue_full",
+                        retry_after_s=getattr(exc, "retry_after_s", None))
     if isinstance(exc, BackendUnavailable):
         return ApiError(503, f"service unavailable: {exc}", type="service_unavailable", code="unavailable")
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):

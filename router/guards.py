@@ -108,13 +108,14 @@ def public_error(exc: BaseException, request_id: str) -> ApiError:
         return exc
     cause = _unwrap(exc)
     if isinstance(cause, BackPressureError):  # Serve's own queue bound (max_queued_requests): overload, not a fault
-        cause = QueueFullError("every replica's queue is full")
+        cause = QueueFullError("every replica's queue is full", retry_after_s=cause.retry_after_s)
     if isinstance(cause, (EngineDeadError, RayActorError)):
         # A pool replica's engine lost a rank, or a replica died, under this request: Serve replaces it, so
         # this is "retry later" (503), not a server bug (500) - found by scripts/fault_load.py's kill-rank.
         cause = BackendUnavailable(str(cause))
     if isinstance(cause, ApiError):  # our own check, raised in a pool replica
-        return ApiError(cause.status, redact(cause.message), type=cause.type, param=cause.param, code=cause.code)
+        return ApiError(cause.status, redact(cause.message), type=cause.type, param=cause.param, code=cause.code,
+                        retry_after_s=cause.retry_after_s)
     known = isinstance(cause, (ValueError, QueueFullError, BackendUnavailable, TimeoutError, asyncio.TimeoutError))
     if not known:
         log.error("request %s: unexpected error", request_id, exc_info=exc)

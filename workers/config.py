@@ -139,12 +139,18 @@ class SchedulerConfig(StrictModel):
     max_num_seqs: int = Field(default=256, ge=1, description="Most sequences in one batch.")
     max_num_batched_tokens: int = Field(default=2048, ge=1, description="Most tokens in one step; prefill is "
                                         "chunked to fit.")
-    max_waiting_requests: int | None = Field(default=None, ge=1, description="Most requests waiting ahead of a new "
-                                             "one (same or more important priority); more: refused (429 when served). "
-                                             "Unset: unbounded offline, max_num_seqs when served.")
-    max_queue_delay_s: float | None = Field(default=None, gt=0, description="Refuse a new request (429 when served) "
-                                            "while one ahead of it (same or more important priority) has waited this "
-                                            "many seconds for admission. Unset: no check offline, 5 when served.")
+    max_waiting_requests: int | None = Field(default=None, ge=1, description="Hard ceiling: most requests waiting "
+                                             "ahead of a new one (same or more important priority); more: refused (429 "
+                                             "when served). Unset: unbounded offline, 4 x max_num_seqs when served.")
+    max_waiting_kv_ratio: float | None = Field(default=None, gt=0, description="Refuse a new request (429 when "
+                                               "served) when its prompt and those waiting ahead of it need more than "
+                                               "this fraction of the KV cache's blocks. Unset: no check offline, 1.0 "
+                                               "when served.")
+    max_queue_delay_s: float | None = Field(default=None, gt=0, description="Target queueing delay: refuse a new "
+                                            "request (429 when served) while one ahead of it (same or more important "
+                                            "priority) has waited this long for admission, or when the requests ahead "
+                                            "would take longer than this to start at the rate the backlogged queue "
+                                            "recently drained. Unset: no check offline, 5 when served.")
 
 
 class SpeculativeSection(StrictModel):
