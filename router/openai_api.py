@@ -520,7 +520,7 @@ class _Echo:
 
     def _prompt_lps(self, out: RequestOutput) -> list:
         if out.prompt_logprobs is None:  # a deployment whose prefill side does not return them
-            raise ApiError(501, "prompt logprobs are not available from this deployment (colocated replicas only)",
+            raise ApiError(501, "prompt logprobs were not returned by the replica that ran this prompt",
                            param="prompt_logprobs", code="not_implemented")
         return out.prompt_logprobs
 

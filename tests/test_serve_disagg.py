@@ -276,3 +276,33 @@ def test_kv_transfer_metric_shows_the_prompts_moving_between_pools(cluster):
     moved = _wait(lambda: exported() >= 20 * block_bytes and exported(), 120,
                   "tandem_kv_transfer_bytes did not reach 20 blocks' worth", interval=3.0)
     assert moved % block_bytes == 0  # whole blocks move
+
+
+def test_echo_and_prompt_logprobs_come_from_the_prefill_pool(cluster, client):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs, one token) on the disaggregated app:
+    the prompt runs on the TP=2 prefill pool, whose prompt logprobs travel with the handoff and equal HF's
+    log-softmax, in the non-streamed reply (the last output) and on a stream's first chunk (token 1)."""
+    import math
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from tests.models import hf_model
+
+    tok = AutoTokenizer.from_pretrained(cluster["model"])
+    text = PROMPTS[3]
+    ids = tok.encode(text)
+    with torch.no_grad():
+        ref = hf_model(cluster["model"])(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    r = client.completions.create(model=NAME, prompt=text, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(text) and lp.token_logprobs[0] is None
+    for pos in range(1, len(ids)):
+        assert math.isclose(lp.token_logprobs[pos], ref[pos - 1, ids[pos]].item(), abs_tol=1e-4), pos
+    stream = list(client.completions.create(model=NAME, prompt=ids, max_tokens=3, temperature=0, stream=True,
+                                            extra_body={"prompt_logprobs": 0}))
+    field = stream[0].choices[0].model_extra["prompt_logprobs"]
+    assert field[0] is None and len(field) == len(ids)
+    for pos in range(1, len(ids)):
+        [(key, entry)] = field[pos].items()
+        assert int(key) == ids[pos] and math.isclose(entry["logprob"], ref[pos - 1, ids[pos]].item(), abs_tol=1e-4)
