@@ -155,6 +155,39 @@ def test_killed_rank_fails_fast_with_its_name(references):
     assert _placement_groups_alive() == 0
 
 
+@pytest.mark.parametrize("victim", [0, 1], ids=["first-stage", "answering-stage"])
+def test_rank_killed_while_a_step_runs_fails_fast_with_its_name(references, victim):
+    """A rank's process dies (SIGKILL) the moment a step has been sent to the ranks, so the step is in
+    flight: the stage-0 victim leaves rank 1 blocked on a receive that never comes (the driver waits for
+    rank 1's answer, not rank 0's), the stage-1 victim never answers. Either way the engine raises
+    ExecutorError naming the dead rank within seconds, never a hang."""
+    import os
+    import signal
+
+    llm = LLM(references["llama"]["path"], pipeline_parallel_size=2, **ENGINE_ARGS)
+    executor = llm.llm_engine.executor
+    workers = list(executor.workers)
+    pid = ray.get(workers[victim].__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    submits, submit = [0], executor.submit
+
+    def submit_then_kill(out):
+        pending = submit(out)  # sent: both ranks are working on it now
+        submits[0] += 1
+        if submits[0] == 3:
+            os.kill(pid, signal.SIGKILL)
+        return pending
+
+    executor.submit = submit_then_kill
+    start = time.monotonic()
+    with pytest.raises(ExecutorError, match=rf"rank {victim} \(pp={victim}, sp=0, tp=0\) died"):
+        llm.generate(PROMPTS, GREEDY)
+    assert submits[0] == 3  # the death met the step it was sent with, not a later one
+    assert time.monotonic() - start < 15
+    with pytest.raises(ExecutorError, match="failed earlier"):
+        llm.generate(PROMPTS[:1], GREEDY)
+    assert _placement_groups_alive() == 0
+
+
 def test_layout_larger_than_the_cluster_fails_at_once(references):
     start = time.monotonic()
     with pytest.raises(ExecutorError, match="8 ranks need 8 CPUs"):
