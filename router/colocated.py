@@ -13,6 +13,7 @@ from router.grpc_api import InferenceServicer
 from router.guards import RequestLimits
 from router.local_backend import LocalBackend
 from router.openai_api import create_openai_app
+from router.replica_metrics import start_publishing
 
 
 @serve.ingress()
@@ -22,6 +23,7 @@ class ColocatedServer(InferenceServicer):
 
     def __init__(self, args: dict[str, Any]):
         self.config = AppConfig.model_validate(args)
+        start_publishing()  # this replica's metrics on every replica's GET /metrics
         InferenceServicer.__init__(self, LocalBackend.from_config(self.config), self.config.resolved_api_keys(),
                                    self.config.request_timeout_s, RequestLimits.from_config(self.config),
                                    self.config.trace_requests)

@@ -28,6 +28,7 @@ from router.guards import RequestLimits
 from router.openai_api import create_openai_app
 from router.pools import DecodePool, PrefillPool
 from router.protocol import BackendUnavailable, GenerateRequest
+from router.replica_metrics import start_publishing
 from router.routing import ReplicasGone, first_unless_replicas_gone
 from engine.llm_engine import RequestOutput
 from workers.hub import resolve_model_path
@@ -159,6 +160,7 @@ class Router(InferenceServicer):
 
     def __init__(self, args: dict[str, Any], decode: DeploymentHandle, prefill: DeploymentHandle | None = None):
         self.config = AppConfig.model_validate(args)
+        start_publishing()  # this replica's front-end metrics on every Router replica's GET /metrics
         InferenceServicer.__init__(self, DisaggregatedBackend(self.config, decode, prefill),
                                    self.config.resolved_api_keys(), self.config.request_timeout_s,
                                    RequestLimits.from_config(self.config), self.config.trace_requests)

@@ -5,11 +5,13 @@ Ray's metrics agent to Prometheus as `ray_<name>` (counters with a `_total` suff
 has one, histograms as `_bucket`/`_sum`/`_count`). Outside Ray (tests, the standalone server)
 that recording is a cheap no-op, so callers never check.
 
-Every metric also records into this process's own Prometheus registry, which the OpenAI app serves
-at `GET /metrics` (`prometheus_text`) under the same names less Ray's `ray_` prefix
-(`tandem_requests_total`, `tandem_time_to_first_token_seconds_bucket`, ...). So a scraper needs only the API port
-(and its key), not Ray's metrics port. It is per process: one replica's front-end metrics, plus, for a
-colocated replica, its own engine's gauges; the pools of a disaggregated app report through Ray.
+Every metric also records into this process's own Prometheus registry (`REGISTRY`, `prometheus_text`)
+under the same names less Ray's `ray_` prefix (`tandem_requests_total`,
+`tandem_time_to_first_token_seconds_bucket`, ...). The OpenAI app's `GET /metrics` serves it: outside
+Serve this process's registry alone; under Serve the registries of every live replica of the application
+(ingress replicas, both pools of a disaggregated app, colocated replicas), which each replica publishes
+to Ray's internal KV and the answering replica merges, adding a `replica` label to samples without one
+(router/replica_metrics.py). So a scraper needs only the API port (and its key), not Ray's metrics port.
 
 Names are vLLM's, with `tandem_` for `vllm:` (Ray refuses ':'), so vLLM dashboards and alerts port by
 renaming; every metric a front end records carries `model_name`, every engine metric `model_name`, `pool`
@@ -24,7 +26,8 @@ Who records what:
         tandem_num_requests_running, tandem_num_requests_waiting, tandem_kv_cache_usage_perc,
         tandem_kv_blocks_used, tandem_prefix_cache_queries_total, tandem_prefix_cache_hits_total (tokens),
         tandem_num_preemptions_total
-    the KV handoff (disaggregated pools): tandem_kv_transfer_bytes, tandem_kv_transfer_seconds
+    the KV handoff, on the decode replica that receives it: tandem_kv_transfer_bytes, tandem_kv_transfer_seconds
+        (model_name, pool, replica)
     each decode replica, per request: tandem_prefill_site_total{site} (local: prefilled there; remote: handed off)
     each engine replica that speculates (from its engine stats): tandem_spec_decode_num_drafts{pool},
         tandem_spec_decode_num_draft_tokens{pool}, tandem_spec_decode_num_accepted_tokens{pool},
@@ -122,9 +125,11 @@ PREFIX_HITS = Counter("tandem_prefix_cache_hits_total", description="Prompt toke
                       tag_keys=_ENGINE)
 PREEMPTIONS = Counter("tandem_num_preemptions_total", description="Sequences preempted (their KV freed, recomputed "
                       "later) for lack of KV blocks.", tag_keys=_ENGINE)
-KV_TRANSFER_BYTES = Counter("tandem_kv_transfer_bytes", description="KV cache bytes sent from prefill to decode.")
+# Recorded by the decode replica that receives the KV (pool="decode").
+KV_TRANSFER_BYTES = Counter("tandem_kv_transfer_bytes", description="KV cache bytes sent from prefill to decode.",
+                            tag_keys=_ENGINE)
 KV_TRANSFER_SECONDS = Histogram("tandem_kv_transfer_seconds", description="Duration of one request's KV handoff.",
-                                boundaries=_TRANSFER_S)
+                                boundaries=_TRANSFER_S, tag_keys=_ENGINE)
 PREFILL_SITE = Counter("tandem_prefill_site_total", description="Disaggregated requests by where their prompt was "
                        "prefilled: local (on the decode replica, conditional disaggregation) or remote (prefill pool).",
                        tag_keys=("site",))

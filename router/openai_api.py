@@ -2,7 +2,8 @@
 
 /v1/models, /v1/completions, /v1/chat/completions (SSE streaming, usage chunk, logprobs, n, stop,
 seed, vLLM extras, structured output, tools), vLLM's /tokenize, /detokenize and /version, /health,
-/metrics (Prometheus text; behind the API keys when keys are on). Every response carries an
+/metrics (Prometheus text of every live replica of the Serve application, router/replica_metrics.py;
+behind the API keys when keys are on). Every response carries an
 X-Request-Id header (the client's, echoed, or a new one). A stream whose first tokens take longer than
 `sse_keepalive_s` (a long queue) starts anyway and sends SSE comment lines (": keep-alive") every
 `sse_keepalive_s` until they come, so that idle timeouts of proxies and clients do not fire. Every
@@ -32,11 +33,12 @@ from router import params
 from router.errors import ApiError, bad_request
 from router.fanout import Fanout
 from router.guards import RequestLimits, new_request_id, off_loop, public_error
-from router.metrics import REQUESTS, RequestTimer, prometheus_text
+from router.metrics import REQUESTS, RequestTimer
 from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                     chat_logprobs, completion_logprobs, delta_logprobs, echo_logprobs, joined_logprobs,
                                     usage, vllm_prompt_logprobs)
 from router.protocol import Backend, GenerateRequest
+from router.replica_metrics import application_page
 from router.tool_parsers import ForcedStream, ToolParser, ToolStream, check_parser_setting, forced_calls, parser_for
 from router.serve_context import SeparateServeRequests
 from engine.llm_engine import RequestOutput
@@ -650,8 +652,10 @@ def create_openai_app(backend: Backend, api_keys: Iterable[str] = (), request_ti
 
     @app.get("/metrics")
     async def metrics():
-        """This process's Tandem metrics (router/metrics.py), so a scraper needs only the API port."""
-        body, content_type = prometheus_text()
+        """The Tandem metrics of every live replica of this Serve application (the pools' included), or of
+        this process outside Serve (router/replica_metrics.py), so a scraper needs only the API port.
+        Off the event loop: it reads Ray's KV."""
+        body, content_type = await asyncio.to_thread(application_page)
         return PlainTextResponse(body, media_type=content_type)
 
     @app.get("/version")

@@ -15,7 +15,7 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
 
-from router import metrics, routing
+from router import metrics, replica_metrics, routing
 from router.config import AppConfig
 from router.protocol import GenerateRequest
 from router.serve_context import in_own_serve_request
@@ -69,6 +69,7 @@ class _PoolMethods:
 class PrefillPool(_PoolMethods):
     def __init__(self, args: dict[str, Any]):
         self.config = AppConfig.model_validate(args)
+        replica_metrics.start_publishing()  # this replica's metrics on the app's GET /metrics
         self.replica = PrefillReplica(_engine(self.config, "prefill"), _replica_id("prefill"))
         self.replica.async_engine.on_step = metrics.PoolGauges("prefill", self.config.served_model_name)
 
@@ -81,13 +82,15 @@ class PrefillPool(_PoolMethods):
 class DecodePool(_PoolMethods):
     def __init__(self, args: dict[str, Any], prefill: DeploymentHandle):
         self.config = AppConfig.model_validate(args)
+        replica_metrics.start_publishing()  # this replica's metrics on the app's GET /metrics
         self.prefill = prefill
         engine = _engine(self.config, "decode")
         policy = LocalPrefillPolicy(self.config.local_prefill_max_tokens, self.config.local_prefill_when_idle)
         self.replica = DecodeReplica(engine, self._prefill_client, _replica_id("decode"), local_prefill=policy)
-        self.replica.on_transfer = _record_transfer
+        gauges = metrics.PoolGauges("decode", self.config.served_model_name)
+        self.replica.on_transfer = lambda stats: _record_transfer(stats, gauges.tags)
         self.replica.on_prefill_site = lambda site: metrics.PREFILL_SITE.inc(1, tags={"site": site})
-        self.replica.async_engine.on_step = metrics.PoolGauges("decode", self.config.served_model_name)
+        self.replica.async_engine.on_step = gauges
 
     async def _prefill_client(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
                               reservation: Reservation) -> AsyncIterator[PrefillReady]:
@@ -137,6 +140,8 @@ class DecodePool(_PoolMethods):
         return {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size}
 
 
-def _record_transfer(stats: TransferStats) -> None:
-    metrics.KV_TRANSFER_BYTES.inc(stats.bytes)
-    metrics.KV_TRANSFER_SECONDS.observe(stats.seconds)
+def _record_transfer(stats: TransferStats, tags: dict[str, str]) -> None:
+    """One handoff's KV, counted on the decode replica that received it (`tags`: its model, pool, replica)."""
+    if stats.bytes > 0:  # Ray's counters refuse an increment of 0
+        metrics.KV_TRANSFER_BYTES.inc(stats.bytes, tags=tags)
+    metrics.KV_TRANSFER_SECONDS.observe(stats.seconds, tags=tags)

@@ -284,7 +284,7 @@ def _blocks_from_metrics(base: str) -> int:
         text = r.read().decode()
     values = re.findall(r"^tandem_kv_blocks_used\{[^}]*\} ([0-9.e+]+)$", text, re.M)
     if not values:
-        raise RuntimeError(f"{base}/metrics has no tandem_kv_blocks_used (a disaggregated app's pools report through Ray)")
+        raise RuntimeError(f"{base}/metrics has no tandem_kv_blocks_used (no engine has reported yet)")
     return int(sum(float(v) for v in values))
 
 

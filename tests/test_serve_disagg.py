@@ -278,6 +278,38 @@ def test_kv_transfer_metric_shows_the_prompts_moving_between_pools(cluster):
     assert moved % block_bytes == 0  # whole blocks move
 
 
+def test_api_port_metrics_cover_every_replica(cluster, client):
+    """GET /metrics on the app's own port (no Ray metrics port) shows the pools' engine metrics beside the
+    Router's: every replica publishes its page to Ray's KV, the answering Router replica merges them
+    (router/replica_metrics.py). One HELP/TYPE per family, every sample labelled with its replica."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for prompt in PROMPTS[:2]:  # handoffs of its own, whatever ran before
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
+
+    def page() -> dict | None:
+        text = urllib.request.urlopen(f"{cluster['http']}/metrics", timeout=30).read().decode()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        usage = {s.labels["pool"] for s in families["tandem_kv_cache_usage_perc"].samples if s.labels["model_name"] == NAME}
+        moved = sum(s.value for s in families["tandem_kv_transfer_bytes"].samples
+                    if s.name == "tandem_kv_transfer_bytes_total" and s.labels.get("pool") == "decode"
+                    and s.labels.get("model_name") == NAME and s.labels.get("replica"))
+        return {"text": text, "families": families} if usage == {"decode", "prefill"} and moved > 0 else None
+
+    got = _wait(page, 60, "the API port's /metrics did not show both pools' engine metrics", interval=2.0)
+    types = re.findall(r"^# TYPE (\S+) ", got["text"], re.M)
+    assert len(types) == len(set(types)) and "tandem_kv_transfer_seconds" in types
+    samples = [s for f in got["families"].values() for s in f.samples]
+    assert all(s.labels.get("replica") for s in samples)
+    series = [(s.name, tuple(sorted(s.labels.items()))) for s in samples]
+    assert len(series) == len(set(series))
+    running = {s.labels["pool"]: s.labels["replica"] for s in got["families"]["tandem_num_requests_running"].samples}
+    assert running.keys() == {"decode", "prefill"} and running["decode"] != running["prefill"]
+    ok = [s for s in got["families"]["tandem_requests"].samples
+          if s.name == "tandem_requests_total" and s.labels["status"] == "ok" and s.value >= 2]
+    assert ok and ok[0].labels["replica"] not in running.values()  # the Router's front-end counter, its own replica
+
+
 def test_echo_and_prompt_logprobs_come_from_the_prefill_pool(cluster, client):
     """lm-evaluation-harness's loglikelihood request (echo, logprobs, one token) on the disaggregated app:
     the prompt runs on the TP=2 prefill pool, whose prompt logprobs travel with the handoff and equal HF's
