@@ -30,6 +30,7 @@ from router.pools import DecodePool, PrefillPool
 from router.protocol import BackendUnavailable, GenerateRequest
 from router.replica_metrics import start_publishing
 from router.routing import ReplicasGone, first_unless_replicas_gone
+from router.stream_wire import StreamDecoder
 from engine.llm_engine import RequestOutput
 from workers.hub import resolve_model_path
 
@@ -93,7 +94,7 @@ class DisaggregatedBackend:
         return await self.wait_ready(self.ready_wait_s)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        async for out in self._decode_call("generate", req, [req.request_id], lambda out: out.finished):
+        async for _, out in self._decode_call("generate", req, [req.request_id], lambda item: item[1].finished):
             yield out
 
     async def generate_batch(self, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -109,14 +110,17 @@ class DisaggregatedBackend:
         async for item in self._decode_call("generate_batch", reqs, [r.request_id for r in reqs], done):
             yield item
 
-    async def _decode_call(self, method: str, payload: Any, request_ids: list[str], done: Callable[[Any], bool]) -> AsyncIterator[Any]:
-        """A streaming call of the decode pool: its items, until `done(item)`."""
+    async def _decode_call(self, method: str, payload: Any, request_ids: list[str],
+                           done: Callable[[tuple[int, RequestOutput]], bool]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """A streaming call of the decode pool: its items as (index into the call's requests, the engine's
+        cumulative output), rebuilt from the wire's deltas (router/stream_wire.py), until `done(item)`."""
         if not await self.ready():
             raise BackendUnavailable("the decode pool is not ready yet")
         name = request_ids[0]
         attempts = 2  # a decode replica that dies before the first token is retried once, elsewhere
         for attempt in range(1, attempts + 1):
             stream = getattr(self.decode.options(stream=True), method).remote(payload)
+            decoder = StreamDecoder()  # per call: a retried call streams from its first output again
             for rid in request_ids:
                 self._streams[rid] = stream
             got_any, finished = False, False
@@ -125,7 +129,7 @@ class DisaggregatedBackend:
                 # another replica; with none left, the client gets 503 now rather than when a replacement has
                 # started. (A call made while Serve already knows of no live replica waits for one, as before.)
                 try:
-                    item = await first_unless_replicas_gone(stream, self.decode, already_empty_fails=False)
+                    item = decoder.decode(await first_unless_replicas_gone(stream, self.decode, already_empty_fails=False))
                 except StopAsyncIteration:
                     return
                 except ReplicasGone as e:
@@ -135,7 +139,7 @@ class DisaggregatedBackend:
                     finished = done(item)
                     yield item
                     try:
-                        item = await anext(stream)
+                        item = decoder.decode(await anext(stream))
                     except StopAsyncIteration:
                         return
             except RayActorError as e:

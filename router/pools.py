@@ -19,10 +19,11 @@ from router import metrics, replica_metrics, routing
 from router.config import AppConfig
 from router.protocol import GenerateRequest
 from router.serve_context import in_own_serve_request
+from router.stream_wire import StreamEncoder
 from engine.async_engine import EngineDeadError
 from engine.disagg import (DecodeReplica, LocalPrefillPolicy, PrefillReady, PrefillReplica, PrefillUnavailable, Reservation,
                            TransferStats)
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
 from workers.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -119,21 +120,21 @@ class DecodePool(_PoolMethods):
         finally:
             response.cancel()  # closed early (client gone, handoff given up): the prefill replica frees its KV
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[bytes]:
+        """The request's outputs as router/stream_wire.py items: only what the router has not seen yet (it has
+        the prompt and the earlier items), in one `bytes` Ray passes through without serializing."""
+        encoder = StreamEncoder()
         async for out in self.replica.generate(req.request_id, req.prompt_token_ids, req.sampling_params, req.priority):
-            # Each item crosses the Serve hop to the router, which has the prompt: without this, a 2K-token
-            # prompt would be pickled again with every token. Items are snapshots: the engine's own
-            # output keeps its prompt.
-            out.prompt_token_ids = []
-            yield out
+            yield encoder.encode(0, out)
 
-    async def generate_batch(self, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """One client request's prompts and choices in one call: (index into `reqs`, output) items."""
+    async def generate_batch(self, reqs: list[GenerateRequest]) -> AsyncIterator[bytes]:
+        """One client request's prompts and choices in one call: items as in `generate`, each naming its
+        index into `reqs`."""
         items = [(r.request_id, r.prompt_token_ids, r.sampling_params, r.priority) for r in reqs]
+        encoder = StreamEncoder()
         async with contextlib.aclosing(self.replica.generate_many(items)) as stream:
             async for i, out in stream:
-                out.prompt_token_ids = []  # as in generate: the router has the prompts
-                yield i, out
+                yield encoder.encode(i, out)
 
     async def info(self) -> dict:
         engine = self.replica.llm_engine
