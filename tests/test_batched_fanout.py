@@ -160,7 +160,7 @@ def test_closing_right_after_the_choices_were_added_aborts_them(backend):
 def test_admission_counts_every_choice_of_the_batch(tmp_path):
     """One batched call still meets the engine's queue bound per choice: n=4 on an engine that runs one
     request and lets one wait is refused (429), whole, and leaves nothing behind."""
-    small = make_backend(build_chat_model(tmp_path / "adm-llama"), max_num_seqs=1)
+    small = make_backend(build_chat_model(tmp_path / "adm-llama"), max_num_seqs=1, max_waiting_requests=1)
     calls = _Calls(small)
     with TestClient(create_openai_app(calls)) as c:
         try:
