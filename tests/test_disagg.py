@@ -86,15 +86,14 @@ class Pair:
             engine.shutdown()
 
 
-def _build_pair(name: str) -> Pair:
-    spec = PAIRS[name]
-    arch, overrides = spec["model"]
-    path = tiny_model(arch, **overrides)
+def build_pair(path: str, prefill_kw: dict, decode_kw: dict) -> Pair:
+    """A prefill and a decode replica of `path` (COMMON engine arguments plus each side's own), the decode
+    side's prefill client calling the prefill replica directly and recording the request ids it asks for."""
 
     def engine(kw: dict) -> LLMEngine:
         return LLMEngine(EngineConfig.from_kwargs(model=path, **COMMON, **kw), show_progress=False)
 
-    prefill = PrefillReplica(engine(spec["prefill"]))
+    prefill = PrefillReplica(engine(prefill_kw))
     calls: list[str] = []
 
     async def client(rid: str, prompt: list[int], params: SamplingParams, prio: int, res: Reservation) -> AsyncIterator[PrefillReady]:
@@ -103,11 +102,17 @@ def _build_pair(name: str) -> Pair:
             yield ready
 
     try:
-        decode = DecodeReplica(engine(spec["decode"]), client)
+        decode = DecodeReplica(engine(decode_kw), client)
     except BaseException:
         prefill.llm_engine.shutdown()
         raise
     return Pair(path, prefill, decode, calls)
+
+
+def _build_pair(name: str) -> Pair:
+    spec = PAIRS[name]
+    arch, overrides = spec["model"]
+    return build_pair(tiny_model(arch, **overrides), spec["prefill"], spec["decode"])
 
 
 class Pools:

@@ -10,7 +10,6 @@ only its missing blocks. Both pools end clean.
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator
 
 import pytest
 import ray
@@ -18,14 +17,10 @@ from transformers import AutoConfig
 
 from tests.models import prompts_of_lengths, tiny_model
 from tests.test_disagg import (  # noqa: F401 - `run` is a fixture
-    BLOCK, COMMON, PREFILL_CHUNK, VOCAB, Pair, blocks_needed, generate, greedy, run, settle,
+    BLOCK, PREFILL_CHUNK, VOCAB, blocks_needed, build_pair, generate, greedy, run, settle,
 )
-from engine.disagg import DecodeReplica, PrefillReady, PrefillReplica, Reservation
 from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from workers.config import EngineConfig
 from workers.kv_transfer.plan import RankShard
-from workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -41,25 +36,8 @@ def ray_session():
 
 @pytest.fixture(scope="module")
 def pair(ray_session, run):
-    path = tiny_model("llama")
-
-    def engine(kw: dict) -> LLMEngine:
-        return LLMEngine(EngineConfig.from_kwargs(model=path, **COMMON, **FP8, **kw), show_progress=False)
-
-    prefill = PrefillReplica(engine(dict(tensor_parallel_size=2, max_num_batched_tokens=PREFILL_CHUNK)))
-    calls: list[str] = []
-
-    async def client(rid: str, prompt: list[int], params: SamplingParams, prio: int, res: Reservation) -> AsyncIterator[PrefillReady]:
-        calls.append(rid)
-        async for ready in prefill.prefill(rid, prompt, params, prio, res):
-            yield ready
-
-    try:
-        decode = DecodeReplica(engine(dict(tensor_parallel_size=1)), client)
-    except BaseException:
-        prefill.llm_engine.shutdown()
-        raise
-    pair = Pair(path, prefill, decode, calls)
+    pair = build_pair(tiny_model("llama"), dict(tensor_parallel_size=2, max_num_batched_tokens=PREFILL_CHUNK, **FP8),
+                      dict(tensor_parallel_size=1, **FP8))
     yield pair
     pair.shutdown()
 

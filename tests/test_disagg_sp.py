@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import logging
 from types import SimpleNamespace
-from typing import AsyncIterator
 
 import pytest
 import ray
 
 from tests.models import hf_greedy, prompts_of_lengths, tiny_model
 from tests.test_disagg import (  # noqa: F401 - `run` and `reference` are fixtures
-    BLOCK, COMMON, PREFILL_CHUNK, VOCAB, Pair, assert_same_output, blocks_needed, generate, greedy,
+    BLOCK, PREFILL_CHUNK, VOCAB, assert_same_output, blocks_needed, build_pair, generate, greedy,
     kv_bytes_per_block, reference, run, settle,
 )
 from workers.config import EngineConfig
-from engine.disagg import DecodeReplica, PrefillReady, PrefillReplica, Reservation
-from engine.llm_engine import LLMEngine
-from workers.sampling_params import SamplingParams
+from engine.disagg import DecodeReplica
 
 pytestmark = pytest.mark.slow
 
@@ -43,31 +40,10 @@ def ray_session():
     ray.shutdown()
 
 
-def _build_pair(prefill_kw: dict, decode_kw: dict) -> Pair:
-    path = tiny_model("llama")
-
-    def engine(kw: dict) -> LLMEngine:
-        return LLMEngine(EngineConfig.from_kwargs(model=path, **COMMON, **kw), show_progress=False)
-
-    prefill = PrefillReplica(engine(dict(prefill_kw, max_num_batched_tokens=PREFILL_CHUNK)))
-    calls: list[str] = []
-
-    async def client(rid: str, prompt: list[int], params: SamplingParams, prio: int, res: Reservation) -> AsyncIterator[PrefillReady]:
-        calls.append(rid)
-        async for ready in prefill.prefill(rid, prompt, params, prio, res):
-            yield ready
-
-    try:
-        decode = DecodeReplica(engine(decode_kw), client)
-    except BaseException:
-        prefill.llm_engine.shutdown()
-        raise
-    return Pair(path, prefill, decode, calls)
-
-
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def pair(request, ray_session, run):
-    pair = _build_pair(*LAYOUTS[request.param])
+    pair = build_pair(tiny_model("llama"), dict(LAYOUTS[request.param][0], max_num_batched_tokens=PREFILL_CHUNK),
+                      LAYOUTS[request.param][1])
     yield pair
     pair.shutdown()
 
