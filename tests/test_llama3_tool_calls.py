@@ -22,7 +22,7 @@ from router.tool_parsers import (HERMES, LLAMA3_JSON, TOOL_CALL_PARSER_CHOICES, 
 from tandem import cli
 from tests.models import BOS_TOKEN, EOS_TOKEN
 from tests.serving import LiveServer, build_chat_model, make_backend
-from tests.test_tool_calls import TOOLS_TEMPLATE, Scripted
+from tests.test_tool_calls import ASK, TIME, TOOLS_TEMPLATE, WEATHER, Scripted  # the Hermes tests' tools and question
 
 NAME = "tools-llama3"
 CHAT = "/v1/chat/completions"
@@ -41,9 +41,6 @@ LLAMA3_TEMPLATE = (
     "{% if add_generation_prompt %}" + BOS_TOKEN + "assistant\n{% endif %}"
 )
 
-WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"properties": {"city": {}}}}}
-TIME = {"type": "function", "function": {"name": "time"}}
-ASK = [{"role": "user", "content": "Paris?"}]
 
 ONE = '{"name": "weather", "parameters": {"city": "Paris"}}'
 TWO = '<|python_tag|>{"name": "weather", "parameters": {"city": "Paris"}}; {"name": "time", "parameters": {}}'
