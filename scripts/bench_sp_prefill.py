@@ -73,6 +73,7 @@ def bench_layout(model: str, spec: str, lengths: list[int], args) -> dict:
         fl = prefill_flops(llm.llm_engine.hf_config, n)
         cells[str(n)] = {"seconds": t, "tok_per_s": n / t, "mfu_per_gpu": fl / t / world / (PEAK_BF16_TFLOPS * 1e12),
                          "all_seconds": times}
+        print(f"{spec} {n} tokens: {t:.3f} s (runs {', '.join(f'{x:.3f}' for x in times)})", flush=True)
     llm.llm_engine.shutdown()
     del llm
     gc.collect()
@@ -117,11 +118,13 @@ def main(argv=None) -> int:
             model, args.load_format = write_model_folder(args.shape, tmp), "dummy"
         else:
             model, args.load_format = args.model, "auto"
-        results = {spec: bench_layout(model, spec, lengths, args) for spec in args.layouts.split()}
-    out = Path(args.out).with_suffix(".json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model or args.shape, "device": args.device, "lengths": lengths,
-                               "date": time.strftime("%Y-%m-%d"), "results": results}, indent=2))
+        out = Path(args.out).with_suffix(".json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        results = {}
+        for spec in args.layouts.split():  # the JSON is rewritten after each layout: a later one that hangs loses nothing
+            results[spec] = bench_layout(model, spec, lengths, args)
+            out.write_text(json.dumps({"model": args.model or args.shape, "device": args.device, "lengths": lengths,
+                                       "date": time.strftime("%Y-%m-%d"), "results": results}, indent=2))
     print(table(results, lengths))
     print(f"wrote {out}")
     return 0 if all("error" not in r for r in results.values()) else 1

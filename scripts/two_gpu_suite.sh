@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The two-GPU comparisons of issues 26, 27 and 28 in one go, each layout beside its one-GPU baseline in the
+# same run (Llama-3.1-8B shapes, dummy bf16). Every step has its own time limit and writes into $RES, so a
+# step that fails or hangs costs only itself; RES/progress.txt says what ran, how long and its exit code.
+#
+#     RES=/tmp/res bash scripts/two_gpu_suite.sh [step ...]     # default: every step, in this order
+#
+# Steps: tests offline latency pd kv sp ep fault.
+set -u
+RES=${RES:-/tmp/res}
+mkdir -p "$RES"
+export PYTHONUNBUFFERED=1
+M8B=/tmp/m8b
+[ -d $M8B ] || python scripts/model_shapes.py llama-3.1-8b $M8B >/dev/null
+
+step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log to RES/NAME.log
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  echo "$(date -u +%H:%M:%S) start $name" >>"$RES/progress.txt"
+  timeout --kill-after=20 "$limit" bash -c "$*" 2>&1 | tr '\r' '\n' | grep -v -e 'it/s' -e 's/it' >"$RES/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "$(date -u +%H:%M:%S) done $name rc=$rc in $(( $(date +%s) - t0 )) s" >>"$RES/progress.txt"
+  ray stop --force >/dev/null 2>&1 || true  # a step killed by its limit may leave a Ray session behind
+}
+
+run_tests() { python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -p no:cacheprovider; }
+run_offline() {
+  python scripts/bench_offline.py --shape llama-3.1-8b --device cuda --dtype bfloat16 --load-format dummy \
+    --layouts "uni tp2 pp2" --isolate --num-requests 1000 --mean-input 230 --mean-output 200 \
+    --max-num-seqs 256 --max-num-batched-tokens 8192 --skip-hf --profile-steps 40 --out "$RES/offline.json"
+}
+run_latency() {
+  for tp in 1 2; do
+    python scripts/bench_latency.py --modes graphs --tensor-parallel-size $tp --skip-hf --profile-steps 20 \
+      --out "$RES/latency_tp$tp.json" || return $?
+  done
+}
+run_pd() {
+  python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
+    --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16" \
+    --deployments "colocated=--replicas 2;pd=--disaggregated" \
+    --bench-args "--input-len 2048 --output-len 256 --request-rates 2,4,8,16 --num-prompts 80 --max-token-id 100000 --ttft-slo 1 --tpot-slo 0.05 --save-requests" \
+    --out "$RES/pd_vs_colocated"
+}
+run_kv() { python scripts/bench_kv_transfer.py --device cuda --out "$RES/kv_transfer.json"; }
+run_sp() {
+  python scripts/bench_sp_prefill.py --shape llama-3.1-8b --device cuda --dtype bfloat16 \
+    --lengths 16384,65536,131072 --layouts "sp1 sp2" --out "$RES/sp_prefill"
+}
+run_ep() {
+  python scripts/bench_offline.py --shape qwen3-30b-a3b --device cuda --dtype bfloat16 --load-format dummy \
+    --layouts "uni ep2" --isolate --num-requests 600 --mean-input 230 --mean-output 200 \
+    --max-num-seqs 256 --max-num-batched-tokens 8192 --skip-hf --profile-steps 20 --out "$RES/ep_offline.json"
+}
+run_fault() {
+  python scripts/fault_load.py --model models/tandem-tiny --rate 4 --duration 60 \
+    --serve-args "--device cuda --disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle --max-request-body-bytes 65536 --request-timeout-s 30" \
+    --schedule "kill-rank@10,kill-prefill@25,kill-decode@40" --out "$RES/fault_load_gpu.json"
+}
+
+export RES M8B
+export -f run_tests run_offline run_latency run_pd run_kv run_sp run_ep run_fault
+declare -A LIMIT=([tests]=300 [offline]=540 [latency]=300 [pd]=720 [kv]=150 [sp]=480 [ep]=540 [fault]=300)
+STEPS=${*:-tests offline latency pd kv sp ep fault}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1
+nvidia-smi topo -m >>"$RES/env.txt" 2>&1
+for s in $STEPS; do step "$s" "${LIMIT[$s]}" "run_$s"; done
+echo "$(date -u +%H:%M:%S) all done" >>"$RES/progress.txt"
