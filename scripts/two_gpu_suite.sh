@@ -39,13 +39,13 @@ run_pd() {
   python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
     --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16" \
     --deployments "colocated=--replicas 2;pd=--disaggregated" \
-    --bench-args "--input-len 2048 --output-len 256 --request-rates 2,4,8,16 --num-prompts 80 --max-token-id 100000 --ttft-slo 1 --tpot-slo 0.05 --save-requests" \
+    --bench-args "--input-len 2048 --output-len 256 --request-rates 2,4,8,16 --num-prompts 64 --max-token-id 100000 --ttft-slo 1 --tpot-slo 0.05 --save-requests" \
     --out "$RES/pd_vs_colocated"
 }
 run_kv() { python scripts/bench_kv_transfer.py --device cuda --out "$RES/kv_transfer.json"; }
 run_sp() {
   python scripts/bench_sp_prefill.py --shape llama-3.1-8b --device cuda --dtype bfloat16 \
-    --lengths 16384,65536,131072 --layouts "sp1 sp2" --out "$RES/sp_prefill"
+    --lengths 16384,65536,131056 --runs 2 --layouts "sp1 sp2" --out "$RES/sp_prefill"
 }
 run_ep() {
   python scripts/bench_offline.py --shape qwen3-30b-a3b --device cuda --dtype bfloat16 --load-format dummy \
