@@ -108,15 +108,21 @@ def plot(results: dict[str, dict], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     for name, res in results.items():
         x = [p["summary"]["request_throughput"] for p in res["points"]]
         for ax, key in zip(axes, ("ttft_s", "tpot_s")):
             ax.plot(x, [p["summary"][key]["p50"] for p in res["points"]], "o-", label=name)
+        rated = [p for p in res["points"] if p.get("rate") not in (None, float("inf"))]  # Poisson sweep points only
+        axes[2].plot([p["rate"] for p in rated], [p["summary"]["goodput"] for p in rated], "o-", label=name)
     for ax, title in zip(axes, ("TTFT p50", "TPOT p50")):
         ax.set_title(title)
         ax.set_xlabel("requests/s")
         ax.set_ylabel("seconds")
+    axes[2].set_title("goodput (requests within both SLOs)")
+    axes[2].set_xlabel("offered requests/s")
+    axes[2].set_ylabel("requests/s")
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -135,7 +141,12 @@ def main(argv=None) -> int:
                    help="scripts/bench_serving.py flags, the same for every deployment")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--out", default="bench_results/pd_vs_colocated")
+    p.add_argument("--replot", metavar="JSON", help="only redraw OUT.png (and print the table) from a JSON this script wrote")
     args = p.parse_args(argv)
+    if args.replot:
+        results = json.loads(Path(args.replot).read_text())["deployments"]
+        print(table(results))
+        return 0 if plot(results, Path(args.out).with_suffix(".png")) else 1
     deployments = parse_deployments(args.deployments)
     common = ["--device", args.device, *shlex.split(args.serve_args)]
     out = Path(args.out)
