@@ -1,12 +1,16 @@
 """Expert-parallel MoE (all-to-all dispatch/combine) against a dense single-process MoE."""
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 
 from parallel.moe_dispatch import dispatch, ep_moe, expert_owner, expert_range, gather_token_shares, token_share
-from parallel.state import Group, ep_group, tp_group
+from parallel.state import Group, ep_group, sp_group, tp_group
 from tests.multiprocess import run_ranks
+from workers.models import moe as moe_module
 from workers.models.moe import Experts, SparseMoE
 
 H, I = 16, 24
@@ -93,7 +97,12 @@ def _check_sparse_moe_layer(rank: int, num_experts: int, top_k: int, renormalize
     x = torch.randn(7 + sp_rank, H, generator=torch.Generator().manual_seed(sp_rank))
     dense = load_experts(Experts(num_experts, H, I, group=Group()), w)
     ids, weights = route(x, w["router"], top_k, renormalize)
-    torch.testing.assert_close(layer(x), dense(x, ids, weights), rtol=1e-5, atol=1e-5)
+    # EP over the TP group alone: every rank holds every token, so no token may travel (one all-reduce).
+    assert layer.ep_tokens_replicated == (sp_group().size == 1)
+    with mock.patch.object(moe_module, "ep_moe", side_effect=AssertionError("dispatched")) if layer.ep_tokens_replicated \
+            else contextlib.nullcontext():
+        out = layer(x)
+    torch.testing.assert_close(out, dense(x, ids, weights), rtol=1e-5, atol=1e-5)
 
 
 def _check_gather_token_shares(rank: int) -> None:
@@ -124,6 +133,8 @@ def _all_checks(rank: int, num_experts: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,num_experts,parallel", [
+    (2, 4, {"expert_parallel_size": 2}),  # EP over TP: the all-reduce form
+    (3, 8, {"expert_parallel_size": 3}),
     (2, 4, {"sequence_parallel_size": 2, "expert_parallel_size": 2}),
     (3, 8, {"sequence_parallel_size": 3, "expert_parallel_size": 3}),  # 3, 3, 2 experts
     (4, 6, {"tensor_parallel_size": 2, "sequence_parallel_size": 2, "expert_parallel_size": 4}),  # 2, 2, 1, 1

@@ -13,7 +13,7 @@ import time
 import torch
 
 from parallel.pp import PendingSend, recv_from_prev_stage, send_to_next_stage
-from parallel.state import ep_group, pp_group, sp_group, tp_group
+from parallel.state import pp_group, sp_group, tp_group
 from workers.attention import AttentionMetadata, forward_context, get_backend
 from workers.attention.sp_backend import SequenceParallelAttention
 from workers.config import EngineConfig
@@ -92,9 +92,9 @@ class ModelRunner:
 
     def _capture_cuda_graphs(self):
         """Decode CUDA graphs (workers/cuda_graphs.py) on CUDA, alone or under TP; None where they don't
-        apply: pipeline stages exchange activations between steps' halves, SP attention and EP dispatch
-        size their messages on the host."""
-        if self.device.type != "cuda" or self.pp.size > 1 or sp_group().size > 1 or ep_group().size > 1:
+        apply: pipeline stages exchange activations between steps' halves, and SP attention (and EP's
+        dispatch over SP ranks) size their messages on the host. EP over the TP group is an all-reduce."""
+        if self.device.type != "cuda" or self.pp.size > 1 or sp_group().size > 1:
             return None
         from workers.cuda_graphs import maybe_capture
 

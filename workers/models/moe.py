@@ -99,9 +99,15 @@ class SparseMoE(nn.Module):
         else:
             if num_experts < self.ep.size:
                 raise ValueError(f"expert_parallel_size ({self.ep.size}) exceeds the number of experts ({num_experts})")
-            # Each token's expert runs on one rank, whole: nothing to split over TP, nothing to reduce.
+            # Each token's expert runs on one rank, whole: nothing to split over TP.
             self.experts = Experts(num_experts, hidden_size, intermediate_size, group=Group(),
                                    local_experts=expert_range(num_experts, self.ep.size, self.ep.rank))
+        # Where the EP group is the TP group (no SP), every EP rank already holds every token: each runs its
+        # own experts on all of them and one all-reduce sums the partial outputs, as TP's MoE does. No
+        # all-to-all, no token counts read on the host, so decode stays inside CUDA graphs. (With top-8 of
+        # 128 experts over 2 ranks nearly every token needs both ranks, so a dispatch would move as many
+        # bytes as the all-reduce, in three collectives and a host sync per layer.)
+        self.ep_tokens_replicated = self.ep.size > 1 and sorted(self.ep.ranks) == sorted(tp_group().ranks)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
@@ -112,10 +118,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        if self.ep.size == 1:
+        if self.ep.size == 1 or self.ep_tokens_replicated:
             ids, weights = self.route(x)
-            return reduce_partial_sums(self.experts(x, ids, weights), self.experts.group)
-        # The TP ranks hold the same T tokens: each routes and dispatches its own share, then they gather.
+            group = self.ep if self.ep_tokens_replicated else self.experts.group
+            return reduce_partial_sums(self.experts(x, ids, weights), group)
+        # EP over TP x SP ranks: the SP ranks hold different tokens, so tokens travel to their experts. The TP
+        # ranks of one SP rank hold the same T tokens: each routes and dispatches its own share, then they gather.
         tp = tp_group()
         share = x[token_share(x.shape[0], tp)]
         ids, weights = self.route(share)
