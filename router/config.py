@@ -40,6 +40,13 @@ SHARED_ONLY = ("model", "tokenizer", "dtype", "device", "load_format", "max_mode
 SERVED_MAX_QUEUE_DELAY_S = 5.0
 SERVED_MAX_WAITING_KV_RATIO = 1.0
 SERVED_WAITING_CEILING = 4
+# With a whole-request limit, one KV handoff may take at most this share of it (and no less than the
+# floor): a stuck transfer then fails while the request still has time for its one re-prefill, and the
+# requests queued behind it on the same prefill/decode pair (transfers on a pair run one at a time) are
+# not all held until they time out. Seen under the fault script: a replacement decode replica's first
+# receive waited the engine's 60 s default past a 30 s request limit, and 29 requests got 504.
+SERVED_KV_TRANSFER_SHARE = 1 / 3
+SERVED_KV_TRANSFER_FLOOR_S = 5.0
 
 
 class PoolConfig(StrictModel):
@@ -123,7 +130,10 @@ class AppConfig(EngineArgs):
     api_keys_env: str | None = Field(default=None, description="Environment variable with more comma-separated keys, "
                                      "read on the replica (keeps secrets out of the config).")
     request_timeout_s: float | None = Field(default=None, gt=0, description="Whole-request limit; past it: 504 / "
-                                            "DEADLINE_EXCEEDED and the request is aborted.")
+                                            "DEADLINE_EXCEEDED and the request is aborted. Unless given, the KV "
+                                            "handoff's limit (kv_transfer_timeout_seconds) becomes a third of it "
+                                            "(at least 5 s, at most 60 s), so a stuck transfer leaves time for a "
+                                            "re-prefill.")
     max_request_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0, description="Largest request body (HTTP) "
                                         "or message (gRPC) accepted; larger: 413 / RESOURCE_EXHAUSTED, before parsing.")
     trace_requests: bool = Field(default=False, description="Log one JSON line per finished request (logger "
@@ -185,7 +195,15 @@ class AppConfig(EngineArgs):
     def engine_args(self, pool: Pool) -> EngineArgs:
         """The engine arguments of one replica of `pool`: the top level's, overridden by the pool's."""
         args = {**self.given(), **self.pool(pool).engine_overrides()}
-        return EngineArgs(**{**_served_admission_defaults(args), **args})
+        return EngineArgs(**{**_served_admission_defaults(args), **self._served_transfer_timeout(), **args})
+
+    def _served_transfer_timeout(self) -> dict[str, float]:
+        """The KV handoff's time limit under a request limit, unless given (SERVED_KV_TRANSFER_SHARE says why)."""
+        if self.request_timeout_s is None:
+            return {}
+        engine_default = EngineArgs.model_fields["kv_transfer_timeout_seconds"].default
+        share = max(SERVED_KV_TRANSFER_FLOOR_S, SERVED_KV_TRANSFER_SHARE * self.request_timeout_s)
+        return {"kv_transfer_timeout_seconds": min(engine_default, share)}
 
     def engine_config(self, pool: Pool) -> EngineConfig:
         """The EngineConfig of one replica of `pool` (checks that the model folder exists on this node)."""

@@ -328,3 +328,17 @@ def test_serve_backpressure_is_a_counted_429(model, monkeypatch):
             assert _count("queue_full") == before + 1
         finally:
             client.portal.call(backend.close)
+
+
+def test_served_kv_transfer_limit_follows_the_request_limit_unless_given():
+    """A stuck KV handoff must fail while its request can still be re-prefilled (router/config.py)."""
+    engine_default = EngineArgs().kv_transfer_timeout_seconds
+    assert AppConfig().engine_args("decode").kv_transfer_timeout_seconds == engine_default  # no request limit
+    limited = AppConfig(request_timeout_s=30)
+    assert limited.engine_args("decode").kv_transfer_timeout_seconds == 10.0
+    assert limited.engine_args("prefill").kv_transfer_timeout_seconds == 10.0
+    assert AppConfig(request_timeout_s=6).engine_args("decode").kv_transfer_timeout_seconds == 5.0  # the floor
+    assert AppConfig(request_timeout_s=900).engine_args("decode").kv_transfer_timeout_seconds == engine_default
+    given = AppConfig(request_timeout_s=30, kv_transfer_timeout_seconds=20, decode={"kv_transfer_timeout_seconds": 25})
+    assert given.engine_args("prefill").kv_transfer_timeout_seconds == 20  # an explicit value wins
+    assert given.engine_args("decode").kv_transfer_timeout_seconds == 25
