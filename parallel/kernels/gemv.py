@@ -208,7 +208,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, con
             raise ValueError("gemv: RoPE needs whole heads of an even head_dim and a contiguous cos/sin table")
         grid_n = n // 2
         cfg["BLOCK_N"] = max(1, min(cfg["BLOCK_N"] // 2, rope.head_dim // 2))
-    pdl = torch.cuda.is_current_stream_capturing() and pdl_enabled()
+    pdl = x.is_cuda and torch.cuda.is_current_stream_capturing() and pdl_enabled()
     extra = dict(launch_pdl=True) if pdl else {}
     if rope is not None:  # the RoPE products are rounded to the dtype before their sum, as `fused_ops.rope` does
         extra["enable_fp_fusion"] = False

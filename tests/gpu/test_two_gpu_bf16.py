@@ -39,10 +39,15 @@ def _engine(path: str, dtype: str, **layout) -> LLM:
                max_num_seqs=16, max_num_batched_tokens=4096, show_progress=False, **layout)
 
 
-def _generate(path: str, prompts: list[list[int]], max_tokens: int, dtype: str = "bfloat16", **layout) -> list:
+def _generate(path: str, prompts: list[list[int]], max_tokens: int, dtype: str = "bfloat16", one_at_a_time: bool = False,
+              **layout) -> list:
+    """one_at_a_time: each prompt alone, so its decode steps replay the batch-1 graph (the fused GEMV path)."""
     llm = _engine(path, dtype, **layout)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP_N)
     try:
-        return llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP_N))
+        if one_at_a_time:
+            return [llm.generate([p], params)[0] for p in prompts]
+        return llm.generate(prompts, params)
     finally:
         llm.shutdown()
 
@@ -87,6 +92,16 @@ def test_tp2_bf16_greedy_matches_tp1_for_64_tokens():
     ref16, ref32 = _generate(path, prompts, 64), _generate(path, prompts, 64, dtype="float32")
     got = _generate(path, prompts, 64, tensor_parallel_size=2)
     _check(path, prompts, ref16, got, ref32, "TP=2 vs TP=1")
+
+
+def test_tp2_bf16_batch1_decode_matches_tp1():
+    """Batch-1 decode under TP=2 runs the fused GEMVs with row-parallel partial sums (workers/models/fused_decode.py)."""
+    path = tiny_model("llama", **LLAMA)
+    prompts = prompts_of_lengths([9, 60, 200], vocab_size=300, seed=5)
+    ref16 = _generate(path, prompts, 32, one_at_a_time=True)
+    ref32 = _generate(path, prompts, 32, dtype="float32", one_at_a_time=True)
+    got = _generate(path, prompts, 32, one_at_a_time=True, tensor_parallel_size=2)
+    _check(path, prompts, ref16, got, ref32, "TP=2 batch-1 vs TP=1")
 
 
 def test_sp2_bf16_8k_prefill_and_32_tokens_match_sp1():

@@ -1,4 +1,4 @@
-"""Batch-1 decode with the small ops folded into the GEMVs (CUDA-graph capture, one rank, dense MLP).
+"""Batch-1 decode with the small ops folded into the GEMVs (CUDA-graph capture, no PP, dense MLP).
 
 A decoder layer at one token is four weight-streaming GEMVs with small kernels between them. The
 unfused path (`DecoderLayer.forward`) runs ten kernels per layer; here it is six (seven with
@@ -11,10 +11,18 @@ Qwen3's per-head q/k norms, which must come before RoPE):
 The residual stream h is carried summed instead of as (x, residual); every value is rounded where
 the unfused path rounds it, so the two agree up to the order of the norm's sum
 (tests/gpu/test_fused_decode.py).
+
+Under TP the qkv and gate/up GEMVs read this rank's column shard as they are, and the two
+row-parallel GEMVs (o_proj, down_proj) produce partial sums: the group's first rank adds the bias and
+the residual in its epilogue, the others neither, so one all-reduce returns h + x @ W.T + b, the
+same value the unfused path builds as (x @ W.T summed) + b + h, up to the order of that sum. The
+first two-GPU run (2026-11-25) had TP=2 batch-1 decode on the unfused path at 0.95x one GPU.
 """
 from __future__ import annotations
 
 import torch
+
+from parallel.comm import reduce_partial_sums
 
 try:
     from parallel.kernels import gemv as _gemv
@@ -34,7 +42,7 @@ def applies(model, token_ids: torch.Tensor) -> bool:
 def _covers(model) -> bool:
     from workers.models.transformer import MLP
 
-    if not (model.is_first_stage and model.is_last_stage) or model.embed_tokens.group.size > 1:
+    if not (model.is_first_stage and model.is_last_stage):
         return False
     if getattr(model, "quant_config", None) is not None:  # the GEMVs read plain weights; quantized layers dequantize
         return False
@@ -42,7 +50,7 @@ def _covers(model) -> bool:
         return False
     if model.config.hidden_size > _gemv.MAX_NORM_K:
         return False
-    return all(isinstance(layer.mlp, MLP) and layer.self_attn.o_proj.group.size == 1 for layer in model.layers.values())
+    return all(isinstance(layer.mlp, MLP) for layer in model.layers.values())
 
 
 def forward(model, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -56,7 +64,16 @@ def forward(model, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Te
         rope = None if attn.q_norm is not None else _gemv.Rope(
             positions, attn.rotary.cos_sin, attn.head_dim, (attn.num_heads + attn.num_kv_heads) * attn.head_dim)
         qkv = gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps, rope=rope)
-        h = gemv(attn.attend(positions, qkv, rotated=rope is not None), attn.o_proj.weight, attn.o_proj.bias, residual=h)
+        h = row_parallel_gemv(gemv, attn.attend(positions, qkv, rotated=rope is not None), attn.o_proj, h)
         act = gemv(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=ln2.weight, eps=ln2.eps, silu=True)
-        h = gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
+        h = row_parallel_gemv(gemv, act, mlp.down_proj, h)
     return model.norm(h)
+
+
+def row_parallel_gemv(gemv, x: torch.Tensor, linear, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x_full @ W.T + bias for a row-parallel `linear` whose rank holds x's and W's shard of K:
+    the bias and residual ride in the first rank's epilogue only, and the all-reduce sums the parts."""
+    group = linear.group
+    first = group.is_first
+    out = gemv(x, linear.weight, linear.bias if first else None, residual=residual if first else None)
+    return reduce_partial_sums(out, group)
