@@ -52,3 +52,47 @@ def _profile_scores(rank: int, path: str, sp: int) -> None:
 def test_sp_profiling_step_scores_are_bounded_by_the_tile(sp: int):
     path = tiny_model("llama", max_position_embeddings=PROMPT)
     run_ranks(_profile_scores, sp, path, sp)
+
+
+def _profile_and_prompt_plans(rank: int, path: str, sp: int) -> None:
+    import workers.model_runner as runner_mod
+    from workers.kv_layout import block_owner
+    from workers.model_runner import ModelRunner
+    from workers.sampling_params import SamplingParams
+    from workers.scheduler_output import ScheduledSeq, SchedulerOutput
+
+    plans: list[tuple] = []
+    real = runner_mod.plan_sp_step
+
+    def spy(*args, **kwargs):
+        planned = real(*args, **kwargs)
+        ring = planned[2].sp.ring
+        plans.append((planned[0].shape[0], ring.q_shard.num_tokens, tuple(s.num_tokens for s in ring.kv_shards),
+                      ring.kv_slots.shape[0], len(planned[3])))
+        return planned
+
+    runner_mod.plan_sp_step = spy
+    per_rank = PROMPT // 16
+    config = EngineConfig.from_kwargs(model=path, sequence_parallel_size=sp, max_num_batched_tokens=PROMPT,
+                                      max_model_len=PROMPT, block_size=16, num_gpu_blocks_override=per_rank)
+    runner = ModelRunner(config, load_hf_config(path), PROMPT, eos_token_ids=[], show_progress=False)
+    runner._run_profile_step()
+    runner.kv_cache = runner._allocate_kv_cache(runner.num_blocks)  # the profile detached its scratch KV
+    taken = [0] * sp  # block ids as the engine's block manager hands them out: block i from pool block_owner(i)
+    table = []
+    for i in range(per_rank):
+        pool = block_owner(i, sp)
+        table.append(pool * per_rank + taken[pool])
+        taken[pool] += 1
+    prompt = ScheduledSeq("prompt", [7] * PROMPT, 0, table, True, SamplingParams(temperature=0.0, max_tokens=1), 0)
+    runner.execute(SchedulerOutput([prompt]))
+    profile, full = plans
+    # Same tokens on this rank, same ring (its queries, every rank's keys), same rows sampled here.
+    assert profile == full, (profile, full)
+
+
+def test_sp_profiling_step_is_a_full_length_prefill_on_every_rank():
+    """What each rank computes in the KV-budget profiling step is what a real max_num_batched_tokens
+    prompt gives it: the 128K OOM on 2 H100s (tests/test_step_memory.py) was not a smaller profile."""
+    path = tiny_model("llama", max_position_embeddings=PROMPT)
+    run_ranks(_profile_and_prompt_plans, 2, path, 2)

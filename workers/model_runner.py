@@ -26,6 +26,7 @@ from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledS
 from workers.structured_output import apply_token_bitmask, is_constrained
 from workers.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from workers.sp_plan import gather_sample_hidden, plan_sp_step, sample_owner
+from workers.step_memory import NewPeakRelease, kv_budget_bytes
 from workers.spec_decode.verify import verify
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids)
         self.pp = pp_group()
         self._pp_seq_no = 0  # micro-batches sent/received so far: every stage counts the same
+        # Before a step larger than any so far, the allocator's cache is emptied (workers/step_memory.py).
+        self.new_peak_release = NewPeakRelease(torch.cuda.empty_cache if self.device.type == "cuda" else None)
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
         self._warm_up_kernels()
@@ -147,6 +150,7 @@ class ModelRunner:
             del self.kv_cache  # freed before the smaller one is made, so peak memory does not double
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+                self.new_peak_release.reset()
             self.num_blocks = num_blocks
             self.kv_cache = self._allocate_kv_cache(num_blocks)
         if self.cuda_graphs is None:
@@ -176,15 +180,24 @@ class ModelRunner:
         return int(num)
 
     def _gpu_kv_budget(self) -> int:
-        """Free memory after weights and the peak activations of a full-size step, times the utilisation."""
+        """The utilisation's share of the GPU, less what the weights and a full-size step hold: the
+        allocator's peak *reserved* bytes, its split and waiting blocks too (workers/step_memory.py)."""
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the peak starts from the weights alone
         torch.cuda.reset_peak_memory_stats()
         probe_bytes = self._run_profile_step()
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - probe_bytes
+        peak_reserved, peak_allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
         torch.cuda.empty_cache()
+        self.new_peak_release.reset()  # the cache is empty: the next step lays out its own segments, as this one did
         _, total = torch.cuda.mem_get_info()
-        return int(total * self.config.cache.gpu_memory_utilization - peak)
+        utilization = self.config.cache.gpu_memory_utilization
+        budget = kv_budget_bytes(total, utilization, peak_reserved, probe_bytes)
+        gib = 1 << 30
+        log.info("KV budget %.2f GiB = %.2f x %.2f GiB - %.2f GiB reserved at the profiling step's peak "
+                 "(weights included; %.2f GiB of it allocated)", budget / gib, utilization, total / gib,
+                 (peak_reserved - probe_bytes) / gib, (peak_allocated - probe_bytes) / gib)
+        return budget
 
     def _run_profile_step(self) -> int:
         """Run the largest step serving can schedule (one max_num_batched_tokens prompt) on scratch KV,
@@ -279,6 +292,7 @@ class ModelRunner:
                 tokens = self.sampler(logits, out.seqs)
             return ModelRunnerOutput({s.seq_id: tok for s, tok in zip(out.seqs, tokens)})
         seqs = out.seqs
+        self.new_peak_release.before_step(sum(s.num_tokens for s in seqs))  # eager steps only: graphs allocate nothing
         if self.sp.size == 1:  # decodes first: attention runs them with the decode kernel (AttentionMetadata.num_decodes)
             seqs = sorted(seqs, key=lambda s: s.num_tokens != 1)
         # One micro-batch per stage keeps every stage busy once the pipeline is full.
