@@ -5,7 +5,7 @@
 #
 #     RES=/tmp/res bash scripts/two_gpu_suite.sh [step ...]     # default: every step, in this order
 #
-# Steps: tests offline latency pd kv sp ep fault.
+# Steps: tests offline latency pd kv sp ep fault (the default), and allreduce pd_small pd_c1 sp_serve.
 set -u
 RES=${RES:-/tmp/res}
 mkdir -p "$RES"
@@ -52,6 +52,28 @@ run_ep() {
     --layouts "uni ep2" --isolate --num-requests 600 --mean-input 230 --mean-output 200 \
     --max-num-seqs 256 --max-num-batched-tokens 8192 --skip-hf --profile-steps 20 --out "$RES/ep_offline.json"
 }
+run_allreduce() { python scripts/bench_allreduce.py --world-size 2 --device cuda --out "$RES/allreduce.json"; }
+run_pd_small() {  # issue 27: in 256 / out 64 at 32 req/s, PD goodput >= 0.95x colocated
+  python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
+    --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16" \
+    --deployments "colocated=--replicas 2;pd=--disaggregated" \
+    --bench-args "--input-len 256 --output-len 64 --request-rates 32 --num-prompts 400 --max-token-id 100000 --ttft-slo 1 --tpot-slo 0.05" \
+    --out "$RES/pd_small"
+}
+run_pd_c1() {  # issue 27: concurrency-1 TPOT, fixed 2048 in / 128 out, PD <= 1.05x colocated
+  python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
+    --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16" \
+    --deployments "colocated=--replicas 2;pd=--disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle" \
+    --bench-args "--length-dist fixed --input-len 2048 --output-len 128 --concurrencies 1 --num-prompts 20 --max-token-id 100000" \
+    --out "$RES/pd_c1"
+}
+run_sp_serve() {  # issue 28: an SP=2 prefill pool hands 16K-token prompts' KV to a TP=1 decode pool, served
+  python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
+    --serve-args "--load-format dummy --max-model-len 32768 --dtype bfloat16" \
+    --deployments "sp2-prefill=--disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle --prefill-args '{\"sequence_parallel_size\":2,\"max_num_batched_tokens\":16384}'" \
+    --bench-args "--length-dist fixed --input-len 16000 --output-len 32 --concurrencies 1 --num-prompts 4 --max-token-id 100000" \
+    --out "$RES/sp_serve"
+}
 run_fault() {
   python scripts/fault_load.py --model models/tandem-tiny --rate 4 --duration 60 \
     --serve-args "--device cuda --disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle --max-request-body-bytes 65536 --request-timeout-s 30" \
@@ -59,8 +81,9 @@ run_fault() {
 }
 
 export RES M8B
-export -f run_tests run_offline run_latency run_pd run_kv run_sp run_ep run_fault
-declare -A LIMIT=([tests]=300 [offline]=540 [latency]=300 [pd]=720 [kv]=150 [sp]=480 [ep]=540 [fault]=300)
+export -f run_tests run_offline run_latency run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve
+declare -A LIMIT=([tests]=300 [offline]=540 [latency]=300 [pd]=720 [kv]=150 [sp]=480 [ep]=540 [fault]=300
+                 [allreduce]=120 [pd_small]=420 [pd_c1]=360 [sp_serve]=420)
 STEPS=${*:-tests offline latency pd kv sp ep fault}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1
 nvidia-smi topo -m >>"$RES/env.txt" 2>&1
