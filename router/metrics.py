@@ -28,10 +28,11 @@ Who records what:
         tandem_num_preemptions_total
     the KV handoff, on the decode replica that receives it: tandem_kv_transfer_bytes, tandem_kv_transfer_seconds
         (model_name, pool, replica)
-    each decode replica, per request: tandem_prefill_site_total{site} (local: prefilled there; remote: handed off)
-    each engine replica that speculates (from its engine stats): tandem_spec_decode_num_drafts{pool},
-        tandem_spec_decode_num_draft_tokens{pool}, tandem_spec_decode_num_accepted_tokens{pool},
-        tandem_spec_decode_num_accepted_tokens_per_pos{pool, position}
+    each decode replica, per request: tandem_prefill_site_total{site, model_name, pool, replica} (local: prefilled
+        there; remote: handed off)
+    each engine replica that speculates (from its engine stats), with (model_name, pool, replica):
+        tandem_spec_decode_num_drafts, tandem_spec_decode_num_draft_tokens, tandem_spec_decode_num_accepted_tokens,
+        tandem_spec_decode_num_accepted_tokens_per_pos{..., position}
     front ends, per finished request, from its timeline (`RequestTimer`, `STAGES`):
         tandem_request_stage_seconds{stage, site}; with `trace_requests`, one JSON line on the `tandem.trace` logger
 """
@@ -132,7 +133,7 @@ KV_TRANSFER_SECONDS = Histogram("tandem_kv_transfer_seconds", description="Durat
                                 boundaries=_TRANSFER_S, tag_keys=_ENGINE)
 PREFILL_SITE = Counter("tandem_prefill_site_total", description="Disaggregated requests by where their prompt was "
                        "prefilled: local (on the decode replica, conditional disaggregation) or remote (prefill pool).",
-                       tag_keys=("site",))
+                       tag_keys=("site", *_ENGINE))
 REQUEST_STAGE = Histogram("tandem_request_stage_seconds", description="Duration of one stage of a request's "
                           "timeline (`STAGES`), per site: colocated, local (prefilled on its decode replica) or remote "
                           "(handed off to the prefill pool).", boundaries=_STAGE_S, tag_keys=("stage", "site"))
@@ -140,13 +141,13 @@ REQUEST_STAGE = Histogram("tandem_request_stage_seconds", description="Duration 
 # Speculative decoding (engine/spec_decode.py), vLLM's names: proposals, drafted and accepted tokens, and accepted
 # tokens by draft position (acceptance at position i = accepted_per_pos{position=i} / drafts).
 SPEC_DRAFTS = Counter("tandem_spec_decode_num_drafts", description="Speculative proposals verified (one per "
-                      "speculating sequence and step).", tag_keys=("pool",))
+                      "speculating sequence and step).", tag_keys=_ENGINE)
 SPEC_DRAFT_TOKENS = Counter("tandem_spec_decode_num_draft_tokens", description="Draft tokens proposed and verified.",
-                            tag_keys=("pool",))
+                            tag_keys=_ENGINE)
 SPEC_ACCEPTED_TOKENS = Counter("tandem_spec_decode_num_accepted_tokens", description="Draft tokens the target accepted.",
-                               tag_keys=("pool",))
+                               tag_keys=_ENGINE)
 SPEC_ACCEPTED_PER_POS = Counter("tandem_spec_decode_num_accepted_tokens_per_pos", description="Draft tokens accepted, "
-                                "by position in the proposal (0 = first).", tag_keys=("pool", "position"))
+                                "by position in the proposal (0 = first).", tag_keys=(*_ENGINE, "position"))
 
 METRICS = {m.info["name"]: m for m in (TTFT, TPOT, ITL, E2E, REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, RUNNING, WAITING,
                                 KV_USAGE, KV_BLOCKS_USED, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS, KV_TRANSFER_BYTES,
@@ -319,7 +320,7 @@ class PoolGauges:
         """The engine's cumulative speculative-decoding counters -> the Prometheus counters, by difference."""
         if not stats.get("spec_decode_num_drafts"):
             return
-        tags = {"pool": self.tags["pool"]}
+        tags = self.tags
         totals = {name: (metric, tags, stats[name]) for name, metric in (
             ("spec_decode_num_drafts", SPEC_DRAFTS), ("spec_decode_num_draft_tokens", SPEC_DRAFT_TOKENS),
             ("spec_decode_num_accepted_tokens", SPEC_ACCEPTED_TOKENS))}

@@ -90,7 +90,7 @@ class DecodePool(_PoolMethods):
         self.replica = DecodeReplica(engine, self._prefill_client, _replica_id("decode"), local_prefill=policy)
         gauges = metrics.PoolGauges("decode", self.config.served_model_name)
         self.replica.on_transfer = lambda stats: _record_transfer(stats, gauges.tags)
-        self.replica.on_prefill_site = lambda site: metrics.PREFILL_SITE.inc(1, tags={"site": site})
+        self.replica.on_prefill_site = lambda site: metrics.PREFILL_SITE.inc(1, tags={"site": site, **gauges.tags})
         self.replica.async_engine.on_step = gauges
 
     async def _prefill_client(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,

@@ -130,3 +130,27 @@ def test_kv_transfer_metrics_carry_model_pool_and_replica():
 @pytest.mark.parametrize("metric", ["tandem_kv_transfer_bytes", "tandem_kv_transfer_seconds"])
 def test_kv_transfer_metrics_declare_the_engine_labels(metric):
     assert tuple(metrics.METRICS[metric].info["tag_keys"]) == ("model_name", "pool", "replica")
+
+
+@pytest.mark.parametrize("metric,tag_keys", [
+    ("tandem_prefill_site_total", ("site", "model_name", "pool", "replica")),
+    ("tandem_spec_decode_num_drafts", ("model_name", "pool", "replica")),
+    ("tandem_spec_decode_num_draft_tokens", ("model_name", "pool", "replica")),
+    ("tandem_spec_decode_num_accepted_tokens", ("model_name", "pool", "replica")),
+    ("tandem_spec_decode_num_accepted_tokens_per_pos", ("model_name", "pool", "replica", "position")),
+])
+def test_engine_counters_name_their_model_and_replica(metric, tag_keys):
+    """Two models or replicas behind one Prometheus never add up into one series."""
+    assert tuple(metrics.METRICS[metric].info["tag_keys"]) == tag_keys
+
+
+def test_spec_counters_are_recorded_with_the_pool_gauges_tags():
+    gauges = metrics.PoolGauges("decode", "spec-labels")
+    gauges({"running": 0, "waiting": 0, "blocks_used": 0, "num_blocks": 1, "prefix_queried_tokens": 0,
+            "prefix_hit_tokens": 0, "preemptions": 0, "spec_decode_num_drafts": 2, "spec_decode_num_draft_tokens": 6,
+            "spec_decode_num_accepted_tokens": 4, "spec_decode_num_accepted_tokens_per_pos": [2, 1, 1]})
+    text = metrics.prometheus_text()[0].decode()
+    labels = f'model_name="spec-labels",pool="decode",replica="{gauges.tags["replica"]}"'
+    assert f"tandem_spec_decode_num_draft_tokens_total{{{labels}}} 6.0" in text
+    per_pos = f'model_name="spec-labels",pool="decode",position="0",replica="{gauges.tags["replica"]}"'  # sorted by name
+    assert f"tandem_spec_decode_num_accepted_tokens_per_pos_total{{{per_pos}}} 2.0" in text

@@ -297,6 +297,8 @@ def test_api_port_metrics_cover_every_replica(cluster, client):
         return {"text": text, "families": families} if usage == {"decode", "prefill"} and moved > 0 else None
 
     got = _wait(page, 60, "the API port's /metrics did not show both pools' engine metrics", interval=2.0)
+    sites = [s for s in got["families"]["tandem_prefill_site"].samples if s.name == "tandem_prefill_site_total"]
+    assert sites and all(s.labels["model_name"] == NAME and s.labels["pool"] == "decode" for s in sites)
     types = re.findall(r"^# TYPE (\S+) ", got["text"], re.M)
     assert len(types) == len(set(types)) and "tandem_kv_transfer_seconds" in types
     samples = [s for f in got["families"].values() for s in f.samples]

@@ -53,12 +53,12 @@ def test_served_speculation_matches_plain_and_reports_metrics(served, model):
     stats = wait_idle(lambda: client.portal.call(backend.stats))
     assert stats["spec_decode_num_accepted_tokens"] > 0
     text = client.get("/metrics").text
-    drafted = re.search(r'^tandem_spec_decode_num_draft_tokens_total\{pool="colocated"\} (\S+)$', text, re.M)
-    accepted = re.search(r'^tandem_spec_decode_num_accepted_tokens_total\{pool="colocated"\} (\S+)$', text, re.M)
+    drafted = re.search(r'^tandem_spec_decode_num_draft_tokens_total\{model_name="[^"]+",pool="colocated",replica="[^"]+"\} (\S+)$', text, re.M)
+    accepted = re.search(r'^tandem_spec_decode_num_accepted_tokens_total\{model_name="[^"]+",pool="colocated",replica="[^"]+"\} (\S+)$', text, re.M)
     assert drafted and accepted, text
     assert float(drafted.group(1)) == stats["spec_decode_num_draft_tokens"]
     assert float(accepted.group(1)) == stats["spec_decode_num_accepted_tokens"]
-    assert re.search(r'^tandem_spec_decode_num_accepted_tokens_per_pos_total\{pool="colocated",position="0"\} ', text, re.M)
+    assert re.search(r'^tandem_spec_decode_num_accepted_tokens_per_pos_total\{model_name="[^"]+",pool="colocated",position="0",replica="[^"]+"\} ', text, re.M)
 
 
 def test_app_config_refuses_a_bad_speculative_config():
