@@ -87,7 +87,7 @@ class RankWorker:
         else:
             kind = step_kind(out, self.runner.cuda_graphs)
             result = self.profile.step(kind, start - self._answered_at, time.perf_counter() - start,
-                                       lambda: self.execute(out))
+                                       lambda: self.execute(out), out.num_tokens)
         packed = pack_output(result, out)
         self._answered_at = time.perf_counter()
         return packed

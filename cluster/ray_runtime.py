@@ -13,6 +13,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # NVLink multicast (NVLS) and symmetric-memory multicast hang or fail on some hosts; the ranks only
 # need plain NCCL collectives and p2p. A value already set in the driver's environment wins.
 _NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# Diagnostics the rank processes read (workers/rank_profile.py: per-step chrome traces).
+_FORWARDED_ENV = ("TANDEM_PROFILE_TRACE_DIR",)
 # Where a user or operator may have given Ray a token already: theirs wins.
 AUTH_TOKEN_SOURCES = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
@@ -59,4 +61,7 @@ def rank_runtime_env() -> dict:
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
     env = {k: os.environ.get(k, v) for k, v in _NCCL_ENV.items()}
     env["PYTHONPATH"] = pythonpath
+    for k in _FORWARDED_ENV:  # set in the driver only for a diagnosis: the ranks must see it too
+        if os.environ.get(k):
+            env[k] = os.environ[k]
     return {"env_vars": env}

@@ -167,7 +167,10 @@ def tandem_decode(llm: LLM, prompt: list[int], gen: int, profile_every: int = 0)
     return res
 
 
-def tandem_prefill(llm: LLM, lengths: list[int], vocab: int, flops_fn, peak: float, matmul: float) -> list[dict]:
+def tandem_prefill(llm: LLM, lengths: list[int], vocab: int, flops_fn, peak: float, matmul: float,
+                   profile: bool = False) -> list[dict]:
+    """Best of the last two of three prefills per length; with `profile`, a fourth under every rank's
+    torch.profiler (workers/rank_profile.py), whose top kernels and ops go into the result."""
     eng = llm.llm_engine
     g = torch.Generator().manual_seed(1)
     out = []
@@ -186,6 +189,16 @@ def tandem_prefill(llm: LLM, lengths: list[int], vocab: int, flops_fn, peak: flo
         fl = flops_fn(n)
         out.append({"tokens": n, "seconds": t, "tflops": fl / t / 1e12, "mfu_vs_datasheet": fl / t / (peak * 1e12),
                     "mfu_vs_measured_matmul": fl / t / (matmul * 1e12)})
+        if profile:
+            from step_profile import top_lines
+
+            eng.executor.profile("start", 1)
+            prompt = torch.randint(100, vocab, (n,), generator=g).tolist()
+            eng.add_request(f"p{n}-profiled", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            while eng.has_unfinished_requests():
+                eng.step()
+            out[-1]["rank_profile"] = ranks = eng.executor.profile("report")
+            print(f"prefill {n} tokens, profiled:", *top_lines(ranks), sep="\n", flush=True)
     return out
 
 
@@ -318,7 +331,8 @@ def bench_tandem(args: argparse.Namespace, model_dir: str, cfg, prompt: list[int
             n_lin = linear_params(params, cfg)
             attn = lambda n: 2 * n * n * head_dim * cfg.num_attention_heads * cfg.num_hidden_layers  # noqa: E731 causal QK^T + PV
             flops = lambda n: 2 * n_lin * n + attn(n) + 2 * cfg.vocab_size * cfg.hidden_size  # noqa: E731
-            r["prefill"] = tandem_prefill(llm, prefill_lens, cfg.vocab_size, flops, tp * H100_BF16_DENSE_TFLOPS, tp * mm)
+            r["prefill"] = tandem_prefill(llm, prefill_lens, cfg.vocab_size, flops, tp * H100_BF16_DENSE_TFLOPS, tp * mm,
+                                          profile=args.profile_steps > 0)
         report["tandem"][mode] = r
         print(f"tandem {mode}: {r['decode_tok_per_s']:.1f} tok/s ({100 * r['fraction_of_roofline']:.0f}% of roofline)", flush=True)
         llm.llm_engine.shutdown()

@@ -93,4 +93,17 @@ class StepProfile:
             for kind, d in sorted(by_kind.items()):
                 lines.append(f"{rank:4d} {kind:13} {d['steps']:6d} {d['ms_idle']:7.3f} {d['ms_decode']:8.3f} "
                              f"{d['ms_execute']:8.3f} {d.get('ms_gpu_kernels', nan):8.3f} {d.get('ms_comm', nan):7.3f}")
+        lines += top_lines(summary["ranks"])
         return "\n".join(lines)
+
+
+def top_lines(ranks: list[dict]) -> list[str]:
+    """The largest GPU kernels and host ops of each rank's profiled steps, per step kind (ms per step)."""
+    lines = []
+    for rank, by_kind in enumerate(ranks):
+        for kind, d in sorted(by_kind.items()):
+            for key, what in (("ms_top_gpu", "GPU kernels"), ("ms_top_host", "host ops (self)")):
+                if d.get(key):
+                    lines.append(f"rank {rank} {kind}, top {what}, tokens of the profiled steps {d.get('sampled_tokens')}:")
+                    lines += [f"    {ms:9.3f}  {name}" for name, ms in d[key].items()]
+    return lines

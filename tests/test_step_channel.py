@@ -146,7 +146,7 @@ def private_ray():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"distributed_executor_backend": "ray"}, {"tensor_parallel_size": 2}, {}])
-def test_every_rank_profiles_its_steps(layout, private_ray):
+def test_every_rank_profiles_its_steps(layout, private_ray, tmp_path, monkeypatch):
     """Through the rank actors at world size 1 and 2, and in-process: each rank's idle, dispatch and
     execute time per step kind; the sampled steps also give communication time where ranks talk."""
     import sys
@@ -157,9 +157,10 @@ def test_every_rank_profiles_its_steps(layout, private_ray):
     from tandem import LLM, SamplingParams
     from tests.models import tiny_model
 
+    monkeypatch.setenv("TANDEM_PROFILE_TRACE_DIR", str(tmp_path))  # the rank actors see it too
     llm = LLM(tiny_model("llama", num_hidden_layers=2), device="cpu", show_progress=False, **layout)
     try:
-        prof = StepProfile(llm.llm_engine, gpu_every=2)
+        prof = StepProfile(llm.llm_engine, gpu_every=1)
         llm.generate([[1, 2, 3, 4, 5] * 4] * 3, SamplingParams(max_tokens=6, ignore_eos=True))
         summary, table = prof.summary(), prof.table()
     finally:
@@ -168,7 +169,19 @@ def test_every_rank_profiles_its_steps(layout, private_ray):
     assert len(ranks) == layout.get("tensor_parallel_size", 1)
     for by_kind in ranks:
         assert by_kind["mixed"]["steps"] == 1 and by_kind["decode"]["steps"] == 5
-        assert by_kind["decode"]["ms_execute"] > 0 and by_kind["decode"]["sampled_steps"] >= 2
+        assert by_kind["decode"]["ms_execute"] > 0 and by_kind["decode"]["sampled_steps"] == 5
         assert (by_kind["decode"]["ms_comm"] > 0) == (len(ranks) > 1)
+        # what the sampled steps spent their time on, by op, and how many tokens they carried
+        assert by_kind["mixed"]["sampled_tokens"] == [60] and set(by_kind["decode"]["sampled_tokens"]) == {3}
+        top = by_kind["mixed"]["ms_top_host"]
+        assert 0 < len(top) <= 8 and any("linear" in name or "mm" in name for name in top), top
     assert summary["host"]["decode"]["steps"] == 5
     assert "rank kind" in table
+    # chrome traces: two per rank and step kind at most (one mixed step here), Python frames included
+    traces = sorted(p.name for p in tmp_path.iterdir())
+    want = [f"rank{r}-{kind}-step{i}-{n}tok.json.gz" for r in range(len(ranks))
+            for kind, i, n in (("decode", 1, 3), ("decode", 2, 3), ("mixed", 0, 60))]
+    assert traces == sorted(want), traces
+    import gzip, json
+    events = json.load(gzip.open(tmp_path / want[-1]))["traceEvents"]
+    assert any(e.get("cat") == "python_function" for e in events)

@@ -9,11 +9,15 @@ Kinds: `decode-graph` (a CUDA-graph replay), `decode` (one token per sequence, e
 """
 from __future__ import annotations
 
+import gzip
+import os
+import shutil
 import time
 from collections import defaultdict
 from typing import Callable, TypeVar
 
 import torch
+from torch.autograd import DeviceType
 
 from workers.scheduler_output import SchedulerOutput
 
@@ -26,12 +30,28 @@ def step_kind(out: SchedulerOutput, cuda_graphs) -> str:
     return "decode" if all(s.num_tokens == 1 for s in out.seqs) else "mixed"
 
 
-def _kernel_and_comm_seconds(prof, cuda: bool) -> tuple[float, float]:
-    events = prof.key_averages()
+TOP = 8  # kernels (GPU) or ops (CPU) named per step kind: what a slow step spends its time on
+TRACES_PER_KIND = 2  # chrome traces written per rank and step kind where TANDEM_PROFILE_TRACE_DIR is set
+
+
+def _is_kernel(e) -> bool:
+    """A GPU-side event of its own (kernel, memcpy, memset), not a CPU op that launched one nor a
+    GPU-timeline annotation (record_param_comms, nccl:all_reduce): summing those counts a kernel twice."""
+    return e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+
+
+def _top(events, attr: str) -> dict[str, float]:
+    """The TOP events by `attr` (microseconds), as {name: seconds}."""
+    ranked = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:TOP]
+    return {e.key[:80]: getattr(e, attr) / 1e6 for e in ranked if getattr(e, attr) > 0}
+
+
+def _kernel_and_comm_seconds(events, cuda: bool) -> tuple[float, float]:
     if cuda:
-        kernels = sum(e.device_time_total for e in events) / 1e6
-        comm = sum(e.device_time_total for e in events if "nccl" in e.key.lower()) / 1e6
-        return kernels, comm
+        kernels = [e for e in events if _is_kernel(e)]
+        total = sum(e.self_device_time_total for e in kernels) / 1e6
+        comm = sum(e.self_device_time_total for e in kernels if "nccl" in e.key.lower()) / 1e6
+        return total, comm
     # gloo runs a collective on its own thread as a "gloo:<op>" event (waiting included); the c10d op only enqueues it.
     return 0.0, sum(e.cpu_time_total for e in events if e.key.startswith("gloo:")) / 1e6
 
@@ -40,27 +60,49 @@ class RankProfile:
     def __init__(self, rank: int, gpu_every: int = 0):
         self.rank, self.gpu_every = rank, gpu_every
         self.rows: list[dict] = []
+        self.trace_dir = os.environ.get("TANDEM_PROFILE_TRACE_DIR") or None
+        self.traces: dict[str, int] = defaultdict(int)  # written per step kind
 
-    def step(self, kind: str, idle_s: float, decode_s: float, run: Callable[[], T]) -> T:
+    def step(self, kind: str, idle_s: float, decode_s: float, run: Callable[[], T], tokens: int = 0) -> T:
         row = {"kind": kind, "idle": idle_s, "decode": decode_s}
-        sampled = self.gpu_every > 0 and len(self.rows) % self.gpu_every == 0
+        # Every gpu_every-th step, from the middle of the first period: the very first step (the largest
+        # prefill, allocator growth) would otherwise be in every sample.
+        sampled = self.gpu_every > 0 and len(self.rows) % self.gpu_every == self.gpu_every // 2
         t = time.perf_counter()
         if sampled:
             from torch.profiler import ProfilerActivity, profile
 
             cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-            with profile(activities=activities) as prof:
+            trace = self.trace_dir is not None and self.traces[kind] < TRACES_PER_KIND
+            with profile(activities=activities, with_stack=trace) as prof:  # Python frames show the host's gaps
                 result = run()
                 if cuda:
                     torch.cuda.synchronize()
-            row["kernels"], row["comm"] = _kernel_and_comm_seconds(prof, cuda)
             row["sampled_wall"] = time.perf_counter() - t
+            events = prof.key_averages()
+            row["kernels"], row["comm"] = _kernel_and_comm_seconds(events, cuda)
+            row["tokens"] = tokens
+            row["top_host"] = _top(events, "self_cpu_time_total")
+            if cuda:
+                row["top_gpu"] = _top([e for e in events if _is_kernel(e)], "self_device_time_total")
+            if trace:
+                self._write_trace(prof, kind, tokens)
         else:
             result = run()
         row["execute"] = time.perf_counter() - t
         self.rows.append(row)
         return result
+
+    def _write_trace(self, prof, kind: str, tokens: int) -> None:
+        """A chrome trace (chrome://tracing, ui.perfetto.dev) of this step, gzipped, into the trace dir."""
+        os.makedirs(self.trace_dir, exist_ok=True)
+        path = os.path.join(self.trace_dir, f"rank{self.rank}-{kind}-step{len(self.rows)}-{tokens}tok.json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(path)
+        self.traces[kind] += 1
 
     def summary(self) -> dict[str, dict]:
         by: dict[str, list[dict]] = defaultdict(list)
@@ -77,8 +119,22 @@ class RankProfile:
                 d["ms_gpu_kernels"] = 1e3 * sum(r["kernels"] for r in sampled) / m
                 d["ms_comm"] = 1e3 * sum(r["comm"] for r in sampled) / m
                 d["ms_sampled_wall"] = 1e3 * sum(r["sampled_wall"] for r in sampled) / m
+                d["sampled_tokens"] = [r.get("tokens", 0) for r in sampled]
+                for key in ("top_host", "top_gpu"):
+                    if any(key in r for r in sampled):
+                        d[f"ms_{key}"] = _mean_top([r.get(key, {}) for r in sampled])
             out[kind] = d
         return out
+
+
+def _mean_top(tops: list[dict[str, float]]) -> dict[str, float]:
+    """Per-name milliseconds per sampled step, the TOP largest over all sampled steps."""
+    total: dict[str, float] = defaultdict(float)
+    for top in tops:
+        for name, s in top.items():
+            total[name] += s
+    ranked = sorted(total.items(), key=lambda kv: kv[1], reverse=True)[:TOP]
+    return {name: round(1e3 * s / len(tops), 3) for name, s in ranked}
 
 
 class ProfiledRunner:
@@ -92,6 +148,6 @@ class ProfiledRunner:
     def execute(self, out: SchedulerOutput):
         idle = time.perf_counter() - self._last_end
         kind = step_kind(out, getattr(self.runner, "cuda_graphs", None))
-        result = self.profile.step(kind, idle, 0.0, lambda: self.runner.execute(out))
+        result = self.profile.step(kind, idle, 0.0, lambda: self.runner.execute(out), out.num_tokens)
         self._last_end = time.perf_counter()
         return result
