@@ -189,16 +189,16 @@ def tandem_prefill(llm: LLM, lengths: list[int], vocab: int, flops_fn, peak: flo
         fl = flops_fn(n)
         out.append({"tokens": n, "seconds": t, "tflops": fl / t / 1e12, "mfu_vs_datasheet": fl / t / (peak * 1e12),
                     "mfu_vs_measured_matmul": fl / t / (matmul * 1e12)})
-        if profile:
-            from step_profile import top_lines
+    for n, r in zip(lengths, out) if profile else ():  # after every timed run: a profile stays on until replaced
+        from step_profile import top_lines
 
-            eng.executor.profile("start", 1)
-            prompt = torch.randint(100, vocab, (n,), generator=g).tolist()
-            eng.add_request(f"p{n}-profiled", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-            while eng.has_unfinished_requests():
-                eng.step()
-            out[-1]["rank_profile"] = ranks = eng.executor.profile("report")
-            print(f"prefill {n} tokens, profiled:", *top_lines(ranks), sep="\n", flush=True)
+        eng.executor.profile("start", 1)
+        prompt = torch.randint(100, vocab, (n,), generator=g).tolist()
+        eng.add_request(f"p{n}-profiled", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        while eng.has_unfinished_requests():
+            eng.step()
+        r["rank_profile"] = ranks = eng.executor.profile("report")
+        print(f"prefill {n} tokens, profiled:", *top_lines(ranks), sep="\n", flush=True)
     return out
 
 

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # test_every_argument_has_a_value until it is listed here, so it cannot skip the surfaces below.
 VALUES: dict[str, typing.Any] = {
     "model": DEFAULT_MODEL + "/", "revision": "v1", "tokenizer": DEFAULT_MODEL, "dtype": "bfloat16", "device": "cpu", "max_model_len": 64,
-    "load_format": "dummy", "seed": 7, "attention_backend": "torch", "enforce_eager": True, "quantization": "auto",
+    "load_format": "dummy", "seed": 7, "attention_backend": "torch", "enforce_eager": True, "cuda_graph_max_tokens": 512, "quantization": "auto",
     "kv_cache_dtype": "fp8", "generation_config": "vllm",
     "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "sequence_parallel_size": 2, "expert_parallel_size": 2,
     "distributed_executor_backend": "ray", "rank_resources": {"tandem_gpu": 1.0},

@@ -51,7 +51,11 @@ class ModelConfig(StrictModel):
     seed: int = Field(default=0, description="Seed of the sampler and of dummy weights.")
     attention_backend: Literal["auto", "torch", "triton"] = Field(default="auto", description="auto: triton on "
                                                                   "GPU, torch (the reference) on CPU.")
-    enforce_eager: bool = Field(default=False, description="CUDA: no decode CUDA graphs (every step runs eagerly).")
+    enforce_eager: bool = Field(default=False, description="CUDA: no CUDA graphs (every step runs eagerly).")
+    cuda_graph_max_tokens: int = Field(default=2048, ge=0, description="CUDA: steps of up to this many tokens that "
+                                       "decode graphs do not take (prefill chunks, mixed batches) replay piecewise "
+                                       "CUDA graphs, attention alone running eagerly; 0 turns them off. The graphs "
+                                       "hold the activations of a step this size.")
     generation_config: Literal["auto", "vllm"] = Field(default="auto", description="auto: the model's "
                                                        "generation_config.json supplies the temperature, top_p, top_k, "
                                                        "min_p, repetition_penalty and max_tokens (max_new_tokens) of "

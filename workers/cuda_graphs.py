@@ -140,18 +140,25 @@ class DecodeGraphs:
         return tuple(t[:b] for t in self.outputs[bs])
 
 
-def maybe_capture(runner) -> DecodeGraphs | None:
-    """Capture decode graphs when the runner is on CUDA, eager mode is off and the model is graph-safe."""
+def graph_safe(runner) -> bool:
+    """On CUDA, eager mode off, and a model and attention backend that never sync with the host."""
     if runner.device.type != "cuda" or getattr(runner.config.model, "enforce_eager", False):
-        return None
+        return False
     if getattr(runner.backend, "name", "") != "triton":
         log.info("CUDA graphs off: attention backend %r syncs with the host", getattr(runner.backend, "name", "?"))
-        return None
+        return False
     from workers.models.moe import Experts
 
     for m in runner.model.modules():
         if isinstance(m, Experts) and not getattr(m, "graph_safe", False):
             log.info("CUDA graphs off: the MoE expert loop syncs with the host (fused MoE unavailable)")
-            return None
+            return False
+    return True
+
+
+def maybe_capture(runner) -> DecodeGraphs | None:
+    """Capture decode graphs when the runner is on CUDA, eager mode is off and the model is graph-safe."""
+    if not graph_safe(runner):
+        return None
     max_bs = min(runner.config.scheduler.max_num_seqs, 512)
     return DecodeGraphs(runner, batch_size_ladder(max_bs))

@@ -26,7 +26,7 @@ from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledS
 from workers.structured_output import apply_token_bitmask, is_constrained
 from workers.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from workers.sp_plan import gather_sample_hidden, plan_sp_step, sample_owner
-from workers.step_memory import NewPeakRelease, kv_budget_bytes
+from workers.step_memory import NewPeakRelease, graph_pool_bytes, kv_budget_bytes
 from workers.spec_decode.verify import verify
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class ModelRunner:
         self._warm_up_kernels()
         # TP ranks capture together in `resize_kv_cache` (a capture runs collectives), once the block count is agreed.
         self.cuda_graphs = self._capture_cuda_graphs() if tp_group().size == 1 else None
+        self.piecewise_graphs = self._capture_piecewise_graphs() if tp_group().size == 1 else None
         self.verify_graphs = self._capture_verify_graphs()
 
     def _warm_up_kernels(self) -> None:
@@ -100,6 +101,14 @@ class ModelRunner:
         if self.device.type != "cuda" or self.pp.size > 1 or sp_group().size > 1:
             return None
         from workers.cuda_graphs import maybe_capture
+
+        return maybe_capture(self)
+
+    def _capture_piecewise_graphs(self):
+        """Prefill and mixed steps' graphs, split at attention (workers/piecewise_graphs.py); any TP or PP size."""
+        if self.device.type != "cuda":
+            return None
+        from workers.piecewise_graphs import maybe_capture
 
         return maybe_capture(self)
 
@@ -146,7 +155,7 @@ class ModelRunner:
         if num_blocks < self.num_blocks:
             for layer in self.attn_layers:
                 layer.kv_cache = None
-            self.cuda_graphs = self.verify_graphs = None  # they read the old cache's addresses
+            self.cuda_graphs = self.verify_graphs = self.piecewise_graphs = None  # they read the old cache's addresses
             del self.kv_cache  # freed before the smaller one is made, so peak memory does not double
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -156,6 +165,8 @@ class ModelRunner:
         if self.cuda_graphs is None:
             self.cuda_graphs = self._capture_cuda_graphs()
             self.verify_graphs = self._capture_verify_graphs()
+        if self.piecewise_graphs is None:
+            self.piecewise_graphs = self._capture_piecewise_graphs()
 
     def kv_bytes_per_block(self) -> int:
         a = self.attn_layers[0]
@@ -185,6 +196,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the peak starts from the weights alone
         torch.cuda.reset_peak_memory_stats()
+        weights = torch.cuda.memory_allocated()
         probe_bytes = self._run_profile_step()
         torch.cuda.synchronize()
         peak_reserved, peak_allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
@@ -192,11 +204,18 @@ class ModelRunner:
         self.new_peak_release.reset()  # the cache is empty: the next step lays out its own segments, as this one did
         _, total = torch.cuda.mem_get_info()
         utilization = self.config.cache.gpu_memory_utilization
-        budget = kv_budget_bytes(total, utilization, peak_reserved, probe_bytes)
+        # Piecewise graphs keep the activations of their largest step for good, beside any eager step's.
+        from workers.piecewise_graphs import max_graph_tokens
+
+        activations = peak_reserved - probe_bytes - weights
+        graphs = graph_pool_bytes(activations, max_graph_tokens(self), min(self.config.scheduler.max_num_batched_tokens,
+                                                                           self.max_model_len))
+        budget = kv_budget_bytes(total, utilization, peak_reserved + graphs, probe_bytes)
         gib = 1 << 30
         log.info("KV budget %.2f GiB = %.2f x %.2f GiB - %.2f GiB reserved at the profiling step's peak "
-                 "(weights included; %.2f GiB of it allocated)", budget / gib, utilization, total / gib,
-                 (peak_reserved - probe_bytes) / gib, (peak_allocated - probe_bytes) / gib)
+                 "(weights included; %.2f GiB of it allocated) - %.2f GiB for piecewise CUDA graphs", budget / gib,
+                 utilization, total / gib, (peak_reserved - probe_bytes) / gib, (peak_allocated - probe_bytes) / gib,
+                 graphs / gib)
         return budget
 
     def _run_profile_step(self) -> int:
@@ -304,11 +323,12 @@ class ModelRunner:
             hidden = residual = None
             if not self.pp.is_first:
                 hidden, residual = self._recv_activations(token_ids.shape[0])
-            with forward_context(meta):
-                hidden, residual = self.model(token_ids, positions, hidden, residual)
+            hidden, residual, graphed = self._forward(token_ids, positions, meta, hidden, residual)
             if self.pp.is_last and self.sp.size == 1 and any(wants_prompt_logprobs(s) for s in batch):
                 self._prompt_logprobs.update(compute_prompt_logprobs(self.model.lm_head, batch, hidden))
             if not self.pp.is_last:
+                if graphed:  # the graphs' output buffers are overwritten by the next micro-batch while this send runs
+                    hidden, residual = hidden.clone(), residual.clone()
                 sends.append(send_to_next_stage([hidden, residual], self._pp_seq_no, self.pp))
             elif sample_rows or self.sp.size > 1:
                 sample_hidden.append(hidden[sample_rows])
@@ -325,6 +345,16 @@ class ModelRunner:
             if hidden is None:
                 return ModelRunnerOutput({})
         return self.sample(hidden, to_sample, out.token_bitmask)
+
+    def _forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 hidden: torch.Tensor | None, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """The model's forward of one (micro-)batch: piecewise CUDA graphs where they cover its token count,
+        else eager. Returns (hidden, residual, whether graphs ran)."""
+        graphs = getattr(self, "piecewise_graphs", None)  # unset while the KV budget is being profiled
+        with forward_context(meta):
+            if graphs is not None and graphs.can_run(token_ids.shape[0]):
+                return (*graphs.run(token_ids, positions, meta, hidden, residual), True)
+            return (*self.model(token_ids, positions, hidden, residual), False)
 
     def _recv_activations(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = recv_from_prev_stage(self._pp_seq_no, self.pp, self.device)

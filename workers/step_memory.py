@@ -30,6 +30,14 @@ def kv_budget_bytes(total: int, utilization: float, peak_reserved: int, probe_by
     return int(total * utilization - (peak_reserved - probe_bytes))
 
 
+def graph_pool_bytes(step_activations: int, graph_tokens: int, profile_tokens: int) -> int:
+    """What piecewise CUDA graphs of up to graph_tokens tokens hold: activations grow with the step's
+    tokens, so that share of the profiling step's (profile_tokens), at least all of it where larger."""
+    if graph_tokens <= 0 or profile_tokens <= 0:
+        return 0
+    return int(max(step_activations, 0) * min(1.0, graph_tokens / profile_tokens))
+
+
 class NewPeakRelease:
     """Empties the allocator's cache (`release`) before a step with more tokens than any since the last
     release. Sizes count in powers of two, so an engine's lifetime sees about log2(max_num_batched_tokens)

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import torch
 
@@ -32,6 +32,8 @@ class AttentionMetadata:
     num_decodes: int = 0
     # Sequence parallelism only: what this rank holds of the step (the fields above cover its own tokens).
     sp: SPAttentionMetadata | None = None
+    # What a backend derives from the fields above once per step and reuses in every layer.
+    derived: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -53,6 +55,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D] (this layer's)
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,  # [T, Hq, D] to write the result into (piecewise CUDA graphs' buffer)
     ) -> torch.Tensor:  # [T, Hq, D]
         """Write k/v into kv_cache at meta.slot_mapping, then attend causally over each sequence's cache."""
         ...

@@ -57,13 +57,13 @@ class SequenceParallelAttention:
     name = "sequence_parallel"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D]: this rank's new tokens; kv_cache [2, num_blocks, block_size, Hkv, D]."""
         sp: SPAttentionMetadata = meta.sp
         write_kv(kv_cache, k, v, meta.slot_mapping)
         hkv, d = kv_cache.shape[-2:]
         keys, values = kv_cache[0].view(-1, hkv, d), kv_cache[1].view(-1, hkv, d)  # [slots, Hkv, D]
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         if sp.ring is not None:
             r = sp.ring
             out[r.q_rows] = ring_attention(q[r.q_rows], keys[r.kv_slots], values[r.kv_slots], r.q_shard, r.kv_shards,

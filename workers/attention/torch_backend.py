@@ -41,11 +41,12 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int, dty
 class TorchAttention:
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         if meta.decode_only:
-            return self._decode(q, kv_cache, meta, scale)
-        out = torch.empty_like(q)
+            res = self._decode(q, kv_cache, meta, scale)
+            return res if out is None else out.copy_(res)
+        out = torch.empty_like(q) if out is None else out
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             qi = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]

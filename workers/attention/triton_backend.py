@@ -21,19 +21,34 @@ class TritonAttention:
     name = "triton"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         if meta.decode_only:  # the decode kernel writes the new k/v itself
-            return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len,
+            return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len, out=out,
                                     k_new=k, v_new=v, slot_mapping=meta.slot_mapping, kv_scale=KV_SCALE)
         d = meta.num_decodes
         if d == 0:
             write_kv(kv_cache, k, v, meta.slot_mapping, KV_SCALE)
             return prefill_attention(q, k, v, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                     meta.max_query_len, scale, kv_scale=KV_SCALE)
-        out = torch.empty_like(q)
-        decode_attention(q[:d], kv_cache, meta.block_tables[:d], meta.seq_lens[:d], scale, max(meta.seq_lens_cpu[:d]),
-                         out=out[:d], k_new=k[:d], v_new=v[:d], slot_mapping=meta.slot_mapping[:d], kv_scale=KV_SCALE)
-        write_kv(kv_cache, k[d:], v[d:], meta.slot_mapping[d:], KV_SCALE)
-        prefill_attention(q[d:], k[d:], v[d:], kv_cache, meta.block_tables[d:], meta.seq_lens[d:], meta.query_start_loc[d:] - d,
+                                     meta.max_query_len, scale, out=out, kv_scale=KV_SCALE)
+        dec, pre = _split(meta)
+        out = torch.empty_like(q) if out is None else out
+        decode_attention(q[:d], kv_cache, dec["block_tables"], dec["seq_lens"], scale, dec["max_seq_len"],
+                         out=out[:d], k_new=k[:d], v_new=v[:d], slot_mapping=dec["slot_mapping"], kv_scale=KV_SCALE)
+        write_kv(kv_cache, k[d:], v[d:], pre["slot_mapping"], KV_SCALE)
+        prefill_attention(q[d:], k[d:], v[d:], kv_cache, pre["block_tables"], pre["seq_lens"], pre["query_start_loc"],
                           meta.max_query_len, scale, out=out[d:], kv_scale=KV_SCALE)
         return out
+
+
+def _split(meta: AttentionMetadata) -> tuple[dict, dict]:
+    """A mixed step's decode rows and prefill rows as each kernel takes them, sliced once per step (every
+    layer reuses them: per layer, the slicing and the host max over the decodes cost more than a kernel)."""
+    split = meta.derived.get("triton_split")
+    if split is None:
+        d = meta.num_decodes
+        dec = {"block_tables": meta.block_tables[:d], "seq_lens": meta.seq_lens[:d], "slot_mapping": meta.slot_mapping[:d],
+               "max_seq_len": max(meta.seq_lens_cpu[:d])}
+        pre = {"block_tables": meta.block_tables[d:], "seq_lens": meta.seq_lens[d:], "slot_mapping": meta.slot_mapping[d:],
+               "query_start_loc": meta.query_start_loc[d:] - d}
+        split = meta.derived["triton_split"] = (dec, pre)
+    return split

@@ -5,6 +5,8 @@ tables cast to the model dtype), so greedy tokens match HF.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -104,6 +106,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class PagedAttention(nn.Module):
     """Attention over this layer's slice of the paged KV cache; the runner sets `kv_cache` and `backend`."""
 
+    # While piecewise CUDA graphs capture (workers/piecewise_graphs.py), attention calls go here instead.
+    intercept: Callable[["PagedAttention", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
@@ -111,6 +116,8 @@ class PagedAttention(nn.Module):
         self.backend: AttentionBackend | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if PagedAttention.intercept is not None:
+            return PagedAttention.intercept(self, q, k, v)
         if self.kv_cache is None or self.backend is None:
             raise RuntimeError("KV cache not allocated: the model runner binds it before the first step")
         return self.backend.forward(q, k, v, self.kv_cache, get_forward_context(), self.scale)
