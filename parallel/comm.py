@@ -14,6 +14,8 @@ def reduce_partial_sums(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Each rank holds a partial sum of the full tensor (row-parallel output): sum them, in place."""
     if group.size == 1:
         return x
+    if group.fast_all_reduce is not None and group.fast_all_reduce(x):
+        return x
     dist.all_reduce(x, group=group.device_group)
     return x
 

@@ -27,6 +27,9 @@ class ParallelConfig(StrictModel):
                                         "over (ring attention); prefill pools and colocated replicas.")
     expert_parallel_size: int = Field(default=1, ge=1, description="MoE: ranks the experts are spread over: 1, "
                                       "or all the TP x SP ranks of a stage (alone, it sets the TP size too).")
+    disable_p2p_all_reduce: bool = Field(default=False, description="CUDA, TP: sum tensor-parallel partial results "
+                                         "with NCCL only, not the one-shot all-reduce over NVLink P2P "
+                                         "(parallel/p2p_allreduce.py) that otherwise takes the small ones.")
     distributed_executor_backend: Literal["auto", "ray", "uni"] = Field(
         default="auto", description="auto: in-process (uni) for one rank, Ray actors for more. Served pools always use ray.")
     rank_resources: dict[str, float] = Field(

@@ -8,7 +8,9 @@ metadata. Without torch.distributed (one process) every group has size 1 and col
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 from parallel.config import ParallelConfig
@@ -20,6 +22,9 @@ class Group:
     rank: int = 0  # this process's index in `ranks`
     device_group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
+    # Sums a tensor over the group in place and returns True, or returns False for one it does not take
+    # (parallel/p2p_allreduce.py); `reduce_partial_sums` tries it before NCCL.
+    fast_all_reduce: Callable[[torch.Tensor], bool] | None = None
 
     @property
     def size(self) -> int:

@@ -1,9 +1,11 @@
-"""All-reduce time and bus bandwidth per message size, NCCL on GPUs (gloo on CPU), eager and in a graph.
+"""All-reduce time and bus bandwidth per message size: NCCL on GPUs (gloo on CPU) and the one-shot
+all-reduce over NVLink P2P (parallel/p2p_allreduce.py), eager and in a graph, each result checked.
 
-The baseline that a small-message all-reduce (one-shot / two-shot over NVLink P2P) must beat: TP decode
-runs 2 per layer on [batch, hidden] messages (8 KB at batch 1 on Llama-3.1-8B).
+TP decode runs 2 all-reduces per layer on [batch, hidden] messages (8 KB at batch 1 on Llama-3.1-8B), a
+prefill chunk of T tokens T x 8 KB: the table says which method wins at which size (the P2P thresholds).
 
-    python scripts/bench_allreduce.py --world-size 2 --device cuda      # 8 KB ... 16 MB, bf16
+    python scripts/bench_allreduce.py --world-size 2 --device cuda      # 8 KB ... 16 MB, bf16, nccl and p2p
+    python scripts/bench_allreduce.py --world-size 2 --device cuda --visible one   # each rank sees one GPU (Ray)
     python scripts/bench_allreduce.py --world-size 2 --device cpu --sizes 8K,64K --iters 5   # a check
 
 One process per rank (forked here, before CUDA is touched, so `tandem bench allreduce` works too). On CUDA each size is timed eagerly (CUDA events around `iters`
@@ -37,33 +39,37 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1]) * UNITS[text[-1]]) if text[-1] in UNITS else int(text)
 
 
-def _time_eager(x: torch.Tensor, iters: int) -> float:
+def _nccl(x: torch.Tensor) -> None:
+    dist.all_reduce(x)
+
+
+def _time_eager(x: torch.Tensor, iters: int, reduce=_nccl) -> float:
     """Mean seconds per all-reduce over `iters` back-to-back calls."""
     if x.is_cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
-            dist.all_reduce(x)
+            reduce(x)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / iters
     t0 = time.perf_counter()
     for _ in range(iters):
-        dist.all_reduce(x)
+        reduce(x)
     return (time.perf_counter() - t0) / iters
 
 
-def _time_graph(x: torch.Tensor, iters: int) -> float:
+def _time_graph(x: torch.Tensor, iters: int, reduce=_nccl) -> float:
     """Mean seconds per all-reduce replayed from one CUDA graph holding `iters` of them."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        dist.all_reduce(x)  # warm the communicator on the capture stream
+        reduce(x)  # warm the communicator on the capture stream
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(iters):
-            dist.all_reduce(x)
+            reduce(x)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -74,36 +80,71 @@ def _time_graph(x: torch.Tensor, iters: int) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
+def _check(x: torch.Tensor, reduce, rank: int, world: int) -> bool:
+    """One reduction of distinct values per rank against their exact sum (small integers: exact in bf16)."""
+    x.copy_(torch.arange(x.numel(), device=x.device).remainder(7).to(x.dtype) + rank)
+    want = torch.arange(x.numel(), device=x.device).remainder(7).to(torch.float32) * world + world * (world - 1) / 2
+    reduce(x)
+    return bool(torch.equal(x.float(), want))
+
+
+def _methods(args, rank: int, world: int, cuda: bool) -> dict:
+    methods = {"nccl": _nccl}
+    if cuda and "p2p" in args.methods:
+        from parallel.p2p_allreduce import enable_p2p_all_reduce
+        from parallel.state import Group
+
+        group = Group(ranks=list(range(world)), rank=rank, device_group=dist.group.WORLD,
+                      cpu_group=dist.new_group(list(range(world)), backend="gloo"))
+        if enable_p2p_all_reduce(group, torch.device("cuda", torch.cuda.current_device()), getattr(torch, args.dtype)):
+            p2p = group.fast_all_reduce
+            methods["p2p"] = lambda x: p2p(x) or dist.all_reduce(x)  # above its limit: NCCL, as in the engine
+            methods["p2p_limit_bytes"] = p2p.max_bytes
+        else:
+            methods["p2p_error"] = "unavailable (see the log)"
+    return {k: v for k, v in methods.items() if k in args.methods or not callable(v)}
+
+
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     cuda = args.device == "cuda"
     if cuda:
-        torch.cuda.set_device(rank)
+        if args.visible == "one":  # as Ray places ranks: each process sees its own GPU only
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+        torch.cuda.set_device(0 if args.visible == "one" else rank)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     dtype = getattr(torch, args.dtype)
-    rows = []
+    rows, info = [], {}
     try:
+        methods = _methods(args, rank, world, cuda)
+        info = {k: v for k, v in methods.items() if not callable(v)}
         for size in args.sizes:
-            x = torch.ones(max(1, size // dtype.itemsize), dtype=dtype, device="cuda" if cuda else "cpu")
-            for _ in range(3):
-                dist.all_reduce(x)
-            eager = _time_eager(x, args.iters)
-            graph = _time_graph(x, args.iters) if cuda else None
-            bus = 2 * (world - 1) / world * x.numel() * x.element_size()
-            rows.append({"bytes": x.numel() * x.element_size(), "eager_us": eager * 1e6, "graph_us": graph and graph * 1e6,
-                         "eager_bus_gbps": bus / eager / 1e9, "graph_bus_gbps": graph and bus / graph / 1e9})
+            x = torch.ones(max(8, size // dtype.itemsize), dtype=dtype, device="cuda" if cuda else "cpu")
+            for name, reduce in methods.items():
+                if not callable(reduce):
+                    continue
+                correct = _check(x, reduce, rank, world)
+                for _ in range(3):
+                    reduce(x)
+                eager = _time_eager(x, args.iters, reduce)
+                graph = _time_graph(x, args.iters, reduce) if cuda else None
+                correct = correct and _check(x, reduce, rank, world)
+                bus = 2 * (world - 1) / world * x.numel() * x.element_size()
+                rows.append({"method": name, "bytes": x.numel() * x.element_size(), "correct": correct,
+                             "eager_us": eager * 1e6, "graph_us": graph and graph * 1e6,
+                             "eager_bus_gbps": bus / eager / 1e9, "graph_bus_gbps": graph and bus / graph / 1e9})
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        Path(out_path).write_text(json.dumps(rows))
+        Path(out_path).write_text(json.dumps({"rows": rows, "info": info}))
 
 
 def table(rows: list[dict]) -> str:
     fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
-    lines = [f"{'bytes':>10} {'eager us':>9} {'graph us':>9} {'eager GB/s':>11} {'graph GB/s':>11}"]
+    lines = [f"{'method':>6} {'bytes':>10} {'eager us':>9} {'graph us':>9} {'eager GB/s':>11} {'graph GB/s':>11} correct"]
     for r in rows:
-        lines.append(f"{r['bytes']:10d} {r['eager_us']:9.1f} {fmt(r['graph_us'], '9.1f')} {r['eager_bus_gbps']:11.1f} "
-                     f"{fmt(r['graph_bus_gbps'], '11.1f')}")
+        lines.append(f"{r['method']:>6} {r['bytes']:10d} {r['eager_us']:9.1f} {fmt(r['graph_us'], '9.1f')} "
+                     f"{r['eager_bus_gbps']:11.1f} {fmt(r['graph_bus_gbps'], '11.1f')} {r['correct']}")
     return "\n".join(lines)
 
 
@@ -114,6 +155,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--sizes", default="8K,32K,128K,512K,2M,8M,16M", help="message sizes in bytes (K, M suffixes)")
     p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--methods", default="nccl,p2p", help="nccl (gloo on CPU) and/or p2p (CUDA: parallel/p2p_allreduce.py)")
+    p.add_argument("--visible", default="all", choices=["all", "one"],
+                   help="CUDA: every rank sees all GPUs, or only its own (how Ray starts rank actors)")
     p.add_argument("--out", default="bench_results/bench_allreduce.json")
     args = p.parse_args(argv)
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
@@ -124,9 +168,11 @@ def main(argv=None) -> int:
     raw = out.with_suffix(".rank0.json")
     mp.start_processes(_rank, args=(args.world_size, free_port(), args, str(raw)), nprocs=args.world_size, join=True,
                        start_method="fork")
-    rows = json.loads(raw.read_text())
+    result = json.loads(raw.read_text())
     raw.unlink()
+    rows = result["rows"]
     meta = {"world_size": args.world_size, "device": args.device, "dtype": args.dtype, "iters": args.iters,
+            "visible": args.visible, **result["info"],
             "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None, "date": time.strftime("%Y-%m-%d")}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(table(rows))

@@ -25,4 +25,5 @@ def test_cpu_run_writes_a_row_per_size(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [r["bytes"] for r in rows] == [8192, 65536]
     assert all(r["eager_us"] > 0 and r["eager_bus_gbps"] > 0 and r["graph_us"] is None for r in rows)
+    assert all(r["method"] == "nccl" and r["correct"] for r in rows)  # p2p is CUDA-only; every sum checked
     assert "eager us" in capsys.readouterr().out

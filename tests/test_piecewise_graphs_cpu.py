@@ -54,3 +54,22 @@ def test_capture_hook_takes_every_attention_call():
         assert layer(q, q[:, :2], q[:, :2]) is q and seen == [layer]  # no KV cache bound: the backend is never reached
     finally:
         PagedAttention.intercept = None
+
+
+def test_partial_sums_try_the_fast_all_reduce_first():
+    """parallel/comm.py: a group's fast all-reduce (the NVLink P2P one on GPUs) takes what it accepts;
+    what it refuses goes to torch.distributed."""
+    import pytest
+
+    from parallel.comm import reduce_partial_sums
+    from parallel.p2p_allreduce import enable_p2p_all_reduce
+    from parallel.state import Group
+
+    taken = []
+    group = Group(ranks=[0, 1], rank=0, fast_all_reduce=lambda x: taken.append(x.numel()) or x.numel() <= 8)
+    x = torch.ones(8)
+    assert reduce_partial_sums(x, group) is x and taken == [8]
+    with pytest.raises((ValueError, RuntimeError)):  # refused: NCCL/gloo, and no process group here
+        reduce_partial_sums(torch.ones(16), group)
+    assert taken == [8, 16]
+    assert not enable_p2p_all_reduce(Group(ranks=[0, 1]), torch.device("cpu"), torch.float32)  # CUDA only

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from parallel.p2p_allreduce import enable_p2p_all_reduce
 from parallel.pp import PendingSend, recv_from_prev_stage, send_to_next_stage
 from parallel.state import pp_group, sp_group, tp_group
 from workers.attention import AttentionMetadata, forward_context, get_backend
@@ -43,6 +44,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
+        if self.device.type == "cuda" and tp_group().size > 1 and not config.parallel.disable_p2p_all_reduce:
+            enable_p2p_all_reduce(tp_group(), self.device, self.dtype)
         self.model = load_model(hf_config, config.model.model, self.dtype, self.device, max_model_len,
                                 config.model.load_format, config.model.seed, show_progress,
                                 quantization_config=config.model.quantization_config())
