@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from cluster.ray_runtime import RANK_SEES_NODE_GPUS
 from cluster.rendezvous import join_process_group, node_address
 from cluster.step_channel import run_rank_loop
 from parallel.net import free_port
@@ -26,10 +27,30 @@ def set_rank_threads(world_size: int) -> None:
     torch.set_num_threads(max(1, cores // world_size))
 
 
+def own_gpu_index(assigned: list[str], visible: str | None) -> int:
+    """This rank's CUDA device index where the process sees every GPU of its node: Ray's assigned GPU id
+    (the node's numbering, itself the raylet's CUDA_VISIBLE_DEVICES entries where that is set)."""
+    if len(assigned) != 1:
+        raise RuntimeError(f"a rank needs exactly one GPU, Ray assigned {assigned}")
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if assigned[0] not in ids:
+            raise RuntimeError(f"GPU {assigned[0]} assigned by Ray is not in CUDA_VISIBLE_DEVICES={visible}")
+        return ids.index(assigned[0])
+    return int(assigned[0])
+
+
 class RankWorker:
     def __init__(self, rank: int):
         self.rank = rank
         self.runner: ModelRunner | None = None
+        self.gpu: int | None = None  # set where this process sees all its node's GPUs (RANK_SEES_NODE_GPUS)
+
+    def _bind_device(self) -> None:
+        """CUDA's current device is per thread and Ray runs this actor's calls on a pool of threads: each
+        call that touches the GPU first makes this rank's GPU current (a no-op when it sees one GPU only)."""
+        if self.gpu is not None:
+            torch.cuda.set_device(self.gpu)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Called on rank 0 only: where the process group's store will listen."""
@@ -41,12 +62,18 @@ class RankWorker:
         backend = "nccl" if config.model.resolved_device().type == "cuda" else "gloo"
         if backend == "nccl":
             set_rank_threads(config.parallel.world_size)
+            if os.environ.get(RANK_SEES_NODE_GPUS) == "1":  # for P2P all-reduce (parallel/p2p_allreduce.py)
+                import ray
+
+                self.gpu = own_gpu_index([str(i) for i in ray.get_gpu_ids()], os.environ.get("CUDA_VISIBLE_DEVICES"))
+                self._bind_device()
         join_process_group(address, port, self.rank, config.parallel.world_size, backend, timeout_s)
         init_groups(config.parallel)
         self.runner = ModelRunner(config, hf_config, max_model_len, eos_token_ids, show_progress)
         return self.runner.num_blocks
 
     def resize_kv_cache(self, num_blocks: int) -> None:
+        self._bind_device()
         self.runner.resize_kv_cache(num_blocks)
 
     def cuda_graph_sizes(self) -> list[int]:
@@ -56,6 +83,7 @@ class RankWorker:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         """One step as a Ray task (tests and tools; the engine's steps go through the step loop)."""
+        self._bind_device()
         result = self.runner.execute(out)
         # Only the output rank's answer is read; the others send nothing back.
         return result if self.runner.is_output_rank else None
@@ -69,6 +97,7 @@ class RankWorker:
         run_rank_loop((address, port), self.rank, self._on_message, spin_s)
 
     def _on_message(self, message: tuple):
+        self._bind_device()  # the step loop's own thread
         kind = message[0]
         if kind == "step":
             return self._step(message[1])
@@ -95,9 +124,11 @@ class RankWorker:
     def kv_setup(self, role: str) -> None:
         from workers.kv_transfer.transport import KVTransferAgent
 
+        self._bind_device()
         self.kv_agent = KVTransferAgent(self.runner.kv_cache, self.runner.kv_shard(self.rank), role,
                                         self.runner.config.cache.kv_transfer_timeout_seconds)
 
     def kv(self, method: str, *args):
         """KV transfers and their waits run on other actor threads, beside the steps (max_concurrency > 1)."""
+        self._bind_device()
         return getattr(self.kv_agent, method)(*args)

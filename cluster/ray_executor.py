@@ -71,8 +71,10 @@ class RayExecutor(Executor):
             actor = ray.remote(RankWorker)
             resources = {"num_gpus": 1, "num_cpus": 0} if use_cuda else {"num_cpus": 1}
             resources["resources"] = dict(self.parallel.rank_resources)
+            # TP ranks on GPUs see their node's GPUs, for the P2P all-reduce (else each sees its own only).
+            see_node_gpus = use_cuda and self.parallel.tensor_parallel_size > 1 and not self.parallel.disable_p2p_all_reduce
             self.workers = [
-                actor.options(**resources, scheduling_strategy=self.placement.strategy(r), runtime_env=rank_runtime_env(),
+                actor.options(**resources, scheduling_strategy=self.placement.strategy(r), runtime_env=rank_runtime_env(see_node_gpus),
                               max_restarts=0, max_concurrency=16).remote(r)
                 for r in range(self.world_size)
             ]

@@ -57,9 +57,19 @@ def ensure_ray(num_cpus: int) -> None:
              logging_level=logging.WARNING)
 
 
-def rank_runtime_env() -> dict:
+# Set in a rank's environment where it must see every GPU of its node, not only its own: the P2P all-reduce
+# (parallel/p2p_allreduce.py) maps peers' buffers, and torch's symmetric memory refuses two ranks that
+# both call their GPU cuda:0. Ray then leaves CUDA_VISIBLE_DEVICES alone and the rank picks its GPU itself.
+RANK_SEES_NODE_GPUS = "TANDEM_RANK_SEES_NODE_GPUS"
+
+
+def rank_runtime_env(see_node_gpus: bool = False) -> dict:
+    """The rank actors' environment; `see_node_gpus`: every GPU of the node visible (cluster/rank_worker.py)."""
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
     env = {k: os.environ.get(k, v) for k, v in _NCCL_ENV.items()}
+    if see_node_gpus:
+        env[RANK_SEES_NODE_GPUS] = "1"
+        env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
     env["PYTHONPATH"] = pythonpath
     for k in _FORWARDED_ENV:  # set in the driver only for a diagnosis: the ranks must see it too
         if os.environ.get(k):

@@ -1,11 +1,16 @@
 """All-reduce over NVLink peer-to-peer loads (torch symmetric memory), for the messages where NCCL is slow.
 
-Why: TP runs two all-reduces per layer. At decode they are tiny ([batch, hidden]: 8 KB at batch 1 on
-Llama-3.1-8B) and NCCL's ring takes ~16 us each from a CUDA graph on 2 H200s (scripts/bench_allreduce.py),
-1 ms of a 3.4 ms batch-1 step. A one-shot all-reduce has every rank copy its input into a buffer all
-ranks have mapped, meet at a barrier, and each read all peers' buffers and sum: one kernel, one hop.
-Each rank reads (n - 1) x the message, so it wins for small messages on any n and, on 2 GPUs, also for
-large ones (then it moves what a ring moves). Multicast (NVLS) stays off: it hangs on some hosts.
+Why: TP runs two all-reduces per layer. At decode they are small ([batch, hidden]: 8 KB at batch 1 on
+Llama-3.1-8B) and NCCL's ring takes 16-22 us each from a CUDA graph on 2 H200s, ~1 ms of a 3.4 ms
+batch-1 step. A one-shot all-reduce has every rank copy its input into a buffer all ranks have mapped,
+meet at a barrier, and each read all peers' buffers and sum: one kernel, one hop. Measured on 2 H200s
+(scripts/bench_allreduce.py, in a CUDA graph, 2026-11-26): 8 KB 6.7 us vs NCCL 22.5, 512 KB 10.9 vs 20.2,
+2 MB 21.4 vs 41.3, 6 MB 48.1 vs 50.3, 16 MB 119.5 vs 92.8: NCCL's ring wins above ~6 MB, hence the limit.
+Each rank reads (n - 1) x the message, so on more GPUs the crossover comes sooner (limits there are
+scaled down, not measured). Multicast (NVLS) stays off: it hangs on some hosts.
+
+Ranks must see each other's GPUs (torch's symmetric memory refuses two ranks that both call theirs
+cuda:0): Ray rank actors of a TP group on GPUs see their whole node (cluster/ray_runtime.py).
 
 `P2PAllReduce(group, device)` is set on a group as `group.fast_all_reduce` (parallel/comm.py calls it
 first); it returns False for a tensor it does not take (too large, wrong dtype), which then goes to NCCL.
@@ -24,7 +29,7 @@ log = logging.getLogger(__name__)
 
 # Largest message for the one-shot kernel, by group size. 2 GPUs: the one-shot reads what a ring moves;
 # more GPUs read (n - 1) x the message, so the crossover with NCCL comes sooner (not measured beyond 2).
-MAX_BYTES = {2: 32 << 20, 4: 2 << 20, 8: 512 << 10}
+MAX_BYTES = {2: 4 << 20, 4: 1 << 20, 8: 256 << 10}
 
 
 class P2PAllReduce:
@@ -34,8 +39,6 @@ class P2PAllReduce:
         self.group_name = group.device_group.group_name
         self.max_bytes = MAX_BYTES.get(group.size, 0)
         self.dtype = dtype
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(self.group_name)
         self.buffer = symm_mem.empty(self.max_bytes // dtype.itemsize, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
         self.op = torch.ops.symm_mem.one_shot_all_reduce_copy_out

@@ -114,7 +114,8 @@ def make_llm(model_dir: str, mode: str, args, max_model_len: int, num_blocks: in
               enforce_eager=mode != "graphs", tensor_parallel_size=args.tensor_parallel_size,
               distributed_executor_backend=executor or "auto", max_model_len=max_model_len,
               num_gpu_blocks_override=num_blocks, block_size=16, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=max_batched, enable_prefix_caching=False, show_progress=False)
+              max_num_batched_tokens=max_batched, enable_prefix_caching=False, show_progress=False,
+              disable_p2p_all_reduce=args.disable_p2p_all_reduce)
     if mode == "eager-loop-moe":
         from workers.models.moe import Experts
 
@@ -253,6 +254,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs Tandem shards over; the roofline then counts that many GPUs' bandwidth")
     p.add_argument("--prefill-lens", default="2048,8192")
+    p.add_argument("--disable-p2p-all-reduce", action="store_true", help="TP: NCCL only, no one-shot P2P all-reduce")
     p.add_argument("--profile-steps", type=int, default=0, metavar="N", help="per-rank step profile of the decode "
                    "run (scripts/step_profile.py), every N-th step under torch.profiler; slows that run")
     p.add_argument("--skip-hf", action="store_true")

@@ -26,13 +26,14 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log to RES/N
 run_tests() { python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -p no:cacheprovider; }
 run_offline() {
   python scripts/bench_offline.py --shape llama-3.1-8b --device cuda --dtype bfloat16 --load-format dummy \
-    --layouts "uni tp2 pp2" --isolate --num-requests 1000 --mean-input 230 --mean-output 200 \
+    --layouts "uni tp2+nop2p tp2 pp2" --isolate --num-requests 1000 --mean-input 230 --mean-output 200 \
     --max-num-seqs 256 --max-num-batched-tokens 8192 --skip-hf --profile-steps 40 --out "$RES/offline.json"
 }
-run_latency() {
-  for tp in 1 2; do
-    python scripts/bench_latency.py --modes graphs --tensor-parallel-size $tp --skip-hf --profile-steps 20 \
-      --out "$RES/latency_tp$tp.json" || return $?
+run_latency() {  # TP=1, TP=2 with the NCCL-only all-reduce, TP=2 with the P2P one
+  for v in "1 tp1" "2 tp2_nop2p --disable-p2p-all-reduce" "2 tp2"; do
+    set -- $v
+    python scripts/bench_latency.py --modes graphs --tensor-parallel-size $1 --skip-hf --profile-steps 20 \
+      --out "$RES/latency_$2.json" ${3:-} || return $?
   done
 }
 run_pd() {

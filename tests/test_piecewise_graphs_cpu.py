@@ -73,3 +73,22 @@ def test_partial_sums_try_the_fast_all_reduce_first():
         reduce_partial_sums(torch.ones(16), group)
     assert taken == [8, 16]
     assert not enable_p2p_all_reduce(Group(ranks=[0, 1]), torch.device("cpu"), torch.float32)  # CUDA only
+
+
+def test_a_rank_that_sees_its_node_finds_its_own_gpu():
+    """cluster/rank_worker.py: with every GPU of the node visible (for the P2P all-reduce), a rank picks
+    the device of the GPU Ray assigned it, in the numbering of the CUDA_VISIBLE_DEVICES it inherited."""
+    import pytest
+
+    from cluster.ray_runtime import RANK_SEES_NODE_GPUS, rank_runtime_env
+    from cluster.rank_worker import own_gpu_index
+
+    assert own_gpu_index(["3"], None) == 3
+    assert own_gpu_index(["6"], "4,5,6,7") == 2
+    with pytest.raises(RuntimeError, match="not in CUDA_VISIBLE_DEVICES"):
+        own_gpu_index(["1"], "4,5")
+    with pytest.raises(RuntimeError, match="exactly one GPU"):
+        own_gpu_index(["0", "1"], None)
+    env = rank_runtime_env(see_node_gpus=True)["env_vars"]
+    assert env[RANK_SEES_NODE_GPUS] == "1" and env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] == "1"
+    assert RANK_SEES_NODE_GPUS not in rank_runtime_env()["env_vars"]

@@ -43,7 +43,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device.index or 0)
+            if self.device.index is None:  # the current device: a rank that sees its node's GPUs has chosen its own
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
         if self.device.type == "cuda" and tp_group().size > 1 and not config.parallel.disable_p2p_all_reduce:
             enable_p2p_all_reduce(tp_group(), self.device, self.dtype)
         self.model = load_model(hf_config, config.model.model, self.dtype, self.device, max_model_len,
