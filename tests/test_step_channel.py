@@ -185,3 +185,7 @@ def test_every_rank_profiles_its_steps(layout, private_ray, tmp_path, monkeypatc
     import gzip, json
     events = json.load(gzip.open(tmp_path / want[-1]))["traceEvents"]
     assert any(e.get("cat") == "python_function" for e in events)
+    from trace_gaps import analyze  # scripts/: what the trace says (no GPU here: nothing was busy on one)
+
+    result = analyze(str(tmp_path / want[-1]))
+    assert result["span_ms"] > 0 and result["gpu_busy_ms"] == 0 and result["host_self_ms"]

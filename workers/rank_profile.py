@@ -2,8 +2,8 @@
 dispatch (rebuilding the step from its message), execute (host wall time of `ModelRunner.execute`),
 and, for every N-th step under torch.profiler, GPU kernel time and communication time.
 
-Communication is what the collectives take: NCCL kernels on GPUs, gloo's own events on the CPU
-(waiting for the peer included, so a rank that arrives early shows it as communication).
+Communication is what the collectives take: NCCL's and the P2P all-reduce's kernels on GPUs, gloo's own
+events on the CPU (waiting for the peer included, so a rank that arrives early shows it as communication).
 Kinds: `decode-graph` (a CUDA-graph replay), `decode` (one token per sequence, eager), `mixed`
 (prefill chunks). Every rank keeps its own profile; `Executor.profile` collects them.
 """
@@ -40,6 +40,12 @@ def _is_kernel(e) -> bool:
     return e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
 
 
+def _is_comm(name: str) -> bool:
+    """NCCL's kernels and the P2P all-reduce's (parallel/p2p_allreduce.py: one_shot_all_reduce_kernel)."""
+    name = name.lower()
+    return "nccl" in name or "all_reduce" in name
+
+
 def _top(events, attr: str) -> dict[str, float]:
     """The TOP events by `attr` (microseconds), as {name: seconds}."""
     ranked = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:TOP]
@@ -50,7 +56,7 @@ def _kernel_and_comm_seconds(events, cuda: bool) -> tuple[float, float]:
     if cuda:
         kernels = [e for e in events if _is_kernel(e)]
         total = sum(e.self_device_time_total for e in kernels) / 1e6
-        comm = sum(e.self_device_time_total for e in kernels if "nccl" in e.key.lower()) / 1e6
+        comm = sum(e.self_device_time_total for e in kernels if _is_comm(e.key)) / 1e6
         return total, comm
     # gloo runs a collective on its own thread as a "gloo:<op>" event (waiting included); the c10d op only enqueues it.
     return 0.0, sum(e.cpu_time_total for e in events if e.key.startswith("gloo:")) / 1e6

@@ -1,0 +1,30 @@
+"""scripts/trace_gaps.py on a hand-made trace: GPU busy time is the union of overlapping kernels, gaps
+are what lies between, communication counts NCCL's and the P2P all-reduce's kernels, host self time
+subtracts nested events."""
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+
+def test_busy_gaps_comm_and_host_self_time(tmp_path):
+    from trace_gaps import analyze
+
+    ev = [
+        {"ph": "X", "cat": "python_function", "name": "step", "ts": 0, "dur": 1000, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 100, "dur": 300, "tid": 1},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 200, "dur": 200, "tid": 7},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce", "ts": 300, "dur": 200, "tid": 8},  # overlaps
+        {"ph": "X", "cat": "kernel", "name": "one_shot_all_reduce_kernel", "ts": 800, "dur": 100, "tid": 7},
+    ]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    r = analyze(str(path))
+    assert r["span_ms"] == 1.0 and r["gpu_busy_ms"] == 0.4 and r["comm_ms"] == 0.3
+    assert r["gaps_over_50us_ms"] == 0.3 and r["largest_gaps"][0]["before"] == "one_shot_all_reduce_kernel"
+    assert r["host_self_ms"] == {"step": 0.7, "aten::mm": 0.3}
