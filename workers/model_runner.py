@@ -117,7 +117,13 @@ class ModelRunner:
             return None
         from workers.piecewise_graphs import maybe_capture
 
-        return maybe_capture(self)
+        graphs = maybe_capture(self)
+        if graphs is not None:
+            # Attention now reads q/k/v from the graphs' contiguous buffers, not from views of the QKV
+            # projection: other strides, other Triton variants. Compile them now, not on a first request.
+            self.piecewise_graphs = graphs
+            self._warm_up_kernels()
+        return graphs
 
     def _capture_verify_graphs(self):
         """Speculative decoding's verification steps in CUDA graphs (workers/spec_decode/graphs.py), for the
