@@ -1,8 +1,8 @@
 """All-reduce over NVLink peer-to-peer loads (torch symmetric memory), for the messages where NCCL is slow.
 
 Why: TP runs two all-reduces per layer. At decode they are small ([batch, hidden]: 8 KB at batch 1 on
-Llama-3.1-8B) and NCCL's ring takes 16-22 us each from a CUDA graph on 2 H200s, ~1 ms of a 3.4 ms
-batch-1 step. A one-shot all-reduce has every rank copy its input into a buffer all ranks have mapped,
+Llama-3.1-8B) and NCCL's ring takes 16-22 us each from a CUDA graph on 2 H200s in isolation, ~11 us in
+the model (0.7 ms of a 3.6 ms batch-1 step). A one-shot all-reduce has every rank copy its input into a buffer all ranks have mapped,
 meet at a barrier, and each read all peers' buffers and sum: one kernel, one hop. Measured on 2 H200s
 (scripts/bench_allreduce.py, in a CUDA graph, 2026-11-26): 8 KB 6.7 us vs NCCL 22.5, 512 KB 10.9 vs 20.2,
 2 MB 21.4 vs 41.3, 6 MB 48.1 vs 50.3, 16 MB 119.5 vs 92.8: NCCL's ring wins above ~6 MB, hence the limit.
