@@ -17,9 +17,11 @@ MoE kernel has none).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -30,6 +32,27 @@ from workers.sampler import Sampler
 from workers.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def capture_session() -> Iterator[tuple[Any, torch.cuda.Stream]]:
+    """A memory pool and a side stream to capture graphs on (every graph kind here uses it), with the
+    garbage collector off: a collection during a capture can destroy an unreachable engine's graphs or
+    events, a CUDA call that invalidates the capture. Collects first; on exit the device has finished."""
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.stream(stream):
+            yield pool, stream
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
 
 
 def batch_size_ladder(max_batch: int) -> list[int]:
@@ -78,28 +101,14 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        # A garbage collection during a capture can destroy an unreachable engine's graphs or events,
-        # a CUDA call that invalidates the capture: collect first, then keep the collector off.
-        gc.collect()
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.stream(stream):
-                for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its pool
-                    for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                        self._step(bs)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool, stream=stream):
-                        outputs = self._step(bs)
-                    self.graphs[bs], self.outputs[bs] = g, outputs
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        with capture_session() as (pool, stream):
+            for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its pool
+                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
+                    self._step(bs)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    outputs = self._step(bs)
+                self.graphs[bs], self.outputs[bs] = g, outputs
         log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.graphs), self.batch_sizes[0],
                  self.max_bs, time.perf_counter() - t0)
 

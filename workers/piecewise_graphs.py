@@ -15,13 +15,13 @@ shared by all layers: a graph copies q, k and v in, attention writes the output 
 """
 from __future__ import annotations
 
-import gc
 import logging
 import time
 
 import torch
 
 from workers.attention import AttentionMetadata, forward_context
+from workers.cuda_graphs import capture_session
 from workers.models.layers import PagedAttention
 
 log = logging.getLogger(__name__)
@@ -84,27 +84,18 @@ class PiecewiseGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        gc.collect()  # as for decode graphs: no collection may destroy CUDA objects mid-capture
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
         try:
-            with torch.cuda.stream(stream):
+            with capture_session() as (pool, _):
                 for t in reversed(self.token_sizes):  # largest first: the smaller ones reuse its pool
-                    self._capture_size(t, pool, stream)
+                    self._capture_size(t, pool)
         finally:
             PagedAttention.intercept = None
-            if gc_was_enabled:
-                gc.enable()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
         log.info("captured piecewise CUDA graphs for %d token counts (%d..%d), %d layers each, in %.1f s",
                  len(self.graphs), self.token_sizes[0], self.max_tokens, len(self.calls[self.max_tokens]),
                  time.perf_counter() - t0)
 
-    def _capture_size(self, t: int, pool, stream: torch.cuda.Stream) -> None:
+    def _capture_size(self, t: int, pool) -> None:
+        """Graphs of one token count, on the capture stream (`capture_begin` captures the current one)."""
         PagedAttention.intercept = lambda layer, q, k, v: self._into_buffers(q, k, v)
         for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels for this size
             self._forward(t)

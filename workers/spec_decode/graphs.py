@@ -14,7 +14,6 @@ An eager step costs an 8B model about 20 ms of host work on an H100 against 6 ms
 """
 from __future__ import annotations
 
-import gc
 import logging
 import time
 
@@ -23,6 +22,7 @@ import torch
 
 from parallel.state import tp_group
 from workers.attention import AttentionMetadata, forward_context
+from workers.cuda_graphs import capture_session
 from workers.scheduler_output import ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -80,26 +80,14 @@ class VerifyGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        gc.collect()  # a collection during capture could free a CUDA object the capture uses
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.stream(stream):
-                for bs in reversed(self.batch_sizes):  # largest first: the others reuse its memory pool
-                    for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                        self._step(bs)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool, stream=stream):
-                        out = self._step(bs)
-                    self.graphs[bs], self.outputs[bs] = g, out
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        with capture_session() as (pool, stream):
+            for bs in reversed(self.batch_sizes):  # largest first: the others reuse its memory pool
+                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
+                    self._step(bs)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    out = self._step(bs)
+                self.graphs[bs], self.outputs[bs] = g, out
         log.info("captured %d verification CUDA graphs (%d tokens per sequence, batch %d..%d) in %.1f s",
                  len(self.graphs), self.q, self.batch_sizes[0], self.max_bs, time.perf_counter() - t0)
 
