@@ -21,3 +21,12 @@ def test_isolated_layouts_run_in_child_processes_and_merge(tmp_path):
         assert r["output_tokens"] == report["output_tokens"]
         assert r["seconds"] > 0 and r["vs_first_layout"] == 1.0
     assert report["args"]["isolate"] is True
+
+
+def test_layout_names_map_to_engine_arguments():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_offline import parse_layout
+
+    assert parse_layout("tp2+g0+nop2p") == {"tensor_parallel_size": 2, "cuda_graph_max_tokens": 0,
+                                            "disable_p2p_all_reduce": True}
+    assert parse_layout("uni+g512") == {"distributed_executor_backend": "uni", "cuda_graph_max_tokens": 512}
