@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from transformers import AutoTokenizer, GenerationConfig
 
+from parallel.ulysses import choose_ulysses
 from workers.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop_string, streamable_len
 from engine.block_manager import BlockManager
@@ -95,6 +96,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(path)
         # Filled into every request's unset sampling fields (add_request, reserve): vLLM's --generation-config auto.
         self.default_sampling_fields = model_default_fields(path) if config.model.generation_config == "auto" else {}
+        self._check_sp_attention()
         # One process, or one Ray actor per rank: the engine sees only `execute` and `num_blocks`.
         self.executor: Executor = make_executor(config, self.hf_config, self.max_model_len, self.eos_token_ids, show_progress)
         # Under SP each rank's cache is one pool of the block ids (engine/block_manager.py): sp times the blocks.
@@ -118,6 +120,16 @@ class LLMEngine:
         self.vocab_size = self.hf_config.vocab_size
         # Structured output: grammars compiled off the step loop, one matcher per constrained request.
         self.grammars = GrammarManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
+    def _check_sp_attention(self) -> None:
+        """An impossible `sequence_parallel_attention` fails here, before any rank starts."""
+        par, cfg = self.config.parallel, self.hf_config
+        heads = getattr(cfg, "num_attention_heads", None)
+        if par.sequence_parallel_size == 1 or heads is None:
+            return
+        tp = par.tensor_parallel_size
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        choose_ulysses(par.sequence_parallel_attention, heads // tp, max(1, kv_heads // tp), par.sequence_parallel_size)
 
     def _max_model_len(self) -> int:
         cfg = self.hf_config

@@ -20,6 +20,17 @@ def reduce_partial_sums(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x
 
 
+def all_to_all_rows(x: torch.Tensor, out_counts: list[int], in_counts: list[int], group: Group) -> torch.Tensor:
+    """Rows [sum(in_counts), ...] cut by in_counts, block r to rank r -> rows [sum(out_counts), ...] with
+    out_counts[r] from rank r, in rank order. Every rank must know both lists (no size handshake here)."""
+    out = x.new_empty((sum(out_counts), *x.shape[1:]))
+    if group.size == 1:
+        return out.copy_(x)
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_counts, input_split_sizes=in_counts,
+                           group=group.device_group)
+    return out
+
+
 def gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Each rank holds a slice of the last dim (column-parallel output): concatenate the slices."""
     if group.size == 1:

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from parallel.comm import gather_first_dim
+from parallel.comm import all_to_all_rows, gather_first_dim
 from parallel.state import Group
 
 # (x [N, H], topk_ids [N, k] global expert ids, topk_weights [N, k] fp32) -> [N, H]:
@@ -51,13 +51,6 @@ class DispatchPlan:
     num_tokens: int
 
 
-def _all_to_all(x: torch.Tensor, out_counts: list[int], in_counts: list[int], group: Group) -> torch.Tensor:
-    """Rows [sum(in_counts), ...] split by in_counts to the ranks -> rows [sum(out_counts), ...] from them."""
-    out = x.new_empty((sum(out_counts), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_counts, input_split_sizes=in_counts,
-                           group=group.device_group)
-    return out
-
 
 def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
              group: Group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchPlan]:
@@ -74,14 +67,14 @@ def dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     plan = DispatchPlan(send_tokens, send_counts.tolist(), recv_counts.tolist(), x.shape[0])
     # Ids travel with the weights as fp32 (exact below 2**24), so routing is one message.
     meta = torch.cat([topk_ids[send_tokens].float(), topk_weights[send_tokens].float()], dim=1)  # [S, 2k]
-    x_recv = _all_to_all(x[send_tokens], plan.recv_counts, plan.send_counts, group)
-    meta_recv = _all_to_all(meta, plan.recv_counts, plan.send_counts, group)
+    x_recv = all_to_all_rows(x[send_tokens], plan.recv_counts, plan.send_counts, group)
+    meta_recv = all_to_all_rows(meta, plan.recv_counts, plan.send_counts, group)
     return x_recv, meta_recv[:, :k].long(), meta_recv[:, k:], plan
 
 
 def combine(y: torch.Tensor, plan: DispatchPlan, group: Group) -> torch.Tensor:
     """y [R, H] (results of the received rows, in arrival order) -> [T, H], summed per local token."""
-    back = _all_to_all(y, plan.send_counts, plan.recv_counts, group)  # [S, H], aligned with plan.send_tokens
+    back = all_to_all_rows(y, plan.send_counts, plan.recv_counts, group)  # [S, H], aligned with plan.send_tokens
     out = torch.zeros((plan.num_tokens, y.shape[1]), dtype=y.dtype, device=y.device)
     return out.index_add_(0, plan.send_tokens, back)
 

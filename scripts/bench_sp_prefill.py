@@ -3,7 +3,8 @@ and prompt length, `generate(prompt, max_tokens=1)` --runs times (best after the
 and MFU per GPU. A layout that cannot start or a length that does not fit is recorded with its error,
 so one run always reports every cell.
 
-    python scripts/bench_sp_prefill.py --shape llama-3.1-8b --device cuda --lengths 16384,65536,131072 --layouts "sp1 sp2"
+    python scripts/bench_sp_prefill.py --shape llama-3.1-8b --device cuda --lengths 16384,65536,131072 \
+        --layouts "sp1 sp2+ring sp2+ulysses"
     python scripts/bench_sp_prefill.py --model models/tandem-tiny --device cpu --lengths 64,256   # dry run
 
 Layouts as in bench_offline.py (`sp2`, `sp2+tp2`, ...; `sp1` is one rank). Each layout runs in a fresh

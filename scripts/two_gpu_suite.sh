@@ -46,7 +46,7 @@ run_pd() {
 run_kv() { python scripts/bench_kv_transfer.py --device cuda --out "$RES/kv_transfer.json"; }
 run_sp() {
   python scripts/bench_sp_prefill.py --shape llama-3.1-8b --device cuda --dtype bfloat16 \
-    --lengths 16384,65536,131056 --runs 2 --layouts "sp1 sp2" --out "$RES/sp_prefill"
+    --lengths 16384,65536,131056 --runs 2 --layouts "sp1 sp2+ring sp2+ulysses" --out "$RES/sp_prefill"
 }
 run_ep() {
   python scripts/bench_offline.py --shape qwen3-30b-a3b --device cuda --dtype bfloat16 --load-format dummy \
@@ -83,7 +83,7 @@ run_fault() {
 
 export RES M8B
 export -f run_tests run_offline run_latency run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve
-declare -A LIMIT=([tests]=300 [offline]=540 [latency]=300 [pd]=720 [kv]=150 [sp]=480 [ep]=540 [fault]=300
+declare -A LIMIT=([tests]=300 [offline]=540 [latency]=300 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
                  [allreduce]=120 [pd_small]=420 [pd_c1]=360 [sp_serve]=420)
 STEPS=${*:-tests offline latency pd kv sp ep fault}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1

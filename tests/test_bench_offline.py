@@ -30,3 +30,5 @@ def test_layout_names_map_to_engine_arguments():
     assert parse_layout("tp2+g0+nop2p") == {"tensor_parallel_size": 2, "cuda_graph_max_tokens": 0,
                                             "disable_p2p_all_reduce": True}
     assert parse_layout("uni+g512") == {"distributed_executor_backend": "uni", "cuda_graph_max_tokens": 512}
+    assert parse_layout("sp2+ulysses") == {"sequence_parallel_size": 2, "sequence_parallel_attention": "ulysses"}
+    assert parse_layout("sp2+ring") == {"sequence_parallel_size": 2, "sequence_parallel_attention": "ring"}

@@ -44,5 +44,21 @@ def test_sp2_and_sp4_match_one_rank_and_hf():
     hf = hf_greedy_argmax(path, PROMPTS, MAX_TOKENS)
     one = _greedy(path)
     assert one == hf
-    assert _greedy(path, sequence_parallel_size=2) == hf
-    assert _greedy(path, sequence_parallel_size=4, num_gpu_blocks_override=32) == hf
+    assert _greedy(path, sequence_parallel_size=2, sequence_parallel_attention="ring") == hf
+    assert _greedy(path, sequence_parallel_size=4, num_gpu_blocks_override=32) == hf  # auto: ring (2 KV heads)
+
+
+def test_ulysses_sp2_and_sp4_match_hf():
+    """Ulysses: at SP=4 the model needs 4 KV heads (the tiny default has 2)."""
+    path = tiny_model("llama", max_position_embeddings=512, num_key_value_heads=4)
+    hf = hf_greedy_argmax(path, PROMPTS, MAX_TOKENS)
+    assert _greedy(path, sequence_parallel_size=2, sequence_parallel_attention="ulysses") == hf
+    assert _greedy(path, sequence_parallel_size=4, num_gpu_blocks_override=32,
+                   sequence_parallel_attention="ulysses") == hf
+
+
+def test_ulysses_where_heads_do_not_divide_is_refused_before_any_rank_starts():
+    path = tiny_model("llama", max_position_embeddings=512)  # 4 query heads, 2 KV heads
+    with pytest.raises(ValueError, match=r"sequence_parallel_attention='ulysses' needs .* divisible by "
+                                         r"sequence_parallel_size=4; this model has 4 query and 2 KV heads"):
+        LLM(path, **{**ENGINE_ARGS, "sequence_parallel_size": 4, "sequence_parallel_attention": "ulysses"})

@@ -58,12 +58,14 @@ def test_expert_parallel_matches_one_rank_and_hf(name: str):
     assert ep == hf
 
 
-def test_sequence_parallel_matches_one_rank_and_hf():
+@pytest.mark.parametrize("sp_attention", ["ring", "ulysses"])
+def test_sequence_parallel_matches_one_rank_and_hf(sp_attention: str):
     path = tiny_model("llama")
     hf = hf_greedy_argmax(path, PROMPTS, MAX_TOKENS)
     # 14 blocks of 4 tokens per rank: the 41-token prompt alone takes 6 blocks of each rank's 14.
     (one, one_again), _ = generate(path, rounds=2, num_gpu_blocks_override=28)
-    (sp, sp_again), stats = generate(path, rounds=2, num_gpu_blocks_override=14, sequence_parallel_size=2)
+    (sp, sp_again), stats = generate(path, rounds=2, num_gpu_blocks_override=14, sequence_parallel_size=2,
+                                     sequence_parallel_attention=sp_attention)
     assert one == one_again == hf
     assert sp == hf and sp_again == hf
     assert stats["num_blocks"] == 28  # two pools of 14

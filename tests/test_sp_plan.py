@@ -94,3 +94,27 @@ def test_each_token_is_planned_on_exactly_one_rank_with_a_local_slot():
         owns_decode = block_owner(21 // BS, n) == rank
         assert decode.q_rows.numel() == int(owns_decode) and decode.width == 1
         assert len(sample_rows) == sum(sample_owner(s, BS, n) == rank for s in seqs if s.sample)
+
+
+def test_ulysses_plan_lays_out_every_ranks_queries_and_keys_alike_on_each_rank():
+    n, per_rank = 2, 10
+    bm = BlockManager(num_blocks=n * per_rank, block_size=BS, num_pools=n)
+    seqs = []
+    for seq_id, length, start, count in [("prefill", 13, 0, 13), ("chunk", 30, 8, 6), ("decode", 22, 21, 1)]:
+        seq = Sequence(seq_id, list(range(1000, 1000 + length)), SamplingParams())
+        bm.grow(seq, start + count)
+        seqs.append(scheduled(seq_id, seq.token_ids, start, count, list(seq.block_table), sample=True))
+    layouts = []
+    for rank in range(n):
+        _, _, meta, _ = plan_sp_step(seqs, BS, per_rank, Group(ranks=[0, 1], rank=rank), torch.device("cpu"),
+                                     ulysses=True)
+        layouts.append(meta.sp.ring.ulysses)
+        assert meta.sp.decode is not None  # decode keeps its LSE-merged path
+        ring_only = plan_sp_step(seqs, BS, per_rank, Group(ranks=[0, 1], rank=rank), torch.device("cpu"))[2]
+        assert ring_only.sp.ring.ulysses is None
+    a, b = layouts
+    assert a.q_counts == b.q_counts == [len(owned_positions(0, 13, r, n, BS)) + len(owned_positions(8, 14, r, n, BS))
+                                        for r in range(n)]
+    assert a.q_shard.positions == b.q_shard.positions == [list(range(13)), list(range(8, 14))]
+    assert a.kv_shard.positions == [list(range(13)), list(range(14))]
+    assert torch.equal(a.q_order, b.q_order) and torch.equal(a.kv_order, b.kv_order)

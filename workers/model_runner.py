@@ -28,6 +28,7 @@ from workers.sampling_params import SamplingParams
 from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput, TokenBitmask
 from workers.structured_output import apply_token_bitmask, is_constrained
 from workers.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
+from parallel.ulysses import choose_ulysses
 from workers.sp_plan import gather_sample_hidden, plan_sp_step, sample_owner
 from workers.step_memory import NewPeakRelease, graph_pool_bytes, kv_budget_bytes
 from workers.spec_decode.verify import verify
@@ -59,6 +60,9 @@ class ModelRunner:
         if self.sp.size > 1 and self.kv_dtype != self.dtype:
             raise ValueError(f"kv_cache_dtype={config.cache.kv_cache_dtype!r} with sequence parallelism is not supported yet")
         self.backend = SequenceParallelAttention() if self.sp.size > 1 else get_backend(config.model.attention_backend, self.device)
+        a = self.attn_layers[0] if self.attn_layers else None
+        self.sp_ulysses = a is not None and choose_ulysses(config.parallel.sequence_parallel_attention, a.num_heads,
+                                                           a.num_kv_heads, self.sp.size)
         self.sampler = Sampler(eos_token_ids)
         self.pp = pp_group()
         self._pp_seq_no = 0  # micro-batches sent/received so far: every stage counts the same
@@ -254,7 +258,7 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         if self.sp.size > 1:  # only the tokens this SP rank owns (workers/sp_plan.py)
             blocks_per_rank = self.attn_layers[0].kv_cache.shape[1]
-            return plan_sp_step(out.seqs, self.block_size, blocks_per_rank, self.sp, self.device)
+            return plan_sp_step(out.seqs, self.block_size, blocks_per_rank, self.sp, self.device, self.sp_ulysses)
         return self._prepare_flat(out.seqs)
 
     def _prepare_flat(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:

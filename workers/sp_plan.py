@@ -17,6 +17,7 @@ import torch
 from parallel.comm import gather_to_first
 from parallel.ring_attention import TokenShard
 from parallel.state import Group
+from parallel.ulysses import ulysses_layout
 from workers.attention import AttentionMetadata
 from workers.attention.sp_backend import SPAttentionMetadata, SPDecodePart, SPRingPart
 from workers.kv_layout import block_owner, local_block_id
@@ -45,6 +46,7 @@ class _StepLists:
     n: int
     bs: int
     blocks_per_rank: int
+    ulysses: bool = False  # prefill attention by all-to-all (parallel/ulysses.py): needs every rank's queries
     token_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
@@ -52,6 +54,7 @@ class _StepLists:
     sample_rows: list[int] = field(default_factory=list)
     ring_rows: list[int] = field(default_factory=list)
     ring_q: list[list[int]] = field(default_factory=list)
+    ring_q_all: list[list[list[int]]] = field(init=False)  # per SP rank, its queries' positions (Ulysses only)
     ring_kv: list[list[list[int]]] = field(init=False)
     ring_slots: list[int] = field(default_factory=list)
     dec_rows: list[int] = field(default_factory=list)
@@ -62,6 +65,7 @@ class _StepLists:
 
     def __post_init__(self) -> None:
         self.ring_kv = [[] for _ in range(self.n)]
+        self.ring_q_all = [[] for _ in range(self.n)]
         self.dec_held = [0] * self.n
 
     def slot(self, table: list[int], p: int) -> int:
@@ -89,6 +93,9 @@ class _StepLists:
         self.ring_q.append(new)
         for r in range(self.n):
             self.ring_kv[r].append(mine_kv if r == self.me else owned_positions(0, s.context_len, r, self.n, self.bs))
+            if self.ulysses:
+                self.ring_q_all[r].append(new if r == self.me else
+                                          owned_positions(s.start_pos, s.context_len, r, self.n, self.bs))
         self.ring_slots.extend(self.slot(s.block_table, p) for p in mine_kv)
 
     def _add_decode(self, s: ScheduledSeq, rows: range, mine_kv: list[int]) -> None:
@@ -100,11 +107,13 @@ class _StepLists:
         self.dec_held[owner] += 1
         self.dec_slots.append([self.slot(s.block_table, p) for p in mine_kv])
 
-    def ring_part(self, t: Callable[..., torch.Tensor]) -> SPRingPart | None:
+    def ring_part(self, t: Callable[..., torch.Tensor], device: torch.device) -> SPRingPart | None:
         if not self.ring_q:
             return None
-        return SPRingPart(q_rows=t(self.ring_rows), q_shard=TokenShard(self.ring_q),
-                          kv_shards=[TokenShard(p) for p in self.ring_kv], kv_slots=t(self.ring_slots))
+        kv_shards = [TokenShard(p) for p in self.ring_kv]
+        layout = ulysses_layout([TokenShard(p) for p in self.ring_q_all], kv_shards, device) if self.ulysses else None
+        return SPRingPart(q_rows=t(self.ring_rows), q_shard=TokenShard(self.ring_q), kv_shards=kv_shards,
+                          kv_slots=t(self.ring_slots), ulysses=layout)
 
     def decode_part(self, t: Callable[..., torch.Tensor]) -> SPDecodePart | None:
         if not self.dec_owner_index:
@@ -120,19 +129,20 @@ class _StepLists:
 
 
 def plan_sp_step(seqs: list[ScheduledSeq], block_size: int, blocks_per_rank: int, group: Group,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+                 device: torch.device, ulysses: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
     """This rank's share of a step: (token_ids [T], positions [T], metadata, rows to sample).
 
     blocks_per_rank: the size N of each rank's pool (block ids map to this rank's cache by `local_block_id`).
+    ulysses: prefill chunks attend by Ulysses all-to-all instead of the ring (decode is the same either way).
     """
-    lists = _StepLists(group.rank, group.size, block_size, blocks_per_rank)
+    lists = _StepLists(group.rank, group.size, block_size, blocks_per_rank, ulysses)
     for s in seqs:
         lists.add(s)
 
     def t(x, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
 
-    ring = lists.ring_part(t)
+    ring = lists.ring_part(t, device)
     decode = lists.decode_part(t)
     query_start = lists.query_start
     query_lens = [b - a for a, b in zip(query_start, query_start[1:])]

@@ -104,9 +104,10 @@ def test_tp2_bf16_batch1_decode_matches_tp1():
     _check(path, prompts, ref16, got, ref32, "TP=2 batch-1 vs TP=1")
 
 
-def test_sp2_bf16_8k_prefill_and_32_tokens_match_sp1():
+@pytest.mark.parametrize("sp_attention", ["ring", "ulysses"])
+def test_sp2_bf16_8k_prefill_and_32_tokens_match_sp1(sp_attention: str):
     path = tiny_model("llama", **LLAMA)
     prompts = prompts_of_lengths([8192, 8000], vocab_size=300, seed=4)
     ref16, ref32 = _generate(path, prompts, 32), _generate(path, prompts, 32, dtype="float32")
-    got = _generate(path, prompts, 32, sequence_parallel_size=2)
-    _check(path, prompts, ref16, got, ref32, "SP=2 vs SP=1")
+    got = _generate(path, prompts, 32, sequence_parallel_size=2, sequence_parallel_attention=sp_attention)
+    _check(path, prompts, ref16, got, ref32, f"SP=2 ({sp_attention}) vs SP=1")

@@ -4,7 +4,9 @@ Each SP rank runs the model on the new tokens whose KV blocks it owns (`engine/b
 `block_owner`) and keeps their K/V in its own cache. Attention then needs keys held by other ranks:
 
 * sequences with several new tokens (prefill chunks) use ring attention: each rank's keys of those
-  sequences (cached context + new tokens) travel around the SP ring, causally masked by position;
+  sequences (cached context + new tokens) travel around the SP ring, causally masked by position; or,
+  in Ulysses mode (`sequence_parallel_attention`), an all-to-all hands each rank every token for a
+  slice of the heads, attended in one pass (parallel/ulysses.py);
 * sequences with one new token (decode) gather their queries on every rank, each rank attends over the
   keys it holds, and the partial results are merged by log-sum-exp.
 
@@ -20,6 +22,7 @@ import torch
 from parallel.comm import gather_first_dim
 from parallel.ring_attention import TokenShard, decode_attention_partial, merge_attention_partials, ring_attention
 from parallel.state import Group
+from parallel.ulysses import UlyssesLayout, ulysses_attention
 from workers.attention.backend import AttentionMetadata
 from workers.attention.torch_backend import write_kv
 
@@ -32,6 +35,7 @@ class SPRingPart:
     q_shard: TokenShard  # positions of those queries, per sequence
     kv_shards: list[TokenShard]  # per SP rank: the positions (< context length) whose KV it holds
     kv_slots: torch.Tensor  # [Tk] int64: local cache slots of this rank's keys, in kv_shards[rank] order
+    ulysses: UlyssesLayout | None = None  # set: attend by Ulysses all-to-all (parallel/ulysses.py), not the ring
 
 
 @dataclass
@@ -66,8 +70,12 @@ class SequenceParallelAttention:
         out = torch.empty_like(q) if out is None else out
         if sp.ring is not None:
             r = sp.ring
-            out[r.q_rows] = ring_attention(q[r.q_rows], keys[r.kv_slots], values[r.kv_slots], r.q_shard, r.kv_shards,
-                                           scale, sp.group)
+            if r.ulysses is not None:
+                out[r.q_rows] = ulysses_attention(q[r.q_rows], keys[r.kv_slots], values[r.kv_slots], r.ulysses,
+                                                  scale, sp.group)
+            else:
+                out[r.q_rows] = ring_attention(q[r.q_rows], keys[r.kv_slots], values[r.kv_slots], r.q_shard,
+                                               r.kv_shards, scale, sp.group)
         if sp.decode is not None:
             out[sp.decode.q_rows] = self._decode(q, keys, values, sp.decode, scale, sp.group)
         return out
