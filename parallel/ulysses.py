@@ -128,11 +128,35 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout:
     kv_all = sequence_to_head_shards(torch.stack([k, v], dim=1), layout.kv_counts, group)  # [Tk_all, 2, Hkv/n, D]
     q_sorted = q_all.index_select(0, layout.q_order)
     block = kv_all.index_select(0, layout.kv_order).transpose(0, 1).contiguous()  # [2, Tk_all, Hkv/n, D]
-    use_triton = _use_triton(q_sorted, block)
-    if use_triton:
-        _upload_positions([layout.q_shard, layout.kv_shard], q.device)
-    acc_out, acc_lse = _accumulators(q_sorted)
-    _attend_block(q_sorted, block, layout.q_shard, layout.kv_shard, scale, acc_out, acc_lse, tiles, use_triton)
+    out_sorted = _attend_all(q_sorted, block, layout.q_shard, layout.kv_shard, scale, tiles)
     out_all = torch.empty_like(q_all)
-    out_all.index_copy_(0, layout.q_order, acc_out.to(q.dtype))  # back to arrival (rank-major) order
+    out_all.index_copy_(0, layout.q_order, out_sorted)  # back to arrival (rank-major) order
     return head_to_sequence_shards(out_all.unsqueeze(1), layout.q_counts, group)[:, 0]
+
+
+def _attend_all(q: torch.Tensor, block: torch.Tensor, q_shard: TokenShard, kv_shard: TokenShard, scale: float,
+                tiles: tuple[int, int] | None, backend: str | None = None) -> torch.Tensor:
+    """Causal attention of q [Tq, h, D] over block [2, Tk, hkv, D] (rows as the shards, positions ascending
+    per sequence) in one pass of the ring's blockwise step; backend None: Triton where it runs."""
+    use_triton = _use_triton(q, block) if backend is None else backend == "triton"
+    if use_triton:
+        _upload_positions([q_shard, kv_shard], q.device)
+    acc_out, acc_lse = _accumulators(q)
+    _attend_block(q, block, q_shard, kv_shard, scale, acc_out, acc_lse, tiles, use_triton)
+    return acc_out.to(q.dtype)
+
+
+def ulysses_rank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, sp_size: int, scale: float,
+                           backend: str | None = None, tiles: tuple[int, int] | None = None) -> torch.Tensor:
+    """Everything Ulysses rank `rank` of SP=sp_size attends in `ulysses_attention`, on one device and without
+    the all-to-alls: for one prompt q [T, Hq, D], k/v [T, Hkv, D] at positions 0..T-1, the causal attention
+    of its slice of heads over every token -> [T, Hq / sp_size, D] (query heads rank * Hq/n onwards).
+    What scripts/bench_sp_rank.py times beside the ring's per-rank work. backend: "triton", "torch" or None."""
+    if not heads_divide(q.shape[1], k.shape[1], sp_size) or not 0 <= rank < sp_size:
+        raise ValueError(f"need heads ({q.shape[1]} query, {k.shape[1]} KV) divisible by SP size {sp_size} "
+                         f"and 0 <= rank < {sp_size}")
+    hq, hkv = q.shape[1] // sp_size, k.shape[1] // sp_size
+    shard = TokenShard([list(range(q.shape[0]))])
+    q_mine = q[:, rank * hq:(rank + 1) * hq].contiguous()
+    block = torch.stack([k[:, rank * hkv:(rank + 1) * hkv], v[:, rank * hkv:(rank + 1) * hkv]])
+    return _attend_all(q_mine, block, shard, shard, scale, tiles, backend)

@@ -19,6 +19,9 @@ against SP=1 attention, and memory: `resident` (its queries, its own K/V block, 
 and the one in flight: what a ring rank holds for attention) and `work_peak` (torch.cuda.max_memory_allocated during the call beyond what
 was allocated before it: accumulators, output, positions). Not timed: communication (none here), the
 gathers of K/V from the paged cache, the layout's host work. Writes JSON (--out) and prints a table.
+
+Where the heads divide by the SP size, a Ulysses rank is timed beside the ring's (`ulysses_rank_attention`:
+all the prompt's tokens for 1/sp of the heads, the same work on every rank; its all-to-alls not timed).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from parallel.ring_attention import ring_rank_attention, split_for_ranks  # noqa: E402
+from parallel.ulysses import heads_divide, ulysses_rank_attention  # noqa: E402
 from workers.sp_plan import owned_positions  # noqa: E402
 
 GOALS = {2: 0.55, 4: 0.3}  # issue 25: slowest rank's time / SP=1 attention's
@@ -163,6 +167,22 @@ def bench_sp(q, k, v, sp: int, scale: float, sp1: dict, a: argparse.Namespace) -
     res["within_bf16_tol"] = res["max_abs_err"] <= BF16_TOL
     if a.device == "cuda":
         res["peak_bytes_max"] = max(c["peak_bytes"] for c in ranks)
+    if heads_divide(q.shape[1], k.shape[1], sp):
+        res["ulysses"] = bench_ulysses(q, k, v, sp, scale, sp1, a)
+    return res
+
+
+def bench_ulysses(q, k, v, sp: int, scale: float, sp1: dict, a: argparse.Namespace) -> dict:
+    """A Ulysses rank of SP=sp (every rank does the same work: all tokens, 1/sp of the heads): rank 0's
+    attention on this device without the all-to-alls, its ratio to SP=1 and its error on its heads."""
+    backend = None if a.backend == "auto" else a.backend
+    run = lambda: ulysses_rank_attention(q, k, v, 0, sp, scale, backend)  # noqa: E731
+    seconds, out = timed(run, a.device, a.reps)
+    heads = out.shape[1]
+    err = (out.float() - sp1["ref"][:, :heads].float()).abs().max().item()
+    res = {"seconds": seconds, "ratio": seconds / sp1["res"]["baseline_s"], "max_abs_err": err,
+           "goal": GOALS.get(sp)}
+    res["meets_goal"] = None if res["goal"] is None else res["ratio"] <= res["goal"]
     return res
 
 
@@ -205,7 +225,12 @@ def table(results: list[dict]) -> str:
             goal = "-" if r["goal"] is None else f"{r['goal']:.2f}" + ("" if r["meets_goal"] else "!")
             peak = f"{r['peak_bytes_max'] / 2**20:13.0f}" if "peak_bytes_max" in r else f"{'-':>13}"
             lines.append(f"{cell['tokens']:8d} {sp:>3} {r['slowest_s']:14.4f} {base:9.4f} {r['ratio']:7.3f} {goal:>6} "
-                         f"{r['max_abs_err']:9.2e} {peak}")
+                         f"{r['max_abs_err']:9.2e} {peak}   (ring)")
+            if "ulysses" in r:
+                u = r["ulysses"]
+                ugoal = "-" if u["goal"] is None else f"{u['goal']:.2f}" + ("" if u["meets_goal"] else "!")
+                lines.append(f"{cell['tokens']:8d} {sp:>3} {u['seconds']:14.4f} {base:9.4f} {u['ratio']:7.3f} "
+                             f"{ugoal:>6} {u['max_abs_err']:9.2e} {'-':>13}   (ulysses)")
     return "\n".join(lines)
 
 

@@ -27,6 +27,11 @@ def test_dry_run_reports_every_cell(tmp_path):
             assert res["ratio"] == res["slowest_s"] / cell["sp1"]["baseline_s"]
             assert res["goal"] == {2: 0.55, 4: 0.3}.get(sp) and res["within_bf16_tol"]
             assert 0 <= res["max_abs_err"] < 2e-2
+            # Ulysses where 4 query / 2 KV heads divide: SP=2 only.
+            assert ("ulysses" in res) == (sp == 2)
+        u = cell["sp"]["2"]["ulysses"]
+        assert u["seconds"] > 0 and u["ratio"] == u["seconds"] / cell["sp1"]["baseline_s"]
+        assert 0 <= u["max_abs_err"] < 2e-2
 
 
 def test_bad_arguments_exit():

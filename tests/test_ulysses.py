@@ -10,6 +10,7 @@ from parallel.ring_attention import TokenShard
 from parallel.state import Group, sp_group
 from parallel.ulysses import (
     _merge_order, head_to_sequence_shards, heads_divide, sequence_to_head_shards, ulysses_attention, ulysses_layout,
+    ulysses_rank_attention,
 )
 from tests.multiprocess import run_ranks
 from tests.test_ring_attention import SCALE, make_seqs, reference
@@ -96,3 +97,14 @@ def _all_checks(rank: int) -> None:
 @pytest.mark.parametrize("sp", [2, 4])
 def test_ulysses_matches_full_attention(sp: int):
     run_ranks(_all_checks, sp)
+
+
+def test_rank_work_on_one_device_is_the_heads_slice_of_full_attention():
+    seqs = make_seqs([37], 8, 4, seed=5)
+    q, k, v = seqs[0]
+    ref = reference(q, k, v, torch.arange(37))
+    for rank in range(2):
+        out = ulysses_rank_attention(q, k, v, rank, 2, SCALE, tiles=(8, 16))
+        torch.testing.assert_close(out, ref[:, rank * 4:(rank + 1) * 4], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="divisible by SP size 3"):
+        ulysses_rank_attention(q, k, v, 0, 3, SCALE)

@@ -13,6 +13,7 @@ import parallel.ring_attention as ring_mod
 from parallel.kernels import ring_attention_triton as rt
 from parallel.kernels.paged_attention import _tma_supported
 from parallel.ring_attention import ring_rank_attention, split_for_ranks
+from parallel.ulysses import ulysses_rank_attention
 from workers.sp_plan import owned_positions
 
 DEV = "cuda"
@@ -85,6 +86,20 @@ def test_rank_work_matches_full_causal_sdpa(sp: int):
         torch.testing.assert_close(got.float(), want[positions[r]].float(), rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(got, ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, backend="torch"),
                                    rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_ulysses_rank_work_matches_full_causal_sdpa(sp: int):
+    n, hq, hkv, d = 4099, 32, 8, 128
+    g = torch.Generator(device=DEV).manual_seed(sp)
+    q = torch.randn(n, hq, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(n, hkv, d, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                          enable_gqa=True).transpose(0, 1)
+    for r in range(sp):
+        got = ulysses_rank_attention(q, k, v, r, sp, d ** -0.5)  # the Triton kernel: the CUDA default
+        heads = slice(r * hq // sp, (r + 1) * hq // sp)
+        torch.testing.assert_close(got.float(), want[:, heads].float(), rtol=2e-2, atol=2e-2)
 
 
 def test_cuda_default_is_the_triton_kernel(monkeypatch):
