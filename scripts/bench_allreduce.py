@@ -166,8 +166,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     raw = out.with_suffix(".rank0.json")
+    # spawn, not fork: a caller that has touched CUDA (pytest's skip checks count devices) cannot fork CUDA users.
     mp.start_processes(_rank, args=(args.world_size, free_port(), args, str(raw)), nprocs=args.world_size, join=True,
-                       start_method="fork")
+                       start_method="spawn")
     result = json.loads(raw.read_text())
     raw.unlink()
     rows = result["rows"]
