@@ -24,11 +24,12 @@ class ParallelConfig(StrictModel):
     pipeline_parallel_size: int = Field(default=1, ge=1, description="Stages the layers are split into, one "
                                         "group of ranks each.")
     sequence_parallel_size: int = Field(default=1, ge=1, description="Ranks a long prompt's tokens are split "
-                                        "over (ring attention); prefill pools and colocated replicas.")
+                                        "over (ring or Ulysses attention); prefill pools and colocated replicas.")
     sequence_parallel_attention: Literal["auto", "ring", "ulysses"] = Field(
         default="auto", description="SP prefill attention: ring (K/V blocks travel the ring, overlapped with "
         "compute), ulysses (all-to-all to head shards, full attention per head slice; needs the rank's query and "
-        "KV heads divisible by the SP size) or auto (ulysses where the heads divide, else ring).")
+        "KV heads divisible by the SP size) or auto (the ring: faster than Ulysses at every length measured, "
+        "docs/benchmarks.md).")
     expert_parallel_size: int = Field(default=1, ge=1, description="MoE: ranks the experts are spread over: 1, "
                                       "or all the TP x SP ranks of a stage (alone, it sets the TP size too).")
     disable_p2p_all_reduce: bool = Field(default=False, description="CUDA, TP: sum tensor-parallel partial results "

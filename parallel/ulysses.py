@@ -33,9 +33,16 @@ def heads_divide(num_q_heads: int, num_kv_heads: int, sp_size: int) -> bool:
     return num_q_heads % sp_size == 0 and num_kv_heads % sp_size == 0
 
 
+# `auto` takes the ring: on 2 x H200 (2026-11-26, Llama-3.1-8B shapes, 16K-128K-token prompts) the ring's
+# SP=2 prefill beat Ulysses' at every length (0.543-0.574x of SP=1 against 0.556-0.612x): the ring hides its
+# K/V transfers behind compute, Ulysses' all-to-alls (~335 MB per layer and rank at 64K) are not hidden.
+AUTO_PICKS_ULYSSES = False
+
+
 def choose_ulysses(mode: str, num_q_heads: int, num_kv_heads: int, sp_size: int) -> bool:
     """`sequence_parallel_attention` resolved for heads per TP rank: True for Ulysses, False for the ring.
-    "ulysses" where the heads do not divide is a ValueError that says so."""
+    "ulysses" where the heads do not divide is a ValueError that says so; "auto" is the ring (measured
+    faster, above), and never Ulysses where the heads do not divide."""
     if sp_size == 1:
         return False
     divides = heads_divide(num_q_heads, num_kv_heads, sp_size)
@@ -43,7 +50,7 @@ def choose_ulysses(mode: str, num_q_heads: int, num_kv_heads: int, sp_size: int)
         raise ValueError(f"sequence_parallel_attention='ulysses' needs each tensor-parallel rank's attention heads "
                          f"divisible by sequence_parallel_size={sp_size}; this model has {num_q_heads} query and "
                          f"{num_kv_heads} KV heads per rank. Use 'ring' or 'auto'.")
-    return mode == "ulysses" or (mode == "auto" and divides)
+    return mode == "ulysses" or (mode == "auto" and divides and AUTO_PICKS_ULYSSES)
 
 
 @dataclass

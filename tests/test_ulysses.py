@@ -108,3 +108,14 @@ def test_rank_work_on_one_device_is_the_heads_slice_of_full_attention():
         torch.testing.assert_close(out, ref[:, rank * 4:(rank + 1) * 4], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="divisible by SP size 3"):
         ulysses_rank_attention(q, k, v, 0, 3, SCALE)
+
+
+def test_mode_choice():
+    from parallel.ulysses import choose_ulysses
+
+    assert choose_ulysses("ulysses", 32, 8, 2) and not choose_ulysses("ring", 32, 8, 2)
+    assert not choose_ulysses("auto", 32, 8, 2)  # the ring: measured faster (docs/benchmarks.md)
+    assert not choose_ulysses("ulysses", 32, 8, 1)  # no SP, nothing to choose
+    with pytest.raises(ValueError, match="divisible by sequence_parallel_size=16"):
+        choose_ulysses("ulysses", 32, 8, 16)
+    assert not choose_ulysses("auto", 32, 8, 16)

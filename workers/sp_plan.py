@@ -8,10 +8,10 @@ Every rank plans from the same `SchedulerOutput`, so all ranks agree on every si
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from parallel.comm import gather_to_first
@@ -24,13 +24,19 @@ from workers.kv_layout import block_owner, local_block_id
 from workers.scheduler_output import ScheduledSeq
 
 
+def owned_positions_array(lo: int, hi: int, rank: int, sp_size: int, block_size: int) -> np.ndarray:
+    """The positions in [lo, hi) that SP rank `rank` owns, ascending, as int64 (vectorised: a 128K-token
+    prompt's plan is built on every rank before its forward, and the GPUs wait for it)."""
+    blocks = np.arange(lo // block_size, -(-hi // block_size), dtype=np.int64)
+    j = blocks % (2 * sp_size)
+    owner = np.where(j < sp_size, j, 2 * sp_size - 1 - j)  # block_owner, for every block at once
+    pos = (blocks[owner == rank][:, None] * block_size + np.arange(block_size, dtype=np.int64)).ravel()
+    return pos[(pos >= lo) & (pos < hi)]
+
+
 def owned_positions(lo: int, hi: int, rank: int, sp_size: int, block_size: int) -> list[int]:
     """The positions in [lo, hi) that SP rank `rank` owns, ascending."""
-    first, end = lo // block_size, -(-hi // block_size)
-    return list(itertools.chain.from_iterable(
-        range(max(lo, i * block_size), min(hi, (i + 1) * block_size))
-        for i in range(first, end) if block_owner(i, sp_size) == rank
-    ))
+    return owned_positions_array(lo, hi, rank, sp_size, block_size).tolist()
 
 
 def sample_owner(seq: ScheduledSeq, block_size: int, sp_size: int) -> int:
@@ -49,7 +55,7 @@ class _StepLists:
     ulysses: bool = False  # prefill attention by all-to-all (parallel/ulysses.py): needs every rank's queries
     token_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
+    slots_new: list[int] = field(default_factory=list)  # cache slots of the new tokens this rank computes
     query_start: list[int] = field(default_factory=lambda: [0])
     sample_rows: list[int] = field(default_factory=list)
     ring_rows: list[int] = field(default_factory=list)
@@ -68,44 +74,47 @@ class _StepLists:
         self.ring_q_all = [[] for _ in range(self.n)]
         self.dec_held = [0] * self.n
 
-    def slot(self, table: list[int], p: int) -> int:
-        return local_block_id(table[p // self.bs], self.blocks_per_rank) * self.bs + p % self.bs
+    def slots(self, table: list[int], positions: np.ndarray) -> list[int]:
+        """Local cache slots of a sequence's positions on this rank (pool ids -> this rank's cache)."""
+        blocks = np.asarray(table, dtype=np.int64)[positions // self.bs]
+        return (blocks % self.blocks_per_rank * self.bs + positions % self.bs).tolist()
 
     def add(self, s: ScheduledSeq) -> None:
         me, n, bs = self.me, self.n, self.bs
         row0 = len(self.token_ids)
-        new = owned_positions(s.start_pos, s.context_len, me, n, bs)
-        self.token_ids.extend(s.token_ids[p - s.start_pos] for p in new)
-        self.positions.extend(new)
-        self.slots.extend(self.slot(s.block_table, p) for p in new)
+        new = owned_positions_array(s.start_pos, s.context_len, me, n, bs)
+        self.token_ids.extend(np.asarray(s.token_ids, dtype=np.int64)[new - s.start_pos].tolist())
+        self.positions.extend(new.tolist())
+        self.slots_new.extend(self.slots(s.block_table, new))
         self.query_start.append(len(self.token_ids))
         rows = range(row0, len(self.token_ids))
         if s.sample and sample_owner(s, bs, n) == me:
             self.sample_rows.append(rows[-1])
-        mine_kv = owned_positions(0, s.context_len, me, n, bs)
+        mine_kv = owned_positions_array(0, s.context_len, me, n, bs)
         if s.num_tokens > 1:
             self._add_ring(s, rows, new, mine_kv)
         else:
             self._add_decode(s, rows, mine_kv)
 
-    def _add_ring(self, s: ScheduledSeq, rows: range, new: list[int], mine_kv: list[int]) -> None:
+    def _add_ring(self, s: ScheduledSeq, rows: range, new: np.ndarray, mine_kv: np.ndarray) -> None:
         self.ring_rows.extend(rows)
-        self.ring_q.append(new)
+        self.ring_q.append(new.tolist())
         for r in range(self.n):
-            self.ring_kv[r].append(mine_kv if r == self.me else owned_positions(0, s.context_len, r, self.n, self.bs))
+            self.ring_kv[r].append(mine_kv.tolist() if r == self.me else
+                                   owned_positions(0, s.context_len, r, self.n, self.bs))
             if self.ulysses:
-                self.ring_q_all[r].append(new if r == self.me else
+                self.ring_q_all[r].append(self.ring_q[-1] if r == self.me else
                                           owned_positions(s.start_pos, s.context_len, r, self.n, self.bs))
-        self.ring_slots.extend(self.slot(s.block_table, p) for p in mine_kv)
+        self.ring_slots.extend(self.slots(s.block_table, mine_kv))
 
-    def _add_decode(self, s: ScheduledSeq, rows: range, mine_kv: list[int]) -> None:
+    def _add_decode(self, s: ScheduledSeq, rows: range, mine_kv: np.ndarray) -> None:
         owner = block_owner(s.start_pos // self.bs, self.n)
         if owner == self.me:
             self.dec_rows.extend(rows)
             self.dec_mine.append(len(self.dec_owner_index))
         self.dec_owner_index.append((owner, self.dec_held[owner]))
         self.dec_held[owner] += 1
-        self.dec_slots.append([self.slot(s.block_table, p) for p in mine_kv])
+        self.dec_slots.append(self.slots(s.block_table, mine_kv))
 
     def ring_part(self, t: Callable[..., torch.Tensor], device: torch.device) -> SPRingPart | None:
         if not self.ring_q:
@@ -148,7 +157,7 @@ def plan_sp_step(seqs: list[ScheduledSeq], block_size: int, blocks_per_rank: int
     query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
     seq_lens = [s.context_len for s in seqs]
     meta = AttentionMetadata(
-        slot_mapping=t(lists.slots),
+        slot_mapping=t(lists.slots_new),
         query_start_loc=t(query_start, torch.int32),
         seq_lens=t(seq_lens, torch.int32),
         block_tables=torch.zeros((len(seqs), 0), dtype=torch.int32, device=device),  # the SP backend uses slots instead
