@@ -100,13 +100,15 @@ def sp1_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """SP=1 over the whole prompt: the engine's prefill kernel (CUDA) and SDPA (flash on CUDA, math on CPU).
     Returns seconds per kernel, the baseline's name and the reference output for the error."""
     g = q.shape[1] // k.shape[1]
-    kr, vr = (x.repeat_interleave(g, dim=1).transpose(0, 1) for x in (k, v))  # MHA layout: flash takes it
+    # [1, H, T, D], MHA: the fused kernels take 4-D inputs only (3-D left flash unused: "No available kernel")
+    kr, vr = (x.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0) for x in (k, v))
+    qb = q.transpose(0, 1).unsqueeze(0)
 
     def sdpa() -> torch.Tensor:
         if device != "cuda":
-            return F.scaled_dot_product_attention(q.transpose(0, 1), kr, vr, is_causal=True, scale=scale).transpose(0, 1)
+            return F.scaled_dot_product_attention(qb, kr, vr, is_causal=True, scale=scale)[0].transpose(0, 1)
         with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.FLASH_ATTENTION]):
-            return F.scaled_dot_product_attention(q.transpose(0, 1), kr, vr, is_causal=True, scale=scale).transpose(0, 1)
+            return F.scaled_dot_product_attention(qb, kr, vr, is_causal=True, scale=scale)[0].transpose(0, 1)
 
     res = {}
     res["sdpa_s"], ref = timed(sdpa, device, reps)
