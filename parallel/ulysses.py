@@ -18,6 +18,7 @@ block-owned layout, so they mix freely step by step.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +68,28 @@ class UlyssesLayout:
     kv_order: torch.Tensor  # [sum(kv_counts)] int64: the same for keys
     q_shard: TokenShard  # all the queries' positions per sequence, in q_order
     kv_shard: TokenShard  # all the keys' positions per sequence, in kv_order
+    # Every sequence a whole new prompt (queries = keys = positions 0..L-1): the prompts' bounds for the
+    # causal prefill kernel, on the device before the step's first kernel. None otherwise.
+    prompts: PromptBounds | None = None
+
+
+@dataclass
+class PromptBounds:
+    """Whole prompts laid end to end, as `prefill_attention` reads them."""
+
+    query_start: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    max_len: int
+
+    @staticmethod
+    def of(lens: list[int], device: torch.device) -> "PromptBounds":
+        return PromptBounds(torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32).to(device),
+                            torch.tensor(lens, dtype=torch.int32).to(device), max(lens, default=0))
+
+
+def _whole_prompts(q_shard: TokenShard, kv_shard: TokenShard) -> bool:
+    return all(q == k and (not q or (q[0] == 0 and q[-1] == len(q) - 1))
+               for q, k in zip(q_shard.positions, kv_shard.positions))
 
 
 def _merge_order(shards: list[TokenShard]) -> tuple[np.ndarray, TokenShard]:
@@ -92,11 +115,13 @@ def ulysses_layout(q_shards: list[TokenShard], kv_shards: list[TokenShard], devi
         raise ValueError(f"one query shard and one key shard per rank; got {len(q_shards)} and {len(kv_shards)}")
     q_order, q_shard = _merge_order(q_shards)
     kv_order, kv_shard = _merge_order(kv_shards)
+    whole = _whole_prompts(q_shard, kv_shard)
     return UlyssesLayout(
         q_counts=[s.num_tokens for s in q_shards], kv_counts=[s.num_tokens for s in kv_shards],
         q_order=torch.from_numpy(q_order).to(device, non_blocking=True),
         kv_order=torch.from_numpy(kv_order).to(device, non_blocking=True),
         q_shard=q_shard, kv_shard=kv_shard,
+        prompts=PromptBounds.of([len(p) for p in q_shard.positions], device) if whole else None,
     )
 
 
@@ -135,22 +160,41 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout:
     kv_all = sequence_to_head_shards(torch.stack([k, v], dim=1), layout.kv_counts, group)  # [Tk_all, 2, Hkv/n, D]
     q_sorted = q_all.index_select(0, layout.q_order)
     block = kv_all.index_select(0, layout.kv_order).transpose(0, 1).contiguous()  # [2, Tk_all, Hkv/n, D]
-    out_sorted = _attend_all(q_sorted, block, layout.q_shard, layout.kv_shard, scale, tiles)
+    out_sorted = _attend_all(q_sorted, block, layout.q_shard, layout.kv_shard, scale, tiles, prompts=layout.prompts)
     out_all = torch.empty_like(q_all)
     out_all.index_copy_(0, layout.q_order, out_sorted)  # back to arrival (rank-major) order
     return head_to_sequence_shards(out_all.unsqueeze(1), layout.q_counts, group)[:, 0]
 
 
 def _attend_all(q: torch.Tensor, block: torch.Tensor, q_shard: TokenShard, kv_shard: TokenShard, scale: float,
-                tiles: tuple[int, int] | None, backend: str | None = None) -> torch.Tensor:
+                tiles: tuple[int, int] | None, backend: str | None = None,
+                prompts: PromptBounds | None = None) -> torch.Tensor:
     """Causal attention of q [Tq, h, D] over block [2, Tk, hkv, D] (rows as the shards, positions ascending
-    per sequence) in one pass of the ring's blockwise step; backend None: Triton where it runs."""
+    per sequence) in one pass. With Triton (backend None: where it runs): whole new prompts (`prompts`) go
+    through the engine's own causal prefill kernel, which needs no positions (on one H200 the ring's
+    position-masked step took as long at 16K tokens for half the heads as the prefill kernel for all of
+    them); anything else through the ring's blockwise step. Without Triton, the ring's PyTorch tiles."""
     use_triton = _use_triton(q, block) if backend is None else backend == "triton"
+    if use_triton and prompts is not None:
+        return _prefill_kernel(q, block, prompts, scale)
     if use_triton:
         _upload_positions([q_shard, kv_shard], q.device)
     acc_out, acc_lse = _accumulators(q)
     _attend_block(q, block, q_shard, kv_shard, scale, acc_out, acc_lse, tiles, use_triton)
     return acc_out.to(q.dtype)
+
+
+def _prefill_kernel(q: torch.Tensor, block: torch.Tensor, prompts: PromptBounds, scale: float) -> torch.Tensor:
+    """Whole prompts laid end to end through parallel/kernels/paged_attention.py's `prefill_attention`. Its
+    paged cache holds the context before the new tokens; here there is none (each prompt's length is its
+    query length), so a one-block dummy cache is never read."""
+    from parallel.kernels.paged_attention import prefill_attention
+
+    hkv, d = block.shape[2:]
+    cache = torch.zeros(2, 1, 16, hkv, d, dtype=block.dtype, device=q.device)
+    tables = torch.zeros(prompts.seq_lens.shape[0], 1, dtype=torch.int32, device=q.device)
+    return prefill_attention(q.contiguous(), block[0], block[1], cache, tables, prompts.seq_lens, prompts.query_start,
+                             prompts.max_len, scale)
 
 
 def ulysses_rank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, sp_size: int, scale: float,
@@ -166,4 +210,4 @@ def ulysses_rank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ra
     shard = TokenShard([list(range(q.shape[0]))])
     q_mine = q[:, rank * hq:(rank + 1) * hq].contiguous()
     block = torch.stack([k[:, rank * hkv:(rank + 1) * hkv], v[:, rank * hkv:(rank + 1) * hkv]])
-    return _attend_all(q_mine, block, shard, shard, scale, tiles, backend)
+    return _attend_all(q_mine, block, shard, shard, scale, tiles, backend, PromptBounds.of([q.shape[0]], q.device))
