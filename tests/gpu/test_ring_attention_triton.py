@@ -71,14 +71,20 @@ def test_chunk_attention_matches_sdpa(case, dtype, hq, hkv, d, tma):
     torch.testing.assert_close(lse[~dead], ref_lse[~dead], rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("sp", [2, 4])
-def test_rank_work_matches_full_causal_sdpa(sp: int):
-    n, hq, hkv, d = 4099, 32, 8, 128
-    g = torch.Generator(device=DEV).manual_seed(sp)
+def _prompt_and_full_attention(seed: int, n: int = 4099, hq: int = 32, hkv: int = 8, d: int = 128):
+    """A bf16 prompt's q [n, Hq, D], k/v [n, Hkv, D] and its full causal attention by SDPA."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
     q = torch.randn(n, hq, d, device=DEV, generator=g, dtype=torch.bfloat16)
     k, v = (torch.randn(n, hkv, d, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(2))
     want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
                                           enable_gqa=True).transpose(0, 1)
+    return q, k, v, want
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_rank_work_matches_full_causal_sdpa(sp: int):
+    q, k, v, want = _prompt_and_full_attention(sp)
+    n, _, d = q.shape
     positions = [owned_positions(0, n, r, sp, 16) for r in range(sp)]
     qs, blocks, shards = split_for_ranks(q, k, v, positions)
     for r in range(sp):
@@ -90,12 +96,8 @@ def test_rank_work_matches_full_causal_sdpa(sp: int):
 
 @pytest.mark.parametrize("sp", [2, 4])
 def test_ulysses_rank_work_matches_full_causal_sdpa(sp: int):
-    n, hq, hkv, d = 4099, 32, 8, 128
-    g = torch.Generator(device=DEV).manual_seed(sp)
-    q = torch.randn(n, hq, d, device=DEV, generator=g, dtype=torch.bfloat16)
-    k, v = (torch.randn(n, hkv, d, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(2))
-    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
-                                          enable_gqa=True).transpose(0, 1)
+    q, k, v, want = _prompt_and_full_attention(sp)
+    hq, d = q.shape[1:]
     for r in range(sp):
         got = ulysses_rank_attention(q, k, v, r, sp, d ** -0.5)  # the Triton kernel: the CUDA default
         heads = slice(r * hq // sp, (r + 1) * hq // sp)
