@@ -325,7 +325,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_shard: T
     n, me = group.size, group.rank
     acc_out, acc_lse = _accumulators(q)
     block = torch.stack([k, v]).contiguous()  # [2, Tk, Hkv, D]: one message per step instead of two
-    use_triton = _use_triton(q, block)
+    use_triton = triton_is_default(q, block)
     if use_triton:
         _upload_positions([q_shard, *kv_shards], q.device)
     for step in range(n):
@@ -355,7 +355,7 @@ def ring_rank_attention(q: torch.Tensor, blocks: list[torch.Tensor], shards: lis
         raise ValueError(f"need one K/V block per shard and 0 <= rank < {n}; got {len(blocks)} blocks, rank {rank}")
     if backend not in (None, "triton", "torch"):
         raise ValueError(f"backend must be 'triton', 'torch' or None, not {backend!r}")
-    use_triton = _use_triton(q, blocks[rank]) if backend is None else backend == "triton"
+    use_triton = triton_is_default(q, blocks[rank]) if backend is None else backend == "triton"
     if use_triton and not _triton_runs(q, blocks[rank]):
         raise ValueError("the Triton ring kernel needs Triton and CUDA tensors it supports (or TRITON_INTERPRET=1), "
                          "see ring_attention_triton.supported")
@@ -365,6 +365,20 @@ def ring_rank_attention(q: torch.Tensor, blocks: list[torch.Tensor], shards: lis
     for step in range(n):
         src = (rank - step) % n
         _attend_block(q, blocks[src], shards[rank], shards[src], scale, acc_out, acc_lse, tiles, use_triton)
+    return acc_out.to(q.dtype)
+
+
+def attention_by_positions(q: torch.Tensor, block: torch.Tensor, q_shard: TokenShard, kv_shard: TokenShard,
+                           scale: float, tiles: tuple[int, int] | None = None,
+                           use_triton: bool | None = None) -> torch.Tensor:
+    """q [Tq, Hq, D] over one K/V block [2, Tk, Hkv, D] (a ragged batch, rows as the shards), causal by the
+    shards' positions, in one pass of the ring's blockwise step; no communication. use_triton None: the
+    Triton kernel where it runs (`triton_is_default`). Returns [Tq, Hq, D] in q's dtype (Ulysses' attention)."""
+    use_triton = triton_is_default(q, block) if use_triton is None else use_triton
+    if use_triton:
+        _upload_positions([q_shard, kv_shard], q.device)
+    acc_out, acc_lse = _accumulators(q)
+    _attend_block(q, block, q_shard, kv_shard, scale, acc_out, acc_lse, tiles, use_triton)
     return acc_out.to(q.dtype)
 
 
@@ -411,7 +425,7 @@ def _triton_runs(q: torch.Tensor, block: torch.Tensor) -> bool:
     return on_device and kernels is not None and kernels.supported(q, block[0], block[1])
 
 
-def _use_triton(q: torch.Tensor, block: torch.Tensor) -> bool:
+def triton_is_default(q: torch.Tensor, block: torch.Tensor) -> bool:
     """The default: the Triton kernel on CUDA where it runs, the PyTorch tiles elsewhere (always on CPU)."""
     return q.is_cuda and _triton_runs(q, block)
 

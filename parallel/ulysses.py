@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from parallel.comm import all_to_all_rows
-from parallel.ring_attention import TokenShard, _accumulators, _attend_block, _upload_positions, _use_triton
+from parallel.ring_attention import TokenShard, attention_by_positions, triton_is_default
 from parallel.state import Group
 
 
@@ -174,14 +174,10 @@ def _attend_all(q: torch.Tensor, block: torch.Tensor, q_shard: TokenShard, kv_sh
     through the engine's own causal prefill kernel, which needs no positions (on one H200 the ring's
     position-masked step took as long at 16K tokens for half the heads as the prefill kernel for all of
     them); anything else through the ring's blockwise step. Without Triton, the ring's PyTorch tiles."""
-    use_triton = _use_triton(q, block) if backend is None else backend == "triton"
+    use_triton = triton_is_default(q, block) if backend is None else backend == "triton"
     if use_triton and prompts is not None:
         return _prefill_kernel(q, block, prompts, scale)
-    if use_triton:
-        _upload_positions([q_shard, kv_shard], q.device)
-    acc_out, acc_lse = _accumulators(q)
-    _attend_block(q, block, q_shard, kv_shard, scale, acc_out, acc_lse, tiles, use_triton)
-    return acc_out.to(q.dtype)
+    return attention_by_positions(q, block, q_shard, kv_shard, scale, tiles, use_triton)
 
 
 def _prefill_kernel(q: torch.Tensor, block: torch.Tensor, prompts: PromptBounds, scale: float) -> torch.Tensor:
