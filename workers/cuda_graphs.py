@@ -21,7 +21,7 @@ import contextlib
 import gc
 import logging
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -53,6 +53,23 @@ def capture_session() -> Iterator[tuple[Any, torch.cuda.Stream]]:
             gc.enable()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+
+
+def capture_per_batch(batch_sizes: list[int], step: Callable[[int], Any]) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, Any]]:
+    """One graph of `step(bs)` per batch size, largest first so the others reuse its memory pool; each
+    size runs twice before its capture (Triton compiles, cuBLAS picks its kernels). Returns the graphs and
+    the outputs each replay refills, by batch size."""
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, Any] = {}
+    with capture_session() as (pool, stream):
+        for bs in sorted(batch_sizes, reverse=True):
+            for _ in range(2):
+                step(bs)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=stream):
+                outputs[bs] = step(bs)
+            graphs[bs] = g
+    return graphs, outputs
 
 
 def batch_size_ladder(max_batch: int) -> list[int]:
@@ -101,14 +118,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         t0 = time.perf_counter()
-        with capture_session() as (pool, stream):
-            for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its pool
-                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                    self._step(bs)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=stream):
-                    outputs = self._step(bs)
-                self.graphs[bs], self.outputs[bs] = g, outputs
+        self.graphs, self.outputs = capture_per_batch(self.batch_sizes, self._step)
         log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.graphs), self.batch_sizes[0],
                  self.max_bs, time.perf_counter() - t0)
 

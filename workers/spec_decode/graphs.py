@@ -22,7 +22,7 @@ import torch
 
 from parallel.state import tp_group
 from workers.attention import AttentionMetadata, forward_context
-from workers.cuda_graphs import capture_session
+from workers.cuda_graphs import capture_per_batch
 from workers.scheduler_output import ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -80,14 +80,7 @@ class VerifyGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         t0 = time.perf_counter()
-        with capture_session() as (pool, stream):
-            for bs in reversed(self.batch_sizes):  # largest first: the others reuse its memory pool
-                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                    self._step(bs)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=stream):
-                    out = self._step(bs)
-                self.graphs[bs], self.outputs[bs] = g, out
+        self.graphs, self.outputs = capture_per_batch(self.batch_sizes, self._step)
         log.info("captured %d verification CUDA graphs (%d tokens per sequence, batch %d..%d) in %.1f s",
                  len(self.graphs), self.q, self.batch_sizes[0], self.max_bs, time.perf_counter() - t0)
 
@@ -102,7 +95,7 @@ class VerifyGraphs:
         seqs = out.seqs
         b, q = len(seqs), self.q
         bs = next(s for s in self.batch_sizes if s >= b)
-        n, t, h, page, mb = self.max_bs, self.max_bs * q, self.host_np, self.block_size, self.max_blocks
+        t, h, page, mb = self.max_bs * q, self.host_np, self.block_size, self.max_blocks
         rows: list[int] = []
         tables = h[self._small:self._small + bs * mb].reshape(bs, mb)
         for i, s in enumerate(seqs):
