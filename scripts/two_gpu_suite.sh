@@ -5,6 +5,7 @@
 #
 #     RES=/tmp/res bash scripts/two_gpu_suite.sh [step ...]     # default: every step, in this order
 #
+# LIMITS="sp=200 sp_serve=380" overrides steps' time limits; SP_LENGTHS the sp step's prompt lengths.
 # Steps: tests offline latency pd kv sp ep fault (the default), and allreduce pd_small pd_c1 sp_serve.
 set -u
 RES=${RES:-/tmp/res}
@@ -46,7 +47,7 @@ run_pd() {
 run_kv() { python scripts/bench_kv_transfer.py --device cuda --out "$RES/kv_transfer.json"; }
 run_sp() {
   python scripts/bench_sp_prefill.py --shape llama-3.1-8b --device cuda --dtype bfloat16 \
-    --lengths 16384,65536,131056 --runs 2 --layouts "sp1 sp2+ring sp2+ulysses" --out "$RES/sp_prefill"
+    --lengths $SP_LENGTHS --runs 2 --layouts "sp1 sp2+ring sp2+ulysses" --out "$RES/sp_prefill"
 }
 run_ep() {
   python scripts/bench_offline.py --shape qwen3-30b-a3b --device cuda --dtype bfloat16 --load-format dummy \
@@ -81,10 +82,12 @@ run_fault() {
     --schedule "kill-rank@10,kill-prefill@25,kill-decode@40" --out "$RES/fault_load_gpu.json"
 }
 
-export RES M8B
+SP_LENGTHS=${SP_LENGTHS:-16384,65536,131056}
+export RES M8B SP_LENGTHS
 export -f run_tests run_offline run_latency run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve
 declare -A LIMIT=([tests]=300 [offline]=540 [latency]=300 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
                  [allreduce]=120 [pd_small]=420 [pd_c1]=360 [sp_serve]=420)
+for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1
 nvidia-smi topo -m >>"$RES/env.txt" 2>&1
