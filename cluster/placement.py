@@ -20,9 +20,10 @@ class RankPlacement:
     def __init__(self, parallel: ParallelConfig, use_cuda: bool, timeout_s: float):
         self.tp = parallel.tensor_parallel_size
         kind = "GPU" if use_cuda else "CPU"
-        self.bundle = {kind: 1.0, **parallel.rank_resources}
+        per_rank = parallel.gpus_per_rank if use_cuda else 1.0
+        self.bundle = {kind: per_rank, **parallel.rank_resources}
         num_groups = parallel.world_size // self.tp
-        _check_feasible(kind, parallel.world_size, self.tp)
+        _check_feasible(kind, parallel.world_size, self.tp, per_rank)
         self.groups: list[PlacementGroup] = [
             placement_group([dict(self.bundle) for _ in range(self.tp)], strategy="STRICT_PACK")
             for _ in range(num_groups)
@@ -32,7 +33,8 @@ class RankPlacement:
         except GetTimeoutError:
             self.remove()
             raise ExecutorError(
-                f"could not place {parallel.world_size} ranks ({num_groups} groups of {self.tp} {kind}s, each group on one node) "
+                f"could not place {parallel.world_size} ranks ({num_groups} groups of {self.tp} ranks of {per_rank:g} {kind}, "
+                f"each group on one node) "
                 f"within {timeout_s:.0f}s; the cluster has {ray.available_resources().get(kind, 0):g} {kind}s free"
             ) from None
 
@@ -49,13 +51,14 @@ class RankPlacement:
         self.groups = []
 
 
-def _check_feasible(kind: str, world_size: int, tp: int) -> None:
+def _check_feasible(kind: str, world_size: int, tp: int, per_rank: float = 1.0) -> None:
     """Fail at once where no amount of waiting helps: a placement group that can never fit waits forever."""
     total = ray.cluster_resources().get(kind, 0)
     per_node = [n["Resources"].get(kind, 0) for n in ray.nodes() if n.get("Alive")]
-    if total < world_size or max(per_node, default=0) < tp:
+    if total < world_size * per_rank or max(per_node, default=0) < tp * per_rank:
         raise ExecutorError(
-            f"{world_size} ranks need {world_size} {kind}s, {tp} of them on one node (a TP group); the Ray cluster has "
+            f"{world_size} ranks of {per_rank:g} {kind} need {world_size * per_rank:g} {kind}s, {tp * per_rank:g} of them on "
+            f"one node (a TP group); the Ray cluster has "
             f"{total:g} {kind}s, at most {max(per_node, default=0):g} on one node (a Ray started earlier in this process "
             f"keeps its size: start it with enough, e.g. ray.init(num_cpus=...))"
         )

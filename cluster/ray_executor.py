@@ -69,7 +69,7 @@ class RayExecutor(Executor):
         self.placement = RankPlacement(self.parallel, use_cuda, PLACEMENT_TIMEOUT_S)
         try:
             actor = ray.remote(RankWorker)
-            resources = {"num_gpus": 1, "num_cpus": 0} if use_cuda else {"num_cpus": 1}
+            resources = {"num_gpus": self.parallel.gpus_per_rank, "num_cpus": 0} if use_cuda else {"num_cpus": 1}
             resources["resources"] = dict(self.parallel.rank_resources)
             # TP ranks on GPUs see their node's GPUs, for the P2P all-reduce (else each sees its own only).
             see_node_gpus = use_cuda and self.parallel.tensor_parallel_size > 1 and not self.parallel.disable_p2p_all_reduce

@@ -37,6 +37,11 @@ class ParallelConfig(StrictModel):
                                          "(parallel/p2p_allreduce.py) that otherwise takes the small ones.")
     distributed_executor_backend: Literal["auto", "ray", "uni"] = Field(
         default="auto", description="auto: in-process (uni) for one rank, Ray actors for more. Served pools always use ray.")
+    gpus_per_rank: float = Field(
+        default=1.0, gt=0.0, le=1.0, description="Ray GPUs each rank takes: below 1, pools share GPUs (e.g. an SP=2 "
+        "prefill pool at 0.75 and a TP=1 decode pool at 0.25 on two GPUs). Ray packs fractional GPUs, so a replica of "
+        "several ranks needs more than 0.5, which keeps its ranks on distinct GPUs; set each pool's "
+        "gpu_memory_utilization so the sharers' shares fit.")
     rank_resources: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources every rank also takes besides its GPU, e.g. "
         '{"tandem_decode_gpu": 1} keeps a pool on the node group that provides them.')
@@ -65,6 +70,14 @@ class ParallelConfig(StrictModel):
                 f"expert_parallel_size ({ep}) must be 1 or tensor_parallel_size * sequence_parallel_size ({stage}): "
                 "experts are spread over all the ranks of a pipeline stage"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _ranks_on_distinct_gpus(self) -> "ParallelConfig":
+        if self.world_size > 1 and self.gpus_per_rank <= 0.5:
+            raise ValueError(
+                f"gpus_per_rank={self.gpus_per_rank:g} with {self.world_size} ranks: Ray packs fractional GPUs, so two "
+                "ranks of the replica could land on one GPU; use more than 0.5 per rank when a replica has several ranks")
         return self
 
     @property

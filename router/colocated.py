@@ -60,7 +60,7 @@ def in_process_rank_options(config: AppConfig, pool: str) -> dict | None:
     args = config.engine_args(pool)
     if args.parallel_config().world_size != 1 or args.distributed_executor_backend == "ray":
         return None
-    return {"num_gpus": gpus_per_replica(config), "resources": dict(args.rank_resources)}
+    return {"num_gpus": gpus_per_replica(config) * args.gpus_per_rank, "resources": dict(args.rank_resources)}
 
 
 def build_colocated_app(config: AppConfig) -> Application:

@@ -69,10 +69,12 @@ run_pd_c1() {  # issue 27: concurrency-1 TPOT, fixed 2048 in / 128 out, PD <= 1.
     --bench-args "--length-dist fixed --input-len 2048 --output-len 128 --concurrencies 1 --num-prompts 20 --max-token-id 100000" \
     --out "$RES/pd_c1"
 }
-run_sp_serve() {  # issue 28: an SP=2 prefill pool hands 16K-token prompts' KV to a TP=1 decode pool, served
+run_sp_serve() {  # issue 28: an SP=2 prefill pool hands 16K-token prompts' KV to a TP=1 decode pool, served.
+  # Three ranks on two GPUs: the prefill ranks take 0.75 of a GPU each (so Ray puts them on different GPUs)
+  # and the decode rank the 0.25 left on one of them; their memory shares add up to under one GPU.
   python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
     --serve-args "--load-format dummy --max-model-len 32768 --dtype bfloat16" \
-    --deployments "sp2-prefill=--disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle --prefill-args '{\"sequence_parallel_size\":2,\"max_num_batched_tokens\":16384}'" \
+    --deployments "sp2-prefill=--disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle --prefill-args '{\"sequence_parallel_size\":2,\"max_num_batched_tokens\":16384,\"gpus_per_rank\":0.75,\"gpu_memory_utilization\":0.6}' --decode-args '{\"gpus_per_rank\":0.25,\"gpu_memory_utilization\":0.33}'" \
     --bench-args "--length-dist fixed --input-len 16000 --output-len 32 --concurrencies 1 --num-prompts 4 --max-token-id 100000" \
     --out "$RES/sp_serve"
 }

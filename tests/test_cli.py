@@ -34,7 +34,7 @@ VALUES: dict[str, typing.Any] = {
     "kv_cache_dtype": "fp8", "generation_config": "vllm",
     "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "sequence_parallel_size": 2, "expert_parallel_size": 2,
     "distributed_executor_backend": "ray", "disable_p2p_all_reduce": True, "rank_resources": {"tandem_gpu": 1.0},
-    "sequence_parallel_attention": "ulysses",
+    "sequence_parallel_attention": "ulysses", "gpus_per_rank": 0.75,
     "block_size": 8, "enable_prefix_caching": False, "gpu_memory_utilization": 0.5, "cpu_kv_cache_bytes": 1 << 20,
     "num_gpu_blocks_override": 32, "kv_lease_seconds": 5.0, "kv_transfer_timeout_seconds": 7.0,
     "max_num_seqs": 8, "max_num_batched_tokens": 128, "max_waiting_requests": 16, "max_waiting_kv_ratio": 0.5,

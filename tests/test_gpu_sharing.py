@@ -1,0 +1,79 @@
+"""Pools sharing GPUs (`gpus_per_rank` below 1): what Ray is asked for, and that a replica's ranks still
+land on distinct GPUs. Ray's GPUs here are logical (a CPU machine started with num_gpus=2), which is all
+placement and Ray's GPU-id assignment look at."""
+from __future__ import annotations
+
+import pytest
+import ray
+
+from cluster.placement import RankPlacement
+from parallel.config import ParallelConfig
+from workers.executor import ExecutorError
+
+
+def test_several_ranks_need_more_than_half_a_gpu_each():
+    with pytest.raises(ValueError, match="gpus_per_rank=0.5 with 2 ranks"):
+        ParallelConfig(sequence_parallel_size=2, gpus_per_rank=0.5)
+    assert ParallelConfig(sequence_parallel_size=2, gpus_per_rank=0.75).gpus_per_rank == 0.75
+    assert ParallelConfig(gpus_per_rank=0.25).gpus_per_rank == 0.25  # one rank may take any share
+    with pytest.raises(ValueError):
+        ParallelConfig(gpus_per_rank=0.0)
+    with pytest.raises(ValueError):
+        ParallelConfig(gpus_per_rank=1.5)
+
+
+def test_an_in_process_decode_replica_takes_its_share_of_a_gpu():
+    from router.colocated import in_process_rank_options
+    from router.config import AppConfig
+
+    config = AppConfig(model="models/tandem-tiny", device="cuda",
+                       decode={"num_replicas": 1, "gpus_per_rank": 0.25})
+    assert in_process_rank_options(config, "decode") == {"num_gpus": 0.25, "resources": {}}
+    assert in_process_rank_options(config.model_copy(update={"device": "cpu"}), "decode")["num_gpus"] == 0
+
+
+@pytest.fixture(scope="module")
+def two_logical_gpus():
+    ray.shutdown()
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class _GpuProbe:
+    def gpu_ids(self) -> list:
+        return [str(i) for i in ray.get_gpu_ids()]
+
+
+def _probe(placement: RankPlacement, rank: int, gpus: float) -> list[str]:
+    actor = _GpuProbe.options(num_gpus=gpus, scheduling_strategy=placement.strategy(rank)).remote()
+    try:
+        return ray.get(actor.gpu_ids.remote(), timeout=30)
+    finally:
+        ray.kill(actor)
+
+
+def test_an_sp2_prefill_pool_and_a_decode_rank_share_two_gpus(two_logical_gpus):
+    """The served layout of issue 28 on a two-GPU host: SP=2 prefill ranks at 0.75, a decode rank at 0.25."""
+    prefill = RankPlacement(ParallelConfig(sequence_parallel_size=2, gpus_per_rank=0.75), use_cuda=True, timeout_s=30)
+    decode = RankPlacement(ParallelConfig(gpus_per_rank=0.25), use_cuda=True, timeout_s=30)
+    try:
+        assert prefill.bundle == {"GPU": 0.75} and decode.bundle == {"GPU": 0.25}
+        ranks = [_probe(prefill, r, 0.75) for r in range(2)]
+        assert sorted(ranks) == [["0"], ["1"]]  # one GPU each: 0.75 + 0.75 cannot pack onto one
+        assert _probe(decode, 0, 0.25)[0] in ("0", "1")
+        # Nothing is left for a third whole-GPU rank: waiting for it ends in a clear error, not a hang.
+        with pytest.raises(ExecutorError, match="could not place 1 ranks .* of 1 GPU"):
+            RankPlacement(ParallelConfig(), use_cuda=True, timeout_s=2)
+    finally:
+        prefill.remove()
+        decode.remove()
+
+
+def test_more_gpus_than_the_cluster_has_fail_at_once(two_logical_gpus):
+    with pytest.raises(ExecutorError, match=r"3 ranks of 1 GPU need 3 GPUs"):
+        RankPlacement(ParallelConfig(tensor_parallel_size=3), use_cuda=True, timeout_s=600)
+    # At 0.75 each, three ranks need 2.25 GPUs, and a TP group of three must sit on one node.
+    with pytest.raises(ExecutorError, match=r"need 2.25 GPUs"):
+        RankPlacement(ParallelConfig(tensor_parallel_size=3, gpus_per_rank=0.75), use_cuda=True, timeout_s=600)
