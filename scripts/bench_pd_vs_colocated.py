@@ -140,6 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--bench-args", default="--length-dist fixed --input-len 128 --output-len 32 --concurrencies 1,8 --num-prompts 40",
                    help="scripts/bench_serving.py flags, the same for every deployment")
     p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--log-dir", help="keep each deployment's `tandem serve` log here (default: deleted with the run)")
     p.add_argument("--out", default="bench_results/pd_vs_colocated")
     p.add_argument("--replot", metavar="JSON", help="only redraw OUT.png (and print the table) from a JSON this script wrote")
     args = p.parse_args(argv)
@@ -155,7 +156,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="tandem-pd-bench-") as tmp:
         for name, flags in deployments:
             print(f"== {name}: tandem serve {args.model} {' '.join(common + flags)}", flush=True)
-            proc, port = start_server(args.model, flags, common, Path(tmp) / f"{name}.log", args.ready_timeout)
+            log_dir = Path(args.log_dir or tmp)
+            log_dir.mkdir(parents=True, exist_ok=True)
+            proc, port = start_server(args.model, flags, common, log_dir / f"{name}.log", args.ready_timeout)
             try:
                 part = Path(tmp) / name
                 bench_serving(["--base-url", f"http://127.0.0.1:{port}", "--out", str(part), *shlex.split(args.bench_args)])
