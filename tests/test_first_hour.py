@@ -107,6 +107,10 @@ def _start_head(env: dict, ray_tmp: Path, dashboard_port: int) -> subprocess.Pop
     cmd = ["ray", "start", "--head", "--block", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
            f"--dashboard-port={dashboard_port}", "--node-ip-address=127.0.0.1", "--num-cpus=4",
            f"--temp-dir={ray_tmp}", "--disable-usage-stats", *(f"--{flag}={port}" for flag, port in ports.items())]
+    # Ray 2.60's SIGTERM handler of `ray start --block` first drains the node for up to 30 s and then
+    # (on this CPU-only node, with Serve already shut down) still has not exited: _stop_head would wait
+    # its 30 s and SIGKILL. The test stops the node only after `serve shutdown`, so there is nothing to drain.
+    env = {**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, cwd=REPO)
 

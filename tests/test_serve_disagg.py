@@ -98,9 +98,11 @@ def cluster(tmp_path_factory):
 def _stop_cluster(ray_tmp: Path) -> None:
     """Stop this test's cluster only: `ray stop` would also kill any other Ray on the machine. Every
     process of the cluster names its temp dir on its command line."""
-    for sig in ("-TERM", "-KILL"):
+    # The GCS, raylet and autoscaler monitor of a non-blocking `ray start` outlive SIGTERM by far more than
+    # 20 s (Ray 2.60): a short grace for the processes that do exit on it, then SIGKILL.
+    for sig, grace_s in (("-TERM", 3), ("-KILL", 20)):
         subprocess.run(["pkill", sig, "-f", str(ray_tmp)], capture_output=True)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + grace_s
         while subprocess.run(["pgrep", "-f", str(ray_tmp)], capture_output=True).returncode == 0 and time.monotonic() < deadline:
             time.sleep(0.5)
     shutil.rmtree(ray_tmp, ignore_errors=True)
