@@ -31,7 +31,7 @@ from typing import AsyncIterator, Callable
 from engine.async_engine import AsyncEngine, staged_fanout
 from engine.llm_engine import LLMEngine, RequestOutput
 from workers.executor import ExecutorError
-from workers.kv_transfer.plan import RankShard, Transfer, plan_transfers
+from workers.kv_transfer.plan import RankShard, Transfer, plan_transfers, share_a_gpu
 from workers.kv_transfer.transport import KVTransferError, PairSpec
 from workers.sampling_params import SamplingParams
 from engine.scheduler import QueueFullError
@@ -365,7 +365,7 @@ class DecodeReplica:
 
     async def _transfer(self, ready: PrefillReady, res: Reservation) -> TransferStats:
         pair_id = f"{ready.prefill_replica}->{self.replica_id}"
-        spec = PairSpec(pair_id, len(ready.shards), len(self.shards))
+        spec = PairSpec(pair_id, len(ready.shards), len(self.shards), staged=share_a_gpu(ready.shards, self.shards))
         # The blocks the decode side lacks, by their index in the sequence (an SP prefill rank holds some of them).
         blocks = range(res.num_hit_blocks, len(ready.block_ids))
         plan = plan_transfers(ready.shards, self.shards, blocks)

@@ -122,7 +122,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: torch.dtype = torch.float32) -> None:
+def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: torch.dtype = torch.float32,
+                   device: str = "cpu", staged: bool = False) -> None:
+    """One rank of a prefill -> decode handoff; every rank checks what it holds afterwards. device "cuda":
+    every rank on the same GPU (pools sharing it), which only a `staged` pair can do."""
     tp, sp = prefill
     src, dst = replica_shards(tp, 1, LAYERS, KV_HEADS, sp), replica_shards(decode_tp, 1, LAYERS, KV_HEADS)
     is_prefill = rank < len(src)
@@ -137,8 +140,9 @@ def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: t
                 cache[:, :, local_block_id(src_table[i], PER_RANK)] = full[:, :, i, :, heads]
     else:
         cache = torch.full((LAYERS, 2, DECODE_BLOCKS, BS, len(shard.heads), HEAD_DIM), SENTINEL).to(dtype)
+    cache = cache.to(device)
     agent = KVTransferAgent(cache, shard, "prefill" if is_prefill else "decode", timeout_s=60.0)
-    spec = PairSpec("p->d", len(src), len(dst))
+    spec = PairSpec("p->d", len(src), len(dst), staged=staged)
     address = [agent.open_store(spec.pair_id) if rank == 0 else None]
     dist.broadcast_object_list(address, src=0)
     agent.join(spec, *address[0])
@@ -171,6 +175,24 @@ def test_fp8_cache_blocks_arrive_byte_for_byte(prefill, decode_tp):
     prefill ranks' e4m3 bytes unchanged, and counts 1 byte per value."""
     tp, sp = prefill
     run_ranks(_transfer_rank, tp * sp + decode_tp, prefill, decode_tp, torch.float8_e4m3fn)
+
+
+def test_a_pair_that_shares_a_gpu_is_staged_over_gloo():
+    """NCCL refuses two ranks on one device, so pools sharing a GPU (gpus_per_rank < 1) move KV over gloo
+    through host memory; the decode replica decides from the ranks' GPU UUIDs."""
+    from workers.kv_transfer.plan import RankShard, share_a_gpu
+
+    def shards(*devices: str) -> list[RankShard]:
+        return [RankShard(r, range(2), range(2), device=d) for r, d in enumerate(devices)]
+
+    assert share_a_gpu(shards("GPU-a", "GPU-b"), shards("GPU-a"))
+    assert not share_a_gpu(shards("GPU-a", "GPU-b"), shards("GPU-c"))
+    assert not share_a_gpu(shards("", ""), shards(""))  # CPU ranks: gloo anyway
+
+
+@pytest.mark.slow
+def test_a_staged_pair_moves_the_blocks_too():
+    run_ranks(_transfer_rank, 3, (1, 2), 1, torch.float32, "cpu", True)
 
 
 # ---------------------------------------------------------------- gather / scatter of an FP8 cache, one process

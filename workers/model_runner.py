@@ -448,5 +448,6 @@ class ModelRunner:
 
         qkv = next(m for m in self.model.modules() if isinstance(m, QKVParallelLinear))
         layers = self.model.layer_range
+        device = str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else ""
         return RankShard(rank, range(layers.start, layers.stop), range(qkv.kv_head_start, qkv.kv_head_start + qkv.num_kv_heads),
-                         self.sp.rank, self.sp.size)
+                         self.sp.rank, self.sp.size, device)

@@ -35,6 +35,14 @@ class RankShard:
     heads: range
     sp_rank: int = 0
     sp_size: int = 1
+    device: str = ""  # the GPU's UUID for a CUDA rank ("" on CPU): ranks of two pools may share one GPU
+
+
+def share_a_gpu(src: list[RankShard], dst: list[RankShard]) -> bool:
+    """Whether some prefill rank and some decode rank sit on the same GPU (pools sharing GPUs through
+    `gpus_per_rank`). NCCL refuses a communicator with two ranks on one device, so such a pair moves its
+    KV over gloo through host memory instead (workers/kv_transfer/transport.py)."""
+    return bool({s.device for s in src if s.device} & {d.device for d in dst if d.device})
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ prefill ranks are pair-ranks 0..p-1, decode ranks p..p+d-1. It is built lazily o
 a TCPStore that prefill rank 0 hosts on a port the OS picks (the address travels through Ray, so no
 fixed ports), and cached until a transfer fails, after which it is rebuilt.
 
-NCCL on GPUs, gloo on CPU: the same code, so CI exercises it with gloo. We do not use Ray's own
+NCCL on GPUs, gloo on CPU: the same code, so CI exercises it with gloo. A pair in which a prefill rank
+and a decode rank share a GPU (`PairSpec.staged`) cannot use NCCL, which refuses two ranks on one
+device; it goes over gloo, each message staged through host memory: slower, but it lets pools share GPUs. We do not use Ray's own
 GPU tensor transport (RDT): it is alpha, and its NCCL path needs CuPy, which our GPU hosts lack.
 """
 from __future__ import annotations
@@ -43,6 +45,7 @@ class PairSpec:
     pair_id: str  # e.g. "prefill-replica-a->decode-replica-b"
     num_prefill_ranks: int
     num_decode_ranks: int
+    staged: bool = False  # over gloo through host memory: some prefill and decode rank share a GPU
 
     @property
     def size(self) -> int:
@@ -103,7 +106,7 @@ class KVTransferAgent:
         store = self._stores.get(spec.pair_id) or dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
         self._stores[spec.pair_id] = store
         prefixed = dist.PrefixStore(spec.pair_id, store)
-        if self.kv_cache.is_cuda:
+        if self.kv_cache.is_cuda and not spec.staged:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
             group = dist.ProcessGroupNCCL(prefixed, pair_rank, spec.size, opts)
@@ -151,6 +154,8 @@ class KVTransferAgent:
             local_ids = self._local_ids([block_table[i] for i in t.blocks])
             # Gathering the next chunk (compute stream) overlaps sending this one (NCCL's stream).
             buf = gather_blocks(self.kv_cache, local_ids, layers, heads)
+            if spec.staged:
+                buf = buf.cpu()
             if self._send_delay_s and not works:
                 time.sleep(self._send_delay_s)
             works.append((group.send([buf], spec.num_prefill_ranks + t.dst, tag), buf))
@@ -168,12 +173,12 @@ class KVTransferAgent:
         # order, not by tag); each chunk is then scattered as it lands, overlapping the later ones.
         for tag, t, layers, heads in self._messages(plan, src_shards, sending=False):
             buf = torch.empty(transfer_shape(self.kv_cache, len(t.blocks), layers, heads),
-                              dtype=wire_dtype(self.kv_cache.dtype), device=self.kv_cache.device)
+                              dtype=wire_dtype(self.kv_cache.dtype), device="cpu" if spec.staged else self.kv_cache.device)
             pending.append((group.recv([buf], t.src, tag), buf, [block_table[i] for i in t.blocks], layers, heads))
         received = 0
         for work, buf, block_ids, layers, heads in pending:
             self._wait(spec.pair_id, group, [work])
-            scatter_blocks(self.kv_cache, block_ids, layers, heads, buf)
+            scatter_blocks(self.kv_cache, block_ids, layers, heads, buf.to(self.kv_cache.device, non_blocking=True))
             received += buf.numel() * buf.element_size()
         if self.kv_cache.is_cuda:
             torch.cuda.current_stream().synchronize()
