@@ -75,7 +75,7 @@ run_sp_serve() {  # issue 28: an SP=2 prefill pool hands 16K-token prompts' KV t
   python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
     --serve-args "--load-format dummy --max-model-len 32768 --dtype bfloat16" \
     --deployments "sp2-prefill=--disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle --prefill-args '{\"sequence_parallel_size\":2,\"max_num_batched_tokens\":16384,\"gpus_per_rank\":0.75,\"gpu_memory_utilization\":0.6}' --decode-args '{\"gpus_per_rank\":0.25,\"gpu_memory_utilization\":0.33}'" \
-    --bench-args "--length-dist fixed --input-len 16000 --output-len 32 --concurrencies 1 --num-prompts 4 --max-token-id 100000" \
+    --bench-args "--length-dist fixed --input-len 16000 --max-input-len 16000 --output-len 32 --concurrencies 1 --num-prompts 4 --max-token-id 100000" \
     --ready-timeout 240 --log-dir "$RES/sp_serve_logs" --out "$RES/sp_serve"
 }
 run_fault() {
