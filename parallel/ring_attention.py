@@ -13,8 +13,10 @@ the GLOBAL positions of queries and keys; blocks (or parts of blocks) that are e
 future of a query are never computed.
 
 Each step's partial attention is blockwise: on CUDA (Triton importable, fp16/bf16/fp32, head dim a
-power of two) the fused kernel of parallel/kernels/ring_attention_triton.py, which also merges the
-partial into the rank's fp32 accumulators; elsewhere (CPU) `blockwise_attention_with_lse`, plain PyTorch
+power of two) the fused kernel of parallel/kernels/ring_attention_triton.py, one launch per step for the
+whole ragged batch from a tile table cached on the shards, which also merges the partial into the rank's
+fp32 accumulators (the first step writes them, the last writes the output in q's dtype: `_RingSteps`);
+elsewhere (CPU) `blockwise_attention_with_lse`, plain PyTorch
 tiles of queries x keys with an online softmax. Either way a rank never holds more than one score tile,
 whatever the prompt length; tiles wholly in the queries' future are skipped and only tiles that straddle
 the causal boundary are masked.
@@ -36,6 +38,7 @@ import bisect
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -75,6 +78,8 @@ class TokenShard:
     positions: list[list[int]]
     offsets: list[int] = field(init=False)
     _on_device: dict = field(init=False, default_factory=dict, repr=False, compare=False)
+    _arrays: list = field(init=False, default_factory=list, repr=False, compare=False)
+    _tables: dict = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.offsets = [0]
@@ -89,6 +94,12 @@ class TokenShard:
             flat = [p for pos in self.positions for p in pos]
             self._on_device[key] = torch.tensor(flat, dtype=torch.int32).to(device)
         return self._on_device[key]
+
+    def positions_np(self) -> list[np.ndarray]:
+        """Per sequence its positions as an int64 numpy array; made once."""
+        if not self._arrays:
+            self._arrays.extend(np.asarray(p, dtype=np.int64) for p in self.positions)
+        return self._arrays
 
     @property
     def num_tokens(self) -> int:
@@ -319,35 +330,36 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_shard: T
     kv_shards[group.rank]; kv_shards[r] describes rank r's keys (so receive buffers are sized without a
     handshake). A query at global position p attends to every key at position <= p, whichever rank holds
     it. Queries and keys may be different token sets (e.g. new tokens vs. new + cached). Returns [Tq, Hq, D].
-    Each step's partial is blockwise (the Triton kernel on CUDA, else `blockwise_attention_with_lse` with
-    `tiles` as there): memory per rank is O(Tq + Tk) plus one score tile, never the [Tq, Tk] score matrix.
+    Each step's partial is blockwise (the Triton kernel on CUDA, one launch per step, else
+    `blockwise_attention_with_lse` with `tiles` as there): memory per rank is O(Tq + Tk) plus one score tile,
+    never the [Tq, Tk] score matrix.
     """
     n, me = group.size, group.rank
-    acc_out, acc_lse = _accumulators(q)
     block = torch.stack([k, v]).contiguous()  # [2, Tk, Hkv, D]: one message per step instead of two
-    use_triton = triton_is_default(q, block)
-    if use_triton:
-        _upload_positions([q_shard, *kv_shards], q.device)
+    order = [kv_shards[(me - step) % n] for step in range(n)]  # whose keys each step holds
+    steps = _RingSteps(q, block, q_shard, order, scale, tiles, triton_is_default(q, block))
     for step in range(n):
-        src = (me - step) % n  # whose keys `block` holds now
+        src = (me - step) % n
         exchange = None
         if step < n - 1:
             # Start passing the block on before computing with it: the transfer overlaps the compute.
             exchange = _RingExchange(group, block, kv_shards[(src - 1) % n].num_tokens)
-        _attend_block(q, block, q_shard, kv_shards[src], scale, acc_out, acc_lse, tiles, use_triton)
+        steps.step(step, block)
         if exchange is not None:
             block = exchange.wait()
-    return acc_out.to(q.dtype)
+    return steps.result()
 
 
 def ring_rank_attention(q: torch.Tensor, blocks: list[torch.Tensor], shards: list[TokenShard], rank: int,
-                        scale: float, backend: str | None = None,
-                        tiles: tuple[int, int] | None = None) -> torch.Tensor:
+                        scale: float, backend: str | None = None, tiles: tuple[int, int] | None = None,
+                        kernel_config=None) -> torch.Tensor:
     """Everything SP rank `rank` computes in `ring_attention`, on one device and without communication.
 
     q [Tq, Hq, D]: the rank's queries (rows of shards[rank]); blocks[r] [2, Tk_r, Hkv, D]: rank r's keys
     and values (rows of shards[r]), attended in ring order (the rank's own, then rank - 1, rank - 2, ...)
     and merged exactly, as the ring does. backend: "triton", "torch" or None (Triton where it runs).
+    kernel_config: the Triton kernel's launch config (a `RingConfig` or its string, see
+    parallel/kernels/ring_attention_triton.py; default its `default_config`).
     Returns [Tq, Hq, D] in q's dtype. `split_for_ranks` builds the arguments from a whole prompt.
     """
     n = len(shards)
@@ -359,13 +371,12 @@ def ring_rank_attention(q: torch.Tensor, blocks: list[torch.Tensor], shards: lis
     if use_triton and not _triton_runs(q, blocks[rank]):
         raise ValueError("the Triton ring kernel needs Triton and CUDA tensors it supports (or TRITON_INTERPRET=1), "
                          "see ring_attention_triton.supported")
-    if use_triton:
-        _upload_positions(shards, q.device)
-    acc_out, acc_lse = _accumulators(q)
-    for step in range(n):
-        src = (rank - step) % n
-        _attend_block(q, blocks[src], shards[rank], shards[src], scale, acc_out, acc_lse, tiles, use_triton)
-    return acc_out.to(q.dtype)
+    srcs = [(rank - step) % n for step in range(n)]
+    steps = _RingSteps(q, blocks[rank], shards[rank], [shards[s] for s in srcs], scale, tiles, use_triton,
+                       kernel_config)
+    for step, src in enumerate(srcs):
+        steps.step(step, blocks[src])
+    return steps.result()
 
 
 def attention_by_positions(q: torch.Tensor, block: torch.Tensor, q_shard: TokenShard, kv_shard: TokenShard,
@@ -375,11 +386,83 @@ def attention_by_positions(q: torch.Tensor, block: torch.Tensor, q_shard: TokenS
     shards' positions, in one pass of the ring's blockwise step; no communication. use_triton None: the
     Triton kernel where it runs (`triton_is_default`). Returns [Tq, Hq, D] in q's dtype (Ulysses' attention)."""
     use_triton = triton_is_default(q, block) if use_triton is None else use_triton
-    if use_triton:
-        _upload_positions([q_shard, kv_shard], q.device)
-    acc_out, acc_lse = _accumulators(q)
-    _attend_block(q, block, q_shard, kv_shard, scale, acc_out, acc_lse, tiles, use_triton)
-    return acc_out.to(q.dtype)
+    steps = _RingSteps(q, block, q_shard, [kv_shard], scale, tiles, use_triton)
+    steps.step(0, block)
+    return steps.result()
+
+
+class _RingSteps:
+    """One rank's ring steps and their merge: step i attends q (rows of `q_shard`) over the block of
+    kv_shards[i] and merges it exactly into the result.
+
+    Triton: one launch per step for the whole ragged batch, from tile tables made before the first launch
+    and cached on the shards (every layer of a forward reuses them). The first step writes the fp32
+    accumulators (its table covers every query row: no zero fill), middle steps merge into them, the last
+    merges and writes the output in q's dtype (no separate cast); a ring of one step writes the output
+    directly. PyTorch (CPU): zeroed accumulators, `blockwise_attention_with_lse` and `merge_into` per
+    sequence, one cast at the end."""
+
+    def __init__(self, q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, kv_shards: list[TokenShard],
+                 scale: float, tiles: tuple[int, int] | None, use_triton: bool, kernel_config=None):
+        self.q, self.q_shard, self.kv_shards, self.scale, self.tiles = q, q_shard, kv_shards, scale, tiles
+        self.n, self.use_triton = len(kv_shards), use_triton
+        if not use_triton:
+            self.acc_out, self.acc_lse = _accumulators(q)
+            return
+        if q.shape[0] != q_shard.num_tokens:
+            raise ValueError(f"q has {q.shape[0]} rows, its shard {q_shard.num_tokens} tokens")
+        kernels = _triton_kernels()
+        self.tma = kernels.tma_ok(first_block[0], first_block[1])
+        cfg = kernel_config
+        self.config = kernels.RingConfig.parse(cfg) if isinstance(cfg, str) else cfg or kernels.default_config(
+            q.shape[0], q.shape[-1], q.element_size(), self.tma)
+        rows = kernels.rows_per_tile(self.config, q.shape[1], first_block.shape[2])
+        # Before the first kernel: a host-to-device copy issued later would wait for the kernels queued before it.
+        self.q_pos = q_shard.positions_on(q.device)
+        self.k_pos = [shard.positions_on(q.device) for shard in kv_shards]
+        self.tables = [_tile_table(q_shard, shard, rows, i in (0, self.n - 1), q.device)
+                       for i, shard in enumerate(kv_shards)]
+        self.out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.acc = None
+        if self.n > 1:
+            self.acc = (torch.empty(q.shape, dtype=torch.float32, device=q.device),
+                        torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
+
+    def step(self, i: int, block: torch.Tensor) -> None:
+        """Attend over `block` [2, Tk, Hkv, D], the keys of kv_shards[i], and merge."""
+        if not self.use_triton:
+            _attend_block(self.q, block, self.q_shard, self.kv_shards[i], self.scale, self.acc_out, self.acc_lse,
+                          self.tiles)
+            return
+        kernels = _triton_kernels()
+        last = i == self.n - 1
+        k, v = block[0], block[1]
+        tma = self.tma and (k.shape[0] == 0 or kernels.tma_ok(k, v))
+        kernels.ring_step(self.q, k, v, self.scale, self.tables[i], self.q_pos, self.k_pos[i], self.config, self.acc,
+                          load_prev=i > 0, store_acc=not last, out=self.out if last else None, tma=tma)
+
+    def result(self) -> torch.Tensor:
+        """[Tq, Hq, D] in q's dtype, once every step ran."""
+        return self.out if self.use_triton else self.acc_out.to(self.q.dtype)
+
+
+def _tile_table(q_shard: TokenShard, kv_shard: TokenShard, rows: int, cover: bool,
+                device: torch.device) -> torch.Tensor:
+    """The Triton kernel's tile table of q_shard's queries over kv_shard's keys (`build_tiles`), int32 on
+    `device`, cached on q_shard (every layer of a step uses the same shards)."""
+    key = (id(kv_shard), rows, cover, str(device))
+    hit = q_shard._tables.get(key)
+    if hit is not None and hit[0] is kv_shard:
+        return hit[1]
+    table = _triton_kernels().build_tiles(q_shard.positions_np(), kv_shard.positions_np(), q_shard.offsets[:-1],
+                                          kv_shard.offsets[:-1], rows, cover)
+    host = torch.from_numpy(table)
+    if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the kernels queued before it
+        on_device = host.pin_memory().to(device, non_blocking=True)
+    else:
+        on_device = host.to(device)
+    q_shard._tables[key] = (kv_shard, on_device)
+    return on_device
 
 
 def split_for_ranks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -430,20 +513,11 @@ def triton_is_default(q: torch.Tensor, block: torch.Tensor) -> bool:
     return q.is_cuda and _triton_runs(q, block)
 
 
-def _upload_positions(shards: list[TokenShard], device: torch.device) -> None:
-    # Before the first kernel: a host-to-device copy issued later would wait for the kernels queued before it.
-    for shard in shards:
-        shard.positions_on(device)
-
-
 def _attend_block(q: torch.Tensor, block: torch.Tensor, q_shard: TokenShard, kv_shard: TokenShard, scale: float,
-                  acc_out: torch.Tensor, acc_lse: torch.Tensor, tiles: tuple[int, int] | None,
-                  use_triton: bool = False) -> None:
-    """Merge each sequence's partial attention over one K/V block into the accumulators (exact, by LSE).
-
-    q [Tq, Hq, D]; block [2, Tk, Hkv, D] (the K/V heads travel, never the repeated query heads);
-    acc_out [Tq, Hq, D], acc_lse [Tq, Hq] fp32. use_triton: the fused kernel computes and merges each
-    partial in place (positions from the shards' device copies), else the PyTorch tiles and `merge_into`."""
+                  acc_out: torch.Tensor, acc_lse: torch.Tensor, tiles: tuple[int, int] | None) -> None:
+    """The PyTorch path of one step: merge each sequence's partial attention over one K/V block into the
+    accumulators (exact, by LSE). q [Tq, Hq, D]; block [2, Tk, Hkv, D] (the K/V heads travel, never the
+    repeated query heads); acc_out [Tq, Hq, D], acc_lse [Tq, Hq] fp32."""
     for b in range(q_shard.num_seqs):
         q_pos, k_pos = q_shard.positions[b], kv_shard.positions[b]
         part = _visible_part(q_pos, k_pos)
@@ -454,12 +528,6 @@ def _attend_block(q: torch.Tensor, block: torch.Tensor, q_shard: TokenShard, kv_
         k0 = kv_shard.offsets[b]
         k1 = kv_shard.offsets[b] + k_hi
         # A pair whose every query sees every key (full) runs unmasked; else the tiles mask by position.
-        if use_triton:
-            qp = None if full else q_shard.positions_on(q.device)[q0:q1]
-            kp = None if full else kv_shard.positions_on(q.device)[k0:k1]
-            _triton_kernels().chunk_attention_merge_(acc_out[q0:q1], acc_lse[q0:q1], q[q0:q1], block[0, k0:k1],
-                                                     block[1, k0:k1], scale, qp, kp)
-            continue
         qp, kp = (None, None) if full else (q_pos[q_lo:], k_pos[:k_hi])
         out, lse = blockwise_attention_with_lse(q[q0:q1], block[0, k0:k1], block[1, k0:k1], scale, qp, kp, tiles)
         merge_into(acc_out[q0:q1], acc_lse[q0:q1], out, lse)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,12 +105,132 @@ print("ok", launches)
 '''
 
 
-def test_ring_step_kernel_in_the_triton_interpreter():
+# The ring's own launches (`_RingSteps`: one launch per step over a tile table; the first step writes the
+# accumulators, the last writes the output; a ring of one writes the output directly), with and without GQA
+# packing, tiles that straddle the layout's blocks, a ragged batch in one launch, empty key blocks.
+RING_SCRIPT = r'''
+import torch
+from parallel.ring_attention import (TokenShard, _RingSteps, attention_by_positions, attention_with_lse,
+                                     ring_rank_attention, split_for_ranks)
+from workers.sp_plan import owned_positions
+
+D = 16
+S = D ** -0.5
+torch.manual_seed(0)
+checked = 0
+CONFIGS = ["16,16,4,1", "16,16,4,1,pack", "64,32,4,1,pack"]  # packed: 4 query rows x G=4 heads; 16 x 4
+
+
+def causal(q, k, v, qp=None, kp=None):
+    qp = torch.arange(q.shape[0]) if qp is None else torch.as_tensor(qp)
+    kp = torch.arange(k.shape[0]) if kp is None else torch.as_tensor(kp)
+    return attention_with_lse(q.float(), k.float(), v.float(), S, qp[:, None] >= kp[None, :])[0]
+
+
+# 1. One rank's whole ring of a 45-token prompt (SP=2 and 4, 4-token blocks) and of a 6-token one at SP=4
+# (ranks 2 and 3 hold nothing: empty key blocks in the ring), against dense causal attention.
+for dtype, tol, hq, hkv, cfgs, lengths in (
+        (torch.float32, 1e-5, 4, 1, CONFIGS, ((45, (2, 4)), (6, (4,)))),
+        (torch.float32, 1e-5, 4, 2, CONFIGS, ((45, (2,)),)),
+        (torch.float16, 1e-2, 4, 1, CONFIGS[1:2], ((45, (2, 4)), (6, (4,))))):
+    for n, sps in lengths:
+        q, k, v = (torch.randn(n, h, D).to(dtype) for h in (hq, hkv, hkv))
+        full = causal(q, k, v)
+        for sp in sps:
+            positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
+            qs, blocks, shards = split_for_ranks(q, k, v, positions)
+            for cfg in cfgs:
+                for r in range(sp):
+                    out = ring_rank_attention(qs[r], blocks, shards, r, S, backend="triton", kernel_config=cfg)
+                    assert out.dtype == dtype and out.shape == qs[r].shape
+                    torch.testing.assert_close(out.float(), full[positions[r]], rtol=tol, atol=tol,
+                                               msg=str((dtype, hq, hkv, n, sp, cfg, r)))
+                    checked += 1
+
+# 2. A ragged batch, one launch per step: a fresh 30-token prompt; the last 19 tokens of a 40-token prompt
+# over all 40 keys (queries and keys different token sets); a 3-token prompt of which rank 1 holds nothing.
+lens, hq, hkv, sp = (30, 40, 3), 4, 2, 2
+qf, kf, vf = ([torch.randn(n, h, D) for n in lens] for h in (hq, hkv, hkv))
+want = [causal(qf[b], kf[b], vf[b]) for b in range(3)]
+q_shards = [TokenShard([owned_positions(lo, n, r, sp, 4) for lo, n in ((0, 30), (21, 40), (0, 3))]) for r in range(sp)]
+kv_shards = [TokenShard([owned_positions(0, n, r, sp, 4) for n in lens]) for r in range(sp)]
+blocks = [torch.stack([torch.cat([x[b][p] for b, p in enumerate(kv.positions)]) for x in (kf, vf)]) for kv in kv_shards]
+for cfg in CONFIGS:
+    for r in range(sp):
+        q = torch.cat([qf[b][p] for b, p in enumerate(q_shards[r].positions)])
+        steps = _RingSteps(q, blocks[r], q_shards[r], [kv_shards[(r - s) % sp] for s in range(sp)], S, None, True, cfg)
+        for s in range(sp):
+            steps.step(s, blocks[(r - s) % sp])
+        ref = torch.cat([want[b][p] for b, p in enumerate(q_shards[r].positions)])
+        torch.testing.assert_close(steps.result(), ref, rtol=1e-5, atol=1e-5, msg=str((cfg, r)))
+        checked += 1
+
+# 3. A ring of one (Ulysses' attention): the output straight from the kernel, no accumulators.
+q, k, v = torch.randn(37, 4, D), torch.randn(37, 1, D), torch.randn(37, 1, D)
+shard = TokenShard([list(range(37))])
+for cfg in CONFIGS:
+    steps = _RingSteps(q, torch.stack([k, v]), shard, [shard], S, None, True, cfg)
+    assert steps.acc is None
+    steps.step(0, torch.stack([k, v]))
+    torch.testing.assert_close(steps.result(), causal(q, k, v), rtol=1e-5, atol=1e-5)
+    checked += 1
+out = attention_by_positions(q, torch.stack([k, v]), shard, shard, S, use_triton=True)
+torch.testing.assert_close(out, causal(q, k, v), rtol=1e-5, atol=1e-5)
+checked += 1
+
+# 4. `ring_attention` itself on the kernel, its exchange replaced by one that hands each step the block the
+# previous rank would have sent: SP=3 of a 45-token prompt, packed.
+import types
+import parallel.ring_attention as ring_mod
+
+n, sp = 45, 3
+q, k, v = torch.randn(n, 4, D), torch.randn(n, 2, D), torch.randn(n, 2, D)
+positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
+qs, blocks, shards = split_for_ranks(q, k, v, positions)
+full = causal(q, k, v)
+ring_mod.triton_is_default = lambda q, block: True
+os_env = __import__("os").environ
+os_env["TANDEM_RING_KERNEL"] = "16,16,4,1,pack"
+for r in range(sp):
+    held = [r]
+
+    class Exchange:
+        def __init__(self, group, send, recv_tokens):
+            assert torch.equal(send, blocks[held[-1]])
+            held.append((held[-1] - 1) % sp)
+            self.recv = blocks[held[-1]]
+            assert self.recv.shape[1] == recv_tokens
+
+        def wait(self):
+            return self.recv
+
+    ring_mod._RingExchange = Exchange
+    out = ring_mod.ring_attention(qs[r], blocks[r][0], blocks[r][1], shards[r], shards, S,
+                                  types.SimpleNamespace(size=sp, rank=r))
+    assert held == [r, (r - 1) % sp, (r - 2) % sp]
+    torch.testing.assert_close(out, full[positions[r]], rtol=1e-5, atol=1e-5)
+    checked += 1
+print("ok", checked)
+'''
+
+
+def _interpret(script: str) -> str:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().split()[-2:] == ["ok", "55"], done.stdout[-500:]
+    return done.stdout
+
+
+def test_ring_step_kernel_in_the_triton_interpreter():
+    out = _interpret(SCRIPT)
+    assert out.strip().split()[-2:] == ["ok", "55"], out[-500:]
+
+
+def test_ring_launches_in_the_triton_interpreter():
+    out = _interpret(RING_SCRIPT)
+    assert out.strip().split()[-2:] == ["ok", str(3 * (6 + 4) + 3 * 2 + (6 + 4) + 3 * 2 + 3 + 1 + 3)], out[-500:]
 
 
 def _inputs(tq=8, tk=8, hq=4, hkv=2, d=16, dtype=torch.float32):
@@ -148,3 +269,68 @@ def test_no_keys_or_no_queries_launch_nothing():
     assert torch.equal(acc_out, before[0]) and torch.equal(acc_lse, before[1])
     out, lse = rt.chunk_attention(*_inputs(tq=0), 0.25)
     assert out.shape == (0, 4, 16) and lse.shape == (0, 4)
+
+
+def _layouts():
+    """(q positions, k positions) per sequence: the SP layout's interleaved blocks, chunks with queries a
+    suffix of the keys, queries wholly before / after the keys, empty sides."""
+    from workers.sp_plan import owned_positions
+
+    rng = np.random.default_rng(0)
+    yield [owned_positions(0, 300, 1, 2, 16)], [owned_positions(0, 300, 0, 2, 16)]
+    yield [owned_positions(0, 300, 0, 4, 16)], [owned_positions(0, 300, 3, 4, 16)]
+    yield [list(range(40, 100)), list(range(10)), [], list(range(5))], [list(range(100)), list(range(50, 60)), [3], []]
+    for _ in range(20):  # three sequences of random ascending positions each side
+        yield tuple([sorted(rng.choice(200, size=int(rng.integers(0, 60)), replace=False).tolist()) for _ in range(3)]
+                    for _ in range(2))
+
+
+@pytest.mark.parametrize("block_q", [1, 7, 16, 32])
+@pytest.mark.parametrize("cover", [False, True])
+def test_tile_table_against_brute_force(block_q: int, cover: bool):
+    """Every row of `build_tiles` is one sequence's query rows with exactly the key ranges its queries see:
+    keys [k0, k_full) seen by all of them, none past k_end, k_end what its last query sees; tiles cover the
+    queries that see a key (every query with `cover`), once each; most keys first."""
+    rt = pytest.importorskip("parallel.kernels.ring_attention_triton")
+    for q_pos, k_pos in _layouts():
+        q_off = np.cumsum([0] + [len(p) for p in q_pos]).tolist()
+        k_off = np.cumsum([0] + [len(p) for p in k_pos]).tolist()
+        table = rt.build_tiles([np.asarray(p, dtype=np.int64) for p in q_pos],
+                               [np.asarray(p, dtype=np.int64) for p in k_pos], q_off[:-1], k_off[:-1], block_q, cover)
+        assert table.dtype == np.int32 and table.shape[1] == rt.TILE_FIELDS
+        work = table[:, 4] - table[:, 2]
+        assert (np.diff(work) <= 0).all()
+        seen_rows = []
+        for q0, q1, k0, k_full, k_end, causal in table.tolist():
+            b = int(np.searchsorted(q_off, q0, side="right")) - 1
+            assert q_off[b] <= q0 < q1 <= q_off[b + 1] and q1 - q0 <= block_q and k0 == k_off[b]
+            qp, kp = np.asarray(q_pos[b]), np.asarray(k_pos[b])
+            sees = [int((kp <= qp[i - q_off[b]]).sum()) for i in range(q0, q1)]
+            assert k_full - k0 == sees[0] and k_end - k0 == sees[-1] == max(sees)
+            assert causal == int(k_full < k_end)
+            seen_rows += list(range(q0, q1))
+        want = [i for b, qp in enumerate(q_pos) for j, p in enumerate(qp)
+                if cover or any(kp <= p for kp in k_pos[b])
+                for i in [q_off[b] + j]]
+        assert sorted(seen_rows) == want
+
+
+def test_launch_configs(monkeypatch):
+    rt = pytest.importorskip("parallel.kernels.ring_attention_triton")
+    cfg = rt.RingConfig.parse("128,64,8,3,pack")
+    assert cfg == rt.RingConfig(128, 64, 8, 3, True) and rt.RingConfig.parse(str(cfg)) == cfg
+    assert rt.RingConfig.parse("64,128,4,2") == rt.RingConfig(64, 128, 4, 2, False)
+    for bad in ("128,64,8", "100,64,8,3", "128,64,0,3", "128,64,8,3,pack,1"):
+        with pytest.raises(ValueError):
+            rt.RingConfig.parse(bad)
+    # Packing takes the GQA group into M where it is a power of two that divides BLOCK_M; else one head.
+    assert cfg.heads_per_program(4) == 4 and rt.rows_per_tile(cfg, 32, 8) == 32
+    assert cfg.heads_per_program(3) == 1 and cfg.heads_per_program(1) == 1
+    assert rt.RingConfig(16, 16, 4, 1, True).heads_per_program(32) == 1
+    assert rt.RingConfig(128, 64, 8, 3).heads_per_program(4) == 1
+    monkeypatch.delenv(rt.ENV, raising=False)
+    assert rt.default_config(65536, 128, 2, True) == rt.CONFIGS[128][0]
+    assert rt.default_config(65536, 128, 2, False) == rt.CONFIGS[128][1]
+    assert rt.default_config(40, 128, 2, True).block_m == 64
+    monkeypatch.setenv(rt.ENV, "64,64,4,2,pack")
+    assert rt.default_config(65536, 128, 2, True) == rt.RingConfig(64, 64, 4, 2, True)
