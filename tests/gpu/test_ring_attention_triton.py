@@ -55,7 +55,7 @@ CASES = {  # q positions, k positions (None, None: no mask)
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (8, 1, 64), (4, 4, 128)])
 @pytest.mark.parametrize("tma", [False, True])
 def test_chunk_attention_matches_sdpa(case, dtype, hq, hkv, d, tma):
-    if tma and not _tma_supported(torch.empty(16, device=DEV)):
+    if tma and not _tma_supported(torch.empty(16, 16, device=DEV)):  # 2-D: a 16-byte row stride, as k/v have
         pytest.skip("TMA needs Hopper")
     q_pos, k_pos = CASES[case]()
     tq, tk = (q_pos.numel(), k_pos.numel()) if q_pos is not None else (517, 1029)
@@ -82,13 +82,15 @@ def _prompt_and_full_attention(seed: int, n: int = 4099, hq: int = 32, hkv: int 
 
 
 @pytest.mark.parametrize("sp", [2, 4])
-def test_rank_work_matches_full_causal_sdpa(sp: int):
+@pytest.mark.parametrize("config", [None, "128,128,8,3,pack", "64,64,4,2", "128,64,8,2,pack"])
+def test_rank_work_matches_full_causal_sdpa(sp: int, config: str | None):
+    """Every rank's ring (default launch config, and GQA packing / other tiles) against full causal SDPA."""
     q, k, v, want = _prompt_and_full_attention(sp)
     n, _, d = q.shape
     positions = [owned_positions(0, n, r, sp, 16) for r in range(sp)]
     qs, blocks, shards = split_for_ranks(q, k, v, positions)
     for r in range(sp):
-        got = ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, backend="triton")
+        got = ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, backend="triton", kernel_config=config)
         torch.testing.assert_close(got.float(), want[positions[r]].float(), rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(got, ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, backend="torch"),
                                    rtol=2e-2, atol=2e-2)

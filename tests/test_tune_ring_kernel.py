@@ -1,0 +1,44 @@
+"""scripts/tune_ring_kernel.py on CPU at tiny shapes (--device cpu --dry-run: the ring kernel under Triton's
+interpreter, in a subprocess since the interpreter must be on before the kernels are defined): every
+(length, SP, config) cell gets a time, a ratio to SP=1 and an error within tolerance, and the summary ranks
+every config."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_dry_run_times_and_checks_every_config(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "tune.json"
+    configs = ["16,16,4,1", "32,16,4,1,pack"]
+    env = {k: v for k, v in os.environ.items() if k != "TANDEM_RING_KERNEL"}
+    done = subprocess.run([sys.executable, "scripts/tune_ring_kernel.py", "--device", "cpu", "--dry-run", "--lengths",
+                           "37", "--sp", "2", "--configs", ";".join(configs), "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["configs"] == configs and report["dtype"] == "fp32"
+    (cell,) = report["results"]
+    assert cell["tokens"] == 37 and cell["sp1"]["baseline_s"] > 0
+    for config in configs:
+        res = cell["sp"]["2"][config]
+        assert [r["rank"] for r in res["ranks"]] == [0, 1] and res["slowest_s"] > 0
+        assert res["ratio"] == res["slowest_s"] / cell["sp1"]["baseline_s"] and res["goal"] == 0.55
+        assert res["max_abs_err"] < 1e-4 and res["within_bf16_tol"] and res["issue_ms"] > 0
+    assert sorted(r["config"] for r in report["summary"]) == sorted(configs)
+    assert all(r["worst_ratio_over_goal"] is not None for r in report["summary"])
+    assert "configs by worst ratio/goal" in done.stdout
+
+
+def test_bad_config_is_refused_before_timing():
+    done = subprocess.run([sys.executable, "scripts/tune_ring_kernel.py", "--device", "cpu", "--dry-run", "--configs",
+                           "128,64,8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "BLOCK_M,BLOCK_N,warps,stages" in done.stderr
