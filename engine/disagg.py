@@ -395,7 +395,7 @@ class DecodeReplica:
                 self._connect(spec, ready.rank_handles)
             # Both sides get the whole block table; the plan picks the blocks by index.
             sends = [h.kv.remote("send", spec, plan, dst_by_rank, ready.block_ids, request_id) for h in ready.rank_handles]
-            received = sum(self.executor.kv_call("recv", spec, plan, src_by_rank, res.block_ids))
+            received = sum(self.executor.kv_call("recv", spec, plan, src_by_rank, res.block_ids, ready.block_ids))
             ray.get(sends, timeout=self.transfer_timeout_s)
         except Exception as e:
             self._drop_pair(spec.pair_id, ready.rank_handles)

@@ -123,11 +123,16 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: torch.dtype = torch.float32,
-                   device: str = "cpu", staged: bool = False) -> None:
+                   device: str = "cpu", staged: bool = False, gpus: tuple[str, str] = ("", "")) -> None:
     """One rank of a prefill -> decode handoff; every rank checks what it holds afterwards. device "cuda":
-    every rank on the same GPU (pools sharing it), which only a `staged` pair can do."""
+    every rank on the same GPU (pools sharing it), which only a `staged` pair can do; `gpus`: the GPU ids
+    the prefill and the decode ranks report (equal: they copy by CUDA IPC; different: through host memory)."""
+    import dataclasses
+
     tp, sp = prefill
     src, dst = replica_shards(tp, 1, LAYERS, KV_HEADS, sp), replica_shards(decode_tp, 1, LAYERS, KV_HEADS)
+    src = [dataclasses.replace(s, device=gpus[0]) for s in src]
+    dst = [dataclasses.replace(d, device=gpus[1]) for d in dst]
     is_prefill = rank < len(src)
     shard = src[rank] if is_prefill else dst[rank - len(src)]
     full, heads = _sequence_kv().to(dtype), slice(shard.heads.start, shard.heads.stop)
@@ -151,7 +156,7 @@ def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: t
     if is_prefill:
         agent.send(spec, plan, {d.rank: d for d in dst}, src_table, "req")
         return
-    received = agent.recv(spec, plan, {s.rank: s for s in src}, dst_table)
+    received = agent.recv(spec, plan, {s.rank: s for s in src}, dst_table, src_table)
     expected = cache.clone()  # the sentinel everywhere, before the transfer
     for i in range(HITS, NUM_SEQ_BLOCKS):
         expected[:, :, dst_table[i]] = full[:, :, i, :, heads]

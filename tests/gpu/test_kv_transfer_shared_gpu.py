@@ -1,6 +1,7 @@
 """Pools sharing one GPU (`gpus_per_rank` < 1): an SP=2 prefill replica's ranks and a decode rank all on
-cuda:0. NCCL refuses such a group, so the pair is staged over gloo through host memory; the blocks must
-still arrive bit for bit, and nothing else in the decode cache may change."""
+cuda:0. NCCL refuses such a group, so the pair is gloo: ranks that report the same GPU copy the blocks by
+CUDA IPC, the others through host memory. Either way the blocks must arrive bit for bit, and nothing else
+in the decode cache may change."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,7 @@ from tests.test_kv_transfer import _transfer_rank
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+@pytest.mark.parametrize("gpus", [("GPU-same", "GPU-same"), ("GPU-a", "GPU-b")], ids=["ipc", "host"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
-def test_sp2_prefill_and_decode_on_one_gpu_move_kv_staged(dtype):
-    run_ranks(_transfer_rank, 3, (1, 2), 1, dtype, "cuda", True)
+def test_sp2_prefill_and_decode_on_one_gpu_move_kv(dtype, gpus):
+    run_ranks(_transfer_rank, 3, (1, 2), 1, dtype, "cuda", True, gpus)

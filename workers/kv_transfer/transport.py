@@ -7,13 +7,17 @@ fixed ports), and cached until a transfer fails, after which it is rebuilt.
 
 NCCL on GPUs, gloo on CPU: the same code, so CI exercises it with gloo. A pair in which a prefill rank
 and a decode rank share a GPU (`PairSpec.staged`) cannot use NCCL, which refuses two ranks on one
-device; it goes over gloo, each message staged through host memory: slower, but it lets pools share GPUs. We do not use Ray's own
+device; its group is gloo. Between two ranks on one GPU the bytes never leave it: each prefill rank
+publishes a CUDA IPC handle of its KV cache in the pair's store, and the decode rank copies the blocks
+straight out of the mapped cache, then tells the prefill rank it is done (a one-byte gloo message, the
+send's ack). Any other message of such a pair is staged through host memory. We do not use Ray's own
 GPU tensor transport (RDT): it is alpha, and its NCCL path needs CuPy, which our GPU hosts lack.
 """
 from __future__ import annotations
 
 import datetime
 import logging
+import pickle
 import socket
 import threading
 import time
@@ -45,7 +49,8 @@ class PairSpec:
     pair_id: str  # e.g. "prefill-replica-a->decode-replica-b"
     num_prefill_ranks: int
     num_decode_ranks: int
-    staged: bool = False  # over gloo through host memory: some prefill and decode rank share a GPU
+    # Some prefill and decode rank share a GPU: a gloo group; those two copy by CUDA IPC, the rest via host memory.
+    staged: bool = False
 
     @property
     def size(self) -> int:
@@ -75,6 +80,7 @@ class KVTransferAgent:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._stores: dict[str, dist.TCPStore] = {}
         self._groups: dict[str, dist.ProcessGroup] = {}
+        self._peer_caches: dict[tuple[str, int], torch.Tensor] = {}  # (pair, prefill rank) -> its KV cache, mapped by IPC
         self.bytes_sent = 0
         self.bytes_received = 0
         # request id -> its KV left this rank (the prefill side's ack); bounded, see `_ack`.
@@ -106,6 +112,8 @@ class KVTransferAgent:
         store = self._stores.get(spec.pair_id) or dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
         self._stores[spec.pair_id] = store
         prefixed = dist.PrefixStore(spec.pair_id, store)
+        if spec.staged and self.kv_cache.is_cuda and self.role == "prefill":
+            prefixed.set(f"ipc/{self.shard.rank}", _export_cache(self.kv_cache))  # for decode ranks on this GPU
         if self.kv_cache.is_cuda and not spec.staged:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
@@ -120,6 +128,8 @@ class KVTransferAgent:
     def drop(self, pair_id: str) -> None:
         self._groups.pop(pair_id, None)
         self._stores.pop(pair_id, None)
+        for key in [k for k in self._peer_caches if k[0] == pair_id]:
+            del self._peer_caches[key]
 
     # ---- one handoff ----
     def send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_table: list[int],
@@ -152,6 +162,13 @@ class KVTransferAgent:
         works, sent = [], 0
         for tag, t, layers, heads in self._messages(plan, dst_shards, sending=True):
             local_ids = self._local_ids([block_table[i] for i in t.blocks])
+            if self._same_gpu(dst_shards[t.dst]):
+                # The decode rank copies these blocks out of this cache itself; wait for its word that it has.
+                done = torch.zeros(1, dtype=torch.uint8)
+                works.append((group.recv([done], spec.num_prefill_ranks + t.dst, tag), done))
+                shape = transfer_shape(self.kv_cache, len(local_ids), layers, heads)
+                sent += torch.Size(shape).numel() * wire_dtype(self.kv_cache.dtype).itemsize
+                continue
             # Gathering the next chunk (compute stream) overlaps sending this one (NCCL's stream).
             buf = gather_blocks(self.kv_cache, local_ids, layers, heads)
             if spec.staged:
@@ -164,18 +181,23 @@ class KVTransferAgent:
         self.bytes_sent += sent
         return sent
 
-    def recv(self, spec: PairSpec, plan: list[Transfer], src_shards: dict[int, RankShard], block_table: list[int]) -> int:
+    def recv(self, spec: PairSpec, plan: list[Transfer], src_shards: dict[int, RankShard], block_table: list[int],
+             src_block_table: list[int] | None = None) -> int:
         """Decode side: receive this rank's part of the plan into the request's blocks (block_table, indexed
-        by the plan's block indices). Returns bytes received."""
+        by the plan's block indices). src_block_table: the prefill side's, needed where a prefill rank
+        shares this rank's GPU (the blocks are copied out of its cache). Returns bytes received."""
         group = self._group(spec.pair_id)
-        pending = []
+        pending, local = [], []
         # Every receive is posted first, in the senders' order (NCCL pairs a rank pair's messages by
         # order, not by tag); each chunk is then scattered as it lands, overlapping the later ones.
         for tag, t, layers, heads in self._messages(plan, src_shards, sending=False):
+            if self._same_gpu(src_shards[t.src]):
+                local.append((tag, t, layers, heads))
+                continue
             buf = torch.empty(transfer_shape(self.kv_cache, len(t.blocks), layers, heads),
                               dtype=wire_dtype(self.kv_cache.dtype), device="cpu" if spec.staged else self.kv_cache.device)
             pending.append((group.recv([buf], t.src, tag), buf, [block_table[i] for i in t.blocks], layers, heads))
-        received = 0
+        received = self._copy_from_peers(spec, group, local, src_shards, block_table, src_block_table)
         for work, buf, block_ids, layers, heads in pending:
             self._wait(spec.pair_id, group, [work])
             scatter_blocks(self.kv_cache, block_ids, layers, heads, buf.to(self.kv_cache.device, non_blocking=True))
@@ -184,6 +206,39 @@ class KVTransferAgent:
             torch.cuda.current_stream().synchronize()
         self.bytes_received += received
         return received
+
+    def _copy_from_peers(self, spec: PairSpec, group: dist.ProcessGroup, messages: list, src_shards: dict[int, RankShard],
+                         block_table: list[int], src_block_table: list[int] | None) -> int:
+        """The messages whose prefill rank shares this GPU: copied device to device out of its mapped cache;
+        then each sender is told, so it may free the blocks (it waits for that as its send's end)."""
+        if not messages:
+            return 0
+        if src_block_table is None:
+            raise KVTransferError(f"{spec.pair_id}: a prefill rank shares this GPU, and recv() was not given its block table")
+        copied = 0
+        for tag, t, layers, heads in messages:
+            peer = src_shards[t.src]
+            cache = self._peer_cache(spec.pair_id, peer.rank)
+            src_layers, src_heads, _, _ = t.local_slices(peer, self.shard)
+            src_ids = _local_ids(cache, peer, [src_block_table[i] for i in t.blocks])
+            buf = gather_blocks(cache, src_ids, src_layers, src_heads)
+            scatter_blocks(self.kv_cache, [block_table[i] for i in t.blocks], layers, heads, buf)
+            copied += buf.numel() * buf.element_size()
+        torch.cuda.current_stream().synchronize()  # the copies are done before any sender frees its blocks
+        self._wait(spec.pair_id, group, [group.send([torch.ones(1, dtype=torch.uint8)], t.src, tag)
+                                         for tag, t, _, _ in messages])
+        return copied
+
+    def _same_gpu(self, peer: RankShard) -> bool:
+        return self.kv_cache.is_cuda and bool(peer.device) and peer.device == self.shard.device
+
+    def _peer_cache(self, pair_id: str, rank: int) -> torch.Tensor:
+        """Prefill rank `rank`'s KV cache, mapped into this process through the IPC handle it published."""
+        key = (pair_id, rank)
+        if key not in self._peer_caches:
+            store = dist.PrefixStore(pair_id, self._stores[pair_id])
+            self._peer_caches[key] = _import_cache(store.get(f"ipc/{rank}"), self.kv_cache.device)
+        return self._peer_caches[key]
 
     def _messages(self, plan: list[Transfer], peers: dict[int, RankShard], sending: bool):
         """This rank's messages, in the order both sides agree on: each transfer of the plan cut into
@@ -203,13 +258,7 @@ class KVTransferAgent:
                 tag += 1
 
     def _local_ids(self, block_ids: list[int]) -> list[int]:
-        """Block ids -> indices into this rank's cache. Under SP the ids are global and this cache holds
-        only its SP rank's pool of them (engine/block_manager.py); without SP the two are the same."""
-        pool_size = self.kv_cache.shape[2]
-        foreign = [b for b in block_ids if block_pool(b, pool_size) != self.shard.sp_rank]
-        if foreign:  # the plan and the block manager disagree on ownership: never send another pool's bytes
-            raise ValueError(f"blocks {foreign} are not in SP rank {self.shard.sp_rank}'s pool of {pool_size}")
-        return [local_block_id(b, pool_size) for b in block_ids]
+        return _local_ids(self.kv_cache, self.shard, block_ids)
 
     def _group(self, pair_id: str) -> dist.ProcessGroup:
         group = self._groups.get(pair_id)
@@ -229,3 +278,31 @@ class KVTransferAgent:
             if self._groups.get(pair_id) is group:  # not one rebuilt since this transfer began
                 self.drop(pair_id)
             raise KVTransferError(f"KV transfer on {pair_id} failed ({self.role} rank {self.shard.rank}): {e}") from e
+
+
+def _local_ids(kv_cache: torch.Tensor, shard: RankShard, block_ids: list[int]) -> list[int]:
+    """Block ids -> indices into the cache of the rank `shard` describes. Under SP the ids are global and a
+    cache holds only its SP rank's pool of them (engine/block_manager.py); without SP the two are the same."""
+    pool_size = kv_cache.shape[2]
+    foreign = [b for b in block_ids if block_pool(b, pool_size) != shard.sp_rank]
+    if foreign:  # the plan and the block manager disagree on ownership: never send another pool's bytes
+        raise ValueError(f"blocks {foreign} are not in SP rank {shard.sp_rank}'s pool of {pool_size}")
+    return [local_block_id(b, pool_size) for b in block_ids]
+
+
+def _export_cache(kv_cache: torch.Tensor) -> bytes:
+    """A CUDA IPC handle of the whole cache (torch's own tensor sharing), for a rank on the same GPU."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(kv_cache)
+    return pickle.dumps(args)
+
+
+def _import_cache(handle: bytes, device: torch.device) -> torch.Tensor:
+    """The exporting rank's cache, mapped here. Its device index is the exporter's numbering; this process
+    may number the same GPU differently (CUDA_VISIBLE_DEVICES), so it is replaced by our own."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    args = list(pickle.loads(handle))
+    args[6] = device.index  # storage_device
+    return rebuild_cuda_tensor(*args)
