@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: the kernel under Triton's interpreter (TRITON_INTERPRET=1): a check that this runs")
     p.add_argument("--reps", type=int, default=None, help="timed runs per rank (median; default 3, dry run 1)")
-    p.add_argument("--budget-s", type=float, default=330.0, help="start no new config after this many seconds")
+    p.add_argument("--budget-s", type=float, default=300.0, help="start no new config after this many seconds")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes")
     p.add_argument("--out", default="bench_results/tune_ring_kernel.json")
     a = p.parse_args(argv)
