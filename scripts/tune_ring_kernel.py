@@ -181,8 +181,8 @@ def tune_length(n: int, a: argparse.Namespace, started: float) -> dict:
 
 
 def summary(results: list[dict], configs: list[str]) -> list[dict]:
-    """Per config: worst ratio / goal over the cells with a goal (None if any cell failed or is off in error),
-    and its ratios; best first."""
+    """Per config: worst ratio / goal over the cells with a goal (None if any cell failed, was skipped or is
+    off in error), and its ratios; best first."""
     rows = []
     for config in configs:
         ratios, worst, ok = {}, 0.0, True
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results, a.configs))
     print(f"\nconfigs by worst ratio/goal over all cells (< 1: every goal met); current default {report['default']}:")
     for r in ranked:
-        worst = "failed or off" if r["worst_ratio_over_goal"] is None else f"{r['worst_ratio_over_goal']:.3f}"
+        worst = "failed/skipped" if r["worst_ratio_over_goal"] is None else f"{r['worst_ratio_over_goal']:.3f}"
         print(f"  {r['config']:<18} {worst:>13}   " + " ".join(f"{k} {v:.3f}" for k, v in r["ratios"].items()))
     print(f"wrote {out} ({report['seconds']:.0f} s)")
     return 0 if ranked and ranked[0]["worst_ratio_over_goal"] is not None else 1
