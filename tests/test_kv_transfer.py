@@ -195,6 +195,50 @@ def test_a_pair_that_shares_a_gpu_is_staged_over_gloo():
     assert not share_a_gpu(shards("", ""), shards(""))  # CPU ranks: gloo anyway
 
 
+class _AckGroup:
+    """Stands in for a pair group where only the acks travel: records (peer, tag) of each send."""
+
+    def __init__(self):
+        self.acks: list[tuple[int, int]] = []
+
+    def send(self, tensors, dst: int, tag: int):
+        self.acks.append((dst, tag))
+        return type("Done", (), {"wait": lambda self, timeout=None: True})()
+
+
+@pytest.mark.parametrize("prefill,decode_tp", [((1, 2), 1), ((2, 2), 2)], ids=["sp2->tp1", "tp2xsp2->tp2"])
+def test_ranks_on_one_gpu_copy_the_blocks_out_of_the_peer_cache(prefill, decode_tp):
+    """The CUDA IPC path's copy on CPU tensors (the mapping itself needs a GPU: tests/gpu): every message's
+    layer chunk, heads and blocks come from the right place of each prefill rank's cache, and every
+    sender gets one ack per message."""
+    tp, sp = prefill
+    src, dst = replica_shards(tp, 1, LAYERS, KV_HEADS, sp), replica_shards(decode_tp, 1, LAYERS, KV_HEADS)
+    full, src_table, dst_table = _sequence_kv(), _prefill_table(sp), _decode_table()
+    plan = plan_transfers(src, dst, range(HITS, NUM_SEQ_BLOCKS))
+    for shard in dst:
+        heads = slice(shard.heads.start, shard.heads.stop)
+        cache = torch.full((LAYERS, 2, DECODE_BLOCKS, BS, len(shard.heads), HEAD_DIM), SENTINEL)
+        agent = KVTransferAgent(cache, shard, "decode")
+        group = agent._groups["p->d"] = _AckGroup()
+        agent._same_gpu = lambda peer: True
+        for s in src:  # each prefill rank's cache, as _transfer_rank lays it out
+            peer = torch.full((LAYERS, 2, PER_RANK, BS, len(s.heads), HEAD_DIM), 99.0)
+            for i in range(NUM_SEQ_BLOCKS):
+                if block_owner(i, sp) == s.sp_rank:
+                    peer[:, :, local_block_id(src_table[i], PER_RANK)] = full[:, :, i, :, s.heads.start:s.heads.stop]
+            agent._peer_caches[("p->d", s.rank)] = peer
+        spec = PairSpec("p->d", len(src), len(dst), staged=True)
+        received = agent.recv(spec, plan, {s.rank: s for s in src}, dst_table, src_table)
+        expected = torch.full_like(cache, SENTINEL)
+        for i in range(HITS, NUM_SEQ_BLOCKS):
+            expected[:, :, dst_table[i]] = full[:, :, i, :, heads]
+        assert torch.equal(cache, expected)
+        assert received == (NUM_SEQ_BLOCKS - HITS) * LAYERS * 2 * BS * len(shard.heads) * HEAD_DIM * 4
+        mine = list(agent._messages(plan, {s.rank: s for s in src}, sending=False))
+        assert sorted(group.acks) == sorted((t.src, tag) for tag, t, _, _ in mine)
+        assert len(mine) == 2 * sum(t.dst == shard.rank for t in plan)  # 6 layers: two messages per transfer
+
+
 @pytest.mark.slow
 def test_a_staged_pair_moves_the_blocks_too():
     run_ranks(_transfer_rank, 3, (1, 2), 1, torch.float32, "cpu", True)

@@ -219,12 +219,15 @@ class KVTransferAgent:
         for tag, t, layers, heads in messages:
             peer = src_shards[t.src]
             cache = self._peer_cache(spec.pair_id, peer.rank)
-            src_layers, src_heads, _, _ = t.local_slices(peer, self.shard)
+            src_layers, src_heads, dst_layers, _ = t.local_slices(peer, self.shard)
+            # `layers` is this message's chunk of the transfer in our cache; the same chunk in the peer's.
+            src_layers = slice(src_layers.start + layers.start - dst_layers.start, src_layers.start + layers.stop - dst_layers.start)
             src_ids = _local_ids(cache, peer, [src_block_table[i] for i in t.blocks])
             buf = gather_blocks(cache, src_ids, src_layers, src_heads)
             scatter_blocks(self.kv_cache, [block_table[i] for i in t.blocks], layers, heads, buf)
             copied += buf.numel() * buf.element_size()
-        torch.cuda.current_stream().synchronize()  # the copies are done before any sender frees its blocks
+        if self.kv_cache.is_cuda:
+            torch.cuda.current_stream().synchronize()  # the copies are done before any sender frees its blocks
         self._wait(spec.pair_id, group, [group.send([torch.ones(1, dtype=torch.uint8)], t.src, tag)
                                          for tag, t, _, _ in messages])
         return copied
