@@ -187,6 +187,24 @@ class AppConfig(EngineArgs):
                                  "pool (or set colocated: true)")
         return self
 
+    def gpus_needed(self) -> dict[str, float]:
+        """Ray GPUs each pool takes at its starting size (num_replicas, or autoscaling's initial/min
+        replicas): replicas x ranks x gpus_per_rank. The colocated app is one pool with the decode pool's
+        size. Only meaningful where the ranks run on GPUs."""
+        pools: tuple[Pool, ...] = ("decode",) if self.colocated else ("prefill", "decode")
+        needed = {}
+        for pool in pools:
+            cfg, args = self.pool(pool), self.engine_args(pool)
+            if cfg.autoscaling_config is not None:
+                auto = cfg.autoscaling_config
+                replicas = auto.get("initial_replicas") if auto.get("initial_replicas") is not None \
+                    else auto.get("min_replicas", 1)
+            else:
+                replicas = cfg.num_replicas or 1
+            parallel = args.parallel_config()
+            needed["colocated" if self.colocated else pool] = replicas * parallel.world_size * parallel.gpus_per_rank
+        return needed
+
     def pool(self, pool: Pool) -> PoolConfig:
         if pool not in ("prefill", "decode"):
             raise ValueError(f"pool must be 'prefill' or 'decode', not {pool!r}")

@@ -12,6 +12,7 @@ import json
 import errno
 import os
 import socket
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -157,6 +158,26 @@ def start_ray(verbose: bool = False) -> None:
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
 
 
+def check_gpus_suffice(config: Any, cluster_gpus: float, own_cluster: bool) -> str | None:
+    """An app whose pools need more GPUs than the cluster has would wait for them without a word (each
+    pool replica's placement waits minutes, and Serve then retries it). On a Ray this command started
+    itself nothing will add GPUs, so that is a ValueError with the breakdown; on a cluster (an
+    autoscaler may add nodes) it is a warning, returned as a line to print. None where they suffice."""
+    if config.device == "cpu" or (config.device == "auto" and cluster_gpus == 0):
+        return None
+    needed = config.gpus_needed()
+    total = sum(needed.values())
+    if total <= cluster_gpus + 1e-9:
+        return None
+    parts = ", ".join(f"{pool} {n:g}" for pool, n in needed.items())
+    message = (f"the app needs {total:g} GPUs at its starting size ({parts}: replicas x ranks x gpus_per_rank) and "
+               f"the Ray cluster has {cluster_gpus:g}; lower the replicas or parallel sizes, or let pools share GPUs "
+               "with gpus_per_rank below 1 (and gpu_memory_utilization to match)")
+    if own_cluster:
+        raise ValueError(message)
+    return f"warning: {message}; waiting for the cluster to grow"
+
+
 def start(spec: ServeSpec, verbose: bool = False) -> None:
     """Ray (see start_ray) and Serve with the spec's proxies, then every application."""
     import logging
@@ -166,6 +187,16 @@ def start(spec: ServeSpec, verbose: bool = False) -> None:
 
     logging.getLogger("ray.serve").setLevel(logging.INFO if verbose else logging.WARNING)  # this process's Serve client
     start_ray(verbose)
+    import ray
+
+    from router.config import AppConfig
+
+    app = next((a for a in spec.applications if a["import_path"] == TANDEM_IMPORT_PATH), None)
+    if app is not None:
+        warning = check_gpus_suffice(AppConfig.model_validate(app["args"]), ray.cluster_resources().get("GPU", 0),
+                                     own_cluster=not os.environ.get("RAY_ADDRESS"))
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
     grpc = dict(spec.grpc_options)
     grpc["grpc_servicer_functions"] = list(dict.fromkeys([*grpc.get("grpc_servicer_functions", []), GRPC_SERVICER]))
     logging_config = LoggingConfig(log_level="INFO" if verbose else "WARNING")

@@ -77,3 +77,27 @@ def test_more_gpus_than_the_cluster_has_fail_at_once(two_logical_gpus):
     # At 0.75 each, three ranks need 2.25 GPUs, and a TP group of three must sit on one node.
     with pytest.raises(ExecutorError, match=r"need 2.25 GPUs"):
         RankPlacement(ParallelConfig(tensor_parallel_size=3, gpus_per_rank=0.75), use_cuda=True, timeout_s=600)
+
+
+def test_an_app_that_needs_more_gpus_than_the_cluster_fails_at_start_with_the_breakdown():
+    """Found on two GPUs: an SP=2 prefill pool and a decode pool at one GPU per rank need three, and the app
+    waited for the third without a word. `tandem serve` now says so before deploying."""
+    from router.config import AppConfig
+    from tandem.serving import check_gpus_suffice
+
+    def app(**kw) -> AppConfig:
+        return AppConfig(**{"model": "models/tandem-tiny", "device": "cuda", **kw})
+
+    sp2 = app(prefill={"sequence_parallel_size": 2})
+    assert sp2.gpus_needed() == {"prefill": 2, "decode": 1}
+    with pytest.raises(ValueError, match=r"needs 3 GPUs .*prefill 2, decode 1.* has 2; .*gpus_per_rank"):
+        check_gpus_suffice(sp2, 2, own_cluster=True)
+    assert "waiting for the cluster to grow" in check_gpus_suffice(sp2, 2, own_cluster=False)  # an autoscaler may add some
+    shared = app(prefill={"sequence_parallel_size": 2, "gpus_per_rank": 0.75}, decode={"gpus_per_rank": 0.25})
+    assert shared.gpus_needed() == {"prefill": 1.5, "decode": 0.25}
+    assert check_gpus_suffice(shared, 2, own_cluster=True) is None
+    replicas = app(colocated=True, tensor_parallel_size=2, decode={"autoscaling_config": {"min_replicas": 1, "max_replicas": 4,
+                                                                                          "initial_replicas": 2}})
+    assert replicas.gpus_needed() == {"colocated": 4}
+    assert check_gpus_suffice(app(device="cpu", prefill={"sequence_parallel_size": 2}), 0, own_cluster=True) is None
+    assert check_gpus_suffice(app(device="auto"), 0, own_cluster=True) is None  # auto on a GPU-less cluster: CPU
