@@ -47,6 +47,8 @@ from parallel.quant.rtn import (AWQ_ORDER, FP8_MAX, Options, gptq_group_params, 
                                 quantize_awq, quantize_fp8, quantize_gptq)
 
 QUANTIZABLE = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight$")
+# MoE experts (Qwen3-MoE's mlp.experts.E.*_proj, Mixtral's block_sparse_moe.experts.E.w1/w2/w3): FP8 only.
+EXPERT = re.compile(r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 # Projections that read the same input share one act-order permutation (GPTQ's Hessian is per input).
 _SIBLINGS = {"self_attn.q_proj": ("q", "k", "v"), "self_attn.k_proj": ("q", "k", "v"), "self_attn.v_proj": ("q", "k", "v"),
              "mlp.gate_proj": ("gate", "up"), "mlp.up_proj": ("gate", "up")}
@@ -219,8 +221,9 @@ def quantize_folder(src: str, dst: str, o: Options, dequantized_out: str | None 
         config = json.load(f)
     if config.get("quantization_config"):
         raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
-    if any(k in config for k in ("num_experts", "num_local_experts")):
-        raise ValueError("MoE models are not supported by this tool yet")
+    moe = any(config.get(k) for k in ("num_experts", "num_local_experts"))
+    if moe and (o.method != "fp8" or static):
+        raise ValueError("MoE models: this tool writes FP8 with dynamic activations only (experts included)")
     solved = calibrated_gptq(src, o, calibration, damp) if calibration is not None and o.method == "gptq" else {}
     input_scales = activation_input_scales(src, calibration) if static else {}
     files = _tensor_files(src)
@@ -230,7 +233,7 @@ def quantize_folder(src: str, dst: str, o: Options, dequantized_out: str | None 
     ref_files: dict[str, dict[str, torch.Tensor]] = {f: {} for f in handles}
     for name, fname in files.items():
         t = get(name)
-        if QUANTIZABLE.match(name):
+        if QUANTIZABLE.match(name) or (moe and EXPERT.match(name)):
             tensors, deq = solved[name] if name in solved else _quantize_one(name, t, o, get)
             base = name[: -len("weight")]
             out_files[fname].update({base + k: v.contiguous() for k, v in tensors.items()})

@@ -281,12 +281,6 @@ def test_quantization_argument_must_match_the_checkpoint(tmp_path):
     assert _llm(dst, quantization="gptq").generate(PROMPTS[:1], GREEDY)[0].token_ids
 
 
-def test_quantized_moe_is_refused(tmp_path):
-    path = _with_quant_config(tmp_path, {"quant_method": "fp8", "weight_block_size": [128, 128]}, arch="mixtral")
-    with pytest.raises(ValueError, match="MoE"):
-        _llm(path)
-
-
 # ---- FP8 static activations (activation_scheme "static"): loading, and which scale the W8A8 GEMM uses ----
 
 def test_fp8_static_checkpoint_without_input_scales_is_refused(tmp_path):

@@ -137,8 +137,11 @@ def _belongs_elsewhere(model: CausalLM, name: str) -> bool:
     m = _LAYER.match(name)
     if m and int(m.group(1)) not in model.layer_range:
         return 0 <= int(m.group(1)) < model.config.num_hidden_layers
-    if model._EXPERT.match(name):  # a local layer's expert that lives on another EP rank
-        return True
+    expert = model._EXPERT.match(name)
+    if expert:  # a local layer's expert that lives on another EP rank (a tensor this model has no parameter for is not)
+        kind = "w2" if expert.group(3) in ("w2", "down_proj") else "w13"
+        suffix = "" if expert.group(4) == "weight" else "_scale"
+        return f"layers.{name.split('.')[2]}.mlp.experts.{kind}{suffix}" in model._params()
     if name.startswith("lm_head."):
         return model.lm_head is None
     if name.startswith("model.norm."):
@@ -167,6 +170,10 @@ def fill_dummy_weights(model: CausalLM, seed: int) -> None:
         if isinstance(method, LinearMethod) and method.quantized and rtn_options(model.quant_config) is not None:
             fill_dummy_quantized(module, rtn_options(model.quant_config), gen, rtn_cache)
             quantized.update(id(p) for p in module.parameters() if p is not getattr(module, "bias", None))
+    for module in model.modules():
+        if hasattr(module, "fill_dummy") and getattr(module, "fp8", False):  # FP8 experts: e4m3 codes and their scales
+            module.fill_dummy(gen)
+            quantized.update(id(p) for p in module.parameters())
     for name, p in model.named_parameters():
         if id(p) in quantized:
             continue

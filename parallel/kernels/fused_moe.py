@@ -9,6 +9,10 @@ Steps (all on the device, so a decode step with MoE can be captured in a CUDA gr
 3. SiLU-and-mul -> [T*k, I].
 4. grouped GEMM 2: rows times w2[e]^T, scaled by the routing weight -> [T*k, H]; summed over k.
 The expert loop in `workers/models/moe.py` stays the reference (and the CPU path).
+FP8 experts (e4m3 weights, a float32 scale per (bn, bk) block, workers/models/moe.py) run weight-only: each
+B tile is loaded in e4m3, scaled by its blocks' scales in fp32 and cast to the activations' dtype before the
+dot, so the weights cross HBM at one byte each. K tiles are cut no larger than bk, so a tile's columns share
+one scale column.
 """
 from __future__ import annotations
 
@@ -22,9 +26,10 @@ from parallel.kernels.fused_ops import silu_and_mul
 # The pair count changes every step: specialising on it (multiple of 16 or not) would compile while serving.
 @triton.jit(do_not_specialize=["num_valid"])
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, weights_ptr,
-                         N, K, num_valid,
-                         stride_am, stride_be, stride_bn, stride_cm,
-                         TOP_K_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                         scale_ptr, N, K, num_valid,
+                         stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_sk,
+                         TOP_K_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, SCALED: tl.constexpr,
+                         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(tl.load(num_padded_ptr), BLOCK_M)
@@ -48,11 +53,16 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, 
     a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + e * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]  # [BK, BN] view of w[e]^T
     mask_n = offs_n < N
+    if SCALED:
+        s_ptrs = scale_ptr + e * stride_se + (offs_n // SCALE_BN).to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if SCALED:  # e4m3 weights: this K tile's scale of each output column (BLOCK_K <= SCALE_BK)
+            s = tl.load(s_ptrs + (k0 // SCALE_BK) * stride_sk, mask=mask_n, other=0.0)
+            b = (b.to(tl.float32) * s[None, :]).to(a.dtype)
         acc += tl.dot(a, b)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -163,20 +173,30 @@ def _config(m_per_expert: float, n: int, k: int):
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-def _grouped_gemm(a, w, out, sorted_ids, block_expert, num_padded, weights, num_valid, top_k_div, mul_weight, cfg):
+def _grouped_gemm(a, w, out, sorted_ids, block_expert, num_padded, weights, num_valid, top_k_div, mul_weight, cfg,
+                  scale: torch.Tensor | None = None, block: tuple[int, int] = (1, 1)):
+    """scale [E, ceil(N / bn), ceil(K / bk)] with block (bn, bk): w is e4m3, element (n, k) scaled by
+    scale[e, n // bn, k // bk]."""
     n, k = w.shape[1], w.shape[2]
     max_rows = sorted_ids.shape[0]
+    if scale is not None and block[1] < k:  # a K tile must not straddle two scale columns
+        cfg = {**cfg, "BLOCK_K": min(cfg["BLOCK_K"], block[1])}
     grid = (triton.cdiv(max_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _grouped_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, num_padded, weights, n, k, num_valid,
-                               a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                               TOP_K_DIV=top_k_div, MUL_WEIGHT=mul_weight, **cfg)
+    s = scale if scale is not None else weights  # an unread placeholder pointer when not scaled
+    strides = scale.stride() if scale is not None else (0, 0, 0)
+    _grouped_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, num_padded, weights, s, n, k, num_valid,
+                               a.stride(0), w.stride(0), w.stride(1), out.stride(0), *strides,
+                               TOP_K_DIV=top_k_div, MUL_WEIGHT=mul_weight, SCALED=scale is not None,
+                               SCALE_BN=block[0], SCALE_BK=max(block[1], 1), **cfg)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, expert_start: int = 0, num_experts_total: int | None = None) -> torch.Tensor:
+              topk_weights: torch.Tensor, expert_start: int = 0, num_experts_total: int | None = None,
+              fp8_scales: tuple | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_ids [T, k] global ids; topk_weights [T, k] fp32
     -> [T, H] (this rank's partial sum over its local experts w13/w2 = experts [expert_start, expert_start + E)
-    of num_experts_total; None: all experts are local)."""
+    of num_experts_total; None: all experts are local). fp8_scales: (w13_scale, w13_block, w2_scale, w2_block)
+    for e4m3 w13/w2 (see `_grouped_gemm`)."""
     t, hdim = x.shape
     e, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -189,11 +209,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     weights = topk_weights.flatten().to(torch.float32).contiguous()
     # rows of pairs routed to no local expert stay unwritten in h1 and zero in y
     h1 = torch.empty(n_pairs, two_i, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, h1, sorted_ids, block_expert, num_padded, weights, n_pairs, top_k, False, cfg)
+    s13, b13, s2, b2 = fp8_scales if fp8_scales is not None else (None, (1, 1), None, (1, 1))
+    _grouped_gemm(x, w13, h1, sorted_ids, block_expert, num_padded, weights, n_pairs, top_k, False, cfg, s13, b13)
     act = silu_and_mul(h1)
     # with every expert local, every pair's row is written; otherwise (EP) the others must read as zero
     all_local = expert_start == 0 and (num_experts_total is None or num_experts_total == e)
     y = (torch.empty if all_local else torch.zeros)(n_pairs, hdim, dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w2, y, sorted_ids, block_expert, num_padded, weights, n_pairs, 1, True, cfg)
+    _grouped_gemm(act, w2, y, sorted_ids, block_expert, num_padded, weights, n_pairs, 1, True, cfg, s2, b2)
     return y.view(t, top_k, hdim).sum(dim=1)
 

@@ -99,16 +99,19 @@ def _is_moe_layer(cfg, spec: ArchSpec, layer_idx: int) -> bool:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, spec: ArchSpec, layer_idx: int, max_positions: int, quant_config: QuantConfig | None = None):
+    def __init__(self, cfg, spec: ArchSpec, layer_idx: int, max_positions: int, quant_config: QuantConfig | None = None,
+                 moe_fp8: tuple[int, int] | None | bool = False):
         super().__init__()
         self.self_attn = Attention(cfg, spec, max_positions, quant_config)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if _is_moe_layer(cfg, spec, layer_idx):
             if spec.moe == "mixtral":
-                self.mlp = SparseMoE(cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, renormalize=True)
+                self.mlp = SparseMoE(cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size,
+                                     renormalize=True, fp8_block=moe_fp8)
             else:
-                self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, renormalize=cfg.norm_topk_prob)
+                self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                                     renormalize=cfg.norm_topk_prob, fp8_block=moe_fp8)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=bool(getattr(cfg, "mlp_bias", False)), quant_config=quant_config)
 
@@ -120,6 +123,25 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(positions, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+
+def _moe_fp8_block(quant_config: QuantConfig | None, cfg) -> tuple[int, int] | None | bool:
+    """How a MoE model's experts are stored: False plain; for an FP8 checkpoint the weight_block_size, or None
+    for per-tensor / per-channel scales. Other quantized MoE checkpoints are refused by name."""
+    if quant_config is None:
+        return False
+    from parallel.quant.fp8 import FP8Config
+
+    if not isinstance(quant_config, FP8Config):
+        raise ValueError(f"quantized MoE models ({quant_config.name} on {cfg.model_type}) are not supported yet; "
+                         "FP8 MoE checkpoints are")
+    if quant_config.online:
+        raise ValueError(f"quantization='fp8' on an unquantized MoE model ({cfg.model_type}) is not supported yet: "
+                         "load an FP8 checkpoint of it")
+    if quant_config.static_act:
+        raise ValueError(f"FP8 MoE with activation_scheme='static' ({cfg.model_type}) is not supported yet; "
+                         "dynamic (and block-wise) FP8 MoE checkpoints are")
+    return quant_config.block
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
@@ -145,13 +167,13 @@ class CausalLM(nn.Module):
         self.spec = arch_spec(cfg)
         # Linear layers of the decoder only; embeddings, norms, the LM head and the MoE router stay plain.
         self.quant_config = parse_quant_config(getattr(cfg, "quantization_config", None))
-        if self.quant_config is not None and self.spec.moe is not None:
-            raise ValueError(f"quantized MoE models ({self.quant_config.name} on {cfg.model_type}) are not supported yet")
+        self.moe_fp8 = _moe_fp8_block(self.quant_config, cfg) if self.spec.moe is not None else False
         pp = pp_group()
         self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
         self.layer_range = stage_layers(cfg.num_hidden_layers, pp.size, pp.rank)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.is_first_stage else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, self.spec, i, max_positions, self.quant_config) for i in self.layer_range})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, self.spec, i, max_positions, self.quant_config, self.moe_fp8)
+                                     for i in self.layer_range})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last_stage else None
         self.lm_head = None
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -186,7 +208,8 @@ class CausalLM(nn.Module):
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
-    _EXPERT = re.compile(r"^(model\.layers\.\d+\.)(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+    _EXPERT = re.compile(r"^(model\.layers\.\d+\.)(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
+                         r"\.(weight|weight_scale_inv|weight_scale)$")
     _EXPERT_SHARD = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
     def checkpoint_target(self, name: str) -> tuple[nn.Parameter, tuple] | None:
@@ -194,8 +217,9 @@ class CausalLM(nn.Module):
         params = self._params()
         m = self._EXPERT.match(name)
         if m:
-            prefix, expert_id, kind = m.group(1), int(m.group(2)), m.group(3)
-            key = self._local_name(prefix + "mlp.experts." + ("w2" if kind in ("w2", "down_proj") else "w13"))
+            prefix, expert_id, kind, tensor = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+            key = self._local_name(prefix + "mlp.experts." + ("w2" if kind in ("w2", "down_proj") else "w13")
+                                   + ("" if tensor == "weight" else "_scale"))
             experts = self._module_of(key)
             if key not in params or not experts.is_local(expert_id):
                 return None
