@@ -113,3 +113,7 @@ class QuantConfig:
 
     def linear_method(self) -> LinearMethod:
         raise NotImplementedError
+
+    def checkpoint_name(self, name: str) -> str:
+        """The name a checkpoint tensor loads under (a format that names a tensor differently maps it here)."""
+        return name

@@ -9,7 +9,7 @@ from typing import Any
 
 from parallel.quant.base import QuantConfig
 
-SUPPORTED_METHODS = ("gptq", "awq", "fp8")
+SUPPORTED_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")
 # Modules Tandem never quantizes anyway; a checkpoint saying so changes nothing.
 _ALWAYS_PLAIN = ("lm_head", "embed_tokens", "norm", "mlp.gate", "block_sparse_moe.gate")
 
@@ -58,9 +58,10 @@ def parse_quant_config(qc: Any) -> QuantConfig | None:
         from parallel.quant.fp8 import FP8Config
 
         return FP8Config.from_config(qc)
-    if method == "compressed-tensors":
-        raise ValueError("quant_method 'compressed-tensors' (llm-compressor checkpoints) is not supported yet; "
-                         f"Tandem loads {list(SUPPORTED_METHODS)}")
+    if method == "compressed-tensors":  # llm-compressor's checkpoints: their FP8 schemes
+        from parallel.quant.compressed_tensors import compressed_tensors_config
+
+        return compressed_tensors_config(qc)
     raise ValueError(f"unsupported quant_method {method!r} in config.json's quantization_config; "
                      f"Tandem loads {list(SUPPORTED_METHODS)}")
 

@@ -215,6 +215,8 @@ class CausalLM(nn.Module):
     def checkpoint_target(self, name: str) -> tuple[nn.Parameter, tuple] | None:
         """Which local parameter a checkpoint tensor loads into, and the extra loader args; None to skip."""
         params = self._params()
+        if self.quant_config is not None:
+            name = self.quant_config.checkpoint_name(name)
         m = self._EXPERT.match(name)
         if m:
             prefix, expert_id, kind, tensor = m.group(1), int(m.group(2)), m.group(3), m.group(4)
