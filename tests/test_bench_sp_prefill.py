@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import ray
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -18,17 +17,16 @@ TINY = str(REPO / "models" / "tandem-tiny")
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    """A 2-CPU Ray that the benchmark's layout processes join (RAY_ADDRESS) instead of starting their own."""
-    context = ray.init(address="local", num_cpus=2, include_dashboard=False)
+def ray_session(shared_ray):
+    """The session's Ray (tests/conftest.py, 6 CPUs), which the benchmark's layout processes join
+    (RAY_ADDRESS) instead of starting their own."""
     previous = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = context.address_info["address"]
+    os.environ["RAY_ADDRESS"] = shared_ray
     yield
     if previous is None:
         os.environ.pop("RAY_ADDRESS", None)
     else:
         os.environ["RAY_ADDRESS"] = previous
-    ray.shutdown()
 
 
 def test_sp1_and_sp2_cells_with_times_each_layout_in_its_own_process(ray_session, tmp_path):
@@ -52,7 +50,7 @@ def test_a_layout_that_cannot_start_is_recorded(ray_session, tmp_path):
     from bench_sp_prefill import main
 
     out = tmp_path / "bad"
-    # 64 ranks cannot be placed on this 2-CPU Ray: recorded as that layout's error, the others still run.
+    # 64 ranks cannot be placed on this 6-CPU Ray: recorded as that layout's error, the others still run.
     # In this process (--no-isolate), the mode that keeps every layout's engine here.
     assert main(["--model", TINY, "--device", "cpu", "--lengths", "32", "--layouts", "sp1 sp64", "--no-isolate",
                  "--out", str(out)]) == 1

@@ -16,7 +16,6 @@ invariants hold (frees that land asynchronously get a short poll).
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -135,10 +134,8 @@ class Pools:
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING)
-    yield
-    ray.shutdown()
+def ray_session(shared_ray):
+    return shared_ray  # the session's local Ray (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

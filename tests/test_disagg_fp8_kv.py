@@ -9,10 +9,8 @@ only its missing blocks. Both pools end clean.
 """
 from __future__ import annotations
 
-import logging
 
 import pytest
-import ray
 from transformers import AutoConfig
 
 from tests.models import prompts_of_lengths, tiny_model
@@ -28,10 +26,8 @@ FP8 = dict(kv_cache_dtype="fp8")
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING)
-    yield
-    ray.shutdown()
+def ray_session(shared_ray):
+    return shared_ray  # the session's local Ray (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,9 @@ a multiple of the SP period, so the owners come from absolute block indices. Bot
 """
 from __future__ import annotations
 
-import logging
 from types import SimpleNamespace
 
 import pytest
-import ray
 
 from tests.models import hf_greedy, prompts_of_lengths, tiny_model
 from tests.test_disagg import (  # noqa: F401 - `run` and `reference` are fixtures
@@ -33,11 +31,9 @@ LAYOUTS = {  # prefill, decode
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    # 6 ranks at most (4 prefill + 2 decode); logical CPUs, the ranks mostly wait on each other.
-    ray.init(address="local", num_cpus=6, include_dashboard=False, logging_level=logging.WARNING)
-    yield
-    ray.shutdown()
+def ray_session(shared_ray):
+    # 6 ranks at most (4 prefill + 2 decode): the session's Ray (tests/conftest.py) has 6 logical CPUs.
+    return shared_ray
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))

@@ -36,7 +36,9 @@ def test_schedule_is_parsed_and_checked():
 
 
 @pytest.mark.slow
-def test_short_fault_load_loses_nothing_and_leaks_no_blocks(tmp_path):
+def test_short_fault_load_loses_nothing_and_leaks_no_blocks(tmp_path, no_shared_ray):
+    """The script starts its app on a private Ray of its own (the kills pick any RankWorker of the Ray
+    this process is connected to), so the session's shared Ray is stopped first (tests/conftest.py)."""
     import fault_load
 
     t0 = time.monotonic()

@@ -47,11 +47,9 @@ FULL_LOGITS = [
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    # Started here, sized for the largest layout (4 ranks); LLM(...) would size it for its own.
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    yield
-    ray.shutdown()
+def ray_session(shared_ray):
+    # The session's Ray (tests/conftest.py), sized for the largest layout (4 ranks); LLM(...) would size it for its own.
+    return shared_ray
 
 
 @pytest.fixture(scope="module")

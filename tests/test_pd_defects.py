@@ -10,11 +10,9 @@ further step may come to correct a stale gauge.
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any, AsyncIterator, Coroutine, TypeVar
 
 import pytest
-import ray
 
 from engine.disagg import DecodeReplica, PrefillReady, PrefillReplica, Reservation
 from engine.llm_engine import LLMEngine
@@ -42,10 +40,8 @@ class GaugeRecorder:
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    ray.init(address="local", num_cpus=3, include_dashboard=False, logging_level=logging.WARNING)
-    yield
-    ray.shutdown()
+def ray_session(shared_ray):
+    return shared_ray  # the session's local Ray (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

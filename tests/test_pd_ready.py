@@ -12,10 +12,7 @@ pools answered waits for them, bounded.
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
 import time
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 import pytest
@@ -27,7 +24,6 @@ from router.disaggregated import DisaggregatedBackend
 from router.openai_api import create_openai_app
 from tests.serving import ENGINE_KWARGS, build_chat_model, make_backend
 
-REPO = str(Path(__file__).resolve().parents[1])
 NAME = "pd-ready"
 INFO_DELAY_S = 1.0  # how long the stand-in decode pool takes to answer `info` (still loading its model)
 
@@ -127,20 +123,15 @@ def test_failed_info_is_retried_by_the_next_caller(model):
 
 
 @pytest.mark.slow
-def test_first_request_after_serve_run_succeeds(model):
+def test_first_request_after_serve_run_succeeds(model, shared_ray):
     """`serve.run` returns once the app is RUNNING: its very first request must be answered, not 503."""
     import httpx2
-    import ray
     from ray import serve
 
     from router.app import build_app
 
     http_port = free_port()
-    with pytest.MonkeyPatch.context() as mp:
-        # Ray's workers (replicas, rank actors) inherit the raylet's environment: let them import this repo.
-        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
-        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING)
-    try:
+    try:  # Serve on the session's Ray (tests/conftest.py)
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         args = {"model": model, "served_model_name": NAME, **ENGINE_KWARGS, "max_num_seqs": 4,
                 "prefill": {"num_replicas": 1}, "decode": {"num_replicas": 1}}
@@ -151,4 +142,3 @@ def test_first_request_after_serve_run_succeeds(model):
         assert r.json()["usage"]["completion_tokens"] == 4
     finally:
         serve.shutdown()
-        ray.shutdown()

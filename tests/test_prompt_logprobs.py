@@ -99,27 +99,21 @@ def test_chat_prompt_logprobs_cover_the_templated_prompt(oa):
 
 
 @pytest.mark.slow
-def test_prompt_logprobs_under_tp2_and_pp2_ranks_equal_hf():
+def test_prompt_logprobs_under_tp2_and_pp2_ranks_equal_hf(shared_ray):
     """Ray rank actors: the logits are gathered over 2 TP ranks, or come from the last of 2 pipeline
     stages, and the answer travels back through the step channel (workers/step_delta.py)."""
-    import ray
-
     from engine.llm import LLM
 
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(TINY).encode(TEXT)
     ref = hf_prompt_logprobs(ids)
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    try:
-        for layout in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)):
-            llm = LLM(model=TINY, dtype="float32", device="cpu", num_gpu_blocks_override=64, max_num_batched_tokens=32,
-                      distributed_executor_backend="ray", **layout)
-            try:
-                out = llm.generate([ids], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1))[0]
-            finally:
-                llm.shutdown()
-            for pos in range(1, len(ids)):
-                assert math.isclose(out.prompt_logprobs[pos][ids[pos]], ref[pos - 1, ids[pos]].item(), abs_tol=TOL), (layout, pos)
-    finally:
-        ray.shutdown()
+    for layout in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)):  # on the session's Ray (conftest.py)
+        llm = LLM(model=TINY, dtype="float32", device="cpu", num_gpu_blocks_override=64, max_num_batched_tokens=32,
+                  distributed_executor_backend="ray", **layout)
+        try:
+            out = llm.generate([ids], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1))[0]
+        finally:
+            llm.shutdown()
+        for pos in range(1, len(ids)):
+            assert math.isclose(out.prompt_logprobs[pos][ids[pos]], ref[pos - 1, ids[pos]].item(), abs_tol=TOL), (layout, pos)

@@ -182,22 +182,18 @@ def test_fused_projections_with_different_act_orders_are_refused():
         _load(gu, qt.quantize_gptq(torch.randn(32, 64, generator=g), o, torch.randperm(64, generator=g))[0], 1)
 
 
-def test_tp2_equals_tp1_on_a_gptq_checkpoint(tmp_path):
+def test_tp2_equals_tp1_on_a_gptq_checkpoint(tmp_path, shared_ray):
     """Both ranks' shards (act order with grouped scales under row parallelism; packed qzeros under
     column parallelism) on two gloo ranks give the one-rank tokens."""
-    import ray
-
     _, dst, ref = _quantized(tmp_path, "gptq4_g16_asym_act")
     one = _llm(dst)
     expected = [o.token_ids for o in one.generate(PROMPTS, GREEDY)]
     one.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    two = _llm(dst, tensor_parallel_size=2)  # its ranks on the session's Ray (tests/conftest.py)
     try:
-        two = _llm(dst, tensor_parallel_size=2)
         got = [o.token_ids for o in two.generate(PROMPTS, GREEDY)]
-        two.shutdown()
     finally:
-        ray.shutdown()
+        two.shutdown()
     assert got == expected
     assert expected == [t for t, _ in hf_greedy_batch(ref, PROMPTS, MAX_NEW)]
 

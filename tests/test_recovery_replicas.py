@@ -10,10 +10,7 @@ never a 500 or a hang.
 """
 from __future__ import annotations
 
-import logging
-import os
 import time
-from pathlib import Path
 
 import pytest
 
@@ -22,27 +19,21 @@ from tests.serving import ENGINE_KWARGS, build_chat_model
 
 pytestmark = pytest.mark.slow
 
-REPO = str(Path(__file__).resolve().parents[1])
 APP = "tandem"
 BOUND_S = 5.0  # the issue's bound
 WATCH_S = 7.0  # how long after the kill requests keep coming
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
+def ray_cluster(shared_ray):
     from ray import serve
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
-        ray.init(address="local", num_cpus=6, include_dashboard=False, logging_level=logging.WARNING)
-    try:
+    try:  # Serve on the session's Ray (tests/conftest.py, 6 CPUs)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 def _replicas(deployment: str) -> list[str]:

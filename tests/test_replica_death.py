@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import logging
-import os
 import time
-from pathlib import Path
 
 import pytest
 
@@ -28,24 +25,19 @@ from tests.serving import ENGINE_KWARGS, build_chat_model
 
 pytestmark = pytest.mark.slow
 
-REPO = str(Path(__file__).resolve().parents[1])
 APP = "tandem"
 RETRY_S = 2.0  # the bound for a request whose prefill replica died
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    import ray
+def url(tmp_path_factory, shared_ray):
     from ray import serve
 
     from router.app import build_app
 
     model = build_chat_model(tmp_path_factory.mktemp("models") / "death-llama")
     port = free_port()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
-        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING)
-    try:
+    try:  # Serve on the session's Ray (tests/conftest.py)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = {"model": model, "colocated": False, "local_prefill_max_tokens": 0, "local_prefill_when_idle": False,
                 "prefill": {"num_replicas": 1}, "decode": {"num_replicas": 1}, **ENGINE_KWARGS}
@@ -53,7 +45,6 @@ def url(tmp_path_factory):
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 def _stats(deployment: str) -> dict:

@@ -3,9 +3,6 @@ proxy (the servicer methods called as Serve calls them). One Ray start for the m
 from __future__ import annotations
 
 import json
-import logging
-import os
-from pathlib import Path
 
 import grpc
 import pytest
@@ -16,26 +13,20 @@ from tests.serving import ENGINE_KWARGS, build_chat_model, wait_idle
 
 pytestmark = pytest.mark.slow
 
-REPO = str(Path(__file__).resolve().parents[1])
 NAME = "serve-llama"
 KEY = "sk-serve"
 AUTH = [("authorization", f"Bearer {KEY}")]
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    import ray
+def app(tmp_path_factory, shared_ray):
     from ray import serve
 
     from router.app import build_app
 
     model = build_chat_model(tmp_path_factory.mktemp("models") / NAME)
     http_port, grpc_port = free_port(), free_port()
-    with pytest.MonkeyPatch.context() as mp:
-        # Ray's workers (replicas, proxies) inherit the raylet's environment: let them import this repo.
-        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
-    try:
+    try:  # Serve on the session's Ray (tests/conftest.py)
         serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                     grpc_options={"port": grpc_port,
                                   "grpc_servicer_functions": ["router.proto.inference_pb2_grpc.add_InferenceServicer_to_server"]})
@@ -45,7 +36,6 @@ def app(tmp_path_factory):
                "handle": serve.get_app_handle("tandem")}
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,7 @@ Serve's request router served them about one per 10 s. One Ray start for the mod
 from __future__ import annotations
 
 import json
-import logging
-import os
 import time
-from pathlib import Path
 
 import pytest
 
@@ -18,25 +15,20 @@ from tests.serving import ENGINE_KWARGS, build_chat_model
 
 pytestmark = pytest.mark.slow
 
-REPO = str(Path(__file__).resolve().parents[1])
 NAME = "fanout-llama"
 # Far under the 10 s a stalled child took per step of Serve's retry: 16 children would need minutes.
 LIMIT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    import ray
+def url(tmp_path_factory, shared_ray):
     from ray import serve
 
     from router.app import build_app
 
     model = build_chat_model(tmp_path_factory.mktemp("models") / NAME)
     port = free_port()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
-        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING)
-    try:
+    try:  # Serve on the session's Ray (tests/conftest.py)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = {"model": model, "colocated": False, "local_prefill_max_tokens": 0, "local_prefill_when_idle": False,
                 "prefill": {"num_replicas": 1}, "decode": {"num_replicas": 1}, **ENGINE_KWARGS}
@@ -44,7 +36,6 @@ def url(tmp_path_factory):
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 def _post(url: str, body: dict):

@@ -6,7 +6,6 @@ decoding continues on the KV the SP prefill left spread over the ranks.
 from __future__ import annotations
 
 import pytest
-import ray
 
 from engine.llm import LLM
 from parallel.ring_attention import CPU_TILES
@@ -24,10 +23,8 @@ ENGINE_ARGS = dict(block_size=8, max_num_batched_tokens=512, max_num_seqs=8, max
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    yield
-    ray.shutdown()
+def ray_session(shared_ray):
+    return shared_ray  # the session's local Ray (tests/conftest.py)
 
 
 def _greedy(path: str, **kwargs) -> list[list[int]]:

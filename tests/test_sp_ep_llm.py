@@ -8,7 +8,6 @@ prompts is served partly from the prefix cache.
 from __future__ import annotations
 
 import pytest
-import ray
 
 from parallel.config import ParallelConfig
 from tests.models import hf_greedy_argmax, prompts_of_lengths, tiny_model
@@ -24,9 +23,8 @@ ENGINE_ARGS = dict(block_size=4, max_num_batched_tokens=20, max_num_seqs=8, show
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    yield
-    ray.shutdown()
+def ray_session(shared_ray):
+    return shared_ray  # the session's local Ray (tests/conftest.py), which LLM(...) joins
 
 
 def generate(path: str, rounds: int = 1, **kwargs) -> tuple[list[list[list[int]]], dict]:

@@ -2,7 +2,6 @@
 ranks every step, the first rank verifies on the gathered logits, and rejected drafts' tail blocks are
 freed and regrown between steps; greedy output equals one rank's plain output (issue 16)."""
 import pytest
-import ray
 
 from tests.models import assert_engine_clean, tiny_model
 from tests.test_spec_decode import NGRAM, PROMPTS, check_same, greedy, perturbed_copy
@@ -12,10 +11,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
+def ray_session(shared_ray):
+    return shared_ray  # the session's local Ray (tests/conftest.py)
 
 
 def test_tp2_speculation_equals_one_rank_plain(tmp_path):

@@ -137,11 +137,8 @@ def test_channel_names_a_dead_rank_at_once_and_a_silent_one_at_the_deadline(spin
 
 
 @pytest.fixture(scope="module")
-def private_ray():
-    import ray
-
-    yield
-    ray.shutdown()  # the executor started a private Ray; later modules start their own
+def private_ray(shared_ray):
+    return shared_ray  # the session's local Ray (tests/conftest.py), which the executor joins
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ and stop reasons), and the finished sequence's blocks must all come back."""
 from __future__ import annotations
 
 import pytest
-import ray
 
 from engine.llm import LLM
 from tests.models import assert_engine_clean
@@ -20,10 +19,8 @@ PROMPTS = ["import os\n", "def add(a, b):\n", "class Stack:\n", "for i in range(
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
+def ray_session(shared_ray):
+    return shared_ray  # the session's local Ray (tests/conftest.py)
 
 
 def _params(reference: list[str]) -> list[SamplingParams]:

@@ -6,8 +6,6 @@ pool, where the grammar follows the request to the decode pool.
 from __future__ import annotations
 
 import json
-import logging
-import os
 from pathlib import Path
 
 import jsonschema
@@ -276,21 +274,17 @@ def test_forced_tool_calls_round_trip_with_the_sdk(tools_server):
 
 
 @pytest.mark.slow
-def test_json_schema_on_the_disaggregated_app(tmp_path):
+def test_json_schema_on_the_disaggregated_app(tmp_path, shared_ray):
     """Prefill on 2 TP ranks (the mask where the gathered logits are), decode on another replica that
     recompiles the grammar from the params and advances it over the handed-over first token."""
     import openai
-    import ray
     from ray import serve
 
     from parallel.net import free_port
     from router.app import build_app
 
     http_port = free_port()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING)
-    try:
+    try:  # Serve on the session's Ray (tests/conftest.py)
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         args = {"model": TINY, **ENGINE_KWARGS, "max_num_seqs": 4, "local_prefill_max_tokens": 0,
                 "local_prefill_when_idle": False,  # every request hands its KV (and its grammar) over
@@ -310,4 +304,3 @@ def test_json_schema_on_the_disaggregated_app(tmp_path):
         assert guided.choices[0].text in ("alpha", "beta")
     finally:
         serve.shutdown()
-        ray.shutdown()

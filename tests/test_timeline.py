@@ -152,13 +152,10 @@ class ReplicaBackend:
 
 
 @pytest.fixture(scope="module")
-def pd(model):
+def pd(model, shared_ray):
     """A TestClient over the OpenAI app on a decode replica whose prefill pool is one prefill replica."""
-    import ray
-
     from engine.disagg import DecodeReplica, PrefillReplica
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
     common = dict(model=model, dtype="float32", device="cpu", block_size=16, num_gpu_blocks_override=64,
                   kv_transfer_timeout_seconds=30.0)
     engines: list[LLMEngine] = []
@@ -173,7 +170,6 @@ def pd(model):
     finally:
         for engine in engines:
             engine.shutdown()
-        ray.shutdown()
 
 
 @pytest.mark.slow
