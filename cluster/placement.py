@@ -33,8 +33,8 @@ class RankPlacement:
         except GetTimeoutError:
             self.remove()
             raise ExecutorError(
-                f"could not place {parallel.world_size} ranks ({num_groups} groups of {self.tp} ranks of {per_rank:g} {kind}, "
-                f"each group on one node) "
+                f"could not place {parallel.world_size} ranks ({num_groups} groups of {self.tp} "
+                f"{kind + 's' if per_rank == 1 else f'ranks of {per_rank:g} {kind}'}, each group on one node) "
                 f"within {timeout_s:.0f}s; the cluster has {ray.available_resources().get(kind, 0):g} {kind}s free"
             ) from None
 
@@ -57,8 +57,8 @@ def _check_feasible(kind: str, world_size: int, tp: int, per_rank: float = 1.0) 
     per_node = [n["Resources"].get(kind, 0) for n in ray.nodes() if n.get("Alive")]
     if total < world_size * per_rank or max(per_node, default=0) < tp * per_rank:
         raise ExecutorError(
-            f"{world_size} ranks of {per_rank:g} {kind} need {world_size * per_rank:g} {kind}s, {tp * per_rank:g} of them on "
-            f"one node (a TP group); the Ray cluster has "
+            f"{world_size} ranks{'' if per_rank == 1 else f' of {per_rank:g} {kind}'} need {world_size * per_rank:g} {kind}s, "
+            f"{tp * per_rank:g} of them on one node (a TP group); the Ray cluster has "
             f"{total:g} {kind}s, at most {max(per_node, default=0):g} on one node (a Ray started earlier in this process "
             f"keeps its size: start it with enough, e.g. ray.init(num_cpus=...))"
         )
