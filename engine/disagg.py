@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import logging
 import time
 import uuid
@@ -365,7 +366,9 @@ class DecodeReplica:
 
     async def _transfer(self, ready: PrefillReady, res: Reservation) -> TransferStats:
         pair_id = f"{ready.prefill_replica}->{self.replica_id}"
-        spec = PairSpec(pair_id, len(ready.shards), len(self.shards), staged=share_a_gpu(ready.shards, self.shards))
+        shared = share_a_gpu(ready.shards, self.shards)
+        spec = PairSpec(pair_id, len(ready.shards), len(self.shards), staged=shared,
+                        ipc=shared and os.environ.get("TANDEM_KV_IPC") == "1")
         # The blocks the decode side lacks, by their index in the sequence (an SP prefill rank holds some of them).
         blocks = range(res.num_hit_blocks, len(ready.block_ids))
         plan = plan_transfers(ready.shards, self.shards, blocks)

@@ -147,7 +147,7 @@ def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: t
         cache = torch.full((LAYERS, 2, DECODE_BLOCKS, BS, len(shard.heads), HEAD_DIM), SENTINEL).to(dtype)
     cache = cache.to(device)
     agent = KVTransferAgent(cache, shard, "prefill" if is_prefill else "decode", timeout_s=60.0)
-    spec = PairSpec("p->d", len(src), len(dst), staged=staged)
+    spec = PairSpec("p->d", len(src), len(dst), staged=staged, ipc=staged and gpus[0] == gpus[1] != "")
     address = [agent.open_store(spec.pair_id) if rank == 0 else None]
     dist.broadcast_object_list(address, src=0)
     agent.join(spec, *address[0])
@@ -220,14 +220,14 @@ def test_ranks_on_one_gpu_copy_the_blocks_out_of_the_peer_cache(prefill, decode_
         cache = torch.full((LAYERS, 2, DECODE_BLOCKS, BS, len(shard.heads), HEAD_DIM), SENTINEL)
         agent = KVTransferAgent(cache, shard, "decode")
         group = agent._groups["p->d"] = _AckGroup()
-        agent._same_gpu = lambda peer: True
+        agent._same_gpu = lambda spec, peer: True
         for s in src:  # each prefill rank's cache, as _transfer_rank lays it out
             peer = torch.full((LAYERS, 2, PER_RANK, BS, len(s.heads), HEAD_DIM), 99.0)
             for i in range(NUM_SEQ_BLOCKS):
                 if block_owner(i, sp) == s.sp_rank:
                     peer[:, :, local_block_id(src_table[i], PER_RANK)] = full[:, :, i, :, s.heads.start:s.heads.stop]
             agent._peer_caches[("p->d", s.rank)] = peer
-        spec = PairSpec("p->d", len(src), len(dst), staged=True)
+        spec = PairSpec("p->d", len(src), len(dst), staged=True, ipc=True)
         received = agent.recv(spec, plan, {s.rank: s for s in src}, dst_table, src_table)
         expected = torch.full_like(cache, SENTINEL)
         for i in range(HITS, NUM_SEQ_BLOCKS):

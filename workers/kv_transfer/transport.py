@@ -7,10 +7,11 @@ fixed ports), and cached until a transfer fails, after which it is rebuilt.
 
 NCCL on GPUs, gloo on CPU: the same code, so CI exercises it with gloo. A pair in which a prefill rank
 and a decode rank share a GPU (`PairSpec.staged`) cannot use NCCL, which refuses two ranks on one
-device; its group is gloo. Between two ranks on one GPU the bytes never leave it: each prefill rank
-publishes a CUDA IPC handle of its KV cache in the pair's store, and the decode rank copies the blocks
-straight out of the mapped cache, then tells the prefill rank it is done (a one-byte gloo message, the
-send's ack). Any other message of such a pair is staged through host memory. We do not use Ray's own
+device; its group is gloo and its messages are staged through host memory. With `PairSpec.ipc`
+(TANDEM_KV_IPC=1 on the decode side; opt-in until verified on a GPU end to end) two ranks on one GPU keep
+the bytes on it: each prefill rank publishes a CUDA IPC handle of its KV cache in the pair's store, and
+the decode rank copies the blocks straight out of the mapped cache, then tells the prefill rank it is
+done (a one-byte gloo message, the send's ack). We do not use Ray's own
 GPU tensor transport (RDT): it is alpha, and its NCCL path needs CuPy, which our GPU hosts lack.
 """
 from __future__ import annotations
@@ -49,8 +50,11 @@ class PairSpec:
     pair_id: str  # e.g. "prefill-replica-a->decode-replica-b"
     num_prefill_ranks: int
     num_decode_ranks: int
-    # Some prefill and decode rank share a GPU: a gloo group; those two copy by CUDA IPC, the rest via host memory.
+    # Some prefill and decode rank share a GPU: a gloo group, messages staged through host memory.
     staged: bool = False
+    # And ranks on one GPU copy by CUDA IPC instead (TANDEM_KV_IPC=1 on the decode side, which builds the
+    # spec: opt-in until a GPU run has verified it end to end, docs/benchmarks.md).
+    ipc: bool = False
 
     @property
     def size(self) -> int:
@@ -112,7 +116,7 @@ class KVTransferAgent:
         store = self._stores.get(spec.pair_id) or dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
         self._stores[spec.pair_id] = store
         prefixed = dist.PrefixStore(spec.pair_id, store)
-        if spec.staged and self.kv_cache.is_cuda and self.role == "prefill":
+        if spec.ipc and self.kv_cache.is_cuda and self.role == "prefill":
             prefixed.set(f"ipc/{self.shard.rank}", _export_cache(self.kv_cache))  # for decode ranks on this GPU
         if self.kv_cache.is_cuda and not spec.staged:
             opts = dist.ProcessGroupNCCL.Options()
@@ -162,7 +166,7 @@ class KVTransferAgent:
         works, sent = [], 0
         for tag, t, layers, heads in self._messages(plan, dst_shards, sending=True):
             local_ids = self._local_ids([block_table[i] for i in t.blocks])
-            if self._same_gpu(dst_shards[t.dst]):
+            if self._same_gpu(spec, dst_shards[t.dst]):
                 # The decode rank copies these blocks out of this cache itself; wait for its word that it has.
                 done = torch.zeros(1, dtype=torch.uint8)
                 works.append((group.recv([done], spec.num_prefill_ranks + t.dst, tag), done))
@@ -191,7 +195,7 @@ class KVTransferAgent:
         # Every receive is posted first, in the senders' order (NCCL pairs a rank pair's messages by
         # order, not by tag); each chunk is then scattered as it lands, overlapping the later ones.
         for tag, t, layers, heads in self._messages(plan, src_shards, sending=False):
-            if self._same_gpu(src_shards[t.src]):
+            if self._same_gpu(spec, src_shards[t.src]):
                 local.append((tag, t, layers, heads))
                 continue
             buf = torch.empty(transfer_shape(self.kv_cache, len(t.blocks), layers, heads),
@@ -232,8 +236,9 @@ class KVTransferAgent:
                                          for tag, t, _, _ in messages])
         return copied
 
-    def _same_gpu(self, peer: RankShard) -> bool:
-        return self.kv_cache.is_cuda and bool(peer.device) and peer.device == self.shard.device
+    def _same_gpu(self, spec: PairSpec, peer: RankShard) -> bool:
+        """Whether this message goes by CUDA IPC: the pair uses it, and the peer is on this rank's GPU."""
+        return spec.ipc and self.kv_cache.is_cuda and bool(peer.device) and peer.device == self.shard.device
 
     def _peer_cache(self, pair_id: str, rank: int) -> torch.Tensor:
         """Prefill rank `rank`'s KV cache, mapped into this process through the IPC handle it published."""
