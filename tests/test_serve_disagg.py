@@ -89,7 +89,7 @@ def cluster(tmp_path_factory):
         _run("serve", "deploy", str(config_path), "--address", dashboard, env=env)
         http = f"http://127.0.0.1:{ports['http']}"
         _wait(lambda: urllib.request.urlopen(f"{http}/health", timeout=5).status == 200, 600, "the app did not become healthy")
-        yield {"http": http, "grpc": f"127.0.0.1:{ports['grpc']}", "model": model,
+        yield {"http": http, "grpc": f"127.0.0.1:{ports['grpc']}", "model": model, "gcs": f"127.0.0.1:{ports['gcs']}",
                "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics", "env": env, "dashboard": dashboard}
     finally:
         _stop_cluster(ray_tmp)
@@ -141,8 +141,9 @@ def reference(cluster, hf_tokens) -> dict[str, str]:
 
 
 def _pool_stats(cluster) -> dict:
-    """Each pool's engine stats, read through Serve handles from a driver attached to the cluster."""
-    code = ("import json, ray; from ray import serve; ray.init(address='auto', logging_level='ERROR');"
+    """Each pool's engine stats, read through Serve handles from a driver attached to the cluster: by its GCS
+    address, not 'auto', which would take the newest Ray on the machine (the session's shared one, say)."""
+    code = (f"import json, ray; from ray import serve; ray.init(address={cluster['gcs']!r}, logging_level='ERROR');"
             "print(json.dumps({p: serve.get_deployment_handle(p, 'tandem').stats.remote().result(timeout_s=60)"
             " for p in ('PrefillPool', 'DecodePool')}))")
     out = _run(sys.executable, "-c", code, env=cluster["env"], timeout=120)
