@@ -118,8 +118,9 @@ def test_an_fp8_moe_checkpoint_without_its_quantization_config_is_refused(tmp_pa
 
 
 @pytest.mark.slow
-def test_tp2_fp8_moe_equals_hf_on_dequantized_weights(tmp_path):
-    """Two gloo ranks, each with half of every expert's 16-row blocks (and of down's 16-column blocks)."""
+def test_tp2_fp8_moe_equals_hf_on_dequantized_weights(tmp_path, shared_ray):
+    """Two gloo ranks (on the session's Ray, tests/conftest.py), each with half of every expert's 16-row
+    blocks (and of down's 16-column blocks)."""
     dst, ref = _quantized(tmp_path, "qwen3_moe_block16")
     two = _llm(dst, tensor_parallel_size=2)
     try:
