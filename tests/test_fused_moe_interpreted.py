@@ -4,14 +4,7 @@ experts with block-wise (K blocks smaller than the kernel's K tile) and per-row 
 expert loop of workers/models/moe.py on the same weights. Some pairs go to experts of another EP rank."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreter import run_interpreted
 
 SCRIPT = r'''
 import torch
@@ -45,8 +38,4 @@ print("ok", checked)
 
 
 def test_fused_moe_plain_and_fp8_in_the_triton_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().endswith("ok 8")
+    assert run_interpreted(SCRIPT, timeout=600).strip().endswith("ok 8")

@@ -5,14 +5,7 @@ per channel), with bias, equal to x @ the reference dequantized weight. The same
 compiled in tests/gpu/test_quant_kernels.py."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreter import run_interpreted
 
 SCRIPT = r'''
 import torch
@@ -58,8 +51,4 @@ print("ok", len(cases))
 
 
 def test_quantized_gemms_in_the_triton_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().endswith("ok 6")
+    assert run_interpreted(SCRIPT, timeout=600).strip().endswith("ok 6")

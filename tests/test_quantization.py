@@ -6,11 +6,8 @@ layer (each rank's dequantized shard is its slice of the full weight), and bad c
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,14 +18,13 @@ from safetensors.torch import save_file
 from parallel.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from parallel.quant import parse_quant_config
 from parallel.state import Group
-from tandem import LLM, SamplingParams
+from tandem import SamplingParams
 from tests.models import hf_greedy_batch, prompts_of_lengths, tiny_model
+from tests.quant_helpers import cpu_llm as _llm
+from tests.quant_helpers import qt
+from tests.quant_helpers import with_quant_config as _with_quant_config
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("quantize_tool", ROOT / "scripts" / "quantize.py")
-qt = importlib.util.module_from_spec(_spec)
-sys.modules["quantize_tool"] = qt  # dataclasses look their module up there
-_spec.loader.exec_module(qt)
 
 PROMPTS = prompts_of_lengths([1, 4, 9, 17], vocab_size=300, seed=3)
 MAX_NEW = 8
@@ -63,10 +59,6 @@ def _quantized(tmp_path: Path, case: str) -> tuple[str, str, str]:
         calib = qt.calibration_samples(src, (ROOT / "README.md").read_text(encoding="utf-8"), 4, 32)
     qt.quantize_folder(src, dst, opts, dequantized_out=ref, calibration=calib)
     return src, dst, ref
-
-
-def _llm(path: str, **kw) -> LLM:
-    return LLM(model=path, dtype="float32", device="cpu", show_progress=False, block_size=4, **kw)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -202,15 +194,6 @@ test_tp2_equals_tp1_on_a_gptq_checkpoint = pytest.mark.slow(test_tp2_equals_tp1_
 
 
 # ---- refusals ----
-
-def _with_quant_config(tmp_path: Path, qc: dict | None, arch: str = "llama") -> str:
-    dst = tmp_path / "model"
-    shutil.copytree(tiny_model(arch), dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = qc
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return str(dst)
-
 
 @pytest.mark.parametrize("qc, match", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),

@@ -5,23 +5,17 @@ refused by name. The checkpoints are scripts/quantize.py's FP8 ones rewritten in
 names and config: the tensors are the same e4m3 codes and float32 scales."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tandem import LLM, SamplingParams
+from tandem import SamplingParams
 from tests.models import hf_greedy_batch, prompts_of_lengths, tiny_model
-
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("quantize_tool_ct", ROOT / "scripts" / "quantize.py")
-qt = importlib.util.module_from_spec(_spec)
-sys.modules["quantize_tool_ct"] = qt
-_spec.loader.exec_module(qt)
+from tests.quant_helpers import ROOT, qt, with_quant_config
+from tests.quant_helpers import cpu_llm as _llm
 
 PROMPTS = prompts_of_lengths([1, 6, 13], vocab_size=300, seed=11)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -67,10 +61,6 @@ def _ct_checkpoint(tmp_path: Path, case: str) -> tuple[str, str]:
     return dst, ref
 
 
-def _llm(path: str, **kw) -> LLM:
-    return LLM(model=path, dtype="float32", device="cpu", show_progress=False, block_size=4, **kw)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_compressed_tensors_fp8_matches_hf_on_dequantized_weights(tmp_path, case):
     dst, ref = _ct_checkpoint(tmp_path, case)
@@ -79,17 +69,6 @@ def test_compressed_tensors_fp8_matches_hf_on_dequantized_weights(tmp_path, case
     llm.shutdown()
     for prompt, out, (expected, _) in zip(PROMPTS, outs, hf_greedy_batch(ref, PROMPTS, 8)):
         assert out.token_ids == expected, f"{case}: prompt of {len(prompt)} tokens diverges from HF on the dequantized model"
-
-
-def _refused(tmp_path: Path, qc: dict, match: str) -> None:
-    import shutil
-
-    path = tmp_path / "m"
-    shutil.copytree(tiny_model("llama"), path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
-    with pytest.raises(ValueError, match=match):
-        _llm(str(path))
 
 
 INT8 = {**_group("channel"), "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}
@@ -106,7 +85,8 @@ INT8 = {**_group("channel"), "weights": {"num_bits": 8, "type": "int", "symmetri
     (ct_config(_group("block", (128, 128), static=True)), "static input activations"),
 ])
 def test_other_compressed_tensors_schemes_are_refused_by_name(tmp_path, qc, match):
-    _refused(tmp_path, qc, match)
+    with pytest.raises(ValueError, match=match):
+        _llm(with_quant_config(tmp_path, qc))
 
 
 def test_routers_embeddings_and_the_head_may_be_ignored():

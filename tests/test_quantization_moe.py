@@ -4,21 +4,16 @@ config.json alone and generate exactly what Hugging Face transformers generates 
 weights; TP splits each expert's blocks, EP spreads whole experts; other quantized MoE is refused."""
 from __future__ import annotations
 
-import importlib.util
-import sys
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tandem import LLM, SamplingParams
+from tandem import SamplingParams
 from tests.models import hf_greedy_batch, prompts_of_lengths, tiny_model
-
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("quantize_tool_moe", ROOT / "scripts" / "quantize.py")
-qt = importlib.util.module_from_spec(_spec)
-sys.modules["quantize_tool_moe"] = qt  # dataclasses look their module up there
-_spec.loader.exec_module(qt)
+from tests.quant_helpers import cpu_llm as _llm
+from tests.quant_helpers import qt, with_quant_config
 
 PROMPTS = prompts_of_lengths([1, 5, 11, 19], vocab_size=300, seed=5)
 MAX_NEW = 8
@@ -37,10 +32,6 @@ def _quantized(tmp_path: Path, case: str) -> tuple[str, str]:
     dst, ref = str(tmp_path / f"{case}-q"), str(tmp_path / f"{case}-ref")
     qt.quantize_folder(tiny_model(arch), dst, opts, dequantized_out=ref)
     return dst, ref
-
-
-def _llm(path: str, **kw) -> LLM:
-    return LLM(model=path, dtype="float32", device="cpu", show_progress=False, block_size=4, **kw)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -95,20 +86,11 @@ def test_fp8_moe_blocks_that_straddle_tp_ranks_are_refused():
     ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme='static'"),
 ])
 def test_other_quantized_moe_is_refused_by_name(tmp_path, qc, match):
-    import json
-    import shutil
-
-    path = tmp_path / "m"
-    shutil.copytree(tiny_model("qwen3_moe"), path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
     with pytest.raises(ValueError, match=match):
-        _llm(str(path))
+        _llm(with_quant_config(tmp_path, qc, arch="qwen3_moe"))
 
 
 def test_an_fp8_moe_checkpoint_without_its_quantization_config_is_refused(tmp_path):
-    import json
-
     dst, _ = _quantized(tmp_path, "qwen3_moe_channel")
     config = json.loads(Path(dst, "config.json").read_text())
     del config["quantization_config"]
@@ -132,13 +114,6 @@ def test_tp2_fp8_moe_equals_hf_on_dequantized_weights(tmp_path, shared_ray):
 
 def test_a_plain_moe_checkpoint_under_an_fp8_config_is_refused(tmp_path):
     """config.json says FP8 but the experts are 32-bit floats: never loaded as if they were e4m3 codes."""
-    import json
-    import shutil
-
-    path = tmp_path / "m"
-    shutil.copytree(tiny_model("mixtral"), path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {
-        "quant_method": "fp8", "weight_block_size": [32, 32]}}))
+    path = with_quant_config(tmp_path, {"quant_method": "fp8", "weight_block_size": [32, 32]}, arch="mixtral")
     with pytest.raises(ValueError, match="float32 expert weight, but config.json's quantization_config says FP8"):
-        _llm(str(path))
+        _llm(path)

@@ -9,16 +9,11 @@ bf16 (a plain bf16 dot of 16 x 16 comes back ~1e10). Shapes stay tiny: the inter
 program in Python."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreter import run_interpreted
 
 SCRIPT = r'''
 import torch
@@ -214,22 +209,13 @@ print("ok", checked)
 '''
 
 
-def _interpret(script: str) -> str:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
 def test_ring_step_kernel_in_the_triton_interpreter():
-    out = _interpret(SCRIPT)
+    out = run_interpreted(SCRIPT)
     assert out.strip().split()[-2:] == ["ok", "55"], out[-500:]
 
 
 def test_ring_launches_in_the_triton_interpreter():
-    out = _interpret(RING_SCRIPT)
+    out = run_interpreted(RING_SCRIPT)
     assert out.strip().split()[-2:] == ["ok", str(3 * (6 + 4) + 3 * 2 + (6 + 4) + 3 * 2 + 3 + 1 + 3)], out[-500:]
 
 
