@@ -5,7 +5,9 @@ Every variant loads the same model shapes with dummy weights (`load_format="dumm
 variants quantize those weights at load, in the layouts the project's tool writes (parallel/quant/rtn.py,
 shared with scripts/quantize.py):
     bf16      the plain model (batch-1 decode through the fused bf16 GEMVs)
-    w4a16     quantization="gptq": 4-bit RTN GPTQ, group 128, Triton W4A16 GEMV / GEMM
+    w4a16     quantization="gptq": 4-bit RTN GPTQ, group 128; on CUDA PyTorch's tinygemm int4 kernel
+              (aten._weight_int4pack_mm; dequantize + cuBLAS from the row count measured at load)
+    w4a16-triton  the same weights on the Triton W4A16 GEMV / GEMM (TANDEM_W4A16_KERNEL=triton), to compare
     w4a16-awq quantization="awq": 4-bit AWQ GEMM packing, same kernels after repacking
     fp8       quantization="fp8": online FP8, per-channel weight scales, dynamic per-token activations
               (W8A8 torch._scaled_mm above 4 rows; W8A16 Triton GEMV at 1-4 rows)
@@ -14,12 +16,15 @@ With --agreement-model (a real checkpoint, e.g. models/tandem-tiny) the greedy o
 that can run on it are compared token by token with its bf16 run on prompts cut from real text.
 
     python scripts/bench_quant.py --shape llama-3.1-8b --device cuda            # the numbers in docs/benchmarks.md
+    python scripts/bench_quant.py --shape llama-3.1-8b --device cuda --variants bf16,w4a16,fp8 --gen-len 128 \
+        --num-requests 200 --mean-input 128 --mean-output 128 --max-input 512 --max-output 512   # short (~4 min)
     python scripts/bench_quant.py --model models/tandem-tiny --device cpu ...   # dry run (tests/test_bench_quant.py)
 Prints a table with ratios against bf16; writes JSON (--out).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -41,10 +46,15 @@ from tandem import LLM, SamplingParams  # noqa: E402
 VARIANTS: dict[str, dict] = {
     "bf16": {},
     "w4a16": {"quantization": "gptq"},
+    "w4a16-triton": {"quantization": "gptq"},
     "w4a16-awq": {"quantization": "awq"},
     "fp8": {"quantization": "fp8"},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
 }
+
+
+# Environment a variant is built under (read at load).
+VARIANT_ENV: dict[str, dict[str, str]] = {"w4a16-triton": {"TANDEM_W4A16_KERNEL": "triton"}}
 
 
 def sync(device: str) -> None:
@@ -123,16 +133,20 @@ def engine_facts(llm: LLM) -> dict:
              "kv_dtype": str(runner.kv_cache.dtype).replace("torch.", ""), "cuda_graphs": runner.cuda_graphs is not None}
     layer = runner.model.layers[next(iter(runner.model.layers))].mlp.down_proj
     packed = getattr(layer, "packed", None)
-    facts["linear_kernel"] = ("reference dequantize" if layer.quantized and packed is None else
-                              "plain" if not layer.quantized else
-                              "w8a8 _scaled_mm + w8a16 gemv" if packed.w8a8_scale is not None else
-                              f"triton {'fp8' if packed.bits is None else f'int{packed.bits}'} gemv/gemm")
+    # What process_weights chose for down_proj (parallel/quant/base.py; the loader logs every layer's).
+    facts["linear_kernel"] = getattr(layer, "linear_kernel", "plain") if layer.quantized else "plain"
+    if getattr(layer, "tinygemm_skipped", None):
+        facts["tinygemm_skipped"] = layer.tinygemm_skipped
     if packed is not None:
         facts["down_proj_plan"] = packed.plan
+        if getattr(packed, "kernel", None) == "tinygemm":
+            facts["down_proj_dequant_rows"] = packed.dequant_rows
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     for m in runner.model.modules():
         pw = getattr(m, "packed", None)
-        if pw is not None and pw.bits is not None:
+        if pw is not None and hasattr(pw, "nbytes"):  # tinygemm's int4pack weight and its scales_and_zeros
+            weight_bytes += pw.nbytes()
+        elif pw is not None and pw.bits is not None:
             weight_bytes += sum(t.numel() * t.element_size() for t in (pw.codes, pw.scales, pw.zeros) if t is not None)
     facts["weight_gib"] = weight_bytes / 2**30
     return facts
@@ -169,7 +183,8 @@ def agreement(args) -> dict:
     outs = {}
     for variant in ["bf16"] + [v for v in args.variants if v != "bf16"]:
         try:
-            llm = make_llm(args, agreement_checkpoint(args.agreement_model, variant), variant, "auto", None)
+            with variant_env(variant):
+                llm = make_llm(args, agreement_checkpoint(args.agreement_model, variant), variant, "auto", None)
         except ValueError as e:  # e.g. group size 128 vs a tiny model's features
             outs[variant] = str(e)
             continue
@@ -191,9 +206,24 @@ def agreement(args) -> dict:
     return res
 
 
+@contextlib.contextmanager
+def variant_env(variant: str):
+    saved = {k: os.environ.get(k) for k in VARIANT_ENV.get(variant, {})}
+    os.environ.update(VARIANT_ENV.get(variant, {}))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_variant(args, model: str, vocab: int, variant: str) -> dict:
     t0 = time.perf_counter()
-    llm = make_llm(args, model, variant, "dummy")
+    with variant_env(variant):
+        llm = make_llm(args, model, variant, "dummy")
     res = {"load_s": time.perf_counter() - t0, **engine_facts(llm)}
     res["decode"] = decode(llm, args, vocab)
     if args.num_requests:
@@ -222,14 +252,14 @@ def ratios(results: dict) -> dict:
 
 
 def print_table(report: dict) -> None:
-    print(f"\n{'variant':<10} {'kernel':<30} {'weights GiB':>11} {'KV blocks':>9} {'decode tok/s':>12} {'step ms':>8} "
+    print(f"\n{'variant':<12} {'kernel (down_proj)':<40} {'weights GiB':>11} {'KV blocks':>9} {'decode tok/s':>12} {'step ms':>8} "
           f"{'graph ms':>8} {'offline tok/s':>13}")
     for v, r in report["results"].items():
         if "error" in r:
-            print(f"{v:<10} ERROR {r['error']}")
+            print(f"{v:<12} ERROR {r['error']}")
             continue
         d, o = r["decode"], r.get("offline", {})
-        print(f"{v:<10} {r['linear_kernel']:<30} {r['weight_gib']:>11.2f} {r['num_kv_blocks']:>9} {d['decode_tok_per_s']:>12.1f} "
+        print(f"{v:<12} {r['linear_kernel'][:40]:<40} {r['weight_gib']:>11.2f} {r['num_kv_blocks']:>9} {d['decode_tok_per_s']:>12.1f} "
               f"{d['median_step_ms']:>8.2f} {d.get('graph_replay_ms', float('nan')):>8.2f} {o.get('output_tok_per_s', float('nan')):>13.1f}")
     for v, r in report["ratios"].items():
         print(f"{v} vs bf16: " + ", ".join(f"{k} {x:.2f}" for k, x in r.items()))

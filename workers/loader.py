@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import logging
 import json
 import os
 import re
@@ -24,6 +25,8 @@ from parallel.quant.base import LinearMethod
 from parallel.quant.dummy import fill_dummy_quantized, rtn_options
 from workers.models import build_model
 from workers.models.transformer import CausalLM
+
+log = logging.getLogger(__name__)
 
 
 def load_hf_config(path: str):
@@ -76,10 +79,17 @@ def load_model(hf_config, model_path: str, dtype: torch.dtype, device: torch.dev
 @torch.no_grad()
 def process_weights(model: torch.nn.Module) -> None:
     """After loading: online quantization, and on CUDA the quantized kernels' weight layout (parallel/quant)."""
-    for module in model.modules():
+    kernels: dict[tuple[str, str], list[str]] = {}
+    for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if isinstance(method, LinearMethod) and method.quantized:
             method.process_weights(module)
+            why = getattr(module, "tinygemm_skipped", None)
+            kernel = getattr(module, "linear_kernel", type(method).__name__)
+            kernels.setdefault((kernel + (f" [not tinygemm: {why}]" if why else ""), name.split(".")[-1]), []).append(name)
+            log.debug("%s: %s", name, kernel)
+    for (kernel, kind), names in kernels.items():  # one line per kernel and projection kind
+        log.info("quantized linear kernel: %s x%d: %s", kind, len(names), kernel)
     if any(p.is_cuda for p in model.parameters()):
         torch.cuda.empty_cache()
 

@@ -69,17 +69,34 @@ class LinearMethod:
         return ()
 
     def process_weights(self, layer: nn.Module) -> None:
-        """After loading: on CUDA (with Triton) repack into the kernels' layout, and free what it replaces."""
+        """After loading: on CUDA (with Triton) repack into the kernels' layout, and free what it replaces.
+        4-bit GPTQ / AWQ layers then move to PyTorch's tinygemm int4 kernel where it takes them (tinygemm.py).
+        `layer.linear_kernel` says which kernel serves the layer (the loader logs it)."""
         device = next(p.device for p in layer.parameters())
         if not kernels_available(device):
+            layer.linear_kernel = "reference dequantize" + ("" if device.type == "cpu" else " (no Triton)")
             return
         packed = self.pack(layer)
         if packed is None:
+            layer.linear_kernel = "reference dequantize (the kernels' layout does not fit)"
             return
+        dtype = torch.get_default_dtype()  # the activations' dtype: the loader sets the model's
+        if packed.bits == 4:
+            from parallel.quant import tinygemm
+
+            fast = tinygemm.convert(packed, dtype)
+            if not isinstance(fast, str):
+                layer.packed, layer.linear_kernel = fast, fast.describe()
+                for name in self.packed_params():
+                    delattr(layer, name)
+                return
+            layer.tinygemm_skipped = fast  # why the Triton kernels serve this 4-bit layer
         layer.packed = packed
         for name in self.packed_params():
             delattr(layer, name)
-        packed.tune(torch.get_default_dtype())  # the activations' dtype: the loader sets the model's
+        packed.tune(dtype)
+        layer.linear_kernel = ("w8a8 _scaled_mm + fp8 gemv" if packed.w8a8_scale is not None else
+                               f"triton {'fp8' if packed.bits is None else f'int{packed.bits}'} gemv/gemm")
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed = getattr(layer, "packed", None)
