@@ -1,10 +1,12 @@
 """The one matmul every linear layer calls (parallel/linear.py, the LM head in parallel/embedding.py).
 
-`linear(x, w, bias)` is F.linear, except for one row of 16-bit activations on CUDA (batch-1
-decode) while a CUDA graph is being captured, which goes to the Triton GEMV in
-parallel/kernels/gemv.py: there a step is pure weight streaming, and cuBLAS leaves part of the GPU
-idle (scripts/bench_gemv.py). Outside a graph, a Triton launch costs tens of microseconds of Python
-per call, more than the GEMV saves: eager decode (multi-rank layouts, enforce_eager) keeps cuBLAS.
+`linear(x, w, bias)` is F.linear, except for 1..`gemv.max_rows()` rows of 16-bit activations on CUDA
+(batch-1 decode; a speculative verification step's k + 1 rows; small decode batches) while a CUDA
+graph is being captured, which go to the Triton GEMV in parallel/kernels/gemv.py: there a step is
+pure weight streaming, each weight tile read once for all the rows, and cuBLAS leaves part of the GPU
+idle (scripts/bench_gemv.py, `--rows` for more than one). Outside a graph, a Triton launch costs tens
+of microseconds of Python per call, more than the GEMV saves: eager decode (multi-rank layouts,
+enforce_eager) keeps cuBLAS. TANDEM_GEMV_ROWS=1 keeps 2+ rows on cuBLAS (comparisons).
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ bandwidth. Shapes are the linear layers of the models in scripts/model_shapes.py
 
     python scripts/bench_gemv.py                       # the default tile choice vs cuBLAS
     python scripts/bench_gemv.py --sweep               # also every tile config (what parallel/kernels/gemv.py's table came from)
+    python scripts/bench_gemv.py --rows 2,4,8,9,16 [--sweep]   # M rows (verification steps, small batches): the rows kernel
 Prints a table; writes JSON (--out).
 """
 from __future__ import annotations
@@ -59,10 +60,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
     p.add_argument("--sweep", action="store_true", help="time every tile config too")
+    p.add_argument("--rows", default="", help="comma-separated row counts > 1: time the rows kernel instead")
     p.add_argument("--out", default="bench_results/bench_gemv.json")
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gemv needs a CUDA GPU")
+    if a.rows:
+        return bench_rows(a)
     from parallel.kernels.gemv import gemv, tile_config
 
     sweep = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
@@ -99,6 +103,67 @@ def main() -> None:
         extra = f"  best {row['best_GBps']:7.0f} {best[1]}" if best else ""
         print(f"{name:22}  cuBLAS {row['cublas_GBps']:7.0f}  ours {row['ours_GBps']:7.0f}  err {err:.1e}{extra}",
               flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {a.out}")
+
+
+def rows_sweep(m: int) -> list[dict]:
+    """Tile candidates of `_gemv_rows_kernel` for m rows: FMA tiles whose accumulator stays at 32-64
+    registers a thread, and tensor-core tiles (rows padded to 16)."""
+    bm = 1 << (m - 1).bit_length()
+    out = []
+    if bm <= 8:
+        for bn, nw in ((4, 4), (8, 4), (8, 8), (16, 8)):
+            out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=max(32, 64 * 32 * nw // (bm * bn)), DOT=False, num_warps=nw,
+                            num_stages=4))
+    for bn, bk, nw, ns in ((16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4), (16, 128, 2, 6), (16, 64, 2, 8),
+                           (16, 128, 2, 8), (16, 128, 1, 6), (32, 128, 2, 6), (32, 128, 4, 6), (64, 64, 4, 8),
+                           (64, 128, 4, 5), (128, 64, 4, 6)):
+        out.append(dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, DOT=True, num_warps=nw, num_stages=ns))
+    return out
+
+
+def bench_rows(a) -> None:
+    """cuBLAS vs `gemv_rows` at each row count of --rows, weight bytes per second (the rows are a few KB)."""
+    from parallel.kernels.gemv import gemv_rows, rows_tile_config
+
+    report = {"benchmark": "gemv_rows", "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+              "torch": torch.__version__, "results": []}
+    print(f"{report['gpu']}: weight GB/s (higher is better), M rows")
+    for name in a.shapes.split(","):
+        n, k = SHAPES[name]
+        copies = max(2, ROTATE_BYTES // (2 * n * k))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+        nbytes = copies * 2 * n * k
+        for m in (int(r) for r in a.rows.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x.float(), ws[0].float())
+            err = ((gemv_rows(x, ws[0]).float() - ref).abs().max() / ref.abs().max()).item()
+            t_cublas = bench(lambda: [F.linear(x, w) for w in ws])
+            t_ours = bench(lambda: [gemv_rows(x, w) for w in ws])
+            row = {"shape": name, "n": n, "k": k, "m": m, "cublas_GBps": nbytes / t_cublas / 1e9,
+                   "ours_GBps": nbytes / t_ours / 1e9, "ours_config": rows_tile_config(m, n, k), "max_rel_err": err,
+                   "us_cublas": 1e6 * t_cublas / copies, "us_ours": 1e6 * t_ours / copies}
+            best, tried = None, []
+            for cfg in (rows_sweep(m) if a.sweep else []):
+                try:
+                    t = bench(lambda: [gemv_rows(x, w, config=cfg) for w in ws])
+                except Exception as e:  # a config the compiler rejects (shared memory, registers)
+                    print(f"  skip {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                tried.append({"config": cfg, "GBps": nbytes / t / 1e9})
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            if best:
+                row["best_GBps"], row["best_config"], row["sweep"] = nbytes / best[0] / 1e9, best[1], tried
+            report["results"].append(row)
+            extra = f"  best {row['best_GBps']:6.0f} {best[1]}" if best else ""
+            print(f"{name:22} m={m:2}  cuBLAS {row['cublas_GBps']:6.0f}  ours {row['ours_GBps']:6.0f}  err {err:.1e}{extra}",
+                  flush=True)
         del ws
         torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

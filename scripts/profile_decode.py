@@ -3,6 +3,7 @@
 
     python scripts/profile_decode.py --shape llama-3.1-8b                       # batch 1
     python scripts/profile_decode.py --shape llama-3.1-8b --batch 128 --context 400
+    python scripts/profile_decode.py --shape llama-3.1-8b --verify-k 4 --context 1024   # a verification step (k + 1 tokens)
 Prints the kernels that take the most GPU time per step, grouped by name.
 """
 from __future__ import annotations
@@ -27,6 +28,8 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=1, help="decoding sequences (a captured graph size)")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
+    p.add_argument("--verify-k", type=int, default=0,
+                   help="profile the speculative verification graph of k drafts per sequence instead")
     p.add_argument("--out", default="bench_results/profile_decode.txt")
     a = p.parse_args()
     from model_shapes import write_model_folder
@@ -40,6 +43,18 @@ def main():
     prompts = [[100 + (i * 7 + j) % 1000 for j in range(a.context)] for i in range(a.batch)]
     llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # fills the graph inputs
     g = runner.cuda_graphs.graphs[a.batch]
+    what = "decode step"
+    if a.verify_k:  # the graph workers/spec_decode/graphs.py replays, inputs as a k-draft step at this context
+        from workers.scheduler_output import ScheduledSeq, SchedulerOutput
+        from workers.spec_decode.graphs import VerifyGraphs
+
+        k, nb = a.verify_k, -(-(a.context + a.verify_k + 1) // runner.block_size)
+        verify = VerifyGraphs(runner, k + 1, [a.batch])
+        seqs = [ScheduledSeq(f"v{i}", [11] * (k + 1), a.context, list(range(i * nb, (i + 1) * nb)), True,
+                             SamplingParams(temperature=0.0, max_tokens=1 << 20), 5, spec_token_ids=[11] * k)
+                for i in range(a.batch)]
+        verify.run(SchedulerOutput(seqs))
+        g, what = verify.graphs[a.batch], f"verification step (k = {k}, {k + 1} tokens a sequence)"
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 
@@ -53,7 +68,7 @@ def main():
         if t > 0:
             rows[ev.key] = (t / a.steps, ev.count / a.steps)
     total = sum(t for t, _ in rows.values())
-    lines = [f"GPU time per decode step (graph replay, batch {a.batch}, context {a.context}, {a.shape}): {total / 1e3:.3f} ms over "
+    lines = [f"GPU time per {what} (graph replay, batch {a.batch}, context {a.context}, {a.shape}): {total / 1e3:.3f} ms over "
              f"{sum(c for _, c in rows.values()):.0f} kernels"]
     for name, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:18]:
         lines.append(f"{t / 1e3:8.3f} ms {100 * t / total:5.1f}%  x{c:5.0f}  {name[:110]}")

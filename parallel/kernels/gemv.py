@@ -24,8 +24,16 @@ part in the same chain at batch 1 (`paged_attention.py`, `sampling.py`); every k
 (`gdc_wait`) before it reads or writes activations, so the stream order still holds.
 
 Tiles come from `scripts/bench_gemv.py --sweep` (CUDA graphs, weights rotated past L2 as in a
-real forward). A tensor-core variant for 8 rows was only level with cuBLAS, so batches of more than
-one row stay with F.linear.
+real forward).
+
+A few rows (2..`MAX_ROWS`: a speculative verification step of k + 1 tokens, small decode batches) are
+still weight streaming: `gemv` with x [M, K] runs `_gemv_rows_kernel`, which loads each weight tile
+once and applies it to all M rows, accumulating in fp32, so the step costs about what one row costs
+while the weights dominate. Plain linear only (bias, no fused norm/activation/RoPE/residual): the
+fused decode path is batch-1. Two inner products, picked per row count by `rows_tile_config`:
+elementwise FMAs into a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 accumulator reduced once at the end (as the
+one-row kernel does), or `tl.dot` of the weight tile with the rows padded to 16 (tensor cores; the
+product is free next to the weight stream, the padding costs nothing but registers).
 """
 from __future__ import annotations
 
@@ -150,6 +158,62 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, wu_ptr, bu_ptr, y_ptr, nw_ptr, r_ptr, pos_
         tl.store(y_ptr + offs_n, y.to(dt), mask=n_mask)
 
 
+@triton.jit
+def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, DOT: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+    """y[M, N] = x[M, K] @ w[N, K]^T (+ bias) for M <= BLOCK_M: one program per BLOCK_N output features
+    streams their weight rows over K once; every tile meets all M rows of x (a few KB, from L1/L2)."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w = _load_w(w_ptrs, 0, K, offs_k, n_mask, EVEN_K, EVEN_N)  # before the wait, as in `_gemv_kernel`
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    x = _load_rows(x_ptrs, 0, K, offs_k, m_mask, EVEN_K, EVEN_M)
+    if DOT:  # [BLOCK_N, BLOCK_M]: tensor cores, rows padded with zeros
+        acc = tl.dot(w, tl.trans(x), tl.zeros([BLOCK_N, BLOCK_M], tl.float32))
+    else:  # elementwise products, one reduction over K at the end
+        acc = w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+    for k in range(BLOCK_K, K, BLOCK_K):
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        w = _load_w(w_ptrs, k, K, offs_k, n_mask, EVEN_K, EVEN_N)
+        x = _load_rows(x_ptrs, k, K, offs_k, m_mask, EVEN_K, EVEN_M)
+        if DOT:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if DOT:
+        y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    else:
+        y = tl.sum(acc, axis=2)
+    if HAS_BIAS:  # F.linear adds the bias before rounding
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _load_rows(x_ptrs, k, K, offs_k, m_mask, EVEN_K: tl.constexpr, EVEN_M: tl.constexpr):
+    if EVEN_K:
+        if EVEN_M:
+            x = tl.load(x_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+    else:
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & ((k + offs_k) < K)[None, :], other=0.0)
+    return x
+
+
 def tile_config(n: int, k: int) -> dict:
     """Narrow layers (few programs) want long K tiles and more warps per program to keep enough
     bytes in flight; wide ones (MLP up, LM head) have programs to spare."""
@@ -158,9 +222,34 @@ def tile_config(n: int, k: int) -> dict:
     return dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4)
 
 
+def rows_tile_config(m: int, n: int, k: int) -> dict:
+    """Tiles of `_gemv_rows_kernel` for m rows (2..MAX_ROWS), from `scripts/bench_gemv.py --rows --sweep`
+    on an H100 (2026-11-26): tensor-core tiles with short K steps and deep pipelines won at every row count
+    from 2 to 16 and every Llama-3.1-8B shape; the FMA tiles ran at half the bandwidth from 4 rows up."""
+    if n <= 8192:  # narrow layers: many small programs
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, DOT=True, num_warps=2, num_stages=6)
+    return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, DOT=True, num_warps=4, num_stages=4)
+
+
+MAX_ROWS = 16  # the most rows `gemv` takes (the rows kernel's largest BLOCK_M)
+
+
+_MAX_ROWS: int | None = None
+
+
+def max_rows() -> int:
+    """Rows up to which `supports` takes a call: MAX_ROWS, or TANDEM_GEMV_ROWS (read once; 1 = the
+    one-row GEMV only, for comparisons with cuBLAS at 2+ rows)."""
+    global _MAX_ROWS
+    if _MAX_ROWS is None:
+        _MAX_ROWS = max(1, min(MAX_ROWS, int(os.environ.get("TANDEM_GEMV_ROWS", MAX_ROWS))))
+    return _MAX_ROWS
+
+
 def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `gemv` takes this call (else the caller uses F.linear)."""
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+    """Whether `gemv` takes this call (else the caller uses F.linear): 1..max_rows() rows of 16-bit
+    activations on CUDA."""
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= max_rows() and x.dtype in (torch.bfloat16, torch.float16)
             and w.dtype == x.dtype and x.stride(-1) == 1 and w.stride(-1) == 1)
 
 
@@ -195,7 +284,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, con
          silu: bool = False, rope: Rope | None = None) -> torch.Tensor:
     """F.linear(x, w, bias) for x [1, K] on CUDA (see `supports`), optionally with the RMSNorm of x
     before, and after it SiLU-and-mul of the [gate; up] halves, RoPE of the q/k heads, or a residual
-    add (module docstring)."""
+    add (module docstring). x [M, K] with 1 < M <= MAX_ROWS: the plain product (`gemv_rows`)."""
+    if x.shape[0] != 1:
+        if norm_weight is not None or residual is not None or silu or rope is not None:
+            raise ValueError(f"gemv: the fused prologue/epilogues take one row, got {x.shape[0]}")
+        return gemv_rows(x, w, bias, config)
     k = x.shape[1]
     n = w.shape[0] // 2 if silu else w.shape[0]
     if norm_weight is not None and k > MAX_NORM_K:
@@ -221,4 +314,23 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, con
         NORM=norm_weight is not None, K_PAD=triton.next_power_of_2(k) if norm_weight is not None else 1,
         SILU=silu, RESIDUAL=residual is not None, ROPE=rope is not None, HEAD_DIM=rope.head_dim if rope else 2,
         ROT_ROWS=rope.rot_rows if rope else 0, PAIRED=silu or rope is not None, USE_PDL=pdl, **cfg, **extra)
+    return y
+
+
+def gemv_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+              config: dict | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) for x [M, K], M <= MAX_ROWS (or the config's BLOCK_M): each weight tile is
+    read once for all M rows."""
+    m, k = x.shape
+    n = w.shape[0]
+    cfg = dict(config or rows_tile_config(m, n, k))
+    if m > cfg["BLOCK_M"]:
+        raise ValueError(f"gemv_rows: {m} rows, the tile takes {cfg['BLOCK_M']}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    pdl = x.is_cuda and torch.cuda.is_current_stream_capturing() and pdl_enabled()
+    extra = dict(launch_pdl=True) if pdl else {}
+    _gemv_rows_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, EVEN_N=n % cfg["BLOCK_N"] == 0,
+        EVEN_M=m == cfg["BLOCK_M"], USE_PDL=pdl, **cfg, **extra)
     return y

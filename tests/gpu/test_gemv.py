@@ -44,26 +44,27 @@ def test_configs_and_bias(block_n, block_k, warps):
 
 
 def test_strided_input_and_dispatch():
-    """x as a slice of a wider row, and which calls `supports` takes."""
-    from parallel.kernels.gemv import supports
+    """x as a slice of a wider row, and which calls `supports` takes (more rows: tests/gpu/test_gemv_rows.py)."""
+    from parallel.kernels.gemv import max_rows, supports
 
     x = torch.randn(1, 8192, device=DEV, dtype=torch.bfloat16)[:, :4096]
     w = torch.randn(512, 4096, device=DEV, dtype=torch.bfloat16) / 64
     _check(x, w, None)
     assert supports(x, w)
-    assert not supports(torch.randn(2, 4096, device=DEV, dtype=torch.bfloat16), w)
+    assert not supports(torch.randn(max_rows() + 1, 4096, device=DEV, dtype=torch.bfloat16), w)
     assert not supports(x.float(), w.float())
     assert not supports(x.cpu(), w.cpu())
 
 
 def test_parallel_linear_routes_batch_one_in_graphs():
-    """Batch-1 calls captured in a CUDA graph run the GEMV; eager calls and larger batches run cuBLAS."""
+    """Calls of 1..max_rows() rows captured in a CUDA graph run the GEMV; eager calls and larger batches
+    run cuBLAS."""
     from parallel.matmul import linear
-    from parallel.kernels.gemv import gemv
+    from parallel.kernels.gemv import gemv, max_rows
 
     torch.manual_seed(0)
     w = torch.randn(2048, 1024, device=DEV, dtype=torch.bfloat16) / 32
-    for m in (1, 4):
+    for m in (1, 4, max_rows() + 1):
         x = torch.randn(m, 1024, device=DEV, dtype=torch.bfloat16)
         assert torch.equal(linear(x, w), F.linear(x, w))  # eager: cuBLAS, bit for bit
         stream = torch.cuda.Stream()
@@ -76,4 +77,4 @@ def test_parallel_linear_routes_batch_one_in_graphs():
             y = linear(x, w)
         g.replay()
         torch.cuda.synchronize()
-        assert torch.equal(y, gemv(x, w) if m == 1 else F.linear(x, w))
+        assert torch.equal(y, gemv(x, w) if m <= max_rows() else F.linear(x, w))
