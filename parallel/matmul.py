@@ -6,7 +6,7 @@ graph is being captured, which go to the Triton GEMV in parallel/kernels/gemv.py
 pure weight streaming, each weight tile read once for all the rows, and cuBLAS leaves part of the GPU
 idle (scripts/bench_gemv.py, `--rows` for more than one). Outside a graph, a Triton launch costs tens
 of microseconds of Python per call, more than the GEMV saves: eager decode (multi-rank layouts,
-enforce_eager) keeps cuBLAS. TANDEM_GEMV_ROWS=1 keeps 2+ rows on cuBLAS (comparisons).
+enforce_eager) keeps cuBLAS. 2+ rows go to it only with TANDEM_GEMV_ROWS=N (opt-in: kernels/gemv.py).
 """
 from __future__ import annotations
 

@@ -238,11 +238,13 @@ _MAX_ROWS: int | None = None
 
 
 def max_rows() -> int:
-    """Rows up to which `supports` takes a call: MAX_ROWS, or TANDEM_GEMV_ROWS (read once; 1 = the
-    one-row GEMV only, for comparisons with cuBLAS at 2+ rows)."""
+    """Rows up to which `supports` takes a call: 1 (the one-row GEMV only), or TANDEM_GEMV_ROWS (read once,
+    at most MAX_ROWS). The rows kernel is opt-in: it beats cuBLAS per layer, but the one engine run with it
+    on (n-gram speculation at batch 1, H100, 2026-11-26) was slower end to end (262 against 281 tok/s),
+    for a reason not yet found (docs/benchmarks.md)."""
     global _MAX_ROWS
     if _MAX_ROWS is None:
-        _MAX_ROWS = max(1, min(MAX_ROWS, int(os.environ.get("TANDEM_GEMV_ROWS", MAX_ROWS))))
+        _MAX_ROWS = max(1, min(MAX_ROWS, int(os.environ.get("TANDEM_GEMV_ROWS", 1))))
     return _MAX_ROWS
 
 
