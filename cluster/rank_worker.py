@@ -9,13 +9,13 @@ import torch
 
 from cluster.ray_runtime import RANK_SEES_NODE_GPUS
 from cluster.rendezvous import join_process_group, node_address
-from cluster.step_channel import run_rank_loop
+from cluster.step_channel import NO_REPLY, run_rank_loop
 from parallel.net import free_port
 from parallel.state import init_groups
 from workers.config import EngineConfig
 from workers.model_runner import ModelRunner
 from workers.rank_profile import RankProfile, step_kind
-from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput, fill_placeholders
 from workers.step_delta import StepDecoder, pack_output
 
 
@@ -92,6 +92,7 @@ class RankWorker:
         """Connect to the driver's step channel and serve its steps on a thread of this actor
         (cluster/step_channel.py); returns once connected. `spin_s`: poll for the next step this long."""
         self.decoder = StepDecoder()
+        self._waiting: tuple[float, SchedulerOutput] | None = None  # a step sent ahead, until its fill
         self.profile: RankProfile | None = None
         self._answered_at = time.perf_counter()
         run_rank_loop((address, port), self.rank, self._on_message, spin_s)
@@ -99,8 +100,17 @@ class RankWorker:
     def _on_message(self, message: tuple):
         self._bind_device()  # the step loop's own thread
         kind = message[0]
-        if kind == "step":
-            return self._step(message[1])
+        if kind == "step":  # ("step", payload, placeholders): with placeholders it waits for its "fill"
+            if len(message) > 2 and message[2]:
+                self._waiting = (time.perf_counter(), self.decoder.decode(message[1]))
+                return NO_REPLY
+            return self._step(time.perf_counter(), self.decoder.decode(message[1]))
+        if kind == "fill":  # ("fill", tokens): the tokens the step before sampled, for the step sent ahead
+            if self._waiting is None:
+                raise RuntimeError("a fill came with no step waiting for it")
+            (start, out), self._waiting = self._waiting, None
+            fill_placeholders(out.seqs, message[1])
+            return self._step(start, out)
         if kind == "profile":  # ("profile", "start", gpu_every) or ("profile", "report")
             if message[1] == "start":
                 self.profile = RankProfile(self.rank, message[2])
@@ -108,9 +118,7 @@ class RankWorker:
             return self.profile.summary() if self.profile is not None else {}
         raise ValueError(f"unknown step-channel message {kind!r}")
 
-    def _step(self, payload: bytes):
-        start = time.perf_counter()
-        out = self.decoder.decode(payload)
+    def _step(self, start: float, out: SchedulerOutput):
         if self.profile is None:
             result = self.execute(out)
         else:

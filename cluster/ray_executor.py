@@ -32,7 +32,7 @@ from cluster.step_channel import RankFailure, StepChannel
 from parallel.state import rank_grid
 from workers.config import EngineConfig
 from workers.executor import Executor, ExecutorError, PendingStep
-from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput, placeholder_seqs
 from workers.step_delta import StepEncoder, unpack_output
 
 PLACEMENT_TIMEOUT_S = 300.0  # resources exist but are held by others: wait this long for them
@@ -49,6 +49,7 @@ RANK_SPIN_S = 0.05
 
 class RayExecutor(Executor):
     overlaps_host_work = True  # the ranks compute while the engine's thread does its text work
+    supports_ahead = True  # a step may be sent while the one before is out (asynchronous scheduling)
 
     def __init__(self, config: EngineConfig, hf_config, max_model_len: int, eos_token_ids: list[int], show_progress: bool = True,
                  init_timeout_s: float = INIT_TIMEOUT_S, step_timeout_s: float = STEP_TIMEOUT_S):
@@ -62,7 +63,8 @@ class RayExecutor(Executor):
         self.workers: list = []
         self.placement: RankPlacement | None = None
         self.channel: StepChannel | None = None
-        self._inflight: PendingStep | None = None
+        self._inflight: PendingStep | None = None  # the newest step sent; it collects any older one first
+        self._to_fill = 0  # placeholders of the step sent ahead, which the ranks hold until `fill`
         use_cuda = config.model.resolved_device().type == "cuda"
         self._spin = use_cuda  # CPU ranks compute on the cores a spinning wait would take
         ensure_ray(self.world_size)
@@ -120,18 +122,45 @@ class RayExecutor(Executor):
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.submit(out).result()
 
-    def submit(self, out: SchedulerOutput) -> PendingStep:
-        """Send the step to every rank and return at once; `result()` waits for the answers. The channel
-        carries one step at a time: an uncollected earlier step is collected first."""
+    def submit(self, out: SchedulerOutput, ahead: bool = False) -> PendingStep:
+        """Send the step to every rank and return at once; `result()` waits for the answers. Without
+        `ahead`, an uncollected earlier step is collected first. With it, the earlier step may still be out
+        (one at most): the ranks run this one after it, once `fill` has sent its placeholders' tokens, and
+        this step's `result()` collects the earlier one first (answers come back in order)."""
         self._check_usable("run more steps")
-        self._settle()
+        if self._to_fill:
+            raise ExecutorError("a step was sent ahead and its placeholders were never filled")
+        previous = self._inflight if ahead else None
+        if not ahead:
+            self._settle()
+        to_fill = len(placeholder_seqs(out.seqs))
         payload = self.encoder.encode(out)
         try:
-            self.channel.broadcast(("step", payload))
+            self.channel.broadcast(("step", payload, to_fill))
         except RankFailure as e:
             self._step_failed("step", e)
-        self._inflight = PendingStep(lambda: self._collect_step(out))
-        return self._inflight
+        self._to_fill = to_fill
+
+        def collect() -> ModelRunnerOutput:
+            if previous is not None:
+                previous.result()
+            if self._inflight is pending and self._to_fill:  # the ranks would wait for the fill forever
+                raise ExecutorError("a step's result was asked for before its placeholders were filled")
+            return self._collect_step(out)
+
+        pending = self._inflight = PendingStep(collect)
+        return pending
+
+    def fill(self, tokens: list[int]) -> None:
+        if len(tokens) != self._to_fill:
+            raise ExecutorError(f"the step sent ahead has {self._to_fill} placeholders, {len(tokens)} tokens came")
+        if not tokens:
+            return
+        self._to_fill = 0
+        try:
+            self.channel.broadcast(("fill", tokens))
+        except RankFailure as e:
+            self._step_failed("fill", e)
 
     def _collect_step(self, out: SchedulerOutput) -> ModelRunnerOutput:
         try:

@@ -103,7 +103,7 @@ class StepChannel:
             try:
                 sock.sendall(framed)
             except OSError as e:
-                raise RankFailure(rank, f"could not be sent the step ({e})") from e
+                raise RankFailure(rank, f"died (its step connection broke: {e})") from e
 
     def gather(self, timeout_s: float) -> dict[int, Any]:
         """Every rank's answer, waiting on all sockets at once so the first failure ends the wait."""
@@ -158,12 +158,17 @@ def _spin_until_readable(sock: socket.socket, spin_s: float) -> None:
             return
 
 
+# What a handler returns for a message that has no answer of its own (a step waiting for its `fill`: the
+# answer goes back after the fill).
+NO_REPLY = object()
+
+
 def run_rank_loop(address: tuple[str, int], rank: int, handle: Callable[[tuple], Any],
                   spin_s: float = 0.0) -> threading.Thread:
     """Rank side: connect to the driver and serve its messages on a daemon thread until it hangs up.
-    `handle(message)` returns the answer; an exception is sent back as an error and the loop goes on
-    (the driver decides: a failed step makes it stop every rank). After each answer the loop polls for
-    the next message for up to `spin_s` before blocking."""
+    `handle(message)` returns the answer (or NO_REPLY); an exception is sent back as an error and the loop
+    goes on (the driver decides: a failed step makes it stop every rank). After each message the loop
+    polls for the next one for up to `spin_s` before blocking."""
     _HANDLERS.append(handle)
     sock = socket.create_connection(address, timeout=60)
     sock.settimeout(None)
@@ -180,7 +185,10 @@ def run_rank_loop(address: tuple[str, int], rank: int, handle: Callable[[tuple],
                 except (ChannelClosed, OSError):
                     return  # the driver shut down or died: nothing left to serve
                 try:
-                    reply = ("ok", handle(message))
+                    answer = handle(message)
+                    if answer is NO_REPLY:
+                        continue
+                    reply = ("ok", answer)
                 except BaseException as e:  # noqa: BLE001 - reported to the driver, which stops the replica
                     reply = ("error", f"{e!r}\n{traceback.format_exc(limit=8)}")
                 try:

@@ -207,7 +207,14 @@ class BlockManager:
 
     def free_seq(self, seq: Sequence) -> None:
         """Drop seq's references. Tail blocks go to the LRU end first, so they are evicted first."""
-        for block_id in reversed(seq.block_table):
+        self.free_blocks(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def free_blocks(self, block_table: list[int]) -> None:
+        """Drop one reference to each block of a table (a sequence's, or one parked by the scheduler)."""
+        for block_id in reversed(block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -215,9 +222,6 @@ class BlockManager:
                 pool[block_id] = None
                 if block.block_hash is None:
                     pool.move_to_end(block_id, last=False)  # uncached blocks are reused before cached ones
-        seq.block_table = []
-        seq.block_hashes = []
-        seq.num_computed_tokens = 0
 
     # ---- checks ----
     def check_invariants(self) -> None:

@@ -25,8 +25,8 @@ from workers.executor import Executor, PendingStep
 from workers.sampling_params import SamplingParams, model_default_fields
 from engine.scheduler import Scheduler
 from engine.spec_decode import SpecDecoder, empty_metrics
-from workers.scheduler_output import SampledToken, SchedulerOutput
-from engine.sequence import SeqStatus, Sequence
+from workers.scheduler_output import SampledToken, SchedulerOutput, placeholder_seqs
+from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,8 @@ class LLMEngine:
                         "their capture failed); on a GPU that is slower than plain decoding (docs/benchmarks.md)")
         self.requests: dict[str, _Request] = {}
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # sent to the ranks, not yet collected
-        self._deferred: list[tuple[Sequence, str]] = []  # finished while the step in flight still runs them
+        # Asynchronous scheduling: step n+1 is planned and sent while the ranks compute step n (step()).
+        self.async_scheduling = config.scheduler.async_scheduling and self.executor.supports_ahead
         self._unscheduled: dict[str, _Request] = {}  # added, not yet in any step: their "scheduled" stamp is due
         self.vocab_size = self.hf_config.vocab_size
         # Structured output: grammars compiled off the step loop, one matcher per constrained request.
@@ -218,10 +219,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         self._unscheduled.pop(request_id, None)
         self.grammars.drop(request_id)
-        seq = self.scheduler.seqs.get(request_id)
-        if seq is not None and seq.status == SeqStatus.RUNNING:
-            self._settle_inflight()  # the step in flight may still write its blocks: wait for it (ms)
-        self.scheduler.abort(request_id)
+        self.scheduler.abort(request_id)  # blocks a step out may still write are parked until it answers
         if req is None:
             return None
         req.output.finish_reason = "abort"
@@ -244,8 +242,6 @@ class LLMEngine:
         already cached here, which need not be sent), or None when this replica is full."""
         token_ids = self._validated_prompt(request_id, prompt_token_ids)
         seq = Sequence(request_id, token_ids, params.with_defaults(self.default_sampling_fields), priority=priority)
-        if self._deferred:
-            self._settle_inflight()  # blocks still written by the step in flight must not be handed out
         if seq.sampling_params.structured_outputs is not None:  # compiles while the KV travels
             self.grammars.add(request_id, seq.sampling_params.structured_outputs)
         if not self.scheduler.reserve(seq, time.monotonic() + self.config.cache.kv_lease_seconds):
@@ -283,30 +279,54 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step and return the outputs it produced.
 
-        Where the executor runs steps elsewhere (Ray rank actors: `overlaps_host_work`), the next step
-        is sent to the ranks as soon as this one's tokens are in and its finished sequences freed, and
-        the text work (detokenizing, stop strings, outputs) runs while the ranks compute it. A stop
-        string found then (or an abort) ends a sequence that the next step already runs: its blocks are
-        freed once that step has answered, and that step's token for it is dropped (`Scheduler.update`
-        skips finished sequences). No step is scheduled before the one in flight has answered."""
+        Where the executor runs steps elsewhere (Ray rank actors: `overlaps_host_work`), the ranks compute
+        while this thread works. With `async_scheduling`, step n+1 is planned and sent before step n's
+        tokens are back (`Scheduler.schedule(ahead_of=...)`); the tokens it needs from step n follow in a
+        small message as soon as they arrive, so the ranks wait only for that round trip, not for the
+        update, the checks, the schedule and the encoding. Otherwise the next step is sent as soon as this
+        one's tokens are in and its finished sequences freed, and the text work (detokenizing, stop strings,
+        outputs) runs while the ranks compute it. Either way a step may run a sequence that the step before
+        ended (a stop token, a stop string, an abort): its token is dropped (`Scheduler.update` skips
+        finished sequences) and its blocks stay parked until that step has answered."""
         if self._inflight is None:
             self._inflight = self._submit()
             if self._inflight is None:
                 return []
         sched_out, pending = self._inflight
         self._inflight = None
+        ahead = self._submit(ahead_of=sched_out) if self._can_schedule_ahead(sched_out) else None
         result = pending.result()
-        self._finish_deferred()  # before `update`, which then skips them
+        self.scheduler.step_done()
+        if ahead is not None:  # the ranks wait for these before they run the step already sent
+            self.executor.fill([result.sampled[s.seq_id].token_id for s in placeholder_seqs(ahead[0].seqs)])
         for seq_id, entries in result.prompt_logprobs.items():
             self._add_prompt_logprobs(seq_id, entries)
         got = [(self.requests[seq.seq_id], result.spec.get(seq.seq_id) or [result.sampled[seq.seq_id]])
                for seq in self.scheduler.update(sched_out, result)]
         if self.spec_decoder is not None:
             self.spec_decoder.record(sched_out, result)
-        verdicts = [self._check_tokens(req, tokens) for req, tokens in got]  # frees what finished
-        if self.executor.overlaps_host_work:
+        verdicts = [self._check_tokens(req, tokens) for req, tokens in got]  # frees (or parks) what finished
+        if ahead is not None:
+            self._inflight = ahead
+        elif self.executor.overlaps_host_work:
             self._inflight = self._submit()
         return [self._emit(req, ids, reason, stop) for (req, _), (ids, reason, stop) in zip(got, verdicts)]
+
+    def _can_schedule_ahead(self, out: SchedulerOutput) -> bool:
+        """Whether the step after `out` may be planned before `out`'s tokens are back. Not where its inputs
+        depend on more than those tokens: speculative decoding (drafts come from them), structured output
+        (the grammar advances by them), penalties of a sequence that samples in `out` (the ranks are sent
+        its past tokens), SP (its block pools are not planned ahead)."""
+        return (self.async_scheduling and self.spec_decoder is None and not self.grammars.active
+                and self.block_manager.num_pools == 1
+                and not any(s.sample and s.sampling_params.needs_token_history for s in out.seqs))
+
+    def _will_finish(self, seq: Sequence) -> bool:
+        """Whether the token a step out samples for `seq` surely ends it (length, or the prefill pool's
+        handoff): such a sequence is not planned into the step after."""
+        req = self.requests.get(seq.seq_id)
+        return (req is None or req.handoff or seq.num_output_tokens + 1 >= seq.sampling_params.max_tokens
+                or seq.num_tokens + 1 >= self.max_model_len)
 
     def _check_tokens(self, req: _Request, tokens: list[SampledToken]) -> tuple[list[int], str | None, int | None]:
         """A step's tokens for one request, in order (several from a verified speculative run): each is
@@ -345,22 +365,29 @@ class LLMEngine:
         finally:
             blocks.enable_prefix_caching = True
 
-    def _submit(self) -> tuple[SchedulerOutput, PendingStep] | None:
+    def _submit(self, ahead_of: SchedulerOutput | None = None) -> tuple[SchedulerOutput, PendingStep] | None:
+        """Schedule and send a step; `ahead_of`: the step still out, whose tokens this one waits for."""
         spec = self.spec_decoder
         with self._full_prompts_if_needed():
-            if spec is None:
+            if ahead_of is not None:
+                sched_out = self.scheduler.schedule(ahead_of=ahead_of, will_finish=self._will_finish)
+            elif spec is None:
                 sched_out = self.scheduler.schedule()
             else:
                 spec.begin_step(len(self.scheduler.running))
                 sched_out = self.scheduler.schedule(spec.lookahead)
                 spec.propose(sched_out, self.scheduler.seqs)
-        if sched_out.is_empty:
+        if sched_out is None or sched_out.is_empty:
+            if sched_out is not None and sched_out.finished_seq_ids:  # not sent: the ranks hear of them next step
+                self.scheduler.requeue_dropped(sched_out.finished_seq_ids)
             return None
         if self._unscheduled:  # only while some request waits for its first step: no cost at steady state
             self._stamp_scheduled(sched_out)
         if self.grammars.active:  # structured output: the step's allowed tokens go with it to the ranks
             sched_out.token_bitmask = self.grammars.bitmask(sched_out.seqs)
-        return sched_out, self.executor.submit(sched_out)
+        pending = self.executor.submit(sched_out, ahead=ahead_of is not None)
+        self.scheduler.step_sent()
+        return sched_out, pending
 
     def _stamp_scheduled(self, sched_out: SchedulerOutput) -> None:
         """The end of a request's queue wait: the first step that runs (part of) its prompt is sent now."""
@@ -459,39 +486,17 @@ class LLMEngine:
         req.output.timeline = dict(timeline)
 
     def _finish_late(self, seq: Sequence, token_reason: str | None) -> None:
-        """A stop string ends a sequence that the token checks kept (or handed off, or ended by length)."""
+        """A stop string ends a sequence that the token checks kept (or handed off, or ended by length). A
+        step out may still run it: the scheduler parks its blocks until that step answers, so that nothing
+        allocated meanwhile (a decode-side `reserve`, whose blocks a KV transfer fills) shares a block with a
+        write still under way."""
         if token_reason is None:
             self.requests.pop(seq.seq_id, None)
             self.grammars.drop(seq.seq_id)
-            if self._inflight is not None:
-                self._finish_after_inflight(seq, "stop")
-            else:
+            if self.scheduler.seqs.get(seq.seq_id) is seq:
                 self.scheduler.finish(seq, "stop")
         elif token_reason == "handoff":
             self.scheduler.release(seq.seq_id)  # nothing left to continue: the held KV is not needed
-
-    def _finish_after_inflight(self, seq: Sequence, reason: str) -> None:
-        """The step in flight may still write this sequence's KV: its blocks are freed once that step has
-        answered, so that nothing allocated in between (a decode-side `reserve`, whose blocks a KV transfer
-        fills) shares a block with a write still under way (`reserve` settles first)."""
-        self._deferred.append((seq, reason))
-
-    def _settle_inflight(self) -> None:
-        """Wait for the step in flight to answer (its result stays for step() to collect), then free what
-        waited on it. A failed step is left for step() to raise."""
-        if self._inflight is None:
-            return
-        try:
-            self._inflight[1].result()
-        except Exception:  # noqa: BLE001 - the executor failed; step() reports it
-            return
-        self._finish_deferred()
-
-    def _finish_deferred(self) -> None:
-        for seq, reason in self._deferred:
-            if self.scheduler.seqs.get(seq.seq_id) is seq:
-                self.scheduler.finish(seq, reason)
-        self._deferred.clear()
 
     def drain(self) -> None:
         """With no request left, collect a step still in flight and free what waited on it (the offline
@@ -500,7 +505,7 @@ class LLMEngine:
             sched_out, pending = self._inflight
             self._inflight = None
             result = pending.result()
-            self._finish_deferred()
+            self.scheduler.step_done()
             self.scheduler.update(sched_out, result)
 
     def shutdown(self) -> None:

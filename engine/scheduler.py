@@ -15,7 +15,7 @@ from typing import Callable
 
 from workers.config import SchedulerConfig
 from engine.block_manager import BlockManager
-from workers.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from workers.scheduler_output import PLACEHOLDER_TOKEN, ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.sequence import SeqStatus, Sequence
 
 
@@ -77,6 +77,12 @@ class Scheduler:
         # that is on its way (decode side). Both expire at a deadline so nothing leaks if the peer vanishes.
         self.held: dict[str, tuple[Sequence, float]] = {}
         self.reserved: dict[str, tuple[Sequence, float]] = {}
+        # Steps handed to the executor, and of those, steps whose tokens are back. While one is out, a sequence
+        # that finishes may still have its KV written by it: its blocks are parked (`_free`) until that step
+        # is collected, so no KV transfer (`reserve`) gets a block a step still writes.
+        self.steps_sent = 0
+        self.steps_done = 0
+        self._parked: deque[tuple[int, list[int]]] = deque()  # (last step that may write them, block ids)
         # When each waiting sequence (re-)entered the queue (time.monotonic()), for `max_queue_delay_s`.
         self._enqueued_at: dict[str, float] = {}
         self.drain = DrainRate()  # how fast the queue drains when backlogged: the predicted queueing delay
@@ -155,7 +161,7 @@ class Scheduler:
         elif seq.status == SeqStatus.WAITING:
             self.waiting.remove(seq)
             self._enqueued_at.pop(seq.seq_id, None)
-        self.blocks.free_seq(seq)
+        self._free(seq)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         del self.seqs[seq.seq_id]
         self._dropped.append(seq.seq_id)
@@ -181,7 +187,7 @@ class Scheduler:
     def release(self, seq_id: str) -> bool:
         entry = self.held.pop(seq_id, None)
         if entry is not None:
-            self.blocks.free_seq(entry[0])
+            self._free(entry[0])
         return entry is not None
 
     # ---- disaggregation: decode side ----
@@ -230,7 +236,34 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Something to schedule, or a step still out whose tokens (and parked blocks) wait to be collected."""
+        return bool(self.waiting or self.running) or self.steps_sent > self.steps_done
+
+    # ---- steps out at the ranks ----
+    def step_sent(self) -> None:
+        self.steps_sent += 1
+
+    def step_done(self) -> None:
+        """The oldest step out has answered: blocks parked only for it (or earlier ones) are free again."""
+        self.steps_done += 1
+        while self._parked and self._parked[0][0] <= self.steps_done:
+            self.blocks.free_blocks(self._parked.popleft()[1])
+
+    def _free(self, seq: Sequence) -> None:
+        """Free a sequence's blocks now, or park them while a step that may still write them is out."""
+        if self.steps_sent > self.steps_done and seq.block_table:
+            self._parked.append((self.steps_sent, seq.block_table))
+            seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
+        else:
+            self.blocks.free_seq(seq)
+
+    def requeue_dropped(self, seq_ids: list[str]) -> None:
+        """Finished ids of a step that was planned but not sent: the ranks must still hear of them."""
+        self._dropped[:0] = seq_ids
+
+    @property
+    def num_parked_blocks(self) -> int:
+        return sum(len(ids) for _, ids in self._parked)
 
     @property
     def has_leases(self) -> bool:
@@ -239,31 +272,54 @@ class Scheduler:
     # ---- one step ----
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.free_seq(seq)
+        self._free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._dropped.append(seq.seq_id)
         self._enqueue(seq)
 
-    def schedule(self, lookahead: Callable[[Sequence], int] | None = None) -> SchedulerOutput:
+    def schedule(self, lookahead: Callable[[Sequence], int] | None = None, ahead_of: SchedulerOutput | None = None,
+                 will_finish: Callable[[Sequence], bool] | None = None) -> SchedulerOutput | None:
         """`lookahead(seq)`: speculative decoding's draft slots for a decoding sequence (engine/spec_decode.py).
         They are KV slots reserved past the sequence's last token; `update` frees the blocks that the
-        verification did not fill, so a rejected draft holds no block beyond its step."""
+        verification did not fill, so a rejected draft holds no block beyond its step.
+
+        `ahead_of`: a step still out at the ranks, whose tokens are not back (asynchronous scheduling). The
+        next step is planned as if it had run: each of its sequences has computed its scheduled tokens and,
+        where it samples, gained one token, which the new step carries as `PLACEHOLDER_TOKEN` (the ranks get
+        it once it is known: LLMEngine.step). A sampling sequence for which `will_finish(seq)` (its token
+        surely ends it: length, handoff) is left out. Returns None, having changed nothing that matters, when
+        the plan would have to preempt: the caller waits for the step out and schedules again."""
         budget = self.config.max_num_batched_tokens
         planned: list[tuple[Sequence, int, int]] = []
         preempted = False
         admitted = 0
         self.running.sort(key=lambda s: s.sort_key)
         queue = list(self.running)  # most important first; victims come off the end
+        pending = {} if ahead_of is None else {s.seq_id: (s.num_tokens, int(s.sample)) for s in ahead_of.seqs}
         while queue and budget > 0:
             seq = queue.pop(0)
-            n = min(seq.num_uncomputed_tokens, budget)
+            computed, gained = pending.get(seq.seq_id, (0, 0))
+            if gained and will_finish is not None and will_finish(seq):
+                continue
+            n = min(seq.num_uncomputed_tokens + gained - computed, budget)
+            if n <= 0:
+                continue
+            if computed:  # ahead of a step out: the new tokens start past what that step computes
+                if not self.blocks.can_grow(seq, computed + n):
+                    return None  # blocks grown for the sequences before it cover tokens they will run anyway
+                self.blocks.grow(seq, computed + n)
+                planned.append((seq, n, 0))
+                budget -= n
+                continue
             extra = 0
             if lookahead is not None and seq.num_uncomputed_tokens == 1:
                 extra = max(0, min(lookahead(seq), budget - n))
                 if extra and not self.blocks.can_grow(seq, n + extra):
                     extra = 0  # drafts are optional: never preempt for them
             while not self.blocks.can_grow(seq, n + extra):
+                if ahead_of is not None:
+                    return None
                 preempted = True
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
@@ -292,21 +348,26 @@ class Scheduler:
                 admitted += 1
         self.drain.observe(time.monotonic(), admitted, bool(self.waiting))
         dropped, self._dropped = self._dropped, []
-        return SchedulerOutput(seqs=[self._scheduled(seq, n, extra) for seq, n, extra in planned],
+        return SchedulerOutput(seqs=[self._scheduled(seq, n, extra, *pending.get(seq.seq_id, (0, 0)))
+                                     for seq, n, extra in planned],
                                finished_seq_ids=dropped)
 
     @staticmethod
-    def _scheduled(seq: Sequence, n: int, lookahead: int = 0) -> ScheduledSeq:
-        start = seq.num_computed_tokens
+    def _scheduled(seq: Sequence, n: int, lookahead: int = 0, computed: int = 0, gained: int = 0) -> ScheduledSeq:
+        """`computed`/`gained`: what a step still out adds to the sequence first (`schedule(ahead_of=...)`)."""
+        start = seq.num_computed_tokens + computed
+        tokens = seq.token_ids[start : start + n]
+        if len(tokens) < n:  # the token the step out samples: the ranks fill it in
+            tokens.append(PLACEHOLDER_TOKEN)
         history = seq.sampling_params.needs_token_history
         return ScheduledSeq(
             seq_id=seq.seq_id,
-            token_ids=seq.token_ids[start : start + n],
+            token_ids=tokens,
             start_pos=start,
             block_table=list(seq.block_table),
-            sample=start + n == seq.num_tokens,
+            sample=start + n == seq.num_tokens + gained,
             sampling_params=seq.sampling_params,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=seq.num_output_tokens + gained,
             prompt_token_ids=seq.prompt_token_ids if history else [],
             output_token_ids=seq.output_token_ids if history else [],
             num_lookahead=lookahead,

@@ -64,7 +64,8 @@ def sync(device: str) -> None:
 
 def parse_layout(spec: str) -> dict:
     """"uni", "ray", "tp2", "pp2", "sp2", "ep2", "gN" (cuda_graph_max_tokens=N: g0 runs prefill and mixed
-    steps eagerly), "nop2p" (NCCL-only TP all-reduce), "ring" / "ulysses" (the SP attention mode) and
+    steps eagerly), "nop2p" (NCCL-only TP all-reduce), "sync" (async_scheduling off: one step at a time on
+    the ranks), "ring" / "ulysses" (the SP attention mode) and
     "+"-joined combinations ("tp2+ray", "tp2+g0", "sp2+ring") as engine arguments."""
     sizes = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "sp": "sequence_parallel_size",
              "ep": "expert_parallel_size"}
@@ -78,10 +79,12 @@ def parse_layout(spec: str) -> dict:
             layout["cuda_graph_max_tokens"] = int(part[1:])
         elif part == "nop2p":
             layout["disable_p2p_all_reduce"] = True
+        elif part == "sync":
+            layout["async_scheduling"] = False
         elif part in ("ring", "ulysses"):
             layout["sequence_parallel_attention"] = part
         else:
-            raise SystemExit(f"--layouts: cannot read {part!r} (uni, ray, tpN, ppN, spN, epN, gN, nop2p, ring, "
+            raise SystemExit(f"--layouts: cannot read {part!r} (uni, ray, tpN, ppN, spN, epN, gN, nop2p, sync, ring, "
                              "ulysses, joined with +)")
     return layout
 

@@ -26,24 +26,26 @@ class StepProfile:
         runner = getattr(engine.executor, "runner", None)
         kinds: list[tuple] = []  # (kind, seqs, tokens) of the steps sent and not yet collected
 
-        def timed_schedule():
+        def timed_schedule(*args, **kwargs):
             t = time.perf_counter()
-            out = sched()
+            out = sched(*args, **kwargs)
             self._cur["schedule"] = self._cur.get("schedule", 0.0) + time.perf_counter() - t
             return out
 
-        def timed_submit(out):
+        def timed_submit(out, **kwargs):
             # The driver cannot see remote ranks' CUDA graphs; their own profiles tell graph replays apart.
             kinds.append((step_kind(out, getattr(runner, "cuda_graphs", None)), len(out.seqs), out.num_tokens))
             t = time.perf_counter()
-            pending = submit(out)
+            pending = submit(out, **kwargs)
             self._cur["execute"] = self._cur.get("execute", 0.0) + time.perf_counter() - t
             collect = pending.result
+            first = [True]  # a step sent ahead collects this one again (answered: no wait, no new row)
 
             def timed_result():
-                if "kind" not in self._cur and kinds:  # the step this engine.step() call collects
+                if first[0] and "kind" not in self._cur and kinds:  # the step this engine.step() call collects
                     kind, seqs, tokens = kinds.pop(0)
                     self._cur.update(kind=kind, seqs=seqs, tokens=tokens)
+                first[0] = False
                 t = time.perf_counter()
                 res = collect()
                 self._cur["execute"] = self._cur.get("execute", 0.0) + time.perf_counter() - t

@@ -32,3 +32,4 @@ def test_layout_names_map_to_engine_arguments():
     assert parse_layout("uni+g512") == {"distributed_executor_backend": "uni", "cuda_graph_max_tokens": 512}
     assert parse_layout("sp2+ulysses") == {"sequence_parallel_size": 2, "sequence_parallel_attention": "ulysses"}
     assert parse_layout("sp2+ring") == {"sequence_parallel_size": 2, "sequence_parallel_attention": "ring"}
+    assert parse_layout("tp2+sync") == {"tensor_parallel_size": 2, "async_scheduling": False}

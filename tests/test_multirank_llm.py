@@ -168,8 +168,8 @@ def test_rank_killed_while_a_step_runs_fails_fast_with_its_name(references, vict
     pid = ray.get(workers[victim].__ray_call__.remote(lambda self: os.getpid()), timeout=30)
     submits, submit = [0], executor.submit
 
-    def submit_then_kill(out):
-        pending = submit(out)  # sent: both ranks are working on it now
+    def submit_then_kill(out, **kwargs):
+        pending = submit(out, **kwargs)  # sent: both ranks are working on it (or on the step before) now
         submits[0] += 1
         if submits[0] == 3:
             os.kill(pid, signal.SIGKILL)
@@ -179,7 +179,8 @@ def test_rank_killed_while_a_step_runs_fails_fast_with_its_name(references, vict
     start = time.monotonic()
     with pytest.raises(ExecutorError, match=rf"rank {victim} \(pp={victim}, sp=0, tp=0\) died"):
         llm.generate(PROMPTS, GREEDY)
-    assert submits[0] == 3  # the death met the step it was sent with, not a later one
+    # the death met the step it was sent with, or (asynchronous scheduling) the one planned while it ran
+    assert submits[0] in (3, 4)
     assert time.monotonic() - start < 15
     with pytest.raises(ExecutorError, match="failed earlier"):
         llm.generate(PROMPTS[:1], GREEDY)

@@ -53,9 +53,20 @@ class Executor(ABC):
         """False once the executor failed or was shut down: it runs nothing more."""
         return True
 
-    def submit(self, out: SchedulerOutput) -> PendingStep:
-        """Start one step; its `result()` is `execute(out)`. Here the step runs before this returns."""
+    # True where a step may be sent while the one before it is still out (asynchronous scheduling): the
+    # step carries placeholders for the tokens the step before samples, sent after it with `fill`.
+    supports_ahead: bool = False
+
+    def submit(self, out: SchedulerOutput, ahead: bool = False) -> PendingStep:
+        """Start one step; its `result()` is `execute(out)`. Here the step runs before this returns.
+        `ahead=True`: the previous step is still out and `out` has placeholders (`supports_ahead` only)."""
+        if ahead:
+            raise ExecutorError(f"{type(self).__name__} runs one step at a time")
         return PendingStep(None, self.execute(out))
+
+    def fill(self, tokens: list[int]) -> None:
+        """The tokens for the placeholders of the step sent ahead, in step order (`supports_ahead` only)."""
+        raise ExecutorError(f"{type(self).__name__} runs one step at a time")
 
     @abstractmethod
     def shutdown(self) -> None:

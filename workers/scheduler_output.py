@@ -14,6 +14,11 @@ import torch
 from workers.sampling_params import SamplingParams
 
 
+# A token the scheduler does not know yet: the one the step still out at the ranks samples for this sequence
+# (asynchronous scheduling, engine/scheduler.py). The ranks replace it before the step runs (`fill_placeholders`).
+PLACEHOLDER_TOKEN = -1
+
+
 @dataclass
 class ScheduledSeq:
     seq_id: str
@@ -43,6 +48,20 @@ class ScheduledSeq:
     def context_len(self) -> int:
         """KV length after this step: cached tokens plus the new ones."""
         return self.start_pos + len(self.token_ids)
+
+
+def placeholder_seqs(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """The step's sequences whose last token is a placeholder, in step order (the order of a fill)."""
+    return [s for s in seqs if s.token_ids and s.token_ids[-1] == PLACEHOLDER_TOKEN]
+
+
+def fill_placeholders(seqs: list[ScheduledSeq], tokens: list[int]) -> None:
+    """Put the tokens the previous step sampled in place of the placeholders, in step order."""
+    holders = placeholder_seqs(seqs)
+    if len(holders) != len(tokens):
+        raise RuntimeError(f"a step has {len(holders)} placeholder tokens but {len(tokens)} came to fill them")
+    for s, token in zip(holders, tokens):
+        s.token_ids = [*s.token_ids[:-1], token]
 
 
 @dataclass

@@ -1,0 +1,155 @@
+"""Asynchronous scheduling: step n+1 is planned and sent while the ranks compute step n.
+
+The tokens of step n reach the ranks in a follow-up `fill`; a sequence that step n ends (EOS, a stop
+string, an abort) runs once more in step n+1, its token dropped and its blocks parked until that step
+answers. None of this may change an output: the rank-actor engine must equal the in-process one exactly,
+under chunked prefill, preemption (which falls back to one step at a time), seeded sampling, logprobs,
+penalties (which keep their own sequences' steps synchronous) and stop strings, and come to rest with
+every block free.
+"""
+from __future__ import annotations
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.llm import LLM
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from tests.models import assert_engine_clean
+from workers.config import SchedulerConfig
+from workers.sampling_params import SamplingParams
+from workers.scheduler_output import PLACEHOLDER_TOKEN, SampledToken, ModelRunnerOutput, fill_placeholders
+
+MODEL = "models/tandem-tiny"
+PROMPTS = ["import os\n", "def add(a, b):\n", "class Stack:\n", "for i in range(10):\n", "# parse the file\n",
+           "x = [", "while True:\n", "print(", "def add(a, b):\n    return"]
+
+
+def _params(reference: list[str]) -> list[SamplingParams]:
+    params = []
+    for i, text in enumerate(reference):
+        stop = [text[len(text) // 2: len(text) // 2 + 3]] if len(text) > 8 and i % 2 else []
+        params.append(SamplingParams(max_tokens=10 + 3 * i, temperature=0.0, stop=stop, logprobs=2 if i == 3 else None))
+    params[1] = SamplingParams(max_tokens=20, temperature=0.9, top_k=20, seed=11)  # seeded: same draws either way
+    params[4] = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params[6] = SamplingParams(max_tokens=14, temperature=0.8, seed=5, repetition_penalty=1.3)  # its steps: one at a time
+    return params
+
+
+def _assert_same(got, expected) -> None:
+    """Tokens, text and finish exactly; logprobs to 1e-4 (fp32 sums differ in the last bits with the batch's
+    make-up, which the preemptions and chunks change from one engine to the other)."""
+    assert [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in got] == \
+        [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in expected]
+    for g, e in zip(got, expected):
+        assert (g.logprobs is None) == (e.logprobs is None)
+        for a, b in zip(g.logprobs or [], e.logprobs or []):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
+@pytest.mark.slow
+def test_ahead_steps_equal_the_in_process_engine(shared_ray):
+    # 12 blocks of 16 tokens for 9 sequences of up to ~45 tokens: preemption; 24-token steps: chunked prompts.
+    kwargs = dict(model=MODEL, dtype="float32", device="cpu", num_gpu_blocks_override=12, block_size=16,
+                  max_num_batched_tokens=24)
+    uni = LLM(**kwargs, distributed_executor_backend="uni")
+    reference = [o.text for o in uni.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)]
+    params = _params(reference)
+    expected = uni.generate(PROMPTS, params, use_tqdm=False)
+    assert uni.llm_engine.scheduler.num_preemptions > 0, "the test needs preemption"
+    uni.llm_engine.shutdown()
+
+    llm = LLM(**kwargs, distributed_executor_backend="ray")
+    engine = llm.llm_engine
+    try:
+        assert engine.async_scheduling
+        fills: list[int] = []
+        fill = engine.executor.fill
+        engine.executor.fill = lambda tokens: fills.append(len(tokens)) or fill(tokens)
+        for _ in range(2):  # the second round starts on a cache holding the first's prefixes
+            got = llm.generate(PROMPTS, params, use_tqdm=False)
+            _assert_same(got, expected)
+            assert_engine_clean(llm)
+            assert engine.scheduler.num_parked_blocks == 0
+        assert sum(1 for n in fills if n) > 10, "steps were not sent ahead"
+        assert engine.scheduler.num_preemptions > 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_async_scheduling_off_sends_no_step_ahead(shared_ray):
+    llm = LLM(model=MODEL, dtype="float32", device="cpu", distributed_executor_backend="ray", async_scheduling=False)
+    try:
+        sent = []
+        submit = llm.llm_engine.executor.submit
+        llm.llm_engine.executor.submit = lambda out, ahead=False: sent.append(ahead) or submit(out, ahead=ahead)
+        llm.generate(PROMPTS[:3], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+        assert sent and not any(sent)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def _scheduler(num_blocks: int, budget: int = 64) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget), BlockManager(num_blocks, 4, True))
+
+
+def _running(sched: Scheduler, seq_id: str, prompt: list[int]) -> Sequence:
+    seq = Sequence(seq_id, list(prompt), SamplingParams(max_tokens=50))
+    sched.add(seq)
+    return seq
+
+
+def _collect(sched: Scheduler, out, tokens: dict[str, int]) -> None:
+    sched.step_done()
+    sched.update(out, ModelRunnerOutput({k: SampledToken(v, 0.0) for k, v in tokens.items()}))
+
+
+def test_a_step_planned_ahead_carries_placeholders_past_the_step_out():
+    sched = _scheduler(num_blocks=16)
+    a = _running(sched, "a", [1, 2, 3, 4, 5, 6])  # 6 tokens: its block of 4 fills, a second starts
+    first = sched.schedule()
+    sched.step_sent()
+    ahead = sched.schedule(ahead_of=first)  # a's prefill is out: plan its first decode
+    (s,) = ahead.seqs
+    assert s.token_ids == [PLACEHOLDER_TOKEN] and s.start_pos == 6 and s.sample and s.num_output_tokens == 1
+    assert len(s.block_table) == 2 and a.num_computed_tokens == 0  # nothing moves before the step answers
+    sched.step_sent()
+    _collect(sched, first, {"a": 42})
+    assert a.token_ids[-1] == 42 and a.num_computed_tokens == 6
+    fill_placeholders(ahead.seqs, [42])
+    assert s.token_ids == [42]
+    ahead2 = sched.schedule(ahead_of=ahead)
+    assert ahead2.seqs[0].start_pos == 7 and ahead2.seqs[0].token_ids == [PLACEHOLDER_TOKEN]
+
+
+def test_a_finished_sequences_blocks_are_parked_until_the_step_out_answers():
+    sched = _scheduler(num_blocks=16)
+    a = _running(sched, "a", [1, 2, 3, 4, 5])
+    out = sched.schedule()
+    sched.step_sent()
+    table = list(a.block_table)
+    free = sched.blocks.num_free_blocks
+    sched.finish(a, "abort")
+    assert sched.blocks.num_free_blocks == free and sched.num_parked_blocks == len(table)
+    assert sched.has_work  # the step out must still be collected
+    sched.step_done()
+    assert sched.num_parked_blocks == 0 and sched.blocks.num_free_blocks == free + len(table)
+    assert not sched.has_work
+    sched.update(out, ModelRunnerOutput({"a": SampledToken(7, 0.0)}))  # a finished: its token is dropped
+    assert a.token_ids == [1, 2, 3, 4, 5]
+
+
+def test_planning_ahead_never_preempts_and_skips_sequences_that_surely_end():
+    sched = _scheduler(num_blocks=4)
+    a = _running(sched, "a", [1, 2, 3, 4, 5, 6, 7])  # 2 blocks
+    b = _running(sched, "b", [9, 8, 7, 6, 5, 4, 3, 2])  # 2 blocks, the last one full after its prefill
+    out = sched.schedule()
+    assert len(out.seqs) == 2 and sched.blocks.num_free_blocks == 0
+    sched.step_sent()
+    # b's first decode needs a third block, and none is free: the plan gives up rather than preempt a
+    assert sched.schedule(ahead_of=out) is None
+    assert a in sched.running and b in sched.running and sched.num_preemptions == 0
+    # a sequence whose sampled token surely ends it is left out of the plan
+    ahead = sched.schedule(ahead_of=out, will_finish=lambda seq: seq is b)
+    assert [s.seq_id for s in ahead.seqs] == ["a"]
