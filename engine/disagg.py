@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from engine.async_engine import AsyncEngine, staged_fanout
 from engine.llm_engine import LLMEngine, RequestOutput
@@ -101,6 +103,68 @@ class PrefillUnavailable(ConnectionError):
 
 PrefillClient = Callable[[str, list[int], SamplingParams, int, Reservation], AsyncIterator[PrefillReady]]
 
+# What `DecodeReplica.generate` yields first for a router-driven prefill: its blocks are reserved, so the router
+# may stream token 1 as soon as the prefill answers it (a full decode replica raises QueueFullError instead).
+RESERVED = "reserved"
+
+
+class RouterPrefill:
+    """A prefill the router started itself (`PrefillReplica.prefill_first`), concurrently with its call to this
+    decode replica, as the decode side sees it: shaped like the prefill client's stream (its answer, then the
+    end), so the handoff's code takes either. `answer` resolves to the same `PrefillReady` the router streams
+    token 1 from. Closed before the KV moved (the request given up, failed or cancelled), it has the prefill
+    ranks abandon the blocks (`KVTransferAgent.abandon`): the prefill replica frees them at once, not at the
+    lease; an answer still on its way is abandoned when it lands."""
+
+    def __init__(self, answer: Awaitable[PrefillReady], request_id: str):
+        self._answer = asyncio.ensure_future(answer)
+        self.request_id = request_id
+        self.moved = False  # set once the KV is here: nothing to abandon
+        self._read = False
+        self._closed = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> PrefillReady:
+        if self._read:
+            raise StopAsyncIteration
+        self._read = True
+        return await asyncio.shield(self._answer)  # a cancelled reader leaves the answer to `aclose`
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.moved:
+            return
+        if self._answer.done():
+            self._abandon(self._answer)
+        else:
+            self._answer.add_done_callback(self._abandon)
+
+    def _abandon(self, answer: asyncio.Future) -> None:
+        if answer.cancelled() or answer.exception() is not None:
+            return  # no answer: the prefill replica freed its blocks itself
+        abandon_prefill(answer.result(), self.request_id)
+
+
+def abandon_prefill(ready: PrefillReady, request_id: str) -> None:
+    """Have a router-driven prefill's ranks give up waiting for the send: its replica frees the blocks now.
+    Only once nothing may still read them into a decode replica (no transfer of the request in flight)."""
+    if ready.finished:
+        return
+
+    def submit() -> None:
+        for handle in ready.rank_handles:
+            try:
+                handle.kv.remote("abandon", request_id)  # fire and forget: a dead rank frees nothing anyway
+            except Exception:  # noqa: BLE001
+                log.debug("abandoning %s on a prefill rank failed", request_id, exc_info=True)
+
+    # From a thread without the (maybe cancelled) request's context, as the transfer's own calls (`_transfer`).
+    threading.Thread(target=submit, name="tandem-abandon", daemon=True).start()
+
 
 def _ray_executor(engine: LLMEngine):
     from cluster.ray_executor import RayExecutor
@@ -119,36 +183,84 @@ class PrefillReplica:
         self.executor.kv_setup("prefill")
         self.shards: list[RankShard] = self.executor.kv_call("get_shard")
         self.lease_s = engine.config.cache.kv_lease_seconds
+        self._holding: set[asyncio.Task] = set()  # router-driven prefills' blocks, held until sent (`prefill_first`)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
                       reservation: Reservation) -> AsyncIterator[PrefillReady]:
-        first: RequestOutput | None = None
-        async for out in self.async_engine.generate(request_id, prompt_token_ids, params, priority, handoff=True):
-            first = out
-        ready = PrefillReady(self.replica_id, first)
+        """The decode replica's call: the answer, then (the stream held open) the blocks held until sent."""
+        ready = await self._run(request_id, prompt_token_ids, params, priority)
         if ready.finished:
             yield ready
             return
         try:
-            ready.first = SampledToken(first.token_ids[0], *_first_logprobs(first))
-            # Read here, not on the engine thread (which may be inside a step): the engine held the blocks
-            # before it returned this output, and held blocks do not change until `release`.
-            ready.block_ids = self.llm_engine.held_block_ids(request_id)
             ready.shards = self.shards
             if self.replica_id not in reservation.known_peers:
                 ready.rank_handles = list(self.executor.workers)
             yield ready
-            # The decode replica drove our ranks' send and reads on: hold the blocks until they report it done.
-            sent = await asyncio.to_thread(self.executor.kv_call, "wait_sent", request_id, self.lease_s)
-            if not all(sent):
-                log.warning("request %s: KV not collected within the %.0fs lease; freeing it", request_id, self.lease_s)
+            await self._wait_sent(request_id)
         finally:
             # Delivered, given up on (the decode side closed the stream) or failed: free the held blocks,
             # even if this engine has died meanwhile.
             await self.async_engine.cleanup(self.llm_engine.release, request_id)
 
+    async def prefill_first(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                            priority: int) -> PrefillReady:
+        """The router's call (router-driven prefill, docs/architecture.md): the answer at once, to the router,
+        which streams token 1 to the client and hands the answer to the decode replica it called meanwhile.
+        The blocks stay held here, in the background, until every rank has sent them (the decode replica
+        drives that), or the decode replica abandons them (`KVTransferAgent.abandon`), or the lease ends.
+        A cancelled call (the client gone while prefilling) frees them at once."""
+        ready = await self._run(request_id, prompt_token_ids, params, priority)
+        if ready.finished:
+            return ready
+        try:
+            ready.shards = self.shards
+            ready.rank_handles = list(self.executor.workers)  # the router cannot know which decode replica has them
+        except BaseException:
+            await self.async_engine.cleanup(self.llm_engine.release, request_id)
+            raise
+        task = asyncio.ensure_future(self._hold(request_id))
+        self._holding.add(task)
+        task.add_done_callback(self._holding.discard)
+        return ready
 
-def _streamable(handoff: RequestOutput) -> RequestOutput:
+    async def _run(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                   priority: int) -> PrefillReady:
+        """Run the prompt and sample token 1; unless that ended the request, its blocks stay held (the caller
+        frees them). A cancelled or failed run frees them itself."""
+        first: RequestOutput | None = None
+        async for out in self.async_engine.generate(request_id, prompt_token_ids, params, priority, handoff=True):
+            first = out
+        ready = PrefillReady(self.replica_id, first)
+        if ready.finished:
+            return ready
+        try:
+            ready.first = SampledToken(first.token_ids[0], *_first_logprobs(first))
+            # Read here, not on the engine thread (which may be inside a step): the engine held the blocks
+            # before it returned this output, and held blocks do not change until `release`.
+            ready.block_ids = self.llm_engine.held_block_ids(request_id)
+        except BaseException:
+            await self.async_engine.cleanup(self.llm_engine.release, request_id)
+            raise
+        return ready
+
+    async def _wait_sent(self, request_id: str) -> None:
+        """The decode replica drives our ranks' send: hold the blocks until every rank reports it done (or
+        abandoned), at most the lease."""
+        sent = await asyncio.to_thread(self.executor.kv_call, "wait_sent", request_id, self.lease_s)
+        if not all(sent):
+            log.warning("request %s: KV not collected within the %.0fs lease; freeing it", request_id, self.lease_s)
+
+    async def _hold(self, request_id: str) -> None:
+        try:
+            await self._wait_sent(request_id)
+        except Exception:  # noqa: BLE001 - a dead rank: the blocks are freed below all the same
+            log.warning("request %s: waiting for the KV send failed", request_id, exc_info=True)
+        finally:
+            await self.async_engine.cleanup(self.llm_engine.release, request_id)
+
+
+def streamable(handoff: RequestOutput) -> RequestOutput:
     """The prefill side's first-token output as the client's first stream item: not finished."""
     return replace(handoff, finish_reason=None, stop_reason=None, prompt_token_ids=[])
 
@@ -194,22 +306,60 @@ class DecodeReplica:
         return self.async_engine.alive and self.executor.alive
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, prefilled: Awaitable[PrefillReady] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs. `prefilled`: the answer of a prefill the router started itself (router-driven
+        prefill): the request is handed off from it (no local-prefill choice, no prefill call of its own on the
+        first attempt); `RESERVED` is yielded first, once the blocks are reserved, and token 1, which the router
+        streams itself, is not yielded again."""
         # This replica's stages of the request (wall clock), merged into its last output's timeline.
         timeline = {"replica_received": time.time()}
+        if prefilled is not None:
+            self._count_site("remote")
+            async for out in self._handoff(request_id, prompt_token_ids, params, priority, timeline,
+                                           RouterPrefill(prefilled, request_id)):
+                yield out
+            return
         site = "local" if self._prefill_here(prompt_token_ids) else "remote"
-        self.prefill_sites[site] += 1
-        if self.on_prefill_site is not None:
-            self.on_prefill_site(site)
+        self._count_site(site)
         if site == "local":  # the engine runs the whole request, as a colocated replica would
             async for out in self._local(request_id, prompt_token_ids, params, priority, timeline):
                 yield out
             return
+        async for out in self._handoff(request_id, prompt_token_ids, params, priority, timeline):
+            yield out
+
+    def _count_site(self, site: str) -> None:
+        self.prefill_sites[site] += 1
+        if self.on_prefill_site is not None:
+            self.on_prefill_site(site)
+
+    async def _handoff(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+                       timeline: dict[str, float], routed: RouterPrefill | None = None) -> AsyncIterator[RequestOutput]:
+        """A handed-off request: steps 1-5, retried as the module's docstring says. `routed`: the router's own
+        prefill, which the first attempt takes instead of calling the prefill pool."""
         sent: SampledToken | None = None  # the first token, streamed to the client before its KV moved
         for attempt in range(1, self.max_attempts + 1):
             try:
-                ready, reservation, stream = await self._remote_prefill(request_id, prompt_token_ids, params, priority,
-                                                                        timeline)
+                if attempt == 1 and routed is not None:
+                    try:
+                        reservation = await self._reserve(request_id, prompt_token_ids, params, priority, timeline)
+                    except BaseException:
+                        await asyncio.shield(_close(routed))  # the prefill side frees its blocks at once
+                        raise
+                    stream = routed
+                    try:
+                        yield RESERVED  # the router may stream token 1 now, from the prefill's answer
+                        ready = await anext(routed)
+                    except BaseException:
+                        await asyncio.shield(self._give_up(request_id, routed))
+                        raise
+                    timeline.update(ready.output.timeline or {}, prefill_answered=time.time())
+                    if not ready.finished:
+                        sent = ready.first  # the router has streamed token 1 itself
+                else:
+                    ready, reservation, stream = await self._remote_prefill(request_id, prompt_token_ids, params,
+                                                                            priority, timeline)
                 if ready.finished:  # the first token ended the request: no KV to move
                     await self._give_up(request_id, stream)
                     if sent is not None:
@@ -220,7 +370,7 @@ class DecodeReplica:
                 if sent is None:
                     sent = ready.first
                     try:
-                        yield _streamable(ready.output)  # the client sees token 1 while its KV moves
+                        yield streamable(ready.output)  # the client sees token 1 while its KV moves
                     except BaseException:  # the client went away here: let go of both sides' blocks
                         await asyncio.shield(self._give_up(request_id, stream))
                         raise
@@ -310,15 +460,7 @@ class DecodeReplica:
         both sides have let go of the request's blocks, or are letting go of them, when this raises;
         otherwise the caller owns the reservation and the prefill stream (`_move_kv` or `_give_up`).
         Stamps "reserved" and "prefill_answered" into `timeline`, with the prefill engine's own stages."""
-        if not self.executor.alive:
-            raise ExecutorError(f"decode replica {self.replica_id} lost its ranks; it serves nothing more")
-        engine = self.llm_engine
-        reserved = await self.async_engine.call_for(request_id, engine.reserve, request_id, prompt, params, priority)
-        if reserved is None:
-            raise QueueFullError(f"decode replica {self.replica_id} has no room for request {request_id}")
-        block_ids, hits = reserved
-        timeline["reserved"] = time.time()
-        reservation = Reservation(request_id, self.replica_id, block_ids, hits, self.shards, frozenset(self._peer_ranks))
+        reservation = await self._reserve(request_id, prompt, params, priority, timeline)
         stream = self.prefill(request_id, prompt, params, priority, reservation)
         try:
             ready = await anext(aiter(stream))
@@ -330,6 +472,19 @@ class DecodeReplica:
             raise
         timeline.update(ready.output.timeline or {}, prefill_answered=time.time())  # a retry's stamps replace the first's
         return ready, reservation, stream
+
+    async def _reserve(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
+                       timeline: dict[str, float]) -> Reservation:
+        """Step 1: this replica's blocks for the prompt and one token (QueueFullError when full). Stamps "reserved"."""
+        if not self.executor.alive:
+            raise ExecutorError(f"decode replica {self.replica_id} lost its ranks; it serves nothing more")
+        engine = self.llm_engine
+        reserved = await self.async_engine.call_for(request_id, engine.reserve, request_id, prompt, params, priority)
+        if reserved is None:
+            raise QueueFullError(f"decode replica {self.replica_id} has no room for request {request_id}")
+        block_ids, hits = reserved
+        timeline["reserved"] = time.time()
+        return Reservation(request_id, self.replica_id, block_ids, hits, self.shards, frozenset(self._peer_ranks))
 
     def _peer_handles(self, ready: PrefillReady) -> None:
         """Remember a prefill replica's rank handles the first time they come; fill them in after."""
@@ -349,6 +504,8 @@ class DecodeReplica:
         except BaseException:
             await asyncio.shield(self._give_up(request_id, stream))
             raise
+        if isinstance(stream, RouterPrefill):
+            stream.moved = True  # every rank has sent: the prefill replica frees the blocks itself
         self._in_background(_read_to_end(stream))  # step 4, off the request's path
         return moved
 
@@ -376,7 +533,11 @@ class DecodeReplica:
         dst_by_rank = {s.rank: s for s in self.shards}
         lock = self._pair_locks.setdefault(pair_id, asyncio.Lock())
         async with lock:  # one transfer at a time per pair: both sides post their messages in the same order
-            moving = asyncio.ensure_future(asyncio.to_thread(
+            # On a thread that does not carry this request's context (not `asyncio.to_thread`, which copies it):
+            # the Ray tasks it submits (the prefill ranks' sends, a pair's joins) are then not children of the
+            # Serve request, whose cancellation (a client gone) would cancel them recursively, half-way through
+            # a transfer whose other side is posted: a stalled receive and a dropped pair.
+            moving = asyncio.get_running_loop().run_in_executor(None, functools.partial(
                 self._transfer_blocking, spec, ready, plan, src_by_rank, dst_by_rank, res, len(blocks)))
             try:
                 return await asyncio.shield(moving)
@@ -385,6 +546,9 @@ class DecodeReplica:
                 # timeout) and writes into the reserved blocks. The caller frees them, and the next
                 # transfer may use the pair, only once it has ended.
                 await asyncio.wait([moving])
+                if not moving.cancelled() and moving.exception() is not None:
+                    log.warning("request %s: the transfer of a cancelled request failed: %s", res.request_id,
+                                moving.exception())
                 raise
 
     def _transfer_blocking(self, spec: PairSpec, ready: PrefillReady, plan: list[Transfer], src_by_rank: dict[int, RankShard],

@@ -126,6 +126,10 @@ class AppConfig(EngineArgs):
                                           "there, with no KV handoff; 0 = hand every prompt off.")
     local_prefill_when_idle: bool = Field(default=True, description="Disaggregated: a decode replica with nothing "
                                           "running or queued prefills a prompt itself when one step holds it.")
+    router_prefill: bool = Field(default=True, description="Disaggregated: for a prompt that its decode replica "
+                                 "would hand off whatever its state, the router calls the prefill pool itself, "
+                                 "concurrently with the decode replica's reservation, and streams token 1 from the "
+                                 "prefill replica's answer: two Serve hops before the first token instead of four.")
     api_keys: list[str] = Field(default_factory=list, description="Accepted `Authorization: Bearer` keys; empty = no auth.")
     api_keys_env: str | None = Field(default=None, description="Environment variable with more comma-separated keys, "
                                      "read on the replica (keeps secrets out of the config).")

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, AsyncIterator, Callable
 
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoConfig, AutoTokenizer
 
@@ -29,8 +31,9 @@ from router.openai_api import create_openai_app
 from router.pools import DecodePool, PrefillPool
 from router.protocol import BackendUnavailable, GenerateRequest
 from router.replica_metrics import start_publishing
-from router.routing import ReplicasGone, first_unless_replicas_gone
-from router.stream_wire import StreamDecoder
+from router.routing import REPLICAS_POLL_S, ReplicasGone, first_unless_replicas_gone, live_replicas
+from router.stream_wire import RESERVED_ITEM, StreamDecoder
+from engine.disagg import PrefillReady, abandon_prefill, streamable
 from engine.llm_engine import RequestOutput
 from workers.hub import resolve_model_path
 
@@ -57,6 +60,14 @@ class DisaggregatedBackend:
         # configured or model limit, which the decode engine checks again.
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
         self._streams: dict[str, Any] = {}
+        # Router-driven prefill (docs/architecture.md, "Prefill/decode handoff"): for a prompt its decode replica
+        # would hand off whatever its state (longer than a local prefill may take), this router calls the prefill
+        # pool itself, concurrently with the decode replica's reservation, and streams token 1 from its answer.
+        decode_args = config.engine_args("decode")
+        self.router_prefill = config.router_prefill and prefill is not None
+        self.local_prefill_max_tokens = config.local_prefill_max_tokens
+        self.local_prefill_idle_tokens = decode_args.max_num_batched_tokens if config.local_prefill_when_idle else 0
+        self.router_prefills = 0  # requests that took it (for tests)
         self._info_task: asyncio.Task | None = None
         self._ready = False
 
@@ -94,8 +105,112 @@ class DisaggregatedBackend:
         return await self.wait_ready(self.ready_wait_s)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        if self.routes_prefill(len(req.prompt_token_ids)):
+            async for out in self._generate_routed(req):
+                yield out
+            return
         async for _, out in self._decode_call("generate", req, [req.request_id], lambda item: item[1].finished):
             yield out
+
+    def routes_prefill(self, prompt_len: int) -> bool:
+        """Whether this router prefills a prompt itself: only one that every decode replica would hand off,
+        its whole length above what `LocalPrefillPolicy` lets a decode replica prefill (a prompt partly in a
+        decode replica's prefix cache may have been prefilled there; handed off, only its missing blocks move)."""
+        return (self.router_prefill and prompt_len > self.local_prefill_max_tokens
+                and prompt_len > self.local_prefill_idle_tokens)
+
+    async def _generate_routed(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Router-driven prefill: token 1 takes two Serve hops (router -> prefill replica -> router), not four.
+        The prefill call (unary, `PrefillPool.prefill_first`) and the decode call (`generate_prefilled`, given
+        the prefill call's ObjectRef) go out together; the decode replica reserves its blocks, says so
+        (`RESERVED_ITEM`), then takes the same answer and moves the KV as before. Token 1 goes to the client once
+        both the answer and the reservation are in, so a full decode replica still refuses (429) before any token.
+        Any prefill failure is the decode replica's to handle (a re-prefill, or the whole request on its own
+        engine): the router then streams nothing of its own, and token 1 comes from the decode stream."""
+        if not await self.ready():
+            raise BackendUnavailable("the decode pool is not ready yet")
+        rid = req.request_id
+        # The decode call goes out once the prefill call has a replica: a decode replica that died meanwhile must
+        # fail it at once, as a call made now would (first_unless_replicas_gone), not wait for a replacement.
+        decode_was_live = bool(live_replicas(self.decode))
+        called = time.time()
+        response = self.prefill.prefill_first.remote(rid, req.prompt_token_ids, req.sampling_params, req.priority)
+        try:
+            ref = await self._assigned(response)
+        except BaseException:
+            response.cancel()
+            raise
+        if ref is None:  # no prefill replica to take it now: the decode replica copes (prefills it itself)
+            response.cancel()
+            async for _, out in self._decode_call("generate", req, [rid], lambda item: item[1].finished):
+                yield out
+            return
+        self.router_prefills += 1
+        stream = self.decode.options(stream=True).generate_prefilled.remote(req, [ref])
+        self._streams[rid] = stream
+        decoder = StreamDecoder()
+        streamed, finished, retry = False, False, False
+        try:
+            try:
+                item = await first_unless_replicas_gone(stream, self.decode, already_empty_fails=decode_was_live)
+            except StopAsyncIteration:
+                return
+            except ReplicasGone as e:
+                _abandon_when_answered(ref, rid)
+                raise BackendUnavailable(f"request {rid}: the decode replica died and no other one is left") from e
+            if item == RESERVED_ITEM:
+                ready = await _answer_or_none(ref)
+                if ready is not None and not ready.finished:
+                    streamed = True
+                    yield streamable(ready.output)  # token 1, straight from the prefill replica
+                item = None
+            while True:
+                if item is not None:
+                    _, out = decoder.decode(item)
+                    streamed = True
+                    if out.finished:
+                        finished = True
+                        out.timeline = {**(out.timeline or {}), "prefill_called": called}
+                    yield out
+                try:
+                    item = await anext(stream)
+                except StopAsyncIteration:
+                    return
+        except RayActorError as e:
+            # The decode replica died. The prefill replica holds the KV for it: let it go (nothing reads it now).
+            _abandon_when_answered(ref, rid)
+            if streamed:
+                raise BackendUnavailable(f"decode replica failed during request {rid}: {e}") from e
+            log.warning("request %s: decode replica died before its first token; retrying", rid)
+            retry = True
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                stream.cancel()  # client gone or error: the decode replica aborts and lets the prefill side go
+                response.cancel()  # still prefilling: the prefill replica frees its blocks
+        if retry:  # once more, the usual way (another decode replica; it calls the prefill pool itself)
+            async for _, out in self._decode_call("generate", req, [rid], lambda item: item[1].finished):
+                yield out
+
+    async def _assigned(self, response) -> Any:
+        """The prefill call's ObjectRef once Serve has given it a replica; None when the prefill pool has no
+        live replica (Serve would hold the call for a replacement) or the call could not be sent."""
+        task = asyncio.ensure_future(response._to_object_ref())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=REPLICAS_POLL_S)
+                if done:
+                    return task.result()
+                if live_replicas(self.prefill) == 0:
+                    return None
+        except BackPressureError:
+            raise  # the prefill pool's callers queue all they may: 429, as the decode pool's
+        except Exception:  # noqa: BLE001 - e.g. an older Serve without the ObjectRef API: the usual path
+            log.warning("router-driven prefill unavailable; the decode replica calls the prefill pool", exc_info=True)
+            return None
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def generate_batch(self, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """A client request's prompts and `n` choices in one decode-pool call (DecodePool.generate_batch):
@@ -156,6 +271,31 @@ class DisaggregatedBackend:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.cancel()
+
+
+async def _answer_or_none(ref) -> PrefillReady | None:
+    """The router-driven prefill's answer; None if it failed (the decode replica handles that)."""
+    try:
+        return await ref
+    except Exception:  # noqa: BLE001
+        return None
+
+
+_abandoning: set[asyncio.Task] = set()
+
+
+def _abandon_when_answered(ref, request_id: str) -> None:
+    """The decode replica of a router-driven prefill died: nothing will collect the KV the prefill replica
+    holds for it, so have its ranks abandon it once the answer is in (a cancelled prefill call fails
+    instead, and its replica has freed the blocks itself)."""
+    async def abandon() -> None:
+        ready = await _answer_or_none(ref)
+        if ready is not None:
+            abandon_prefill(ready, request_id)
+
+    task = asyncio.ensure_future(abandon())
+    _abandoning.add(task)
+    task.add_done_callback(_abandoning.discard)
 
 
 @serve.ingress()

@@ -169,14 +169,17 @@ def replica_label() -> str:
 # ---- request timelines (docs/architecture.md, "Request timeline") ----
 # A finished request's `RequestOutput.timeline` holds wall-clock stamps (time.time()) from every process it
 # crossed: "arrival" and "first_byte" (this front end), "replica_received", "reserved", "prefill_answered",
-# "kv_queued", "kv_push_start", "kv_push_end" (the decode replica), "queued", "scheduled", "first_token" (the
+# "kv_queued", "kv_push_start", "kv_push_end" (the decode replica), "prefill_called" (the router, when it
+# calls the prefill pool itself), "queued", "scheduled", "first_token" (the
 # engine that ran the prompt), "decode_started", "first_decode_step" (the engine that decodes). Each stage is
 # the time between two stamps: (name, start stamps (the first present counts), end stamp). A stage whose
 # stamps are missing did not happen on the request's path (a colocated request has no KV push).
 STAGES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("dispatch", ("arrival",), "replica_received"),  # tokenizing, the Serve hop to the decode replica
     ("reserve", ("replica_received",), "reserved"),  # decode admission, part 1: KV blocks reserved
-    ("prefill_dispatch", ("reserved",), "queued"),  # the call to the prefill pool, until its engine has it
+    # the call to the prefill pool, until its engine has it: from the router's call (router-driven prefill, sent
+    # with the decode call) or else from the decode replica's reservation
+    ("prefill_dispatch", ("prefill_called", "reserved"), "queued"),
     ("engine_dispatch", ("replica_received", "arrival"), "queued"),  # colocated/local: until the engine has it
     ("queue", ("queued",), "scheduled"),  # waiting for admission on the engine that prefills
     ("prefill", ("scheduled",), "first_token"),  # prefill compute, to the first sampled token

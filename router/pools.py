@@ -19,10 +19,10 @@ from router import metrics, replica_metrics, routing
 from router.config import AppConfig
 from router.protocol import GenerateRequest
 from router.serve_context import in_own_serve_request
-from router.stream_wire import StreamEncoder
+from router.stream_wire import RESERVED_ITEM, StreamEncoder
 from engine.async_engine import EngineDeadError
-from engine.disagg import (DecodeReplica, LocalPrefillPolicy, PrefillReady, PrefillReplica, PrefillUnavailable, Reservation,
-                           TransferStats)
+from engine.disagg import (RESERVED, DecodeReplica, LocalPrefillPolicy, PrefillReady, PrefillReplica, PrefillUnavailable,
+                           Reservation, TransferStats)
 from engine.llm_engine import LLMEngine
 from workers.sampling_params import SamplingParams
 
@@ -79,6 +79,12 @@ class PrefillPool(_PoolMethods):
         async for ready in self.replica.prefill(request_id, prompt_token_ids, params, priority, reservation):
             yield ready
 
+    async def prefill_first(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                            priority: int) -> PrefillReady:
+        """The router's own prefill call (router-driven prefill): a unary answer, which the router streams token
+        1 from and passes to the decode replica as an ObjectRef; the blocks stay held until sent or abandoned."""
+        return await self.replica.prefill_first(request_id, prompt_token_ids, params, priority)
+
 
 class DecodePool(_PoolMethods):
     def __init__(self, args: dict[str, Any], prefill: DeploymentHandle):
@@ -109,16 +115,22 @@ class DecodePool(_PoolMethods):
             async for ready in response:
                 yield ready
         except Exception as e:
-            cause = e
-            while isinstance(cause, RayTaskError) and isinstance(getattr(cause, "cause", None), BaseException):
-                cause = cause.cause
-            if isinstance(e, RayActorError) or isinstance(cause, (RayActorError, EngineDeadError)):
-                # The replica (ActorDiedError / ActorUnavailableError) or its engine (a rank lost) is gone.
-                raise PrefillUnavailable(f"the prefill replica failed under request {request_id}: "
-                                         f"{type(cause).__name__}") from e
-            raise
+            err = _prefill_failure(request_id, e)
+            if err is e:
+                raise
+            raise err from e
         finally:
             response.cancel()  # closed early (client gone, handoff given up): the prefill replica frees its KV
+
+    async def generate_prefilled(self, req: GenerateRequest, answer: list) -> AsyncIterator[bytes]:
+        """A request whose prefill the router started itself (`PrefillPool.prefill_first`): `answer` holds
+        that call's ObjectRef (in a list, so Ray passes the ref rather than waiting for its value). Items as in
+        `generate`, after a first `RESERVED_ITEM` once this replica's blocks are reserved; token 1 is the
+        router's to stream."""
+        encoder = StreamEncoder()
+        async for out in self.replica.generate(req.request_id, req.prompt_token_ids, req.sampling_params, req.priority,
+                                               prefilled=_answer(req.request_id, answer[0])):
+            yield RESERVED_ITEM if out is RESERVED else encoder.encode(0, out)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[bytes]:
         """The request's outputs as router/stream_wire.py items: only what the router has not seen yet (it has
@@ -139,6 +151,29 @@ class DecodePool(_PoolMethods):
     async def info(self) -> dict:
         engine = self.replica.llm_engine
         return {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size}
+
+
+def _prefill_failure(request_id: str, e: Exception) -> Exception:
+    """A prefill call's error as the decode replica takes it: a prefill replica that died (the actor, or its
+    engine: a rank lost) is `PrefillUnavailable`, which it retries at once on its own engine."""
+    cause = e
+    while isinstance(cause, RayTaskError) and isinstance(getattr(cause, "cause", None), BaseException):
+        cause = cause.cause
+    if isinstance(e, RayActorError) or isinstance(cause, (RayActorError, EngineDeadError)):
+        # The replica (ActorDiedError / ActorUnavailableError) or its engine (a rank lost) is gone.
+        return PrefillUnavailable(f"the prefill replica failed under request {request_id}: {type(cause).__name__}")
+    return e
+
+
+async def _answer(request_id: str, ref) -> PrefillReady:
+    """The router-driven prefill's answer (the ObjectRef of its `prefill_first` call)."""
+    try:
+        return await ref
+    except Exception as e:
+        err = _prefill_failure(request_id, e)
+        if err is e:
+            raise
+        raise err from e
 
 
 def _record_transfer(stats: TransferStats, tags: dict[str, str]) -> None:

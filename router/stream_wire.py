@@ -26,6 +26,9 @@ from typing import Any
 from engine.llm_engine import RequestOutput
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
+# A router-driven prefill's first decode item (router/pools.py `generate_prefilled`): the decode replica has
+# reserved the request's blocks; not an output (no pickle starts with a NUL byte).
+RESERVED_ITEM = b"\x00reserved"
 
 
 @dataclass

@@ -28,7 +28,9 @@ from transformers import AutoConfig
 from tests.models import assert_engine_clean, hf_greedy, prompts_of_lengths, tiny_model
 from engine.async_engine import AsyncEngine, EngineDeadError
 from workers.config import EngineConfig
-from engine.disagg import DecodeReplica, LocalPrefillPolicy, PrefillReady, PrefillReplica, Reservation
+from engine.disagg import (RESERVED, DecodeReplica, LocalPrefillPolicy, PrefillReady, PrefillReplica, PrefillUnavailable,
+                           Reservation, streamable)
+from engine.scheduler import QueueFullError
 from engine.llm_engine import LLMEngine, RequestOutput
 from workers.executor import ExecutorError
 from workers.kv_transfer.plan import RankShard
@@ -730,4 +732,98 @@ def test_prompt_logprobs_travel_from_the_prefill_side(pools, run, reference):
         assert out.prompt_logprobs[0] is None
         for got, exp in zip(out.prompt_logprobs[1:], want.prompt_logprobs[1:]):
             assert got.keys() == exp.keys() and all(abs(got[t] - exp[t]) < 1e-4 for t in got)
+    run(settle(pair))
+
+
+# ---------------------------------------------------------------- router-driven prefill
+
+
+async def routed(pair: Pair, rid: str, prompt: list[int], params: SamplingParams,
+                 answer: Any = None) -> tuple[list[Any], PrefillReady | None]:
+    """A request as the router drives it (router/disaggregated.py `_generate_routed`): the prefill replica's
+    `prefill_first` and the decode replica's `generate(prefilled=...)` started together. Returns the decode
+    side's items (RESERVED first) and the answer the router would stream token 1 from."""
+    if answer is None:
+        answer = asyncio.ensure_future(pair.prefill.prefill_first(rid, prompt, params, 0))
+    items = []
+    async for out in pair.decode.generate(rid, prompt, params, prefilled=answer):
+        items.append(out if out is RESERVED else replace(out, token_ids=list(out.token_ids),
+                                                          new_token_ids=list(out.new_token_ids)))
+    ready = answer.result() if isinstance(answer, asyncio.Future) and answer.exception() is None else None
+    return items, ready
+
+
+def test_router_prefill_streams_token_1_from_the_prefill_answer(pools, run, reference):
+    """The decode replica says RESERVED, takes the router's prefill answer without calling the prefill pool,
+    moves the KV and never repeats token 1 (the router streamed it from the same answer); together the two
+    streams are the single-process output, logprobs and prompt logprobs included; both sides end clean."""
+    pair = pools.get("tp2->tp1")
+    (prompt,) = prompts_of_lengths([15], VOCAB, seed=21)
+    params = greedy(5, logprobs=1, prompt_logprobs=1)
+    calls, transfers = len(pair.prefill_calls), len(pair.decode.transfers)
+    items, ready = run(routed(pair, "rp-1", prompt, params))
+    assert items[0] is RESERVED and ready is not None and not ready.finished
+    assert len(pair.prefill_calls) == calls and len(pair.decode.transfers) == transfers + 1
+    first = streamable(ready.output)
+    outs = items[1:]
+    assert first.finish_reason is None and len(first.new_token_ids) == 1
+    assert outs[0].token_ids[0] == first.token_ids[0] and outs[0].new_token_ids != first.new_token_ids
+    streamed = first.new_token_ids + [t for o in outs for t in o.new_token_ids]
+    (want,) = reference(pair.path, [prompt], params)
+    assert streamed == want.token_ids and first.new_text + "".join(o.new_text for o in outs) == want.text
+    assert_same_output(outs[-1], want)
+    assert first.prompt_logprobs is not None and outs[-1].prompt_logprobs == first.prompt_logprobs
+    assert {"reserved", "first_token", "prefill_answered", "kv_push_end"} <= set(outs[-1].timeline)
+    run(settle(pair))
+
+
+def test_router_prefill_given_up_frees_the_prefill_blocks_before_the_lease(pools, run):
+    """The client leaves after the reservation (RESERVED) and before any KV moved: the decode replica has the
+    prefill ranks abandon the answer, and the prefill replica frees the blocks at once, not at its 60 s lease."""
+    pair = pools.get("tp2->tp1")
+    (prompt,) = prompts_of_lengths([14], VOCAB, seed=22)
+
+    async def body() -> None:
+        answer = asyncio.ensure_future(pair.prefill.prefill_first("rp-gone", prompt, greedy(), 0))
+        stream = pair.decode.generate("rp-gone", prompt, greedy(), prefilled=answer)
+        assert await anext(stream) is RESERVED
+        await answer  # the prefill replica holds the blocks for the transfer now
+        assert pair.P.held_block_ids("rp-gone")
+        await stream.aclose()
+        await settle(pair, timeout=10.0)  # the lease is 60 s
+
+    run(body())
+
+
+def test_router_prefill_on_a_full_decode_replica_refuses_and_frees_both_sides(pools, run, monkeypatch):
+    """A decode replica without room refuses (QueueFullError) before RESERVED, so the router streams nothing;
+    the prefill answer that lands afterwards is abandoned, its blocks freed at once."""
+    pair = pools.get("tp2->tp1")
+    (prompt,) = prompts_of_lengths([14], VOCAB, seed=23)
+    monkeypatch.setattr(pair.D, "reserve", lambda *args: None)
+
+    async def body() -> None:
+        answer = asyncio.ensure_future(pair.prefill.prefill_first("rp-full", prompt, greedy(), 0))
+        with pytest.raises(QueueFullError):
+            await routed(pair, "rp-full", prompt, greedy(), answer)
+        assert not (await answer).finished
+        await settle(pair, timeout=10.0)
+
+    run(body())
+
+
+def test_router_prefill_that_failed_runs_here_and_streams_token_1_itself(pools, run):
+    """The router's prefill replica died (PrefillUnavailable): the router has no token to stream, and the
+    decode replica prefills the prompt itself and streams every token, the first included."""
+    pair = pools.get("tp2->tp1")
+    (prompt,) = prompts_of_lengths([13], VOCAB, seed=24)
+    fallbacks = pair.decode.prefill_fallbacks
+
+    async def dead() -> PrefillReady:
+        raise PrefillUnavailable("the prefill replica died")
+
+    items, _ = run(routed(pair, "rp-dead", prompt, greedy(5), dead()))
+    assert items[0] is RESERVED and pair.decode.prefill_fallbacks == fallbacks + 1
+    streamed = [t for o in items[1:] for t in o.new_token_ids]
+    assert len(items[1].new_token_ids) == 1 and streamed == hf_greedy(pair.path, prompt, 5)[0]
     run(settle(pair))

@@ -216,3 +216,16 @@ def test_local_prefill_and_first_token_finish_timelines(pd):
     assert metrics.timeline_site(short.timeline) == "remote"
     _assert_in_order(short.timeline, REMOTE_CHAIN[1:7])
     assert "kv_push_start" not in short.timeline
+
+
+def test_router_driven_prefill_dispatch_counts_from_the_routers_call():
+    """Router-driven prefill: the router calls the prefill pool (stamp "prefill_called") together with the
+    decode replica, so the prefill's dispatch runs from that call, not from the decode replica's reservation,
+    which comes later than the prefill engine's "queued" here."""
+    timeline = {"arrival": 0.0, "prefill_called": 0.001, "queued": 0.004, "replica_received": 0.005,
+                "reserved": 0.006, "scheduled": 0.0045, "first_token": 0.020, "first_byte": 0.023,
+                "prefill_answered": 0.024}
+    stages = metrics.stage_seconds(timeline)
+    assert stages["prefill_dispatch"] == pytest.approx(0.003)
+    assert stages["first_byte"] == pytest.approx(0.003) and stages["dispatch"] == pytest.approx(0.005)
+    assert metrics.timeline_site(timeline) == "remote"

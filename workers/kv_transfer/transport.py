@@ -152,6 +152,11 @@ class KVTransferAgent:
             self._sent.pop(request_id, None)
         return done
 
+    def abandon(self, request_id: str) -> None:
+        """Prefill side: the decode side gave the request up before any send of it was posted here: end its
+        `wait_sent` now (the prefill replica then frees the blocks) rather than at the lease. Idempotent."""
+        self._ack(request_id).set()
+
     def _ack(self, request_id: str) -> threading.Event:
         """The request's ack event. A failed handoff never collects its ack, so only the newest
         MAX_UNCOLLECTED_ACKS are kept."""
