@@ -62,10 +62,11 @@ run_pd_small() {  # issue 27: in 256 / out 64 at 32 req/s, PD goodput >= 0.95x c
     --bench-args "--input-len 256 --output-len 64 --request-rates 32 --num-prompts 400 --max-token-id 100000 --ttft-slo 1 --tpot-slo 0.05" \
     --out "$RES/pd_small"
 }
-run_pd_c1() {  # issue 27: concurrency-1 TPOT, fixed 2048 in / 128 out, PD <= 1.05x colocated
+run_pd_c1() {  # issue 27: concurrency-1 TTFT (<= 1.10x) and TPOT (<= 1.05x), fixed 2048 in / 128 out, PD vs colocated;
+  # pd = router-driven prefill (the default), pd-decode-driven = the earlier flow (--no-router-prefill), same call
   python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
-    --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16" \
-    --deployments "colocated=--replicas 2;pd=--disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle" \
+    --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16 --trace-requests" --log-dir "$RES/pd_c1_logs" \
+    --deployments "colocated=--replicas 2;pd=--disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle;pd-decode-driven=--disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle --no-router-prefill" \
     --bench-args "--length-dist fixed --input-len 2048 --output-len 128 --concurrencies 1 --num-prompts 20 --max-token-id 100000" \
     --out "$RES/pd_c1"
 }
@@ -88,7 +89,7 @@ SP_LENGTHS=${SP_LENGTHS:-16384,65536,131056}
 export RES M8B SP_LENGTHS
 export -f run_tests run_offline run_latency run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve
 declare -A LIMIT=([tests]=300 [offline]=540 [latency]=300 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
-                 [allreduce]=120 [pd_small]=420 [pd_c1]=360 [sp_serve]=420)
+                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1
