@@ -219,6 +219,8 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         self._unscheduled.pop(request_id, None)
         self.grammars.drop(request_id)
+        if not self.executor.alive:  # its ranks are gone: no step out writes anything any more
+            self.scheduler.steps_lost()
         self.scheduler.abort(request_id)  # blocks a step out may still write are parked until it answers
         if req is None:
             return None
@@ -294,11 +296,16 @@ class LLMEngine:
                 return []
         sched_out, pending = self._inflight
         self._inflight = None
-        ahead = self._submit(ahead_of=sched_out) if self._can_schedule_ahead(sched_out) else None
-        result = pending.result()
-        self.scheduler.step_done()
-        if ahead is not None:  # the ranks wait for these before they run the step already sent
-            self.executor.fill([result.sampled[s.seq_id].token_id for s in placeholder_seqs(ahead[0].seqs)])
+        try:
+            ahead = self._submit(ahead_of=sched_out) if self._can_schedule_ahead(sched_out) else None
+            result = pending.result()
+            self.scheduler.step_done()
+            if ahead is not None:  # the ranks wait for these before they run the step already sent
+                self.executor.fill([result.sampled[s.seq_id].token_id for s in placeholder_seqs(ahead[0].seqs)])
+        except BaseException:
+            if not self.executor.alive:  # the ranks are gone: nothing writes any block any more
+                self.scheduler.steps_lost()
+            raise
         for seq_id, entries in result.prompt_logprobs.items():
             self._add_prompt_logprobs(seq_id, entries)
         got = [(self.requests[seq.seq_id], result.spec.get(seq.seq_id) or [result.sampled[seq.seq_id]])
@@ -504,7 +511,12 @@ class LLMEngine:
         if self._inflight is not None and not self.requests:
             sched_out, pending = self._inflight
             self._inflight = None
-            result = pending.result()
+            try:
+                result = pending.result()
+            except BaseException:
+                if not self.executor.alive:
+                    self.scheduler.steps_lost()
+                raise
             self.scheduler.step_done()
             self.scheduler.update(sched_out, result)
 

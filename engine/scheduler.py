@@ -249,6 +249,12 @@ class Scheduler:
         while self._parked and self._parked[0][0] <= self.steps_done:
             self.blocks.free_blocks(self._parked.popleft()[1])
 
+    def steps_lost(self) -> None:
+        """The executor failed: no step out will write anything more, so nothing stays parked."""
+        self.steps_done = self.steps_sent
+        while self._parked:
+            self.blocks.free_blocks(self._parked.popleft()[1])
+
     def _free(self, seq: Sequence) -> None:
         """Free a sequence's blocks now, or park them while a step that may still write them is out."""
         if self.steps_sent > self.steps_done and seq.block_table:

@@ -208,15 +208,19 @@ async def on_engine(replica: PrefillReplica | DecodeReplica, fn: Callable[[LLMEn
 async def settle(pair: Pair, timeout: float = 10.0) -> None:
     """Both engines reach the clean state: no block used, nothing held or reserved, no request left."""
     for replica in (pair.prefill, pair.decode):
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                await on_engine(replica, assert_engine_clean)
-                break
-            except AssertionError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.05)
+        await settle_replica(replica, timeout)
+
+
+async def settle_replica(replica: PrefillReplica | DecodeReplica, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await on_engine(replica, assert_engine_clean)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
 
 
 async def expect_cancelled(task: asyncio.Task) -> None:
@@ -483,8 +487,25 @@ def test_abort_while_prefilling(pools, run):
             await gate.wait()
             assert "p-long" in pair.D.scheduler.reserved
             await expect_cancelled(task)
-            await settle(pair)  # freed without the prefill engine taking another step
-        await settle(pair)
+            # The decode side lets go at once. The prefill side has dropped the request without another
+            # step; its blocks stay parked only while a step sent before the abort is out (asynchronous
+            # scheduling planned the prompt's next chunk), and no allocation can take them meanwhile.
+            await settle_replica(pair.decode)
+
+            def dropped_and_parked(engine: LLMEngine) -> None:
+                assert "p-long" not in engine.requests and "p-long" not in engine.scheduler.seqs
+                assert engine.block_manager.num_used_blocks == engine.scheduler.num_parked_blocks
+
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    await on_engine(pair.prefill, dropped_and_parked)
+                    break
+                except AssertionError:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.05)
+        await settle(pair)  # the gate opens: the step out answers and the parked blocks come back
 
     run(body())
 
