@@ -153,3 +153,57 @@ def test_planning_ahead_never_preempts_and_skips_sequences_that_surely_end():
     # a sequence whose sampled token surely ends it is left out of the plan
     ahead = sched.schedule(ahead_of=out, will_finish=lambda seq: seq is b)
     assert [s.seq_id for s in ahead.seqs] == ["a"]
+
+
+def test_threaded_in_process_executor_equals_the_plain_one(monkeypatch):
+    """One GPU's engine (the in-process executor with a step thread, on CPU here by request) plans ahead
+    like the rank actors and must give the plain in-process engine's outputs exactly."""
+    from engine.executor import THREADED_ON_CPU_ENV
+    from workers.executor import ThreadedUniprocExecutor, UniprocExecutor
+
+    kwargs = dict(model=MODEL, dtype="float32", device="cpu", num_gpu_blocks_override=12, block_size=16,
+                  max_num_batched_tokens=24, distributed_executor_backend="uni")
+    plain = LLM(**kwargs)
+    assert type(plain.llm_engine.executor) is UniprocExecutor  # CPU: no step thread unless asked for
+    reference = [o.text for o in plain.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)]
+    params = _params(reference)
+    expected = plain.generate(PROMPTS, params, use_tqdm=False)
+    plain.llm_engine.shutdown()
+
+    monkeypatch.setenv(THREADED_ON_CPU_ENV, "1")
+    llm = LLM(**kwargs)
+    engine = llm.llm_engine
+    try:
+        assert isinstance(engine.executor, ThreadedUniprocExecutor) and engine.async_scheduling
+        fills: list[int] = []
+        fill = engine.executor.fill
+        engine.executor.fill = lambda tokens: fills.append(len(tokens)) or fill(tokens)
+        for _ in range(2):
+            _assert_same(llm.generate(PROMPTS, params, use_tqdm=False), expected)
+            assert_engine_clean(llm)
+            assert engine.scheduler.num_parked_blocks == 0
+        assert sum(1 for n in fills if n) > 10, "steps were not sent ahead"
+    finally:
+        engine.shutdown()
+    assert not engine.executor.alive and not engine.executor._thread.is_alive()
+
+
+def test_a_failed_step_on_the_step_thread_reaches_the_engine(monkeypatch):
+    from engine.executor import THREADED_ON_CPU_ENV
+
+    monkeypatch.setenv(THREADED_ON_CPU_ENV, "1")
+    llm = LLM(model=MODEL, dtype="float32", device="cpu", distributed_executor_backend="uni")
+    executor = llm.llm_engine.executor
+    try:
+        def broken(out):
+            raise RuntimeError("kernel exploded")
+
+        executor.runner.execute = broken
+        with pytest.raises(RuntimeError, match="kernel exploded"):
+            llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+        assert not executor.alive
+        with pytest.raises(Exception, match="cannot run more steps"):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+        assert llm.llm_engine.scheduler.num_parked_blocks == 0
+    finally:
+        llm.llm_engine.shutdown()
