@@ -5,13 +5,8 @@ code (workers/) that defines the Executor contract; workers never import cluster
 """
 from __future__ import annotations
 
-import os
-
 from workers.config import EngineConfig
-from workers.executor import Executor, ThreadedUniprocExecutor, UniprocExecutor
-
-# Tests run the threaded in-process executor on CPU with this set (on CPU it is otherwise off).
-THREADED_ON_CPU_ENV = "TANDEM_THREADED_UNIPROC"
+from workers.executor import Executor, UniprocExecutor
 
 
 def make_executor(config: EngineConfig, hf_config, max_model_len: int, eos_token_ids: list[int],
@@ -21,12 +16,7 @@ def make_executor(config: EngineConfig, hf_config, max_model_len: int, eos_token
     if backend == "uni" and config.parallel.world_size > 1:
         raise ValueError("distributed_executor_backend='uni' runs one rank; this layout needs 'ray'")
     if backend == "uni" or (backend == "auto" and config.parallel.world_size == 1):
-        # On a GPU a step thread lets the engine plan the next step while the GPU computes (async_scheduling);
-        # on CPU the two threads would share the cores the model computes on.
-        threaded = config.scheduler.async_scheduling and (
-            config.model.resolved_device().type == "cuda" or os.environ.get(THREADED_ON_CPU_ENV) == "1")
-        cls = ThreadedUniprocExecutor if threaded else UniprocExecutor
-        return cls(config, hf_config, max_model_len, eos_token_ids, show_progress)
+        return UniprocExecutor(config, hf_config, max_model_len, eos_token_ids, show_progress)
     # Imported here so the single-process path never imports Ray.
     from cluster.ray_executor import RayExecutor
 
