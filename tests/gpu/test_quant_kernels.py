@@ -176,12 +176,18 @@ def test_quantized_checkpoint_on_cuda_matches_hf_on_dequantized(tmp_path, method
         assert getattr(layer.packed, "kernel", None) == "tinygemm", getattr(layer, "tinygemm_skipped", None)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     llm.shutdown()
-    want = [t for t, _ in hf_greedy_batch(ref, prompts, 8)]
+    hf = hf_greedy_batch(ref, prompts, 8)
+    want = [t for t, _ in hf]
     got = [o.token_ids for o in outs]
     agree = sum(a == b for x, y in zip(want, got) for a, b in zip(x, y)) / sum(len(x) for x in want)
     # fp32 with TF32 tensor cores in the GEMM (and W8A8's e4m3 activations) can flip a near-tie late on;
     # a wrong layout or kernel gives garbage from the first token.
-    assert [x[0] for x in got] == [x[0] for x in want]
+    if dtype == "float32":
+        assert [x[0] for x in got] == [x[0] for x in want]
+    else:  # bf16 activations against HF's fp32: a first token may differ only where HF itself nearly tied
+        for (tokens, logprobs), ours in zip(hf, got):
+            gap = float(logprobs[0, tokens[0]] - logprobs[0, ours[0]])
+            assert gap < 0.1, f"first token {ours[0]} where HF picks {tokens[0]} by {gap:.3f} nats"
     # bf16: activations and the KV cache rounded to 8 bits of mantissa (HF runs float32) flip more near-ties.
     assert agree >= (0.6 if method == "fp8" else 0.85 if dtype == "float32" else 0.7), (got, want)
 
