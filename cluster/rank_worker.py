@@ -15,7 +15,7 @@ from parallel.state import init_groups
 from workers.config import EngineConfig
 from workers.model_runner import ModelRunner
 from workers.rank_profile import RankProfile, step_kind
-from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput, fill_placeholders
+from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput, fill_placeholders, placeholder_seqs
 from workers.step_delta import StepDecoder, pack_output
 
 
@@ -93,6 +93,10 @@ class RankWorker:
         (cluster/step_channel.py); returns once connected. `spin_s`: poll for the next step this long."""
         self.decoder = StepDecoder()
         self._waiting: tuple[float, SchedulerOutput] | None = None  # a step sent ahead, until its fill
+        # The only rank of its replica fills a step sent ahead itself, from its last answer's tokens (no fill
+        # frame, no round trip through the driver); with more ranks, those without the tokens need the fill.
+        self._keep_sampled = self.runner.config.parallel.world_size == 1
+        self._sampled: dict[str, int] = {}
         self.profile: RankProfile | None = None
         self._answered_at = time.perf_counter()
         run_rank_loop((address, port), self.rank, self._on_message, spin_s)
@@ -100,11 +104,16 @@ class RankWorker:
     def _on_message(self, message: tuple):
         self._bind_device()  # the step loop's own thread
         kind = message[0]
-        if kind == "step":  # ("step", payload, placeholders): with placeholders it waits for its "fill"
+        if kind == "step":  # ("step", payload, placeholders, own): with placeholders it waits for its "fill"
+            start, out = time.perf_counter(), self.decoder.decode(message[1])
             if len(message) > 2 and message[2]:
-                self._waiting = (time.perf_counter(), self.decoder.decode(message[1]))
+                if len(message) > 3 and message[3]:  # the only rank: the tokens are its own last answer's
+                    sampled = self._sampled
+                    fill_placeholders(out.seqs, [sampled[s.seq_id] for s in placeholder_seqs(out.seqs)])
+                    return self._step(start, out)
+                self._waiting = (start, out)
                 return NO_REPLY
-            return self._step(time.perf_counter(), self.decoder.decode(message[1]))
+            return self._step(start, out)
         if kind == "fill":  # ("fill", tokens): the tokens the step before sampled, for the step sent ahead
             if self._waiting is None:
                 raise RuntimeError("a fill came with no step waiting for it")
@@ -125,6 +134,8 @@ class RankWorker:
             kind = step_kind(out, self.runner.cuda_graphs)
             result = self.profile.step(kind, start - self._answered_at, time.perf_counter() - start,
                                        lambda: self.execute(out), out.num_tokens)
+        if self._keep_sampled and result is not None:  # a step sent ahead fills its placeholders from these
+            self._sampled = {seq_id: t.token_id for seq_id, t in result.sampled.items()}
         packed = pack_output(result, out)
         self._answered_at = time.perf_counter()
         return packed

@@ -135,11 +135,12 @@ class RayExecutor(Executor):
             self._settle()
         to_fill = len(placeholder_seqs(out.seqs))
         payload = self.encoder.encode(out)
+        own = self.world_size == 1  # the only rank has the tokens itself: it fills the step without a `fill`
         try:
-            self.channel.broadcast(("step", payload, to_fill))
+            self.channel.broadcast(("step", payload, to_fill, own))
         except RankFailure as e:
             self._step_failed("step", e)
-        self._to_fill = to_fill
+        self._to_fill = 0 if own else to_fill
 
         def collect() -> ModelRunnerOutput:
             if previous is not None:
@@ -152,6 +153,8 @@ class RayExecutor(Executor):
         return pending
 
     def fill(self, tokens: list[int]) -> None:
+        if self.world_size == 1:
+            return  # the rank filled the step itself, from the answer these tokens came in
         if len(tokens) != self._to_fill:
             raise ExecutorError(f"the step sent ahead has {self._to_fill} placeholders, {len(tokens)} tokens came")
         if not tokens:
