@@ -127,6 +127,9 @@ class StepChannel:
                 except (ChannelClosed, OSError) as e:
                     raise RankFailure(rank, f"died (its step connection closed: {e})") from e
                 if status == "error":
+                    dead = _first_dead([r for r in pending.items()], ERROR_GRACE_S)
+                    if dead is not None:  # a rank's error came from a peer that died: name the dead one
+                        raise RankFailure(dead[0], f"died (its step connection closed: {dead[1]})")
                     raise RankFailure(rank, f"raised {value}")
                 results[rank] = value
         return results
@@ -142,6 +145,28 @@ class StepChannel:
             self._listener.close()
         except OSError:
             pass
+
+
+# When a rank answers with an error, how long the driver watches the ranks still to answer for one whose
+# connection closes: a collective fails on every survivor when a peer dies, and the dead rank is the cause.
+ERROR_GRACE_S = 2.0
+
+
+def _first_dead(pending: list[tuple[socket.socket, int]], grace_s: float) -> tuple[int, str] | None:
+    """(rank, why) of the first of `pending` whose connection closes within `grace_s`, else None. Peeks only:
+    an answer that arrives meanwhile is left unread (the caller is failing the step anyway)."""
+    deadline = time.monotonic() + grace_s
+    alive = dict(pending)
+    while alive and time.monotonic() < deadline:
+        ready, _, _ = select.select(list(alive), [], [], max(deadline - time.monotonic(), 0.0))
+        for sock in ready:
+            rank = alive.pop(sock)
+            try:
+                if sock.recv(1, socket.MSG_PEEK) == b"":
+                    return rank, "connection closed"
+            except OSError as e:
+                return rank, str(e)
+    return None
 
 
 class RankFailure(RuntimeError):

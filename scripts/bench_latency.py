@@ -108,17 +108,17 @@ def hf_decode(model_dir: str, prompt: list[int], gen: int) -> dict:
 def make_llm(model_dir: str, mode: str, args, max_model_len: int, num_blocks: int, max_batched: int) -> LLM:
     """`mode` is a variant, optionally @executor: graphs, eager, torch, eager-loop-moe; graphs@ray runs the
     same engine through the Ray rank actors (the path of every multi-GPU layout), graphs@uni in-process;
-    graphs@ray-sync the rank actors with async_scheduling off (one step at a time)."""
+    graphs@ray-async / graphs@ray-sync the rank actors with async_scheduling on / off (off is the default)."""
     mode, _, executor = mode.partition("@")
-    sync = executor.endswith("-sync")
-    executor = executor.removesuffix("-sync")
+    asynchronous = executor.endswith("-async")
+    executor = executor.removesuffix("-sync").removesuffix("-async")
     backend = "torch" if mode == "torch" else "triton"
     llm = LLM(model=model_dir, device="cuda", dtype="bfloat16", load_format=args.load_format, attention_backend=backend,
               enforce_eager=mode != "graphs", tensor_parallel_size=args.tensor_parallel_size,
               distributed_executor_backend=executor or "auto", max_model_len=max_model_len,
               num_gpu_blocks_override=num_blocks, block_size=16, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=max_batched, enable_prefix_caching=False, show_progress=False,
-              disable_p2p_all_reduce=args.disable_p2p_all_reduce, async_scheduling=not sync)
+              disable_p2p_all_reduce=args.disable_p2p_all_reduce, async_scheduling=asynchronous)
     if mode == "eager-loop-moe":
         from workers.models.moe import Experts
 
@@ -249,7 +249,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=256)
     p.add_argument("--modes", default="graphs,eager,torch", help="Tandem variants: graphs, eager, torch, eager-loop-moe; "
-                   "append @uni, @ray or @ray-sync (async_scheduling off) for the executor (graphs@uni,graphs@ray compares them in one run)")
+                   "append @uni, @ray, @ray-async or @ray-sync (async_scheduling on / off) for the executor (graphs@uni,graphs@ray compares them in one run)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="also the largest captured decode batch")
     p.add_argument("--no-fused-decode", action="store_true",
                    help="batch-1 graphs without the norm/SiLU/residual folded into the GEMVs (ablation); "

@@ -64,8 +64,8 @@ def sync(device: str) -> None:
 
 def parse_layout(spec: str) -> dict:
     """"uni", "ray", "tp2", "pp2", "sp2", "ep2", "gN" (cuda_graph_max_tokens=N: g0 runs prefill and mixed
-    steps eagerly), "nop2p" (NCCL-only TP all-reduce), "sync" (async_scheduling off: one step at a time on
-    the ranks), "ring" / "ulysses" (the SP attention mode) and
+    steps eagerly), "nop2p" (NCCL-only TP all-reduce), "async" / "sync" (async_scheduling on / off; off is the
+    default), "ring" / "ulysses" (the SP attention mode) and
     "+"-joined combinations ("tp2+ray", "tp2+g0", "sp2+ring") as engine arguments."""
     sizes = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "sp": "sequence_parallel_size",
              "ep": "expert_parallel_size"}
@@ -81,10 +81,12 @@ def parse_layout(spec: str) -> dict:
             layout["disable_p2p_all_reduce"] = True
         elif part == "sync":
             layout["async_scheduling"] = False
+        elif part == "async":
+            layout["async_scheduling"] = True
         elif part in ("ring", "ulysses"):
             layout["sequence_parallel_attention"] = part
         else:
-            raise SystemExit(f"--layouts: cannot read {part!r} (uni, ray, tpN, ppN, spN, epN, gN, nop2p, sync, ring, "
+            raise SystemExit(f"--layouts: cannot read {part!r} (uni, ray, tpN, ppN, spN, epN, gN, nop2p, async, sync, ring, "
                              "ulysses, joined with +)")
     return layout
 

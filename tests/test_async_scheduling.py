@@ -51,7 +51,7 @@ def _assert_same(got, expected) -> None:
 def test_ahead_steps_equal_the_in_process_engine(shared_ray):
     # 12 blocks of 16 tokens for 9 sequences of up to ~45 tokens: preemption; 24-token steps: chunked prompts.
     kwargs = dict(model=MODEL, dtype="float32", device="cpu", num_gpu_blocks_override=12, block_size=16,
-                  max_num_batched_tokens=24)
+                  max_num_batched_tokens=24, async_scheduling=True)
     uni = LLM(**kwargs, distributed_executor_backend="uni")
     reference = [o.text for o in uni.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)]
     params = _params(reference)
@@ -79,7 +79,7 @@ def test_ahead_steps_equal_the_in_process_engine(shared_ray):
 
 @pytest.mark.slow
 def test_async_scheduling_off_sends_no_step_ahead(shared_ray):
-    llm = LLM(model=MODEL, dtype="float32", device="cpu", distributed_executor_backend="ray", async_scheduling=False)
+    llm = LLM(model=MODEL, dtype="float32", device="cpu", distributed_executor_backend="ray")  # the default: off
     try:
         sent = []
         submit = llm.llm_engine.executor.submit
