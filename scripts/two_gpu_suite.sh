@@ -27,7 +27,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log to RES/N
 run_tests() { python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -p no:cacheprovider; }
 run_offline() {
   python scripts/bench_offline.py --shape llama-3.1-8b --device cuda --dtype bfloat16 --load-format dummy \
-    --layouts "uni tp2+nop2p tp2 pp2" --isolate --num-requests 1000 --mean-input 230 --mean-output 200 \
+    --layouts "uni tp2 tp2+async pp2+async" --isolate --num-requests 1000 --mean-input 230 --mean-output 200 \
     --max-num-seqs 256 --max-num-batched-tokens 8192 --skip-hf --profile-steps 40 --out "$RES/offline.json"
 }
 run_latency() {  # TP=1, TP=2 with the NCCL-only all-reduce, TP=2 with the P2P one
@@ -51,7 +51,7 @@ run_sp() {
 }
 run_ep() {
   python scripts/bench_offline.py --shape qwen3-30b-a3b --device cuda --dtype bfloat16 --load-format dummy \
-    --layouts "uni ep2" --isolate --num-requests 600 --mean-input 230 --mean-output 200 \
+    --layouts "uni ep2+async" --isolate --num-requests 600 --mean-input 230 --mean-output 200 \
     --max-num-seqs 256 --max-num-batched-tokens 8192 --skip-hf --profile-steps 20 --out "$RES/ep_offline.json"
 }
 run_allreduce() { python scripts/bench_allreduce.py --world-size 2 --device cuda --out "$RES/allreduce.json"; }
