@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from parallel.kernels.quant_tiles import GEMV_MAX_ROWS, gemm_block_k, gemm_config, gemv_config, supported  # noqa: F401
+from parallel.kernels.quant_tiles import cuda_time as _time
 
 FP8_MAX = 448.0
 
@@ -246,18 +247,6 @@ def bucket(m: int) -> str:
 GEMV_CANDIDATES = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
                    for bn, bk, w, st in ((8, 512, 4, 4), (8, 1024, 4, 4), (16, 512, 4, 4), (16, 256, 4, 4),
                                          (32, 256, 8, 3), (4, 1024, 4, 4), (8, 2048, 8, 3))]
-
-
-def _time(fn, iters: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 _PLANS: dict[tuple, dict] = {}

@@ -38,3 +38,19 @@ def gemm_config(m: int, k: int, gs: int) -> dict:
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     return dict(BLOCK_M=block_m, BLOCK_N=128 if block_m >= 64 else 64, BLOCK_K=gemm_block_k(k, gs),
                 num_warps=8 if block_m >= 128 else 4, num_stages=3)
+
+
+def cuda_time(fn, iters: int = 10) -> float:
+    """Milliseconds per call of `fn` on the current CUDA stream, after one warm-up call: how the kernel
+    choices made at load (quant_gemm.py, parallel/quant/tinygemm.py) compare their candidates."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from parallel.kernels.quant_tiles import cuda_time as _time
+
 log = logging.getLogger(__name__)
 
 KERNEL_ENV = "TANDEM_W4A16_KERNEL"
@@ -259,18 +261,6 @@ def _check(device: torch.device) -> str | None:
     if not torch.equal(static_y, y):
         return "_weight_int4pack_mm gives another result inside a CUDA graph"
     return None
-
-
-def _time(fn, iters: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 _DEQUANT_ROWS: dict[tuple, int | None] = {}
