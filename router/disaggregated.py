@@ -189,7 +189,7 @@ class DisaggregatedBackend:
                 stream.cancel()  # client gone or error: the decode replica aborts and lets the prefill side go
                 response.cancel()  # still prefilling: the prefill replica frees its blocks
         if retry:  # once more, the usual way (another decode replica; it calls the prefill pool itself)
-            async for _, out in self._decode_call("generate", req, [rid], lambda item: item[1].finished):
+            async for _, out in self._decode_call("generate", req, [rid], lambda item: item[1].finished, retried=True):
                 yield out
 
     async def _assigned(self, response) -> Any:
@@ -226,9 +226,11 @@ class DisaggregatedBackend:
             yield item
 
     async def _decode_call(self, method: str, payload: Any, request_ids: list[str],
-                           done: Callable[[tuple[int, RequestOutput]], bool]) -> AsyncIterator[tuple[int, RequestOutput]]:
+                           done: Callable[[tuple[int, RequestOutput]], bool], retried: bool = False
+                           ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """A streaming call of the decode pool: its items as (index into the call's requests, the engine's
-        cumulative output), rebuilt from the wire's deltas (router/stream_wire.py), until `done(item)`."""
+        cumulative output), rebuilt from the wire's deltas (router/stream_wire.py), until `done(item)`.
+        `retried`: the request's decode replica died under an earlier call (router-driven prefill)."""
         if not await self.ready():
             raise BackendUnavailable("the decode pool is not ready yet")
         name = request_ids[0]
@@ -242,9 +244,11 @@ class DisaggregatedBackend:
             try:
                 # A decode replica dying under the call before its first token: Serve retries the call on
                 # another replica; with none left, the client gets 503 now rather than when a replacement has
-                # started. (A call made while Serve already knows of no live replica waits for one, as before.)
+                # started. (A new call made while Serve already knows of no live replica waits for one, as
+                # before; a retry, `retried` or a second attempt, does not: its client has waited once already.)
                 try:
-                    item = decoder.decode(await first_unless_replicas_gone(stream, self.decode, already_empty_fails=False))
+                    item = decoder.decode(await first_unless_replicas_gone(stream, self.decode,
+                                                                           already_empty_fails=retried or attempt > 1))
                 except StopAsyncIteration:
                     return
                 except ReplicasGone as e:

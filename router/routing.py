@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from typing import Any, Protocol, Sequence
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -98,21 +99,31 @@ class ReplicasGone(ConnectionError):
 
 
 REPLICAS_POLL_S = 0.05  # how often a call waiting for its first answer looks whether its pool still has a replica
+# A handle that has never seen a replica learns the pool's replicas from Serve's controller within
+# milliseconds of its first call (tens of ms on a loaded CPU box); still none after this, there are none.
+UNSEEN_POOL_GRACE_S = 1.0
 
 
 async def first_unless_replicas_gone(stream: Any, handle: Any, already_empty_fails: bool) -> Any:
     """A Serve stream's first item, or `ReplicasGone` as soon as the handle's pool has no live replica.
     A replica that dies under a call (or before it, unnoticed) makes Serve retry the call on another one;
     with none left, Serve holds it until a replacement has started (seconds on a GPU node, more on CPU).
-    `already_empty_fails`: also when the pool had no replica at the call, once it has had one (else that
-    wait is Serve's: a pool scaling up from zero). StopAsyncIteration if the stream ends empty."""
+    `already_empty_fails`: also when the pool had no replica at the call (else that wait is Serve's: a
+    pool scaling up from zero). A handle that never saw a replica (this process never called the pool
+    before, e.g. a decode replica whose router does the prefill calls) cannot tell a pool whose replicas
+    died from its own first update not yet in: it waits `UNSEEN_POOL_GRACE_S` for one. StopAsyncIteration
+    if the stream ends empty."""
     first = asyncio.ensure_future(anext(aiter(stream)))
     armed = bool(live_replicas(handle)) or (already_empty_fails and had_replicas(handle))
+    unseen_since = time.monotonic()
     try:
         while True:
             live = live_replicas(handle)
             if armed and live == 0:
                 raise ReplicasGone("no live replica is left to serve the call")
+            if (already_empty_fails and not armed and not live
+                    and time.monotonic() - unseen_since > UNSEEN_POOL_GRACE_S):
+                raise ReplicasGone(f"the pool has had no live replica for {UNSEEN_POOL_GRACE_S:g}s")
             armed = armed or bool(live)
             done, _ = await asyncio.wait({first}, timeout=REPLICAS_POLL_S)
             if done:

@@ -108,9 +108,9 @@ def hf_decode(model_dir: str, prompt: list[int], gen: int) -> dict:
 def make_llm(model_dir: str, mode: str, args, max_model_len: int, num_blocks: int, max_batched: int) -> LLM:
     """`mode` is a variant, optionally @executor: graphs, eager, torch, eager-loop-moe; graphs@ray runs the
     same engine through the Ray rank actors (the path of every multi-GPU layout), graphs@uni in-process;
-    graphs@ray-async / graphs@ray-sync the rank actors with async_scheduling on / off (off is the default)."""
+    graphs@ray-async / graphs@ray-sync the rank actors with async_scheduling on / off (on is the default)."""
     mode, _, executor = mode.partition("@")
-    asynchronous = executor.endswith("-async")
+    asynchronous = not executor.endswith("-sync")
     executor = executor.removesuffix("-sync").removesuffix("-async")
     backend = "torch" if mode == "torch" else "triton"
     llm = LLM(model=model_dir, device="cuda", dtype="bfloat16", load_format=args.load_format, attention_backend=backend,

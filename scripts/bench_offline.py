@@ -64,7 +64,7 @@ def sync(device: str) -> None:
 
 def parse_layout(spec: str) -> dict:
     """"uni", "ray", "tp2", "pp2", "sp2", "ep2", "gN" (cuda_graph_max_tokens=N: g0 runs prefill and mixed
-    steps eagerly), "nop2p" (NCCL-only TP all-reduce), "async" / "sync" (async_scheduling on / off; off is the
+    steps eagerly), "nop2p" (NCCL-only TP all-reduce), "async" / "sync" (async_scheduling on / off; on is the
     default), "ring" / "ulysses" (the SP attention mode) and
     "+"-joined combinations ("tp2+ray", "tp2+g0", "sp2+ring") as engine arguments."""
     sizes = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "sp": "sequence_parallel_size",

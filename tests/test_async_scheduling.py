@@ -79,7 +79,7 @@ def test_ahead_steps_equal_the_in_process_engine(shared_ray):
 
 @pytest.mark.slow
 def test_async_scheduling_off_sends_no_step_ahead(shared_ray):
-    llm = LLM(model=MODEL, dtype="float32", device="cpu", distributed_executor_backend="ray")  # the default: off
+    llm = LLM(model=MODEL, dtype="float32", device="cpu", distributed_executor_backend="ray", async_scheduling=False)
     try:
         sent = []
         submit = llm.llm_engine.executor.submit

@@ -70,6 +70,33 @@ def test_an_emptied_pool_fails_at_once_unless_it_may_scale_from_zero():
     asyncio.run(body())
 
 
+def test_a_pool_never_seen_with_a_replica_fails_after_the_grace():
+    """A decode replica whose router does the prefill calls never called the prefill pool itself: at its first
+    fallback call its handle has seen no replica. If the pool died meanwhile, Serve would hold the call for a
+    replacement (~20-30 s on a CPU box: the fault-and-load run lost requests so); the grace ends that."""
+    from router import routing
+
+    async def body():
+        t0 = time.monotonic()
+        with pytest.raises(ReplicasGone):
+            await asyncio.wait_for(first_unless_replicas_gone(_never(), _Handle(None), already_empty_fails=True), 5)
+        assert routing.UNSEEN_POOL_GRACE_S <= time.monotonic() - t0 < routing.UNSEEN_POOL_GRACE_S + 1
+        late = _Handle(0)  # its first update comes in within the grace and names a replica: the call waits on
+        waiting = asyncio.ensure_future(first_unless_replicas_gone(_never(), late, already_empty_fails=True))
+        await asyncio.sleep(routing.UNSEEN_POOL_GRACE_S / 4)
+        late.set(1)
+        await asyncio.sleep(routing.UNSEEN_POOL_GRACE_S * 1.5)
+        assert not waiting.done()
+        late.set(0)  # and then it dies: armed, so at once
+        with pytest.raises(ReplicasGone):
+            await asyncio.wait_for(waiting, 0.5)
+        with pytest.raises(asyncio.TimeoutError):  # a pool that may scale from zero: no grace, Serve's wait stands
+            await asyncio.wait_for(first_unless_replicas_gone(_never(), _Handle(None), already_empty_fails=False),
+                                   routing.UNSEEN_POOL_GRACE_S + 0.3)
+
+    asyncio.run(body())
+
+
 def test_never_empty_pools():
     config = AppConfig(prefill={"num_replicas": 2}, decode={"autoscaling_config": {"min_replicas": 0, "max_replicas": 2}})
     assert never_empty(config.prefill) and not never_empty(config.decode)

@@ -155,10 +155,10 @@ class SchedulerConfig(StrictModel):
                                             "priority) has waited this long for admission, or when the requests ahead "
                                             "would take longer than this to start at the rate the backlogged queue "
                                             "recently drained. Unset: no check offline, 5 when served.")
-    async_scheduling: bool = Field(default=False, description="With rank actors (TP/PP/EP, or "
+    async_scheduling: bool = Field(default=True, description="With rank actors (TP/PP/EP, or "
                                    "distributed_executor_backend='ray'): plan and send step n+1 while the ranks "
-                                   "compute step n (opt-in: docs/benchmarks.md). Speculative decoding, structured "
-                                   "output, penalties and SP steps still run one at a time.")
+                                   "compute step n. Speculative decoding, structured output, penalties and SP "
+                                   "steps still run one at a time.")
 
 
 class SpeculativeSection(StrictModel):
