@@ -32,6 +32,7 @@ import traceback
 from typing import Any, Callable
 
 _HEADER = struct.Struct("<Q")
+_SMALL = 1 << 16  # frames up to this size are read with one plain recv when they are all there
 
 # Every rank loop's handler stays referenced from here, so a loop thread that ends while the process
 # exits (its driver hung up during shutdown) never drops the last reference to the rank's model: a
@@ -49,8 +50,17 @@ def _configure(sock: socket.socket) -> None:
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    if n <= _SMALL:
+        first = sock.recv(n)  # a small frame usually comes whole: no buffer to fill and copy
+        if len(first) == n:
+            return first
+        if not first:
+            raise ChannelClosed("connection closed")
+    else:
+        first = b""
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
+    buf[:len(first)] = first
+    view, got = memoryview(buf), len(first)
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:

@@ -127,11 +127,13 @@ def engine_step_ms(backend: str, ranks: int, device: str, tokens: int) -> float:
         llm.shutdown()
 
 
-def run(ranks_list: list[int], seqs: int, iters: int, tokens: int, device: str) -> dict:
+def run(ranks_list: list[int], seqs: int, iters: int, tokens: int, device: str, engine: bool = True) -> dict:
     rows = []
     for n in ranks_list:
         row = {"ranks": n, "dispatch_us": dispatch_us(n, seqs, iters)}
-        if n == 1:
+        if not engine:
+            pass
+        elif n == 1:
             row["engine_step_ms"] = {b: engine_step_ms(b, 1, device, tokens) for b in ("uni", "ray")}
         elif device == "cpu":
             row["engine_step_ms"] = {"ray": engine_step_ms("ray", n, device, tokens)}
@@ -154,6 +156,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--tokens", type=int, default=200, help="decode steps timed in the engine (default: 200)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--no-engine", action="store_true", help="only the dispatch part (skip the tiny-model engine steps)")
     p.add_argument("--out", default="bench_results/bench_step_dispatch.json")
     a = p.parse_args()
     import ray
@@ -164,7 +167,7 @@ def main() -> None:
     use_private_ray_token()  # a private local Ray that leaves no ~/.ray/auth_token behind
     ray.init(address="local", num_cpus=max(max(ranks_list), os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     try:
-        report = run(ranks_list, a.seqs, a.iters, a.tokens, a.device)
+        report = run(ranks_list, a.seqs, a.iters, a.tokens, a.device, engine=not a.no_engine)
     finally:
         ray.shutdown()
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -73,6 +73,111 @@ def test_deltas_send_less_than_the_whole_step():
     assert len(later) < len(first) / 4 < len(pickle.dumps(step(101))) / 4
 
 
+def _decode_heavy_schedules(steps: int, seed: int = 0):
+    """Mostly plain decodes (the compact part of a step), mixed with admissions, prefill chunks, finishes,
+    preemptions that come back at once with a new table, tables that grow, a tail block replaced (a
+    speculative rejection's trim and regrowth), drafts and token history; some stretches where the same
+    sequences all decode."""
+    rng = random.Random(seed)
+    live: dict[str, dict] = {}
+    next_block, n = 0, 0
+
+    def admit():
+        nonlocal n, next_block
+        n += 1
+        params = SamplingParams(max_tokens=64, temperature=rng.choice([0.0, 0.7]), seed=n,
+                                repetition_penalty=rng.choice([1.0, 1.0, 1.0, 1.2]))
+        prompt = [rng.randrange(100) for _ in range(rng.randrange(2, 9))]
+        live[f"s{n}"] = {"params": params, "table": [], "pos": 0, "out": 0, "prompt": prompt, "todo": list(prompt)}
+
+    for _ in range(3):
+        admit()
+    for step in range(steps):
+        steady = step % 20 >= 12  # every live sequence decodes one token, nothing else happens
+        dropped = []
+        if not steady:
+            for seq_id in list(live):
+                if rng.random() < 0.05:
+                    dropped.append(seq_id)
+                    del live[seq_id]
+            while rng.random() < 0.3:
+                admit()
+        seqs = []
+        for seq_id, st in live.items():
+            if not steady and rng.random() < 0.1:
+                continue  # not scheduled this step
+            history = st["params"].needs_token_history
+            drafts = []
+            if st["todo"]:  # prefill: the whole rest of the prompt or a chunk of it
+                k = len(st["todo"]) if rng.random() < 0.6 else 1 + rng.randrange(len(st["todo"]))
+                tokens, st["todo"] = st["todo"][:k], st["todo"][k:]
+                sample = not st["todo"]
+            else:
+                tokens, sample = [rng.randrange(100)], True
+                if not steady and rng.random() < 0.1:
+                    drafts = [rng.randrange(100) for _ in range(rng.randrange(1, 4))]
+                    tokens = tokens + drafts
+            start = st["pos"]
+            if not steady and st["table"] and rng.random() < 0.05:
+                st["table"][-1] = next_block  # trimmed and regrown with another block
+                next_block += 1
+            while len(st["table"]) * 4 < start + len(tokens):
+                st["table"].append(next_block)
+                next_block += 1
+            seq = ScheduledSeq(seq_id, tokens, start, list(st["table"]), sample, st["params"], st["out"],
+                               list(st["prompt"]) if history else [],
+                               [7] * st["out"] if history else [], spec_token_ids=drafts)
+            seqs.append(seq)
+            # A verification step keeps some of its drafts; any other moves on by its tokens.
+            gained = 1 + rng.randrange(len(drafts) + 1) if drafts else len(tokens)
+            st["pos"] += gained
+            st["out"] += (gained if drafts else 1) if sample else 0
+        if dropped and not steady and rng.random() < 0.5:  # preempted, and back at once with a new table
+            seq_id = dropped[0]
+            live[seq_id] = {"params": SamplingParams(max_tokens=4), "table": [next_block], "pos": 3, "out": 1,
+                            "prompt": [1, 2], "todo": []}
+            next_block += 1
+            seqs.append(ScheduledSeq(seq_id, [1, 2, 3], 0, [next_block - 1], True, live[seq_id]["params"], 0))
+        yield SchedulerOutput(seqs=seqs, finished_seq_ids=dropped)
+
+
+def test_compact_decodes_rebuild_every_step_exactly():
+    """The compact part of a step (plain decodes: only their slots and tokens, or only the tokens when the
+    step has the last step's sequences) rebuilds the same SchedulerOutput as sending each sequence."""
+    encoder, decoder = StepEncoder(), StepDecoder()
+    mixed = all_compact = same_slots = grown = 0
+    for out in _decode_heavy_schedules(600):
+        payload = encoder.encode(out)
+        *_, order, _, _, compact = pickle.loads(payload)
+        if compact is not None:
+            mixed += bool(order)
+            all_compact += not order and bool(compact[1])
+            same_slots += not order and compact[0] is None and bool(compact[1])
+            grown += bool(compact[2])
+        got = decoder.decode(payload)
+        assert got == out
+        assert [s.spec_token_ids for s in got.seqs] == [s.spec_token_ids for s in out.seqs]
+    assert min(mixed, all_compact, same_slots, grown) > 0, (mixed, all_compact, same_slots, grown)
+
+
+def test_a_steady_decode_step_sends_only_its_tokens():
+    params = SamplingParams(max_tokens=64)
+    tables = {f"s{i}": list(range(i * 40, i * 40 + 40)) for i in range(64)}
+    step = lambda pos: SchedulerOutput([ScheduledSeq(k, [pos % 50], pos, list(t), True, params, pos - 100)  # noqa: E731
+                                        for k, t in tables.items()])
+    encoder, decoder = StepEncoder(), StepDecoder()
+    sizes = []
+    for pos in range(100, 106):
+        if pos == 104:  # one table grows: still compact, the new block travels beside the tokens
+            tables["s3"].append(9999)
+        payload = encoder.encode(step(pos))
+        assert decoder.decode(payload) == step(pos)
+        sizes.append(len(payload))
+    assert sizes[2] < sizes[1] < sizes[0] / 4  # whole, then slots and tokens, then tokens only
+    *_, order, _, _, compact = pickle.loads(payload)
+    assert order == b"" and compact[0] is None and compact[1] == [105 % 50] * 64 and compact[2] == []
+
+
 def _channel(handlers, spin_s: float = 0.0):
     channel = StepChannel("127.0.0.1", len(handlers), spin_s=spin_s)
     threads = [run_rank_loop(channel.address, rank, h, spin_s) for rank, h in enumerate(handlers)]

@@ -8,6 +8,12 @@ each sequence's `ScheduledSeq` from step to step. Sequences in `finished_seq_ids
 or preempted) are forgotten on both sides before the step's sequences are read, so a preempted
 sequence that comes back with a new table is sent whole again.
 
+Most of a decode step's sequences are plain decodes: one new token at the position after the last
+step's, one more generated token, the same table or one grown at its end, nothing else. Those go in the
+step's compact part, their slots and tokens as two lists of ints (and the few new block ids beside), and
+the rank moves its held `ScheduledSeq`s on in a tight loop. When a step is all compact and has the last
+step's sequences in the same order, even the slots stay home: the step is its tokens.
+
 The answer goes back the same way: the sampled tokens in the step's order of sequences to sample,
 without their ids. The encoded step is tuples of ints and lists (fast to pickle); `StepEncoder`
 pickles it once and the same bytes go to every rank.
@@ -28,6 +34,12 @@ class _Sent:
     # The last block id the ranks hold: speculative decoding frees a table's tail blocks after a rejection
     # (BlockManager.trim) and may regrow it with other ids, which the ranks must not miss.
     last_block: int = -1
+    # What the ranks' copy of the sequence says: its start position, that minus its tokens generated so far
+    # (a decode step moves both on by one), and whether it is a plain decode (one token, sampled, no token
+    # history or drafts). A plain decode whose next step is one more at the next position is sent compact.
+    start_pos: int = -1
+    context_minus_out: int = 0
+    plain: bool = False
 
 
 class StepEncoder:
@@ -37,6 +49,9 @@ class StepEncoder:
         self._sent: dict[str, _Sent] = {}
         self._free_slots: list[int] = []
         self._num_slots = 0
+        # The slots of the last step, in its order, when every one of its sequences was compact (else None):
+        # a step of the same sequences, all compact again, sends only its tokens.
+        self._last_slots: list[int] | None = None
 
     def _slot(self) -> int:
         if self._free_slots:
@@ -46,39 +61,74 @@ class StepEncoder:
 
     def encode(self, out: SchedulerOutput) -> bytes:
         forget = []
+        sent_of = self._sent
         for seq_id in out.finished_seq_ids:
-            sent = self._sent.pop(seq_id, None)
+            sent = sent_of.pop(seq_id, None)
             if sent is not None:
                 forget.append(sent.slot)
                 self._free_slots.append(sent.slot)
-        new, known = [], []
-        order = bytearray()  # 0 = next of `new`, 1 = next of `known`: the step keeps its sequence order
+        new, known, spec = [], [], []
+        general = []  # (index in the step, 0 = next of `new` or 1 = next of `known`); the others are compact
+        # The compact part: sequences the ranks hold as a plain decode that decode one more token at the next
+        # position with the same table, or one grown at its end (`grow`: (index in the compact part, new ids)).
+        slots, tokens, grow = [], [], []
+        add_slot, add_token, get = slots.append, tokens.append, sent_of.get
         for s in out.seqs:
-            sent = self._sent.get(s.seq_id)
+            sent = get(s.seq_id)
             table = s.block_table
+            if sent is not None and sent.plain:
+                toks = s.token_ids
+                nb = sent.num_blocks
+                start = s.start_pos
+                if (start == sent.start_pos + 1 and len(toks) == 1 and s.sample
+                        and start - s.num_output_tokens == sent.context_minus_out and not s.spec_token_ids
+                        and not s.prompt_token_ids and not s.output_token_ids and len(table) >= nb
+                        and table[nb - 1] == sent.last_block and table[0] == sent.first_block):
+                    if len(table) > nb:
+                        grow.append((len(slots), table[nb:]))
+                        sent.num_blocks, sent.last_block = len(table), table[-1]
+                    add_slot(sent.slot)
+                    add_token(toks[0])
+                    sent.start_pos = start
+                    continue
+            i = len(slots) + len(general)  # the sequence's index in the step
             if sent is not None and (len(table) < sent.num_blocks or (table and table[0] != sent.first_block)
                                      or (sent.num_blocks and table[sent.num_blocks - 1] != sent.last_block)):
                 forget.append(sent.slot)  # rebuilt without a finish in between: resend it whole
                 self._free_slots.append(sent.slot)
-                del self._sent[s.seq_id]
+                del sent_of[s.seq_id]
                 sent = None
             if sent is None:
-                sent = self._sent[s.seq_id] = _Sent(self._slot(), len(table), table[0] if table else -1,
-                                                    table[-1] if table else -1)
+                sent = sent_of[s.seq_id] = _Sent(self._slot(), len(table), table[0] if table else -1,
+                                                 table[-1] if table else -1)
                 new.append((sent.slot, s.seq_id, s.token_ids, s.start_pos, table, s.sample, s.num_output_tokens,
                             s.prompt_token_ids, s.output_token_ids, s.sampling_params))
-                order.append(0)
+                general.append((i, 0))
             else:
                 known.append((sent.slot, s.token_ids, s.start_pos, table[sent.num_blocks:] if len(table) > sent.num_blocks
                               else None, s.sample, s.num_output_tokens, s.prompt_token_ids or None,
                               s.output_token_ids or None))
-                order.append(1)
+                general.append((i, 1))
                 sent.num_blocks, sent.last_block = len(table), (table[-1] if table else -1)
-        # Speculative decoding's drafts (and a draft model's q, on the host) are per step: (index in the step, ...).
-        spec = [(i, s.spec_token_ids, None if s.spec_probs is None else s.spec_probs.cpu())
-                for i, s in enumerate(out.seqs) if s.spec_token_ids]
+            sent.start_pos, sent.context_minus_out = s.start_pos, s.start_pos - s.num_output_tokens
+            sent.plain = (len(s.token_ids) == 1 and s.sample and bool(table) and not s.spec_token_ids
+                          and not s.prompt_token_ids and not s.output_token_ids)
+            if s.spec_token_ids:
+                # Speculative decoding's drafts (and a draft model's q, on the host) are per step: (index, ...).
+                spec.append((i, s.spec_token_ids, None if s.spec_probs is None else s.spec_probs.cpu()))
+        if general:
+            # 0 = next of `new`, 1 = next of `known`, 2 = next compact: the step keeps its order of sequences
+            order = bytearray(b"\x02") * (len(slots) + len(general))
+            for i, kind in general:
+                order[i] = kind
+            compact = (slots, tokens, grow) if slots else None
+            self._last_slots = None
+        else:  # every sequence compact (or an empty step): no order; the slots only where they changed
+            compact = (None if slots == self._last_slots else slots, tokens, grow)
+            self._last_slots = slots
+            order = b""
         # The grammar bitmask (structured output) is per step: sent whole when there is one.
-        return pickle.dumps((out.finished_seq_ids, forget, new, known, bytes(order), out.token_bitmask, spec),
+        return pickle.dumps((out.finished_seq_ids, forget, new, known, bytes(order), out.token_bitmask, spec, compact),
                             protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -87,31 +137,70 @@ class StepDecoder:
 
     def __init__(self) -> None:
         self._held: dict[int, ScheduledSeq] = {}
+        self._last_seqs: list[ScheduledSeq] | None = None  # the last step's, when all of it was compact
+        self._drafted: list[ScheduledSeq] = []  # the last step's sequences with drafts
 
     def decode(self, payload: bytes) -> SchedulerOutput:
-        finished_ids, forget, new, known, order, token_bitmask, spec = pickle.loads(payload)
+        finished_ids, forget, new, known, order, token_bitmask, spec, compact = pickle.loads(payload)
         held = self._held
         for slot in forget:
             held.pop(slot, None)
-        new_it, known_it = iter(new), iter(known)
-        seqs: list[ScheduledSeq] = []
-        for kind in order:
-            if kind == 0:
-                slot, seq_id, tokens, start, table, sample, n_out, prompt, output, params = next(new_it)
-                seq = held[slot] = ScheduledSeq(seq_id, tokens, start, list(table), sample, params, n_out, prompt, output)
+        for seq in self._drafted:  # a held sequence's drafts were last step's
+            seq.spec_token_ids, seq.spec_probs = [], None
+        if not order:  # every sequence compact: a plain decode one position on, the same table or grown
+            slots, tokens, grow = compact
+            if slots is None:
+                if self._last_seqs is None:
+                    raise RuntimeError("a step reuses the last step's sequences, but the last step was not all compact")
+                seqs = self._last_seqs.copy()
             else:
-                # The held ScheduledSeq itself, updated: the rank runs this step to the end before it decodes
-                # the next one.
-                slot, tokens, start, appended, sample, n_out, prompt, output = next(known_it)
-                seq = held[slot]
-                seq.token_ids, seq.start_pos, seq.sample, seq.num_output_tokens = tokens, start, sample, n_out
-                if appended:
-                    seq.block_table.extend(appended)
-                seq.prompt_token_ids, seq.output_token_ids = prompt or [], output or []
-            seq.spec_token_ids, seq.spec_probs = [], None  # a held sequence's drafts were last step's
-            seqs.append(seq)
+                seqs = [held[slot] for slot in slots]
+            for seq, token in zip(seqs, tokens):
+                seq.token_ids = [token]
+                seq.start_pos += 1
+                seq.num_output_tokens += 1
+            for i, appended in grow:
+                seqs[i].block_table.extend(appended)
+            self._last_seqs = seqs
+        else:
+            self._last_seqs = None
+            new_it, known_it = iter(new), iter(known)
+            if compact is not None:
+                compact_slots, compact_tokens, grow = compact
+                compact_it = iter(zip(compact_slots, compact_tokens))
+                grown = dict(grow)
+            n_compact = 0
+            seqs = []
+            for kind in order:
+                if kind == 2:
+                    slot, token = next(compact_it)
+                    seq = held[slot]
+                    seq.token_ids = [token]
+                    seq.start_pos += 1
+                    seq.num_output_tokens += 1
+                    appended = grown.get(n_compact)
+                    if appended:
+                        seq.block_table.extend(appended)
+                    n_compact += 1
+                elif kind == 0:
+                    slot, seq_id, tokens, start, table, sample, n_out, prompt, output, params = next(new_it)
+                    seq = held[slot] = ScheduledSeq(seq_id, tokens, start, list(table), sample, params, n_out, prompt,
+                                                    output)
+                else:
+                    # The held ScheduledSeq itself, updated: the rank runs this step to the end before it decodes
+                    # the next one.
+                    slot, tokens, start, appended, sample, n_out, prompt, output = next(known_it)
+                    seq = held[slot]
+                    seq.token_ids, seq.start_pos, seq.sample, seq.num_output_tokens = tokens, start, sample, n_out
+                    if appended:
+                        seq.block_table.extend(appended)
+                    seq.prompt_token_ids, seq.output_token_ids = prompt or [], output or []
+                seqs.append(seq)
+        drafted = self._drafted = []
         for i, drafts, probs in spec:
-            seqs[i].spec_token_ids, seqs[i].spec_probs = drafts, probs
+            seq = seqs[i]
+            seq.spec_token_ids, seq.spec_probs = drafts, probs
+            drafted.append(seq)
         return SchedulerOutput(seqs=seqs, finished_seq_ids=finished_ids, token_bitmask=token_bitmask)
 
     @property
@@ -133,10 +222,14 @@ def pack_output(result: ModelRunnerOutput | None, out: SchedulerOutput) -> tuple
                          for seq_id, toks in result.spec.items()],
                 [(seq_id, t.token_id, t.logprob, t.top_logprobs) for seq_id, t in sampled.items() if seq_id not in result.spec])
     expected = [s.seq_id for s in out.seqs if s.sample]
-    if len(expected) == len(sampled) and all(seq_id in sampled for seq_id in expected):
-        tokens = [sampled[seq_id] for seq_id in expected]
-        tops = [t.top_logprobs for t in tokens]
-        return ("ordered", [t.token_id for t in tokens], [t.logprob for t in tokens], tops if any(tops) else None)
+    if len(expected) == len(sampled):
+        try:
+            tokens = [sampled[seq_id] for seq_id in expected]
+        except KeyError:  # answered for other sequences than the step's sampled ones
+            tokens = None
+        if tokens is not None:
+            tops = [t.top_logprobs for t in tokens]
+            return ("ordered", [t.token_id for t in tokens], [t.logprob for t in tokens], tops if any(tops) else None)
     return ("keyed", [(seq_id, t.token_id, t.logprob, t.top_logprobs) for seq_id, t in sampled.items()])
 
 
@@ -154,6 +247,7 @@ def unpack_output(packed: tuple, out: SchedulerOutput) -> ModelRunnerOutput:
         return ModelRunnerOutput({seq_id: SampledToken(tok, lp, top) for seq_id, tok, lp, top in packed[1]})
     _, token_ids, logprobs, tops = packed
     ids = [s.seq_id for s in out.seqs if s.sample]
-    tops = tops or [None] * len(ids)
+    if tops is None:
+        return ModelRunnerOutput(dict(zip(ids, map(SampledToken, token_ids, logprobs))))
     return ModelRunnerOutput({seq_id: SampledToken(tok, lp, top)
                               for seq_id, tok, lp, top in zip(ids, token_ids, logprobs, tops)})
