@@ -19,7 +19,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoConfig, AutoTokenizer
 
@@ -146,10 +146,15 @@ class DisaggregatedBackend:
                 yield out
             return
         self.router_prefills += 1
-        stream = self.decode.options(stream=True).generate_prefilled.remote(req, [ref])
+        try:
+            stream = self.decode.options(stream=True).generate_prefilled.remote(req, [ref])
+        except BaseException:
+            _cancel(response)
+            _abandon_when_answered(ref, rid)  # the decode call never left: no decode replica will let the blocks go
+            raise
         self._streams[rid] = stream
         decoder = StreamDecoder()
-        streamed, finished, retry = False, False, False
+        streamed, finished, retry, abandoned = False, False, False, False
         try:
             try:
                 item = await first_unless_replicas_gone(stream, self.decode, already_empty_fails=decode_was_live)
@@ -157,6 +162,7 @@ class DisaggregatedBackend:
                 return
             except ReplicasGone as e:
                 _abandon_when_answered(ref, rid)
+                abandoned = True
                 raise BackendUnavailable(f"request {rid}: the decode replica died and no other one is left") from e
             if item == RESERVED_ITEM:
                 ready = await _answer_or_none(ref)
@@ -179,6 +185,7 @@ class DisaggregatedBackend:
         except RayActorError as e:
             # The decode replica died. The prefill replica holds the KV for it: let it go (nothing reads it now).
             _abandon_when_answered(ref, rid)
+            abandoned = True
             if streamed:
                 raise BackendUnavailable(f"decode replica failed during request {rid}: {e}") from e
             log.warning("request %s: decode replica died before its first token; retrying", rid)
@@ -186,8 +193,14 @@ class DisaggregatedBackend:
         finally:
             self._streams.pop(rid, None)
             if not finished:
-                stream.cancel()  # client gone or error: the decode replica aborts and lets the prefill side go
-                response.cancel()  # still prefilling: the prefill replica frees its blocks
+                # Client gone or error: the decode replica aborts and lets the prefill side go. A decode call that
+                # Serve refused before sending it to any replica (`_never_sent`) has no decode replica to do that:
+                # the router has the prefill's blocks abandoned itself (issue 24). Read before cancelling.
+                never_sent = not abandoned and _never_sent(stream)
+                _cancel(stream)
+                _cancel(response)  # still prefilling: the prefill replica frees its blocks
+                if never_sent:
+                    _abandon_when_answered(ref, rid)
         if retry:  # once more, the usual way (another decode replica; it calls the prefill pool itself)
             async for _, out in self._decode_call("generate", req, [rid], lambda item: item[1].finished, retried=True):
                 yield out
@@ -285,13 +298,43 @@ async def _answer_or_none(ref) -> PrefillReady | None:
         return None
 
 
+# Errors Serve raises while assigning a call, before it sends the call to any replica (its router's
+# `assign_request`: the deployment gone, or its callers already queue `max_queued_requests`).
+_REFUSED_BEFORE_SENDING = (BackPressureError, DeploymentUnavailableError)
+
+
+def _never_sent(response) -> bool:
+    """Whether a Serve call is known never to have reached a replica: its assignment failed with an error
+    Serve raises before sending it (`_REFUSED_BEFORE_SENDING`). Read from the assignment's own future (Serve
+    2.60's `_replica_result_future`), not from the stream's error, which may be a replica's own (a decode
+    replica's nested call refused). Pending or cancelled is not known: a cancelled assignment may already have
+    sent the call and been waiting for the replica's accept (strict `max_ongoing_requests`), so that replica
+    may be running it, and may be moving the KV. False where the future cannot be read."""
+    future = getattr(response, "_replica_result_future", None)
+    try:
+        if future is None or not future.done() or future.cancelled():
+            return False
+        return isinstance(future.exception(), _REFUSED_BEFORE_SENDING)
+    except Exception:  # noqa: BLE001 - another Serve's internals: not known
+        return False
+
+
+def _cancel(response) -> None:
+    """`response.cancel()`, which in Serve 2.60 raises the assignment's error (e.g. BackPressureError) for a call
+    refused before assignment, from a `finally` that must go on (and must not replace the error in flight)."""
+    try:
+        response.cancel()
+    except Exception:  # noqa: BLE001
+        log.debug("cancelling a Serve call failed", exc_info=True)
+
+
 _abandoning: set[asyncio.Task] = set()
 
 
 def _abandon_when_answered(ref, request_id: str) -> None:
-    """The decode replica of a router-driven prefill died: nothing will collect the KV the prefill replica
-    holds for it, so have its ranks abandon it once the answer is in (a cancelled prefill call fails
-    instead, and its replica has freed the blocks itself)."""
+    """No decode replica will collect the KV a router-driven prefill's replica holds (the decode replica died,
+    or the decode call never reached one): have its ranks abandon it once the answer is in (a cancelled
+    prefill call fails instead, and its replica has freed the blocks itself)."""
     async def abandon() -> None:
         ready = await _answer_or_none(ref)
         if ready is not None:

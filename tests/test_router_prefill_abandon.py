@@ -1,0 +1,222 @@
+"""Issue 24, without Ray: a router-driven prefill (router/disaggregated.py `_generate_routed`) whose decode call
+never reached a decode replica has its prefill blocks abandoned by the router, at once rather than at the lease;
+where a decode replica may have the call (it may be moving the KV), the router leaves that to the replica."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from types import SimpleNamespace
+
+import pytest
+from ray.serve._private.common import DeploymentID, RequestMetadata
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentResponseGenerator
+
+from router.disaggregated import DisaggregatedBackend
+from router.protocol import GenerateRequest
+from router.stream_wire import RESERVED_ITEM
+from engine.disagg import PrefillReady
+from workers.sampling_params import SamplingParams
+
+
+class _Rank:
+    """A prefill rank's actor handle: records the `kv.remote("abandon", rid)` calls."""
+
+    def __init__(self):
+        self.abandoned: list[str] = []
+        self.called = threading.Event()
+        self.kv = SimpleNamespace(remote=self._kv)
+
+    def _kv(self, method: str, request_id: str):
+        assert method == "abandon"
+        self.abandoned.append(request_id)
+        self.called.set()
+
+
+class _PrefillResponse:
+    """`PrefillPool.prefill_first.remote(...)`: assigned at once; its ObjectRef resolves to `ready`."""
+
+    def __init__(self, ready: PrefillReady):
+        self.ref = asyncio.get_running_loop().create_future()
+        self.ref.set_result(ready)
+        self.cancelled = False
+
+    async def _to_object_ref(self):
+        return self.ref
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _replicas(n: int):
+    """What router/routing.py `live_replicas` reads of a Serve handle."""
+    router = SimpleNamespace(_asyncio_router=SimpleNamespace(
+        _request_router=SimpleNamespace(curr_replicas={i: i for i in range(n)})))
+    return router
+
+
+class _Pool:
+    """A deployment handle: `options(stream=True).<method>.remote(...)` returns what `call` makes."""
+
+    def __init__(self, call):
+        self._router = _replicas(1)
+        self._call = call
+        self.calls = 0
+
+    def options(self, **_):
+        return self
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def remote(*args):
+            self.calls += 1
+            return self._call(*args)
+
+        return SimpleNamespace(remote=remote)
+
+
+def _stream(assignment: concurrent.futures.Future) -> DeploymentResponseGenerator:
+    """Serve 2.60's own streaming response over an assignment future (as its router's thread resolves it)."""
+    meta = RequestMetadata(request_id="r", internal_request_id="i", call_method="generate_prefilled", is_streaming=True)
+    return DeploymentResponseGenerator(assignment, meta, _is_router_running_in_separate_loop=True)
+
+
+def _backend(decode_call, rank: _Rank):
+    ready = PrefillReady("prefill-0", SimpleNamespace(finish_reason="handoff"), rank_handles=[rank])
+    backend = object.__new__(DisaggregatedBackend)  # no model, tokenizer or config: only what the routed path reads
+    backend._ready, backend.ready_wait_s, backend._streams, backend.router_prefills = True, 1.0, {}, 0
+    backend.decode = _Pool(decode_call)
+    backend.prefill = None
+    return backend, ready
+
+
+def _request() -> GenerateRequest:
+    return GenerateRequest("req-1", list(range(64)), SamplingParams(max_tokens=4))
+
+
+async def _drain(backend) -> list:
+    return [out async for out in backend._generate_routed(_request())]
+
+
+def _settle(rank: _Rank, expect_call: bool) -> None:
+    """Abandoning runs in a task, then a thread: wait for it (or long enough that it would have come)."""
+    rank.called.wait(2.0 if expect_call else 0.3)
+
+
+@pytest.mark.parametrize("refusal", [
+    BackPressureError(num_queued_requests=4, max_queued_requests=4, status_code=429),
+    DeploymentUnavailableError(DeploymentID(name="DecodePool", app_name="app")),
+], ids=["backpressure", "deployment_unavailable"])
+def test_a_decode_call_refused_before_any_replica_abandons_the_prefill(refusal):
+    """Serve refused the decode call before sending it anywhere (the decode pool's callers queue all they may):
+    no decode replica will ever let the prefill's blocks go, so the router has the prefill ranks abandon them."""
+    rank = _Rank()
+
+    def decode_call(req, answer):
+        assignment = concurrent.futures.Future()
+        assignment.set_exception(refusal)
+        return _stream(assignment)
+
+    async def body():
+        backend, ready = _backend(decode_call, rank)
+        prefill = _PrefillResponse(ready)
+        backend.prefill = SimpleNamespace(prefill_first=SimpleNamespace(remote=lambda *a: prefill))
+        with pytest.raises(type(refusal)):  # the client's 429 / 503, as before
+            await _drain(backend)
+        await asyncio.sleep(0.05)  # the abandoning task awaits the answer
+        return backend
+
+    backend = asyncio.run(body())
+    _settle(rank, expect_call=True)
+    assert backend.router_prefills == 1 and backend.decode.calls == 1
+    assert rank.abandoned == ["req-1"]  # before the fix: [] (held until the lease)
+
+
+def test_a_decode_call_that_could_not_be_made_abandons_the_prefill():
+    rank = _Rank()
+
+    def decode_call(req, answer):
+        raise TypeError("could not serialize the request")
+
+    async def body():
+        backend, ready = _backend(decode_call, rank)
+        prefill = _PrefillResponse(ready)
+        backend.prefill = SimpleNamespace(prefill_first=SimpleNamespace(remote=lambda *a: prefill))
+        with pytest.raises(TypeError):
+            await _drain(backend)
+        await asyncio.sleep(0.05)
+
+    asyncio.run(body())
+    _settle(rank, expect_call=True)
+    assert rank.abandoned == ["req-1"]
+
+
+def test_a_client_gone_while_the_decode_call_is_unassigned_leaves_the_blocks_to_the_lease():
+    """Cancelled while Serve still assigns the decode call: it may already have sent it and be waiting for the
+    replica's accept, so a decode replica may be moving the KV; the router must not free its source."""
+    rank = _Rank()
+    assignment = concurrent.futures.Future()  # never resolved: queued in Serve
+
+    async def body():
+        backend, ready = _backend(lambda req, answer: _stream(assignment), rank)
+        prefill = _PrefillResponse(ready)
+        backend.prefill = SimpleNamespace(prefill_first=SimpleNamespace(remote=lambda *a: prefill))
+        task = asyncio.ensure_future(_drain(backend))
+        await asyncio.sleep(0.2)
+        task.cancel()  # the client went away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)
+
+    asyncio.run(body())
+    _settle(rank, expect_call=False)
+    assert assignment.cancelled()  # the decode call was cancelled, as before
+    assert rank.abandoned == []
+
+
+def test_a_client_gone_after_the_reservation_leaves_the_blocks_to_the_decode_replica():
+    """Once the decode replica said `RESERVED_ITEM` it holds the request; its own give-up path abandons the
+    prefill after any transfer in flight (engine/disagg.py `RouterPrefill`), not the router."""
+    rank = _Rank()
+
+    class _Replica:
+        cancelled = False
+
+        def __init__(self):
+            self.items = [RESERVED_ITEM]
+
+        async def __anext__(self):
+            if self.items:
+                return self.items.pop(0)
+            await asyncio.sleep(3600)
+
+        def cancel(self):
+            _Replica.cancelled = True
+
+    def decode_call(req, answer):
+        assignment = concurrent.futures.Future()
+        assignment.set_result(_Replica())
+        return _stream(assignment)
+
+    async def body():
+        backend, ready = _backend(decode_call, rank)
+        prefill = _PrefillResponse(ready)
+        backend.prefill = SimpleNamespace(prefill_first=SimpleNamespace(remote=lambda *a: prefill))
+        gen = backend._generate_routed(_request())
+        first = await anext(gen)  # token 1, streamed from the prefill's answer
+        assert first is not None
+        await gen.aclose()  # the client went away
+
+    import router.disaggregated as disaggregated
+    real = disaggregated.streamable
+    disaggregated.streamable = lambda out: out  # the fake answer is no RequestOutput
+    try:
+        asyncio.run(body())
+    finally:
+        disaggregated.streamable = real
+    _settle(rank, expect_call=False)
+    assert _Replica.cancelled  # the decode replica is told to stop
+    assert rank.abandoned == []
