@@ -292,6 +292,9 @@ class DecodeReplica:
         self.transfer_timeout_s = engine.config.cache.kv_transfer_timeout_seconds
         self._pair_locks: dict[str, asyncio.Lock] = {}
         self._peer_ranks: dict[str, list] = {}  # prefill replica id -> its rank actor handles
+        # Pairs whose group this client built or found (no `has_group` round trip per handoff); a failed
+        # transfer drops the pair on both sides and here (`_drop_pair`).
+        self._joined: set[str] = set()
         self._background: set[asyncio.Task] = set()  # prefill streams being read to their end (step 4)
         self.transfers: list[TransferStats] = []  # for metrics and tests
         self.on_transfer: Callable[[TransferStats], None] | None = None
@@ -558,8 +561,10 @@ class DecodeReplica:
         request_id = res.request_id
         t0, start = time.perf_counter(), time.time()
         try:
-            if not self.executor.kv_call("has_group", spec.pair_id, ranks=[0])[0]:
-                self._connect(spec, ready.rank_handles)
+            if spec.pair_id not in self._joined:
+                if not self.executor.kv_call("has_group", spec.pair_id, ranks=[0])[0]:
+                    self._connect(spec, ready.rank_handles)
+                self._joined.add(spec.pair_id)
             # Both sides get the whole block table; the plan picks the blocks by index.
             sends = [h.kv.remote("send", spec, plan, dst_by_rank, ready.block_ids, request_id) for h in ready.rank_handles]
             received = sum(self.executor.kv_call("recv", spec, plan, src_by_rank, res.block_ids, ready.block_ids))
@@ -587,6 +592,7 @@ class DecodeReplica:
 
     def _drop_pair(self, pair_id: str, prefill_ranks: list) -> None:
         """Forget the pair's group on both sides, best effort (either may be gone): the next transfer rebuilds it."""
+        self._joined.discard(pair_id)
         for h in prefill_ranks:
             h.kv.remote("drop", pair_id)
         if self.executor.alive:

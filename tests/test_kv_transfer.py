@@ -20,7 +20,7 @@ from workers.kv_transfer.transport import KVTransferAgent, PairSpec
 from workers.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
-LAYERS, KV_HEADS = 6, 2  # more layers than LAYERS_PER_MESSAGE: transfers go out as several chunks
+LAYERS, KV_HEADS = 6, 2  # with a small message_bytes, transfers go out as several chunks of layers
 
 
 def _coverage(plan: list[Transfer]) -> dict[tuple, list[int]]:
@@ -123,10 +123,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: torch.dtype = torch.float32,
-                   device: str = "cpu", staged: bool = False, gpus: tuple[str, str] = ("", "")) -> None:
+                   device: str = "cpu", staged: bool = False, gpus: tuple[str, str] = ("", ""),
+                   message_bytes: int | None = None) -> None:
     """One rank of a prefill -> decode handoff; every rank checks what it holds afterwards. device "cuda":
     every rank on the same GPU (pools sharing it), which only a `staged` pair can do; `gpus`: the GPU ids
-    the prefill and the decode ranks report (equal: they copy by CUDA IPC; different: through host memory)."""
+    the prefill and the decode ranks report (equal: they copy by CUDA IPC; different: through host memory).
+    message_bytes: the agents' message size (every rank the same), to cut transfers into several messages."""
     import dataclasses
 
     tp, sp = prefill
@@ -147,6 +149,8 @@ def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: t
         cache = torch.full((LAYERS, 2, DECODE_BLOCKS, BS, len(shard.heads), HEAD_DIM), SENTINEL).to(dtype)
     cache = cache.to(device)
     agent = KVTransferAgent(cache, shard, "prefill" if is_prefill else "decode", timeout_s=60.0)
+    if message_bytes is not None:
+        agent.message_bytes = message_bytes
     spec = PairSpec("p->d", len(src), len(dst), staged=staged, ipc=staged and gpus[0] == gpus[1] != "")
     address = [agent.open_store(spec.pair_id) if rank == 0 else None]
     dist.broadcast_object_list(address, src=0)
@@ -171,6 +175,26 @@ def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: t
 def test_sp_prefill_blocks_arrive_in_the_decode_blocks(prefill, decode_tp):
     tp, sp = prefill
     run_ranks(_transfer_rank, tp * sp + decode_tp, prefill, decode_tp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("message_bytes", [1, 2 * 5 * BS * HEAD_DIM * 4 * 4], ids=["layer-per-message", "4-layers-then-2"])
+def test_transfers_cut_into_several_messages_arrive_whole(message_bytes):
+    """A transfer larger than message_bytes goes as several messages of whole layers (one layer each, or
+    4 + 2 of the 6 when 4 of this tp2->tp1 plan's one-head layers fit); the blocks arrive all the same."""
+    run_ranks(_transfer_rank, 3, (2, 1), 1, torch.float32, "cpu", False, ("", ""), message_bytes)
+
+
+def test_messages_hold_as_many_whole_layers_as_fit():
+    shard = replica_shards(1, 1, LAYERS, KV_HEADS)[0]
+    agent = KVTransferAgent(torch.zeros(LAYERS, 2, 8, BS, KV_HEADS, HEAD_DIM), shard, "decode")
+    plan = plan_transfers([shard], [shard], range(5))  # one transfer: 6 layers x 2 heads x 5 blocks
+    per_layer = 2 * 5 * BS * KV_HEADS * HEAD_DIM * 4
+    for message_bytes, layers in [(1, [1] * 6), (per_layer, [1] * 6), (4 * per_layer + 1, [4, 2]), (10 * per_layer, [6])]:
+        agent.message_bytes = message_bytes
+        got = list(agent._messages(plan, {0: shard}, sending=False))
+        assert [m[2].stop - m[2].start for m in got] == layers
+        assert [m[0] for m in got] == list(range(len(layers)))  # tags: the messages' positions in the plan
 
 
 @pytest.mark.slow
@@ -219,6 +243,7 @@ def test_ranks_on_one_gpu_copy_the_blocks_out_of_the_peer_cache(prefill, decode_
         heads = slice(shard.heads.start, shard.heads.stop)
         cache = torch.full((LAYERS, 2, DECODE_BLOCKS, BS, len(shard.heads), HEAD_DIM), SENTINEL)
         agent = KVTransferAgent(cache, shard, "decode")
+        agent.message_bytes = 1  # one layer per message
         group = agent._groups["p->d"] = _AckGroup()
         agent._same_gpu = lambda spec, peer: True
         for s in src:  # each prefill rank's cache, as _transfer_rank lays it out
@@ -236,7 +261,7 @@ def test_ranks_on_one_gpu_copy_the_blocks_out_of_the_peer_cache(prefill, decode_
         assert received == (NUM_SEQ_BLOCKS - HITS) * LAYERS * 2 * BS * len(shard.heads) * HEAD_DIM * 4
         mine = list(agent._messages(plan, {s.rank: s for s in src}, sending=False))
         assert sorted(group.acks) == sorted((t.src, tag) for tag, t, _, _ in mine)
-        assert len(mine) == 2 * sum(t.dst == shard.rank for t in plan)  # 6 layers: two messages per transfer
+        assert len(mine) == LAYERS * sum(t.dst == shard.rank for t in plan)  # 6 layers: six messages per transfer
 
 
 @pytest.mark.slow

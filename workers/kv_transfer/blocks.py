@@ -21,20 +21,30 @@ def _as_wire(t: torch.Tensor) -> torch.Tensor:
     return t if wire == t.dtype else t.view(wire)
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, heads: slice) -> torch.Tensor:
-    """kv_cache [L, 2, num_blocks, block_size, H, D] -> contiguous [l, 2, n, block_size, h, D], in the wire dtype."""
-    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+def block_index(block_ids: list[int], device: torch.device) -> torch.Tensor:
+    """block_ids as the index tensor gather_blocks / scatter_blocks take (made once per transfer, not per message)."""
+    return torch.tensor(block_ids, dtype=torch.long, device=device)
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, heads: slice,
+                  index: torch.Tensor | None = None) -> torch.Tensor:
+    """kv_cache [L, 2, num_blocks, block_size, H, D] -> contiguous [l, 2, n, block_size, h, D], in the wire dtype.
+    index: block_index(block_ids) if the caller has it already."""
+    if index is None:
+        index = block_index(block_ids, kv_cache.device)
     return _as_wire(kv_cache)[layers].index_select(2, index)[..., heads, :].contiguous()
 
 
-def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, heads: slice, buf: torch.Tensor) -> None:
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, heads: slice, buf: torch.Tensor,
+                   index: torch.Tensor | None = None) -> None:
     """Inverse of gather_blocks: write buf [l, 2, n, block_size, h, D] (wire dtype) into the given blocks."""
     wire = wire_dtype(kv_cache.dtype)
     if buf.dtype != wire:
         # Converting would write different numbers than the prefill side computed (or reinterpret bytes):
         # both pools must share kv_cache_dtype (router/config.py SHARED_ONLY).
         raise ValueError(f"KV buffer is {buf.dtype}, but a {kv_cache.dtype} cache takes {wire} buffers")
-    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    if index is None:
+        index = block_index(block_ids, kv_cache.device)
     target = _as_wire(kv_cache)[layers]  # a view: writes land in the cache
     if heads == slice(None) or (heads.start in (0, None) and heads.stop == target.shape[4]):
         target.index_copy_(2, index, buf)

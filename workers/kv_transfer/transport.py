@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from workers.kv_layout import block_pool, local_block_id
-from workers.kv_transfer.blocks import gather_blocks, scatter_blocks, transfer_shape, wire_dtype
+from workers.kv_transfer.blocks import block_index, gather_blocks, scatter_blocks, transfer_shape, wire_dtype
 from workers.kv_transfer.plan import RankShard, Transfer
 
 log = logging.getLogger(__name__)
@@ -37,8 +37,18 @@ MAX_UNCOLLECTED_ACKS = 1024  # sends whose ack nobody waited for (the handoff fa
 
 
 # A transfer goes out as one message per few layers: the gather of the next chunk then overlaps the
-# send of this one, and the receiver's scatter overlaps the next receive.
-LAYERS_PER_MESSAGE = 4
+# send of this one, and the receiver's scatter overlaps the next receive. A message holds as many whole
+# layers as fit in MESSAGE_BYTES (at least one): small handoffs go as one or a few messages (each costs
+# a post and a wait), large ones as many (the gather of the first chunk and the scatter of the last,
+# which nothing overlaps, are then short). Both sides derive the cut from the plan and the cache shape
+# they share (block size, head dim, wire dtype), so their messages pair up.
+MESSAGE_BYTES = 32 << 20
+
+# Waiting for NCCL work: `Work.wait(timeout)` blocks the CPU in a loop that sleeps 1 ms between polls
+# (ProcessGroupNCCL's kSynchronizeBusyWaitMillis), so each wait that is not done already costs up to a
+# millisecond more than the transfer. We poll `is_completed()` instead, this often at first, then at
+# WAIT_POLL_SLOW_S once a transfer has taken WAIT_POLL_FAST_FOR_S (the GIL is let go between polls).
+WAIT_POLL_FAST_S, WAIT_POLL_FAST_FOR_S, WAIT_POLL_SLOW_S = 5e-5, 0.02, 1e-3
 
 
 class KVTransferError(RuntimeError):
@@ -91,6 +101,7 @@ class KVTransferAgent:
         self._sent: OrderedDict[str, threading.Event] = OrderedDict()
         self._acks_lock = threading.Lock()
         self._send_delay_s = 0.0  # failpoint, see set_send_delay
+        self.message_bytes = MESSAGE_BYTES  # must be the same on both sides of a pair (tests lower it)
 
     def get_shard(self) -> RankShard:
         return self.shard
@@ -118,13 +129,17 @@ class KVTransferAgent:
         prefixed = dist.PrefixStore(spec.pair_id, store)
         if spec.ipc and self.kv_cache.is_cuda and self.role == "prefill":
             prefixed.set(f"ipc/{self.shard.rank}", _export_cache(self.kv_cache))  # for decode ranks on this GPU
-        if self.kv_cache.is_cuda and not spec.staged:
+        if self._nccl(spec):
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
             group = dist.ProcessGroupNCCL(prefixed, pair_rank, spec.size, opts)
         else:
             group = dist.ProcessGroupGloo(prefixed, pair_rank, spec.size, self.timeout)
         self._groups[spec.pair_id] = group
+
+    def _nccl(self, spec: PairSpec) -> bool:
+        """Whether the pair's group is NCCL (else gloo)."""
+        return self.kv_cache.is_cuda and not spec.staged
 
     def has_group(self, pair_id: str) -> bool:
         return pair_id in self._groups
@@ -168,9 +183,11 @@ class KVTransferAgent:
 
     def _send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_table: list[int]) -> int:
         group = self._group(spec.pair_id)
-        works, sent = [], 0
+        works, sent, last, index = [], 0, None, None
         for tag, t, layers, heads in self._messages(plan, dst_shards, sending=True):
-            local_ids = self._local_ids([block_table[i] for i in t.blocks])
+            if t is not last:  # the transfer's block ids (and their index tensor): once, not per message
+                last, local_ids = t, self._local_ids([block_table[i] for i in t.blocks])
+                index = None
             if self._same_gpu(spec, dst_shards[t.dst]):
                 # The decode rank copies these blocks out of this cache itself; wait for its word that it has.
                 done = torch.zeros(1, dtype=torch.uint8)
@@ -179,7 +196,9 @@ class KVTransferAgent:
                 sent += torch.Size(shape).numel() * wire_dtype(self.kv_cache.dtype).itemsize
                 continue
             # Gathering the next chunk (compute stream) overlaps sending this one (NCCL's stream).
-            buf = gather_blocks(self.kv_cache, local_ids, layers, heads)
+            if index is None:
+                index = block_index(local_ids, self.kv_cache.device)
+            buf = gather_blocks(self.kv_cache, local_ids, layers, heads, index)
             if spec.staged:
                 buf = buf.cpu()
             if self._send_delay_s and not works:
@@ -196,22 +215,33 @@ class KVTransferAgent:
         by the plan's block indices). src_block_table: the prefill side's, needed where a prefill rank
         shares this rank's GPU (the blocks are copied out of its cache). Returns bytes received."""
         group = self._group(spec.pair_id)
-        pending, local = [], []
+        pending, local, last, index = [], [], None, None
         # Every receive is posted first, in the senders' order (NCCL pairs a rank pair's messages by
         # order, not by tag); each chunk is then scattered as it lands, overlapping the later ones.
         for tag, t, layers, heads in self._messages(plan, src_shards, sending=False):
             if self._same_gpu(spec, src_shards[t.src]):
                 local.append((tag, t, layers, heads))
                 continue
+            if t is not last:  # the transfer's block ids and their index tensor: once, not per message
+                last, block_ids = t, [block_table[i] for i in t.blocks]
+                index = block_index(block_ids, self.kv_cache.device)
             buf = torch.empty(transfer_shape(self.kv_cache, len(t.blocks), layers, heads),
                               dtype=wire_dtype(self.kv_cache.dtype), device="cpu" if spec.staged else self.kv_cache.device)
-            pending.append((group.recv([buf], t.src, tag), buf, [block_table[i] for i in t.blocks], layers, heads))
+            pending.append((group.recv([buf], t.src, tag), buf, block_ids, index, layers, heads))
         received = self._copy_from_peers(spec, group, local, src_shards, block_table, src_block_table)
-        for work, buf, block_ids, layers, heads in pending:
-            self._wait(spec.pair_id, group, [work])
-            scatter_blocks(self.kv_cache, block_ids, layers, heads, buf.to(self.kv_cache.device, non_blocking=True))
+        nccl = self._nccl(spec)
+        for work, buf, block_ids, index, layers, heads in pending:
+            if nccl:
+                # Stream order only (no CPU wait): the scatter below runs on the GPU once this message has
+                # landed, while the later ones are still arriving; the CPU queues every scatter at once.
+                self._check(spec.pair_id, group, work.wait)
+            else:
+                self._wait(spec.pair_id, group, [work])
+            scatter_blocks(self.kv_cache, block_ids, layers, heads, buf.to(self.kv_cache.device, non_blocking=True), index)
             received += buf.numel() * buf.element_size()
-        if self.kv_cache.is_cuda:
+        if nccl:
+            self._wait(spec.pair_id, group, [work for work, *_ in pending])  # every message landed, then synchronised
+        elif self.kv_cache.is_cuda:
             torch.cuda.current_stream().synchronize()
         self.bytes_received += received
         return received
@@ -259,16 +289,23 @@ class KVTransferAgent:
         (tag, transfer, layer slice, head slice), the slices into this rank's cache."""
         tag = 0
         for t in plan:
-            n = len(t.layers)
+            n, step = len(t.layers), self._layers_per_message(t)
             mine = (t.src if sending else t.dst) == self.shard.rank
             if mine:
                 src_layers, src_heads, dst_layers, dst_heads = t.local_slices(
                     self.shard if sending else peers[t.src], peers[t.dst] if sending else self.shard)
                 layers, heads = (src_layers, src_heads) if sending else (dst_layers, dst_heads)
-            for k in range(0, n, LAYERS_PER_MESSAGE):
+            for k in range(0, n, step):
                 if mine:
-                    yield tag, t, slice(layers.start + k, layers.start + min(k + LAYERS_PER_MESSAGE, n)), heads
+                    yield tag, t, slice(layers.start + k, layers.start + min(k + step, n)), heads
                 tag += 1
+
+    def _layers_per_message(self, t: Transfer) -> int:
+        """How many of t's layers one message carries: as many as fit in message_bytes, at least one. From
+        what both sides share (the plan, block size, head dim, wire dtype), so both cut t the same way."""
+        _, _, _, block_size, _, head_dim = self.kv_cache.shape
+        per_layer = 2 * len(t.blocks) * block_size * len(t.heads) * head_dim * wire_dtype(self.kv_cache.dtype).itemsize
+        return max(1, min(len(t.layers), self.message_bytes // max(1, per_layer)))
 
     def _local_ids(self, block_ids: list[int]) -> list[int]:
         return _local_ids(self.kv_cache, self.shard, block_ids)
@@ -280,17 +317,52 @@ class KVTransferAgent:
         return group
 
     def _wait(self, pair_id: str, group: dist.ProcessGroup, works: list) -> None:
+        """Block until every work is done (and, on a GPU, this thread's stream has caught up), or fail
+        within the transfer timeout."""
+        self._check(pair_id, group, self._wait_nccl if _is_nccl(group) else self._wait_blocking, works)
+
+    def _wait_blocking(self, works: list) -> None:
         deadline = time.monotonic() + self.timeout.total_seconds()
+        for w in works:
+            left = max(0.001, deadline - time.monotonic())
+            w.wait(datetime.timedelta(seconds=left))
+        if self.kv_cache.is_cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def _wait_nccl(self, works: list) -> None:
+        """NCCL works: polled (see WAIT_POLL_FAST_S), not `wait(timeout)` with its 1 ms sleeps."""
+        start = time.monotonic()
+        deadline = start + self.timeout.total_seconds()
+        pending = list(works)
+        while pending:
+            pending = [w for w in pending if not w.is_completed()]  # done, or failed (raised by wait below)
+            if not pending:
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                # Late: the timed wait aborts the communicator (so no kernel is left spinning on the GPU)
+                # and raises, as it always did.
+                for w in pending:
+                    w.wait(datetime.timedelta(milliseconds=1))
+                raise TimeoutError(f"{len(pending)} NCCL operations not done after {self.timeout.total_seconds():.0f}s")
+            time.sleep(WAIT_POLL_FAST_S if now - start < WAIT_POLL_FAST_FOR_S else WAIT_POLL_SLOW_S)
+        for w in works:
+            w.wait()  # raises a failed work's error; else only orders this thread's stream after it
+        torch.cuda.current_stream().synchronize()
+
+    def _check(self, pair_id: str, group: dist.ProcessGroup, fn, *args) -> None:
+        """fn(*args); any failure drops the pair's group and raises KVTransferError."""
         try:
-            for w in works:
-                left = max(0.001, deadline - time.monotonic())
-                w.wait(datetime.timedelta(seconds=left))
-            if self.kv_cache.is_cuda:
-                torch.cuda.current_stream().synchronize()
+            fn(*args)
         except Exception as e:  # noqa: BLE001 - any transport failure leaves the group unusable
             if self._groups.get(pair_id) is group:  # not one rebuilt since this transfer began
                 self.drop(pair_id)
             raise KVTransferError(f"KV transfer on {pair_id} failed ({self.role} rank {self.shard.rank}): {e}") from e
+
+
+def _is_nccl(group: dist.ProcessGroup) -> bool:
+    nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from CPU-only builds
+    return nccl is not None and isinstance(group, nccl)
 
 
 def _local_ids(kv_cache: torch.Tensor, shard: RankShard, block_ids: list[int]) -> list[int]:
