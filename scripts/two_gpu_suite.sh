@@ -6,7 +6,7 @@
 #     RES=/tmp/res bash scripts/two_gpu_suite.sh [step ...]     # default: every step, in this order
 #
 # LIMITS="sp=200 sp_serve=380" overrides steps' time limits; SP_LENGTHS the sp step's prompt lengths.
-# Steps: tests offline latency pd kv sp ep fault (the default), and allreduce pd_small pd_c1 sp_serve.
+# Steps: tests offline latency pd kv sp ep fault (the default), and allreduce pd_small pd_c1 sp_serve tp_serve.
 set -u
 RES=${RES:-/tmp/res}
 mkdir -p "$RES"
@@ -27,7 +27,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log to RES/N
 run_tests() { python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -p no:cacheprovider; }
 run_offline() {
   python scripts/bench_offline.py --shape llama-3.1-8b --device cuda --dtype bfloat16 --load-format dummy \
-    --layouts "uni tp2 tp2+async pp2+async" --isolate --num-requests 1000 --mean-input 230 --mean-output 200 \
+    --layouts "uni tp2 tp2+sync pp2" --isolate --num-requests 1000 --mean-input 230 --mean-output 200 \
     --max-num-seqs 256 --max-num-batched-tokens 8192 --skip-hf --profile-steps 40 --out "$RES/offline.json"
 }
 run_latency() {  # TP=1, TP=2 with the NCCL-only all-reduce, TP=2 with the P2P one
@@ -70,6 +70,13 @@ run_pd_c1() {  # issue 27: concurrency-1 TTFT (<= 1.10x) and TPOT (<= 1.05x), fi
     --bench-args "--length-dist fixed --input-len 2048 --output-len 128 --concurrencies 1 --num-prompts 20 --max-token-id 100000" \
     --out "$RES/pd_c1"
 }
+run_tp_serve() {  # issue 26: the served app, one TP=2 replica against one TP=1 replica, one client (TPOT)
+  python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
+    --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16" --log-dir "$RES/tp_serve_logs" \
+    --deployments "tp1=--replicas 1;tp2=--replicas 1 --tensor-parallel-size 2" \
+    --bench-args "--length-dist fixed --input-len 512 --output-len 256 --concurrencies 1 --num-prompts 12 --max-token-id 100000" \
+    --out "$RES/tp_serve"
+}
 run_sp_serve() {  # issue 28: an SP=2 prefill pool hands 16K-token prompts' KV to a TP=1 decode pool, served.
   # Three ranks on two GPUs: the prefill ranks take 0.75 of a GPU each (so Ray puts them on different GPUs)
   # and the decode rank the 0.25 left on one of them; their memory shares add up to under one GPU.
@@ -87,9 +94,9 @@ run_fault() {
 
 SP_LENGTHS=${SP_LENGTHS:-16384,65536,131056}
 export RES M8B SP_LENGTHS
-export -f run_tests run_offline run_latency run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve
+export -f run_tests run_offline run_latency run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve
 declare -A LIMIT=([tests]=300 [offline]=540 [latency]=300 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
-                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420)
+                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1
