@@ -174,6 +174,16 @@ def _ray_executor(engine: LLMEngine):
     return engine.executor
 
 
+SENT_POLL_S = 0.05  # longest a round of the send watcher waits for news (a request added meanwhile waits this)
+
+
+@dataclass
+class _AwaitingSend:
+    future: asyncio.Future  # True once every rank sent the request's KV (or it was abandoned); False at the lease
+    deadline: float  # time.monotonic() of the lease's end
+    ranks: set[int] = field(default_factory=set)  # the ranks that have sent it
+
+
 class PrefillReplica:
     def __init__(self, engine: LLMEngine, replica_id: str | None = None):
         self.replica_id = replica_id or f"prefill-{uuid.uuid4().hex[:8]}"
@@ -184,6 +194,10 @@ class PrefillReplica:
         self.shards: list[RankShard] = self.executor.kv_call("get_shard")
         self.lease_s = engine.config.cache.kv_lease_seconds
         self._holding: set[asyncio.Task] = set()  # router-driven prefills' blocks, held until sent (`prefill_first`)
+        # Requests whose blocks are held until every rank has sent them: one watcher asks the ranks about all of
+        # them at once (`_watch_sent`), rather than a thread and a rank-actor thread blocked per request.
+        self._awaiting_send: dict[str, _AwaitingSend] = {}
+        self._watcher: asyncio.Task | None = None
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
                       reservation: Reservation) -> AsyncIterator[PrefillReady]:
@@ -246,10 +260,44 @@ class PrefillReplica:
 
     async def _wait_sent(self, request_id: str) -> None:
         """The decode replica drives our ranks' send: hold the blocks until every rank reports it done (or
-        abandoned), at most the lease."""
-        sent = await asyncio.to_thread(self.executor.kv_call, "wait_sent", request_id, self.lease_s)
-        if not all(sent):
+        abandoned), at most the lease. Raises what the ranks raised (a dead rank)."""
+        waiting = self._awaiting_send[request_id] = _AwaitingSend(asyncio.get_running_loop().create_future(),
+                                                                   time.monotonic() + self.lease_s)
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.ensure_future(self._watch_sent())
+        try:
+            sent = await waiting.future
+        finally:
+            if self._awaiting_send.get(request_id) is waiting:
+                del self._awaiting_send[request_id]
+        if not sent:
             log.warning("request %s: KV not collected within the %.0fs lease; freeing it", request_id, self.lease_s)
+
+    async def _watch_sent(self) -> None:
+        """While requests wait for their send: ask every rank which of them it has sent (`sent_among`, one call
+        per rank for all of them, waiting at most SENT_POLL_S for news), and end each wait once every rank has
+        sent it, or at its lease. A request added meanwhile is asked about in the next round."""
+        while self._awaiting_send:
+            ids = list(self._awaiting_send)
+            try:
+                per_rank = await asyncio.to_thread(self.executor.kv_call, "sent_among", ids, SENT_POLL_S)
+            except Exception as e:  # noqa: BLE001 - a dead rank: every wait ends with its error (the blocks are freed)
+                for waiting in self._awaiting_send.values():
+                    if not waiting.future.done():
+                        waiting.future.set_exception(e)
+                self._awaiting_send.clear()
+                return
+            for rank, done in enumerate(per_rank):
+                for rid in done:
+                    waiting = self._awaiting_send.get(rid)
+                    if waiting is not None:
+                        waiting.ranks.add(rank)
+            now = time.monotonic()
+            for rid, waiting in list(self._awaiting_send.items()):
+                if len(waiting.ranks) == len(per_rank) or now >= waiting.deadline:
+                    if not waiting.future.done():
+                        waiting.future.set_result(len(waiting.ranks) == len(per_rank))
+                    del self._awaiting_send[rid]
 
     async def _hold(self, request_id: str) -> None:
         try:

@@ -816,6 +816,41 @@ def test_router_prefill_given_up_frees_the_prefill_blocks_before_the_lease(pools
     run(body())
 
 
+def test_held_prefills_nobody_collects_do_not_hold_up_the_others(pools, run):
+    """20 router-driven prefills whose decode side never comes (held until their 60 s lease), then requests
+    handed off as usual: theirs must still be sent and freed at once. Each held request used to block a thread
+    of the replica and one of each prefill rank actor's 16 in `wait_sent` until its lease, so the sends and
+    the frees of the later requests waited for those leases; one watcher now asks the ranks about all of them."""
+    from engine.disagg import abandon_prefill
+
+    pair = pools.get("tp2->tp1")
+    stuck_prompts = prompts_of_lengths([12] * 20, VOCAB, seed=31)
+    prompts = prompts_of_lengths([13, 14, 15], VOCAB, seed=32)
+
+    def held(rid: str) -> bool:
+        return rid in pair.P.scheduler.held
+
+    async def body() -> None:
+        stuck = await asyncio.gather(*(pair.prefill.prefill_first(f"stuck-{i}", p, greedy(), 0)
+                                       for i, p in enumerate(stuck_prompts)))
+        assert all(not r.finished and held(f"stuck-{i}") for i, r in enumerate(stuck))
+        t0 = time.monotonic()
+        for i, prompt in enumerate(prompts):
+            items, ready = await asyncio.wait_for(routed(pair, f"after-{i}", prompt, greedy()), 20)
+            assert items[0] is RESERVED and ready is not None and items[-1].finished
+        deadline = time.monotonic() + 5
+        while any(held(f"after-{i}") for i in range(len(prompts))) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not any(held(f"after-{i}") for i in range(len(prompts))), "freed only at the lease"
+        assert time.monotonic() - t0 < 20
+        assert all(held(f"stuck-{i}") for i in range(len(stuck)))  # still waiting for a decode side
+        for i, ready in enumerate(stuck):
+            abandon_prefill(ready, f"stuck-{i}")
+        await settle(pair, timeout=10.0)
+
+    run(body())
+
+
 def test_router_prefill_on_a_full_decode_replica_refuses_and_frees_both_sides(pools, run, monkeypatch):
     """A decode replica without room refuses (QueueFullError) before RESERVED, so the router streams nothing;
     the prefill answer that lands afterwards is abandoned, its blocks freed at once."""

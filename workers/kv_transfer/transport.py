@@ -100,6 +100,7 @@ class KVTransferAgent:
         # request id -> its KV left this rank (the prefill side's ack); bounded, see `_ack`.
         self._sent: OrderedDict[str, threading.Event] = OrderedDict()
         self._acks_lock = threading.Lock()
+        self._acks_changed = threading.Condition(self._acks_lock)  # notified whenever an ack is set (`sent_among`)
         self._send_delay_s = 0.0  # failpoint, see set_send_delay
         self.message_bytes = MESSAGE_BYTES  # must be the same on both sides of a pair (tests lower it)
 
@@ -158,7 +159,7 @@ class KVTransferAgent:
         try:
             return self._send(spec, plan, dst_shards, block_table)
         finally:
-            self._ack(request_id).set()
+            self._set_ack(request_id)
 
     def wait_sent(self, request_id: str, timeout_s: float) -> bool:
         """Prefill side: block until this request's send finished here (or failed); False on timeout."""
@@ -167,10 +168,33 @@ class KVTransferAgent:
             self._sent.pop(request_id, None)
         return done
 
+    def sent_among(self, request_ids: list[str], timeout_s: float) -> list[str]:
+        """Prefill side: those of `request_ids` whose send finished here (or failed, or was abandoned), waiting
+        up to `timeout_s` for at least one; their acks are collected. A prefill replica asks this for every
+        request it holds in one call (`PrefillReplica`'s send watcher): a blocking `wait_sent` per held request
+        took one of this actor's threads each, so a few held requests nobody collected (until their lease)
+        left none for the sends that end the others."""
+        deadline = time.monotonic() + timeout_s
+        with self._acks_changed:
+            while True:
+                done = [r for r in request_ids if (event := self._sent.get(r)) is not None and event.is_set()]
+                left = deadline - time.monotonic()
+                if done or left <= 0:
+                    break
+                self._acks_changed.wait(left)
+            for r in done:
+                del self._sent[r]
+        return done
+
     def abandon(self, request_id: str) -> None:
         """Prefill side: the decode side gave the request up before any send of it was posted here: end its
         `wait_sent` now (the prefill replica then frees the blocks) rather than at the lease. Idempotent."""
+        self._set_ack(request_id)
+
+    def _set_ack(self, request_id: str) -> None:
         self._ack(request_id).set()
+        with self._acks_changed:
+            self._acks_changed.notify_all()
 
     def _ack(self, request_id: str) -> threading.Event:
         """The request's ack event. A failed handoff never collects its ack, so only the newest
