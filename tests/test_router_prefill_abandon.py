@@ -220,3 +220,54 @@ def test_a_client_gone_after_the_reservation_leaves_the_blocks_to_the_decode_rep
     _settle(rank, expect_call=False)
     assert _Replica.cancelled  # the decode replica is told to stop
     assert rank.abandoned == []
+
+
+def test_a_retry_after_the_decode_replica_died_fails_at_once_with_none_left():
+    """The decode replica died under a routed request before its first token and Serve knows of no other one: the
+    router's retry must answer 503 now, not wait in Serve's queue for a replacement (20-30 s on a CPU box, which
+    the fault-and-load run counted as lost requests). A new call still waits for a replacement, as before."""
+    from ray.exceptions import RayActorError
+
+    from router.protocol import BackendUnavailable
+
+    rank = _Rank()
+
+    class _Died:
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await asyncio.sleep(0.01)
+            backend.decode._router = _replicas(0)  # Serve dropped the dead replica
+            raise RayActorError()
+
+        def cancel(self):
+            pass
+
+    class _Held:
+        """A call Serve holds for a replacement replica: no item, ever."""
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await asyncio.sleep(3600)
+
+        def cancel(self):
+            pass
+
+    streams = iter([_Died(), _Held()])
+
+    async def body():
+        nonlocal backend
+        backend, ready = _backend(lambda *args: next(streams), rank)
+        prefill = _PrefillResponse(ready)
+        backend.prefill = SimpleNamespace(prefill_first=SimpleNamespace(remote=lambda *a: prefill))
+        with pytest.raises(BackendUnavailable, match="no other one"):
+            await asyncio.wait_for(_drain(backend), 3)  # before the fix: TimeoutError (held for a replacement)
+        await asyncio.sleep(0.05)
+
+    backend = None
+    asyncio.run(body())
+    _settle(rank, expect_call=True)
+    assert backend.decode.calls == 2 and rank.abandoned == ["req-1"]  # the dead replica's prefill is let go
