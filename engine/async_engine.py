@@ -29,6 +29,27 @@ class EngineDeadError(RuntimeError):
     """A step failed (a rank died, a kernel raised) or the engine was closed: it serves nothing more."""
 
 
+class _StreamQueue(asyncio.Queue):
+    """A request's outputs, read on the event loop that opened the request. The engine may be driven from
+    several loops over its life (each loop gets its own step task, e.g. one TestClient after another, or a
+    Serve replica's loops), so an output may come from a task on another loop's thread: an asyncio.Queue
+    filled from a thread that is not its loop's does not wake its reader, so it goes through that loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.get_running_loop()
+
+    def put_anywhere(self, item: object) -> None:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            self.put_nowait(item)
+        elif not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.put_nowait, item)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[dict], None] | None = None,
                  lease_check_interval_s: float = 1.0):
@@ -38,7 +59,7 @@ class AsyncEngine:
         # from it (router/metrics.py) would otherwise keep showing freed blocks while no step follows.
         self.on_step = on_step
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-engine")
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, _StreamQueue] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._dead: BaseException | None = None
@@ -193,7 +214,7 @@ class AsyncEngine:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._ensure_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = _StreamQueue()
         self._queues[request_id] = queue
         return queue
 
@@ -236,7 +257,7 @@ class AsyncEngine:
         out = await self.call(self.llm_engine.abort, request_id)
         queue = self._queues.get(request_id)
         if out is not None and queue is not None:
-            queue.put_nowait(out.snapshot())
+            queue.put_anywhere(out.snapshot())
 
     async def close(self) -> None:
         """Stop stepping and fail what is still streaming; the engine thread ends."""
@@ -245,7 +266,7 @@ class AsyncEngine:
         if self._task is not None:
             self._task.cancel()
         for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError("the server is shutting down"))
+            queue.put_anywhere(EngineDeadError("the server is shutting down"))
         self._thread.shutdown(wait=False, cancel_futures=True)
 
     # ---- the step loop ----
@@ -265,12 +286,17 @@ class AsyncEngine:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        me, wake = asyncio.current_task(), self._wake  # this loop's own event (`_ensure_loop` made both)
         while self._dead is None:
+            if self._task is not me:
+                # Superseded: a request came from another event loop (`_ensure_loop`), whose step task now
+                # steps the engine; one step task at a time.
+                return
             if not self.llm_engine.scheduler.has_work:
-                self._wake.clear()
+                wake.clear()
                 try:
                     # Leases (held/reserved KV) must expire even when nothing runs.
-                    await asyncio.wait_for(self._wake.wait(), self._lease_interval)
+                    await asyncio.wait_for(wake.wait(), self._lease_interval)
                 except asyncio.TimeoutError:
                     if self.llm_engine.scheduler.has_leases:
                         await self.call(self.llm_engine.expire_leases)
@@ -283,12 +309,12 @@ class AsyncEngine:
                 log.exception("engine step failed; this engine stops serving")
                 self._dead = e
                 for queue in self._queues.values():
-                    queue.put_nowait(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"))
+                    queue.put_anywhere(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"))
                 return
             for out in outputs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
-                    queue.put_nowait(out)
+                    queue.put_anywhere(out)
             if not outputs:
                 # Prefill chunks sample nothing; yield to the loop so a burst of them can't starve it.
                 await asyncio.sleep(0)

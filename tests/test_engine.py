@@ -488,6 +488,40 @@ def test_async_stream_coalesces_outputs_a_slow_consumer_missed(shared):
     assert tokens == hf_greedy(shared.llm_engine.config.model.model, prompt, 24)[0]
 
 
+def test_async_engine_used_from_a_second_event_loop_while_the_first_lives(shared):
+    """One engine, requests from two event loops that both stay alive (two TestClients: a module-scoped
+    client fixture and a test's own, as in tests/test_hardening.py, where a CI run hung once): every request
+    completes, from either loop, with the same tokens. A guard for `_StreamQueue` and the superseded step
+    task; this test did not reproduce that hang on the old code in one run (it is timing-dependent)."""
+    import asyncio
+    import threading
+
+    from engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(shared.llm_engine, lease_check_interval_s=0.005)  # the old loop's task wakes often
+    (prompt,) = prompts_of_lengths([9], VOCAB, seed=23)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    first = asyncio.new_event_loop()
+    thread = threading.Thread(target=first.run_forever, daemon=True)
+    thread.start()
+
+    async def one(rid: str) -> list[int]:
+        out = None
+        async for out in engine.generate(rid, prompt, params):
+            pass
+        return list(out.token_ids)
+
+    try:
+        want = asyncio.run_coroutine_threadsafe(one("loop-a"), first).result(60)
+        for i in range(3):  # a new loop each time, the first one still running
+            assert asyncio.run(asyncio.wait_for(one(f"loop-b{i}"), 30)) == want
+        assert asyncio.run_coroutine_threadsafe(one("loop-a2"), first).result(60) == want
+    finally:
+        asyncio.run_coroutine_threadsafe(engine.close(), first).result(10)
+        first.call_soon_threadsafe(first.stop)
+        thread.join(10)
+
+
 def test_vllm_prompt_dicts_are_prompts_and_bad_ones_are_refused(shared):
     """vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts, alone or in a list, run as their content
     (a dict used to be iterated into its keys and generated from the key's text)."""
