@@ -134,14 +134,8 @@ class DisaggregatedBackend:
         # fail it at once, as a call made now would (first_unless_replicas_gone), not wait for a replacement.
         decode_was_live = bool(live_replicas(self.decode))
         called = time.time()
-        response = self.prefill.prefill_first.remote(rid, req.prompt_token_ids, req.sampling_params, req.priority)
-        try:
-            ref = await self._assigned(response)
-        except BaseException:
-            response.cancel()
-            raise
+        response, ref = await self._call_prefill(req)
         if ref is None:  # no prefill replica to take it now: the decode replica copes (prefills it itself)
-            response.cancel()
             async for _, out in self._decode_call("generate", req, [rid], lambda item: item[1].finished):
                 yield out
             return
@@ -193,17 +187,24 @@ class DisaggregatedBackend:
         finally:
             self._streams.pop(rid, None)
             if not finished:
-                # Client gone or error: the decode replica aborts and lets the prefill side go. A decode call that
-                # Serve refused before sending it to any replica (`_never_sent`) has no decode replica to do that:
-                # the router has the prefill's blocks abandoned itself (issue 24). Read before cancelling.
-                never_sent = not abandoned and _never_sent(stream)
-                _cancel(stream)
-                _cancel(response)  # still prefilling: the prefill replica frees its blocks
-                if never_sent:
-                    _abandon_when_answered(ref, rid)
+                _let_go(stream, response, ref, rid, abandoned)
         if retry:  # once more, the usual way (another decode replica; it calls the prefill pool itself)
             async for _, out in self._decode_call("generate", req, [rid], lambda item: item[1].finished, retried=True):
                 yield out
+
+    async def _call_prefill(self, req: GenerateRequest) -> tuple[Any, Any]:
+        """The prefill call (`PrefillPool.prefill_first`) and, once Serve has given it a replica, its ObjectRef;
+        None for the ref (the call cancelled) when the prefill pool has no live replica now."""
+        response = self.prefill.prefill_first.remote(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                                     req.priority)
+        try:
+            ref = await self._assigned(response)
+        except BaseException:
+            response.cancel()
+            raise
+        if ref is None:
+            response.cancel()
+        return response, ref
 
     async def _assigned(self, response) -> Any:
         """The prefill call's ObjectRef once Serve has given it a replica; None when the prefill pool has no
@@ -317,6 +318,18 @@ def _never_sent(response) -> bool:
         return isinstance(future.exception(), _REFUSED_BEFORE_SENDING)
     except Exception:  # noqa: BLE001 - another Serve's internals: not known
         return False
+
+
+def _let_go(stream, response, ref, request_id: str, abandoned: bool) -> None:
+    """A routed request that did not finish (client gone or error): the decode replica aborts and lets the
+    prefill side go. A decode call that Serve refused before sending it to any replica (`_never_sent`) has no
+    decode replica to do that: the router has the prefill's blocks abandoned itself (issue 24). Read before
+    cancelling."""
+    never_sent = not abandoned and _never_sent(stream)
+    _cancel(stream)
+    _cancel(response)  # still prefilling: the prefill replica frees its blocks
+    if never_sent:
+        _abandon_when_answered(ref, request_id)
 
 
 def _cancel(response) -> None:
