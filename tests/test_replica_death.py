@@ -140,16 +140,28 @@ def _unavailable(status: int, lines: list[str]) -> bool:
 
 
 def test_a_request_on_a_dead_decode_replica_ends_at_once(url):
-    """Sent just after the decode replica died, before Serve's router noticed: the call meets the death,
-    and with no other decode replica to retry on, the client gets a clear 503 at once (before: the call
-    was held ~6 s until a replacement replica had started). A call made once the router knows that no
-    decode replica is left waits for the replacement, as before (the next test)."""
+    """Sent just after the decode replica died. Two outcomes, and which one comes is a race we cannot steer:
+    Serve's controller notices a killed replica within ~0.1 s and tells the router soon after.
+
+    - The router has not heard yet: the call meets the death, and with no other decode replica to retry on,
+      the client gets a clear 503 at once (before: the call was held ~6 s until a replacement had started).
+      tests/test_router_prefill_abandon.py drives this branch deterministically.
+    - The router has heard: a call made while Serve knows of no live replica waits for the replacement (a
+      restart is not turned into a burst of 503s), and the request completes once it is up.
+
+    Either way nothing is lost: the client gets its whole completion or a clear 503, never a hang."""
     _kill("DecodePool")
     killed_at = time.monotonic()
     time.sleep(0.1)  # dead by now: ray.kill returns before the process has gone
     status, lines, end = _stream(url, {"prompt": "a stream", "max_tokens": 8, "ignore_eos": True, "stream": True})
-    assert _unavailable(status, lines), (status, lines[-3:])
-    assert end - killed_at < 2.0, f"answered {end - killed_at:.1f}s after the decode replica died"
+    if _unavailable(status, lines):
+        assert end - killed_at < 2.0, f"503 came {end - killed_at:.1f}s after the decode replica died"
+        return
+    assert status == 200 and lines[-1] == "[DONE]", (status, lines[-3:])
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert not any("error" in c for c in chunks), chunks[-1]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+    assert end - killed_at < 60.0, f"completed {end - killed_at:.1f}s after the decode replica died"
 
 
 def test_a_dead_decode_replicas_stream_ends_with_an_error_event_at_once(url):
