@@ -88,7 +88,7 @@ class RankWorker:
         # Only the output rank's answer is read; the others send nothing back.
         return result if self.runner.is_output_rank else None
 
-    def start_step_loop(self, address: str, port: int, spin_s: float = 0.0) -> None:
+    def start_step_loop(self, address: str, port: int, spin_s: float = 0.0, local_path: str | None = None) -> None:
         """Connect to the driver's step channel and serve its steps on a thread of this actor
         (cluster/step_channel.py); returns once connected. `spin_s`: poll for the next step this long."""
         self.decoder = StepDecoder()
@@ -96,10 +96,10 @@ class RankWorker:
         # The only rank of its replica fills a step sent ahead itself, from its last answer's tokens (no fill
         # frame, no round trip through the driver); with more ranks, those without the tokens need the fill.
         self._keep_sampled = self.runner.config.parallel.world_size == 1
-        self._sampled: dict = {}  # seq_id -> SampledToken of the last step
+        self._sampled: dict[str, int] = {}  # seq_id -> the token the last step sampled for it
         self.profile: RankProfile | None = None
         self._answered_at = time.perf_counter()
-        run_rank_loop((address, port), self.rank, self._on_message, spin_s)
+        run_rank_loop((address, port), self.rank, self._on_message, spin_s, local_path)
 
     def _on_message(self, message: tuple):
         self._bind_device()  # the step loop's own thread
@@ -109,7 +109,7 @@ class RankWorker:
             if len(message) > 2 and message[2]:
                 if len(message) > 3 and message[3]:  # the only rank: the tokens are its own last answer's
                     sampled = self._sampled
-                    fill_placeholders(out.seqs, [sampled[s.seq_id].token_id for s in placeholder_seqs(out.seqs)])
+                    fill_placeholders(out.seqs, [sampled[s.seq_id] for s in placeholder_seqs(out.seqs)])
                     return self._step(start, out)
                 self._waiting = (start, out)
                 return NO_REPLY
@@ -135,7 +135,7 @@ class RankWorker:
             result = self.profile.step(kind, start - self._answered_at, time.perf_counter() - start,
                                        lambda: self.execute(out), out.num_tokens)
         if self._keep_sampled and result is not None:  # a step sent ahead fills its placeholders from these
-            self._sampled = result.sampled
+            self._sampled = result.token_ids_by_seq()
         packed = pack_output(result, out)
         self._answered_at = time.perf_counter()
         return packed

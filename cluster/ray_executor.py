@@ -96,7 +96,7 @@ class RayExecutor(Executor):
         self.channel = StepChannel(node_address(), self.world_size, spin_s=DRIVER_SPIN_S if self._spin else 0.0)
         self.encoder = StepEncoder()
         rank_spin_s = RANK_SPIN_S if self._spin else 0.0
-        refs = {r: w.start_step_loop.remote(*self.channel.address, rank_spin_s) for r, w in enumerate(self.workers)}
+        refs = {r: w.start_step_loop.remote(*self.channel.address, rank_spin_s, self.channel.local_path) for r, w in enumerate(self.workers)}
         try:
             self.channel.accept(timeout_s)
         except TimeoutError as e:

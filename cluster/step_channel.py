@@ -17,15 +17,21 @@ spin-waits on a synchronize). With GPU ranks the driver polls for the answers an
 for the next step for up to `spin_s` before blocking; CPU ranks never spin (they compute on the cores
 a spinner would take).
 
+A rank on the driver's node connects over a Unix socket (Linux's abstract namespace: no file to clean up), which
+takes a third less per hop than TCP over loopback; a rank elsewhere, or where that connect fails, uses TCP.
+
 Frames are an 8-byte little-endian length, then a pickle (driver -> rank: a message tuple; rank ->
 driver: ("ok", result) or ("error", text)).
 """
 from __future__ import annotations
 
+import os
 import pickle
+import secrets
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 import traceback
@@ -46,7 +52,8 @@ class ChannelClosed(ConnectionError):
 
 
 def _configure(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames go out at once
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames go out at once
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -88,23 +95,39 @@ class StepChannel:
         self._listener.bind((host, 0))
         self._listener.listen(world_size)
         self.address = (host, self._listener.getsockname()[1])
+        # The same-node ranks' way in (`run_rank_loop`'s local_path); None where Unix sockets are not to be had.
+        self.local_path: str | None = None
+        self._local_listener: socket.socket | None = None
+        if hasattr(socket, "AF_UNIX") and sys.platform.startswith("linux"):
+            self.local_path = f"\0tandem-steps-{os.getpid()}-{secrets.token_hex(8)}"
+            self._local_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._local_listener.bind(self.local_path)
+            self._local_listener.listen(world_size)
         self._socks: dict[int, socket.socket] = {}
 
     def accept(self, timeout_s: float) -> None:
-        """Wait for every rank to connect (each sends its rank id first)."""
+        """Wait for every rank to connect, over TCP or the local socket (each sends its rank id first)."""
         deadline = time.monotonic() + timeout_s
+        listeners = [lst for lst in (self._listener, self._local_listener) if lst is not None]
         while len(self._socks) < self.world_size:
-            self._listener.settimeout(max(deadline - time.monotonic(), 0.001))
-            try:
-                sock, _ = self._listener.accept()
-            except socket.timeout:
+            ready, _, _ = select.select(listeners, [], [], max(deadline - time.monotonic(), 0.0))
+            if not ready:
                 missing = sorted(set(range(self.world_size)) - set(self._socks))
-                raise TimeoutError(f"ranks {missing} did not connect their step loop within {timeout_s:.0f}s") from None
+                raise TimeoutError(f"ranks {missing} did not connect their step loop within {timeout_s:.0f}s")
+            sock, _ = ready[0].accept()
             sock.settimeout(None)
             _configure(sock)
             (rank,) = struct.unpack("<I", _recv_exact(sock, 4))
             self._socks[rank] = sock
-        self._listener.close()
+        self._close_listeners()
+
+    def _close_listeners(self) -> None:
+        for listener in (self._listener, self._local_listener):
+            if listener is not None:
+                try:
+                    listener.close()
+                except OSError:
+                    pass
 
     def broadcast(self, message: tuple) -> None:
         frame = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -151,10 +174,7 @@ class StepChannel:
             except OSError:
                 pass
         self._socks.clear()
-        try:
-            self._listener.close()
-        except OSError:
-            pass
+        self._close_listeners()
 
 
 # When a rank answers with an error, how long the driver watches the ranks still to answer for one whose
@@ -198,14 +218,27 @@ def _spin_until_readable(sock: socket.socket, spin_s: float) -> None:
 NO_REPLY = object()
 
 
+def _connect(address: tuple[str, int], local_path: str | None) -> socket.socket:
+    """The driver's local socket when it is on this node (its abstract name exists only here), else TCP."""
+    if local_path is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(local_path)
+            return sock
+        except OSError:  # another node (or another network namespace): no such name here
+            sock.close()
+    return socket.create_connection(address, timeout=60)
+
+
 def run_rank_loop(address: tuple[str, int], rank: int, handle: Callable[[tuple], Any],
-                  spin_s: float = 0.0) -> threading.Thread:
+                  spin_s: float = 0.0, local_path: str | None = None) -> threading.Thread:
     """Rank side: connect to the driver and serve its messages on a daemon thread until it hangs up.
     `handle(message)` returns the answer (or NO_REPLY); an exception is sent back as an error and the loop
     goes on (the driver decides: a failed step makes it stop every rank). After each message the loop
-    polls for the next one for up to `spin_s` before blocking."""
+    polls for the next one for up to `spin_s` before blocking. `local_path`: the driver's
+    `StepChannel.local_path`, tried first."""
     _HANDLERS.append(handle)
-    sock = socket.create_connection(address, timeout=60)
+    sock = _connect(address, local_path)
     sock.settimeout(None)
     _configure(sock)
     sock.sendall(struct.pack("<I", rank))

@@ -41,7 +41,7 @@ class _IdleRank:
     def __init__(self, rank: int):
         self.rank = rank
 
-    def start_step_loop(self, address: str, port: int, spin_s: float = 0.0) -> None:
+    def start_step_loop(self, address: str, port: int, spin_s: float = 0.0, local_path: str | None = None) -> None:
         from cluster.step_channel import run_rank_loop
         from workers.step_delta import StepDecoder
 
@@ -52,15 +52,19 @@ class _IdleRank:
             out = decoder.decode(message[1])
             return pack_output(self._answer(out), out)
 
-        run_rank_loop((address, port), self.rank, handle, spin_s)
+        run_rank_loop((address, port), self.rank, handle, spin_s, local_path)
 
     def execute(self, out):
         return self._answer(out)
 
     def _answer(self, out):
-        from workers.scheduler_output import ModelRunnerOutput, SampledToken
+        """What the model runner answers for a decode step: its sampler's columns (token ids, logprobs)."""
+        from workers.scheduler_output import ModelRunnerOutput
 
-        return ModelRunnerOutput({s.seq_id: SampledToken(1, -0.5) for s in out.seqs}) if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        n = len(out.seqs)
+        return ModelRunnerOutput.from_columns([s.seq_id for s in out.seqs], [1] * n, [-0.5] * n)
 
 
 def dispatch_us(ranks: int, seqs: int, iters: int) -> dict:
@@ -88,7 +92,7 @@ def dispatch_us(ranks: int, seqs: int, iters: int) -> dict:
     for name, spin in (("step channel + deltas", False), ("step channel, spinning waits", True)):
         actors = [actor.remote(r) for r in range(ranks)]
         channel = StepChannel(node_address(), ranks, spin_s=DRIVER_SPIN_S if spin else 0.0)
-        refs = [a.start_step_loop.remote(*channel.address, RANK_SPIN_S if spin else 0.0) for a in actors]
+        refs = [a.start_step_loop.remote(*channel.address, RANK_SPIN_S if spin else 0.0, channel.local_path) for a in actors]
         channel.accept(60)
         ray.get(refs)
         encoder = StepEncoder()

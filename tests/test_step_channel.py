@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import random
 import socket
+import sys
 import struct
 import threading
 import time
@@ -183,6 +184,41 @@ def _channel(handlers, spin_s: float = 0.0):
     threads = [run_rank_loop(channel.address, rank, h, spin_s) for rank, h in enumerate(handlers)]
     channel.accept(timeout_s=10)
     return channel, threads
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux's")
+def test_same_node_ranks_connect_over_the_local_socket_beside_tcp_ones_and_die_loudly():
+    """Rank 0 takes the driver's local socket, rank 1 TCP (as a rank on another node would), rank 2 a
+    local path that does not exist here (another node's) and falls back to TCP; steps and a death work alike."""
+    channel = StepChannel("127.0.0.1", 3)
+    assert channel.local_path is not None and channel.local_path.startswith("\0")
+    run_rank_loop(channel.address, 0, lambda m: ("local", m[1]), local_path=channel.local_path)
+    run_rank_loop(channel.address, 1, lambda m: ("tcp", m[1]))
+    run_rank_loop(channel.address, 2, lambda m: ("fallback", m[1]), local_path="\0tandem-steps-elsewhere")
+    channel.accept(timeout_s=10)
+    try:
+        families = {r: sock.family for r, sock in channel._socks.items()}
+        assert families == {0: socket.AF_UNIX, 1: socket.AF_INET, 2: socket.AF_INET}
+        for i in range(3):
+            channel.broadcast(("step", i))
+            assert channel.gather(5) == {0: ("local", i), 1: ("tcp", i), 2: ("fallback", i)}
+    finally:
+        channel.close()
+    channel = StepChannel("127.0.0.1", 2)
+    run_rank_loop(channel.address, 0, lambda m: None, local_path=channel.local_path)
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # rank 1, local: connects, then "dies"
+    dead.connect(channel.local_path)
+    dead.sendall(struct.pack("<I", 1))
+    channel.accept(timeout_s=10)
+    try:
+        channel.broadcast(("step", 0))
+        dead.close()
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure) as e:
+            channel.gather(30)
+        assert e.value.rank == 1 and "died" in e.value.what and time.monotonic() - t0 < 2
+    finally:
+        channel.close()
 
 
 @pytest.mark.parametrize("spin_s", [0.0, 0.2], ids=["blocking", "spinning"])

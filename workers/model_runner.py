@@ -23,9 +23,9 @@ from workers.config import EngineConfig
 from workers.loader import load_model
 from workers.microbatch import split_by_sequence
 from workers.models.layers import PagedAttention
-from workers.sampler import Sampler
+from workers.sampler import Sampler, no_top_logprobs
 from workers.sampling_params import SamplingParams
-from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput, TokenBitmask
+from workers.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput, TokenBitmask
 from workers.structured_output import apply_token_bitmask, is_constrained
 from workers.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from parallel.ulysses import choose_ulysses
@@ -326,13 +326,12 @@ class ModelRunner:
             if not graphs.with_head:  # TP: every rank replays, the head runs eagerly
                 return self.sample(graphs.run(out)[0], out.seqs, out.token_bitmask)
             logits, greedy = graphs.run(out)
-            params = [s.sampling_params for s in out.seqs]
             if all(Sampler.is_plain_greedy(s) for s in out.seqs) and not is_constrained(out.seqs, out.token_bitmask):
-                tokens = Sampler.greedy_outputs(greedy, params)
+                columns = Sampler.greedy_columns(greedy, [s.sampling_params for s in out.seqs])
             else:
                 apply_token_bitmask(logits, out.seqs, out.token_bitmask)  # structured output
-                tokens = self.sampler(logits, out.seqs)
-            return ModelRunnerOutput({s.seq_id: tok for s, tok in zip(out.seqs, tokens)})
+                columns = self.sampler.columns(logits, out.seqs)
+            return ModelRunnerOutput.from_columns([s.seq_id for s in out.seqs], *columns)
         seqs = out.seqs
         self.new_peak_release.before_step(sum(s.num_tokens for s in seqs))  # eager steps only: graphs allocate nothing
         if self.sp.size == 1:  # decodes first: attention runs them with the decode kernel (AttentionMetadata.num_decodes)
@@ -401,16 +400,13 @@ class ModelRunner:
             if result is None:
                 return ModelRunnerOutput({})
             ids, logprobs = result
-            return ModelRunnerOutput({
-                s.seq_id: SampledToken(tok, lp, [] if s.sampling_params.logprobs == 0 else None)
-                for s, tok, lp in zip(seqs, ids.tolist(), logprobs.tolist())
-            })
+            return ModelRunnerOutput.from_columns([s.seq_id for s in seqs], ids.tolist(), logprobs.tolist(),
+                                                  no_top_logprobs([s.sampling_params for s in seqs]))
         logits = head.compute_logits(hidden)
         if logits is None:
             return ModelRunnerOutput({})
         apply_token_bitmask(logits, seqs, mask)
-        sampled = self.sampler(logits, seqs)
-        return ModelRunnerOutput({s.seq_id: tok for s, tok in zip(seqs, sampled)})
+        return ModelRunnerOutput.from_columns([s.seq_id for s in seqs], *self.sampler.columns(logits, seqs))
 
     def _verify(self, hidden: torch.Tensor, seqs: list[ScheduledSeq]) -> ModelRunnerOutput:
         """A step with speculating sequences: hidden has len(spec_token_ids) + 1 rows for each of them

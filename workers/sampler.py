@@ -46,14 +46,20 @@ class Sampler:
         return p.greedy and not p.logprobs and not p.needs_token_history and seq.num_output_tokens >= p.min_tokens
 
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[SampledToken]:
+        tokens, logprobs, tops = self.columns(logits, seqs)
+        return list(map(SampledToken, tokens, logprobs, tops or [None] * len(tokens)))
+
+    def columns(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> tuple[list[int], list[float], list | None]:
+        """(token ids, their logprobs, top logprobs per row or None when no row asked): the sampled rows as
+        columns, which `ModelRunnerOutput.from_columns` takes without an object per token."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab], got {tuple(logits.shape)}")
         if not seqs:
-            return []
+            return [], [], None
         params = [s.sampling_params for s in seqs]
         raw = logits.float()  # [B, V]
         if all(self.is_plain_greedy(s) for s in seqs):
-            return self._greedy(raw, params)
+            return self.greedy_columns(self.greedy_pack(raw), params)
         x = raw.clone()  # [B, V], what penalties/masks/temperature modify; `raw` stays for logprobs
         self._apply_penalties(x, seqs)
         self._apply_min_tokens(x, seqs)
@@ -72,25 +78,15 @@ class Sampler:
         lse = torch.logsumexp(raw, dim=-1, keepdim=True)  # [B, 1]
         token_logprobs = (raw.gather(1, tokens[:, None]) - lse).squeeze(1)  # [B]
         n_top = max((p.logprobs or 0 for p in params), default=0)
-        top_ids = top_lps = None
+        tops = None
         if n_top > 0:
             top_vals, top_ids_t = raw.topk(n_top, dim=-1)  # [B, n_top], best first
-            top_ids = top_ids_t.tolist()
-            top_lps = (top_vals - lse).tolist()
-
-        out: list[SampledToken] = []
-        for i, (tok, lp) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
-            n = params[i].logprobs
-            top = None
-            if n is not None:
-                top = list(zip(top_ids[i][:n], top_lps[i][:n])) if n > 0 else []
-            out.append(SampledToken(token_id=tok, logprob=lp, top_logprobs=top))
-        return out
-
-    @staticmethod
-    def _greedy(raw: torch.Tensor, params: list[SamplingParams]) -> list[SampledToken]:
-        """The all-greedy batch (offline runs, most chat traffic): no copies of the logits."""
-        return Sampler.greedy_outputs(Sampler.greedy_pack(raw), params)
+            top_ids, top_lps = top_ids_t.tolist(), (top_vals - lse).tolist()
+            tops = [None if p.logprobs is None else list(zip(ids[:p.logprobs], lps[:p.logprobs]))
+                    for p, ids, lps in zip(params, top_ids, top_lps)]
+        else:
+            tops = no_top_logprobs(params)
+        return tokens.tolist(), token_logprobs.tolist(), tops
 
     @staticmethod
     def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
@@ -104,8 +100,10 @@ class Sampler:
         return torch.stack([tokens.double(), lps.double()], dim=1)
 
     @staticmethod
-    def greedy_outputs(packed: torch.Tensor, params: list[SamplingParams]) -> list[SampledToken]:
-        return [SampledToken(int(t), lp, [] if p.logprobs == 0 else None) for (t, lp), p in zip(packed.tolist(), params)]
+    def greedy_columns(packed: torch.Tensor, params: list[SamplingParams]) -> tuple[list[int], list[float], list | None]:
+        """`greedy_pack`'s [B, 2] as `columns` gives them (the all-greedy batch: no copies of the logits)."""
+        tokens, logprobs = packed.t().tolist()
+        return [int(t) for t in tokens], logprobs, no_top_logprobs(params)
 
     # ---- logit processors, in place on x [B, V] ----
 
@@ -329,3 +327,11 @@ def _top_k_top_p_sorted(x: torch.Tensor, params: list[SamplingParams]) -> torch.
     drop[:, -1] = False  # always keep the best token
     x_sorted.masked_fill_(drop, float("-inf"))
     return x.scatter_(1, idx, x_sorted)
+
+
+def no_top_logprobs(params: list[SamplingParams]) -> list | None:
+    """The top-logprobs column of rows that asked for none: [] for `logprobs=0` (the sampled token's own
+    logprob only), None where no row asked at all."""
+    if not any(p.logprobs == 0 for p in params):
+        return None
+    return [[] if p.logprobs == 0 else None for p in params]

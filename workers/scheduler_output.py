@@ -98,14 +98,70 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first, when asked
 
 
-@dataclass
 class ModelRunnerOutput:
-    """Tokens sampled this step, keyed by sequence (only sequences with `sample=True`)."""
+    """Tokens sampled this step, keyed by sequence (only sequences with `sample=True`).
 
-    sampled: dict[str, SampledToken]
-    # Speculating sequences: every token emitted this step, in order (accepted drafts, then the corrected
-    # or bonus token); sampled[seq_id] is its first.
-    spec: dict[str, list[SampledToken]] = field(default_factory=dict)
-    # Prompt logprobs of this step's prefill chunks that asked for them (workers/prompt_logprobs.py):
-    # seq_id -> [(prompt position, logprob of its token, top-n [(token id, logprob)])].
-    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    The common paths (a plain decode step's sampler) build it from columns in the step's order:
+    `from_columns(seq ids, token ids, logprobs, top logprobs)`. The dict of `SampledToken` is then made on
+    first read of `sampled`, so a rank that only ships its tokens to the driver (workers/step_delta.py) never
+    makes one, and the driver makes it once, as in-process."""
+
+    __slots__ = ("_sampled", "columns", "spec", "prompt_logprobs")
+
+    def __init__(self, sampled: dict[str, SampledToken] | None = None, spec: dict[str, list[SampledToken]] | None = None,
+                 prompt_logprobs: dict[str, list] | None = None):
+        self._sampled = sampled
+        # (seq ids, token ids, logprobs, top logprobs per row or None for no row): `sampled`, not yet made.
+        self.columns: tuple[list[str], list[int], list[float], list | None] | None = None
+        # Speculating sequences: every token emitted this step, in order (accepted drafts, then the corrected
+        # or bonus token); sampled[seq_id] is its first.
+        self.spec: dict[str, list[SampledToken]] = {} if spec is None else spec
+        # Prompt logprobs of this step's prefill chunks that asked for them (workers/prompt_logprobs.py):
+        # seq_id -> [(prompt position, logprob of its token, top-n [(token id, logprob)])].
+        self.prompt_logprobs: dict[str, list] = {} if prompt_logprobs is None else prompt_logprobs
+
+    @classmethod
+    def from_columns(cls, seq_ids: list[str], token_ids: list[int], logprobs: list[float],
+                     top_logprobs: list | None = None) -> ModelRunnerOutput:
+        if not len(seq_ids) == len(token_ids) == len(logprobs):
+            raise ValueError(f"{len(seq_ids)} sequences, {len(token_ids)} tokens, {len(logprobs)} logprobs")
+        out = cls()
+        out.columns = (seq_ids, token_ids, logprobs, top_logprobs)
+        return out
+
+    @property
+    def sampled(self) -> dict[str, SampledToken]:
+        """Made from the columns on first read, which are then dropped: the dict may be changed, and one
+        representation at a time cannot go stale."""
+        if self._sampled is None:
+            if self.columns is None:
+                self._sampled = {}
+            else:
+                ids, tokens, logprobs, tops = self.columns
+                self._sampled = dict(zip(ids, map(SampledToken, tokens, logprobs, tops or _nones(len(ids)))))
+                self.columns = None
+        return self._sampled
+
+    def without_prompt_logprobs(self) -> ModelRunnerOutput:
+        """The same sampled tokens (columns or dict, as they are) and drafts, without the prompt logprobs."""
+        out = ModelRunnerOutput(self._sampled, self.spec)
+        out.columns = self.columns
+        return out
+
+    def token_ids_by_seq(self) -> dict[str, int]:
+        """seq id -> the token sampled for it (without making the `SampledToken`s where there are columns)."""
+        if self.columns is not None:
+            return dict(zip(self.columns[0], self.columns[1]))
+        return {seq_id: t.token_id for seq_id, t in self.sampled.items()}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ModelRunnerOutput):
+            return NotImplemented
+        return (self.sampled, self.spec, self.prompt_logprobs) == (other.sampled, other.spec, other.prompt_logprobs)
+
+    def __repr__(self) -> str:
+        return f"ModelRunnerOutput(sampled={self.sampled!r}, spec={self.spec!r}, prompt_logprobs={self.prompt_logprobs!r})"
+
+
+def _nones(n: int) -> list[None]:
+    return [None] * n

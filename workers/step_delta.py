@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 
 
-@dataclass
+@dataclass(slots=True)
 class _Sent:
     slot: int
     num_blocks: int  # block ids the ranks hold for this sequence
@@ -77,13 +77,14 @@ class StepEncoder:
             sent = get(s.seq_id)
             table = s.block_table
             if sent is not None and sent.plain:
+                start = s.start_pos
                 toks = s.token_ids
                 nb = sent.num_blocks
-                start = s.start_pos
-                if (start == sent.start_pos + 1 and len(toks) == 1 and s.sample
-                        and start - s.num_output_tokens == sent.context_minus_out and not s.spec_token_ids
-                        and not s.prompt_token_ids and not s.output_token_ids and len(table) >= nb
-                        and table[nb - 1] == sent.last_block and table[0] == sent.first_block):
+                # Cheapest tests first; a plain decode passes all of them.
+                if (start == sent.start_pos + 1 and len(toks) == 1 and len(table) >= nb
+                        and table[nb - 1] == sent.last_block and table[0] == sent.first_block
+                        and start - s.num_output_tokens == sent.context_minus_out and s.sample
+                        and not (s.spec_token_ids or s.prompt_token_ids or s.output_token_ids)):
                     if len(table) > nb:
                         grow.append((len(slots), table[nb:]))
                         sent.num_blocks, sent.last_block = len(table), table[-1]
@@ -214,14 +215,18 @@ def pack_output(result: ModelRunnerOutput | None, out: SchedulerOutput) -> tuple
     if result is None:
         return None
     if result.prompt_logprobs:  # rare (echo / prompt_logprobs prefill chunks): wrapped around the usual answer
-        inner = ModelRunnerOutput(result.sampled, result.spec)
-        return ("prompt", pack_output(inner, out), result.prompt_logprobs)
-    sampled = result.sampled
+        return ("prompt", pack_output(result.without_prompt_logprobs(), out), result.prompt_logprobs)
     if result.spec:  # speculative decoding: several tokens per sequence
         return ("spec", [(seq_id, [(t.token_id, t.logprob, t.top_logprobs) for t in toks])
                          for seq_id, toks in result.spec.items()],
-                [(seq_id, t.token_id, t.logprob, t.top_logprobs) for seq_id, t in sampled.items() if seq_id not in result.spec])
+                [(seq_id, t.token_id, t.logprob, t.top_logprobs) for seq_id, t in result.sampled.items()
+                 if seq_id not in result.spec])
     expected = [s.seq_id for s in out.seqs if s.sample]
+    columns = result.columns
+    if columns is not None and columns[0] == expected:  # the runner's columns are the answer already
+        _, token_ids, logprobs, tops = columns
+        return ("ordered", token_ids, logprobs, tops if tops and any(tops) else None)
+    sampled = result.sampled
     if len(expected) == len(sampled):
         try:
             tokens = [sampled[seq_id] for seq_id in expected]
@@ -246,8 +251,4 @@ def unpack_output(packed: tuple, out: SchedulerOutput) -> ModelRunnerOutput:
     if packed[0] == "keyed":
         return ModelRunnerOutput({seq_id: SampledToken(tok, lp, top) for seq_id, tok, lp, top in packed[1]})
     _, token_ids, logprobs, tops = packed
-    ids = [s.seq_id for s in out.seqs if s.sample]
-    if tops is None:
-        return ModelRunnerOutput(dict(zip(ids, map(SampledToken, token_ids, logprobs))))
-    return ModelRunnerOutput({seq_id: SampledToken(tok, lp, top)
-                              for seq_id, tok, lp, top in zip(ids, token_ids, logprobs, tops)})
+    return ModelRunnerOutput.from_columns([s.seq_id for s in out.seqs if s.sample], token_ids, logprobs, tops)
