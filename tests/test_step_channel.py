@@ -14,8 +14,8 @@ import pytest
 
 from cluster.step_channel import RankFailure, StepChannel, run_rank_loop
 from workers.sampling_params import SamplingParams
-from workers.scheduler_output import ScheduledSeq, SchedulerOutput
-from workers.step_delta import StepDecoder, StepEncoder
+from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
+from workers.step_delta import StepDecoder, StepEncoder, pack_output, unpack_output
 
 
 def _random_schedules(steps: int, seed: int = 0):
@@ -177,6 +177,42 @@ def test_a_steady_decode_step_sends_only_its_tokens():
     assert sizes[2] < sizes[1] < sizes[0] / 4  # whole, then slots and tokens, then tokens only
     *_, order, _, _, compact = pickle.loads(payload)
     assert order == b"" and compact[0] is None and compact[1] == [105 % 50] * 64 and compact[2] == []
+
+
+def _step_of(seq_ids: list[str], sample: list[bool]) -> SchedulerOutput:
+    params = SamplingParams(max_tokens=8)
+    return SchedulerOutput([ScheduledSeq(i, [1], 5, [0], s, params, 1) for i, s in zip(seq_ids, sample)])
+
+
+def test_answers_travel_as_columns_and_become_the_same_tokens_on_the_driver():
+    """A runner's columns go out as they are (no object per token on the rank) and come back as the same
+    `sampled` dict a runner's dict would give; columns that are not the step's sampled sequences in order
+    go keyed, so nothing is matched to the wrong sequence."""
+    out = _step_of(["a", "b", "c"], [True, False, True])
+    tops = [[(4, -0.1)], None]
+    columns = ModelRunnerOutput.from_columns(["a", "c"], [7, 9], [-0.5, -1.5], tops)
+    packed = pack_output(columns, out)
+    assert packed == ("ordered", [7, 9], [-0.5, -1.5], tops)
+    got = unpack_output(pickle.loads(pickle.dumps(packed)), out)
+    assert got.columns is not None  # the driver makes the SampledTokens when the engine reads them
+    expected = {"a": SampledToken(7, -0.5, [(4, -0.1)]), "c": SampledToken(9, -1.5)}
+    assert got.token_ids_by_seq() == {"a": 7, "c": 9} and got.sampled == expected and got.columns is None
+    assert got == ModelRunnerOutput(expected)
+    # The runner answered in another order: put in the step's order by id, never zipped onto the wrong sequences.
+    swapped = ModelRunnerOutput.from_columns(["c", "a"], [9, 7], [-1.5, -0.5], [None, [(4, -0.1)]])
+    packed = pack_output(swapped, out)
+    assert packed[:2] == ("ordered", [7, 9]) and unpack_output(packed, out).sampled == expected
+    other = ModelRunnerOutput.from_columns(["a", "x"], [7, 3], [-0.5, -0.2])  # not the step's sequences: by id
+    packed = pack_output(other, out)
+    assert packed[0] == "keyed" and unpack_output(packed, out).token_ids_by_seq() == {"a": 7, "x": 3}
+    with pytest.raises(ValueError, match="2 sequences, 1 tokens"):
+        ModelRunnerOutput.from_columns(["a", "c"], [7], [-0.5, -1.5])
+    # With prompt logprobs, the tokens inside still go as columns.
+    columns.prompt_logprobs = {"a": [(0, -2.0, [])]}
+    packed = pack_output(columns, out)
+    assert packed[0] == "prompt" and packed[1][0] == "ordered"
+    got = unpack_output(packed, out)
+    assert got.sampled == expected and got.prompt_logprobs == {"a": [(0, -2.0, [])]}
 
 
 def _channel(handlers, spin_s: float = 0.0):
