@@ -15,14 +15,17 @@ A failure before step 5 is retried once (a new prefill, maybe on another replica
 decode replica's own (a dead rank); a prefill replica that died (or whose engine died) before answering
 (`PrefillUnavailable`) is retried at once on this replica's own engine, which prefills the prompt itself,
 rather than through the pool (which, with no other live replica, would wait for a replacement); a
-cancelled caller aborts both sides. Every path frees the blocks
-on both sides, and no block is freed while a transfer may still write into it.
+cancelled caller aborts both sides, and so does a handoff whose prefill the router abandoned (its client
+gone) before a prefill rank began sending it (`PrefillAbandoned`: what arrived is discarded). Every path frees
+the blocks on both sides, no block is freed while a transfer may still write into it, and a prefill replica
+frees no block that one of its ranks has begun sending (`KVTransferAgent.abandon`).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
+import itertools
 import os
 import logging
 import threading
@@ -35,7 +38,7 @@ from engine.async_engine import AsyncEngine, staged_fanout
 from engine.llm_engine import LLMEngine, RequestOutput
 from workers.executor import ExecutorError
 from workers.kv_transfer.plan import RankShard, Transfer, plan_transfers, share_a_gpu
-from workers.kv_transfer.transport import KVTransferError, PairSpec
+from workers.kv_transfer.transport import KVTransferError, PairSpec, SendResult
 from workers.sampling_params import SamplingParams
 from engine.scheduler import QueueFullError
 from workers.scheduler_output import SampledToken
@@ -65,6 +68,9 @@ class PrefillReady:
     block_ids: list[int] = field(default_factory=list)
     shards: list[RankShard] = field(default_factory=list)
     rank_handles: list = field(default_factory=list)  # Ray actor handles of the prefill ranks ([]: already known)
+    # This prefill's key on the prefill ranks (their sends, acks and abandons): not the request id, which a retry
+    # reuses, maybe on the same replica, where an earlier attempt's abandon must not touch the new one's KV.
+    handoff_id: str = ""
 
     @property
     def finished(self) -> bool:
@@ -101,6 +107,12 @@ class PrefillUnavailable(ConnectionError):
     never ran there. The pool's client (router/pools.py) raises it for the transport's own errors."""
 
 
+class PrefillAbandoned(Exception):
+    """A prefill rank's send found the handoff abandoned before it began (the router gave the request up: its
+    client left): its blocks may have been reused, so the KV that arrived is junk and is thrown away with the
+    reservation. Not retried: the request is being cancelled (and it is no `KVTransferError`: the pair is fine)."""
+
+
 PrefillClient = Callable[[str, list[int], SamplingParams, int, Reservation], AsyncIterator[PrefillReady]]
 
 # What `DecodeReplica.generate` yields first for a router-driven prefill: its blocks are reserved, so the router
@@ -114,7 +126,8 @@ class RouterPrefill:
     end), so the handoff's code takes either. `answer` resolves to the same `PrefillReady` the router streams
     token 1 from. Closed before the KV moved (the request given up, failed or cancelled), it has the prefill
     ranks abandon the blocks (`KVTransferAgent.abandon`): the prefill replica frees them at once, not at the
-    lease; an answer still on its way is abandoned when it lands."""
+    lease (or, on a rank whose send of them has begun, once that send has ended); an answer still on its way is
+    abandoned when it lands."""
 
     def __init__(self, answer: Awaitable[PrefillReady], request_id: str):
         self._answer = asyncio.ensure_future(answer)
@@ -146,21 +159,23 @@ class RouterPrefill:
     def _abandon(self, answer: asyncio.Future) -> None:
         if answer.cancelled() or answer.exception() is not None:
             return  # no answer: the prefill replica freed its blocks itself
-        abandon_prefill(answer.result(), self.request_id)
+        abandon_prefill(answer.result())
 
 
-def abandon_prefill(ready: PrefillReady, request_id: str) -> None:
-    """Have a router-driven prefill's ranks give up waiting for the send: its replica frees the blocks now.
-    Only once nothing may still read them into a decode replica (no transfer of the request in flight)."""
+def abandon_prefill(ready: PrefillReady) -> None:
+    """Have a router-driven prefill's ranks give up waiting for the send: its replica frees the blocks now. Safe
+    whoever else may be moving them: on a rank whose send of them has begun this is a no-op (the send's end
+    frees them), and a send that begins after it tells its decode replica, which throws away what it received
+    (`KVTransferAgent.abandon`, `PrefillAbandoned`)."""
     if ready.finished:
         return
 
     def submit() -> None:
         for handle in ready.rank_handles:
             try:
-                handle.kv.remote("abandon", request_id)  # fire and forget: a dead rank frees nothing anyway
+                handle.kv.remote("abandon", ready.handoff_id)  # fire and forget: a dead rank frees nothing anyway
             except Exception:  # noqa: BLE001
-                log.debug("abandoning %s on a prefill rank failed", request_id, exc_info=True)
+                log.debug("abandoning %s on a prefill rank failed", ready.handoff_id, exc_info=True)
 
     # From a thread without the (maybe cancelled) request's context, as the transfer's own calls (`_transfer`).
     threading.Thread(target=submit, name="tandem-abandon", daemon=True).start()
@@ -179,7 +194,7 @@ SENT_POLL_S = 0.05  # longest a round of the send watcher waits for news (a requ
 
 @dataclass
 class _AwaitingSend:
-    future: asyncio.Future  # True once every rank sent the request's KV (or it was abandoned); False at the lease
+    future: asyncio.Future  # True once every rank sent the handoff's KV (or it was abandoned); False at the lease
     deadline: float  # time.monotonic() of the lease's end
     ranks: set[int] = field(default_factory=set)  # the ranks that have sent it
 
@@ -196,8 +211,9 @@ class PrefillReplica:
         self._holding: set[asyncio.Task] = set()  # router-driven prefills' blocks, held until sent (`prefill_first`)
         # Requests whose blocks are held until every rank has sent them: one watcher asks the ranks about all of
         # them at once (`_watch_sent`), rather than a thread and a rank-actor thread blocked per request.
-        self._awaiting_send: dict[str, _AwaitingSend] = {}
+        self._awaiting_send: dict[str, _AwaitingSend] = {}  # by handoff id
         self._watcher: asyncio.Task | None = None
+        self._handoffs = itertools.count()  # numbers this replica's prefills (`PrefillReady.handoff_id`)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
                       reservation: Reservation) -> AsyncIterator[PrefillReady]:
@@ -211,7 +227,7 @@ class PrefillReplica:
             if self.replica_id not in reservation.known_peers:
                 ready.rank_handles = list(self.executor.workers)
             yield ready
-            await self._wait_sent(request_id)
+            await self._wait_sent(ready.handoff_id)
         finally:
             # Delivered, given up on (the decode side closed the stream) or failed: free the held blocks,
             # even if this engine has died meanwhile.
@@ -222,7 +238,8 @@ class PrefillReplica:
         """The router's call (router-driven prefill, docs/architecture.md): the answer at once, to the router,
         which streams token 1 to the client and hands the answer to the decode replica it called meanwhile.
         The blocks stay held here, in the background, until every rank has sent them (the decode replica
-        drives that), or the decode replica abandons them (`KVTransferAgent.abandon`), or the lease ends.
+        drives that), or they are abandoned (by the decode replica or the router, `KVTransferAgent.abandon`: a rank
+        whose send of them has begun acks only when that send ends), or the lease ends.
         A cancelled call (the client gone while prefilling) frees them at once."""
         ready = await self._run(request_id, prompt_token_ids, params, priority)
         if ready.finished:
@@ -233,7 +250,7 @@ class PrefillReplica:
         except BaseException:
             await self.async_engine.cleanup(self.llm_engine.release, request_id)
             raise
-        task = asyncio.ensure_future(self._hold(request_id))
+        task = asyncio.ensure_future(self._hold(request_id, ready.handoff_id))
         self._holding.add(task)
         task.add_done_callback(self._holding.discard)
         return ready
@@ -253,25 +270,26 @@ class PrefillReplica:
             # Read here, not on the engine thread (which may be inside a step): the engine held the blocks
             # before it returned this output, and held blocks do not change until `release`.
             ready.block_ids = self.llm_engine.held_block_ids(request_id)
+            ready.handoff_id = f"{request_id}#{next(self._handoffs)}"
         except BaseException:
             await self.async_engine.cleanup(self.llm_engine.release, request_id)
             raise
         return ready
 
-    async def _wait_sent(self, request_id: str) -> None:
+    async def _wait_sent(self, handoff_id: str) -> None:
         """The decode replica drives our ranks' send: hold the blocks until every rank reports it done (or
         abandoned), at most the lease. Raises what the ranks raised (a dead rank)."""
-        waiting = self._awaiting_send[request_id] = _AwaitingSend(asyncio.get_running_loop().create_future(),
+        waiting = self._awaiting_send[handoff_id] = _AwaitingSend(asyncio.get_running_loop().create_future(),
                                                                    time.monotonic() + self.lease_s)
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.ensure_future(self._watch_sent())
         try:
             sent = await waiting.future
         finally:
-            if self._awaiting_send.get(request_id) is waiting:
-                del self._awaiting_send[request_id]
+            if self._awaiting_send.get(handoff_id) is waiting:
+                del self._awaiting_send[handoff_id]
         if not sent:
-            log.warning("request %s: KV not collected within the %.0fs lease; freeing it", request_id, self.lease_s)
+            log.warning("handoff %s: KV not collected within the %.0fs lease; freeing it", handoff_id, self.lease_s)
 
     async def _watch_sent(self) -> None:
         """While requests wait for their send: ask every rank which of them it has sent (`sent_among`, one call
@@ -299,9 +317,9 @@ class PrefillReplica:
                         waiting.future.set_result(len(waiting.ranks) == len(per_rank))
                     del self._awaiting_send[rid]
 
-    async def _hold(self, request_id: str) -> None:
+    async def _hold(self, request_id: str, handoff_id: str) -> None:
         try:
-            await self._wait_sent(request_id)
+            await self._wait_sent(handoff_id)
         except Exception:  # noqa: BLE001 - a dead rank: the blocks are freed below all the same
             log.warning("request %s: waiting for the KV send failed", request_id, exc_info=True)
         finally:
@@ -614,15 +632,20 @@ class DecodeReplica:
                     self._connect(spec, ready.rank_handles)
                 self._joined.add(spec.pair_id)
             # Both sides get the whole block table; the plan picks the blocks by index.
-            sends = [h.kv.remote("send", spec, plan, dst_by_rank, ready.block_ids, request_id) for h in ready.rank_handles]
+            sends = [h.kv.remote("send", spec, plan, dst_by_rank, ready.block_ids, ready.handoff_id)
+                     for h in ready.rank_handles]
             received = sum(self.executor.kv_call("recv", spec, plan, src_by_rank, res.block_ids, ready.block_ids))
-            ray.get(sends, timeout=self.transfer_timeout_s)
+            sent: list[SendResult] = ray.get(sends, timeout=self.transfer_timeout_s)
         except Exception as e:
             self._drop_pair(spec.pair_id, ready.rank_handles)
             self._peer_ranks.pop(ready.prefill_replica, None)  # the next answer brings them anew
             if isinstance(e, ExecutorError):
                 raise  # this replica's own ranks are gone: no new prefill can help
             raise KVTransferError(f"request {request_id}: KV transfer {spec.pair_id} failed: {e}") from e
+        if any(result.abandoned for result in sent):
+            # Every message paired up (the pair stays usable), but some blocks came from a cache that had let them go.
+            raise PrefillAbandoned(f"request {request_id}: handoff {ready.handoff_id} was abandoned on the prefill side "
+                                   "before its send; the KV received is discarded")
         stats = TransferStats(received, time.perf_counter() - t0, num_blocks, start, time.time())
         self.transfers.append(stats)
         if self.on_transfer is not None:

@@ -19,7 +19,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoConfig, AutoTokenizer
 
@@ -299,36 +299,16 @@ async def _answer_or_none(ref) -> PrefillReady | None:
         return None
 
 
-# Errors Serve raises while assigning a call, before it sends the call to any replica (its router's
-# `assign_request`: the deployment gone, or its callers already queue `max_queued_requests`).
-_REFUSED_BEFORE_SENDING = (BackPressureError, DeploymentUnavailableError)
-
-
-def _never_sent(response) -> bool:
-    """Whether a Serve call is known never to have reached a replica: its assignment failed with an error
-    Serve raises before sending it (`_REFUSED_BEFORE_SENDING`). Read from the assignment's own future (Serve
-    2.60's `_replica_result_future`), not from the stream's error, which may be a replica's own (a decode
-    replica's nested call refused). Pending or cancelled is not known: a cancelled assignment may already have
-    sent the call and been waiting for the replica's accept (strict `max_ongoing_requests`), so that replica
-    may be running it, and may be moving the KV. False where the future cannot be read."""
-    future = getattr(response, "_replica_result_future", None)
-    try:
-        if future is None or not future.done() or future.cancelled():
-            return False
-        return isinstance(future.exception(), _REFUSED_BEFORE_SENDING)
-    except Exception:  # noqa: BLE001 - another Serve's internals: not known
-        return False
-
-
 def _let_go(stream, response, ref, request_id: str, abandoned: bool) -> None:
-    """A routed request that did not finish (client gone or error): the decode replica aborts and lets the
-    prefill side go. A decode call that Serve refused before sending it to any replica (`_never_sent`) has no
-    decode replica to do that: the router has the prefill's blocks abandoned itself (issue 24). Read before
-    cancelling."""
-    never_sent = not abandoned and _never_sent(stream)
+    """A routed request that did not finish (client gone or error): the decode call and, if still prefilling, the
+    prefill call are cancelled, and the prefill's KV is abandoned once answered, unless it was already (issue 24).
+    Whether the decode call reached a decode replica is often not known here (Serve may have sent it while its
+    assignment was pending or being cancelled), and need not be: a prefill rank that has begun sending the KV
+    ignores the abandon, and a send that begins after it tells its decode replica, which discards what it got
+    (`KVTransferAgent.abandon`). So blocks no decode replica will collect are freed at once, not at the lease."""
     _cancel(stream)
     _cancel(response)  # still prefilling: the prefill replica frees its blocks
-    if never_sent:
+    if not abandoned:
         _abandon_when_answered(ref, request_id)
 
 
@@ -345,13 +325,14 @@ _abandoning: set[asyncio.Task] = set()
 
 
 def _abandon_when_answered(ref, request_id: str) -> None:
-    """No decode replica will collect the KV a router-driven prefill's replica holds (the decode replica died,
-    or the decode call never reached one): have its ranks abandon it once the answer is in (a cancelled
-    prefill call fails instead, and its replica has freed the blocks itself)."""
+    """The router gives a routed request up (its decode replica died, the decode call never reached one, or the
+    client is gone): have the prefill's ranks abandon its KV once the answer is in (a cancelled prefill call fails
+    instead, and its replica has freed the blocks itself). Safe while a decode replica moves the KV (`_let_go`)."""
     async def abandon() -> None:
         ready = await _answer_or_none(ref)
         if ready is not None:
-            abandon_prefill(ready, request_id)
+            log.debug("request %s: abandoning its prefill's KV (%s)", request_id, ready.handoff_id)
+            abandon_prefill(ready)
 
     task = asyncio.ensure_future(abandon())
     _abandoning.add(task)

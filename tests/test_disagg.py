@@ -28,8 +28,8 @@ from transformers import AutoConfig
 from tests.models import assert_engine_clean, hf_greedy, prompts_of_lengths, tiny_model
 from engine.async_engine import AsyncEngine, EngineDeadError
 from workers.config import EngineConfig
-from engine.disagg import (RESERVED, DecodeReplica, LocalPrefillPolicy, PrefillReady, PrefillReplica, PrefillUnavailable,
-                           Reservation, streamable)
+from engine.disagg import (RESERVED, DecodeReplica, LocalPrefillPolicy, PrefillAbandoned, PrefillReady, PrefillReplica,
+                           PrefillUnavailable, Reservation, abandon_prefill, streamable)
 from engine.scheduler import QueueFullError
 from engine.llm_engine import LLMEngine, RequestOutput
 from workers.executor import ExecutorError
@@ -338,8 +338,17 @@ def test_tp2_to_tp1_matches_hf_and_single_process(pools, run, reference):
     run(settle(pair))
 
 
-def test_bytes_moved_are_the_prompt_kv_minus_decode_prefix_hits(pools, run):
+def test_bytes_moved_are_the_prompt_kv_minus_decode_prefix_hits(pools, run, monkeypatch):
     pair = pools.get("tp2->tp1")
+    handoffs: list[str] = []  # the prefills' handoff ids, which the prefill ranks ack by
+    original = pair.prefill.prefill
+
+    async def recording(*args):
+        async for ready in original(*args):
+            handoffs.append(ready.handoff_id)
+            yield ready
+
+    monkeypatch.setattr(pair.prefill, "prefill", recording)
     per_block = kv_bytes_per_block(pair.path, pair.decode.shards)
     assert per_block == 2 * 2 * BLOCK * 2 * 16 * 4  # 2 layers x K,V x 4 tokens x 2 KV heads x head_dim 16 x fp32
     first, tail = prompts_of_lengths([18, 7], VOCAB, seed=2)
@@ -362,7 +371,7 @@ def test_bytes_moved_are_the_prompt_kv_minus_decode_prefix_hits(pools, run):
     assert out2.token_ids == hf_greedy(pair.path, second, 6)[0]
     run(settle(pair))
     # Step 4 ran: the prefill replica collected every rank's "sent" ack before freeing (none is left over).
-    assert pair.prefill.executor.kv_call("wait_sent", "bytes-1", 0.0) == [False, False]
+    assert len(handoffs) == 2 and pair.prefill.executor.kv_call("sent_among", handoffs, 0.0) == [[], []]
 
 
 def test_concurrent_mixed_requests(pools, run, reference):
@@ -816,13 +825,39 @@ def test_router_prefill_given_up_frees_the_prefill_blocks_before_the_lease(pools
     run(body())
 
 
+def test_router_prefill_abandoned_before_its_send_is_discarded_and_the_pair_stays_in_step(pools, run):
+    """Issue 24's race: the router abandons the prefill (its client gone, not knowing whether the decode call reached
+    a replica) while the decode replica is about to move the KV. The prefill replica frees the blocks at once; the
+    sends that come after still pair their messages with the decode ranks' receives, but say the KV was abandoned,
+    so the decode replica throws it away with its reservation (PrefillAbandoned, not retried) instead of decoding
+    from blocks that may hold another request's KV. The next handoff over the pair is correct."""
+    pair = pools.get("tp2->tp1")
+    first, second = prompts_of_lengths([14, 13], VOCAB, seed=33)
+    calls, transfers = len(pair.prefill_calls), len(pair.decode.transfers)
+
+    async def body() -> None:
+        answer = asyncio.ensure_future(pair.prefill.prefill_first("ab-1", first, greedy(), 0))
+        with Hook(pair.decode, "_transfer_blocking", block=True) as transfer:
+            task = asyncio.create_task(routed(pair, "ab-1", first, greedy(), answer))
+            await transfer.wait_entered()  # the decode replica is about to call the prefill ranks' send
+            abandon_prefill(await answer)
+            await poll(lambda: "ab-1" not in pair.P.scheduler.held, "the abandoned blocks freed", timeout=10)
+        with pytest.raises(PrefillAbandoned, match="ab-1"):
+            await task
+        assert len(pair.prefill_calls) == calls and len(pair.decode.transfers) == transfers  # no retry, no stats
+        await settle(pair)
+        items, _ = await routed(pair, "ab-2", second, greedy())
+        assert items[0] is RESERVED and items[-1].token_ids == hf_greedy(pair.path, second, 6)[0]
+
+    run(body())
+    run(settle(pair))
+
+
 def test_held_prefills_nobody_collects_do_not_hold_up_the_others(pools, run):
     """20 router-driven prefills whose decode side never comes (held until their 60 s lease), then requests
     handed off as usual: theirs must still be sent and freed at once. Each held request used to block a thread
-    of the replica and one of each prefill rank actor's 16 in `wait_sent` until its lease, so the sends and
+    of the replica and one of each prefill rank actor's 16 in a blocking wait for its send until its lease, so the sends and
     the frees of the later requests waited for those leases; one watcher now asks the ranks about all of them."""
-    from engine.disagg import abandon_prefill
-
     pair = pools.get("tp2->tp1")
     stuck_prompts = prompts_of_lengths([12] * 20, VOCAB, seed=31)
     prompts = prompts_of_lengths([13, 14, 15], VOCAB, seed=32)
@@ -845,7 +880,7 @@ def test_held_prefills_nobody_collects_do_not_hold_up_the_others(pools, run):
         assert time.monotonic() - t0 < 20
         assert all(held(f"stuck-{i}") for i in range(len(stuck)))  # still waiting for a decode side
         for i, ready in enumerate(stuck):
-            abandon_prefill(ready, f"stuck-{i}")
+            abandon_prefill(ready)
         await settle(pair, timeout=10.0)
 
     run(body())

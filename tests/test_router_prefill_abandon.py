@@ -1,11 +1,15 @@
-"""Issue 24, without Ray: a router-driven prefill (router/disaggregated.py `_generate_routed`) whose decode call
-never reached a decode replica has its prefill blocks abandoned by the router, at once rather than at the lease;
-where a decode replica may have the call (it may be moving the KV), the router leaves that to the replica."""
+"""Issue 24: a router-driven prefill (router/disaggregated.py `_generate_routed`) whose request the router gives up
+(the client gone, the decode call refused or never made, the decode replica dead) has its prefill's KV abandoned by
+the router once answered, so the prefill replica frees the blocks at once rather than at the lease, whether or not
+the decode call reached a decode replica: a prefill rank whose send of the KV has begun ignores the abandon, and a
+send that begins after it makes the decode replica discard what it got (tests/test_kv_transfer_claims.py).
+The router's side with fakes, without Ray; the last test with a real prefill replica (Ray, one rank)."""
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +22,8 @@ from router.protocol import GenerateRequest
 from router.stream_wire import RESERVED_ITEM
 from engine.disagg import PrefillReady
 from workers.sampling_params import SamplingParams
+
+HANDOFF = "req-1#0"  # the fake prefill's `PrefillReady.handoff_id`, which the ranks are told to abandon
 
 
 class _Rank:
@@ -85,7 +91,7 @@ def _stream(assignment: concurrent.futures.Future) -> DeploymentResponseGenerato
 
 
 def _backend(decode_call, rank: _Rank):
-    ready = PrefillReady("prefill-0", SimpleNamespace(finish_reason="handoff"), rank_handles=[rank])
+    ready = PrefillReady("prefill-0", SimpleNamespace(finish_reason="handoff"), rank_handles=[rank], handoff_id=HANDOFF)
     backend = object.__new__(DisaggregatedBackend)  # no model, tokenizer or config: only what the routed path reads
     backend._ready, backend.ready_wait_s, backend._streams, backend.router_prefills = True, 1.0, {}, 0
     backend.decode = _Pool(decode_call)
@@ -132,7 +138,7 @@ def test_a_decode_call_refused_before_any_replica_abandons_the_prefill(refusal):
     backend = asyncio.run(body())
     _settle(rank, expect_call=True)
     assert backend.router_prefills == 1 and backend.decode.calls == 1
-    assert rank.abandoned == ["req-1"]  # before the fix: [] (held until the lease)
+    assert rank.abandoned == [HANDOFF]
 
 
 def test_a_decode_call_that_could_not_be_made_abandons_the_prefill():
@@ -151,12 +157,13 @@ def test_a_decode_call_that_could_not_be_made_abandons_the_prefill():
 
     asyncio.run(body())
     _settle(rank, expect_call=True)
-    assert rank.abandoned == ["req-1"]
+    assert rank.abandoned == [HANDOFF]
 
 
-def test_a_client_gone_while_the_decode_call_is_unassigned_leaves_the_blocks_to_the_lease():
+def test_a_client_gone_while_the_decode_call_is_unassigned_abandons_the_prefill():
     """Cancelled while Serve still assigns the decode call: it may already have sent it and be waiting for the
-    replica's accept, so a decode replica may be moving the KV; the router must not free its source."""
+    replica's accept (not known), so a decode replica may be moving the KV. The router abandons all the same: a
+    rank already sending ignores it. Before the fix the router left the blocks to the lease."""
     rank = _Rank()
     assignment = concurrent.futures.Future()  # never resolved: queued in Serve
 
@@ -174,12 +181,34 @@ def test_a_client_gone_while_the_decode_call_is_unassigned_leaves_the_blocks_to_
     asyncio.run(body())
     _settle(rank, expect_call=False)
     assert assignment.cancelled()  # the decode call was cancelled, as before
-    assert rank.abandoned == []
+    assert rank.abandoned == [HANDOFF]  # before the fix: [] (held until the lease)
 
 
-def test_a_client_gone_after_the_reservation_leaves_the_blocks_to_the_decode_replica():
-    """Once the decode replica said `RESERVED_ITEM` it holds the request; its own give-up path abandons the
-    prefill after any transfer in flight (engine/disagg.py `RouterPrefill`), not the router."""
+def test_a_decode_call_whose_assignment_was_cancelled_abandons_the_prefill():
+    """Serve cancelled the decode call's assignment (whether it had sent it is not known): the request fails, and
+    the router abandons the prefill. Before the fix only an assignment refused with a known error did."""
+    rank = _Rank()
+    assignment = concurrent.futures.Future()
+    assignment.cancel()
+
+    async def body():
+        backend, ready = _backend(lambda req, answer: _stream(assignment), rank)
+        prefill = _PrefillResponse(ready)
+        backend.prefill = SimpleNamespace(prefill_first=SimpleNamespace(remote=lambda *a: prefill))
+        with pytest.raises((asyncio.CancelledError, concurrent.futures.CancelledError)):
+            await _drain(backend)
+        await asyncio.sleep(0.05)
+
+    asyncio.run(body())
+    _settle(rank, expect_call=True)
+    assert rank.abandoned == [HANDOFF]
+
+
+def test_a_client_gone_after_the_reservation_abandons_the_prefill_too():
+    """Once the decode replica said `RESERVED_ITEM` it holds the request, and may be moving the KV when the client
+    leaves. Its own give-up path abandons the prefill after any transfer in flight (engine/disagg.py
+    `RouterPrefill`); the router abandons too, at once: a no-op on a rank whose send has begun (the send's end
+    frees the blocks), and a send that begins after it has the decode replica discard the KV."""
     rank = _Rank()
 
     class _Replica:
@@ -217,9 +246,9 @@ def test_a_client_gone_after_the_reservation_leaves_the_blocks_to_the_decode_rep
         asyncio.run(body())
     finally:
         disaggregated.streamable = real
-    _settle(rank, expect_call=False)
+    _settle(rank, expect_call=True)
     assert _Replica.cancelled  # the decode replica is told to stop
-    assert rank.abandoned == []
+    assert rank.abandoned == [HANDOFF]
 
 
 def test_a_retry_after_the_decode_replica_died_fails_at_once_with_none_left():
@@ -270,4 +299,75 @@ def test_a_retry_after_the_decode_replica_died_fails_at_once_with_none_left():
     backend = None
     asyncio.run(body())
     _settle(rank, expect_call=True)
-    assert backend.decode.calls == 2 and rank.abandoned == ["req-1"]  # the dead replica's prefill is let go
+    assert backend.decode.calls == 2 and rank.abandoned == [HANDOFF]  # the dead replica's prefill is let go
+
+
+# ---------------------------------------------------------------- a real prefill replica (Ray)
+
+
+@pytest.fixture(scope="module")
+def prefill_replica(shared_ray):
+    """A prefill replica of one rank (a Ray actor with its transfer agent), at the default 60 s lease."""
+    from engine.disagg import PrefillReplica
+    from engine.llm_engine import LLMEngine
+    from tests.models import tiny_model
+    from workers.config import EngineConfig
+
+    config = EngineConfig.from_kwargs(model=tiny_model("llama"), block_size=4, num_gpu_blocks_override=64,
+                                      distributed_executor_backend="ray")
+    replica = PrefillReplica(LLMEngine(config, show_progress=False))
+    yield replica
+    replica.llm_engine.shutdown()
+
+
+class _RealPrefill:
+    """`PrefillPool.prefill_first.remote(...)` on a real replica: assigned at once; its ref is the call."""
+
+    def __init__(self, replica, request_id: str, prompt: list[int]):
+        self.ref = asyncio.ensure_future(replica.prefill_first(request_id, prompt, SamplingParams(max_tokens=4), 0))
+
+    async def _to_object_ref(self):
+        return self.ref
+
+    def cancel(self) -> None:
+        self.ref.cancel()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("assignment_outcome", ["pending", "cancelled"])
+def test_the_prefill_blocks_are_freed_at_once_when_the_decode_call_reached_no_replica(prefill_replica, assignment_outcome):
+    """The race of issue 24, with the prefill replica's own lease and send watcher: the prefill has answered, the
+    client leaves while Serve's assignment of the decode call is still pending (or was cancelled: whether Serve
+    had sent it is not known). No decode replica will collect the KV; the prefill replica must free it at once,
+    not at its 60 s lease (before the fix it waited for the lease)."""
+    engine = prefill_replica.llm_engine
+    request = GenerateRequest(f"race-{assignment_outcome}", list(range(3, 40)), SamplingParams(max_tokens=4))
+    assignment = concurrent.futures.Future()  # Serve still assigning the decode call
+
+    async def body() -> float:
+        backend, _ = _backend(lambda req, answer: _stream(assignment), _Rank())
+        prefill = _RealPrefill(prefill_replica, request.request_id, request.prompt_token_ids)
+        backend.prefill = SimpleNamespace(prefill_first=SimpleNamespace(remote=lambda *a: prefill))
+        task = asyncio.ensure_future(_collect(backend, request))
+        ready = await asyncio.wait_for(asyncio.shield(prefill.ref), 60)
+        assert not ready.finished and request.request_id in engine.scheduler.held  # held for a decode replica
+        await asyncio.sleep(0.1)  # the router awaits the decode call's first item
+        if assignment_outcome == "pending":
+            task.cancel()  # the client went away
+        else:
+            assignment.cancel()  # Serve gave the assignment up
+        with pytest.raises((asyncio.CancelledError, concurrent.futures.CancelledError)):
+            await task
+        gone = time.monotonic()
+        while request.request_id in engine.scheduler.held and time.monotonic() - gone < 20:
+            await asyncio.sleep(0.02)
+        assert request.request_id not in engine.scheduler.held, "the prefill blocks were left to the lease"
+        return time.monotonic() - gone
+
+    freed_after = asyncio.run(body())
+    assert freed_after < prefill_replica.lease_s / 6
+    assert engine.block_manager.num_used_blocks == 0
+
+
+async def _collect(backend, request: GenerateRequest) -> list:
+    return [out async for out in backend._generate_routed(request)]

@@ -61,7 +61,7 @@ def _transfer_case(rank: int, args: tuple[str, str]) -> dict:
         cache = torch.full((LAYERS, 2, NUM_BLOCKS, BLOCK, len(dst_heads), HEAD_DIM), SENTINEL, dtype=torch.bfloat16, device=device)
     agent, spec = bench.connect_agents(rank, cache, src if rank == 0 else dst, timeout_s=60.0)
     if rank == 0:
-        return {"bytes": agent.send(spec, plan, {0: dst}, SRC_BLOCKS, "req-0")}
+        return {"bytes": agent.send(spec, plan, {0: dst}, SRC_BLOCKS, "req-0").bytes}
     received = agent.recv(spec, plan, {0: src}, DST_BLOCKS)
     bench.synchronize()
     expected = torch.full_like(cache, SENTINEL, device="cpu")

@@ -34,6 +34,10 @@ from workers.kv_transfer.plan import RankShard, Transfer
 
 log = logging.getLogger(__name__)
 MAX_UNCOLLECTED_ACKS = 1024  # sends whose ack nobody waited for (the handoff failed): the oldest are forgotten
+# Handoffs decided on a prefill rank, sent or abandoned (`KVTransferAgent.send`, `abandon`): the newest this many of
+# each are remembered (a send running now always is). A decision forgotten only matters if its handoff's other
+# call comes this many handoffs later, long after any send or abandon of it could.
+MAX_DECIDED_HANDOFFS = MAX_UNCOLLECTED_ACKS
 
 
 # A transfer goes out as one message per few layers: the gather of the next chunk then overlaps the
@@ -53,6 +57,16 @@ WAIT_POLL_FAST_S, WAIT_POLL_FAST_FOR_S, WAIT_POLL_SLOW_S = 5e-5, 0.02, 1e-3
 
 class KVTransferError(RuntimeError):
     """A transfer failed or timed out; the pair's group is dropped and rebuilt on next use."""
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """A prefill rank's `send`. `abandoned`: the handoff was abandoned on this rank before the send began, so
+    its blocks may have been freed and reused: the messages went out as usual (the pair stays in step), but
+    what they carried is not the prompt's KV, and the decode side must discard it."""
+
+    bytes: int
+    abandoned: bool = False
 
 
 @dataclass
@@ -97,10 +111,16 @@ class KVTransferAgent:
         self._peer_caches: dict[tuple[str, int], torch.Tensor] = {}  # (pair, prefill rank) -> its KV cache, mapped by IPC
         self.bytes_sent = 0
         self.bytes_received = 0
-        # request id -> its KV left this rank (the prefill side's ack); bounded, see `_ack`.
+        # handoff id -> its KV left this rank, or was abandoned (the prefill side's ack); bounded, see `_ack`.
         self._sent: OrderedDict[str, threading.Event] = OrderedDict()
         self._acks_lock = threading.Lock()
         self._acks_changed = threading.Condition(self._acks_lock)  # notified whenever an ack is set (`sent_among`)
+        # Whether each handoff's send or its abandon came first here, decided under `_acks_lock` (`_claim`, `abandon`):
+        # handoffs whose send runs now, or ran (a later abandon is a no-op), or that were abandoned before any send
+        # (a later send reports it). The last two keep the newest MAX_DECIDED_HANDOFFS each.
+        self._sending: set[str] = set()
+        self._claimed: OrderedDict[str, None] = OrderedDict()
+        self._abandoned: OrderedDict[str, None] = OrderedDict()
         self._send_delay_s = 0.0  # failpoint, see set_send_delay
         self.message_bytes = MESSAGE_BYTES  # must be the same on both sides of a pair (tests lower it)
 
@@ -153,54 +173,75 @@ class KVTransferAgent:
 
     # ---- one handoff ----
     def send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_table: list[int],
-             request_id: str = "") -> int:
+             handoff_id: str = "") -> SendResult:
         """Prefill side: send this rank's part of the plan. block_table: the request's block ids, indexed by
-        the plan's block indices. Returns bytes sent."""
+        the plan's block indices; handoff_id: the prefill's key (`PrefillReady.handoff_id`), which its acks and
+        `abandon` use. The send claims the handoff first: from then on an `abandon` of it is a no-op, and the
+        blocks stay held until this send has ended (its ack). If it was abandoned already, the messages still
+        go out (the decode side has posted, or will post, the matching receives), and the result says so."""
+        claimed = self._claim(handoff_id)
         try:
-            return self._send(spec, plan, dst_shards, block_table)
+            sent = self._send(spec, plan, dst_shards, block_table)
         finally:
-            self._set_ack(request_id)
+            if claimed:  # an abandoned handoff was acked by its abandon
+                self._end_claim(handoff_id)
+        return SendResult(sent, abandoned=not claimed)
 
-    def wait_sent(self, request_id: str, timeout_s: float) -> bool:
-        """Prefill side: block until this request's send finished here (or failed); False on timeout."""
-        done = self._ack(request_id).wait(timeout_s)
-        with self._acks_lock:
-            self._sent.pop(request_id, None)
-        return done
-
-    def sent_among(self, request_ids: list[str], timeout_s: float) -> list[str]:
-        """Prefill side: those of `request_ids` whose send finished here (or failed, or was abandoned), waiting
+    def sent_among(self, handoff_ids: list[str], timeout_s: float) -> list[str]:
+        """Prefill side: those of `handoff_ids` whose send finished here (or failed, or was abandoned), waiting
         up to `timeout_s` for at least one; their acks are collected. A prefill replica asks this for every
-        request it holds in one call (`PrefillReplica`'s send watcher): a blocking `wait_sent` per held request
-        took one of this actor's threads each, so a few held requests nobody collected (until their lease)
-        left none for the sends that end the others."""
+        handoff it holds in one call (`PrefillReplica`'s send watcher): a blocking wait per held handoff took
+        one of this actor's threads each, so a few held handoffs nobody collected (until their lease) left none
+        for the sends that end the others."""
         deadline = time.monotonic() + timeout_s
         with self._acks_changed:
             while True:
-                done = [r for r in request_ids if (event := self._sent.get(r)) is not None and event.is_set()]
+                done = [h for h in handoff_ids if (event := self._sent.get(h)) is not None and event.is_set()]
                 left = deadline - time.monotonic()
                 if done or left <= 0:
                     break
                 self._acks_changed.wait(left)
-            for r in done:
-                del self._sent[r]
+            for h in done:
+                del self._sent[h]
         return done
 
-    def abandon(self, request_id: str) -> None:
-        """Prefill side: the decode side gave the request up before any send of it was posted here: end its
-        `wait_sent` now (the prefill replica then frees the blocks) rather than at the lease. Idempotent."""
-        self._set_ack(request_id)
+    def abandon(self, handoff_id: str) -> bool:
+        """Prefill side: nobody will collect this handoff's KV (the request was given up): ack it now, so the
+        prefill replica frees the blocks rather than at the lease; unless a send of it has begun here, which
+        then may be moving the blocks to a decode replica: a no-op, the send's end acks it. A send that comes
+        after an abandon tells its decode side (`SendResult.abandoned`). Idempotent. True if it acked."""
+        with self._acks_lock:
+            if handoff_id in self._sending or handoff_id in self._claimed or handoff_id in self._abandoned:
+                return False
+            _remember(self._abandoned, handoff_id)
+        self._set_ack(handoff_id)
+        return True
 
-    def _set_ack(self, request_id: str) -> None:
-        self._ack(request_id).set()
+    def _claim(self, handoff_id: str) -> bool:
+        """The send's side of the claim: False if the handoff was abandoned here first."""
+        with self._acks_lock:
+            if handoff_id in self._abandoned:
+                return False
+            self._sending.add(handoff_id)
+            return True
+
+    def _end_claim(self, handoff_id: str) -> None:
+        """The claimed send has ended (sent or failed): remembered as claimed, then acked."""
+        with self._acks_lock:
+            self._sending.discard(handoff_id)
+            _remember(self._claimed, handoff_id)
+        self._set_ack(handoff_id)
+
+    def _set_ack(self, handoff_id: str) -> None:
+        self._ack(handoff_id).set()
         with self._acks_changed:
             self._acks_changed.notify_all()
 
-    def _ack(self, request_id: str) -> threading.Event:
-        """The request's ack event. A failed handoff never collects its ack, so only the newest
+    def _ack(self, handoff_id: str) -> threading.Event:
+        """The handoff's ack event. A failed handoff never collects its ack, so only the newest
         MAX_UNCOLLECTED_ACKS are kept."""
         with self._acks_lock:
-            event = self._sent.setdefault(request_id, threading.Event())
+            event = self._sent.setdefault(handoff_id, threading.Event())
             while len(self._sent) > MAX_UNCOLLECTED_ACKS:
                 self._sent.popitem(last=False)
             return event
@@ -382,6 +423,14 @@ class KVTransferAgent:
             if self._groups.get(pair_id) is group:  # not one rebuilt since this transfer began
                 self.drop(pair_id)
             raise KVTransferError(f"KV transfer on {pair_id} failed ({self.role} rank {self.shard.rank}): {e}") from e
+
+
+def _remember(decided: OrderedDict[str, None], handoff_id: str) -> None:
+    """Add a decided handoff; the oldest beyond MAX_DECIDED_HANDOFFS are forgotten."""
+    decided[handoff_id] = None
+    decided.move_to_end(handoff_id)
+    while len(decided) > MAX_DECIDED_HANDOFFS:
+        decided.popitem(last=False)
 
 
 def _is_nccl(group: dist.ProcessGroup) -> bool:
