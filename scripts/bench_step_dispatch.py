@@ -10,6 +10,7 @@
 
     python scripts/bench_step_dispatch.py --ranks 1,2,4
     python scripts/bench_step_dispatch.py --ranks 1 --device cuda      # on a GPU host
+    python scripts/bench_step_dispatch.py --stages                     # each stage, in one process
 Prints a table; writes JSON (--out).
 """
 from __future__ import annotations
@@ -110,6 +111,37 @@ def dispatch_us(ranks: int, seqs: int, iters: int) -> dict:
     return result
 
 
+def stage_us(seqs: int, iters: int) -> dict:
+    """One process, no Ray: each stage of a decode step's round trip, µs per step (the channel's two hops
+    are not in it). "answer" is the runner's own making of its output (in-process pays it too)."""
+    import pickle
+
+    from workers.scheduler_output import ModelRunnerOutput
+    from workers.step_delta import StepDecoder, StepEncoder, pack_output, unpack_output
+
+    steps = [decode_step(seqs, i) for i in range(iters + 200)]
+    encoder, decoder = StepEncoder(), StepDecoder()
+    totals = dict.fromkeys(("encode", "decode", "answer", "pack", "pickle", "unpack"), 0.0)
+    for i, out in enumerate(steps):
+        t0 = time.perf_counter()
+        payload = encoder.encode(out)
+        t1 = time.perf_counter()
+        ranks_out = decoder.decode(payload)
+        t2 = time.perf_counter()
+        answer = ModelRunnerOutput.from_columns([s.seq_id for s in ranks_out.seqs], [1] * seqs, [-0.5] * seqs)
+        t3 = time.perf_counter()
+        packed = pack_output(answer, ranks_out)
+        t4 = time.perf_counter()
+        frame = pickle.loads(pickle.dumps(("ok", packed), protocol=pickle.HIGHEST_PROTOCOL))
+        t5 = time.perf_counter()
+        unpack_output(frame[1], out)
+        t6 = time.perf_counter()
+        if i >= 200:  # warm
+            for key, dt in zip(totals, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)):
+                totals[key] += dt
+    return {key: total / iters * 1e6 for key, total in totals.items()}
+
+
 def engine_step_ms(backend: str, ranks: int, device: str, tokens: int) -> float:
     from tandem import LLM, SamplingParams
     from tests.models import tiny_model
@@ -161,12 +193,17 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=200, help="decode steps timed in the engine (default: 200)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--no-engine", action="store_true", help="only the dispatch part (skip the tiny-model engine steps)")
+    p.add_argument("--stages", action="store_true", help="only each stage of the round trip, in one process (no Ray)")
     p.add_argument("--out", default="bench_results/bench_step_dispatch.json")
     a = p.parse_args()
     import ray
 
     from cluster.ray_runtime import use_private_ray_token
 
+    if a.stages:
+        stages = stage_us(a.seqs, a.iters)
+        print(", ".join(f"{k} {v:.1f} us" for k, v in stages.items()) + f"; total {sum(stages.values()):.1f} us")
+        return
     ranks_list = [int(x) for x in a.ranks.split(",")]
     use_private_ray_token()  # a private local Ray that leaves no ~/.ray/auth_token behind
     ray.init(address="local", num_cpus=max(max(ranks_list), os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
