@@ -36,13 +36,22 @@ def _child(rank: int, world_size: int, port: int, error_dir: str, parallel: dict
             dist.destroy_process_group()
 
 
+# What the fork server imports before it forks any rank. It starts at the first call in a process and serves
+# every later one (its preload list is never read again), so the list covers the callers of every test module,
+# not only the first one's: besides torch, `engine` (any `engine.*` import loads `engine.llm` and with it
+# transformers: 2+ s per rank otherwise, e.g. tests/test_kv_transfer.py's ranks) and `workers.model_runner`
+# (tests/test_sp_startup_memory.py's ranks build one). fn's own module is added too, but the server (Python
+# 3.11) imports it only where its name resolves from the working directory: test modules are not on its path.
+PRELOAD = ("torch", "torch.distributed", "parallel.state", "engine", "workers.model_runner")
+
+
 def run_ranks(fn, world_size: int, *args, parallel: dict | None = None) -> None:
     """parallel: ParallelConfig fields for the rank grid (default: one SP group of world_size ranks)."""
     # A fork server that has imported torch once forks the ranks of every later call in milliseconds,
     # where "spawn" re-imports torch in each rank (seconds on a shared 2-core machine). Forking this
     # process instead would copy its OpenMP state, which is not fork-safe.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "parallel.state", fn.__module__])
+    ctx.set_forkserver_preload([*PRELOAD, fn.__module__])
     with tempfile.TemporaryDirectory() as error_dir:
         try:
             mp.start_processes(_child, args=(world_size, free_port(), error_dir, parallel, fn, args),
