@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -115,8 +117,26 @@ def _start_head(env: dict, ray_tmp: Path, dashboard_port: int) -> subprocess.Pop
                             start_new_session=True, cwd=REPO)
 
 
+def _dashboard_answers(dashboard: str) -> bool:
+    """The dashboard answers the route `serve status` checks first: any HTTP answer but 404 (a refusal for
+    want of a token included, which `serve status` then reports)."""
+    try:
+        urllib.request.urlopen(f"{dashboard}/api/ray/version", timeout=5).close()
+        return True
+    except urllib.error.HTTPError as e:
+        return e.code != 404
+    except OSError:  # refused, reset, timed out: the node is still starting
+        return False
+
+
 def _wait_dashboard(env: dict, dashboard: str, head: subprocess.Popen, deadline: Deadline) -> None:
-    """Until `serve status` answers; an authentication error is final, not a reason to keep polling."""
+    """Until `serve status` answers; an authentication error is final, not a reason to keep polling.
+    While the node is still starting, a plain HTTP request (milliseconds) rather than `serve status` (a new
+    Python process importing Ray: 3-10 s on 2 cores) asks whether the dashboard is up yet."""
+    while not _dashboard_answers(dashboard):
+        assert head.poll() is None, f"ray start exited ({head.returncode}):\n{head.stdout.read()[-3000:]}"
+        deadline.left(1)  # raises once the test's budget is spent
+        time.sleep(0.2)
     last = ""
     while True:
         assert head.poll() is None, f"ray start exited ({head.returncode}):\n{head.stdout.read()[-3000:]}"
