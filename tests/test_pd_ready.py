@@ -22,7 +22,7 @@ from parallel.net import free_port
 from router.config import AppConfig
 from router.disaggregated import DisaggregatedBackend
 from router.openai_api import create_openai_app
-from tests.serving import ENGINE_KWARGS, build_chat_model, make_backend
+from tests.serving import ENGINE_KWARGS, build_chat_model, make_backend, shutdown_serve
 
 NAME = "pd-ready"
 INFO_DELAY_S = 1.0  # how long the stand-in decode pool takes to answer `info` (still loading its model)
@@ -141,4 +141,4 @@ def test_first_request_after_serve_run_succeeds(model, shared_ray):
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
     finally:
-        serve.shutdown()
+        shutdown_serve()

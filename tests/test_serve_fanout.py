@@ -11,7 +11,7 @@ import pytest
 
 from parallel.net import free_port
 from tests.models import CORPUS
-from tests.serving import ENGINE_KWARGS, build_chat_model
+from tests.serving import ENGINE_KWARGS, build_chat_model, shutdown_serve
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def url(tmp_path_factory, shared_ray):
         serve.run(build_app(args), name="tandem", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
+        shutdown_serve()
 
 
 def _post(url: str, body: dict):

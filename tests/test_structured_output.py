@@ -15,7 +15,7 @@ import torch
 from engine.grammar import GrammarError, GrammarManager, check_structured_outputs
 from router.openai_api import create_openai_app
 from tests.models import build_model
-from tests.serving import ENGINE_KWARGS, LiveServer, make_backend
+from tests.serving import ENGINE_KWARGS, LiveServer, make_backend, shutdown_serve
 from workers.sampling_params import SamplingParams, StructuredOutputs
 from workers.scheduler_output import ScheduledSeq, SchedulerOutput, TokenBitmask
 from workers.step_delta import StepDecoder, StepEncoder
@@ -303,4 +303,4 @@ def test_json_schema_on_the_disaggregated_app(tmp_path, shared_ray):
                                        extra_body={"guided_choice": ["alpha", "beta"]})
         assert guided.choices[0].text in ("alpha", "beta")
     finally:
-        serve.shutdown()
+        shutdown_serve()
