@@ -321,9 +321,10 @@ def start_app(model: str, serve_args: list[str], ready_timeout: float) -> tuple[
 
 def stop_app() -> None:
     import ray
-    from ray import serve
 
-    serve.shutdown()
+    from tandem.serving import stop
+
+    stop()  # the app deleted first: its replicas stop together rather than one deployment after another
     ray.shutdown()
 
 

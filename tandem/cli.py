@@ -142,9 +142,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from ray import serve
-
-    from tandem.serving import check_ports_free, exposure_warnings, ready_line, start, wait_ready
+    from tandem.serving import check_ports_free, exposure_warnings, ready_line, start, stop as stop_serve, wait_ready
 
     spec, config = serve_spec(ns)
     if not os.environ.get("RAY_ADDRESS"):
@@ -164,7 +162,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         stop.wait()
     finally:
         print("Shutting down.", flush=True)
-        serve.shutdown()
+        stop_serve()
     return 0
 
 

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from parallel.net import free_port
-from tandem.serving import ServeSpec, start, wait_ready
+from tandem.serving import ServeSpec, start, stop, wait_ready
 
 DEFAULT_PROMPT = "def fibonacci(n):"
 
@@ -44,7 +44,6 @@ def call_grpc(grpc_port: int, app_name: str, model: str, prompt: str, max_tokens
 
 def main(model: str | None = None, prompt: str = DEFAULT_PROMPT, max_tokens: int = 48, verbose: bool = False) -> int:
     import ray
-    from ray import serve
 
     from router.config import AppConfig
 
@@ -69,5 +68,5 @@ def main(model: str | None = None, prompt: str = DEFAULT_PROMPT, max_tokens: int
         return 0
     finally:
         print("\nShutting down.")
-        serve.shutdown()
+        stop()
         ray.shutdown()

@@ -110,27 +110,8 @@ class LiveServer:
 
 
 def shutdown_serve() -> None:
-    """`serve.shutdown()`, the applications deleted first. The controller's own shutdown stops an app's
-    deployments one after another, and each replica's graceful stop waits at least one
-    graceful_shutdown_wait_loop_s (2 s) even when idle: 6-7 s for the disaggregated app's three. Deleting the
-    app stops its replicas all at once (the same graceful stop, in parallel); the shutdown then finds nothing
-    to stop."""
-    from ray import serve
+    """`serve.shutdown()`, the applications deleted first (tandem.serving.stop: their replicas stop together,
+    not one deployment after another)."""
+    from tandem.serving import stop
 
-    try:
-        names = list(serve.status().applications)
-    except Exception:  # noqa: BLE001 - no Serve running (start-up failed): shutdown() alone
-        names = []
-    for name in names:
-        serve.delete(name, _blocking=False)
-    for name in names:
-        _wait_deleted(name)
-    serve.shutdown()
-
-
-def _wait_deleted(name: str, timeout: float = 60.0) -> None:
-    from ray import serve
-
-    deadline = time.monotonic() + timeout
-    while name in serve.status().applications and time.monotonic() < deadline:
-        time.sleep(0.05)
+    stop()
