@@ -23,6 +23,15 @@ def ray_session(shared_ray):
     return shared_ray  # the session's local Ray (tests/conftest.py)
 
 
+@pytest.fixture(scope="module")
+def ray_llm(ray_session):
+    """The Ray-executor LLM both tests drive (its rank actor starts once for the module). Each test starts
+    from a clean engine, asserts it, and leaves it clean."""
+    llm = LLM(model=MODEL, dtype="float32", device="cpu", distributed_executor_backend="ray")
+    yield llm
+    llm.llm_engine.shutdown()
+
+
 def _params(reference: list[str]) -> list[SamplingParams]:
     """Greedy requests whose stop strings are cut from the middle of their own reference text (so they
     hit mid-stream), one with the stop string kept, one sampled with penalties, one ended by length."""
@@ -40,7 +49,7 @@ def _view(outs) -> list[tuple]:
     return [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in outs]
 
 
-def test_ray_overlap_matches_in_process(ray_session):
+def test_ray_overlap_matches_in_process(ray_llm, monkeypatch):
     uni = LLM(model=MODEL, dtype="float32", device="cpu", distributed_executor_backend="uni")
     reference = [o.text for o in uni.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)]
     params = _params(reference)
@@ -48,51 +57,48 @@ def test_ray_overlap_matches_in_process(ray_session):
     assert sum(isinstance(o.stop_reason, str) for o in expected) >= 3, "the test needs requests ended by stop strings"
     uni.llm_engine.shutdown()
 
-    llm = LLM(model=MODEL, dtype="float32", device="cpu", distributed_executor_backend="ray")
-    try:
-        engine = llm.llm_engine
-        assert engine.executor.overlaps_host_work
-        dropped = []  # sequences a step ran after a stop string had ended them
-        update = engine.scheduler.update
+    llm = ray_llm
+    engine = llm.llm_engine
+    assert_engine_clean(llm)
+    assert engine.executor.overlaps_host_work
+    dropped = []  # sequences a step ran after a stop string had ended them
+    update = engine.scheduler.update
 
-        def counting_update(out, result):
-            dropped.extend(s.seq_id for s in out.seqs if s.seq_id not in engine.scheduler.seqs)
-            return update(out, result)
+    def counting_update(out, result):
+        dropped.extend(s.seq_id for s in out.seqs if s.seq_id not in engine.scheduler.seqs)
+        return update(out, result)
 
-        engine.scheduler.update = counting_update
-        for _ in range(2):  # the second round starts with the first's last step still uncollected
-            got = llm.generate(PROMPTS, params, use_tqdm=False)
-            assert _view(got) == _view(expected)
-            assert_engine_clean(llm)  # generate collected the step left in flight for stop-string finishes
-        assert dropped, "no stop string ended a sequence while its next step was in flight"
-    finally:
-        llm.llm_engine.shutdown()
+    monkeypatch.setattr(engine.scheduler, "update", counting_update)
+    for _ in range(2):  # the second round starts with the first's last step still uncollected
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert _view(got) == _view(expected)
+        assert_engine_clean(llm)  # generate collected the step left in flight for stop-string finishes
+    assert dropped, "no stop string ended a sequence while its next step was in flight"
 
 
-def test_an_abort_mid_flight_frees_once_that_step_has_answered(ray_session):
+def test_an_abort_mid_flight_frees_once_that_step_has_answered(ray_llm):
     """An abort while steps run on the ranks must not free blocks that those steps still write: the
     scheduler parks them (nothing can allocate them) until the steps out have answered, without waiting."""
-    llm = LLM(model=MODEL, dtype="float32", device="cpu", distributed_executor_backend="ray")
+    llm = ray_llm
     engine = llm.llm_engine
-    try:
-        for i, prompt in enumerate(PROMPTS[:3]):
-            engine.add_request(f"mid-{i}", prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
-        engine.step()  # prefill collected; the first decode step is in flight
+    assert_engine_clean(llm)
+    assert engine._inflight is None  # no step of an earlier test still out
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(f"mid-{i}", prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    engine.step()  # prefill collected; the first decode step is in flight
+    engine.step()
+    assert engine._inflight is not None
+    victim = engine.scheduler.seqs["mid-1"]
+    held = list(victim.block_table)
+    used = engine.block_manager.num_used_blocks
+    assert engine.abort("mid-1").finish_reason == "abort"
+    assert engine.block_manager.num_used_blocks == used, "the abort freed blocks a step out may still write"
+    assert engine.scheduler.num_parked_blocks == len(held)
+    outs = engine.step()  # collects the step out at the abort; mid-1 gets no more tokens
+    assert "mid-1" not in engine.scheduler.seqs and all(o.request_id != "mid-1" for o in outs)
+    assert engine.scheduler.num_parked_blocks == 0
+    assert all(engine.block_manager.blocks[b].ref_count == 0 for b in held)
+    while engine.has_unfinished_requests():
         engine.step()
-        assert engine._inflight is not None
-        victim = engine.scheduler.seqs["mid-1"]
-        held = list(victim.block_table)
-        used = engine.block_manager.num_used_blocks
-        assert engine.abort("mid-1").finish_reason == "abort"
-        assert engine.block_manager.num_used_blocks == used, "the abort freed blocks a step out may still write"
-        assert engine.scheduler.num_parked_blocks == len(held)
-        outs = engine.step()  # collects the step out at the abort; mid-1 gets no more tokens
-        assert "mid-1" not in engine.scheduler.seqs and all(o.request_id != "mid-1" for o in outs)
-        assert engine.scheduler.num_parked_blocks == 0
-        assert all(engine.block_manager.blocks[b].ref_count == 0 for b in held)
-        while engine.has_unfinished_requests():
-            engine.step()
-        engine.drain()
-        assert_engine_clean(llm)
-    finally:
-        engine.shutdown()
+    engine.drain()
+    assert_engine_clean(llm)
