@@ -55,4 +55,7 @@ def test_short_fault_load_loses_nothing_and_leaks_no_blocks(tmp_path, no_shared_
     assert all(not e["result"].startswith(("failed", "no live")) for e in res["faults"]), res["faults"]
     # Every refusal is a status a client can act on: no 500 for a fault the server survives.
     assert "500" not in res["error_statuses"], res["error_statuses"]
-    assert time.monotonic() - t0 < 90
+    # No hang: the app's start (about 25 s on an idle 2-core box, twice that under other load), 8 s of load, the
+    # 35 s client deadline and the 20 s settle bound it. 90 s held on an idle box (about 70 s) and failed at
+    # 103 s on a loaded one with every check above passing, so the bound leaves room for load.
+    assert time.monotonic() - t0 < 150
