@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Imported once by the server, before it forks; a module that fails to import is left to the script.
 PRELOAD = ("numpy", "torch", "torch.nn.functional", "triton", "parallel.state", "parallel.ring_attention",
-           "parallel.kernels.gemv", "parallel.kernels.fused_moe", "parallel.kernels.quant_gemm",
+           "parallel.ulysses", "parallel.kernels.gemv", "parallel.kernels.fused_moe", "parallel.kernels.quant_gemm",
            "parallel.kernels.int4pack", "parallel.kernels.ring_attention_triton", "parallel.quant.awq",
            "parallel.quant.gptq", "parallel.quant.packed", "parallel.quant.rtn", "parallel.quant.tinygemm",
            "workers.sp_plan", "workers.models.moe")

@@ -158,16 +158,8 @@ print("ok")
 
 def test_whole_prompts_through_the_prefill_kernel_in_the_triton_interpreter():
     """Ulysses' fresh prompts run the engine's causal prefill kernel (on CPU through Triton's interpreter,
-    in a subprocess: TRITON_INTERPRET must be set before the kernels are defined)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    in a process of its own: TRITON_INTERPRET must be set before the kernels are defined; tests/interpreter.py)."""
+    from tests.interpreter import run_interpreted
 
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().endswith("ok"), done.stdout[-500:]
+    out = run_interpreted(INTERPRETED, timeout=600)
+    assert out.strip().endswith("ok"), out[-500:]
