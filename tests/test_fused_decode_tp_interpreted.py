@@ -6,15 +6,11 @@ unfused RowParallelLinear does. The whole model under TP=2 with CUDA graphs is c
 tests/gpu/test_fused_decode.py."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreter import run_interpreted
+
 K, N = 64, 48  # the full input width (each rank holds half) and the output width
 
 
@@ -50,7 +46,5 @@ def test_row_parallel_gemv_under_tp2_in_the_triton_interpreter():
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("the compiled kernels are tested on the GPU (tests/gpu/test_fused_decode.py)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", "from tests.test_fused_decode_tp_interpreted import _main; _main()"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    out = run_interpreted("from tests.test_fused_decode_tp_interpreted import _main; _main()", timeout=600)
+    assert "ok" in out, out[-3000:]
