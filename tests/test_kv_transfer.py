@@ -306,3 +306,26 @@ def test_scatter_refuses_a_buffer_of_another_dtype():
     cache, buf = _cache(FP8, 0), gather_blocks(_cache(BF16, 1), [0], slice(None), slice(None))
     with pytest.raises(ValueError, match="bfloat16.*takes torch.uint8"):
         scatter_blocks(cache, [0], slice(None), slice(None), buf)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(BF16, HEAD_DIM), (torch.float32, HEAD_DIM), (FP8, HEAD_DIM), (BF16, 2),
+                                            (FP8, 4)], ids=["bf16", "fp32", "fp8", "bf16-4-byte-rows", "fp8-4-byte-rows"])
+@pytest.mark.parametrize("heads", [slice(None), slice(1, 2)], ids=["all-heads", "one-head"])
+def test_gather_and_scatter_move_each_block_exactly_whatever_the_row_width(dtype, head_dim, heads):
+    """The copies go as 8-byte words where a row's bytes allow it and element by element where not (4-byte rows):
+    the same buffer and the same cache either way, in the wire dtype and shape."""
+    def cache(seed):
+        x = torch.randn(LAYERS, 2, 8, BS, KV_HEADS, head_dim, generator=torch.Generator().manual_seed(seed))
+        return x.to(dtype)
+
+    src, dst = cache(0), cache(1)
+    ids_src, ids_dst, layers = [6, 0, 3, 5], [2, 7, 4, 1], slice(1, 5)
+    buf = gather_blocks(src, ids_src, layers, heads)
+    wire = wire_dtype(dtype)
+    assert buf.dtype == wire and buf.is_contiguous()
+    assert torch.equal(_bytes(buf), _bytes(src[layers][:, :, ids_src][..., heads, :].contiguous()))
+    expected = dst.clone()
+    for s_id, d_id in zip(ids_src, ids_dst):
+        expected[layers, :, d_id, :, heads] = src[layers, :, s_id, :, heads]
+    scatter_blocks(dst, ids_dst, layers, heads, buf)
+    assert torch.equal(_bytes(dst), _bytes(expected))
