@@ -6,6 +6,7 @@ an FP8 cache (`kv_cache_dtype="fp8"`) moves as bytes, half those of a 16-bit cac
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -124,11 +125,13 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: torch.dtype = torch.float32,
                    device: str = "cpu", staged: bool = False, gpus: tuple[str, str] = ("", ""),
-                   message_bytes: int | None = None) -> None:
+                   message_bytes: int | None = None, busy_cycles: int = 0) -> None:
     """One rank of a prefill -> decode handoff; every rank checks what it holds afterwards. device "cuda":
     every rank on the same GPU (pools sharing it), which only a `staged` pair can do; `gpus`: the GPU ids
     the prefill and the decode ranks report (equal: they copy by CUDA IPC; different: through host memory).
-    message_bytes: the agents' message size (every rank the same), to cut transfers into several messages."""
+    message_bytes: the agents' message size (every rank the same), to cut transfers into several messages.
+    busy_cycles (CUDA): each rank first queues a kernel that spins this many GPU cycles on its default stream,
+    as a running engine step does; the handoff must not wait for it."""
     import dataclasses
 
     tp, sp = prefill
@@ -157,10 +160,21 @@ def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: t
     agent.join(spec, *address[0])
 
     plan = plan_transfers(src, dst, range(HITS, NUM_SEQ_BLOCKS))
+    if busy_cycles:
+        torch.cuda.synchronize()  # the KV is written (as it is once the prefill's token reached the host)
+        torch.cuda._sleep(busy_cycles)  # the engine's stream, busy with a step
+    t0 = time.monotonic()
     if is_prefill:
         agent.send(spec, plan, {d.rank: d for d in dst}, src_table, "req")
+    else:
+        received = agent.recv(spec, plan, {s.rank: s for s in src}, dst_table, src_table)
+    if busy_cycles:
+        took = time.monotonic() - t0
+        assert not torch.cuda.current_stream().query(), "the busy kernel ended before the handoff: make it longer"
+        assert took < 1.0, f"the handoff took {took:.2f}s: it waited for the engine's stream"
+        torch.cuda.synchronize()
+    if is_prefill:
         return
-    received = agent.recv(spec, plan, {s.rank: s for s in src}, dst_table, src_table)
     expected = cache.clone()  # the sentinel everywhere, before the transfer
     for i in range(HITS, NUM_SEQ_BLOCKS):
         expected[:, :, dst_table[i]] = full[:, :, i, :, heads]

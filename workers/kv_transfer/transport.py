@@ -16,6 +16,7 @@ GPU tensor transport (RDT): it is alpha, and its NCCL path needs CuPy, which our
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import pickle
@@ -103,6 +104,16 @@ class KVTransferAgent:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', not {role!r}")
         self.kv_cache = kv_cache  # [L_local, 2, num_blocks, block_size, H_local, D]
+        # Transfers run on a CUDA stream of their own. On the stream the engine computes on, a send's gather
+        # queued behind the prefill step running then (tens of ms) and a receive's scatter and final sync behind
+        # the decode steps: on 2 x H100 under load the push of a 1.4K-token prompt took 88 ms (p50) that way,
+        # where the transfer alone takes ~1 ms. Nothing orders the two streams, and nothing needs to:
+        # - a send starts after its prefill's first token reached the host, so the kernels that wrote its blocks
+        #   have finished, and no later step writes blocks held for a handoff;
+        # - a receive writes blocks reserved for its request, which no step reads before `start` (after `recv`
+        #   has synchronised this stream), and which were free only once every step using them had answered
+        #   (the scheduler's parked blocks).
+        self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
         self.shard = shard
         self.role = role
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -181,7 +192,8 @@ class KVTransferAgent:
         go out (the decode side has posted, or will post, the matching receives), and the result says so."""
         claimed = self._claim(handoff_id)
         try:
-            sent = self._send(spec, plan, dst_shards, block_table)
+            with self._own_stream():
+                sent = self._send(spec, plan, dst_shards, block_table)
         finally:
             if claimed:  # an abandoned handoff was acked by its abandon
                 self._end_claim(handoff_id)
@@ -246,6 +258,10 @@ class KVTransferAgent:
                 self._sent.popitem(last=False)
             return event
 
+    def _own_stream(self):
+        """Make this thread's current CUDA stream the transfers' own (`_stream`); nothing on CPU."""
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
     def _send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_table: list[int]) -> int:
         group = self._group(spec.pair_id)
         works, sent, last, index = [], 0, None, None
@@ -260,7 +276,7 @@ class KVTransferAgent:
                 shape = transfer_shape(self.kv_cache, len(local_ids), layers, heads)
                 sent += torch.Size(shape).numel() * wire_dtype(self.kv_cache.dtype).itemsize
                 continue
-            # Gathering the next chunk (compute stream) overlaps sending this one (NCCL's stream).
+            # Gathering the next chunk (this agent's stream) overlaps sending this one (NCCL's stream).
             if index is None:
                 index = block_index(local_ids, self.kv_cache.device)
             buf = gather_blocks(self.kv_cache, local_ids, layers, heads, index)
@@ -279,6 +295,11 @@ class KVTransferAgent:
         """Decode side: receive this rank's part of the plan into the request's blocks (block_table, indexed
         by the plan's block indices). src_block_table: the prefill side's, needed where a prefill rank
         shares this rank's GPU (the blocks are copied out of its cache). Returns bytes received."""
+        with self._own_stream():
+            return self._recv(spec, plan, src_shards, block_table, src_block_table)
+
+    def _recv(self, spec: PairSpec, plan: list[Transfer], src_shards: dict[int, RankShard], block_table: list[int],
+              src_block_table: list[int] | None) -> int:
         group = self._group(spec.pair_id)
         pending, local, last, index = [], [], None, None
         # Every receive is posted first, in the senders' order (NCCL pairs a rank pair's messages by
