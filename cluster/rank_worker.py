@@ -13,6 +13,7 @@ from cluster.step_channel import NO_REPLY, run_rank_loop
 from parallel.net import free_port
 from parallel.state import init_groups
 from workers.config import EngineConfig
+from workers.gil import shorten_switch_interval
 from workers.model_runner import ModelRunner
 from workers.rank_profile import RankProfile, step_kind
 from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput, fill_placeholders, placeholder_seqs
@@ -43,6 +44,7 @@ def own_gpu_index(assigned: list[str], visible: str | None) -> int:
 class RankWorker:
     def __init__(self, rank: int):
         self.rank = rank
+        shorten_switch_interval()  # the step loop's Python must not hold KV transfers and Ray's calls for 5 ms a turn
         self.runner: ModelRunner | None = None
         self.gpu: int | None = None  # set where this process sees all its node's GPUs (RANK_SEES_NODE_GPUS)
 

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from engine.llm_engine import LLMEngine, RequestOutput
+from workers.gil import shorten_switch_interval
 from workers.sampling_params import SamplingParams
 from workers.scheduler_output import SampledToken
 
@@ -54,6 +55,9 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[dict], None] | None = None,
                  lease_check_interval_s: float = 1.0):
         self.llm_engine = engine
+        # The engine thread computes in Python while the event loop streams tokens and a decode replica's KV
+        # transfers wait on sockets: each of those waits must not cost a 5 ms GIL turn (workers/gil.py).
+        shorten_switch_interval()
         # Called on the engine thread with engine.stats() after every step and every other engine call:
         # aborts, releases, reservation cancels and lease expiry free blocks outside steps, so gauges fed
         # from it (router/metrics.py) would otherwise keep showing freed blocks while no step follows.
