@@ -131,6 +131,14 @@ def plot(results: dict[str, dict], path: Path) -> bool:
     return True
 
 
+def output_path(out: str | Path, suffix: str) -> Path:
+    """OUT with `suffix`: `Path.with_suffix` would take a dot inside the name for one ("gil_0.005" -> "gil_0.json")."""
+    out = Path(out)
+    if out.suffix in (".json", ".png"):
+        out = out.with_suffix("")
+    return out.with_name(out.name + suffix)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/tandem-tiny")
@@ -141,13 +149,14 @@ def main(argv=None) -> int:
                    help="scripts/bench_serving.py flags, the same for every deployment")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--log-dir", help="keep each deployment's `tandem serve` log here (default: deleted with the run)")
-    p.add_argument("--out", default="bench_results/pd_vs_colocated")
+    p.add_argument("--out", default="bench_results/pd_vs_colocated",
+                   help="writes OUT.json and OUT.png (a trailing .json or .png on OUT is dropped first; other dots stay)")
     p.add_argument("--replot", metavar="JSON", help="only redraw OUT.png (and print the table) from a JSON this script wrote")
     args = p.parse_args(argv)
     if args.replot:
         results = json.loads(Path(args.replot).read_text())["deployments"]
         print(table(results))
-        return 0 if plot(results, Path(args.out).with_suffix(".png")) else 1
+        return 0 if plot(results, output_path(args.out, ".png")) else 1
     deployments = parse_deployments(args.deployments)
     common = ["--device", args.device, *shlex.split(args.serve_args)]
     out = Path(args.out)
@@ -171,10 +180,10 @@ def main(argv=None) -> int:
         res["vs_first"] = ratios(res["points"], base)
     meta = {"model": args.model, "device": args.device, "serve_args": common, "bench_args": args.bench_args,
             "date": time.strftime("%Y-%m-%d")}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "deployments": results}, indent=2))
+    output_path(out, ".json").write_text(json.dumps({"meta": meta, "deployments": results}, indent=2))
     print(table(results))
-    plotted = plot(results, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')}" + (f" and {out.with_suffix('.png')}" if plotted else
+    plotted = plot(results, output_path(out, ".png"))
+    print(f"wrote {output_path(out, '.json')}" + (f" and {output_path(out, '.png')}" if plotted else
                                                  "; skipped the PNG: matplotlib is not installed"))
     return 0
 

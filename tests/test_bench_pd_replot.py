@@ -27,3 +27,14 @@ def test_replot_draws_the_saved_sweep(tmp_path, capsys):
     assert (tmp_path / "again.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "colocated" in out and "pd" in out and "0.90" in out
+
+
+def test_out_names_keep_their_dots():
+    """`--out runs/gil_0.005` writes runs/gil_0.005.json, not runs/gil_0.json; a given .json or .png is replaced."""
+    from pathlib import Path
+
+    from scripts.bench_pd_vs_colocated import output_path
+
+    assert output_path("runs/gil_0.005", ".json") == Path("runs/gil_0.005.json")
+    assert output_path("runs/x.json", ".png") == Path("runs/x.png")
+    assert output_path("runs/x", ".json") == Path("runs/x.json")
