@@ -6,8 +6,9 @@ process has such a thread, the step loop, beside threads that mostly wait: a KV 
 and polls, Ray's calls into a rank actor, the event loop that streams tokens. At 5 ms each of their GIL
 releases cost up to 5 ms: beside a busy thread, 20 releases took 105 ms at the default and 6.4 ms at 0.1 ms
 (scripts/bench_gil_switch.py, docs/benchmarks.md). On 2 x H100 under load a 1.4K-token KV push took 88 ms
-at the default, where the transfer alone takes about 1 ms. A shorter interval costs the busy thread a switch
-only while another thread is waiting for the GIL.
+at the default, where the transfer alone takes about 1 ms; GIL turns are the suspected share of it (not yet
+measured on GPUs with this change). A shorter interval costs the busy thread a switch only while another thread
+is waiting for the GIL.
 """
 from __future__ import annotations
 

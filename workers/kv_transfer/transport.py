@@ -104,10 +104,9 @@ class KVTransferAgent:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', not {role!r}")
         self.kv_cache = kv_cache  # [L_local, 2, num_blocks, block_size, H_local, D]
-        # Transfers run on a CUDA stream of their own. On the stream the engine computes on, a send's gather
-        # queued behind the prefill step running then (tens of ms) and a receive's scatter and final sync behind
-        # the decode steps: on 2 x H100 under load the push of a 1.4K-token prompt took 88 ms (p50) that way,
-        # where the transfer alone takes ~1 ms. Nothing orders the two streams, and nothing needs to:
+        # Transfers run on a CUDA stream of their own: on the stream the engine computes on, a send's gather
+        # queued behind the prefill step running then (tens of ms), and a receive's scatter and final sync behind
+        # decode steps. Nothing orders the two streams, and nothing needs to:
         # - a send starts after its prefill's first token reached the host, so the kernels that wrote its blocks
         #   have finished, and no later step writes blocks held for a handoff;
         # - a receive writes blocks reserved for its request, which no step reads before `start` (after `recv`
