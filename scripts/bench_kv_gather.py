@@ -18,22 +18,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from parallel.kernels.quant_tiles import cuda_time  # noqa: E402
 from workers.kv_transfer.blocks import block_index, gather_blocks, scatter_blocks  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
 
 def timed_ms(fn, device: torch.device, iters: int = 10) -> float:
-    fn()
     if device.type == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / iters
+        return cuda_time(fn, iters)
+    fn()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
