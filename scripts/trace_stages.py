@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from router.metrics import STAGES  # noqa: E402
+from router.metrics import STAGES, stage_seconds  # noqa: E402
 
 
 def read_timelines(path: Path) -> list[dict]:
@@ -36,20 +36,11 @@ def read_timelines(path: Path) -> list[dict]:
     return records
 
 
-def stages_ms(stamps: dict[str, float]) -> dict[str, float]:
-    out = {}
-    for name, starts, end in STAGES:
-        start = next((stamps[s] for s in starts if s in stamps), None)
-        if start is not None and end in stamps:
-            out[name] = max(0.0, stamps[end] - start)
-    return out
-
-
 def summary(records: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
     """site -> stage -> {"n", "p50", "p90"} in ms."""
     by_site: dict[str, dict[str, list[float]]] = {}
     for record in records:
-        for name, ms in stages_ms(record["ms"]).items():
+        for name, ms in stage_seconds(record["ms"]).items():  # stamps in ms: the differences are ms too
             by_site.setdefault(record.get("site", "?"), {}).setdefault(name, []).append(ms)
     return {site: {name: {"n": len(v), "p50": statistics.median(v), "p90": _nearest_rank(v, 0.9)}
                    for name, v in stages.items()} for site, stages in by_site.items()}
