@@ -84,6 +84,8 @@ class TransferStats:
     blocks: int
     start: float = 0.0  # wall clock (time.time()) when the transfer began, after the pair's lock was taken
     end: float = 0.0  # wall clock when every rank of both sides had finished it
+    send_start: float = 0.0  # wall clock when the first prefill rank began its send (the Ray call's hop before it)
+    send_end: float = 0.0  # ... and when the last one had sent everything
 
 
 @dataclass(frozen=True)
@@ -446,6 +448,8 @@ class DecodeReplica:
                 timeline["kv_queued"] = time.time()
                 moved = await self._move_kv(request_id, ready, reservation, stream)
                 timeline.update(kv_push_start=moved.start, kv_push_end=moved.end)
+                if moved.send_start:
+                    timeline.update(kv_send_start=moved.send_start, kv_send_end=moved.send_end)
                 break
             except (KVTransferError, ConnectionError, RuntimeError) as e:
                 # A new prefill may fix a failed prefill replica or transfer; not a full or dead decode replica.
@@ -646,7 +650,8 @@ class DecodeReplica:
             # Every message paired up (the pair stays usable), but some blocks came from a cache that had let them go.
             raise PrefillAbandoned(f"request {request_id}: handoff {ready.handoff_id} was abandoned on the prefill side "
                                    "before its send; the KV received is discarded")
-        stats = TransferStats(received, time.perf_counter() - t0, num_blocks, start, time.time())
+        stats = TransferStats(received, time.perf_counter() - t0, num_blocks, start, time.time(),
+                              min(r.began for r in sent), max(r.ended for r in sent))
         self.transfers.append(stats)
         if self.on_transfer is not None:
             self.on_transfer(stats)

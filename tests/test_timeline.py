@@ -30,7 +30,7 @@ NAME = "timeline-llama"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 3
 # The stamps of a handed-off request, in the order they must happen (one host: one clock).
 REMOTE_CHAIN = ("arrival", "replica_received", "reserved", "queued", "scheduled", "first_token", "prefill_answered",
-                "kv_queued", "kv_push_start", "kv_push_end", "decode_started", "first_decode_step")
+                "kv_queued", "kv_push_start", "kv_send_start", "kv_send_end", "kv_push_end", "decode_started", "first_decode_step")
 ONE_ENGINE_CHAIN = ("arrival", "queued", "scheduled", "first_token", "first_decode_step")
 
 
@@ -70,7 +70,7 @@ def test_stages_of_each_site_and_skewed_clocks_clamp_to_zero():
     assert metrics.timeline_site(remote) == "remote"
     stages = metrics.stage_seconds(remote)
     assert set(stages) == {"dispatch", "reserve", "prefill_dispatch", "queue", "prefill", "prefill_return", "kv_wait",
-                           "kv_push", "decode_admission", "first_decode_step", "first_byte"}
+                           "kv_push", "kv_send_hop", "kv_send", "decode_admission", "first_decode_step", "first_byte"}
     assert stages["kv_wait"] == 2.0 and stages["first_decode_step"] == 1.0  # from decode_started, not token 1
     assert stages["first_byte"] == 1.5  # token 1 (stamp 5.0) to the client
     local = {"arrival": 0.0, "replica_received": 0.1, "queued": 0.3, "scheduled": 0.4, "first_token": 0.6,

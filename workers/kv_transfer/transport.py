@@ -68,6 +68,8 @@ class SendResult:
 
     bytes: int
     abandoned: bool = False
+    began: float = 0.0  # wall clock (time.time()) when this rank's send began, and when its last message had gone:
+    ended: float = 0.0  # the decode replica's timeline splits its KV push with them (the ranks share its host)
 
 
 @dataclass
@@ -189,6 +191,7 @@ class KVTransferAgent:
         `abandon` use. The send claims the handoff first: from then on an `abandon` of it is a no-op, and the
         blocks stay held until this send has ended (its ack). If it was abandoned already, the messages still
         go out (the decode side has posted, or will post, the matching receives), and the result says so."""
+        began = time.time()
         claimed = self._claim(handoff_id)
         try:
             with self._own_stream():
@@ -196,7 +199,7 @@ class KVTransferAgent:
         finally:
             if claimed:  # an abandoned handoff was acked by its abandon
                 self._end_claim(handoff_id)
-        return SendResult(sent, abandoned=not claimed)
+        return SendResult(sent, abandoned=not claimed, began=began, ended=time.time())
 
     def sent_among(self, handoff_ids: list[str], timeout_s: float) -> list[str]:
         """Prefill side: those of `handoff_ids` whose send finished here (or failed, or was abandoned), waiting
