@@ -38,7 +38,7 @@ from engine.async_engine import AsyncEngine, staged_fanout
 from engine.llm_engine import LLMEngine, RequestOutput
 from workers.executor import ExecutorError
 from workers.kv_transfer.plan import RankShard, Transfer, plan_transfers, share_a_gpu
-from workers.kv_transfer.transport import KVTransferError, PairSpec, SendResult
+from workers.kv_transfer.transport import KVTransferError, PairSpec, RecvResult, SendResult
 from workers.sampling_params import SamplingParams
 from engine.scheduler import QueueFullError
 from workers.scheduler_output import SampledToken
@@ -86,6 +86,9 @@ class TransferStats:
     end: float = 0.0  # wall clock when every rank of both sides had finished it
     send_start: float = 0.0  # wall clock when the first prefill rank began its send (the Ray call's hop before it)
     send_end: float = 0.0  # ... and when the last one had sent everything
+    recv_start: float = 0.0  # wall clock when the first decode rank began its receive,
+    recv_posted: float = 0.0  # when the last one had posted its receives and queued its scatters,
+    recv_end: float = 0.0  # and when the last one had its blocks
 
 
 @dataclass(frozen=True)
@@ -449,7 +452,9 @@ class DecodeReplica:
                 moved = await self._move_kv(request_id, ready, reservation, stream)
                 timeline.update(kv_push_start=moved.start, kv_push_end=moved.end)
                 if moved.send_start:
-                    timeline.update(kv_send_start=moved.send_start, kv_send_end=moved.send_end)
+                    timeline.update(kv_send_start=moved.send_start, kv_send_end=moved.send_end,
+                                    kv_recv_start=moved.recv_start, kv_recv_posted=moved.recv_posted,
+                                    kv_recv_end=moved.recv_end)
                 break
             except (KVTransferError, ConnectionError, RuntimeError) as e:
                 # A new prefill may fix a failed prefill replica or transfer; not a full or dead decode replica.
@@ -638,7 +643,8 @@ class DecodeReplica:
             # Both sides get the whole block table; the plan picks the blocks by index.
             sends = [h.kv.remote("send", spec, plan, dst_by_rank, ready.block_ids, ready.handoff_id)
                      for h in ready.rank_handles]
-            received = sum(self.executor.kv_call("recv", spec, plan, src_by_rank, res.block_ids, ready.block_ids))
+            received: list[RecvResult] = self.executor.kv_call("recv", spec, plan, src_by_rank, res.block_ids,
+                                                                ready.block_ids)
             sent: list[SendResult] = ray.get(sends, timeout=self.transfer_timeout_s)
         except Exception as e:
             self._drop_pair(spec.pair_id, ready.rank_handles)
@@ -650,8 +656,9 @@ class DecodeReplica:
             # Every message paired up (the pair stays usable), but some blocks came from a cache that had let them go.
             raise PrefillAbandoned(f"request {request_id}: handoff {ready.handoff_id} was abandoned on the prefill side "
                                    "before its send; the KV received is discarded")
-        stats = TransferStats(received, time.perf_counter() - t0, num_blocks, start, time.time(),
-                              min(r.began for r in sent), max(r.ended for r in sent))
+        stats = TransferStats(sum(r.bytes for r in received), time.perf_counter() - t0, num_blocks, start, time.time(),
+                              min(r.began for r in sent), max(r.ended for r in sent), min(r.began for r in received),
+                              max(r.posted for r in received), max(r.ended for r in received))
         self.transfers.append(stats)
         if self.on_transfer is not None:
             self.on_transfer(stats)

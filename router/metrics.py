@@ -170,7 +170,7 @@ def replica_label() -> str:
 # A finished request's `RequestOutput.timeline` holds wall-clock stamps (time.time()) from every process it
 # crossed: "arrival" and "first_byte" (this front end), "replica_received", "reserved", "prefill_answered",
 # "kv_queued", "kv_push_start", "kv_push_end" (the decode replica), "kv_send_start", "kv_send_end" (its
-# prefill ranks' sends, which the decode replica hears of), "prefill_called" (the router, when it
+# prefill ranks' sends, which the decode replica hears of), "kv_recv_start", "kv_recv_posted", "kv_recv_end" (its ranks'), "prefill_called" (the router, when it
 # calls the prefill pool itself), "queued", "scheduled", "first_token" (the
 # engine that ran the prompt), "decode_started", "first_decode_step" (the engine that decodes). Each stage is
 # the time between two stamps: (name, start stamps (the first present counts), end stamp). A stage whose
@@ -187,9 +187,15 @@ STAGES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("prefill_return", ("first_token",), "prefill_answered"),  # token 1 and block ids back to the decode replica
     ("kv_wait", ("prefill_answered",), "kv_push_start"),  # token 1 passed on, the pair's lock, the thread hop
     ("kv_push", ("kv_push_start",), "kv_push_end"),
-    # inside kv_push: the Ray call's hop to the prefill ranks, and their sends (gather, NCCL, its sync)
+    # inside kv_push: the Ray calls' hops to the prefill ranks and to this replica's ranks, the prefill ranks'
+    # sends (gather, NCCL, its sync), the decode ranks' receives (posting them and queueing the scatters; then
+    # waiting for the messages and the scatters), and the answer's way back to this replica
     ("kv_send_hop", ("kv_push_start",), "kv_send_start"),
     ("kv_send", ("kv_send_start",), "kv_send_end"),
+    ("kv_recv_hop", ("kv_push_start",), "kv_recv_start"),
+    ("kv_recv_post", ("kv_recv_start",), "kv_recv_posted"),
+    ("kv_recv_wait", ("kv_recv_posted",), "kv_recv_end"),
+    ("kv_recv_return", ("kv_recv_end",), "kv_push_end"),
     ("decode_admission", ("kv_push_end",), "decode_started"),  # part 2: the request joins the running batch
     ("first_decode_step", ("decode_started", "first_token"), "first_decode_step"),
     ("first_byte", ("first_token",), "first_byte"),  # token 1's trip from the engine to the client

@@ -167,11 +167,12 @@ def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: t
     if is_prefill:
         agent.send(spec, plan, {d.rank: d for d in dst}, src_table, "req")
     else:
-        received = agent.recv(spec, plan, {s.rank: s for s in src}, dst_table, src_table)
+        received = agent.recv(spec, plan, {s.rank: s for s in src}, dst_table, src_table).bytes
     if busy_cycles:
-        took = time.monotonic() - t0
-        assert not torch.cuda.current_stream().query(), "the busy kernel ended before the handoff: make it longer"
-        assert took < 1.0, f"the handoff took {took:.2f}s: it waited for the engine's stream"
+        took, busy = time.monotonic() - t0, not torch.cuda.current_stream().query()
+        assert took < 1.0 and busy, (f"the handoff took {took:.2f}s, and the engine's stream was "
+                                     f"{'still busy' if busy else 'idle'} after it (if idle, the handoff waited for it, "
+                                     "or the busy kernel is too short)")
         torch.cuda.synchronize()
     if is_prefill:
         return
@@ -267,7 +268,7 @@ def test_ranks_on_one_gpu_copy_the_blocks_out_of_the_peer_cache(prefill, decode_
                     peer[:, :, local_block_id(src_table[i], PER_RANK)] = full[:, :, i, :, s.heads.start:s.heads.stop]
             agent._peer_caches[("p->d", s.rank)] = peer
         spec = PairSpec("p->d", len(src), len(dst), staged=True, ipc=True)
-        received = agent.recv(spec, plan, {s.rank: s for s in src}, dst_table, src_table)
+        received = agent.recv(spec, plan, {s.rank: s for s in src}, dst_table, src_table).bytes
         expected = torch.full_like(cache, SENTINEL)
         for i in range(HITS, NUM_SEQ_BLOCKS):
             expected[:, :, dst_table[i]] = full[:, :, i, :, heads]

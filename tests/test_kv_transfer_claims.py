@@ -39,7 +39,9 @@ class Pair:
         return self.prefill.send(self.spec, self.plan, {0: self.dst}, SRC_BLOCKS, handoff_id)
 
     def recv(self) -> int:
-        return self.decode.recv(self.spec, self.plan, {0: self.src}, DST_BLOCKS)
+        got = self.decode.recv(self.spec, self.plan, {0: self.src}, DST_BLOCKS)
+        assert got.began <= got.posted <= got.ended
+        return got.bytes
 
     def handoff(self, handoff_id: str) -> tuple[SendResult, int]:
         """One handoff: the prefill agent's send and the decode agent's receive, together."""

@@ -31,6 +31,8 @@ PROMPT = "the quick brown fox jumps over the lazy dog " * 3
 # The stamps of a handed-off request, in the order they must happen (one host: one clock).
 REMOTE_CHAIN = ("arrival", "replica_received", "reserved", "queued", "scheduled", "first_token", "prefill_answered",
                 "kv_queued", "kv_push_start", "kv_send_start", "kv_send_end", "kv_push_end", "decode_started", "first_decode_step")
+# Inside the push, the decode ranks' receive (the prefill ranks' send is in REMOTE_CHAIN).
+RECV_CHAIN = ("kv_push_start", "kv_recv_start", "kv_recv_posted", "kv_recv_end", "kv_push_end")
 ONE_ENGINE_CHAIN = ("arrival", "queued", "scheduled", "first_token", "first_decode_step")
 
 
@@ -184,6 +186,7 @@ def test_handed_off_request_has_every_stage_in_order(pd, caplog):
     assert line["site"] == "remote"
     ms = line["ms"]
     _assert_in_order(ms, REMOTE_CHAIN)
+    _assert_in_order(ms, RECV_CHAIN)
     # Token 1 streams to the client while its KV moves: after the prefill answered, not after the push.
     assert ms["prefill_answered"] <= ms["first_byte"]
     assert all(_stage_count(s, "remote") == before[s] + 1 for s in before)

@@ -62,7 +62,7 @@ def _transfer_case(rank: int, args: tuple[str, str]) -> dict:
     agent, spec = bench.connect_agents(rank, cache, src if rank == 0 else dst, timeout_s=60.0)
     if rank == 0:
         return {"bytes": agent.send(spec, plan, {0: dst}, SRC_BLOCKS, "req-0").bytes}
-    received = agent.recv(spec, plan, {0: src}, DST_BLOCKS)
+    received = agent.recv(spec, plan, {0: src}, DST_BLOCKS).bytes
     bench.synchronize()
     expected = torch.full_like(cache, SENTINEL, device="cpu")
     for s, d in zip(SRC_BLOCKS, DST_BLOCKS, strict=True):

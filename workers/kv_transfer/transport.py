@@ -72,6 +72,18 @@ class SendResult:
     ended: float = 0.0  # the decode replica's timeline splits its KV push with them (the ranks share its host)
 
 
+@dataclass(frozen=True)
+class RecvResult:
+    """A decode rank's `recv`: bytes received, and wall-clock stamps (time.time()) that split its time: `began`
+    (the call reached this rank), `posted` (every receive posted and every scatter queued: the host's share),
+    `ended` (every message landed and scattered). The decode replica's timeline carries them."""
+
+    bytes: int
+    began: float = 0.0
+    posted: float = 0.0
+    ended: float = 0.0
+
+
 @dataclass
 class PairSpec:
     pair_id: str  # e.g. "prefill-replica-a->decode-replica-b"
@@ -293,15 +305,18 @@ class KVTransferAgent:
         return sent
 
     def recv(self, spec: PairSpec, plan: list[Transfer], src_shards: dict[int, RankShard], block_table: list[int],
-             src_block_table: list[int] | None = None) -> int:
+             src_block_table: list[int] | None = None) -> RecvResult:
         """Decode side: receive this rank's part of the plan into the request's blocks (block_table, indexed
         by the plan's block indices). src_block_table: the prefill side's, needed where a prefill rank
-        shares this rank's GPU (the blocks are copied out of its cache). Returns bytes received."""
+        shares this rank's GPU (the blocks are copied out of its cache)."""
+        began = time.time()
         with self._own_stream():
-            return self._recv(spec, plan, src_shards, block_table, src_block_table)
+            received, posted = self._recv(spec, plan, src_shards, block_table, src_block_table)
+        return RecvResult(received, began, posted, time.time())
 
     def _recv(self, spec: PairSpec, plan: list[Transfer], src_shards: dict[int, RankShard], block_table: list[int],
-              src_block_table: list[int] | None) -> int:
+              src_block_table: list[int] | None) -> tuple[int, float]:
+        """(bytes received, when the last receive was posted and the last scatter queued)."""
         group = self._group(spec.pair_id)
         pending, local, last, index = [], [], None, None
         # Every receive is posted first, in the senders' order (NCCL pairs a rank pair's messages by
@@ -327,12 +342,13 @@ class KVTransferAgent:
                 self._wait(spec.pair_id, group, [work])
             scatter_blocks(self.kv_cache, block_ids, layers, heads, buf.to(self.kv_cache.device, non_blocking=True), index)
             received += buf.numel() * buf.element_size()
+        posted = time.time()
         if nccl:
             self._wait(spec.pair_id, group, [work for work, *_ in pending])  # every message landed, then synchronised
         elif self.kv_cache.is_cuda:
             torch.cuda.current_stream().synchronize()
         self.bytes_received += received
-        return received
+        return received, posted
 
     def _copy_from_peers(self, spec: PairSpec, group: dist.ProcessGroup, messages: list, src_shards: dict[int, RankShard],
                          block_table: list[int], src_block_table: list[int] | None) -> int:
