@@ -167,3 +167,32 @@ def test_decided_handoffs_are_bounded_and_a_running_send_is_never_forgotten(monk
     running.join(10)
     assert agent.sent_among(["running"], 0.0) == ["running"]
     assert agent._sending == set() and "running" in agent._claimed
+
+
+def test_with_phases_on_each_side_logs_where_its_time_went(pair, monkeypatch, caplog):
+    """TANDEM_KV_PHASES=1 (transport.LOG_PHASES): a send and a receive each log one line of phase times."""
+    import json
+    import logging
+
+    monkeypatch.setattr(transport, "LOG_PHASES", True)
+    with caplog.at_level(logging.WARNING, logger=transport.__name__):
+        pair.handoff("h-phases")
+    lines = {}
+    for record in caplog.records:
+        if record.getMessage().startswith("kv phases "):
+            line = json.loads(record.getMessage()[len("kv phases "):])
+            lines[line["what"]] = line
+    assert set(lines) == {"send", "recv"}
+    assert {"index", "gather", "post", "sent"} <= set(lines["send"]["wall_ms"])
+    assert {"index", "alloc", "post", "wait", "scatter", "landed"} <= set(lines["recv"]["wall_ms"])
+    assert lines["recv"]["bytes"] == lines["send"]["bytes"] > 0 and lines["recv"]["messages"] == 1
+    assert all(v >= 0 for side in lines.values() for v in side["wall_ms"].values()) and lines["recv"]["gil_ms"] >= 0
+
+
+def test_phases_are_quiet_by_default(pair, caplog):
+    import logging
+
+    assert not transport.LOG_PHASES
+    with caplog.at_level(logging.WARNING, logger=transport.__name__):
+        pair.handoff("h-quiet")
+    assert not [r for r in caplog.records if r.getMessage().startswith("kv phases")]

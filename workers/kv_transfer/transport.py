@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
+import os
 import pickle
 import socket
 import threading
@@ -39,6 +41,38 @@ MAX_UNCOLLECTED_ACKS = 1024  # sends whose ack nobody waited for (the handoff fa
 # each are remembered (a send running now always is). A decision forgotten only matters if its handoff's other
 # call comes this many handoffs later, long after any send or abandon of it could.
 MAX_DECIDED_HANDOFFS = MAX_UNCOLLECTED_ACKS
+# TANDEM_KV_PHASES=1: each send and receive logs (WARNING, this module's logger: a rank actor's log) where its
+# host time went, phase by phase, as wall and this thread's CPU milliseconds, and how long this thread waited
+# for the GIL once (`gil_ms`, a sleep(0)). A diagnostic of the served handoff (docs/benchmarks.md).
+LOG_PHASES = os.environ.get("TANDEM_KV_PHASES") == "1"
+
+
+class PhaseClock:
+    """Wall and thread-CPU time per named phase: `mark(name)` charges the time since the last mark to it."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self._last = (time.perf_counter(), time.thread_time())
+        self.gil_s = self._gil_wait()
+
+    @staticmethod
+    def _gil_wait() -> float:
+        t = time.perf_counter()
+        time.sleep(0)  # lets go of the GIL and takes it back: how long another thread keeps it, right now
+        return time.perf_counter() - t
+
+    def mark(self, name: str) -> None:
+        now = (time.perf_counter(), time.thread_time())
+        self.wall[name] = self.wall.get(name, 0.0) + now[0] - self._last[0]
+        self.cpu[name] = self.cpu.get(name, 0.0) + now[1] - self._last[1]
+        self._last = now
+
+    def log(self, what: str, **extra) -> None:
+        if LOG_PHASES:
+            log.warning("kv phases %s", json.dumps({"what": what, "gil_ms": round(self.gil_s * 1e3, 3), **extra,
+                                                   "wall_ms": {k: round(v * 1e3, 3) for k, v in self.wall.items()},
+                                                   "cpu_ms": {k: round(v * 1e3, 3) for k, v in self.cpu.items()}}))
 
 
 # A transfer goes out as one message per few layers: the gather of the next chunk then overlaps the
@@ -277,7 +311,7 @@ class KVTransferAgent:
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     def _send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_table: list[int]) -> int:
-        group = self._group(spec.pair_id)
+        group, clock = self._group(spec.pair_id), PhaseClock()
         works, sent, last, index = [], 0, None, None
         for tag, t, layers, heads in self._messages(plan, dst_shards, sending=True):
             if t is not last:  # the transfer's block ids (and their index tensor): once, not per message
@@ -293,14 +327,19 @@ class KVTransferAgent:
             # Gathering the next chunk (this agent's stream) overlaps sending this one (NCCL's stream).
             if index is None:
                 index = block_index(local_ids, self.kv_cache.device)
+                clock.mark("index")
             buf = gather_blocks(self.kv_cache, local_ids, layers, heads, index)
             if spec.staged:
                 buf = buf.cpu()
+            clock.mark("gather")
             if self._send_delay_s and not works:
                 time.sleep(self._send_delay_s)
             works.append((group.send([buf], spec.num_prefill_ranks + t.dst, tag), buf))
+            clock.mark("post")
             sent += buf.numel() * buf.element_size()
         self._wait(spec.pair_id, group, [w for w, _ in works])
+        clock.mark("sent")
+        clock.log("send", messages=len(works), bytes=sent)
         self.bytes_sent += sent
         return sent
 
@@ -317,7 +356,7 @@ class KVTransferAgent:
     def _recv(self, spec: PairSpec, plan: list[Transfer], src_shards: dict[int, RankShard], block_table: list[int],
               src_block_table: list[int] | None) -> tuple[int, float]:
         """(bytes received, when the last receive was posted and the last scatter queued)."""
-        group = self._group(spec.pair_id)
+        group, clock = self._group(spec.pair_id), PhaseClock()
         pending, local, last, index = [], [], None, None
         # Every receive is posted first, in the senders' order (NCCL pairs a rank pair's messages by
         # order, not by tag); each chunk is then scattered as it lands, overlapping the later ones.
@@ -328,10 +367,14 @@ class KVTransferAgent:
             if t is not last:  # the transfer's block ids and their index tensor: once, not per message
                 last, block_ids = t, [block_table[i] for i in t.blocks]
                 index = block_index(block_ids, self.kv_cache.device)
+                clock.mark("index")
             buf = torch.empty(transfer_shape(self.kv_cache, len(t.blocks), layers, heads),
                               dtype=wire_dtype(self.kv_cache.dtype), device="cpu" if spec.staged else self.kv_cache.device)
+            clock.mark("alloc")
             pending.append((group.recv([buf], t.src, tag), buf, block_ids, index, layers, heads))
+            clock.mark("post")
         received = self._copy_from_peers(spec, group, local, src_shards, block_table, src_block_table)
+        clock.mark("peers")
         nccl = self._nccl(spec)
         for work, buf, block_ids, index, layers, heads in pending:
             if nccl:
@@ -340,13 +383,17 @@ class KVTransferAgent:
                 self._check(spec.pair_id, group, work.wait)
             else:
                 self._wait(spec.pair_id, group, [work])
+            clock.mark("wait")
             scatter_blocks(self.kv_cache, block_ids, layers, heads, buf.to(self.kv_cache.device, non_blocking=True), index)
+            clock.mark("scatter")
             received += buf.numel() * buf.element_size()
         posted = time.time()
         if nccl:
             self._wait(spec.pair_id, group, [work for work, *_ in pending])  # every message landed, then synchronised
         elif self.kv_cache.is_cuda:
             torch.cuda.current_stream().synchronize()
+        clock.mark("landed")
+        clock.log("recv", messages=len(pending), bytes=received)
         self.bytes_received += received
         return received, posted
 
