@@ -35,9 +35,14 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def block_index(block_ids: list[int], device: torch.device) -> torch.Tensor:
-    """block_ids as the index tensor gather_blocks / scatter_blocks take (made once per transfer, not per message)."""
-    return torch.tensor(block_ids, dtype=torch.long, device=device)
+def block_index(block_ids: list[int], device: torch.device | str) -> torch.Tensor:
+    """block_ids as the index tensor gather_blocks / scatter_blocks take (made once per transfer, not per message).
+    On a GPU it goes through pinned memory, on the current stream: a copy from pageable memory waits for
+    the stream and may queue behind the engine thread's own pageable copies, which wait for its step."""
+    ids = torch.tensor(block_ids, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return ids.to(device)
+    return ids.pin_memory().to(device, non_blocking=True)
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, heads: slice,

@@ -77,11 +77,16 @@ class PhaseClock:
 
 # A transfer goes out as one message per few layers: the gather of the next chunk then overlaps the
 # send of this one, and the receiver's scatter overlaps the next receive. A message holds as many whole
-# layers as fit in MESSAGE_BYTES (at least one): small handoffs go as one or a few messages (each costs
-# a post and a wait), large ones as many (the gather of the first chunk and the scatter of the last,
-# which nothing overlaps, are then short). Both sides derive the cut from the plan and the cache shape
-# they share (block size, head dim, wire dtype), so their messages pair up.
-MESSAGE_BYTES = 32 << 20
+# layers as fit in MESSAGE_BYTES (at least one). Both sides derive the cut from the plan and the cache
+# shape they share (block size, head dim, wire dtype), so their messages pair up.
+# Why so large (256 MiB: a 2K-token Llama-3.1-8B prompt is one message, 32K tokens sixteen): each message
+# costs the receiving thread about ten calls that let go of the GIL, and in a served decode replica other
+# threads (the event loop streaming tokens, the engine) hold it for a millisecond or more at a time, so
+# each call waited that long to get it back. With 32 MiB messages a 2K-token push spent 44 ms posting its
+# receives and queueing its scatters on 2 x H100 (TANDEM_KV_PHASES; docs/benchmarks.md, "Eighth session").
+# Where nothing competes for the GIL, the overlap lost to the larger cut is the first gather and the last
+# scatter of 256 MiB: ~0.2 ms each on an H100.
+MESSAGE_BYTES = 256 << 20
 
 # Waiting for NCCL work: `Work.wait(timeout)` blocks the CPU in a loop that sleeps 1 ms between polls
 # (ProcessGroupNCCL's kSynchronizeBusyWaitMillis), so each wait that is not done already costs up to a
@@ -384,7 +389,9 @@ class KVTransferAgent:
             else:
                 self._wait(spec.pair_id, group, [work])
             clock.mark("wait")
-            scatter_blocks(self.kv_cache, block_ids, layers, heads, buf.to(self.kv_cache.device, non_blocking=True), index)
+            if spec.staged:
+                buf = buf.to(self.kv_cache.device, non_blocking=True)
+            scatter_blocks(self.kv_cache, block_ids, layers, heads, buf, index)
             clock.mark("scatter")
             received += buf.numel() * buf.element_size()
         posted = time.time()
