@@ -23,6 +23,7 @@ from workers.config import EngineConfig
 from workers.loader import load_model
 from workers.microbatch import split_by_sequence
 from workers.models.layers import PagedAttention
+from workers.host_fetch import host_lists
 from workers.sampler import Sampler, no_top_logprobs
 from workers.sampling_params import SamplingParams
 from workers.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput, TokenBitmask
@@ -400,7 +401,7 @@ class ModelRunner:
             if result is None:
                 return ModelRunnerOutput({})
             ids, logprobs = result
-            return ModelRunnerOutput.from_columns([s.seq_id for s in seqs], ids.tolist(), logprobs.tolist(),
+            return ModelRunnerOutput.from_columns([s.seq_id for s in seqs], *host_lists(ids, logprobs),
                                                   no_top_logprobs([s.sampling_params for s in seqs]))
         logits = head.compute_logits(hidden)
         if logits is None:

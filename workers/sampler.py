@@ -9,6 +9,7 @@ import array
 
 import torch
 
+from workers.host_fetch import host_lists
 from workers.sampling_params import SamplingParams
 from workers.scheduler_output import SampledToken, ScheduledSeq
 
@@ -81,12 +82,12 @@ class Sampler:
         tops = None
         if n_top > 0:
             top_vals, top_ids_t = raw.topk(n_top, dim=-1)  # [B, n_top], best first
-            top_ids, top_lps = top_ids_t.tolist(), (top_vals - lse).tolist()
+            token_list, lp_list, top_ids, top_lps = host_lists(tokens, token_logprobs, top_ids_t, top_vals - lse)
             tops = [None if p.logprobs is None else list(zip(ids[:p.logprobs], lps[:p.logprobs]))
                     for p, ids, lps in zip(params, top_ids, top_lps)]
-        else:
-            tops = no_top_logprobs(params)
-        return tokens.tolist(), token_logprobs.tolist(), tops
+            return token_list, lp_list, tops
+        token_list, lp_list = host_lists(tokens, token_logprobs)
+        return token_list, lp_list, no_top_logprobs(params)
 
     @staticmethod
     def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
@@ -102,7 +103,7 @@ class Sampler:
     @staticmethod
     def greedy_columns(packed: torch.Tensor, params: list[SamplingParams]) -> tuple[list[int], list[float], list | None]:
         """`greedy_pack`'s [B, 2] as `columns` gives them (the all-greedy batch: no copies of the logits)."""
-        tokens, logprobs = packed.t().tolist()
+        tokens, logprobs = host_lists(packed.t())[0]
         return [int(t) for t in tokens], logprobs, no_top_logprobs(params)
 
     # ---- logit processors, in place on x [B, V] ----

@@ -37,12 +37,9 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
 
 def block_index(block_ids: list[int], device: torch.device | str) -> torch.Tensor:
     """block_ids as the index tensor gather_blocks / scatter_blocks take (made once per transfer, not per message).
-    On a GPU it goes through pinned memory, on the current stream: a copy from pageable memory waits for
-    the stream and may queue behind the engine thread's own pageable copies, which wait for its step."""
-    ids = torch.tensor(block_ids, dtype=torch.long)
-    if torch.device(device).type != "cuda":
-        return ids.to(device)
-    return ids.pin_memory().to(device, non_blocking=True)
+    A plain copy from pageable memory: beside an engine thread, it was the faster of the two kinds of small
+    host-to-device copy (scripts/bench_cuda_stall.py); a pinned one waited for a `.tolist()` there."""
+    return torch.tensor(block_ids, dtype=torch.long, device=device)
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, heads: slice,
