@@ -36,7 +36,8 @@ class ParallelConfig(StrictModel):
                                          "with NCCL only, not the one-shot all-reduce over NVLink P2P "
                                          "(parallel/p2p_allreduce.py) that otherwise takes the small ones.")
     distributed_executor_backend: Literal["auto", "ray", "uni"] = Field(
-        default="auto", description="auto: in-process (uni) for one rank, Ray actors for more. Served pools always use ray.")
+        default="auto", description="auto: in-process (uni) for one rank, Ray actors for more. Served: the prefill "
+        "pool always uses ray, a disaggregated decode pool on GPUs does at auto, a colocated replica does not.")
     gpus_per_rank: float = Field(
         default=1.0, gt=0.0, le=1.0, description="Ray GPUs each rank takes: below 1, pools share GPUs (e.g. an SP=2 "
         "prefill pool at 0.75 and a TP=1 decode pool at 0.25 on two GPUs). Ray packs fractional GPUs, so a replica of "

@@ -34,7 +34,8 @@ def _engine(config: AppConfig, pool: str) -> LLMEngine:
     if pool == "prefill":
         # Prefill ranks are always Ray actors, even one: the decode replica drives their KV sends through
         # their actor handles. (Their steps still skip Ray: cluster/step_channel.py.) A decode replica of
-        # one rank runs it in its own process, as a colocated replica does: no rank process, no step hop.
+        # one rank runs it in a rank actor on GPUs and in its own process on CPUs, unless the pool sets
+        # distributed_executor_backend (router/disaggregated.py, `decode_ranks_as_actors`).
         engine_config.parallel.distributed_executor_backend = "ray"
     return LLMEngine(engine_config, show_progress=False)
 

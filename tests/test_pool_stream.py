@@ -113,6 +113,25 @@ def test_a_one_rank_decode_replica_takes_its_rank_resources_itself():
     assert options(distributed_executor_backend="ray") is None
 
 
+def test_a_gpu_decode_pool_of_one_rank_runs_it_in_a_rank_actor_unless_told_otherwise():
+    from router.colocated import in_process_rank_options
+    from router.config import AppConfig
+    from router.disaggregated import decode_ranks_as_actors
+
+    def config(device: str, **decode) -> AppConfig:
+        return AppConfig(model="models/tandem-tiny", device=device, max_num_seqs=8, decode={"num_replicas": 2, **decode})
+
+    gpu = decode_ranks_as_actors(config("cuda", gpus_per_rank=0.5))
+    assert gpu.engine_args("decode").distributed_executor_backend == "ray"
+    assert in_process_rank_options(gpu, "decode") is None  # the rank actor takes the GPU share, not the replica
+    # Everything else given survives, and the replicas' args carry the choice.
+    assert gpu.engine_args("decode").gpus_per_rank == 0.5 and gpu.decode.num_replicas == 2
+    assert gpu.engine_args("decode").max_num_seqs == 8 and gpu.to_args()["decode"]["distributed_executor_backend"] == "ray"
+    assert gpu.engine_args("prefill").distributed_executor_backend == "auto"  # router/pools.py sets the prefill's
+    for kept in (config("cpu"), config("cuda", distributed_executor_backend="uni"), config("cuda", tensor_parallel_size=2)):
+        assert decode_ranks_as_actors(kept) is kept
+
+
 def test_pd_vs_colocated_script_reads_deployments_and_ratios():
     import sys
     from pathlib import Path
