@@ -220,6 +220,11 @@ class PrefillReplica:
         self._watcher: asyncio.Task | None = None
         self._handoffs = itertools.count()  # numbers this replica's prefills (`PrefillReady.handoff_id`)
 
+    @property
+    def alive(self) -> bool:
+        """False once this replica's engine or one of its ranks failed: it serves nothing more."""
+        return self.async_engine.alive and self.executor.alive
+
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
                       reservation: Reservation) -> AsyncIterator[PrefillReady]:
         """The decode replica's call: the answer, then (the stream held open) the blocks held until sent."""
@@ -458,16 +463,19 @@ class DecodeReplica:
                 break
             except (KVTransferError, ConnectionError, RuntimeError) as e:
                 # A new prefill may fix a failed prefill replica or transfer; not a full or dead decode replica.
-                if isinstance(e, QueueFullError) or attempt == self.max_attempts or not self.alive:
+                if isinstance(e, QueueFullError) or not self.alive:
                     raise
                 if isinstance(e, PrefillUnavailable) and sent is None:
                     # Its prefill replica is gone: this engine runs the whole request now, rather than the pool
-                    # holding it until Serve has noticed the death and started a replacement (seconds).
+                    # holding it until Serve has noticed the death and started a replacement (seconds). On the
+                    # last attempt too: a routed prefill that failed, then a re-prefill that found no replica.
                     log.warning("request %s: %s; prefilling on this decode replica", request_id, e)
                     self.prefill_fallbacks += 1
                     async for out in self._local(request_id, prompt_token_ids, params, priority, timeline):
                         yield out
                     return
+                if attempt == self.max_attempts:
+                    raise
                 log.warning("request %s: handoff attempt %d failed (%s); re-prefilling", request_id, attempt, e)
         # The prompt's logprobs (vLLM's prompt_logprobs) were computed where the prompt ran: the prefill side.
         # They went out with token 1 and go again with the last output, which a non-streaming client reads.

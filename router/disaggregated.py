@@ -35,6 +35,7 @@ from router.routing import REPLICAS_POLL_S, ReplicasGone, first_unless_replicas_
 from router.stream_wire import RESERVED_ITEM, StreamDecoder
 from engine.disagg import PrefillReady, abandon_prefill, streamable
 from engine.llm_engine import RequestOutput
+from workers.executor import ExecutorError
 from workers.hub import resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -176,12 +177,12 @@ class DisaggregatedBackend:
                     item = await anext(stream)
                 except StopAsyncIteration:
                     return
-        except RayActorError as e:
+        except _REPLICA_GONE as e:
             # The decode replica died. The prefill replica holds the KV for it: let it go (nothing reads it now).
             _abandon_when_answered(ref, rid)
             abandoned = True
             if streamed:
-                raise BackendUnavailable(f"decode replica failed during request {rid}: {e}") from e
+                raise BackendUnavailable(f"decode replica failed during request {rid}: {_first_line(e)}") from e
             log.warning("request %s: decode replica died before its first token; retrying", rid)
             retry = True
         finally:
@@ -275,9 +276,9 @@ class DisaggregatedBackend:
                         item = decoder.decode(await anext(stream))
                     except StopAsyncIteration:
                         return
-            except RayActorError as e:
+            except _REPLICA_GONE as e:
                 if got_any or attempt == attempts:
-                    raise BackendUnavailable(f"decode replica failed during request {name}: {e}") from e
+                    raise BackendUnavailable(f"decode replica failed during request {name}: {_first_line(e)}") from e
                 log.warning("request %s: decode replica died before its first token; retrying", name)
             finally:
                 for rid in request_ids:
@@ -289,6 +290,18 @@ class DisaggregatedBackend:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.cancel()
+
+
+# A decode replica that serves nothing more: the actor died, or its ranks did (it raises ExecutorError, through
+# Serve as a RayTaskError that is also an ExecutorError, until its failed health check has it replaced). Either
+# way, another replica may take a request that has streamed nothing yet; one that has gets 503, never 500.
+_REPLICA_GONE = (RayActorError, ExecutorError)
+
+
+def _first_line(e: BaseException) -> str:
+    """An error's first line: a RayTaskError's text carries the remote traceback, which a client need not read."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 async def _answer_or_none(ref) -> PrefillReady | None:

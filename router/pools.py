@@ -64,8 +64,11 @@ class _PoolMethods:
                 "waiting": len(scheduler.waiting)}
 
     async def check_health(self) -> None:
-        if not self.replica.async_engine.alive:
-            raise RuntimeError(f"{self.replica.replica_id}: its engine has stopped")
+        # The engine and the ranks both: a rank can die while the engine is idle (a KV transfer finds it dead),
+        # and an engine that runs no step never learns it; the replica then refuses every request, so Serve
+        # must replace it (the fault script found such a decode replica answering 500 for 35 s).
+        if not self.replica.alive:
+            raise RuntimeError(f"{self.replica.replica_id}: its engine or one of its ranks has stopped")
 
 
 class PrefillPool(_PoolMethods):

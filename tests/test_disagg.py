@@ -744,6 +744,33 @@ def test_killed_decode_rank_fails_fast_and_prefill_frees_its_kv(pools, run):
         pools.close()
 
 
+def test_a_decode_rank_dead_while_its_engine_idles_fails_the_pools_health_check(pools, run):
+    """A decode rank killed between steps: the next handoff's receive finds it dead, so the request fails and the
+    replica refuses the next ones, while its engine, which has run no step since, still looks alive. The pool's
+    health check must fail all the same, so that Serve replaces the replica (the fault script found one that
+    answered 500 for 35 s, until the script killed it)."""
+    from router.pools import _PoolMethods
+
+    pair = pools.get("tp1->tp2")
+    (prompt,) = prompts_of_lengths([40], VOCAB, seed=17)
+    pool = _PoolMethods()
+    pool.replica = pair.decode
+
+    async def body() -> None:
+        await pool.check_health()
+        ray.kill(pair.decode.executor.workers[1])
+        with pytest.raises((EngineDeadError, ExecutorError, KVTransferError)):
+            await generate(pair.decode, "hd-1", prompt, greedy())
+        assert pair.decode.async_engine.alive and not pair.decode.alive  # the case: no step has failed
+        with pytest.raises(RuntimeError, match="one of its ranks has stopped"):
+            await pool.check_health()
+
+    try:
+        run(body())
+    finally:
+        pools.close()
+
+
 def test_prompt_logprobs_travel_from_the_prefill_side(pools, run, reference):
     """vLLM's prompt_logprobs of a handed-off request are the prefill engine's, on token 1 and on the last
     output (which a non-streaming client reads), equal to the single-process engine's."""
@@ -884,6 +911,28 @@ def test_held_prefills_nobody_collects_do_not_hold_up_the_others(pools, run):
         await settle(pair, timeout=10.0)
 
     run(body())
+
+
+def test_a_retry_that_finds_no_prefill_replica_runs_here_even_on_the_last_attempt(pools, run, monkeypatch):
+    """The router's prefill failed (its replica's rank died mid-prefill), and the re-prefill finds no live prefill
+    replica (Serve has not started a replacement yet): the decode replica prefills the prompt itself rather than
+    fail the request (on CPU the fault script saw five 500s so, when a prefill rank was killed)."""
+    pair = pools.get("tp2->tp1")
+    (prompt,) = prompts_of_lengths([13], VOCAB, seed=25)
+    fallbacks = pair.decode.prefill_fallbacks
+
+    async def failed() -> PrefillReady:
+        raise RuntimeError("the prefill replica's engine failed: a rank died")
+
+    async def no_replica(*args) -> AsyncIterator[PrefillReady]:
+        raise PrefillUnavailable("the pool has had no live replica for 1s in the prefill pool")
+        yield  # an async generator, as the pool client is
+
+    monkeypatch.setattr(pair.decode, "prefill", no_replica)
+    items, _ = run(routed(pair, "rp-none", prompt, greedy(5), failed()))
+    assert items[0] is RESERVED and pair.decode.prefill_fallbacks == fallbacks + 1
+    assert [t for o in items[1:] for t in o.new_token_ids] == hf_greedy(pair.path, prompt, 5)[0]
+    run(settle(pair))
 
 
 def test_router_prefill_on_a_full_decode_replica_refuses_and_frees_both_sides(pools, run, monkeypatch):

@@ -371,3 +371,51 @@ def test_the_prefill_blocks_are_freed_at_once_when_the_decode_call_reached_no_re
 
 async def _collect(backend, request: GenerateRequest) -> list:
     return [out async for out in backend._generate_routed(request)]
+
+
+class _FailingStream:
+    """A decode call whose replica raises before its first item (as Serve delivers a remote error)."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        raise self.error
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_decode_replica_without_its_ranks_is_retried_then_answered_503_and_the_prefill_abandoned():
+    """A decode replica whose ranks died refuses every request (ExecutorError, delivered through Serve as a
+    RayTaskError that is also one) until its failed health check gets it replaced. The router treats it as a dead
+    replica: it abandons the prefill's KV, retries the request the usual way, and with no better replica answers
+    503 with the error's first line, not 500 with the remote traceback (the fault script saw 112 such 500s)."""
+    from ray.exceptions import RayTaskError
+
+    from router.protocol import BackendUnavailable
+    from workers.executor import ExecutorError
+
+    cause = ExecutorError("decode replica decode-1 lost its ranks; it serves nothing more")
+    error = RayTaskError("generate_prefilled", "Traceback (most recent call last):\n  ...secret frames...", cause)
+    error = error.as_instanceof_cause()
+    assert isinstance(error, ExecutorError)
+    rank = _Rank()
+
+    async def body():
+        backend, ready = _backend(lambda *args: _FailingStream(error), rank)
+        prefill = _PrefillResponse(ready)
+        backend.prefill = SimpleNamespace(prefill_first=SimpleNamespace(remote=lambda *a: prefill))
+        with pytest.raises(BackendUnavailable, match="decode replica failed") as raised:
+            await _drain(backend)
+        assert "secret frames" not in str(raised.value)
+        await asyncio.sleep(0.05)
+        return backend
+
+    backend = asyncio.run(body())
+    _settle(rank, expect_call=True)
+    assert backend.decode.calls == 3  # the routed call, then the usual path's two attempts
+    assert rank.abandoned == [HANDOFF]
