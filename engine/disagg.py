@@ -90,6 +90,12 @@ class TransferStats:
     recv_posted: float = 0.0  # when the last one had posted its receives and queued its scatters,
     recv_end: float = 0.0  # and when the last one had its blocks
 
+    def stamps(self) -> dict[str, float]:
+        """The push's stamps for the request's timeline (router/metrics.py STAGES); the ranks' own where known."""
+        ranks = dict(kv_send_start=self.send_start, kv_send_end=self.send_end, kv_recv_start=self.recv_start,
+                     kv_recv_posted=self.recv_posted, kv_recv_end=self.recv_end) if self.send_start else {}
+        return {"kv_push_start": self.start, "kv_push_end": self.end, **ranks}
+
 
 @dataclass(frozen=True)
 class LocalPrefillPolicy:
@@ -455,11 +461,7 @@ class DecodeReplica:
                         raise
                 timeline["kv_queued"] = time.time()
                 moved = await self._move_kv(request_id, ready, reservation, stream)
-                timeline.update(kv_push_start=moved.start, kv_push_end=moved.end)
-                if moved.send_start:
-                    timeline.update(kv_send_start=moved.send_start, kv_send_end=moved.send_end,
-                                    kv_recv_start=moved.recv_start, kv_recv_posted=moved.recv_posted,
-                                    kv_recv_end=moved.recv_end)
+                timeline.update(moved.stamps())
                 break
             except (KVTransferError, ConnectionError, RuntimeError) as e:
                 # A new prefill may fix a failed prefill replica or transfer; not a full or dead decode replica.

@@ -26,8 +26,10 @@ from ray.serve.exceptions import BackPressureError
 
 from router.errors import ApiError, api_error, bad_request
 from engine.async_engine import EngineDeadError
+from engine.disagg import PrefillUnavailable
 from engine.scheduler import QueueFullError
 from router.protocol import BackendUnavailable
+from workers.executor import ExecutorError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -109,9 +111,11 @@ def public_error(exc: BaseException, request_id: str) -> ApiError:
     cause = _unwrap(exc)
     if isinstance(cause, BackPressureError):  # Serve's own queue bound (max_queued_requests): overload, not a fault
         cause = QueueFullError("every replica's queue is full", retry_after_s=cause.retry_after_s)
-    if isinstance(cause, (EngineDeadError, RayActorError)):
+    if isinstance(cause, (EngineDeadError, RayActorError, ExecutorError, PrefillUnavailable)):
         # A pool replica's engine lost a rank, or a replica died, under this request: Serve replaces it, so
         # this is "retry later" (503), not a server bug (500) - found by scripts/fault_load.py's kill-rank.
+        # So is a decode replica whose ranks are gone (ExecutorError), and a prefill pool with no live replica
+        # under a request whose token 1 had already gone out (PrefillUnavailable: it cannot start over here).
         cause = BackendUnavailable(str(cause))
     if isinstance(cause, ApiError):  # our own check, raised in a pool replica
         return ApiError(cause.status, redact(cause.message), type=cause.type, param=cause.param, code=cause.code,

@@ -11,7 +11,9 @@ import pytest
 from ray.exceptions import RayTaskError
 
 from engine.async_engine import EngineDeadError
+from engine.disagg import PrefillUnavailable
 from router.guards import public_error
+from workers.executor import ExecutorError
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -24,6 +26,21 @@ def test_dead_engine_under_a_request_is_a_retryable_503():
     for exc in (dead, wrapped):
         err = public_error(exc, "cmpl-1")
         assert (err.status, err.code, err.retry_after) == (503, "unavailable", 1), err.message
+        assert "10.1.2.3" not in err.message and "4242" not in err.message
+
+
+@pytest.mark.parametrize("cause", [
+    ExecutorError("decode replica decode-1 lost its ranks; it serves nothing more"),
+    PrefillUnavailable("request cmpl-1-0: the pool has had no live replica for 1s in the prefill pool"),
+], ids=["decode_ranks_gone", "no_prefill_replica"])
+def test_a_pool_without_ranks_or_replicas_is_a_retryable_503(cause):
+    """Found by the fault script with the decode pool's rank in a rank actor (its GPU default): a decode replica whose
+    rank died, and a handed-off request whose re-prefill found no prefill replica, each answered 500."""
+    wrapped = RayTaskError("DecodePool.generate_prefilled", "Traceback ...", cause, pid=4242,
+                           ip="10.1.2.3").as_instanceof_cause()
+    for exc in (cause, wrapped):
+        err = public_error(exc, "cmpl-1")
+        assert (err.status, err.code) == (503, "unavailable"), err.message
         assert "10.1.2.3" not in err.message and "4242" not in err.message
 
 
