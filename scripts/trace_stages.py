@@ -3,7 +3,7 @@
 `tandem.trace` lines a server writes with `--trace-requests` (docs/architecture.md, "Request timeline").
 
     python scripts/trace_stages.py SERVER.log [...]        # or the lines alone, one JSON object each (.jsonl)
-    python scripts/trace_stages.py RES/pd_gil_5ms.jsonl RES/pd_gil_ours.jsonl    # two_gpu_suite.sh pd_gil
+    python scripts/trace_stages.py RES/pd_trace.jsonl                             # two_gpu_suite.sh pd_trace
 """
 from __future__ import annotations
 

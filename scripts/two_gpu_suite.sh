@@ -6,7 +6,7 @@
 #     RES=/tmp/res bash scripts/two_gpu_suite.sh [step ...]     # default: every step, in this order
 #
 # LIMITS="sp=200 sp_serve=380" overrides steps' time limits; SP_LENGTHS the sp step's prompt lengths.
-# Steps: tests offline latency pd kv sp ep fault (the default), and allreduce pd_small pd_c1 sp_serve tp_serve pd_gil.
+# Steps: tests offline latency pd kv sp ep fault (the default), and allreduce pd_small pd_c1 sp_serve tp_serve pd_trace.
 set -u
 RES=${RES:-/tmp/res}
 mkdir -p "$RES"
@@ -71,16 +71,16 @@ run_pd_c1() {  # issue 27: concurrency-1 TTFT (<= 1.10x) and TPOT (<= 1.05x), fi
     --bench-args "--length-dist fixed --input-len 2048 --output-len 128 --concurrencies 1 --num-prompts 20 --max-token-id 100000" \
     --out "$RES/pd_c1"
 }
-run_pd_gil() {  # the handoff's time under load, traced, at CPython's 5 ms GIL switch interval and at ours (workers/gil.py)
-  for v in 5ms ours; do
-    ( [ $v = ours ] || export TANDEM_GIL_SWITCH_INTERVAL_S=0.005
-      python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
-        --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16 --trace-requests" --log-dir "$RES/pd_gil_${v}_logs" \
-        --deployments "pd=--disaggregated" \
-        --bench-args "--input-len 2048 --output-len 256 --request-rates 4 --num-prompts 40 --max-token-id 100000 --save-requests" \
-        --out "$RES/pd_gil_$v" ) || return $?
-    grep -h "tandem.trace" "$RES/pd_gil_${v}_logs"/*.log | sed 's/^.*tandem.trace //' >"$RES/pd_gil_$v.jsonl"
-  done
+run_pd_trace() {  # where a handed-off request's time goes at 4 req/s: its timeline and each KV send's and receive's phases
+  ( export TANDEM_KV_PHASES=1
+    python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
+      --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16 --trace-requests" --log-dir "$RES/pd_trace_logs" \
+      --deployments "pd=--disaggregated" \
+      --bench-args "--input-len 2048 --output-len 256 --request-rates 4 --num-prompts 40 --max-token-id 100000 --save-requests" \
+      --out "$RES/pd_trace" ) || return $?
+  grep -h "tandem.trace" "$RES/pd_trace_logs"/*.log | sed 's/^.*tandem.trace //' >"$RES/pd_trace.jsonl"
+  grep -h "kv phases" "$RES/pd_trace_logs"/*.log | sed 's/^.*kv phases //' >"$RES/pd_trace_kv_phases.jsonl"
+  python scripts/trace_stages.py "$RES/pd_trace.jsonl" >"$RES/pd_trace_stages.txt"
 }
 run_tp_serve() {  # issue 26: the served app, one TP=2 replica against one TP=1 replica, one client (TPOT)
   python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
@@ -106,9 +106,9 @@ run_fault() {
 
 SP_LENGTHS=${SP_LENGTHS:-16384,65536,131056}
 export RES M8B SP_LENGTHS
-export -f run_tests run_offline run_latency run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_gil
+export -f run_tests run_offline run_latency run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace
 declare -A LIMIT=([tests]=300 [offline]=540 [latency]=300 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
-                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [pd_gil]=330)
+                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [pd_trace]=240)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1
