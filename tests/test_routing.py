@@ -53,3 +53,40 @@ def test_decode_prefers_free_kv_blocks_then_smaller_batches():
     replicas = [FakeReplica("d0", {"free_blocks": 10, "running": 1}), FakeReplica("d1", {"free_blocks": 90, "running": 7}),
                 FakeReplica("d2", {"free_blocks": 90, "running": 3}), FakeReplica("d3", {})]
     assert [r[0].replica_id for r in rank_for_decode(replicas)] == ["d2", "d1", "d0", "d3"]
+
+
+def _handle(*stats: dict | None):
+    """A Serve handle whose router knows replicas with these last routing stats (None: no stats yet)."""
+    from types import SimpleNamespace
+
+    replicas = {i: SimpleNamespace(routing_stats=s or {}) for i, s in enumerate(stats)}
+    return SimpleNamespace(_router=SimpleNamespace(_asyncio_router=SimpleNamespace(
+        _request_router=SimpleNamespace(curr_replicas=replicas))))
+
+
+def test_a_pool_is_busy_only_when_every_replica_reported_work():
+    from router.routing import pool_busy
+
+    busy, idle = {"free_blocks": 10, "running": 3, "waiting": 0}, {"free_blocks": 90, "running": 0, "waiting": 0}
+    assert pool_busy(_handle(busy, {"running": 0, "waiting": 2}))
+    assert not pool_busy(_handle(busy, idle))  # that idle replica may prefill a prompt itself
+    assert not pool_busy(_handle(busy, {"running": 1, "waiting": 0}))  # one client's last request: maybe done now
+    assert not pool_busy(_handle(busy, None))  # no stats yet: not known
+    assert not pool_busy(_handle())  # no replica
+    assert not pool_busy(object())  # not a Serve 2.60 handle: not known
+
+
+def test_the_router_prefills_a_prompt_an_idle_decode_replica_would_take_only_when_none_is_idle():
+    from router.disaggregated import DisaggregatedBackend
+
+    backend = object.__new__(DisaggregatedBackend)  # only what routes_prefill reads
+    backend.router_prefill, backend.local_prefill_max_tokens, backend.local_prefill_idle_tokens = True, 256, 8192
+    busy, idle = {"running": 5, "waiting": 1}, {"running": 0, "waiting": 0}
+    backend.decode = _handle(busy, busy)
+    assert backend.routes_prefill(2048) and backend.routes_prefill(9000)
+    assert not backend.routes_prefill(200)  # any decode replica prefills it itself
+    backend.decode = _handle(busy, idle)
+    assert not backend.routes_prefill(2048)  # the idle replica may take it: its decode replica decides
+    assert backend.routes_prefill(9000)  # above one step: every decode replica hands it off
+    backend.router_prefill = False
+    assert not backend.routes_prefill(9000)
