@@ -127,7 +127,8 @@ class AppConfig(EngineArgs):
     local_prefill_when_idle: bool = Field(default=True, description="Disaggregated: a decode replica with nothing "
                                           "running or queued prefills a prompt itself when one step holds it.")
     router_prefill: bool = Field(default=True, description="Disaggregated: for a prompt that its decode replica "
-                                 "would hand off whatever its state, the router calls the prefill pool itself, "
+                                 "would hand off whatever its state (or, fitting one step, while no decode replica "
+                                 "is likely idle), the router calls the prefill pool itself, "
                                  "concurrently with the decode replica's reservation, and streams token 1 from the "
                                  "prefill replica's answer: two Serve hops before the first token instead of four.")
     api_keys: list[str] = Field(default_factory=list, description="Accepted `Authorization: Bearer` keys; empty = no auth.")
