@@ -80,12 +80,12 @@ class PhaseClock:
 # layers as fit in MESSAGE_BYTES (at least one). Both sides derive the cut from the plan and the cache
 # shape they share (block size, head dim, wire dtype), so their messages pair up.
 # Why so large (256 MiB: a 2K-token Llama-3.1-8B prompt is one message, 32K tokens sixteen): each message
-# costs the receiving thread about ten calls that let go of the GIL, and in a served decode replica other
-# threads (the event loop streaming tokens, the engine) hold it for a millisecond or more at a time, so
-# each call waited that long to get it back. With 32 MiB messages a 2K-token push spent 44 ms posting its
-# receives and queueing its scatters on 2 x H100 (TANDEM_KV_PHASES; docs/benchmarks.md, "Eighth session").
-# Where nothing competes for the GIL, the overlap lost to the larger cut is the first gather and the last
-# scatter of 256 MiB: ~0.2 ms each on an H100.
+# costs the receiving thread a few calls, and in a served decode replica each call may wait, for the GIL
+# (the event loop streaming tokens, the engine) or for the CUDA driver (until workers/host_fetch.py, behind
+# the engine thread's blocking `.tolist()`). With 32 MiB messages a 2K-token push spent 44 ms posting its
+# receives and queueing its scatters on 2 x H100, mostly waiting (TANDEM_KV_PHASES; docs/benchmarks.md,
+# "Eighth session"). On an idle pair the overlap lost to the larger cut is the first gather and the last
+# scatter of 256 MiB: ~0.2 ms each on an H100 (about 5% of a 32K-token handoff).
 MESSAGE_BYTES = 256 << 20
 
 # Waiting for NCCL work: `Work.wait(timeout)` blocks the CPU in a loop that sleeps 1 ms between polls
