@@ -63,13 +63,19 @@ def rank_for_decode(replicas: Sequence[_Replica]) -> list[list[_Replica]]:
     return [[r] for r in sorted(replicas, key=key)]
 
 
+def _known_replicas(handle: Any) -> tuple[Any, Any]:
+    """(the handle's asyncio router, its request router's current replicas, or None where not known: the
+    router not built before its first call). Read from Serve 2.60's handle internals, defensively."""
+    outer = getattr(getattr(handle, "_router", None), "_asyncio_router", None)
+    return outer, getattr(getattr(outer, "_request_router", None), "curr_replicas", None)
+
+
 def live_replicas(handle: Any) -> int | None:
     """Replicas a Serve deployment handle may route to now, or None where that is not known (its router
     not built before its first call). Serve drops a replica from this set as soon as a call to it failed
     with its death (and after a failed health check), and adds a replacement once it has started: 0 means
-    a call would wait for a replacement. Read from Serve 2.60's handle internals, defensively."""
-    outer = getattr(getattr(handle, "_router", None), "_asyncio_router", None)
-    replicas = getattr(getattr(outer, "_request_router", None), "curr_replicas", None)
+    a call would wait for a replacement."""
+    outer, replicas = _known_replicas(handle)
     if replicas is None:
         return None
     if replicas:
@@ -91,10 +97,8 @@ def pool_busy(handle: Any) -> bool:
     """Whether every replica a Serve handle may route to reported at least BUSY_MIN_REQUESTS requests (running,
     reserved or waiting) in its last routing stats (`record_routing_stats`, polled every
     `request_routing_stats_period_s`): then none is likely to take a prompt for itself for being idle
-    (`LocalPrefillPolicy`). False where not known (no replica, or no stats yet). Read from Serve 2.60's handle
-    internals, defensively, as `live_replicas`."""
-    outer = getattr(getattr(handle, "_router", None), "_asyncio_router", None)
-    replicas = getattr(getattr(outer, "_request_router", None), "curr_replicas", None)
+    (`LocalPrefillPolicy`). False where not known (no replica, or no stats yet)."""
+    _, replicas = _known_replicas(handle)
     if not replicas:
         return False
     for replica in (replicas.values() if isinstance(replicas, dict) else replicas):
@@ -107,7 +111,7 @@ def pool_busy(handle: Any) -> bool:
 def had_replicas(handle: Any) -> bool:
     """Whether `live_replicas` ever saw a replica for this handle: an empty set before that is a router
     not yet told of the pool's replicas (a replica's first calls), not a pool whose replicas died."""
-    outer = getattr(getattr(handle, "_router", None), "_asyncio_router", None)
+    outer, _ = _known_replicas(handle)
     return bool(getattr(outer, "_tandem_had_replicas", False))
 
 

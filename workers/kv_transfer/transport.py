@@ -48,13 +48,16 @@ LOG_PHASES = os.environ.get("TANDEM_KV_PHASES") == "1"
 
 
 class PhaseClock:
-    """Wall and thread-CPU time per named phase: `mark(name)` charges the time since the last mark to it."""
+    """Wall and thread-CPU time per named phase: `mark(name)` charges the time since the last mark to it.
+    Off (every call a no-op, no clocks read, no GIL given up) unless LOG_PHASES: it sits on every transfer."""
 
     def __init__(self) -> None:
+        self.on = LOG_PHASES
         self.wall: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
-        self._last = (time.perf_counter(), time.thread_time())
-        self.gil_s = self._gil_wait()
+        if self.on:
+            self._last = (time.perf_counter(), time.thread_time())
+            self.gil_s = self._gil_wait()
 
     @staticmethod
     def _gil_wait() -> float:
@@ -63,13 +66,15 @@ class PhaseClock:
         return time.perf_counter() - t
 
     def mark(self, name: str) -> None:
+        if not self.on:
+            return
         now = (time.perf_counter(), time.thread_time())
         self.wall[name] = self.wall.get(name, 0.0) + now[0] - self._last[0]
         self.cpu[name] = self.cpu.get(name, 0.0) + now[1] - self._last[1]
         self._last = now
 
     def log(self, what: str, **extra) -> None:
-        if LOG_PHASES:
+        if self.on:
             log.warning("kv phases %s", json.dumps({"what": what, "gil_ms": round(self.gil_s * 1e3, 3), **extra,
                                                    "wall_ms": {k: round(v * 1e3, 3) for k, v in self.wall.items()},
                                                    "cpu_ms": {k: round(v * 1e3, 3) for k, v in self.cpu.items()}}))
