@@ -169,7 +169,10 @@ def summarize(results: list[Result], elapsed: float, args) -> dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.input_len for r in ok)
-    good = [r for r in ok if r.ttft <= args.ttft_slo and (math.isnan(r.tpot) or r.tpot <= args.tpot_slo)]
+    def within(r: Result, tpot_slo: float) -> bool:
+        return r.ttft <= args.ttft_slo and (math.isnan(r.tpot) or r.tpot <= tpot_slo)
+
+    good = [r for r in ok if within(r, args.tpot_slo)]
     errors: dict[str, int] = {}
     for r in results:
         if not r.ok:
@@ -181,6 +184,9 @@ def summarize(results: list[Result], elapsed: float, args) -> dict:
         "total_token_throughput": (in_tokens + out_tokens) / elapsed if elapsed else 0.0,
         "goodput": len(good) / elapsed if elapsed else 0.0,
         "goodput_fraction": len(good) / len(results) if results else 0.0,
+        # goodput under each --extra-tpot-slos limit (the same TTFT limit), keyed by the limit in ms
+        "goodput_by_tpot_ms": {f"{1e3 * slo:g}": (sum(within(r, slo) for r in ok) / elapsed if elapsed else 0.0)
+                               for slo in args.extra_tpot_slos},
         "ttft_s": pct([r.ttft for r in ok]), "tpot_s": pct([r.tpot for r in ok]),
         "itl_s": pct([g for r in ok for g in r.itl]), "e2e_s": pct([r.e2e for r in ok]),
         "mean_input_len": in_tokens / len(ok) if ok else 0, "mean_output_len": out_tokens / len(ok) if ok else 0,
@@ -254,6 +260,15 @@ async def model_card(args) -> dict:
     return card
 
 
+def point_prompts(args, kind: str, value: float) -> int:
+    """Requests in one sweep point: --num-prompts, or, with --arrival-seconds at a finite rate, as many as
+    arrive in that many seconds (at most --num-prompts), so every rate runs about as long and reaches its
+    steady state rather than ending while the queue still builds."""
+    if kind == "rate" and args.arrival_seconds and math.isfinite(value):
+        return max(1, min(args.num_prompts, math.ceil(value * args.arrival_seconds)))
+    return args.num_prompts
+
+
 async def amain(args) -> dict:
     card = await model_card(args)
     args.model = card["id"]
@@ -265,7 +280,7 @@ async def amain(args) -> dict:
              else [("concurrency", int(c)) for c in args.concurrencies.split(",")])
     points = []
     for kind, value in sweep:
-        workload = synthetic_workload(args.num_prompts, args, max_model_len, rng)
+        workload = synthetic_workload(point_prompts(args, kind, value), args, max_model_len, rng)
         results, elapsed = await run_point(args, workload, value if kind == "rate" else None,
                                            value if kind == "concurrency" else None, rng)
         label = f"{value:g} req/s" if kind == "rate" else f"{value} conc"
@@ -288,6 +303,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     sweep.add_argument("--concurrencies", default=None, help="comma-separated numbers of closed-loop clients")
     p.add_argument("--num-prompts", type=int, default=100, help="requests per sweep point (at most)")
     p.add_argument("--max-duration", type=float, default=300.0, help="seconds per sweep point (at most)")
+    p.add_argument("--arrival-seconds", type=float, default=None,
+                   help="with --request-rates: each rate point sends rate x this many requests (at most --num-prompts)")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--warmup", type=int, default=2, help="requests sent (and not counted) before the sweep")
     p.add_argument("--length-dist", choices=["lognormal", "uniform", "fixed"], default="lognormal")
@@ -301,6 +318,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ttft-slo", type=float, default=1.0, help="goodput: TTFT limit in seconds")
     p.add_argument("--tpot-slo", type=float, default=0.1, help="goodput: TPOT limit in seconds")
+    p.add_argument("--extra-tpot-slos", type=lambda v: [float(x) for x in v.split(",") if x], default=[],
+                   help="comma-separated further TPOT limits (s): goodput under each, with the same TTFT limit")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_results/serving", help="writes OUT.json and, with matplotlib, OUT.png")
     p.add_argument("--save-requests", action="store_true", help="keep every request's timings in the JSON")

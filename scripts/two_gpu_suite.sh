@@ -5,7 +5,8 @@
 #
 #     RES=/tmp/res bash scripts/two_gpu_suite.sh [step ...]     # default: every step, in this order
 #
-# LIMITS="sp=200 sp_serve=380" overrides steps' time limits; SP_LENGTHS the sp step's prompt lengths.
+# LIMITS="sp=200 sp_serve=380" overrides steps' time limits; SP_LENGTHS the sp step's prompt lengths, PD_RATES the
+# pd step's request rates.
 # Steps: tests offline latency pd kv sp ep fault (the default), and allreduce pd_small pd_c1 sp_serve tp_serve pd_trace.
 set -u
 RES=${RES:-/tmp/res}
@@ -38,11 +39,11 @@ run_latency() {  # TP=1, TP=2 with the NCCL-only all-reduce, TP=2 with the P2P o
       --out "$RES/latency_$2.json" ${3:-} || return $?
   done
 }
-run_pd() {
+run_pd() {  # issue 27's goodput curve: each rate sends 15 s of Poisson arrivals (rate x 15 requests), so it reaches its steady state
   python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
     --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16" \
     --deployments "colocated=--replicas 2;pd=--disaggregated" \
-    --bench-args "--input-len 2048 --output-len 256 --request-rates 2,4,8,16 --num-prompts 64 --max-token-id 100000 --ttft-slo 1 --tpot-slo 0.05 --save-requests" \
+    --bench-args "--input-len 2048 --output-len 256 --request-rates $PD_RATES --arrival-seconds 15 --num-prompts 400 --max-token-id 100000 --ttft-slo 1 --tpot-slo 0.05 --extra-tpot-slos 0.02 --save-requests" \
     --out "$RES/pd_vs_colocated"
 }
 run_kv() { python scripts/bench_kv_transfer.py --device cuda --out "$RES/kv_transfer.json"; }
@@ -105,7 +106,8 @@ run_fault() {
 }
 
 SP_LENGTHS=${SP_LENGTHS:-16384,65536,131056}
-export RES M8B SP_LENGTHS
+PD_RATES=${PD_RATES:-2,4,8,16,24}
+export RES M8B SP_LENGTHS PD_RATES
 export -f run_tests run_offline run_latency run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace
 declare -A LIMIT=([tests]=300 [offline]=540 [latency]=300 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
                  [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [pd_trace]=240)

@@ -77,3 +77,20 @@ def test_runs_without_matplotlib(bench, server, tmp_path, monkeypatch, capsys):
     assert json.loads(out.with_suffix(".json").read_text())["points"][0]["summary"]["completed"] == 2
     assert not out.with_suffix(".png").exists()
     assert "matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_arrival_seconds_sizes_each_rate_and_extra_tpot_limits_count(bench, server, tmp_path):
+    # 20 req/s for 0.3 s is 6 requests, 40 req/s is 12, capped by --num-prompts at 10; a TPOT limit no request
+    # meets gives goodput 0 beside the main limit, which every request meets.
+    out = tmp_path / "serving"
+    rc = bench.main(["--base-url", server.url, "--request-rates", "20,40", "--arrival-seconds", "0.3",
+                     "--num-prompts", "10", "--warmup", "0", "--input-len", "16", "--output-len", "6",
+                     "--length-dist", "fixed", "--max-token-id", "300", "--ttft-slo", "30", "--tpot-slo", "5",
+                     "--extra-tpot-slos", "5,0.000001", "--out", str(out)])
+    assert rc == 0
+    points = json.loads(out.with_suffix(".json").read_text())["points"]
+    assert [p["summary"]["completed"] for p in points] == [6, 10]
+    for p in points:
+        s = p["summary"]
+        assert s["goodput_by_tpot_ms"] == {"5000": s["goodput"], "0.001": 0.0}
+        assert s["goodput"] > 0
