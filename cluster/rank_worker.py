@@ -15,7 +15,7 @@ from parallel.state import init_groups
 from workers.config import EngineConfig
 from workers.gil import shorten_switch_interval
 from workers.model_runner import ModelRunner
-from workers.rank_profile import RankProfile, step_kind
+from workers.rank_profile import RankProfile, logged_profile, step_kind
 from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput, fill_placeholders, placeholder_seqs
 from workers.step_delta import StepDecoder, pack_output
 
@@ -99,7 +99,7 @@ class RankWorker:
         # frame, no round trip through the driver); with more ranks, those without the tokens need the fill.
         self._keep_sampled = self.runner.config.parallel.world_size == 1
         self._sampled: dict[str, int] = {}  # seq_id -> the token the last step sampled for it
-        self.profile: RankProfile | None = None
+        self.profile: RankProfile | None = logged_profile(self.rank)
         self._answered_at = time.perf_counter()
         run_rank_loop((address, port), self.rank, self._on_message, spin_s, local_path)
 
@@ -135,7 +135,7 @@ class RankWorker:
         else:
             kind = step_kind(out, self.runner.cuda_graphs)
             result = self.profile.step(kind, start - self._answered_at, time.perf_counter() - start,
-                                       lambda: self.execute(out), out.num_tokens)
+                                       lambda: self.execute(out), out.num_tokens, len(out.seqs))
         if self._keep_sampled and result is not None:  # a step sent ahead fills its placeholders from these
             self._sampled = result.token_ids_by_seq()
         packed = pack_output(result, out)

@@ -47,6 +47,11 @@ SERVED_WAITING_CEILING = 4
 # receive waited the engine's 60 s default past a 30 s request limit, and 29 requests got 504.
 SERVED_KV_TRANSFER_SHARE = 1 / 3
 SERVED_KV_TRANSFER_FLOOR_S = 5.0
+# The disaggregated app's default router replicas per decode replica on GPUs. Measured on 2 x H100 (Llama-3.1-8B
+# shapes, in 2048 / out 256, docs/benchmarks.md "Ninth session"): one router process saturated at ~7 req/s, 1,600
+# tokens/s streamed, its Python busy in Serve's streaming and the SSE body, while the decode replica ran 30-40
+# sequences at 10-13 ms a step; the GIL bounds a router process to one core's worth of that work.
+ROUTERS_PER_GPU_DECODE_REPLICA = 4
 
 
 class PoolConfig(StrictModel):
@@ -131,6 +136,11 @@ class AppConfig(EngineArgs):
                                  "is likely idle), the router calls the prefill pool itself, "
                                  "concurrently with the decode replica's reservation, and streams token 1 from the "
                                  "prefill replica's answer: two Serve hops before the first token instead of four.")
+    router_replicas: int | None = Field(default=None, ge=1, description="Disaggregated: replicas of the router, "
+                                        "the deployment that takes every request and streams its tokens to the client. "
+                                        "Default: with GPUs, 4 per decode replica at the decode pool's starting size "
+                                        "(one router process streamed at most ~1,600 tokens/s on an H100 host); on "
+                                        "CPUs, 1.")
     api_keys: list[str] = Field(default_factory=list, description="Accepted `Authorization: Bearer` keys; empty = no auth.")
     api_keys_env: str | None = Field(default=None, description="Environment variable with more comma-separated keys, "
                                      "read on the replica (keeps secrets out of the config).")
@@ -190,7 +200,25 @@ class AppConfig(EngineArgs):
             if pool == "decode" and not self.colocated and args.parallel_config().sequence_parallel_size > 1:
                 raise ValueError("decode: sequence_parallel_size > 1 splits long prompts; give it to the prefill "
                                  "pool (or set colocated: true)")
+        if self.colocated and self.router_replicas is not None:
+            raise ValueError("router_replicas sizes the disaggregated app's router; a colocated app has none "
+                             "(its replicas take the requests themselves)")
         return self
+
+    def starting_replicas(self, pool: Pool) -> int:
+        """A pool's replicas at start: num_replicas, or autoscaling's initial (else min) replicas."""
+        cfg = self.pool(pool)
+        if cfg.autoscaling_config is not None:
+            auto = cfg.autoscaling_config
+            return auto["initial_replicas"] if auto.get("initial_replicas") is not None else auto.get("min_replicas", 1)
+        return cfg.num_replicas or 1
+
+    def router_replica_count(self, on_gpus: bool) -> int:
+        """The router's replicas: `router_replicas`, else ROUTERS_PER_GPU_DECODE_REPLICA per starting decode
+        replica where the ranks run on GPUs, else 1."""
+        if self.router_replicas is not None:
+            return self.router_replicas
+        return ROUTERS_PER_GPU_DECODE_REPLICA * self.starting_replicas("decode") if on_gpus else 1
 
     def gpus_needed(self) -> dict[str, float]:
         """Ray GPUs each pool takes at its starting size (num_replicas, or autoscaling's initial/min
@@ -199,14 +227,7 @@ class AppConfig(EngineArgs):
         pools: tuple[Pool, ...] = ("decode",) if self.colocated else ("prefill", "decode")
         needed = {}
         for pool in pools:
-            cfg, args = self.pool(pool), self.engine_args(pool)
-            if cfg.autoscaling_config is not None:
-                auto = cfg.autoscaling_config
-                replicas = auto.get("initial_replicas") if auto.get("initial_replicas") is not None \
-                    else auto.get("min_replicas", 1)
-            else:
-                replicas = cfg.num_replicas or 1
-            parallel = args.parallel_config()
+            replicas, parallel = self.starting_replicas(pool), self.engine_args(pool).parallel_config()
             needed["colocated" if self.colocated else pool] = replicas * parallel.world_size * parallel.gpus_per_rank
         return needed
 

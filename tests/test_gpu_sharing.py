@@ -101,3 +101,29 @@ def test_an_app_that_needs_more_gpus_than_the_cluster_fails_at_start_with_the_br
     assert replicas.gpus_needed() == {"colocated": 4}
     assert check_gpus_suffice(app(device="cpu", prefill={"sequence_parallel_size": 2}), 0, own_cluster=True) is None
     assert check_gpus_suffice(app(device="auto"), 0, own_cluster=True) is None  # auto on a GPU-less cluster: CPU
+
+
+def test_the_router_gets_replicas_per_decode_replica_on_gpus_one_on_cpus_or_what_is_given():
+    """One router process saturated at ~7 req/s on 2 x H100 while its decode replica idled half its GPU
+    (docs/benchmarks.md, "Ninth session"): with GPUs, the disaggregated app starts several."""
+    from router.config import ROUTERS_PER_GPU_DECODE_REPLICA, AppConfig
+    from router.disaggregated import build_disaggregated_app
+
+    def app(**kw) -> AppConfig:
+        return AppConfig(**{"model": "models/tandem-tiny", "device": "cuda", **kw})
+
+    assert app().router_replica_count(on_gpus=True) == ROUTERS_PER_GPU_DECODE_REPLICA
+    assert app(decode={"num_replicas": 3}).router_replica_count(on_gpus=True) == 3 * ROUTERS_PER_GPU_DECODE_REPLICA
+    scaled = app(decode={"autoscaling_config": {"min_replicas": 2, "max_replicas": 8}})
+    assert scaled.router_replica_count(on_gpus=True) == 2 * ROUTERS_PER_GPU_DECODE_REPLICA
+    assert app(device="cpu").router_replica_count(on_gpus=False) == 1
+    assert app(router_replicas=3).router_replica_count(on_gpus=True) == 3
+    with pytest.raises(ValueError, match="router_replicas"):
+        app(colocated=True, router_replicas=2)
+    with pytest.raises(ValueError):
+        app(router_replicas=0)
+    # The built app: its ingress deployment (the router) has that many replicas; GPU-less here, so one.
+    built = build_disaggregated_app(app(device="cpu"))
+    assert built._bound_deployment.num_replicas == 1
+    built = build_disaggregated_app(app(device="cpu", router_replicas=2))
+    assert built._bound_deployment.num_replicas == 2

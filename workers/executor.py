@@ -10,7 +10,7 @@ from typing import Callable
 
 from workers.config import EngineConfig
 from workers.model_runner import ModelRunner
-from workers.rank_profile import ProfiledRunner
+from workers.rank_profile import ProfiledRunner, logged_profile
 from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -94,7 +94,8 @@ class UniprocExecutor(Executor):
 
     def __init__(self, config: EngineConfig, hf_config, max_model_len: int, eos_token_ids: list[int], show_progress: bool = True):
         self.runner: ModelRunner | None = ModelRunner(config, hf_config, max_model_len, eos_token_ids, show_progress)
-        self.profiled: ProfiledRunner | None = None
+        logged = logged_profile(0)  # TANDEM_RANK_PROFILE: a served replica's rank logs its own profile
+        self.profiled: ProfiledRunner | None = ProfiledRunner(self.runner, 0, logged) if logged is not None else None
         self.num_blocks = self.runner.num_blocks
 
     @property

@@ -69,8 +69,8 @@ class RankProfile:
         self.trace_dir = os.environ.get("TANDEM_PROFILE_TRACE_DIR") or None
         self.traces: dict[str, int] = defaultdict(int)  # written per step kind
 
-    def step(self, kind: str, idle_s: float, decode_s: float, run: Callable[[], T], tokens: int = 0) -> T:
-        row = {"kind": kind, "idle": idle_s, "decode": decode_s}
+    def step(self, kind: str, idle_s: float, decode_s: float, run: Callable[[], T], tokens: int = 0, seqs: int = 0) -> T:
+        row = {"kind": kind, "idle": idle_s, "decode": decode_s, "all_tokens": tokens, "seqs": seqs}
         # Every gpu_every-th step, from the middle of the first period: the very first step (the largest
         # prefill, allocator growth) would otherwise be in every sample.
         sampled = self.gpu_every > 0 and len(self.rows) % self.gpu_every == self.gpu_every // 2
@@ -118,6 +118,10 @@ class RankProfile:
         for kind, rows in by.items():
             n = len(rows)
             d = {"steps": n, **{f"ms_{k}": 1e3 * sum(r[k] for r in rows) / n for k in ("idle", "decode", "execute")}}
+            execute = sorted(r["execute"] for r in rows)
+            d["ms_execute_p50"], d["ms_execute_p90"] = 1e3 * execute[n // 2], 1e3 * execute[min(n - 1, (9 * n) // 10)]
+            d["mean_tokens"] = sum(r.get("all_tokens", 0) for r in rows) / n
+            d["mean_seqs"] = sum(r.get("seqs", 0) for r in rows) / n
             sampled = [r for r in rows if "sampled_wall" in r]
             if sampled:  # over the sampled steps (run under the profiler, so slightly slowed)
                 m = len(sampled)
@@ -143,17 +147,58 @@ def _mean_top(tops: list[dict[str, float]]) -> dict[str, float]:
     return {name: round(1e3 * s / len(tops), 3) for name, s in ranked}
 
 
+# TANDEM_RANK_PROFILE="<gpu_every>[:<log_every>]": a served rank (a Ray rank actor) profiles its own steps from
+# the start, as `Executor.profile` would, and every log_every steps (default 500) logs the summary of those steps
+# at WARNING ("rank profile {...}", one JSON line, in the Serve log) and starts a new window. gpu_every 0: host
+# times only. A diagnostic of a served replica, which nothing else can ask for its profile.
+RANK_PROFILE_ENV = "TANDEM_RANK_PROFILE"
+
+
+class LoggedRankProfile(RankProfile):
+    def __init__(self, rank: int, gpu_every: int, log_every: int):
+        super().__init__(rank, gpu_every)
+        self.log_every = max(1, log_every)
+        self.windows = 0
+
+    def step(self, *args, **kwargs):
+        result = super().step(*args, **kwargs)
+        if len(self.rows) >= self.log_every:
+            import json
+            import logging
+
+            self.windows += 1
+            logging.getLogger(__name__).warning("rank profile %s", json.dumps(
+                {"rank": self.rank, "window": self.windows, "steps": len(self.rows), "by_kind": self.summary()}))
+            self.rows = []
+        return result
+
+
+def logged_profile(rank: int, environ: dict[str, str] | None = None) -> LoggedRankProfile | None:
+    """The profile TANDEM_RANK_PROFILE asks for (None when unset); a malformed value is refused by name."""
+    value = (os.environ if environ is None else environ).get(RANK_PROFILE_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        parts = [int(p) for p in value.split(":")]
+        if len(parts) > 2 or min(parts) < 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{RANK_PROFILE_ENV}={value!r}: expected '<gpu_every>' or '<gpu_every>:<log_every>', "
+                         "non-negative integers") from None
+    return LoggedRankProfile(rank, parts[0], parts[1] if len(parts) > 1 else 500)
+
+
 class ProfiledRunner:
     """Times `execute` on a runner as a rank loop does, for the in-process executor (no message, no idle
     measured by the channel: idle is the time between two steps of this process)."""
 
-    def __init__(self, runner, gpu_every: int):
-        self.runner, self.profile = runner, RankProfile(0, gpu_every)
+    def __init__(self, runner, gpu_every: int, profile: RankProfile | None = None):
+        self.runner, self.profile = runner, profile if profile is not None else RankProfile(0, gpu_every)
         self._last_end = time.perf_counter()
 
     def execute(self, out: SchedulerOutput):
         idle = time.perf_counter() - self._last_end
         kind = step_kind(out, getattr(self.runner, "cuda_graphs", None))
-        result = self.profile.step(kind, idle, 0.0, lambda: self.runner.execute(out), out.num_tokens)
+        result = self.profile.step(kind, idle, 0.0, lambda: self.runner.execute(out), out.num_tokens, len(out.seqs))
         self._last_end = time.perf_counter()
         return result

@@ -1,0 +1,37 @@
+"""TANDEM_RANK_PROFILE: a served rank profiles its own steps and logs each window's summary."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from workers.rank_profile import LoggedRankProfile, logged_profile
+
+
+def test_unset_means_no_profile():
+    assert logged_profile(0, {}) is None
+    assert logged_profile(0, {"TANDEM_RANK_PROFILE": " "}) is None
+
+
+@pytest.mark.parametrize("value", ["x", "1:2:3", "-1", "2:-5", "1.5"])
+def test_a_malformed_value_is_refused_by_name(value):
+    with pytest.raises(ValueError, match="TANDEM_RANK_PROFILE"):
+        logged_profile(0, {"TANDEM_RANK_PROFILE": value})
+
+
+def test_each_window_is_logged_with_its_step_kinds_sizes_and_percentiles(caplog):
+    profile = logged_profile(3, {"TANDEM_RANK_PROFILE": "0:4"})
+    assert isinstance(profile, LoggedRankProfile) and profile.log_every == 4 and profile.gpu_every == 0
+    with caplog.at_level(logging.WARNING, logger="workers.rank_profile"):
+        for i in range(10):  # two full windows of four steps, and two steps of a third
+            kind = "mixed" if i % 4 == 0 else "decode-graph"
+            assert profile.step(kind, 0.001, 0.0, lambda: i * 2, tokens=100 if kind == "mixed" else 8, seqs=8) == i * 2
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rank profile ")]
+    assert len(lines) == 2 and len(profile.rows) == 2
+    first = json.loads(lines[0].removeprefix("rank profile "))
+    assert first["rank"] == 3 and first["window"] == 1 and first["steps"] == 4
+    by = first["by_kind"]
+    assert by["mixed"]["steps"] == 1 and by["decode-graph"]["steps"] == 3
+    assert by["mixed"]["mean_tokens"] == 100 and by["decode-graph"]["mean_tokens"] == 8 and by["decode-graph"]["mean_seqs"] == 8
+    assert 0 <= by["decode-graph"]["ms_execute_p50"] <= by["decode-graph"]["ms_execute_p90"]
