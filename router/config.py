@@ -48,9 +48,9 @@ SERVED_WAITING_CEILING = 4
 SERVED_KV_TRANSFER_SHARE = 1 / 3
 SERVED_KV_TRANSFER_FLOOR_S = 5.0
 # The disaggregated app's default router replicas per decode replica on GPUs. Measured on 2 x H100 (Llama-3.1-8B
-# shapes, in 2048 / out 256, docs/benchmarks.md "Ninth session"): one router process saturated at ~7 req/s, 1,600
-# tokens/s streamed, its Python busy in Serve's streaming and the SSE body, while the decode replica ran 30-40
-# sequences at 10-13 ms a step; the GIL bounds a router process to one core's worth of that work.
+# shapes, in 2048 / out 256, docs/benchmarks.md "Ninth session"): with one router the app saturated at ~7 req/s
+# (~1,600 tokens/s streamed) while its decode replica ran 30-40 sequences at 10-13 ms a step; with four, at ~10.5.
+# Every token of every request passes through a router's Python (Serve's streaming, the SSE body, metrics).
 ROUTERS_PER_GPU_DECODE_REPLICA = 4
 
 
