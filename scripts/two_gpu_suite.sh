@@ -7,7 +7,8 @@
 #
 # LIMITS="sp=200 sp_serve=380" overrides steps' time limits; SP_LENGTHS the sp step's prompt lengths, PD_RATES the
 # pd step's request rates.
-# Steps: tests offline latency pd kv sp ep fault (the default), and allreduce pd_small pd_c1 sp_serve tp_serve pd_trace.
+# Steps: tests offline latency pd kv sp ep fault (the default), and allreduce pd_small pd_c1 sp_serve tp_serve pd_trace
+# pd_profile.
 set -u
 RES=${RES:-/tmp/res}
 mkdir -p "$RES"
@@ -83,6 +84,40 @@ run_pd_trace() {  # where a handed-off request's time goes at 4 req/s: its timel
   grep -h "kv phases" "$RES/pd_trace_logs"/*.log | sed 's/^.*kv phases //' >"$RES/pd_trace_kv_phases.jsonl"
   python scripts/trace_stages.py "$RES/pd_trace.jsonl" >"$RES/pd_trace_stages.txt"
 }
+run_pd_profile() {  # issue 27: what limits PD's decode replica at 16 req/s: its rank's own step profile
+  # (TANDEM_RANK_PROFILE), the pools' /metrics every 2 s, and 10 s of py-spy on the decode replica where py-spy is
+  # installed. PD_PROFILE_{MODEL,DEVICE,DTYPE,MAX_MODEL_LEN,LENGTHS,RATE} run it elsewhere, e.g. a CPU dry run:
+  # PD_PROFILE_MODEL=models/tandem-tiny PD_PROFILE_DEVICE=cpu PD_PROFILE_DTYPE=float32 PD_PROFILE_MAX_MODEL_LEN=512
+  # PD_PROFILE_LENGTHS="--input-len 128 --output-len 32 --max-input-len 256 --max-token-id 500" PD_PROFILE_RATE=4
+  local logs="$RES/pd_profile_logs"
+  ( export TANDEM_RANK_PROFILE=40:300
+    python scripts/bench_pd_vs_colocated.py --model "${PD_PROFILE_MODEL:-$M8B}" --device "${PD_PROFILE_DEVICE:-cuda}" \
+      --serve-args "--load-format dummy --max-model-len ${PD_PROFILE_MAX_MODEL_LEN:-8192} --dtype ${PD_PROFILE_DTYPE:-bfloat16} --trace-requests" --log-dir "$logs" \
+      --deployments "pd=--disaggregated" \
+      --bench-args "${PD_PROFILE_LENGTHS:---input-len 2048 --output-len 256 --max-token-id 100000} --request-rates ${PD_PROFILE_RATE:-16} --arrival-seconds 20 --num-prompts 400 --save-requests" \
+      --out "$RES/pd_profile" ) &
+  local bench=$! port="" i
+  for i in $(seq 1 300); do  # the server's port, once it is ready
+    port=$(grep -ho "API at http://127.0.0.1:[0-9]*/v1" "$logs"/*.log 2>/dev/null | head -1 | sed 's#.*:\([0-9]*\)/v1#\1#')
+    [ -n "$port" ] && break; sleep 1
+  done
+  sleep 8  # the warm-up requests, then the point's arrivals
+  for i in $(seq 1 20); do
+    echo "t=$(date +%s.%N)"; curl -s --max-time 2 "http://127.0.0.1:$port/metrics" \
+      | grep -E "^tandem_(num_preemptions|num_requests_running|num_requests_waiting|kv_cache_usage)"; sleep 2
+  done >"$RES/pd_profile_metrics.txt" 2>&1 &
+  if command -v py-spy >/dev/null; then
+    sleep 10
+    local pid; pid=$(ps -eo pid,args | grep "ray::ServeReplica:.*:DecodePool" | grep -v grep | awk '{print $1}' | head -1)
+    [ -n "$pid" ] && timeout 30 py-spy record -p "$pid" -d 10 -r 100 -f raw --threads --nonblocking \
+      -o "$RES/pd_profile_decode_spy.txt" >/dev/null 2>&1
+  fi
+  wait $bench; local rc=$?; wait
+  grep -h "rank profile" "$logs"/*.log | sed 's/^.*rank profile //' >"$RES/pd_profile_ranks.jsonl"
+  grep -h "tandem.trace" "$logs"/*.log | sed 's/^.*tandem.trace //' >"$RES/pd_profile.jsonl"
+  python scripts/trace_stages.py "$RES/pd_profile.jsonl" >"$RES/pd_profile_stages.txt" 2>&1
+  return $rc
+}
 run_tp_serve() {  # issue 26: the served app, one TP=2 replica against one TP=1 replica, one client (TPOT)
   python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
     --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16" --log-dir "$RES/tp_serve_logs" \
@@ -108,9 +143,9 @@ run_fault() {
 SP_LENGTHS=${SP_LENGTHS:-16384,65536,131056}
 PD_RATES=${PD_RATES:-2,4,8,16,24}
 export RES M8B SP_LENGTHS PD_RATES
-export -f run_tests run_offline run_latency run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace
+export -f run_tests run_offline run_latency run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
 declare -A LIMIT=([tests]=300 [offline]=540 [latency]=300 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
-                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [pd_trace]=240)
+                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [pd_trace]=240 [pd_profile]=240)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1
