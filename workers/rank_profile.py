@@ -10,6 +10,8 @@ Kinds: `decode-graph` (a CUDA-graph replay), `decode` (one token per sequence, e
 from __future__ import annotations
 
 import gzip
+import json
+import logging
 import os
 import shutil
 import time
@@ -22,6 +24,7 @@ from torch.autograd import DeviceType
 from workers.scheduler_output import SchedulerOutput
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def step_kind(out: SchedulerOutput, cuda_graphs) -> str:
@@ -70,7 +73,7 @@ class RankProfile:
         self.traces: dict[str, int] = defaultdict(int)  # written per step kind
 
     def step(self, kind: str, idle_s: float, decode_s: float, run: Callable[[], T], tokens: int = 0, seqs: int = 0) -> T:
-        row = {"kind": kind, "idle": idle_s, "decode": decode_s, "all_tokens": tokens, "seqs": seqs}
+        row = {"kind": kind, "idle": idle_s, "decode": decode_s, "tokens": tokens, "seqs": seqs}
         # Every gpu_every-th step, from the middle of the first period: the very first step (the largest
         # prefill, allocator growth) would otherwise be in every sample.
         sampled = self.gpu_every > 0 and len(self.rows) % self.gpu_every == self.gpu_every // 2
@@ -88,7 +91,6 @@ class RankProfile:
             row["sampled_wall"] = time.perf_counter() - t
             events = prof.key_averages()
             row["kernels"], row["comm"] = _kernel_and_comm_seconds(events, cuda)
-            row["tokens"] = tokens
             row["top_host"] = _top(events, "self_cpu_time_total")
             if cuda:
                 row["top_gpu"] = _top([e for e in events if _is_kernel(e)], "self_device_time_total")
@@ -120,8 +122,8 @@ class RankProfile:
             d = {"steps": n, **{f"ms_{k}": 1e3 * sum(r[k] for r in rows) / n for k in ("idle", "decode", "execute")}}
             execute = sorted(r["execute"] for r in rows)
             d["ms_execute_p50"], d["ms_execute_p90"] = 1e3 * execute[n // 2], 1e3 * execute[min(n - 1, (9 * n) // 10)]
-            d["mean_tokens"] = sum(r.get("all_tokens", 0) for r in rows) / n
-            d["mean_seqs"] = sum(r.get("seqs", 0) for r in rows) / n
+            d["mean_tokens"] = sum(r["tokens"] for r in rows) / n
+            d["mean_seqs"] = sum(r["seqs"] for r in rows) / n
             sampled = [r for r in rows if "sampled_wall" in r]
             if sampled:  # over the sampled steps (run under the profiler, so slightly slowed)
                 m = len(sampled)
@@ -147,7 +149,7 @@ def _mean_top(tops: list[dict[str, float]]) -> dict[str, float]:
     return {name: round(1e3 * s / len(tops), 3) for name, s in ranked}
 
 
-# TANDEM_RANK_PROFILE="<gpu_every>[:<log_every>]": a served rank (a Ray rank actor) profiles its own steps from
+# TANDEM_RANK_PROFILE="<gpu_every>[:<log_every>]": a served rank (a rank actor, or in the replica's process) profiles its own steps from
 # the start, as `Executor.profile` would, and every log_every steps (default 500) logs the summary of those steps
 # at WARNING ("rank profile {...}", one JSON line, in the Serve log) and starts a new window. gpu_every 0: host
 # times only. A diagnostic of a served replica, which nothing else can ask for its profile.
@@ -163,11 +165,8 @@ class LoggedRankProfile(RankProfile):
     def step(self, *args, **kwargs):
         result = super().step(*args, **kwargs)
         if len(self.rows) >= self.log_every:
-            import json
-            import logging
-
             self.windows += 1
-            logging.getLogger(__name__).warning("rank profile %s", json.dumps(
+            log.warning("rank profile %s", json.dumps(
                 {"rank": self.rank, "window": self.windows, "steps": len(self.rows), "by_kind": self.summary()}))
             self.rows = []
         return result
