@@ -138,9 +138,9 @@ class AppConfig(EngineArgs):
                                  "prefill replica's answer: two Serve hops before the first token instead of four.")
     router_replicas: int | None = Field(default=None, ge=1, description="Disaggregated: replicas of the router, "
                                         "the deployment that takes every request and streams its tokens to the client. "
-                                        "Default: with GPUs, 4 per decode replica at the decode pool's starting size "
-                                        "(one router process streamed at most ~1,600 tokens/s on an H100 host); on "
-                                        "CPUs, 1.")
+                                        "Default: with GPUs, 4 per decode replica, autoscaled with the decode pool "
+                                        "when it autoscales (one router process streamed at most ~1,600 tokens/s on "
+                                        "an H100 host); on CPUs, 1.")
     api_keys: list[str] = Field(default_factory=list, description="Accepted `Authorization: Bearer` keys; empty = no auth.")
     api_keys_env: str | None = Field(default=None, description="Environment variable with more comma-separated keys, "
                                      "read on the replica (keeps secrets out of the config).")
@@ -213,12 +213,26 @@ class AppConfig(EngineArgs):
             return auto["initial_replicas"] if auto.get("initial_replicas") is not None else auto.get("min_replicas", 1)
         return cfg.num_replicas or 1
 
-    def router_replica_count(self, on_gpus: bool) -> int:
-        """The router's replicas: `router_replicas`, else ROUTERS_PER_GPU_DECODE_REPLICA per starting decode
-        replica where the ranks run on GPUs, else 1."""
+    def router_serve_options(self, on_gpus: bool) -> dict[str, Any]:
+        """The Router deployment's size: `router_replicas` when given; on CPUs, 1; where the ranks run on GPUs, in
+        step with the decode pool: ROUTERS_PER_GPU_DECODE_REPLICA per decode replica, fixed or autoscaled (bounds
+        times that, and the decode pool's target of ongoing requests per replica split among them: every request
+        streams through one router and one decode replica, so both see the same requests). At least one: the
+        Router takes every request, so it never scales to zero."""
         if self.router_replicas is not None:
-            return self.router_replicas
-        return ROUTERS_PER_GPU_DECODE_REPLICA * self.starting_replicas("decode") if on_gpus else 1
+            return {"num_replicas": self.router_replicas}
+        if not on_gpus:
+            return {"num_replicas": 1}
+        k = ROUTERS_PER_GPU_DECODE_REPLICA
+        given = self.decode.autoscaling_config
+        if given is None:
+            return {"num_replicas": k * self.starting_replicas("decode")}
+        resolved = AutoscalingConfig(**given)  # Serve's defaults for the bounds the config leaves out
+        scaled = {**given, "min_replicas": max(1, k * resolved.min_replicas), "max_replicas": max(1, k * resolved.max_replicas),
+                  "target_ongoing_requests": max(1.0, resolved.target_ongoing_requests / k)}
+        if resolved.initial_replicas is not None:
+            scaled["initial_replicas"] = max(1, k * resolved.initial_replicas)
+        return {"autoscaling_config": scaled}
 
     def gpus_needed(self) -> dict[str, float]:
         """Ray GPUs each pool takes at its starting size (num_replicas, or autoscaling's initial/min

@@ -422,7 +422,7 @@ def build_disaggregated_app(config: AppConfig) -> Application:
         max_ongoing_requests=config.max_ongoing_requests("decode"), ray_actor_options=decode_actor, request_router_config=decode_router,
         **config.decode.serve_options(), **config.backpressure_options("decode")).bind(args, prefill)
     router = serve.deployment(Router, name="Router").options(
-        num_replicas=config.router_replica_count(on_gpus=bool(gpus_per_replica(config))),
         max_ongoing_requests=4 * config.max_ongoing_requests("decode"), ray_actor_options={"num_cpus": 0},
+        **config.router_serve_options(on_gpus=bool(gpus_per_replica(config))),
         **config.backpressure_options("decode", scale=4)).bind(args, decode, prefill)
     return router

@@ -105,25 +105,34 @@ def test_an_app_that_needs_more_gpus_than_the_cluster_fails_at_start_with_the_br
 
 def test_the_router_gets_replicas_per_decode_replica_on_gpus_one_on_cpus_or_what_is_given():
     """One router process saturated at ~7 req/s on 2 x H100 while its decode replica idled half its GPU
-    (docs/benchmarks.md, "Ninth session"): with GPUs, the disaggregated app starts several."""
-    from router.config import ROUTERS_PER_GPU_DECODE_REPLICA, AppConfig
+    (docs/benchmarks.md, "Ninth session"): with GPUs, the disaggregated app starts several, in step with the decode pool."""
+    from router.config import ROUTERS_PER_GPU_DECODE_REPLICA as K, AppConfig
     from router.disaggregated import build_disaggregated_app
 
     def app(**kw) -> AppConfig:
         return AppConfig(**{"model": "models/tandem-tiny", "device": "cuda", **kw})
 
-    assert app().router_replica_count(on_gpus=True) == ROUTERS_PER_GPU_DECODE_REPLICA
-    assert app(decode={"num_replicas": 3}).router_replica_count(on_gpus=True) == 3 * ROUTERS_PER_GPU_DECODE_REPLICA
-    scaled = app(decode={"autoscaling_config": {"min_replicas": 2, "max_replicas": 8}})
-    assert scaled.router_replica_count(on_gpus=True) == 2 * ROUTERS_PER_GPU_DECODE_REPLICA
-    assert app(device="cpu").router_replica_count(on_gpus=False) == 1
-    assert app(router_replicas=3).router_replica_count(on_gpus=True) == 3
+    assert app().router_serve_options(on_gpus=True) == {"num_replicas": K}
+    assert app(decode={"num_replicas": 3}).router_serve_options(on_gpus=True) == {"num_replicas": 3 * K}
+    # An autoscaled decode pool: the router autoscales on K times its bounds, with its per-replica target split K ways;
+    # Serve's defaults fill what the config leaves out, and the router never scales to zero.
+    scaled = app(decode={"autoscaling_config": {"min_replicas": 0, "max_replicas": 8, "initial_replicas": 2,
+                                                "target_ongoing_requests": 128, "upscale_delay_s": 30}})
+    auto = scaled.router_serve_options(on_gpus=True)["autoscaling_config"]
+    assert auto == {"min_replicas": 1, "max_replicas": 8 * K, "initial_replicas": 2 * K,
+                    "target_ongoing_requests": 128 / K, "upscale_delay_s": 30}
+    bare = app(decode={"autoscaling_config": {"max_replicas": 2}}).router_serve_options(on_gpus=True)["autoscaling_config"]
+    assert bare["min_replicas"] == K and bare["max_replicas"] == 2 * K and "initial_replicas" not in bare
+    assert app(device="cpu").router_serve_options(on_gpus=False) == {"num_replicas": 1}
+    assert scaled.router_serve_options(on_gpus=False) == {"num_replicas": 1}
+    assert app(router_replicas=3).router_serve_options(on_gpus=True) == {"num_replicas": 3}
     with pytest.raises(ValueError, match="router_replicas"):
         app(colocated=True, router_replicas=2)
     with pytest.raises(ValueError):
         app(router_replicas=0)
     # The built app: its ingress deployment (the router) has that many replicas; GPU-less here, so one.
-    built = build_disaggregated_app(app(device="cpu"))
-    assert built._bound_deployment.num_replicas == 1
-    built = build_disaggregated_app(app(device="cpu", router_replicas=2))
-    assert built._bound_deployment.num_replicas == 2
+    assert build_disaggregated_app(app(device="cpu"))._bound_deployment.num_replicas == 1
+    assert build_disaggregated_app(app(device="cpu", router_replicas=2))._bound_deployment.num_replicas == 2
+    on_gpus = build_disaggregated_app(app(decode={"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}))
+    router_auto = on_gpus._bound_deployment._deployment_config.autoscaling_config
+    assert (router_auto.min_replicas, router_auto.max_replicas) == (K, 4 * K)
