@@ -50,7 +50,7 @@ MALFORMED = (b'{"prompt": ', b'{"prompt": "x", "max_tokens": "many"}', b'{"promp
              b'{"messages": [{"role": "robot", "content": "hi"}]}', b'[1, 2, 3]')
 PROMPTS = ("def fibonacci(n):", "The quick brown fox", "Once upon a time, in a land far away,",
            "import numpy as np\n", "Q: What is the capital of France?\nA:")
-FAULTS = ("kill-prefill", "kill-decode", "kill-rank")
+FAULTS = ("kill-prefill", "kill-decode", "kill-rank", "kill-router")
 
 
 @dataclass
@@ -215,6 +215,9 @@ FAULT_ACTIONS: dict[str, Callable[[], str]] = {
     "kill-prefill": lambda: kill_replica("PrefillPool"),
     "kill-decode": lambda: kill_replica("DecodePool"),
     "kill-rank": kill_rank,
+    # The ingress: its in-flight streams end with it (the clients see the connection drop); the other Router
+    # replicas (--router-replicas 2 and up) take the new requests while Serve replaces it.
+    "kill-router": lambda: kill_replica("Router"),
 }
 
 
@@ -356,7 +359,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=4.0, help="Requests per second, open loop (default: 4).")
     p.add_argument("--duration", type=float, default=60.0, help="Seconds of load (default: 60).")
     p.add_argument("--schedule", default="kill-prefill@10,kill-decode@25,kill-rank@40",
-                   help="Faults as FAULT@SECONDS, comma-separated; FAULT: kill-prefill, kill-decode, kill-rank.")
+                   help="Faults as FAULT@SECONDS, comma-separated; FAULT: kill-prefill, kill-decode, kill-rank, kill-router.")
     p.add_argument("--deadline", type=float, default=60.0, help="Seconds a request may take before it counts as lost.")
     p.add_argument("--max-tokens", type=int, default=16, help="Tokens per ordinary request (default: 16).")
     p.add_argument("--oversize-bytes", type=int, default=200_000, help="Prompt size of oversized requests.")

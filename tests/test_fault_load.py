@@ -47,9 +47,11 @@ def test_a_pool_without_ranks_or_replicas_is_a_retryable_503(cause):
 def test_schedule_is_parsed_and_checked():
     import fault_load
 
-    assert fault_load.parse_schedule("kill-rank@4, kill-prefill@1") == [(1.0, "kill-prefill"), (4.0, "kill-rank")]
+    assert fault_load.parse_schedule("kill-rank@4, kill-prefill@1, kill-router@2") == [
+        (1.0, "kill-prefill"), (2.0, "kill-router"), (4.0, "kill-rank")]
+    assert set(fault_load.FAULT_ACTIONS) == set(fault_load.FAULTS)
     with pytest.raises(SystemExit, match="FAULT@SECONDS"):
-        fault_load.parse_schedule("kill-router@3")
+        fault_load.parse_schedule("kill-proxy@3")
 
 
 @pytest.mark.slow
