@@ -5,12 +5,16 @@ For each point of a sweep (request rates with Poisson arrivals, or fixed concurr
 synthetic streamed /v1/completions requests (token-id prompts, `ignore_eos`, so every request has
 exactly its drawn input and output length) and measures per request TTFT, TPOT, inter-token latency
 (gaps between streamed chunks) and end-to-end latency; it reports p50/p90/p99, request and token
-throughput, and goodput (completed requests per second within --ttft-slo and --tpot-slo). Each
-point is bounded by --num-prompts requests and --max-duration seconds. Requests go only to
---base-url (default localhost). Writes JSON and a latency-vs-throughput PNG.
+throughput, and goodput (completed requests per second within --ttft-slo and --tpot-slo, and within
+each --extra-tpot-slos limit). Each point is bounded by --num-prompts requests and --max-duration
+seconds; with --arrival-seconds S a rate point sends rate x S requests (at most --num-prompts), so
+every rate runs long enough to reach its steady state: with a fixed count, a high rate's arrivals end
+before any queue forms. Requests go only to --base-url (default localhost). Writes JSON and a
+latency-vs-throughput PNG.
 
     tandem serve &                                   # or any Tandem deployment
     python scripts/bench_serving.py --request-rates 1,2,4,inf --num-prompts 100
+    python scripts/bench_serving.py --request-rates 2,4,8,16 --arrival-seconds 15 --num-prompts 400 --extra-tpot-slos 0.02
     python scripts/bench_serving.py --concurrencies 1,8,32 --input-len 512 --output-len 128 --length-dist fixed
 """
 from __future__ import annotations
