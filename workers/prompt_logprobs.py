@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from workers.host_fetch import host_lists
 from workers.scheduler_output import ScheduledSeq
 
 # seq_id -> [(prompt position, its token's logprob, top-n [(token id, logprob)], best first)]
@@ -42,10 +43,12 @@ def compute_prompt_logprobs(head, seqs: list[ScheduledSeq], hidden: torch.Tensor
 def _entries(logits: torch.Tensor, targets: list[int], first_pos: int, n_top: int):
     logprobs = logits.float().log_softmax(dim=-1)  # [T, V]
     index = torch.tensor(targets, device=logprobs.device)[:, None]
-    chosen = logprobs.gather(1, index).squeeze(1).tolist()
+    chosen_t = logprobs.gather(1, index).squeeze(1)
     if n_top > 0:
         values, ids = logprobs.topk(n_top, dim=-1)
-        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        chosen, ids_l, values_l = host_lists(chosen_t, ids, values)  # one wait, pinned (workers/host_fetch.py)
+        tops = [list(zip(i, v)) for i, v in zip(ids_l, values_l)]
     else:
+        (chosen,) = host_lists(chosen_t)
         tops = [[] for _ in targets]
     return [(first_pos + k, lp, top) for k, (lp, top) in enumerate(zip(chosen, tops))]

@@ -18,8 +18,9 @@ def test_cuda_tensors_of_mixed_dtypes_and_layouts_come_back_exactly():
     ids = torch.randint(0, 128_000, (37,), device="cuda", generator=g)
     lps = torch.randn(37, device="cuda", generator=g)
     cpu = torch.tensor([7])
-    got = host_lists(ids, packed.t(), cpu, lps, torch.empty(0, device="cuda"))
-    assert got == [ids.tolist(), packed.t().tolist(), [7], lps.tolist(), []]
+    keep = lps > 0  # bool: speculative decoding's accept mask (workers/spec_decode/verify.py)
+    got = host_lists(ids, packed.t(), cpu, lps, torch.empty(0, device="cuda"), keep)
+    assert got == [ids.tolist(), packed.t().tolist(), [7], lps.tolist(), [], keep.tolist()]
 
 
 def test_the_staging_buffer_grows_and_each_thread_has_its_own():

@@ -21,6 +21,7 @@ import torch
 
 from workers.attention import forward_context
 from workers.config import EngineConfig
+from workers.host_fetch import host_lists
 from workers.loader import load_hf_config
 from workers.model_runner import ModelRunner
 from workers.sampler import Sampler
@@ -115,7 +116,7 @@ class DraftProposer:
     def _draw(self, logits: torch.Tensor, views: list[ScheduledSeq]) -> tuple[list[int], torch.Tensor | None]:
         """The next draft of each view, and q [len(views), V] when some request samples."""
         if all(Sampler.is_plain_greedy(v) for v in views):
-            return logits.argmax(dim=-1).tolist(), None
+            return host_lists(logits.argmax(dim=-1))[0], None
         x = self.sampler.process(logits, views)
         tokens = x.argmax(dim=-1)
         rows = [i for i, v in enumerate(views) if not v.sampling_params.greedy]
@@ -124,4 +125,4 @@ class DraftProposer:
             q = torch.zeros_like(x)
             q[rows] = self.sampler.probs(x[rows], [views[i] for i in rows])
             tokens[rows] = self.sampler.draw(q[rows].clone(), [views[i] for i in rows], salt=DRAFT_SALT)
-        return tokens.tolist(), q
+        return host_lists(tokens)[0], q

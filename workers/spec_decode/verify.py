@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from workers.host_fetch import host_lists
 from workers.sampler import Sampler
 from workers.scheduler_output import SampledToken, ScheduledSeq
 
@@ -61,12 +62,12 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> 
         starts.append(starts[-1] + len(s.spec_token_ids) + 1)
 
     if all(Sampler.is_plain_greedy(s) for s in seqs):  # min_tokens met at n, so at n + j too
-        packed = Sampler.greedy_pack(raw).tolist()  # one device-to-host copy
+        (packed,) = host_lists(Sampler.greedy_pack(raw))  # one device-to-host copy
         argmax = [int(t) for t, _ in packed]
         x = None
     else:
         x = sampler.process(raw, views)
-        argmax = x.argmax(dim=-1).tolist()
+        (argmax,) = host_lists(x.argmax(dim=-1))
 
     # Sampled sequences: target probabilities of every row, coins for every draft.
     sampled_idx = [i for i, s in enumerate(seqs) if not s.sampling_params.greedy]
@@ -94,7 +95,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> 
             p_d = p[[local[r] for r in draft_rows]].gather(1, drafts[:, None]).squeeze(1)
             q_d = torch.cat([_draft_q_at(seqs[i]) for i in sampled_idx]).to(p.device)
             coins = sampler.uniform([views[r] for r in draft_rows], p.device, ACCEPT_SALT)
-            keep = (coins * q_d < p_d).tolist()  # u < p/q without dividing by a q of 0 (never drafted then)
+            (keep,) = host_lists(coins * q_d < p_d)  # u < p/q without dividing by a q of 0 (never drafted then)
         n = 0
         for i in sampled_idx:
             s, k = seqs[i], len(seqs[i].spec_token_ids)
@@ -109,7 +110,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> 
                 final_dists.append(p[row:row + 1])
             chosen_row[i] = starts[i] + a
             emitted_ids[i] = s.spec_token_ids[:a]
-        last = sampler.draw(torch.cat(final_dists), [views[chosen_row[i]] for i in sampled_idx]).tolist()
+        (last,) = host_lists(sampler.draw(torch.cat(final_dists), [views[chosen_row[i]] for i in sampled_idx]))
         for i, tok in zip(sampled_idx, last):
             emitted_ids[i] = emitted_ids[i] + [tok]
     return _with_logprobs(raw, seqs, starts, emitted_ids)
@@ -140,14 +141,15 @@ def _with_logprobs(raw: torch.Tensor, seqs: list[ScheduledSeq], starts: list[int
     rows = [starts[i] + j for i, toks in enumerate(emitted) for j in range(len(toks))]
     flat = [t for toks in emitted for t in toks]
     sel = raw[rows]  # [E, V]
-    lps = (sel.gather(1, torch.tensor(flat, device=raw.device)[:, None]).squeeze(1)
-           - torch.logsumexp(sel, dim=-1)).tolist()
+    lps_t = (sel.gather(1, torch.tensor(flat, device=raw.device)[:, None]).squeeze(1)
+             - torch.logsumexp(sel, dim=-1))
     n_top = max((s.sampling_params.logprobs or 0 for s in seqs), default=0)
     top_ids = top_lps = None
     if n_top > 0:
         vals, ids = sel.topk(n_top, dim=-1)
-        top_ids = ids.tolist()
-        top_lps = (vals - torch.logsumexp(sel, dim=-1, keepdim=True)).tolist()
+        lps, top_ids, top_lps = host_lists(lps_t, ids, vals - torch.logsumexp(sel, dim=-1, keepdim=True))
+    else:
+        (lps,) = host_lists(lps_t)
     out: list[list[SampledToken]] = []
     e = 0
     for s, toks in zip(seqs, emitted):
