@@ -19,6 +19,7 @@ timed runs the decode blocks are checked against the prefill blocks, bit for bit
     python scripts/bench_kv_transfer.py                              # 1K, 8K, 32K-token prompts
     python scripts/bench_kv_transfer.py --tokens 1024 131072 --out bench_results/kv.json
     python scripts/bench_kv_transfer.py --dtype fp8                  # an FP8 KV cache: half the bytes of bf16
+    python scripts/bench_kv_transfer.py --min-messages 1,4           # the agent as is, and cut into ~4 messages
     python scripts/bench_kv_transfer.py --device cpu --tokens 64 --layers 2   # the same code over gloo, as a check
 Prints a table; writes JSON (--out). Needs 2 CUDA GPUs (or --device cpu).
 """
@@ -29,6 +30,7 @@ import json
 import platform
 import queue
 import random
+import re
 import statistics
 import sys
 import time
@@ -190,18 +192,23 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
         nbytes = len(src) * shape.bytes_per_block
         raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
         staged = gather_blocks(cache, dst, everything, everything) if rank == 1 else None  # the scatter's input
-        times: dict[str, list[float]] = {"agent": [], "raw": [], "gather": [], "scatter": []}
+        # The agent once per --min-messages value (the first is "agent"; later ones "agent_m<N>"), each cutting
+        # its transfers into messages of at most ceil(layers / N) layers.
+        variants = {("agent" if k == 0 else f"agent_m{m}"): m for k, m in enumerate(cfg["min_messages"])}
+        times: dict[str, list[float]] = {**{v: [] for v in variants}, "raw": [], "gather": [], "scatter": []}
         for i in range(cfg["warmup"] + cfg["iters"]):
             if rank == 0:
-                runs = {"agent": lambda: agent.send(spec, plan, {0: shard}, src, f"r{n_tok}-{i}"),
-                        "raw": lambda: dist.send(raw, dst=1),
+                runs = {"raw": lambda: dist.send(raw, dst=1),
                         "gather": lambda: gather_blocks(cache, src, everything, everything)}
+                agent_run = lambda m, name: agent.send(spec, plan, {0: shard}, src, f"r{n_tok}-{i}-{name}")
             else:
-                runs = {"agent": lambda: agent.recv(spec, plan, {0: shard}, dst),
-                        "raw": lambda: dist.recv(raw, src=0),
+                runs = {"raw": lambda: dist.recv(raw, src=0),
                         "scatter": lambda: scatter_blocks(cache, dst, everything, everything, staged)}
-            # The same order on both ranks, so the barriers pair up; the agent last, so what it wrote is verified.
-            for name in ("gather", "scatter", "raw", "agent"):
+                agent_run = lambda m, name: agent.recv(spec, plan, {0: shard}, dst)
+            for name, m in reversed(variants.items()):  # "agent" (the default) last, so what it wrote is verified
+                runs[name] = (lambda m=m, name=name: (setattr(agent, "min_messages", m), agent_run(m, name)))
+            # The same order on both ranks, so the barriers pair up.
+            for name in ("gather", "scatter", "raw", *reversed(variants)):
                 fn = runs.get(name, lambda: None)
                 seconds = _timed(rank, fn)
                 if i >= cfg["warmup"] and name in runs:
@@ -235,7 +242,9 @@ def summarize(results: list[dict], cfg: dict) -> list[dict]:
             "agent_ms": 1e3 * r["agent_s"], "agent_gbps": gb / r["agent_s"],
             "raw_ms": 1e3 * r["raw_s"], "raw_gbps": gb / r["raw_s"],
             "gather_ms": 1e3 * s["gather_s"], "scatter_ms": 1e3 * r["scatter_s"],
-            "agent_over_raw": r["agent_s"] / r["raw_s"],
+            "agent_over_raw": r["agent_s"] / r["raw_s"], "min_messages": cfg["min_messages"][0],
+            **{f"{k.removesuffix('_s')}_ms": 1e3 * v for k, v in r.items() if re.fullmatch(r"agent_m\d+_s", k)},
+            **{f"{k.removesuffix('_s')}_over_raw": v / r["raw_s"] for k, v in r.items() if re.fullmatch(r"agent_m\d+_s", k)},
         })
     return rows
 
@@ -248,6 +257,9 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['tokens']:>7} {r['blocks']:>6} {r['bytes'] / 2**20:>8.1f} {r['agent_ms']:>9.2f} {r['agent_gbps']:>10.1f} "
               f"{r['raw_ms']:>8.2f} {r['raw_gbps']:>9.1f} {r['gather_ms']:>9.2f} {r['scatter_ms']:>10.2f} "
               f"{r['agent_over_raw']:>9.2f} {'yes' if r['verified'] else 'NO':>3}")
+        for key in (k for k in r if re.fullmatch(r"agent_m\d+_ms", k)):
+            name = key.removesuffix("_ms")
+            print(f"{'':>7} {name:>15}: {r[key]:.2f} ms, {r[name + '_over_raw']:.2f}x raw")
 
 
 def _nccl_version() -> str:
@@ -263,6 +275,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--head-dim", type=int, default=Shape.head_dim)
     p.add_argument("--block-size", type=int, default=Shape.block_size)
     p.add_argument("--dtype", choices=list(DTYPES), default=Shape.dtype)
+    p.add_argument("--min-messages", default="1", help="comma-separated: the agent's min_messages for each agent run "
+                   "(the first is the 'agent' column and is verified; e.g. 1,4 compares the default with 4)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -272,7 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     shape = Shape(args.layers, args.kv_heads, args.head_dim, args.block_size, args.dtype)
     cfg = {"shape": asdict(shape), "tokens": args.tokens, "warmup": args.warmup, "iters": args.iters,
-           "seed": args.seed, "timeout_s": args.timeout, "device": args.device}
+           "seed": args.seed, "timeout_s": args.timeout, "device": args.device,
+           "min_messages": [int(m) for m in args.min_messages.split(",") if m]}
     rows = summarize(run_pair(_bench_rank, cfg, args.device), cfg)
     print_table(rows)
     report = {

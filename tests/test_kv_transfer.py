@@ -210,6 +210,10 @@ def test_messages_hold_as_many_whole_layers_as_fit():
         got = list(agent._messages(plan, {0: shard}, sending=False))
         assert [m[2].stop - m[2].start for m in got] == layers
         assert [m[0] for m in got] == list(range(len(layers)))  # tags: the messages' positions in the plan
+    agent.message_bytes = 10 * per_layer
+    for min_messages, layers in [(1, [6]), (2, [3, 3]), (4, [2, 2, 2]), (6, [1] * 6), (50, [1] * 6)]:
+        agent.min_messages = min_messages  # at most ceil(6 / min_messages) layers a message
+        assert [m[2].stop - m[2].start for m in agent._messages(plan, {0: shard}, sending=False)] == layers
 
 
 @pytest.mark.slow

@@ -191,6 +191,11 @@ class KVTransferAgent:
         self._abandoned: OrderedDict[str, None] = OrderedDict()
         self._send_delay_s = 0.0  # failpoint, see set_send_delay
         self.message_bytes = MESSAGE_BYTES  # must be the same on both sides of a pair (tests lower it)
+        # And a message holds at most ceil(layers / min_messages) of a transfer's layers (both sides the same), so a
+        # transfer that fits one message still goes as about min_messages: cut finer, the first gather and the last
+        # scatter are smaller and overlap the sends more (bench_kv_transfer.py --min-messages measures it against 1,
+        # the default, beside raw NCCL).
+        self.min_messages = 1
 
     def get_shard(self) -> RankShard:
         return self.shard
@@ -464,11 +469,13 @@ class KVTransferAgent:
                 tag += 1
 
     def _layers_per_message(self, t: Transfer) -> int:
-        """How many of t's layers one message carries: as many as fit in message_bytes, at least one. From
-        what both sides share (the plan, block size, head dim, wire dtype), so both cut t the same way."""
+        """How many of t's layers one message carries: as many as fit in message_bytes, at most
+        ceil(layers / min_messages), at least one. From what both sides share (the plan, block size, head dim, wire
+        dtype, the two settings), so both cut t the same way."""
         _, _, _, block_size, _, head_dim = self.kv_cache.shape
         per_layer = 2 * len(t.blocks) * block_size * len(t.heads) * head_dim * wire_dtype(self.kv_cache.dtype).itemsize
-        return max(1, min(len(t.layers), self.message_bytes // max(1, per_layer)))
+        n = len(t.layers)
+        return max(1, min(n, self.message_bytes // max(1, per_layer), -(-n // max(1, self.min_messages))))
 
     def _local_ids(self, block_ids: list[int]) -> list[int]:
         return _local_ids(self.kv_cache, self.shard, block_ids)
