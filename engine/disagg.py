@@ -609,17 +609,48 @@ class DecodeReplica:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _transfer(self, ready: PrefillReady, res: Reservation) -> TransferStats:
-        pair_id = f"{ready.prefill_replica}->{self.replica_id}"
-        shared = share_a_gpu(ready.shards, self.shards)
-        spec = PairSpec(pair_id, len(ready.shards), len(self.shards), staged=shared,
+    def _pair_spec(self, prefill_replica: str, shards: list[RankShard]) -> PairSpec:
+        """The pair's spec with a prefill replica whose ranks hold `shards`: the same for its warm-up and its handoffs."""
+        shared = share_a_gpu(shards, self.shards)
+        return PairSpec(f"{prefill_replica}->{self.replica_id}", len(shards), len(self.shards), staged=shared,
                         ipc=shared and os.environ.get("TANDEM_KV_IPC") == "1")
+
+    async def warm_pair(self, prefill_replica: str, rank_handles: list, shards: list[RankShard]) -> bool:
+        """Build the transfer group with a prefill replica, and its communicator, before a request needs them
+        (router/kv_peers.py tells this replica of every prefill replica); the first handoff on a cold pair paid
+        both, about a second on GPUs. False if the pair had been built already (by a handoff or a warm-up).
+        A failure drops what was built and raises: the pair's first handoff builds it then, as before."""
+        spec = self._pair_spec(prefill_replica, shards)
+        async with self._pair_locks.setdefault(spec.pair_id, asyncio.Lock()):  # never beside a transfer on the pair
+            if spec.pair_id in self._joined:
+                return False
+            # A thread without the caller's context, as `_transfer`'s calls (no Serve request to cancel them).
+            await asyncio.get_running_loop().run_in_executor(None, self._warm_blocking, spec, rank_handles)
+            self._joined.add(spec.pair_id)
+            self._peer_ranks.setdefault(prefill_replica, rank_handles)
+        return True
+
+    def _warm_blocking(self, spec: PairSpec, rank_handles: list) -> None:
+        import ray
+
+        try:
+            if not self.executor.kv_call("has_group", spec.pair_id, ranks=[0])[0]:
+                self._connect(spec, rank_handles)
+            warms = [h.kv.remote("warm", spec) for h in rank_handles]
+            self.executor.kv_call("warm", spec)
+            ray.get(warms, timeout=self.transfer_timeout_s)
+        except Exception:
+            self._drop_pair(spec.pair_id, rank_handles)
+            raise
+
+    async def _transfer(self, ready: PrefillReady, res: Reservation) -> TransferStats:
+        spec = self._pair_spec(ready.prefill_replica, ready.shards)
         # The blocks the decode side lacks, by their index in the sequence (an SP prefill rank holds some of them).
         blocks = range(res.num_hit_blocks, len(ready.block_ids))
         plan = plan_transfers(ready.shards, self.shards, blocks)
         src_by_rank = {s.rank: s for s in ready.shards}
         dst_by_rank = {s.rank: s for s in self.shards}
-        lock = self._pair_locks.setdefault(pair_id, asyncio.Lock())
+        lock = self._pair_locks.setdefault(spec.pair_id, asyncio.Lock())
         async with lock:  # one transfer at a time per pair: both sides post their messages in the same order
             # On a thread that does not carry this request's context (not `asyncio.to_thread`, which copies it):
             # the Ray tasks it submits (the prefill ranks' sends, a pair's joins) are then not children of the

@@ -7,6 +7,7 @@ pool (through Serve, so any prefill replica may answer) to run the prompt, then 
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import Any, AsyncIterator
@@ -15,7 +16,7 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
 
-from router import metrics, replica_metrics, routing
+from router import kv_peers, metrics, replica_metrics, routing
 from router.config import AppConfig
 from router.protocol import GenerateRequest
 from router.serve_context import in_own_serve_request
@@ -77,6 +78,21 @@ class PrefillPool(_PoolMethods):
         replica_metrics.start_publishing()  # this replica's metrics on the app's GET /metrics
         self.replica = PrefillReplica(_engine(self.config, "prefill"), _replica_id("prefill"))
         self.replica.async_engine.on_step = metrics.PoolGauges("prefill", self.config.served_model_name)
+        # Decode replicas warm their KV pair with this one before a request needs it (router/kv_peers.py).
+        identity = replica_metrics.serve_identity()
+        self._app = identity[0] if identity is not None else None
+        if self._app is not None:
+            kv_peers.announce(kv_peers.peers_kv(), self._app, self.replica.replica_id, list(self.replica.executor.workers),
+                              self.replica.shards)
+
+    def __del__(self) -> None:
+        """Serve's graceful shutdown: take this replica's KV peer entry away (a killed one's is deleted by the
+        decode replica that finds its actors dead)."""
+        if getattr(self, "_app", None) is not None:
+            try:
+                kv_peers.withdraw(kv_peers.peers_kv(), self._app, self.replica.replica_id)
+            except Exception:  # noqa: BLE001 - Ray shutting down: nothing to tidy
+                log.debug("withdrawing the KV peer entry failed", exc_info=True)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
                       reservation: Reservation) -> AsyncIterator[PrefillReady]:
@@ -102,6 +118,17 @@ class DecodePool(_PoolMethods):
         self.replica.on_transfer = lambda stats: _record_transfer(stats, gauges.tags)
         self.replica.on_prefill_site = lambda site: metrics.PREFILL_SITE.inc(1, tags={"site": site, **gauges.tags})
         self.replica.async_engine.on_step = gauges
+        identity = replica_metrics.serve_identity()
+        self._app = identity[0] if identity is not None else None
+        self._warming: asyncio.Task | None = None
+
+    async def check_health(self) -> None:
+        await super().check_health()
+        # Serve calls this every few seconds on the replica's own event loop, from its start: the first call starts
+        # warming the KV pairs with the prefill replicas (router/kv_peers.py), on the loop the handoffs use.
+        if self._app is not None and (self._warming is None or self._warming.done()):
+            self._warming = asyncio.ensure_future(
+                kv_peers.warm_pairs_forever(self.replica.warm_pair, kv_peers.peers_kv(), self._app))
 
     async def _prefill_client(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
                               reservation: Reservation) -> AsyncIterator[PrefillReady]:

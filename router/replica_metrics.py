@@ -54,27 +54,31 @@ class KeyValue(Protocol):
 
 
 class RayKV:
-    """Ray's internal KV (the GCS) in `NAMESPACE`. Its calls block: run them off the event loop."""
+    """Ray's internal KV (the GCS) in one namespace (`NAMESPACE` unless given). Its calls block: run them off the
+    event loop."""
+
+    def __init__(self, namespace: str = NAMESPACE) -> None:
+        self.namespace = namespace
 
     def keys(self, prefix: str) -> list[str]:
         from ray.experimental import internal_kv
 
-        return [k.decode() for k in internal_kv._internal_kv_list(prefix, namespace=NAMESPACE)]
+        return [k.decode() for k in internal_kv._internal_kv_list(prefix, namespace=self.namespace)]
 
     def get(self, key: str) -> bytes | None:
         from ray.experimental import internal_kv
 
-        return internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+        return internal_kv._internal_kv_get(key, namespace=self.namespace)
 
     def put(self, key: str, value: bytes) -> None:
         from ray.experimental import internal_kv
 
-        internal_kv._internal_kv_put(key, value, overwrite=True, namespace=NAMESPACE)
+        internal_kv._internal_kv_put(key, value, overwrite=True, namespace=self.namespace)
 
     def delete(self, key: str) -> None:
         from ray.experimental import internal_kv
 
-        internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+        internal_kv._internal_kv_del(key, namespace=self.namespace)
 
 
 def serve_identity() -> tuple[str, str] | None:

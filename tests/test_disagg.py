@@ -967,3 +967,30 @@ def test_router_prefill_that_failed_runs_here_and_streams_token_1_itself(pools, 
     streamed = [t for o in items[1:] for t in o.new_token_ids]
     assert len(items[1].new_token_ids) == 1 and streamed == hf_greedy(pair.path, prompt, 5)[0]
     run(settle(pair))
+
+
+def test_a_warmed_pair_is_built_before_its_first_handoff_which_then_uses_it(pools, run, reference):
+    """router/kv_peers.py: a decode replica builds its group with a prefill replica it learns of before any request
+    (the first handoff on a cold pair paid ~1 s for NCCL's communicator on GPUs). Warming twice is a no-op; the
+    handoff after it moves the KV on the warmed group (no second join), and the output is the single-process one."""
+    pools.close()  # a fresh pair: no group built yet on either side
+    pair = pools.get("tp2->tp1")
+    prefill, decode = pair.prefill, pair.decode
+    pair_id = f"{prefill.replica_id}->{decode.replica_id}"
+    assert not decode.executor.kv_call("has_group", pair_id)[0]
+    handles = list(prefill.executor.workers)
+    assert run(decode.warm_pair(prefill.replica_id, handles, prefill.shards)) is True
+    assert pair_id in decode._joined and decode._peer_ranks[prefill.replica_id] == handles
+    assert all(decode.executor.kv_call("has_group", pair_id)) and all(prefill.executor.kv_call("has_group", pair_id))
+    assert run(decode.warm_pair(prefill.replica_id, handles, prefill.shards)) is False
+    joins = []
+    original = decode._connect
+    decode._connect = lambda *a: (joins.append(a), original(*a))
+    try:
+        (prompt,) = prompts_of_lengths([13], VOCAB, seed=31)
+        out = run(generate(decode, "warm-1", prompt, greedy(4)))
+    finally:
+        decode._connect = original
+    (want,) = reference(pair.path, [prompt], greedy(4))
+    assert out.token_ids == want.token_ids and not joins and len(decode.transfers) == 1
+    run(settle(pair))

@@ -1,9 +1,10 @@
 """Point-to-point KV transport between the ranks of a prefill replica and a decode replica.
 
 Each pair of replicas gets its own standalone process group (not the replica's TP/PP groups):
-prefill ranks are pair-ranks 0..p-1, decode ranks p..p+d-1. It is built lazily on first use, through
-a TCPStore that prefill rank 0 hosts on a port the OS picks (the address travels through Ray, so no
-fixed ports), and cached until a transfer fails, after which it is rebuilt.
+prefill ranks are pair-ranks 0..p-1, decode ranks p..p+d-1. It is built when the decode side first asks
+(a warm-up, `warm`, or the pair's first transfer), through a TCPStore that prefill rank 0 hosts on a port the
+OS picks (the address travels through Ray, so no fixed ports), and cached until a transfer fails, after which
+it is rebuilt.
 
 NCCL on GPUs, gloo on CPU: the same code, so CI exercises it with gloo. A pair in which a prefill rank
 and a decode rank share a GPU (`PairSpec.staged`) cannot use NCCL, which refuses two ranks on one
@@ -98,6 +99,10 @@ MESSAGE_BYTES = 256 << 20
 # millisecond more than the transfer. We poll `is_completed()` instead, this often at first, then at
 # WAIT_POLL_SLOW_S once a transfer has taken WAIT_POLL_FAST_FOR_S (the GIL is let go between polls).
 WAIT_POLL_FAST_S, WAIT_POLL_FAST_FOR_S, WAIT_POLL_SLOW_S = 5e-5, 0.02, 1e-3
+
+
+# The tag of `warm`'s messages (gloo pairs messages by tag; NCCL by order): none of a plan's, which count from 0.
+WARM_TAG = 1 << 24
 
 
 class KVTransferError(RuntimeError):
@@ -230,6 +235,23 @@ class KVTransferAgent:
         else:
             group = dist.ProcessGroupGloo(prefixed, pair_rank, spec.size, self.timeout)
         self._groups[spec.pair_id] = group
+
+    def warm(self, spec: PairSpec) -> None:
+        """Exchange one byte with every rank of the other replica over the pair's group, so that its communicator
+        exists before a handoff needs it: NCCL creates a pair's communicator on its first message, about a second
+        on 2 x H100, which the first handed-off request paid (router/kv_peers.py). Every rank of both replicas
+        calls it concurrently, right after `join` and before any transfer on the pair: the first messages of each
+        rank pair, so the transfers' messages after them stay paired."""
+        group = self._group(spec.pair_id)
+        device = self.kv_cache.device if self._nccl(spec) else torch.device("cpu")
+        with self._own_stream():
+            if self.role == "prefill":
+                peers, op = range(spec.num_prefill_ranks, spec.size), group.send
+            else:
+                peers, op = range(spec.num_prefill_ranks), group.recv
+            bufs = [torch.ones(1, dtype=torch.uint8, device=device) for _ in peers]
+            works = [op([buf], peer, WARM_TAG) for buf, peer in zip(bufs, peers)]
+            self._wait(spec.pair_id, group, works)
 
     def _nccl(self, spec: PairSpec) -> bool:
         """Whether the pair's group is NCCL (else gloo)."""
