@@ -72,6 +72,7 @@ async def warm_pairs_forever(warm: Callable[[str, list, list], Awaitable[bool]],
     each; a failed warm-up is tried again at the next poll, unless the replica's actors are dead (its entry is
     deleted then: a killed replica cannot withdraw it)."""
     warmed: set[str] = set()
+    failed: set[str] = set()  # replicas whose warm-up failed once: later failures are logged at debug level
     while True:
         try:
             found = await asyncio.to_thread(peers, kv, app)
@@ -92,5 +93,7 @@ async def warm_pairs_forever(warm: Callable[[str, list, list], Awaitable[bool]],
                     await asyncio.to_thread(withdraw, kv, app, replica_id)
                     warmed.add(replica_id)
                 else:
-                    log.warning("warming the KV pair with %s failed (retried in %.0fs): %s", replica_id, poll_s, e)
+                    log.log(logging.DEBUG if replica_id in failed else logging.WARNING,
+                            "warming the KV pair with %s failed (retried every %.0fs): %s", replica_id, poll_s, e)
+                    failed.add(replica_id)
         await asyncio.sleep(poll_s)
