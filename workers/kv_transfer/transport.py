@@ -367,7 +367,7 @@ class KVTransferAgent:
                 clock.mark("index")
             buf = gather_blocks(self.kv_cache, local_ids, layers, heads, index)
             if spec.staged:
-                buf = buf.cpu()
+                buf = _to_host(buf)
             clock.mark("gather")
             if self._send_delay_s and not works:
                 time.sleep(self._send_delay_s)
@@ -405,8 +405,11 @@ class KVTransferAgent:
                 last, block_ids = t, [block_table[i] for i in t.blocks]
                 index = block_index(block_ids, self.kv_cache.device)
                 clock.mark("index")
-            buf = torch.empty(transfer_shape(self.kv_cache, len(t.blocks), layers, heads),
-                              dtype=wire_dtype(self.kv_cache.dtype), device="cpu" if spec.staged else self.kv_cache.device)
+            shape, wire = transfer_shape(self.kv_cache, len(t.blocks), layers, heads), wire_dtype(self.kv_cache.dtype)
+            # Staged: received into pinned host memory, so its copy to the GPU below is asynchronous on this stream
+            # (from pageable memory it would wait for the engine's work on the GPU too).
+            buf = (torch.empty(shape, dtype=wire, pin_memory=self.kv_cache.is_cuda) if spec.staged
+                   else torch.empty(shape, dtype=wire, device=self.kv_cache.device))
             clock.mark("alloc")
             pending.append((group.recv([buf], t.src, tag), buf, block_ids, index, layers, heads))
             clock.mark("post")
@@ -550,6 +553,18 @@ class KVTransferAgent:
             if self._groups.get(pair_id) is group:  # not one rebuilt since this transfer began
                 self.drop(pair_id)
             raise KVTransferError(f"KV transfer on {pair_id} failed ({self.role} rank {self.shard.rank}): {e}") from e
+
+
+def _to_host(buf: torch.Tensor) -> torch.Tensor:
+    """A staged send's buffer in host memory. From a GPU: into pinned memory on this thread's stream, waiting for that
+    stream only; `.cpu()` copies into pageable memory, which blocks in the CUDA driver until the GPU's other work (the
+    engine's step) is done too (workers/host_fetch.py; the shared-GPU handoff test waited out a busy kernel)."""
+    if not buf.is_cuda:
+        return buf
+    host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+    host.copy_(buf, non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    return host
 
 
 def _remember(decided: OrderedDict[str, None], handoff_id: str) -> None:
