@@ -16,6 +16,7 @@ import time
 from typing import Any, AsyncIterator
 
 import pytest
+import ray
 from fastapi.testclient import TestClient
 
 from parallel.net import free_port
@@ -140,5 +141,30 @@ def test_first_request_after_serve_run_succeeds(model, shared_ray):
                         json={"model": NAME, "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
+        # router/kv_peers.py: the prefill replica announced its ranks, and the decode replica built its KV pair with
+        # it on its own, before any handoff (this request was prefilled on the idle decode replica).
+        (prefill_id, handles, _), pair_id = _announced_peer_and_pair()
+        assert _within(30, lambda: ray.get(handles[0].kv.remote("has_group", pair_id))), f"{pair_id} not warmed"
     finally:
         shutdown_serve()
+    from router import kv_peers
+    assert kv_peers.peers(kv_peers.peers_kv(), "tandem") == []  # withdrawn at the graceful shutdown
+
+
+def _announced_peer_and_pair() -> tuple[tuple, str]:
+    """The one announced prefill replica (replica id, rank handles, shards) and its pair id with the one decode replica."""
+    from router import kv_peers
+
+    assert _within(30, lambda: kv_peers.peers(kv_peers.peers_kv(), "tandem")), "no prefill replica announced"
+    (peer,) = kv_peers.peers(kv_peers.peers_kv(), "tandem")
+    (decode,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#DecodePool#" in a["name"]]
+    return peer, f"{peer[0]}->decode-{decode.split('#')[-1]}"
+
+
+def _within(seconds: float, ok) -> bool:
+    deadline = time.monotonic() + seconds
+    while not ok():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
