@@ -200,14 +200,15 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
             if rank == 0:
                 runs = {"raw": lambda: dist.send(raw, dst=1),
                         "gather": lambda: gather_blocks(cache, src, everything, everything)}
-                agent_run = lambda m, name: agent.send(spec, plan, {0: shard}, src, f"r{n_tok}-{i}-{name}")
+                move = lambda name: agent.send(spec, plan, {0: shard}, src, f"r{n_tok}-{i}-{name}")
             else:
                 runs = {"raw": lambda: dist.recv(raw, src=0),
                         "scatter": lambda: scatter_blocks(cache, dst, everything, everything, staged)}
-                agent_run = lambda m, name: agent.recv(spec, plan, {0: shard}, dst)
-            for name, m in reversed(variants.items()):  # "agent" (the default) last, so what it wrote is verified
-                runs[name] = (lambda m=m, name=name: (setattr(agent, "min_messages", m), agent_run(m, name)))
-            # The same order on both ranks, so the barriers pair up.
+                move = lambda name: agent.recv(spec, plan, {0: shard}, dst)
+            for name, m in variants.items():
+                runs[name] = lambda m=m, name=name: (setattr(agent, "min_messages", m), move(name))
+            # The same order on both ranks, so the barriers pair up; "agent" (the default) last, so what it wrote
+            # is what gets verified.
             for name in ("gather", "scatter", "raw", *reversed(variants)):
                 fn = runs.get(name, lambda: None)
                 seconds = _timed(rank, fn)
