@@ -43,11 +43,13 @@ def withdraw(kv: KeyValue, app: str, replica_id: str) -> None:
     kv.delete(peer_key(app, replica_id))
 
 
-def peers(kv: KeyValue, app: str) -> list[tuple[str, list, list]]:
-    """Every announced prefill replica of the application: (replica id, rank handles, shards). An entry that
-    cannot be read (another version's, half written) is skipped."""
+def peers(kv: KeyValue, app: str, skip: set[str] = frozenset()) -> list[tuple[str, list, list]]:
+    """Every announced prefill replica of the application but those in `skip` (read no further than their keys):
+    (replica id, rank handles, shards). An entry that cannot be read (another version's, half written) is skipped."""
     found = []
     for key in kv.keys(f"{app}/"):
+        if key.removeprefix(f"{app}/") in skip:
+            continue
         value = kv.get(key)
         if value is None:
             continue
@@ -75,13 +77,11 @@ async def warm_pairs_forever(warm: Callable[[str, list, list], Awaitable[bool]],
     failed: set[str] = set()  # replicas whose warm-up failed once: later failures are logged at debug level
     while True:
         try:
-            found = await asyncio.to_thread(peers, kv, app)
+            found = await asyncio.to_thread(peers, kv, app, warmed)
         except Exception:  # noqa: BLE001 - the GCS briefly away: the next poll
             log.debug("reading the KV peers failed", exc_info=True)
             found = []
         for replica_id, handles, shards in found:
-            if replica_id in warmed:
-                continue
             try:
                 start = time.monotonic()
                 if await warm(replica_id, handles, shards):

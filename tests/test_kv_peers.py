@@ -18,6 +18,7 @@ def test_announced_replicas_are_read_back_per_application_and_withdrawn():
     kv.put("app/garbled", b"not a pickle")  # skipped, not fatal
     assert sorted(kv_peers.peers(kv, "app")) == [("prefill-a", ["handle-a0", "handle-a1"], ["shard-a0", "shard-a1"]),
                                                  ("prefill-b", ["handle-b0"], ["shard-b0"])]
+    assert [p[0] for p in kv_peers.peers(kv, "app", skip={"prefill-a"})] == ["prefill-b"]
     kv_peers.withdraw(kv, "app", "prefill-a")
     assert [p[0] for p in kv_peers.peers(kv, "app")] == ["prefill-b"]
 
