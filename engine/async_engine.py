@@ -51,10 +51,31 @@ class _StreamQueue(asyncio.Queue):
             self.loop.call_soon_threadsafe(self.put_nowait, item)
 
 
+class StreamPace:
+    """A replica's budget of stream items per second, shared by its open streams. Each item a decode replica
+    streams to its router is a Ray object of its own, and one process sends only so many a second (on an H100
+    host, with the engine thread beside it, ~2,600: PD's decode replica then delivered its tokens at half the
+    rate its GPU made them, docs/benchmarks.md "Tenth session"). Under that budget a stream waits
+    `open streams / items_per_s` after an item before sending the next, and whatever its engine made meanwhile
+    goes out as one item; at low load the gap is shorter than a step and every token is its own item. A
+    request's first and last items are never held."""
+
+    def __init__(self, items_per_s: float) -> None:
+        if items_per_s <= 0:
+            raise ValueError(f"a stream pace needs items_per_s > 0, got {items_per_s}")
+        self.items_per_s = items_per_s
+        self.open_streams = 0
+
+    def gap_s(self) -> float:
+        """The least time between two items of one stream now."""
+        return self.open_streams / self.items_per_s
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[dict], None] | None = None,
-                 lease_check_interval_s: float = 1.0):
+                 lease_check_interval_s: float = 1.0, stream_pace: StreamPace | None = None):
         self.llm_engine = engine
+        self.stream_pace = stream_pace
         # The engine thread computes in Python while the event loop streams tokens and a decode replica's KV
         # transfers wait on sockets: each of those waits must not cost a 5 ms GIL turn (workers/gil.py).
         shorten_switch_interval()
@@ -227,14 +248,22 @@ class AsyncEngine:
         finished = False
         pending: RequestOutput | BaseException | None = None
         first = True
+        pace, loop, last_sent = self.stream_pace, asyncio.get_running_loop(), 0.0
+        if pace is not None:
+            pace.open_streams += 1
         try:
             while True:
                 item, pending = (pending, None) if pending is not None else (await queue.get(), None)
                 if isinstance(item, BaseException):
                     raise item
-                # Outputs that queued while the consumer was busy (a slow client, a loaded Serve hop) go
-                # out as one item: the latest, with the deltas of all. The first item stays alone (callers
-                # may treat it specially: a disaggregated decode replica's token 1 was already streamed).
+                if pace is not None and not first and not item.finished:
+                    wait = last_sent + pace.gap_s() - loop.time()
+                    if wait > 0:
+                        await asyncio.sleep(wait)  # the outputs of the steps meanwhile join this item
+                # Outputs that queued while the consumer was busy (a slow client, a loaded Serve hop) or the
+                # pace held this one go out as one item: the latest, with the deltas of all. The first item
+                # stays alone (callers may treat it specially: a disaggregated decode replica's token 1 was
+                # already streamed).
                 while not first and not item.finished and not queue.empty():
                     nxt = queue.get_nowait()
                     if isinstance(nxt, BaseException):
@@ -243,10 +272,13 @@ class AsyncEngine:
                     item = _merged(item, nxt)
                 first = False
                 finished = item.finished
+                last_sent = loop.time()
                 yield item
                 if finished:
                     return
         finally:
+            if pace is not None:
+                pace.open_streams -= 1
             self._queues.pop(request_id, None)
             if not finished:
                 # Cancelled, closed early or failed (a dead engine too): free the request now. Submitted,
@@ -379,4 +411,7 @@ async def staged_fanout(prompts: list, start: Callable[[list[int], RequestOutput
 
 def _merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """Two consecutive snapshots of one request as one: the later's cumulative fields, both deltas."""
-    return replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids, new_text=earlier.new_text + later.new_text)
+    # Stamps ride on tokens 1 and 2 and the last output only: keep the earlier's when the later has none.
+    timeline = later.timeline if later.timeline is not None else earlier.timeline
+    return replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids, new_text=earlier.new_text + later.new_text,
+                   timeline=timeline)

@@ -141,6 +141,11 @@ class AppConfig(EngineArgs):
                                         "Default: with GPUs, 4 per decode replica, autoscaled with the decode pool "
                                         "when it autoscales (one router process streamed at most ~1,600 tokens/s on "
                                         "an H100 host); on CPUs, 1.")
+    stream_items_per_s: float = Field(default=1000.0, ge=0, description="Disaggregated: most stream items a decode "
+                                      "replica sends its routers per second, over all its requests. Under load an "
+                                      "item carries the tokens of several steps (a request's first and last are never "
+                                      "held); below it every token is its own item. 0 = one item per step always "
+                                      "(one process sent at most ~2,600 a second on an H100 host).")
     api_keys: list[str] = Field(default_factory=list, description="Accepted `Authorization: Bearer` keys; empty = no auth.")
     api_keys_env: str | None = Field(default=None, description="Environment variable with more comma-separated keys, "
                                      "read on the replica (keeps secrets out of the config).")

@@ -21,7 +21,7 @@ from router.config import AppConfig
 from router.protocol import GenerateRequest
 from router.serve_context import in_own_serve_request
 from router.stream_wire import RESERVED_ITEM, StreamEncoder
-from engine.async_engine import EngineDeadError
+from engine.async_engine import EngineDeadError, StreamPace
 from engine.disagg import (RESERVED, DecodeReplica, LocalPrefillPolicy, PrefillReady, PrefillReplica, PrefillUnavailable,
                            Reservation, TransferStats)
 from engine.llm_engine import LLMEngine
@@ -118,6 +118,8 @@ class DecodePool(_PoolMethods):
         self.replica.on_transfer = lambda stats: _record_transfer(stats, gauges.tags)
         self.replica.on_prefill_site = lambda site: metrics.PREFILL_SITE.inc(1, tags={"site": site, **gauges.tags})
         self.replica.async_engine.on_step = gauges
+        if self.config.stream_items_per_s > 0:
+            self.replica.async_engine.stream_pace = StreamPace(self.config.stream_items_per_s)
         identity = replica_metrics.serve_identity()
         self._app = identity[0] if identity is not None else None
         self._warming: asyncio.Task | None = None

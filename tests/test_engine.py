@@ -488,6 +488,53 @@ def test_async_stream_coalesces_outputs_a_slow_consumer_missed(shared):
     assert tokens == hf_greedy(shared.llm_engine.config.model.model, prompt, 24)[0]
 
 
+def test_a_paced_stream_sends_fewer_items_with_every_token_and_the_first_and_last_at_once(shared):
+    """Under a replica's item budget (`StreamPace`) a fast consumer still gets fewer items than tokens: each
+    carries the steps made during its gap, with every delta once and in order; the first item is alone and
+    the finished one is not held. Unpaced, the same request streams one item per token."""
+    import asyncio
+    import time
+
+    from engine.async_engine import AsyncEngine, StreamPace
+
+    (prompt,) = prompts_of_lengths([9], VOCAB, seed=22)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run(pace: StreamPace | None) -> tuple[list, list[float]]:
+        engine = AsyncEngine(shared.llm_engine, stream_pace=pace)
+
+        async def consume() -> tuple[list, list[float]]:
+            items, times = [], []
+            async for out in engine.generate(f"paced-{pace is not None}", prompt, params):
+                items.append((list(out.new_token_ids), out.new_text, list(out.token_ids), out.text, out.finish_reason))
+                times.append(time.monotonic())
+            return items, times
+
+        try:
+            return asyncio.run(consume())
+        finally:
+            asyncio.run(engine.close())
+
+    pace = StreamPace(items_per_s=20.0)  # one stream: an item every 50 ms at most
+    paced, times = run(pace)
+    plain, _ = run(None)
+    assert pace.open_streams == 0  # the stream left the budget when it ended
+    tokens = paced[-1][2]
+    assert tokens == plain[-1][2] == hf_greedy(shared.llm_engine.config.model.model, prompt, 24)[0]
+    assert [t for it in paced for t in it[0]] == tokens and "".join(it[1] for it in paced) == paced[-1][3]
+    assert len(paced[0][0]) == 1 and paced[-1][4] == "length"
+    assert len(paced) < len(plain) == 24
+    gaps = [b - a for a, b in zip(times[1:-1], times[2:-1])]  # between held items (not the first, not the last)
+    assert all(g >= 0.045 for g in gaps), gaps
+
+
+def test_a_stream_pace_needs_a_positive_budget():
+    from engine.async_engine import StreamPace
+
+    with pytest.raises(ValueError, match="items_per_s"):
+        StreamPace(0)
+
+
 def test_async_engine_used_from_a_second_event_loop_while_the_first_lives(shared):
     """One engine, requests from two event loops that both stay alive (two TestClients: a module-scoped
     client fixture and a test's own, as in tests/test_hardening.py, where a CI run hung once): every request
