@@ -9,14 +9,20 @@ to be recomputed later), and nothing new is admitted in that step.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections import deque
 from typing import Callable
 
 from workers.config import SchedulerConfig
 from engine.block_manager import BlockManager
-from workers.scheduler_output import PLACEHOLDER_TOKEN, ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from workers.scheduler_output import PLACEHOLDER_TOKEN, ModelRunnerOutput, PlainDecodes, ScheduledSeq, SchedulerOutput
 from engine.sequence import SeqStatus, Sequence
+
+# Step numbers for `PlainDecodes`, unique in the process, so that no two schedulers' steps are ever taken
+# for each other by an encoder.
+_step_numbers = itertools.count()
+_NOTHING_PENDING = (0, 0)  # (tokens computed, tokens gained) by a step still out, for a sequence not in it
 
 
 class QueueFullError(RuntimeError):
@@ -86,6 +92,9 @@ class Scheduler:
         # When each waiting sequence (re-)entered the queue (time.monotonic()), for `max_queue_delay_s`.
         self._enqueued_at: dict[str, float] = {}
         self.drain = DrainRate()  # how fast the queue drains when backlogged: the predicted queueing delay
+        # The last step with sequences that this scheduler made (its number, its size), which the next step's
+        # plain decodes continue (`_output`).
+        self._last_step, self._last_size = -1, 0
 
     # ---- requests in and out ----
     def add(self, seq: Sequence) -> None:
@@ -181,6 +190,7 @@ class Scheduler:
         self.running.remove(seq)
         del self.seqs[seq.seq_id]
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        seq.plain_at = (-1, 0, 0)
         self.held[seq.seq_id] = (seq, deadline)
         self._dropped.append(seq.seq_id)
 
@@ -257,6 +267,7 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         """Free a sequence's blocks now, or park them while a step that may still write them is out."""
+        seq.plain_at = (-1, 0, 0)  # whatever table it gets next is not the one the ranks hold
         if self.steps_sent > self.steps_done and seq.block_table:
             self._parked.append((self.steps_sent, seq.block_table))
             seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
@@ -354,30 +365,61 @@ class Scheduler:
                 admitted += 1
         self.drain.observe(time.monotonic(), admitted, bool(self.waiting))
         dropped, self._dropped = self._dropped, []
-        return SchedulerOutput(seqs=[self._scheduled(seq, n, extra, *pending.get(seq.seq_id, (0, 0)))
-                                     for seq, n, extra in planned],
-                               finished_seq_ids=dropped)
+        return self._output(planned, pending, dropped)
 
-    @staticmethod
-    def _scheduled(seq: Sequence, n: int, lookahead: int = 0, computed: int = 0, gained: int = 0) -> ScheduledSeq:
-        """`computed`/`gained`: what a step still out adds to the sequence first (`schedule(ahead_of=...)`)."""
-        start = seq.num_computed_tokens + computed
-        tokens = seq.token_ids[start : start + n]
-        if len(tokens) < n:  # the token the step out samples: the ranks fill it in
-            tokens.append(PLACEHOLDER_TOKEN)
-        history = seq.sampling_params.needs_token_history
-        return ScheduledSeq(
-            seq_id=seq.seq_id,
-            token_ids=tokens,
-            start_pos=start,
-            block_table=list(seq.block_table),
-            sample=start + n == seq.num_tokens + gained,
-            sampling_params=seq.sampling_params,
-            num_output_tokens=seq.num_output_tokens + gained,
-            prompt_token_ids=seq.prompt_token_ids if history else [],
-            output_token_ids=seq.output_token_ids if history else [],
-            num_lookahead=lookahead,
-        )
+    def _output(self, planned: list[tuple[Sequence, int, int]], pending: dict[str, tuple[int, int]],
+                dropped: list[str]) -> SchedulerOutput:
+        """The step's `ScheduledSeq`s, and beside them (`PlainDecodes`) which are plain decodes one position
+        on from the last step with sequences, where they were plain decodes too: the scheduler knows it here
+        for a tuple per sequence, where the step encoder would read each one's fields. A sequence's note
+        (`Sequence.plain_at`) is reset when its blocks go (`_free`, `hold`) or a lookahead's are trimmed
+        (`update`), so one whose table changed otherwise than at its end is never taken for a continuation.
+
+        `pending`: what a step still out adds to each of its sequences first (`schedule(ahead_of=...)`): the
+        tokens it computes and whether it samples one. The ScheduledSeq is built here, positionally, and not
+        in a helper: this loop runs for every sequence of every step."""
+        step, after = next(_step_numbers), self._last_step
+        seqs: list[ScheduledSeq] = []
+        rows: list[int] = []
+        others: list[int] = []
+        tokens: list[int] = []
+        grown: list[tuple[int, int, list[int]]] = []
+        for seq, n, extra in planned:
+            computed, gained = pending.get(seq.seq_id, _NOTHING_PENDING) if pending else _NOTHING_PENDING
+            start = seq.num_computed_tokens + computed
+            all_ids = seq.token_ids
+            ids = all_ids[start : start + n]
+            if len(ids) < n:  # the token the step out samples: the ranks fill it in
+                ids.append(PLACEHOLDER_TOKEN)
+            params = seq.sampling_params
+            sample = start + n == len(all_ids) + gained
+            table = list(seq.block_table)
+            i = len(seqs)
+            if params.needs_token_history:
+                seqs.append(ScheduledSeq(seq.seq_id, ids, start, table, sample, params, seq.num_output_tokens + gained,
+                                         seq.prompt_token_ids, seq.output_token_ids, [], None, extra))
+                others.append(i)
+                continue
+            seqs.append(ScheduledSeq(seq.seq_id, ids, start, table, sample, params, seq.num_output_tokens + gained,
+                                     [], [], [], None, extra))
+            # One sampled token and no history: n == 1 with nothing past it (drafts come only with `extra`).
+            if n == 1 and sample and not extra:
+                last, row, num_blocks = seq.plain_at
+                seq.plain_at = (step, i, len(table))
+                if last == after and len(table) >= num_blocks:
+                    if len(table) > num_blocks:
+                        grown.append((len(rows), i, table[num_blocks:]))
+                    rows.append(row)
+                    tokens.append(ids[0])
+                    continue
+            others.append(i)
+        if not seqs:
+            return SchedulerOutput(seqs=seqs, finished_seq_ids=dropped)
+        if not others and len(rows) == self._last_size and rows == list(range(len(rows))):
+            rows = None  # the last step's sequences, in its order: the common steady decode step
+        self._last_step, self._last_size = step, len(seqs)
+        return SchedulerOutput(seqs=seqs, finished_seq_ids=dropped,
+                               plain_decodes=PlainDecodes(step, after, rows, others, tokens, grown))
 
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Sequence]:
         """Advance computed counts, cache full blocks, append sampled tokens. Returns seqs that got a token.
@@ -398,6 +440,7 @@ class Scheduler:
             if s.num_lookahead:
                 # Blocks past the emitted tokens held only rejected (or unproposed) drafts' slots.
                 self.blocks.trim(seq, seq.num_tokens + max(0, len(result.spec.get(s.seq_id, ())) - 1))
+                seq.plain_at = (-1, 0, 0)  # a step made before this trim may hold the longer table
         return got_token
 
     def accept(self, seq: Sequence, token_id: int) -> None:

@@ -31,6 +31,9 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, found in the prefix cache at admission
     num_preemptions: int = 0
     finish_reason: str | None = None
+    # The scheduler's note for the step encoder (Scheduler._output): (step, index in it, block count) of the last
+    # step that ran this sequence as a plain decode; (-1, 0, 0): none since it (re)started.
+    plain_at: tuple[int, int, int] = field(default=(-1, 0, 0), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

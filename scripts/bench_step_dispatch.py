@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What a multi-rank step pays to reach its rank actors, on any machine (no GPU needed).
 
-1. Dispatch alone: a decode step of --seqs sequences (tables of 40 blocks) sent to N idle rank actors
-   and answered, the way the engine does it (step deltas over the step channel, cluster/step_channel.py)
+1. Dispatch alone: a decode step of --seqs sequences (tables of 38-39 blocks, as the scheduler makes
+   them) sent to N idle rank actors and answered, the way the engine does it (step deltas over the step channel, cluster/step_channel.py)
    beside the old way (one Ray task per rank, the whole SchedulerOutput pickled by Ray), same run.
 2. The engine: median decode-step time of a tiny model in-process (`uni`) and through the rank
    actors (`ray`) at world size 1, then TP=N on the CPU over gloo; at world size 1 the difference
@@ -27,13 +27,43 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def decode_step(seqs: int, step: int):
-    from workers.sampling_params import SamplingParams
-    from workers.scheduler_output import ScheduledSeq, SchedulerOutput
+class DecodeSteps:
+    """Steps as the engine's scheduler makes them (engine/scheduler.py, with its plain-decode columns), made
+    one at a time as they are used, so no backlog of steps sits in memory for the garbage collector to walk:
+    a first step prefills `seqs` sequences (prompts of 600-615 tokens: tables of 38-39 blocks of 16, each
+    growing by one every 16 steps, at staggered steps), then every step decodes all of them, each one's token
+    sampled in between (`done`). `schedule_s`: the scheduler's own time for the decode steps."""
 
-    params = [SamplingParams(max_tokens=512, temperature=0.7, top_p=0.9, seed=i) for i in range(seqs)]
-    return SchedulerOutput([ScheduledSeq(f"req-{i}", [7], 600 + step, list(range(i * 40, i * 40 + 40)), True, params[i],
-                                         step) for i in range(seqs)])
+    def __init__(self, seqs: int, count: int):
+        from engine.block_manager import BlockManager
+        from engine.scheduler import Scheduler
+        from engine.sequence import Sequence
+        from workers.config import SchedulerConfig
+        from workers.sampling_params import SamplingParams
+
+        self.seqs, self.schedule_s, self.num_steps = seqs, 0.0, 0
+        blocks = seqs * ((616 + count) // 16 + 2)
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=616 * seqs),
+                               BlockManager(blocks, 16, enable_prefix_caching=False))
+        for i in range(seqs):
+            self.sched.add(Sequence(f"req-{i}", [7] * (600 + i % 16),
+                                    SamplingParams(max_tokens=count + 10, temperature=0.7, top_p=0.9, seed=i)))
+
+    def next(self):
+        t = time.perf_counter()
+        out = self.sched.schedule()
+        if self.num_steps:
+            self.schedule_s += time.perf_counter() - t
+        self.num_steps += 1
+        if len(out.seqs) != self.seqs:
+            raise RuntimeError(f"a step has {len(out.seqs)} sequences, not {self.seqs}")
+        return out
+
+    def done(self, out) -> None:
+        from workers.scheduler_output import ModelRunnerOutput
+
+        ids = [s.seq_id for s in out.seqs if s.sample]
+        self.sched.update(out, ModelRunnerOutput.from_columns(ids, [self.num_steps % 50] * len(ids), [-0.5] * len(ids)))
 
 
 class _IdleRank:
@@ -79,15 +109,17 @@ def dispatch_us(ranks: int, seqs: int, iters: int) -> dict:
     from workers.step_delta import StepEncoder, unpack_output
 
     actor = ray.remote(num_cpus=0, max_concurrency=16)(_IdleRank)
-    steps = [decode_step(seqs, i) for i in range(iters + 20)]
 
     def timed(fn) -> float:
-        for out in steps[:20]:
+        """µs per step of `fn(step)` alone, over `iters` decode steps after the prefill and 20 decode steps."""
+        steps, spent = DecodeSteps(seqs, iters + 20), 0.0
+        for i in range(iters + 21):
+            out = steps.next()
+            t0 = time.perf_counter()
             fn(out)
-        t0 = time.perf_counter()
-        for out in steps[20:]:
-            fn(out)
-        return (time.perf_counter() - t0) / iters * 1e6
+            spent += (time.perf_counter() - t0) if i > 20 else 0.0
+            steps.done(out)
+        return spent / iters * 1e6
 
     result = {}
     for name, spin in (("step channel + deltas", False), ("step channel, spinning waits", True)):
@@ -111,18 +143,22 @@ def dispatch_us(ranks: int, seqs: int, iters: int) -> dict:
     return result
 
 
-def stage_us(seqs: int, iters: int) -> dict:
+def stage_us(seqs: int, iters: int, schedule: dict | None = None) -> dict:
     """One process, no Ray: each stage of a decode step's round trip, µs per step (the channel's two hops
-    are not in it). "answer" is the runner's own making of its output (in-process pays it too)."""
+    are not in it). "answer" is the runner's own making of its output (in-process pays it too), and so is
+    the scheduler's making of the step, put in `schedule["schedule"]` where given (not a stage here)."""
     import pickle
 
     from workers.scheduler_output import ModelRunnerOutput
     from workers.step_delta import StepDecoder, StepEncoder, pack_output, unpack_output
 
-    steps = [decode_step(seqs, i) for i in range(iters + 200)]
+    steps = DecodeSteps(seqs, iters + 200)
     encoder, decoder = StepEncoder(), StepDecoder()
     totals = dict.fromkeys(("encode", "decode", "answer", "pack", "pickle", "unpack"), 0.0)
-    for i, out in enumerate(steps):
+    for i in range(iters + 201):
+        if i == 201:  # warm (step 0 is the prefill): the scheduler's time from here on
+            steps.schedule_s = 0.0
+        out = steps.next()
         t0 = time.perf_counter()
         payload = encoder.encode(out)
         t1 = time.perf_counter()
@@ -136,9 +172,12 @@ def stage_us(seqs: int, iters: int) -> dict:
         t5 = time.perf_counter()
         unpack_output(frame[1], out)
         t6 = time.perf_counter()
-        if i >= 200:  # warm
+        steps.done(out)
+        if i > 200:
             for key, dt in zip(totals, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)):
                 totals[key] += dt
+    if schedule is not None:
+        schedule["schedule"] = steps.schedule_s / iters * 1e6
     return {key: total / iters * 1e6 for key, total in totals.items()}
 
 
@@ -201,8 +240,10 @@ def main() -> None:
     from cluster.ray_runtime import use_private_ray_token
 
     if a.stages:
-        stages = stage_us(a.seqs, a.iters)
-        print(", ".join(f"{k} {v:.1f} us" for k, v in stages.items()) + f"; total {sum(stages.values()):.1f} us")
+        scheduler: dict = {}
+        stages = stage_us(a.seqs, a.iters, scheduler)
+        print(", ".join(f"{k} {v:.1f} us" for k, v in stages.items()) + f"; total {sum(stages.values()):.1f} us "
+              f"(the scheduler's own step, not in the total: {scheduler['schedule']:.1f} us)")
         return
     ranks_list = [int(x) for x in a.ranks.split(",")]
     use_private_ray_token()  # a private local Ray that leaves no ~/.ray/auth_token behind

@@ -149,12 +149,13 @@ def test_compact_decodes_rebuild_every_step_exactly():
     mixed = all_compact = same_slots = grown = 0
     for out in _decode_heavy_schedules(600):
         payload = encoder.encode(out)
-        *_, order, _, _, compact = pickle.loads(payload)
+        _, _, new, known, _, compact, _ = pickle.loads(payload)
         if compact is not None:
-            mixed += bool(order)
-            all_compact += not order and bool(compact[1])
-            same_slots += not order and compact[0] is None and bool(compact[1])
-            grown += bool(compact[2])
+            others = bool(new or known)
+            mixed += others
+            all_compact += not others
+            same_slots += not others and compact[0] is None and compact[1] is None
+            grown += bool(compact[3])
         got = decoder.decode(payload)
         assert got == out
         assert [s.spec_token_ids for s in got.seqs] == [s.spec_token_ids for s in out.seqs]
@@ -175,8 +176,8 @@ def test_a_steady_decode_step_sends_only_its_tokens():
         assert decoder.decode(payload) == step(pos)
         sizes.append(len(payload))
     assert sizes[2] < sizes[1] < sizes[0] / 4  # whole, then slots and tokens, then tokens only
-    *_, order, _, _, compact = pickle.loads(payload)
-    assert order == b"" and compact[0] is None and compact[1] == [105 % 50] * 64 and compact[2] == []
+    _, _, new, known, _, compact, _ = pickle.loads(payload)
+    assert not new and not known and compact == (None, None, [105 % 50] * 64, [])
 
 
 def _step_of(seq_ids: list[str], sample: list[bool]) -> SchedulerOutput:

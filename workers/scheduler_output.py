@@ -74,6 +74,30 @@ class TokenBitmask:
     bitmask: torch.Tensor
 
 
+@dataclass(slots=True)
+class PlainDecodes:
+    """What the scheduler knows of a step's plain decodes, as columns, so that the step encoder
+    (workers/step_delta.py) need not read them one by one.
+
+    A plain decode here is a sequence that decodes one token at the position after the one it had in step
+    `after` (the scheduler's last step with sequences), where it was a plain decode too: one token,
+    sampled, no drafts or token history, its table the same or grown at its end. Such a sequence is
+    exactly its step-`after` self one position on, with one more generated token, so the ranks, which hold
+    step `after`'s sequences in its order, need only its row there, its token and any new block ids. This
+    holds only for the ranks that ran step `after` just before this one: the encoder checks that it sent
+    step `after` last, and otherwise ignores these columns."""
+
+    step: int  # this step's number, unique in the process (the next step's `after`)
+    after: int  # the step the plain decodes continue (-1: none)
+    # The plain decodes' rows in step `after`, in this step's order; None: every sequence of this step is
+    # one, and they are step `after`'s sequences in its order.
+    rows: list[int] | None
+    others: list[int]  # this step's indices of its other sequences, ascending
+    tokens: list[int]  # the plain decodes' tokens, in step order (PLACEHOLDER_TOKEN: the step out samples it)
+    # (index among the plain decodes, index in the step, block ids appended since step `after`)
+    grown: list[tuple[int, int, list[int]]]
+
+
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq]
@@ -81,6 +105,9 @@ class SchedulerOutput:
     finished_seq_ids: list[str] = field(default_factory=list)
     # Structured output: allowed tokens of the constrained sequences that sample this step (None: none).
     token_bitmask: TokenBitmask | None = None
+    # Set by the scheduler (engine/scheduler.py) for the step encoder; a hand-built step has none. Not part
+    # of the step's meaning: two steps with the same sequences are equal whatever their columns.
+    plain_decodes: PlainDecodes | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:

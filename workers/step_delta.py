@@ -10,9 +10,13 @@ sequence that comes back with a new table is sent whole again.
 
 Most of a decode step's sequences are plain decodes: one new token at the position after the last
 step's, one more generated token, the same table or one grown at its end, nothing else. Those go in the
-step's compact part, their slots and tokens as two lists of ints (and the few new block ids beside), and
-the rank moves its held `ScheduledSeq`s on in a tight loop. When a step is all compact and has the last
-step's sequences in the same order, even the slots stay home: the step is its tokens.
+step's compact part, as two lists of ints (and the few new block ids beside), and the rank moves its held
+`ScheduledSeq`s on in a tight loop; the step's other sequences go beside them with their index in the step.
+The scheduler says which sequences these are (`SchedulerOutput.plain_decodes`, engine/scheduler.py): a
+plain decode of the last step that is one again goes as its row in the last step and its token, read from
+the scheduler's columns, so the encoder reads no field of it, and a step of the last step's sequences in
+the same order is just its tokens. A step without those columns (built by hand, or not continuing the step
+sent last) is tested sequence by sequence against what the ranks hold, and its plain decodes go by slot.
 
 The answer goes back the same way: the sampled tokens in the step's order of sequences to sample,
 without their ids. The encoded step is tuples of ints and lists (fast to pickle); `StepEncoder`
@@ -22,8 +26,9 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
+from operator import itemgetter
 
-from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
+from workers.scheduler_output import ModelRunnerOutput, PlainDecodes, SampledToken, ScheduledSeq, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -49,9 +54,12 @@ class StepEncoder:
         self._sent: dict[str, _Sent] = {}
         self._free_slots: list[int] = []
         self._num_slots = 0
-        # The slots of the last step, in its order, when every one of its sequences was compact (else None):
-        # a step of the same sequences, all compact again, sends only its tokens.
+        # The slots of the last step, in its order, when every one of its sequences was compact and found by
+        # its slot (else None): a step of the same sequences, all compact again, sends only its tokens.
         self._last_slots: list[int] | None = None
+        # The scheduler's number of the last step sent (`PlainDecodes.step`; None: it had none): the next
+        # step's columns are used only if they continue that step.
+        self._last_step: int | None = None
 
     def _slot(self) -> int:
         if self._free_slots:
@@ -61,22 +69,52 @@ class StepEncoder:
 
     def encode(self, out: SchedulerOutput) -> bytes:
         forget = []
-        sent_of = self._sent
         for seq_id in out.finished_seq_ids:
-            sent = sent_of.pop(seq_id, None)
+            sent = self._sent.pop(seq_id, None)
             if sent is not None:
                 forget.append(sent.slot)
                 self._free_slots.append(sent.slot)
+        plan = out.plain_decodes
+        if plan is not None and plan.after == self._last_step:
+            new, known, spec, compact = self._encode_planned(out, plan, forget)
+        else:
+            new, known, spec, compact = self._encode_checked(out, forget)
+        self._last_step = None if plan is None else plan.step
+        # The grammar bitmask (structured output) is per step: sent whole when there is one.
+        return pickle.dumps((out.finished_seq_ids, forget, new, known, spec, compact, out.token_bitmask),
+                            protocol=pickle.HIGHEST_PROTOCOL)
+
+    def _encode_planned(self, out: SchedulerOutput, plan: PlainDecodes, forget: list[int]) -> tuple:
+        """A step whose plain decodes the scheduler named (`PlainDecodes`), continuing the step sent last:
+        they go as their rows in that step and their tokens, read from its columns, not from each sequence.
+        Their `_Sent` records keep only the table's length (the general path slices from it); their
+        positions go stale, which can only fail `_encode_checked`'s test (a held sequence's position never
+        goes back), so a later step without columns sends such a sequence whole, never wrongly compact."""
+        seqs, sent_of = out.seqs, self._sent
+        grow = []
+        for k, i, appended in plan.grown:
+            sent = sent_of[seqs[i].seq_id]
+            sent.num_blocks, sent.last_block = len(seqs[i].block_table), appended[-1]
+            grow.append((k, appended))
         new, known, spec = [], [], []
-        general = []  # (index in the step, 0 = next of `new` or 1 = next of `known`); the others are compact
+        for i in plan.others:
+            self._general(seqs[i], i, new, known, spec, forget)
+        self._last_slots = None  # the ranks find these by row, not slot
+        return new, known, spec, ((None, plan.rows, plan.tokens, grow) if plan.tokens else None)
+
+    def _encode_checked(self, out: SchedulerOutput, forget: list[int]) -> tuple:
+        """A step without usable columns (hand-built, or not continuing the step sent last): each sequence
+        is tested against what the ranks hold, and the plain decodes among them go as slots and tokens."""
+        sent_of = self._sent
+        new, known, spec = [], [], []
         # The compact part: sequences the ranks hold as a plain decode that decode one more token at the next
         # position with the same table, or one grown at its end (`grow`: (index in the compact part, new ids)).
         slots, tokens, grow = [], [], []
         add_slot, add_token, get = slots.append, tokens.append, sent_of.get
-        for s in out.seqs:
+        for i, s in enumerate(out.seqs):
             sent = get(s.seq_id)
-            table = s.block_table
             if sent is not None and sent.plain:
+                table = s.block_table
                 start = s.start_pos
                 toks = s.token_ids
                 nb = sent.num_blocks
@@ -92,45 +130,42 @@ class StepEncoder:
                     add_token(toks[0])
                     sent.start_pos = start
                     continue
-            i = len(slots) + len(general)  # the sequence's index in the step
-            if sent is not None and (len(table) < sent.num_blocks or (table and table[0] != sent.first_block)
-                                     or (sent.num_blocks and table[sent.num_blocks - 1] != sent.last_block)):
-                forget.append(sent.slot)  # rebuilt without a finish in between: resend it whole
-                self._free_slots.append(sent.slot)
-                del sent_of[s.seq_id]
-                sent = None
-            if sent is None:
-                sent = sent_of[s.seq_id] = _Sent(self._slot(), len(table), table[0] if table else -1,
-                                                 table[-1] if table else -1)
-                new.append((sent.slot, s.seq_id, s.token_ids, s.start_pos, table, s.sample, s.num_output_tokens,
-                            s.prompt_token_ids, s.output_token_ids, s.sampling_params))
-                general.append((i, 0))
-            else:
-                known.append((sent.slot, s.token_ids, s.start_pos, table[sent.num_blocks:] if len(table) > sent.num_blocks
-                              else None, s.sample, s.num_output_tokens, s.prompt_token_ids or None,
-                              s.output_token_ids or None))
-                general.append((i, 1))
-                sent.num_blocks, sent.last_block = len(table), (table[-1] if table else -1)
-            sent.start_pos, sent.context_minus_out = s.start_pos, s.start_pos - s.num_output_tokens
-            sent.plain = (len(s.token_ids) == 1 and s.sample and bool(table) and not s.spec_token_ids
-                          and not s.prompt_token_ids and not s.output_token_ids)
-            if s.spec_token_ids:
-                # Speculative decoding's drafts (and a draft model's q, on the host) are per step: (index, ...).
-                spec.append((i, s.spec_token_ids, None if s.spec_probs is None else s.spec_probs.cpu()))
-        if general:
-            # 0 = next of `new`, 1 = next of `known`, 2 = next compact: the step keeps its order of sequences
-            order = bytearray(b"\x02") * (len(slots) + len(general))
-            for i, kind in general:
-                order[i] = kind
-            compact = (slots, tokens, grow) if slots else None
+            self._general(s, i, new, known, spec, forget)
+        if new or known or not slots:
+            compact = (slots, None, tokens, grow) if slots else None
             self._last_slots = None
-        else:  # every sequence compact (or an empty step): no order; the slots only where they changed
-            compact = (None if slots == self._last_slots else slots, tokens, grow)
+        else:  # every sequence compact: the slots only where they changed (None: the last step's sequences)
+            compact = (None if slots == self._last_slots else slots, None, tokens, grow)
             self._last_slots = slots
-            order = b""
-        # The grammar bitmask (structured output) is per step: sent whole when there is one.
-        return pickle.dumps((out.finished_seq_ids, forget, new, known, bytes(order), out.token_bitmask, spec, compact),
-                            protocol=pickle.HIGHEST_PROTOCOL)
+        return new, known, spec, compact
+
+    def _general(self, s: ScheduledSeq, i: int, new: list, known: list, spec: list, forget: list[int]) -> None:
+        """Step index `i` goes as a new sequence (whole) or a known one (its fields, its table's new ids)."""
+        sent_of = self._sent
+        sent = sent_of.get(s.seq_id)
+        table = s.block_table
+        if sent is not None and (len(table) < sent.num_blocks or (table and table[0] != sent.first_block)
+                                 or (sent.num_blocks and table[sent.num_blocks - 1] != sent.last_block)):
+            forget.append(sent.slot)  # rebuilt without a finish in between: resend it whole
+            self._free_slots.append(sent.slot)
+            del sent_of[s.seq_id]
+            sent = None
+        if sent is None:
+            sent = sent_of[s.seq_id] = _Sent(self._slot(), len(table), table[0] if table else -1,
+                                             table[-1] if table else -1)
+            new.append((i, sent.slot, s.seq_id, s.token_ids, s.start_pos, table, s.sample, s.num_output_tokens,
+                        s.prompt_token_ids, s.output_token_ids, s.sampling_params))
+        else:
+            known.append((i, sent.slot, s.token_ids, s.start_pos, table[sent.num_blocks:] if len(table) > sent.num_blocks
+                          else None, s.sample, s.num_output_tokens, s.prompt_token_ids or None,
+                          s.output_token_ids or None))
+            sent.num_blocks, sent.last_block = len(table), (table[-1] if table else -1)
+        sent.start_pos, sent.context_minus_out = s.start_pos, s.start_pos - s.num_output_tokens
+        sent.plain = (len(s.token_ids) == 1 and s.sample and bool(table) and not s.spec_token_ids
+                      and not s.prompt_token_ids and not s.output_token_ids)
+        if s.spec_token_ids:
+            # Speculative decoding's drafts (and a draft model's q, on the host) are per step: (index, ...).
+            spec.append((i, s.spec_token_ids, None if s.spec_probs is None else s.spec_probs.cpu()))
 
 
 class StepDecoder:
@@ -138,71 +173,67 @@ class StepDecoder:
 
     def __init__(self) -> None:
         self._held: dict[int, ScheduledSeq] = {}
-        self._last_seqs: list[ScheduledSeq] | None = None  # the last step's, when all of it was compact
+        self._last_seqs: list[ScheduledSeq] | None = None  # the last step's, in its order
         self._drafted: list[ScheduledSeq] = []  # the last step's sequences with drafts
 
     def decode(self, payload: bytes) -> SchedulerOutput:
-        finished_ids, forget, new, known, order, token_bitmask, spec, compact = pickle.loads(payload)
+        finished_ids, forget, new, known, spec, compact, token_bitmask = pickle.loads(payload)
         held = self._held
         for slot in forget:
             held.pop(slot, None)
         for seq in self._drafted:  # a held sequence's drafts were last step's
             seq.spec_token_ids, seq.spec_probs = [], None
-        if not order:  # every sequence compact: a plain decode one position on, the same table or grown
-            slots, tokens, grow = compact
-            if slots is None:
-                if self._last_seqs is None:
-                    raise RuntimeError("a step reuses the last step's sequences, but the last step was not all compact")
-                seqs = self._last_seqs.copy()
-            else:
-                seqs = [held[slot] for slot in slots]
-            for seq, token in zip(seqs, tokens):
-                seq.token_ids = [token]
-                seq.start_pos += 1
-                seq.num_output_tokens += 1
-            for i, appended in grow:
-                seqs[i].block_table.extend(appended)
-            self._last_seqs = seqs
-        else:
-            self._last_seqs = None
-            new_it, known_it = iter(new), iter(known)
-            if compact is not None:
-                compact_slots, compact_tokens, grow = compact
-                compact_it = iter(zip(compact_slots, compact_tokens))
-                grown = dict(grow)
-            n_compact = 0
-            seqs = []
-            for kind in order:
-                if kind == 2:
-                    slot, token = next(compact_it)
-                    seq = held[slot]
-                    seq.token_ids = [token]
-                    seq.start_pos += 1
-                    seq.num_output_tokens += 1
-                    appended = grown.get(n_compact)
-                    if appended:
-                        seq.block_table.extend(appended)
-                    n_compact += 1
-                elif kind == 0:
-                    slot, seq_id, tokens, start, table, sample, n_out, prompt, output, params = next(new_it)
-                    seq = held[slot] = ScheduledSeq(seq_id, tokens, start, list(table), sample, params, n_out, prompt,
-                                                    output)
-                else:
-                    # The held ScheduledSeq itself, updated: the rank runs this step to the end before it decodes
-                    # the next one.
-                    slot, tokens, start, appended, sample, n_out, prompt, output = next(known_it)
-                    seq = held[slot]
-                    seq.token_ids, seq.start_pos, seq.sample, seq.num_output_tokens = tokens, start, sample, n_out
-                    if appended:
-                        seq.block_table.extend(appended)
-                    seq.prompt_token_ids, seq.output_token_ids = prompt or [], output or []
-                seqs.append(seq)
+        seqs = [] if compact is None else self._move_on(*compact)
+        if new or known:
+            self._place(seqs, new, known)
+        self._last_seqs = seqs
         drafted = self._drafted = []
         for i, drafts, probs in spec:
             seq = seqs[i]
             seq.spec_token_ids, seq.spec_probs = drafts, probs
             drafted.append(seq)
         return SchedulerOutput(seqs=seqs, finished_seq_ids=finished_ids, token_bitmask=token_bitmask)
+
+    def _move_on(self, slots: list[int] | None, rows: list[int] | None, tokens: list[int],
+                 grow: list[tuple[int, list[int]]]) -> list[ScheduledSeq]:
+        """The step's plain decodes, in step order, each moved one position on: found by slot, or by row in
+        the last step (`rows`; neither: the last step's sequences, in its order)."""
+        if slots is not None:
+            held = self._held
+            seqs = [held[slot] for slot in slots]
+        else:
+            last = self._last_seqs
+            if last is None:
+                raise RuntimeError("a step continues the last step's sequences, but there was no last step")
+            seqs = last.copy() if rows is None else [last[j] for j in rows]
+        # The held ScheduledSeqs themselves, updated: the rank runs each step to the end before it decodes the
+        # next one.
+        for seq, token in zip(seqs, tokens):
+            seq.token_ids = [token]
+            seq.start_pos += 1
+            seq.num_output_tokens += 1
+        for k, appended in grow:
+            seqs[k].block_table.extend(appended)
+        return seqs
+
+    def _place(self, seqs: list[ScheduledSeq], new: list[tuple], known: list[tuple]) -> None:
+        """Put the step's other sequences at their indices among the plain decodes. Inserted in ascending
+        order of index, each lands where it belongs (the ones before it are all in place)."""
+        held = self._held
+        placed = []
+        for i, slot, seq_id, tokens, start, table, sample, n_out, prompt, output, params in new:
+            seq = held[slot] = ScheduledSeq(seq_id, tokens, start, list(table), sample, params, n_out, prompt, output)
+            placed.append((i, seq))
+        for i, slot, tokens, start, appended, sample, n_out, prompt, output in known:
+            seq = held[slot]
+            seq.token_ids, seq.start_pos, seq.sample, seq.num_output_tokens = tokens, start, sample, n_out
+            if appended:
+                seq.block_table.extend(appended)
+            seq.prompt_token_ids, seq.output_token_ids = prompt or [], output or []
+            placed.append((i, seq))
+        placed.sort(key=itemgetter(0))
+        for i, seq in placed:
+            seqs.insert(i, seq)
 
     @property
     def num_held(self) -> int:
