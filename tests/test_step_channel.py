@@ -159,6 +159,8 @@ def test_compact_decodes_rebuild_every_step_exactly():
         got = decoder.decode(payload)
         assert got == out
         assert [s.spec_token_ids for s in got.seqs] == [s.spec_token_ids for s in out.seqs]
+        sampled = [s.seq_id for s in out.seqs if s.sample]  # the answer's order, handed on while the same
+        assert out.sample_seq_ids() == sampled and got.sample_seq_ids() == sampled
     assert min(mixed, all_compact, same_slots, grown) > 0, (mixed, all_compact, same_slots, grown)
 
 

@@ -56,6 +56,9 @@ class _Sim:
         got = self.decoder.decode(payload)
         assert [_fields(s) for s in got.seqs] == [_fields(s) for s in out.seqs]
         assert got.finished_seq_ids == out.finished_seq_ids
+        # The answer's order, handed on from step to step on both sides while the sequences stay the same.
+        sampled = [s.seq_id for s in out.seqs if s.sample]
+        assert out.sample_seq_ids() == sampled and got.sample_seq_ids() == sampled
         compact = pickle.loads(payload)[5]
         if compact is not None:
             kind = "checked" if compact[0] is not None else "same" if compact[1] is None else "rows"

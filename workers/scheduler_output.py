@@ -108,6 +108,16 @@ class SchedulerOutput:
     # Set by the scheduler (engine/scheduler.py) for the step encoder; a hand-built step has none. Not part
     # of the step's meaning: two steps with the same sequences are equal whatever their columns.
     plain_decodes: PlainDecodes | None = field(default=None, compare=False, repr=False)
+    # The ids of the sequences that sample, in step order, once made (`sample_seq_ids`), or handed on from the
+    # step before by the step encoder and decoder while the step's sequences stay the same (workers/step_delta.py).
+    sample_ids: list[str] | None = field(default=None, compare=False, repr=False)
+
+    def sample_seq_ids(self) -> list[str]:
+        """The ids of the sequences that sample, in step order: the order of a step's answer."""
+        ids = self.sample_ids
+        if ids is None:
+            ids = self.sample_ids = [s.seq_id for s in self.seqs if s.sample]
+        return ids
 
     @property
     def num_tokens(self) -> int:

@@ -60,6 +60,7 @@ class StepEncoder:
         # The scheduler's number of the last step sent (`PlainDecodes.step`; None: it had none): the next
         # step's columns are used only if they continue that step.
         self._last_step: int | None = None
+        self._sample_ids: list[str] | None = None  # the last step's `SchedulerOutput.sample_ids`
 
     def _slot(self) -> int:
         if self._free_slots:
@@ -80,6 +81,13 @@ class StepEncoder:
         else:
             new, known, spec, compact = self._encode_checked(out, forget)
         self._last_step = None if plan is None else plan.step
+        # The ids of the sampled sequences, which the answer comes back in the order of (`unpack_output`): the
+        # last step's while the sequences are the same (then all plain decodes), else made now, so that a
+        # step sent before the last one is unpacked (asynchronous scheduling) still finds them here.
+        if compact is not None and compact[0] is None and compact[1] is None and self._sample_ids is not None:
+            out.sample_ids = self._sample_ids
+        else:
+            self._sample_ids = out.sample_seq_ids()
         # The grammar bitmask (structured output) is per step: sent whole when there is one.
         return pickle.dumps((out.finished_seq_ids, forget, new, known, spec, compact, out.token_bitmask),
                             protocol=pickle.HIGHEST_PROTOCOL)
@@ -174,6 +182,7 @@ class StepDecoder:
     def __init__(self) -> None:
         self._held: dict[int, ScheduledSeq] = {}
         self._last_seqs: list[ScheduledSeq] | None = None  # the last step's, in its order
+        self._last_out: SchedulerOutput | None = None
         self._drafted: list[ScheduledSeq] = []  # the last step's sequences with drafts
 
     def decode(self, payload: bytes) -> SchedulerOutput:
@@ -192,7 +201,12 @@ class StepDecoder:
             seq = seqs[i]
             seq.spec_token_ids, seq.spec_probs = drafts, probs
             drafted.append(seq)
-        return SchedulerOutput(seqs=seqs, finished_seq_ids=finished_ids, token_bitmask=token_bitmask)
+        out = SchedulerOutput(seqs=seqs, finished_seq_ids=finished_ids, token_bitmask=token_bitmask)
+        if compact is not None and compact[0] is None and compact[1] is None and not (new or known):
+            # The last step's sequences again, all plain decodes: the same sampled ids (once `pack_output` made them).
+            out.sample_ids = self._last_out.sample_ids
+        self._last_out = out
+        return out
 
     def _move_on(self, slots: list[int] | None, rows: list[int] | None, tokens: list[int],
                  grow: list[tuple[int, list[int]]]) -> list[ScheduledSeq]:
@@ -207,9 +221,10 @@ class StepDecoder:
                 raise RuntimeError("a step continues the last step's sequences, but there was no last step")
             seqs = last.copy() if rows is None else [last[j] for j in rows]
         # The held ScheduledSeqs themselves, updated: the rank runs each step to the end before it decodes the
-        # next one.
+        # next one. A plain decode holds one token, in a list of its own (unpickled here, or made by a fill):
+        # replaced in place, with no new list.
         for seq, token in zip(seqs, tokens):
-            seq.token_ids = [token]
+            seq.token_ids[0] = token
             seq.start_pos += 1
             seq.num_output_tokens += 1
         for k, appended in grow:
@@ -252,7 +267,7 @@ def pack_output(result: ModelRunnerOutput | None, out: SchedulerOutput) -> tuple
                          for seq_id, toks in result.spec.items()],
                 [(seq_id, t.token_id, t.logprob, t.top_logprobs) for seq_id, t in result.sampled.items()
                  if seq_id not in result.spec])
-    expected = [s.seq_id for s in out.seqs if s.sample]
+    expected = out.sample_seq_ids()
     columns = result.columns
     if columns is not None and columns[0] == expected:  # the runner's columns are the answer already
         _, token_ids, logprobs, tops = columns
@@ -282,4 +297,4 @@ def unpack_output(packed: tuple, out: SchedulerOutput) -> ModelRunnerOutput:
     if packed[0] == "keyed":
         return ModelRunnerOutput({seq_id: SampledToken(tok, lp, top) for seq_id, tok, lp, top in packed[1]})
     _, token_ids, logprobs, tops = packed
-    return ModelRunnerOutput.from_columns([s.seq_id for s in out.seqs if s.sample], token_ids, logprobs, tops)
+    return ModelRunnerOutput.from_columns(out.sample_seq_ids(), token_ids, logprobs, tops)
