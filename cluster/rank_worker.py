@@ -98,7 +98,10 @@ class RankWorker:
         # The only rank of its replica fills a step sent ahead itself, from its last answer's tokens (no fill
         # frame, no round trip through the driver); with more ranks, those without the tokens need the fill.
         self._keep_sampled = self.runner.config.parallel.world_size == 1
-        self._sampled: dict[str, int] = {}  # seq_id -> the token the last step sampled for it
+        self._last_result: ModelRunnerOutput | None = None  # the last step's answer (kept only then)
+        # The last step's tokens, one per sequence in its order, where its answer is that (every sequence sampled,
+        # in step order: a decode step's): the next step's plain decodes take theirs by row (StepDecoder.decode).
+        self._last_tokens: list[int] | None = None
         self.profile: RankProfile | None = logged_profile(self.rank)
         self._answered_at = time.perf_counter()
         run_rank_loop((address, port), self.rank, self._on_message, spin_s, local_path)
@@ -107,12 +110,16 @@ class RankWorker:
         self._bind_device()  # the step loop's own thread
         kind = message[0]
         if kind == "step":  # ("step", payload, placeholders, own): with placeholders it waits for its "fill"
-            start, out = time.perf_counter(), self.decoder.decode(message[1])
+            start = time.perf_counter()
+            if len(message) > 3 and message[2] and message[3]:  # the only rank: the tokens are its own last answer's
+                out = self.decoder.decode(message[1], self._last_tokens)
+                holders = placeholder_seqs(self.decoder.unfilled)  # those the decoder did not fill by row
+                if holders:
+                    sampled = self._last_result.token_ids_by_seq()
+                    fill_placeholders(holders, [sampled[s.seq_id] for s in holders])
+                return self._step(start, out)
+            out = self.decoder.decode(message[1])
             if len(message) > 2 and message[2]:
-                if len(message) > 3 and message[3]:  # the only rank: the tokens are its own last answer's
-                    sampled = self._sampled
-                    fill_placeholders(out.seqs, [sampled[s.seq_id] for s in placeholder_seqs(out.seqs)])
-                    return self._step(start, out)
                 self._waiting = (start, out)
                 return NO_REPLY
             return self._step(start, out)
@@ -137,7 +144,7 @@ class RankWorker:
             result = self.profile.step(kind, start - self._answered_at, time.perf_counter() - start,
                                        lambda: self.execute(out), out.num_tokens, len(out.seqs))
         if self._keep_sampled and result is not None:  # a step sent ahead fills its placeholders from these
-            self._sampled = result.token_ids_by_seq()
+            self._last_result, self._last_tokens = result, _tokens_by_row(result, out)
         packed = pack_output(result, out)
         self._answered_at = time.perf_counter()
         return packed
@@ -153,3 +160,13 @@ class RankWorker:
         """KV transfers and their waits run on other actor threads, beside the steps (max_concurrency > 1)."""
         self._bind_device()
         return getattr(self.kv_agent, method)(*args)
+
+
+def _tokens_by_row(result: ModelRunnerOutput, out: SchedulerOutput) -> list[int] | None:
+    """The step's sampled tokens, one per sequence in step order, where the answer's columns are exactly
+    that (every sequence sampled: a decode step's); else None. The comparison of ids is one pass over two
+    lists of the same strings, and the step's ids are made once for `pack_output` too."""
+    columns = result.columns
+    if columns is None or result.spec or len(columns[0]) != len(out.seqs) or columns[0] != out.sample_seq_ids():
+        return None
+    return columns[1]

@@ -32,7 +32,7 @@ from cluster.step_channel import RankFailure, StepChannel
 from parallel.state import rank_grid
 from workers.config import EngineConfig
 from workers.executor import Executor, ExecutorError, PendingStep
-from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput, placeholder_seqs
+from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput, num_placeholders
 from workers.step_delta import StepEncoder, unpack_output
 
 PLACEMENT_TIMEOUT_S = 300.0  # resources exist but are held by others: wait this long for them
@@ -133,7 +133,7 @@ class RayExecutor(Executor):
         previous = self._inflight if ahead else None
         if not ahead:
             self._settle()
-        to_fill = len(placeholder_seqs(out.seqs))
+        to_fill = num_placeholders(out)
         payload = self.encoder.encode(out)
         own = self.world_size == 1  # the only rank has the tokens itself: it fills the step without a `fill`
         try:

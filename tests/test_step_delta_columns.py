@@ -15,7 +15,7 @@ from engine.sequence import Sequence
 from workers.config import SchedulerConfig
 from workers.sampling_params import SamplingParams
 from workers.scheduler_output import (PLACEHOLDER_TOKEN, ModelRunnerOutput, SampledToken, ScheduledSeq,
-                                      SchedulerOutput, fill_placeholders, placeholder_seqs)
+                                      SchedulerOutput, fill_placeholders, num_placeholders, placeholder_seqs)
 from workers.step_delta import StepDecoder, StepEncoder
 
 
@@ -33,9 +33,12 @@ class _Sim:
         self.sched = Scheduler(SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=48),
                                BlockManager(num_blocks, 4, enable_prefix_caching=True))
         self.encoder, self.decoder = StepEncoder(), StepDecoder()
+        # A replica of one rank, which fills a step sent ahead from its own answer (cluster/rank_worker.py):
+        # it decodes each step when it runs it.
+        self.own, self.own_tokens, self.payloads, self.last_result = StepDecoder(), None, {}, None
         self.n = 0
         self.prefixes = [[self.rng.randrange(50) for _ in range(9)] for _ in range(3)]
-        self.kinds: dict[str, int] = {"rows": 0, "same": 0, "checked": 0, "placeholders": 0, "grown": 0}
+        self.kinds: dict[str, int] = {"rows": 0, "same": 0, "checked": 0, "placeholders": 0, "grown": 0, "by_row": 0}
 
     def admit(self) -> None:
         rng = self.rng
@@ -53,9 +56,11 @@ class _Sim:
                                                                                 plan.others, plan.tokens, plan.grown)
         payload = self.encoder.encode(out)
         out.plain_decodes = plan
+        self.payloads[id(out)] = payload
         got = self.decoder.decode(payload)
         assert [_fields(s) for s in got.seqs] == [_fields(s) for s in out.seqs]
         assert got.finished_seq_ids == out.finished_seq_ids
+        assert num_placeholders(out) == len(placeholder_seqs(out.seqs))
         # The answer's order, handed on from step to step on both sides while the sequences stay the same.
         sampled = [s.seq_id for s in out.seqs if s.sample]
         assert out.sample_seq_ids() == sampled and got.sample_seq_ids() == sampled
@@ -65,6 +70,24 @@ class _Sim:
             self.kinds[kind] += 1
             self.kinds["grown"] += bool(compact[3])
         return got
+
+    def own_run(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """The one rank runs `out`: its placeholders come from its last answer, by row where the decoder can."""
+        last = self.last_result
+        holders = placeholder_seqs(out.seqs)
+        got = self.own.decode(self.payloads.pop(id(out)), self.own_tokens if holders else None)
+        rest = placeholder_seqs(self.own.unfilled)
+        if rest:
+            sampled = last.token_ids_by_seq()
+            fill_placeholders(rest, [sampled[s.seq_id] for s in rest])
+        waiting = {id(s) for s in holders}
+        expected = [_fields(s) if id(s) not in waiting else
+                    (s.seq_id, [*s.token_ids[:-1], last.sampled[s.seq_id].token_id], *_fields(s)[2:]) for s in out.seqs]
+        assert [_fields(s) for s in got.seqs] == expected
+        self.kinds["by_row"] += bool(holders) and not self.own.unfilled
+        self.last_result = result
+        by_row = all(s.sample for s in out.seqs) and not result.spec and self.rng.random() < 0.9
+        self.own_tokens = [result.sampled[s.seq_id].token_id for s in out.seqs] if by_row else None
 
     def result(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Tokens for the step's sampled sequences; a speculating one keeps some of its drafts."""
@@ -131,6 +154,7 @@ class _Sim:
                          and not any(s.sample and s.sampling_params.needs_token_history for s in out.seqs))
             ahead = self.submit(ahead_of=out) if can_ahead else None
             result = self.result(out)
+            self.own_run(out, result)
             if ahead is not None:  # the rank fills the step sent ahead with the tokens just sampled
                 holders = placeholder_seqs(ahead[1].seqs)
                 self.kinds["placeholders"] += bool(holders)

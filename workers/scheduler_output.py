@@ -55,6 +55,16 @@ def placeholder_seqs(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
     return [s for s in seqs if s.token_ids and s.token_ids[-1] == PLACEHOLDER_TOKEN]
 
 
+def num_placeholders(out: SchedulerOutput) -> int:
+    """len(placeholder_seqs(out.seqs)), read from the scheduler's columns where it gave them: a plain decode's
+    one token is in `PlainDecodes.tokens`, so only the step's other sequences are looked at."""
+    plan = out.plain_decodes
+    if plan is None:
+        return len(placeholder_seqs(out.seqs))
+    seqs = out.seqs
+    return plan.tokens.count(PLACEHOLDER_TOKEN) + len(placeholder_seqs([seqs[i] for i in plan.others]))
+
+
 def fill_placeholders(seqs: list[ScheduledSeq], tokens: list[int]) -> None:
     """Put the tokens the previous step sampled in place of the placeholders, in step order."""
     holders = placeholder_seqs(seqs)

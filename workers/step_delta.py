@@ -28,7 +28,8 @@ import pickle
 from dataclasses import dataclass
 from operator import itemgetter
 
-from workers.scheduler_output import ModelRunnerOutput, PlainDecodes, SampledToken, ScheduledSeq, SchedulerOutput
+from workers.scheduler_output import (PLACEHOLDER_TOKEN, ModelRunnerOutput, PlainDecodes, SampledToken, ScheduledSeq,
+                                      SchedulerOutput)
 
 
 @dataclass(slots=True)
@@ -184,17 +185,29 @@ class StepDecoder:
         self._last_seqs: list[ScheduledSeq] | None = None  # the last step's, in its order
         self._last_out: SchedulerOutput | None = None
         self._drafted: list[ScheduledSeq] = []  # the last step's sequences with drafts
+        # The last step's sequences that may still hold a placeholder token (`decode`'s `last_tokens`).
+        self.unfilled: list[ScheduledSeq] = []
 
-    def decode(self, payload: bytes) -> SchedulerOutput:
+    def decode(self, payload: bytes, last_tokens: list[int] | None = None) -> SchedulerOutput:
+        """`last_tokens`: the tokens the last step sampled, one per sequence in its order (a replica of one
+        rank has them: its own answer). A step sent ahead whose plain decodes all wait for the last step's
+        tokens then takes them from here, by row, and only its other sequences are left in `unfilled`."""
         finished_ids, forget, new, known, spec, compact, token_bitmask = pickle.loads(payload)
         held = self._held
         for slot in forget:
             held.pop(slot, None)
         for seq in self._drafted:  # a held sequence's drafts were last step's
             seq.spec_token_ids, seq.spec_probs = [], None
-        seqs = [] if compact is None else self._move_on(*compact)
-        if new or known:
-            self._place(seqs, new, known)
+        filled = False
+        if compact is None:
+            seqs = []
+        else:
+            slots, rows, tokens, grow = compact
+            if last_tokens is not None and slots is None and tokens.count(PLACEHOLDER_TOKEN) == len(tokens):
+                tokens, filled = (last_tokens if rows is None else [last_tokens[j] for j in rows]), True
+            seqs = self._move_on(slots, rows, tokens, grow)
+        placed = self._place(seqs, new, known) if new or known else []
+        self.unfilled = placed if filled else seqs
         self._last_seqs = seqs
         drafted = self._drafted = []
         for i, drafts, probs in spec:
@@ -231,9 +244,9 @@ class StepDecoder:
             seqs[k].block_table.extend(appended)
         return seqs
 
-    def _place(self, seqs: list[ScheduledSeq], new: list[tuple], known: list[tuple]) -> None:
-        """Put the step's other sequences at their indices among the plain decodes. Inserted in ascending
-        order of index, each lands where it belongs (the ones before it are all in place)."""
+    def _place(self, seqs: list[ScheduledSeq], new: list[tuple], known: list[tuple]) -> list[ScheduledSeq]:
+        """Put the step's other sequences at their indices among the plain decodes (and return them). Inserted
+        in ascending order of index, each lands where it belongs (the ones before it are all in place)."""
         held = self._held
         placed = []
         for i, slot, seq_id, tokens, start, table, sample, n_out, prompt, output, params in new:
@@ -249,6 +262,7 @@ class StepDecoder:
         placed.sort(key=itemgetter(0))
         for i, seq in placed:
             seqs.insert(i, seq)
+        return [seq for _, seq in placed]
 
     @property
     def num_held(self) -> int:
