@@ -16,8 +16,8 @@ from workers.config import EngineConfig
 from workers.gil import shorten_switch_interval
 from workers.model_runner import ModelRunner
 from workers.rank_profile import RankProfile, logged_profile, step_kind
-from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput, fill_placeholders, placeholder_seqs
-from workers.step_delta import StepDecoder, pack_output
+from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput, fill_placeholders
+from workers.step_delta import StepDecoder, decode_own, pack_output, tokens_by_row
 
 
 def set_rank_threads(world_size: int) -> None:
@@ -112,12 +112,7 @@ class RankWorker:
         if kind == "step":  # ("step", payload, placeholders, own): with placeholders it waits for its "fill"
             start = time.perf_counter()
             if len(message) > 3 and message[2] and message[3]:  # the only rank: the tokens are its own last answer's
-                out = self.decoder.decode(message[1], self._last_tokens)
-                holders = placeholder_seqs(self.decoder.unfilled)  # those the decoder did not fill by row
-                if holders:
-                    sampled = self._last_result.token_ids_by_seq()
-                    fill_placeholders(holders, [sampled[s.seq_id] for s in holders])
-                return self._step(start, out)
+                return self._step(start, decode_own(self.decoder, message[1], self._last_result, self._last_tokens))
             out = self.decoder.decode(message[1])
             if len(message) > 2 and message[2]:
                 self._waiting = (start, out)
@@ -144,7 +139,7 @@ class RankWorker:
             result = self.profile.step(kind, start - self._answered_at, time.perf_counter() - start,
                                        lambda: self.execute(out), out.num_tokens, len(out.seqs))
         if self._keep_sampled and result is not None:  # a step sent ahead fills its placeholders from these
-            self._last_result, self._last_tokens = result, _tokens_by_row(result, out)
+            self._last_result, self._last_tokens = result, tokens_by_row(result, out)
         packed = pack_output(result, out)
         self._answered_at = time.perf_counter()
         return packed
@@ -161,12 +156,3 @@ class RankWorker:
         self._bind_device()
         return getattr(self.kv_agent, method)(*args)
 
-
-def _tokens_by_row(result: ModelRunnerOutput, out: SchedulerOutput) -> list[int] | None:
-    """The step's sampled tokens, one per sequence in step order, where the answer's columns are exactly
-    that (every sequence sampled: a decode step's); else None. The comparison of ids is one pass over two
-    lists of the same strings, and the step's ids are made once for `pack_output` too."""
-    columns = result.columns
-    if columns is None or result.spec or len(columns[0]) != len(out.seqs) or columns[0] != out.sample_seq_ids():
-        return None
-    return columns[1]

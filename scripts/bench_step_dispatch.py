@@ -49,9 +49,11 @@ class DecodeSteps:
             self.sched.add(Sequence(f"req-{i}", [7] * (600 + i % 16),
                                     SamplingParams(max_tokens=count + 10, temperature=0.7, top_p=0.9, seed=i)))
 
-    def next(self):
+    def next(self, ahead_of=None):
+        """The next step; `ahead_of`: planned while that step is still out (asynchronous scheduling), with
+        placeholders for the tokens it samples, as the engine sends it."""
         t = time.perf_counter()
-        out = self.sched.schedule()
+        out = self.sched.schedule() if ahead_of is None else self.sched.schedule(ahead_of=ahead_of, will_finish=lambda s: False)
         if self.num_steps:
             self.schedule_s += time.perf_counter() - t
         self.num_steps += 1
@@ -181,6 +183,33 @@ def stage_us(seqs: int, iters: int, schedule: dict | None = None) -> dict:
     return {key: total / iters * 1e6 for key, total in totals.items()}
 
 
+def ahead_fill_us(seqs: int, iters: int) -> float:
+    """µs per step that a replica of one rank spends on a decode step sent ahead before it can run it:
+    decoding it and filling its placeholders from its own answer to the step before (cluster/rank_worker.py,
+    `decode_own`). The engine sends every decode step this way with asynchronous scheduling (the default)."""
+    from workers.scheduler_output import ModelRunnerOutput, num_placeholders
+    from workers.step_delta import StepDecoder, StepEncoder, decode_own, tokens_by_row
+
+    steps, encoder, decoder = DecodeSteps(seqs, iters + 200), StepEncoder(), StepDecoder()
+    prev = steps.next()
+    ranks_prev = decoder.decode(encoder.encode(prev))
+    spent = 0.0
+    for i in range(iters + 200):
+        ids = [s.seq_id for s in ranks_prev.seqs if s.sample]
+        answer = ModelRunnerOutput.from_columns(ids, [1000 + (i + j) % 999 for j in range(len(ids))], [-0.5] * len(ids))
+        last_tokens = tokens_by_row(answer, ranks_prev)
+        out = steps.next(ahead_of=prev)
+        if not num_placeholders(out):
+            raise RuntimeError("a step planned ahead has no placeholders")
+        payload = encoder.encode(out)
+        steps.done(prev)
+        t = time.perf_counter()
+        ranks_out = decode_own(decoder, payload, answer, last_tokens)
+        spent += (time.perf_counter() - t) if i >= 200 else 0.0
+        prev, ranks_prev = out, ranks_out
+    return spent / iters * 1e6
+
+
 def engine_step_ms(backend: str, ranks: int, device: str, tokens: int) -> float:
     from tandem import LLM, SamplingParams
     from tests.models import tiny_model
@@ -244,6 +273,8 @@ def main() -> None:
         stages = stage_us(a.seqs, a.iters, scheduler)
         print(", ".join(f"{k} {v:.1f} us" for k, v in stages.items()) + f"; total {sum(stages.values()):.1f} us "
               f"(the scheduler's own step, not in the total: {scheduler['schedule']:.1f} us)")
+        print(f"a step sent ahead to a replica of one rank: decode and fill from its own answer "
+              f"{ahead_fill_us(a.seqs, a.iters):.1f} us")
         return
     ranks_list = [int(x) for x in a.ranks.split(",")]
     use_private_ray_token()  # a private local Ray that leaves no ~/.ray/auth_token behind

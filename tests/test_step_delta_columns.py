@@ -16,7 +16,7 @@ from workers.config import SchedulerConfig
 from workers.sampling_params import SamplingParams
 from workers.scheduler_output import (PLACEHOLDER_TOKEN, ModelRunnerOutput, SampledToken, ScheduledSeq,
                                       SchedulerOutput, fill_placeholders, num_placeholders, placeholder_seqs)
-from workers.step_delta import StepDecoder, StepEncoder
+from workers.step_delta import StepDecoder, StepEncoder, decode_own, tokens_by_row
 
 
 def _fields(s: ScheduledSeq) -> tuple:
@@ -72,22 +72,26 @@ class _Sim:
         return got
 
     def own_run(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """The one rank runs `out`: its placeholders come from its last answer, by row where the decoder can."""
+        """The one rank runs `out`: its placeholders come from its last answer (cluster/rank_worker.py), by row
+        where the decoder can. Its answer is the same tokens as the driver's, as a runner's columns: in step
+        order, or now and then in another (an eager runner puts decodes first), which cannot go by row."""
         last = self.last_result
         holders = placeholder_seqs(out.seqs)
-        got = self.own.decode(self.payloads.pop(id(out)), self.own_tokens if holders else None)
-        rest = placeholder_seqs(self.own.unfilled)
-        if rest:
-            sampled = last.token_ids_by_seq()
-            fill_placeholders(rest, [sampled[s.seq_id] for s in rest])
+        payload = self.payloads.pop(id(out))
+        got = decode_own(self.own, payload, last, self.own_tokens) if holders else self.own.decode(payload)
         waiting = {id(s) for s in holders}
         expected = [_fields(s) if id(s) not in waiting else
-                    (s.seq_id, [*s.token_ids[:-1], last.sampled[s.seq_id].token_id], *_fields(s)[2:]) for s in out.seqs]
+                    (s.seq_id, [*s.token_ids[:-1], last.token_ids_by_seq()[s.seq_id]], *_fields(s)[2:]) for s in out.seqs]
         assert [_fields(s) for s in got.seqs] == expected
-        self.kinds["by_row"] += bool(holders) and not self.own.unfilled
-        self.last_result = result
-        by_row = all(s.sample for s in out.seqs) and not result.spec and self.rng.random() < 0.9
-        self.own_tokens = [result.sampled[s.seq_id].token_id for s in out.seqs] if by_row else None
+        self.kinds["by_row"] += bool(holders) and not placeholder_seqs(self.own.unfilled) and len(self.own.unfilled) < len(got.seqs)
+        if result.spec:
+            self.last_result, self.own_tokens = result, None
+            return
+        ids = [s.seq_id for s in got.seqs if s.sample]
+        if self.rng.random() < 0.1:
+            ids.reverse()
+        answer = ModelRunnerOutput.from_columns(ids, [result.sampled[i].token_id for i in ids], [-0.1] * len(ids))
+        self.last_result, self.own_tokens = answer, tokens_by_row(answer, got)
 
     def result(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Tokens for the step's sampled sequences; a speculating one keeps some of its drafts."""

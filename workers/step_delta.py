@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 
 from workers.scheduler_output import (PLACEHOLDER_TOKEN, ModelRunnerOutput, PlainDecodes, SampledToken, ScheduledSeq,
-                                      SchedulerOutput)
+                                      SchedulerOutput, fill_placeholders, placeholder_seqs)
 
 
 @dataclass(slots=True)
@@ -267,6 +267,29 @@ class StepDecoder:
     @property
     def num_held(self) -> int:
         return len(self._held)
+
+
+def tokens_by_row(result: ModelRunnerOutput, out: SchedulerOutput) -> list[int] | None:
+    """The step's sampled tokens, one per sequence in step order, where the answer's columns are exactly
+    that (every sequence sampled: a decode step's); else None. The comparison of ids is one pass over two
+    lists of the same strings, and the step's ids are made once for `pack_output` too."""
+    columns = result.columns
+    if columns is None or result.spec or len(columns[0]) != len(out.seqs) or columns[0] != out.sample_seq_ids():
+        return None
+    return columns[1]
+
+
+def decode_own(decoder: StepDecoder, payload: bytes, last: ModelRunnerOutput,
+               last_tokens: list[int] | None) -> SchedulerOutput:
+    """A step sent ahead to the only rank of its replica, with its placeholders filled from that rank's own
+    answer to the step before (`last`; `last_tokens`: `tokens_by_row` of it): the plain decodes by row in
+    the decoder, the few others by id."""
+    out = decoder.decode(payload, last_tokens)
+    holders = placeholder_seqs(decoder.unfilled)
+    if holders:
+        sampled = last.token_ids_by_seq()
+        fill_placeholders(holders, [sampled[s.seq_id] for s in holders])
+    return out
 
 
 def pack_output(result: ModelRunnerOutput | None, out: SchedulerOutput) -> tuple | None:
