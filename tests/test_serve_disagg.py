@@ -73,7 +73,8 @@ def cluster(tmp_path_factory):
     args = config["applications"][0]["args"]
     args.update(model=model, served_model_name=NAME, device="cpu", dtype="float32", num_gpu_blocks_override=64, block_size=8,
                 max_num_batched_tokens=128, max_num_seqs=16, max_waiting_requests=32, api_keys_env=None,
-                local_prefill_max_tokens=0, local_prefill_when_idle=False)  # every request hands its KV over
+                local_prefill_max_tokens=0, local_prefill_when_idle=False,  # every request hands its KV over
+                stream_items_per_s=50)  # paced streams: a stream's item every 20 ms, so items carry several tokens
     args["prefill"] = {"num_replicas": 1, "tensor_parallel_size": 2}
     args["decode"] = {"num_replicas": 1, "tensor_parallel_size": 1}
     config_path = tmp / "serve_config.yaml"
@@ -166,6 +167,30 @@ def test_streamed_text_equals_non_streamed(client):
             model=NAME, prompt=prompt, max_tokens=16, temperature=0, stream=True, extra_body={"ignore_eos": True})
             if c.choices]
         assert "".join(pieces) == full
+
+
+def test_a_paced_decode_stream_sends_several_tokens_an_item_and_loses_none(client):
+    """The decode replica paces its streams (the fixture's stream_items_per_s=50: one stream, an item every 20 ms
+    at most; unpaced, this CPU streams a token every 1-3 ms): the chunks after the router's token 1 come at least
+    ~20 ms apart, each with several tokens' text,
+    and together they are the non-streamed text."""
+    import time
+
+    prompt = PROMPTS[0]
+    full = client.completions.create(model=NAME, prompt=prompt, max_tokens=96, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    pieces, times = [], []
+    for c in client.completions.create(model=NAME, prompt=prompt, max_tokens=96, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True}):
+        if c.choices and c.choices[0].text:
+            pieces.append(c.choices[0].text)
+            times.append(time.monotonic())
+    assert "".join(pieces) == full
+    # Chunk 0 is the router's token 1, chunk 1 the decode replica's first item (never held), the last is never
+    # held either: the gaps between the others are the pace's.
+    held = [b - a for a, b in zip(times[1:-1], times[2:-1])]
+    assert held and min(held) >= 0.018, (held, [len(p) for p in pieces], [round(t - times[0], 3) for t in times])
+    assert len(pieces) < 48, len(pieces)
 
 
 def test_concurrent_requests_all_correct(client, reference):
