@@ -20,6 +20,7 @@ timed runs the decode blocks are checked against the prefill blocks, bit for bit
     python scripts/bench_kv_transfer.py --tokens 1024 131072 --out bench_results/kv.json
     python scripts/bench_kv_transfer.py --dtype fp8                  # an FP8 KV cache: half the bytes of bf16
     python scripts/bench_kv_transfer.py --min-messages 1,4           # the agent as is, and cut into ~4 messages
+    python scripts/bench_kv_transfer.py --nccl-high-priority         # and over a pair with high-priority NCCL streams
     python scripts/bench_kv_transfer.py --device cpu --tokens 64 --layers 2   # the same code over gloo, as a check
 Prints a table; writes JSON (--out). Needs 2 CUDA GPUs (or --device cpu).
 """
@@ -135,9 +136,11 @@ def run_pair(fn: Callable[[int, Any], Any], args: Any, device_type: str = "cuda"
 
 
 def connect_agents(rank: int, kv_cache: torch.Tensor, shard: RankShard, timeout_s: float = 120.0,
-                   pair_id: str = "bench-prefill->bench-decode") -> tuple[KVTransferAgent, PairSpec]:
-    """Inside run_pair: rank 0 gets a prefill agent, rank 1 a decode agent, joined in one pair group."""
+                   pair_id: str = "bench-prefill->bench-decode", high_priority: bool = False) -> tuple[KVTransferAgent, PairSpec]:
+    """Inside run_pair: rank 0 gets a prefill agent, rank 1 a decode agent, joined in one pair group (its NCCL
+    kernels on high-priority streams with high_priority)."""
     agent = KVTransferAgent(kv_cache, shard, "prefill" if rank == 0 else "decode", timeout_s)
+    agent.nccl_high_priority = high_priority
     spec = PairSpec(pair_id, 1, 1)
     address = [agent.open_store(pair_id) if rank == 0 else None]
     dist.broadcast_object_list(address, src=0)  # the store's address, over the default group
@@ -184,6 +187,9 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
         cache.copy_(torch.randn(cache.shape, generator=torch.Generator(device).manual_seed(cfg["seed"]), device=device))
     shard = RankShard(0, range(shape.layers), range(shape.kv_heads))
     agent, spec = connect_agents(rank, cache, shard, cfg["timeout_s"])
+    # --nccl-high-priority: a second pair on the same caches whose NCCL kernels run on high-priority streams.
+    hp = connect_agents(rank, cache, shard, cfg["timeout_s"], "bench-hp-prefill->bench-hp-decode", True) \
+        if cfg["nccl_high_priority"] else None
     everything = slice(None)
     out: dict[int, dict] = {}
     for n_tok in tokens:
@@ -195,18 +201,21 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
         # The agent once per --min-messages value (the first is "agent"; later ones "agent_m<N>"), each cutting
         # its transfers into messages of at most ceil(layers / N) layers.
         variants = {("agent" if k == 0 else f"agent_m{m}"): m for k, m in enumerate(cfg["min_messages"])}
+        pairs = {name: (agent, spec) for name in variants}
+        if hp is not None:  # "agent_hp": the first min_messages value over the high-priority pair
+            variants["agent_hp"], pairs["agent_hp"] = cfg["min_messages"][0], hp
         times: dict[str, list[float]] = {**{v: [] for v in variants}, "raw": [], "gather": [], "scatter": []}
         for i in range(cfg["warmup"] + cfg["iters"]):
             if rank == 0:
                 runs = {"raw": lambda: dist.send(raw, dst=1),
                         "gather": lambda: gather_blocks(cache, src, everything, everything)}
-                move = lambda name: agent.send(spec, plan, {0: shard}, src, f"r{n_tok}-{i}-{name}")
+                move = lambda name: pairs[name][0].send(pairs[name][1], plan, {0: shard}, src, f"r{n_tok}-{i}-{name}")
             else:
                 runs = {"raw": lambda: dist.recv(raw, src=0),
                         "scatter": lambda: scatter_blocks(cache, dst, everything, everything, staged)}
-                move = lambda name: agent.recv(spec, plan, {0: shard}, dst)
+                move = lambda name: pairs[name][0].recv(pairs[name][1], plan, {0: shard}, dst)
             for name, m in variants.items():
-                runs[name] = lambda m=m, name=name: (setattr(agent, "min_messages", m), move(name))
+                runs[name] = lambda m=m, name=name: (setattr(pairs[name][0], "min_messages", m), move(name))
             # The same order on both ranks, so the barriers pair up; "agent" (the default) last, so what it wrote
             # is what gets verified.
             for name in ("gather", "scatter", "raw", *reversed(variants)):
@@ -232,6 +241,9 @@ def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> b
     return bool(torch.equal(mine, theirs))
 
 
+VARIANT = r"agent_(m\d+|hp)"  # the agent runs beside the first: other --min-messages values, the high-priority pair
+
+
 def summarize(results: list[dict], cfg: dict) -> list[dict]:
     sender, receiver = results
     rows = []
@@ -244,8 +256,8 @@ def summarize(results: list[dict], cfg: dict) -> list[dict]:
             "raw_ms": 1e3 * r["raw_s"], "raw_gbps": gb / r["raw_s"],
             "gather_ms": 1e3 * s["gather_s"], "scatter_ms": 1e3 * r["scatter_s"],
             "agent_over_raw": r["agent_s"] / r["raw_s"], "min_messages": cfg["min_messages"][0],
-            **{f"{k.removesuffix('_s')}_ms": 1e3 * v for k, v in r.items() if re.fullmatch(r"agent_m\d+_s", k)},
-            **{f"{k.removesuffix('_s')}_over_raw": v / r["raw_s"] for k, v in r.items() if re.fullmatch(r"agent_m\d+_s", k)},
+            **{f"{k.removesuffix('_s')}_ms": 1e3 * v for k, v in r.items() if re.fullmatch(VARIANT + "_s", k)},
+            **{f"{k.removesuffix('_s')}_over_raw": v / r["raw_s"] for k, v in r.items() if re.fullmatch(VARIANT + "_s", k)},
         })
     return rows
 
@@ -258,7 +270,7 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['tokens']:>7} {r['blocks']:>6} {r['bytes'] / 2**20:>8.1f} {r['agent_ms']:>9.2f} {r['agent_gbps']:>10.1f} "
               f"{r['raw_ms']:>8.2f} {r['raw_gbps']:>9.1f} {r['gather_ms']:>9.2f} {r['scatter_ms']:>10.2f} "
               f"{r['agent_over_raw']:>9.2f} {'yes' if r['verified'] else 'NO':>3}")
-        for key in (k for k in r if re.fullmatch(r"agent_m\d+_ms", k)):
+        for key in (k for k in r if re.fullmatch(VARIANT + "_ms", k)):
             name = key.removesuffix("_ms")
             print(f"{'':>7} {name:>15}: {r[key]:.2f} ms, {r[name + '_over_raw']:.2f}x raw")
 
@@ -278,6 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", choices=list(DTYPES), default=Shape.dtype)
     p.add_argument("--min-messages", default="1", help="comma-separated: the agent's min_messages for each agent run "
                    "(the first is the 'agent' column and is verified; e.g. 1,4 compares the default with 4)")
+    p.add_argument("--nccl-high-priority", action="store_true", help="also time the agent over a pair whose NCCL "
+                   "kernels run on high-priority streams (the 'agent_hp' row; KVTransferAgent.nccl_high_priority)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -288,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
     shape = Shape(args.layers, args.kv_heads, args.head_dim, args.block_size, args.dtype)
     cfg = {"shape": asdict(shape), "tokens": args.tokens, "warmup": args.warmup, "iters": args.iters,
            "seed": args.seed, "timeout_s": args.timeout, "device": args.device,
-           "min_messages": [int(m) for m in args.min_messages.split(",") if m]}
+           "min_messages": [int(m) for m in args.min_messages.split(",") if m], "nccl_high_priority": args.nccl_high_priority}
     rows = summarize(run_pair(_bench_rank, cfg, args.device), cfg)
     print_table(rows)
     report = {

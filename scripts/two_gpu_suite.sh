@@ -47,8 +47,10 @@ run_pd() {  # issue 27's goodput curve: each rate sends 15 s of Poisson arrivals
     --bench-args "--input-len 2048 --output-len 256 --request-rates $PD_RATES --arrival-seconds 15 --num-prompts 400 --max-token-id 100000 --ttft-slo 1 --tpot-slo 0.05 --extra-tpot-slos 0.02 --save-requests" \
     --out "$RES/pd_vs_colocated"
 }
-run_kv() {  # the agent as is and cut into more messages a transfer (min_messages, KV_MIN_MESSAGES), each beside raw NCCL
-  python scripts/bench_kv_transfer.py --device cuda --min-messages "${KV_MIN_MESSAGES:-1,4}" --out "$RES/kv_transfer.json"; }
+run_kv() {  # the agent as is, cut into more messages a transfer (min_messages, KV_MIN_MESSAGES) and over a pair with
+  # high-priority NCCL streams, each beside raw NCCL
+  python scripts/bench_kv_transfer.py --device cuda --min-messages "${KV_MIN_MESSAGES:-1,4}" --nccl-high-priority \
+    --out "$RES/kv_transfer.json"; }
 run_sp() {
   python scripts/bench_sp_prefill.py --shape llama-3.1-8b --device cuda --dtype bfloat16 \
     --lengths $SP_LENGTHS --runs 2 --layouts "sp1 sp2+ring sp2+ulysses" --out "$RES/sp_prefill"

@@ -201,6 +201,11 @@ class KVTransferAgent:
         # scatter are smaller and overlap the sends more (bench_kv_transfer.py --min-messages measures it against 1,
         # the default, beside raw NCCL).
         self.min_messages = 1
+        # Pair groups made after this is set run their NCCL kernels on a high-priority stream, so the block
+        # scheduler starts them before queued gather/scatter blocks, which otherwise fill every SM while a send
+        # waits to launch (a lead from bench_kv_transfer.py, whose 4- and 16-message runs did not overlap as
+        # intended; `--nccl-high-priority` measures it). TANDEM_KV_NCCL_HIGH_PRIORITY=1 sets it for served ranks.
+        self.nccl_high_priority = os.environ.get("TANDEM_KV_NCCL_HIGH_PRIORITY") == "1"
 
     def get_shard(self) -> RankShard:
         return self.shard
@@ -231,6 +236,7 @@ class KVTransferAgent:
         if self._nccl(spec):
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
+            opts.is_high_priority_stream = self.nccl_high_priority
             group = dist.ProcessGroupNCCL(prefixed, pair_rank, spec.size, opts)
         else:
             group = dist.ProcessGroupGloo(prefixed, pair_rank, spec.size, self.timeout)
