@@ -4,6 +4,9 @@ Buffers travel in the cache's *wire dtype*: the cache's own dtype, except that a
 (an FP8 KV cache, `kv_cache_dtype="fp8"`) moves as uint8 bytes. The bytes are the same, so an FP8
 handoff moves half the bytes of a 16-bit one, bit for bit; but CPU `index_copy_` has no Float8 kernel,
 and a plain byte buffer is something every backend sends (gloo, NCCL) whatever its float8 support.
+
+On a GPU a transfer of whole heads (a block's row is then one contiguous run of the cache) is copied by the Triton
+row copy (parallel/kernels/block_copy.py); a head slice (a resharded handoff) and CPUs use PyTorch's index ops.
 """
 from __future__ import annotations
 
@@ -49,7 +52,14 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, h
     if index is None:
         index = block_index(block_ids, kv_cache.device)
     wire = _as_wire(kv_cache)
-    return _as_words(wire[layers]).index_select(2, index)[..., heads, :].contiguous().view(wire.dtype)
+    words = _as_words(wire[layers])
+    if _by_rows(words, heads):
+        from parallel.kernels.block_copy import copy_rows  # Triton: imported on GPUs only
+
+        out = torch.empty(words.shape[:2] + (index.numel(),) + words.shape[3:], dtype=words.dtype, device=words.device)
+        copy_rows(words, out, index, gather=True)
+        return out.view(wire.dtype)
+    return words.index_select(2, index)[..., heads, :].contiguous().view(wire.dtype)
 
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, heads: slice, buf: torch.Tensor,
@@ -63,13 +73,33 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, 
     if index is None:
         index = block_index(block_ids, kv_cache.device)
     target = _as_wire(kv_cache)[layers]  # a view: writes land in the cache
-    if heads == slice(None) or (heads.start in (0, None) and heads.stop == target.shape[4]):
+    if _all_heads(heads, target.shape[4]):
         words = _as_words(target)
-        words.index_copy_(2, index, buf.view(words.dtype) if words.dtype != buf.dtype else buf)
+        src = buf.view(words.dtype) if words.dtype != buf.dtype else buf
+        if _by_rows(words, heads) and _by_rows(src, heads):
+            from parallel.kernels.block_copy import copy_rows  # Triton: imported on GPUs only
+
+            copy_rows(src, words, index, gather=False)
+        else:
+            words.index_copy_(2, index, src)
     else:
         # Partial heads: index_copy_ cannot take a head slice, so copy block by block into the view.
         for i, b in enumerate(block_ids):
             target[:, :, b, :, heads, :].copy_(buf[:, :, i])
+
+
+def _all_heads(heads: slice, num_heads: int) -> bool:
+    return heads == slice(None) or (heads.start in (0, None) and heads.stop in (None, num_heads) and heads.step in (None, 1))
+
+
+def _by_rows(words: torch.Tensor, heads: slice) -> bool:
+    """Whether the Triton row copy takes this transfer: on a GPU, every head (a block's row is then one contiguous
+    run of the cache). Elsewhere, and for a head slice (a resharded handoff), PyTorch's index ops."""
+    if not (words.is_cuda and _all_heads(heads, words.shape[4])):
+        return False
+    from parallel.kernels.block_copy import rows_contiguous
+
+    return rows_contiguous(words)
 
 
 def transfer_shape(kv_cache: torch.Tensor, num_blocks: int, layers: slice, heads: slice) -> tuple[int, ...]:

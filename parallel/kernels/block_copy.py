@@ -1,0 +1,64 @@
+"""Copy whole KV blocks between a paged cache and a packed buffer: the KV handoff's gather and scatter.
+
+A block of one layer's K (or V) is one contiguous row of block_size x heads x head_dim values, so moving n
+blocks is n x layers x 2 row copies whose only indexing is the block id. PyTorch's `index_select` /
+`index_copy_` work element by element (an index computation per 8-byte word): on an H100 a 1K-token handoff's
+gather took 0.30 ms and its scatter 0.27 ms for 128 MiB, about 0.9 TB/s of memory traffic, as long as the NVLink
+send between them (docs/benchmarks.md, "Tenth session"). Here each program copies a contiguous slice of one row
+with wide vector loads and no per-word index arithmetic. Not yet measured on a GPU: `bench_kv_transfer.py`'s
+gather and scatter columns time it (they call `gather_blocks` / `scatter_blocks`, which use it on GPUs).
+
+Both sides are 4-D word views `[layers, 2, blocks, row]` (the caller's `_as_words` of the cache, and the
+buffer viewed alike): strides are free in the first three dims, a row is contiguous.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024  # words (8 KiB of int64) per program
+
+
+@triton.jit
+def _copy_rows_kernel(src_ptr, dst_ptr, ids_ptr, row_words,
+                      src_s0, src_s1, src_s2, dst_s0, dst_s1, dst_s2,
+                      GATHER: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)  # which listed block
+    lk = tl.program_id(1)  # layer * 2 + (K or V)
+    chunk = tl.program_id(2)
+    block = tl.load(ids_ptr + i).to(tl.int64)
+    # 64-bit offsets: a cache holds more than 2^31 words.
+    i, layer, kv = i.to(tl.int64), (lk // 2).to(tl.int64), (lk % 2).to(tl.int64)
+    if GATHER:  # cache block `block` -> buffer slot i
+        src_row = layer * src_s0 + kv * src_s1 + block * src_s2
+        dst_row = layer * dst_s0 + kv * dst_s1 + i * dst_s2
+    else:  # buffer slot i -> cache block `block`
+        src_row = layer * src_s0 + kv * src_s1 + i * src_s2
+        dst_row = layer * dst_s0 + kv * dst_s1 + block * dst_s2
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < row_words
+    tl.store(dst_ptr + dst_row + offs, tl.load(src_ptr + src_row + offs, mask=mask), mask=mask)
+
+
+def rows_contiguous(t: torch.Tensor) -> bool:
+    """Whether each [l, kv, block] row of the 4-D-or-more view t is one contiguous run (what the kernel copies)."""
+    return t[0, 0, 0].is_contiguous() if t.shape[0] and t.shape[2] else True
+
+
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather: bool) -> None:
+    """gather: dst[:, :, i] = src[:, :, index[i]]; else dst[:, :, index[i]] = src[:, :, i]. src and dst: the same
+    dtype, shapes equal except dim 2, each row (dims 3 on) contiguous; index: int64 block ids on their device."""
+    layers, kv = src.shape[0], src.shape[1]
+    if kv != 2:
+        raise ValueError(f"copy_rows: dim 1 is K and V (2), not {kv}")
+    if src.dtype != dst.dtype or src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:]:
+        raise ValueError(f"copy_rows: {tuple(src.shape)} {src.dtype} and {tuple(dst.shape)} {dst.dtype} do not match")
+    if not (rows_contiguous(src) and rows_contiguous(dst)):
+        raise ValueError("copy_rows: a block's row must be contiguous on both sides")
+    n, row_words = index.numel(), src[0, 0, 0].numel() if src.shape[2] else 0
+    if n == 0 or layers == 0 or row_words == 0:
+        return
+    grid = (n, layers * kv, triton.cdiv(row_words, BLOCK))
+    _copy_rows_kernel[grid](src, dst, index, row_words, src.stride(0), src.stride(1), src.stride(2),
+                            dst.stride(0), dst.stride(1), dst.stride(2), GATHER=gather, BLOCK=BLOCK)

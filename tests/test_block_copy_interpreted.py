@@ -1,0 +1,53 @@
+"""The KV handoff's Triton row copy (parallel/kernels/block_copy.py) on CPU, through Triton's interpreter, against
+PyTorch's index_select / index_copy_: gather and scatter, a layer slice of the cache (strided outer dims), rows
+shorter and longer than a program's BLOCK, 8-byte words and bf16 elements, blocks listed out of order; nothing
+outside the listed blocks changes. tests/gpu/test_block_copy_gpu.py runs the same on a GPU through
+`gather_blocks` / `scatter_blocks`."""
+from __future__ import annotations
+
+import pytest
+
+from tests.interpreter import run_interpreted
+
+SCRIPT = r'''
+import torch
+from parallel.kernels.block_copy import BLOCK, copy_rows
+
+torch.manual_seed(0)
+checks = 0
+for dtype, row in ((torch.int64, (4, 2, 2)), (torch.int64, (2, 3, BLOCK + 300)), (torch.bfloat16, (4, 2, 8))):
+    layers, blocks = 3, 9
+    cache = (torch.randint(-2**40, 2**40, (layers, 2, blocks) + row) if dtype == torch.int64
+             else torch.randn((layers, 2, blocks) + row).to(dtype))
+    view = cache[1:3]  # a layer slice: the cache's own strides
+    ids = torch.tensor([7, 2, 5, 0], dtype=torch.long)
+    out = torch.empty((2, 2, len(ids)) + row, dtype=dtype)
+    copy_rows(view, out, ids, gather=True)
+    assert torch.equal(out, view.index_select(2, ids)), dtype
+    before = cache.clone()
+    new = (torch.randint(-2**40, 2**40, out.shape) if dtype == torch.int64 else torch.randn(out.shape).to(dtype))
+    copy_rows(new, view, ids, gather=False)
+    want = before.clone()
+    want[1:3].index_copy_(2, ids, new)
+    assert torch.equal(cache, want), dtype  # the listed blocks of layers 1-2 only
+    checks += 1
+try:
+    copy_rows(cache[:, :, :2], torch.empty((3, 2, 2, 4, 2, 8), dtype=torch.float32), ids[:2], gather=True)
+except ValueError as e:
+    assert "do not match" in str(e)
+    checks += 1
+print("ok", checks)
+'''
+
+
+def test_row_copy_gathers_and_scatters_whole_blocks_like_pytorchs_index_ops():
+    assert run_interpreted(SCRIPT, timeout=600).strip().endswith("ok 4")
+
+
+def test_the_handoff_uses_pytorchs_index_ops_off_the_gpu():
+    """On CPU (and for a head slice) `gather_blocks` / `scatter_blocks` keep PyTorch's index ops: no Triton."""
+    torch = pytest.importorskip("torch")
+    from workers.kv_transfer.blocks import _by_rows
+
+    words = torch.zeros(2, 2, 4, 4, 2, 8, dtype=torch.int64)
+    assert not _by_rows(words, slice(None))
