@@ -20,7 +20,9 @@ import triton.language as tl
 BLOCK = 1024  # words (8 KiB of int64) per program
 
 
-@triton.jit
+# Not specialised on the sizes and strides (the buffer's change with each transfer's block count): one compiled
+# kernel per direction and dtype, which `warm_up` builds before a pair's first handoff needs it.
+@triton.jit(do_not_specialize=["row_words", "src_s0", "src_s1", "src_s2", "dst_s0", "dst_s1", "dst_s2"])
 def _copy_rows_kernel(src_ptr, dst_ptr, ids_ptr, row_words,
                       src_s0, src_s1, src_s2, dst_s0, dst_s1, dst_s2,
                       GATHER: tl.constexpr, BLOCK: tl.constexpr):
@@ -62,3 +64,13 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather:
     grid = (n, layers * kv, triton.cdiv(row_words, BLOCK))
     _copy_rows_kernel[grid](src, dst, index, row_words, src.stride(0), src.stride(1), src.stride(2),
                             dst.stride(0), dst.stride(1), dst.stride(2), GATHER=gather, BLOCK=BLOCK)
+
+
+def warm_up(device: torch.device, dtype: torch.dtype = torch.int64) -> None:
+    """Compile both directions' kernels for `dtype` (the caches' 8-byte words) on scratch tensors, so that the first
+    handoff does not wait for Triton (KVTransferAgent.warm calls it)."""
+    cache = torch.zeros(1, 2, 2, 16, dtype=dtype, device=device)
+    buf = torch.zeros(1, 2, 1, 16, dtype=dtype, device=device)
+    index = torch.zeros(1, dtype=torch.long, device=device)
+    copy_rows(cache, buf, index, gather=True)
+    copy_rows(buf, cache, index, gather=False)

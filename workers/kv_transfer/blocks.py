@@ -102,6 +102,14 @@ def _by_rows(words: torch.Tensor, heads: slice) -> bool:
     return rows_contiguous(words)
 
 
+def warm_kernels(kv_cache: torch.Tensor) -> None:
+    """On a GPU, compile the row copy's kernels for this cache's words before a handoff needs them."""
+    if kv_cache.is_cuda:
+        from parallel.kernels.block_copy import warm_up
+
+        warm_up(kv_cache.device, _as_words(_as_wire(kv_cache)).dtype)
+
+
 def transfer_shape(kv_cache: torch.Tensor, num_blocks: int, layers: slice, heads: slice) -> tuple[int, ...]:
     l = len(range(*layers.indices(kv_cache.shape[0])))
     h = len(range(*heads.indices(kv_cache.shape[4])))

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from workers.kv_layout import block_pool, local_block_id
-from workers.kv_transfer.blocks import block_index, gather_blocks, scatter_blocks, transfer_shape, wire_dtype
+from workers.kv_transfer.blocks import block_index, gather_blocks, scatter_blocks, transfer_shape, warm_kernels, wire_dtype
 from workers.kv_transfer.plan import RankShard, Transfer
 
 log = logging.getLogger(__name__)
@@ -258,6 +258,7 @@ class KVTransferAgent:
             bufs = [torch.ones(1, dtype=torch.uint8, device=device) for _ in peers]
             works = [op([buf], peer, WARM_TAG) for buf, peer in zip(bufs, peers)]
             self._wait(spec.pair_id, group, works)
+            warm_kernels(self.kv_cache)  # and the gather / scatter kernels compiled
 
     def _nccl(self, spec: PairSpec) -> bool:
         """Whether the pair's group is NCCL (else gloo)."""
