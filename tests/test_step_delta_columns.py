@@ -232,3 +232,35 @@ def test_a_sequence_preempted_in_an_empty_step_is_never_taken_for_a_continuation
     run(back)
     for _ in range(10):  # and on: its table grows, it goes compact again
         run(sched.schedule())
+
+
+def test_a_table_trimmed_after_a_later_step_was_made_is_sent_again():
+    """A lookahead step's table is trimmed when its tokens come back (Scheduler.update), which may be after the
+    next step was planned ahead of it with the longer table: the block given back is taken by someone else, the
+    table regrows with another id at the same length, and the sequence must not be taken for a continuation.
+    (The engine never plans ahead of a lookahead step; the scheduler's note does not rely on that.)"""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), BlockManager(16, 4))
+    encoder, decoder = StepEncoder(), StepDecoder()
+
+    def send(out: SchedulerOutput) -> None:
+        assert [_fields(s) for s in decoder.decode(encoder.encode(out)).seqs] == [_fields(s) for s in out.seqs]
+
+    def answer(out: SchedulerOutput) -> ModelRunnerOutput:
+        ids = [s.seq_id for s in out.seqs if s.sample]
+        return ModelRunnerOutput.from_columns(ids, [3] * len(ids), [-0.5] * len(ids))
+
+    sched.add(Sequence("x", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=50)))
+    prefill = sched.schedule()
+    send(prefill)
+    sched.update(prefill, answer(prefill))
+    lookahead = sched.schedule(lambda seq: 2)  # position 6 and two draft slots: a third block (none proposed)
+    send(lookahead)
+    ahead = sched.schedule(ahead_of=lookahead)  # position 7, with the three blocks
+    send(ahead)
+    table = list(ahead.seqs[0].block_table)
+    sched.update(lookahead, answer(lookahead))  # the third block goes back
+    assert sched.reserve(Sequence("z", [9, 9, 9], SamplingParams(max_tokens=2)), deadline=1e18)  # and is taken
+    after = sched.schedule(ahead_of=ahead)  # position 8: a third block again, another one
+    assert len(after.seqs[0].block_table) == len(table) and after.seqs[0].block_table[-1] != table[-1]
+    assert after.plain_decodes.others == [0]
+    send(after)
