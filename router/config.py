@@ -52,6 +52,14 @@ SERVED_KV_TRANSFER_FLOOR_S = 5.0
 # (~1,600 tokens/s streamed) while its decode replica ran 30-40 sequences at 10-13 ms a step; with four, at ~10.5.
 # Every token of every request passes through a router's Python (Serve's streaming, the SSE body, metrics).
 ROUTERS_PER_GPU_DECODE_REPLICA = 4
+# A decode replica's default stream item budget (`stream_items_per_s`, engine/async_engine.py StreamPace). With GPUs:
+# each item is a Ray object of its own, and one decode replica sent at most ~2,600 a second on an H100 host, so at
+# 16 req/s its tokens reached the client every ~31 ms while its rank stepped every ~14 ms; at 1,000, TPOT was 14.8 ms
+# (docs/benchmarks.md, "Tenth session"). On CPUs the engine and every Serve hop share a few cores, so each item
+# costs compute too: on the 2-core box, 250 took PD at 8 clients from 0.80-0.85x colocated's request rate to
+# 1.09-1.10x (two runs each, same session), with one-client TPOT within 1.03x.
+STREAM_ITEMS_PER_S_GPU = 1000.0
+STREAM_ITEMS_PER_S_CPU = 250.0
 
 
 class PoolConfig(StrictModel):
@@ -141,11 +149,12 @@ class AppConfig(EngineArgs):
                                         "Default: with GPUs, 4 per decode replica, autoscaled with the decode pool "
                                         "when it autoscales (one router process streamed at most ~1,600 tokens/s on "
                                         "an H100 host); on CPUs, 1.")
-    stream_items_per_s: float = Field(default=1000.0, ge=0, description="Disaggregated: most stream items a decode "
-                                      "replica sends its routers per second, over all its requests. Under load an "
-                                      "item carries the tokens of several steps (a request's first and last are never "
-                                      "held); below it every token is its own item. 0 = one item per step always "
-                                      "(one process sent at most ~2,600 a second on an H100 host).")
+    stream_items_per_s: float | None = Field(default=None, ge=0, description="Disaggregated: most stream items a "
+                                             "decode replica sends its routers per second, over all its requests. Under "
+                                             "load an item carries the tokens of several steps (a request's first and "
+                                             "last are never held); below it every token is its own item. Default: "
+                                             "1,000 with GPUs (one process sent at most ~2,600 a second on an H100 "
+                                             "host), 250 on CPUs; 0 = one item per step always.")
     api_keys: list[str] = Field(default_factory=list, description="Accepted `Authorization: Bearer` keys; empty = no auth.")
     api_keys_env: str | None = Field(default=None, description="Environment variable with more comma-separated keys, "
                                      "read on the replica (keeps secrets out of the config).")
@@ -217,6 +226,12 @@ class AppConfig(EngineArgs):
             auto = cfg.autoscaling_config
             return auto["initial_replicas"] if auto.get("initial_replicas") is not None else auto.get("min_replicas", 1)
         return cfg.num_replicas or 1
+
+    def resolved_stream_items_per_s(self, on_gpus: bool) -> float:
+        """`stream_items_per_s`, or its default where the decode ranks run (GPUs or CPUs)."""
+        if self.stream_items_per_s is not None:
+            return self.stream_items_per_s
+        return STREAM_ITEMS_PER_S_GPU if on_gpus else STREAM_ITEMS_PER_S_CPU
 
     def router_serve_options(self, on_gpus: bool) -> dict[str, Any]:
         """The Router deployment's size: `router_replicas` when given; on CPUs, 1; where the ranks run on GPUs, in

@@ -403,6 +403,9 @@ def decode_ranks_as_actors(config: AppConfig) -> AppConfig:
 
 def build_disaggregated_app(config: AppConfig) -> Application:
     config = decode_ranks_as_actors(config)
+    on_gpus = bool(gpus_per_replica(config))
+    # The decode replicas' stream pace, resolved here where the devices are known (router/pools.py reads it).
+    config = config.model_copy(update={"stream_items_per_s": config.resolved_stream_items_per_s(on_gpus)})
     args = config.to_args()
     # Pool replicas hold no devices themselves: their ranks are Ray actors that take the GPUs/CPUs.
     actor = {"num_cpus": 0, "num_gpus": 0}
@@ -423,6 +426,6 @@ def build_disaggregated_app(config: AppConfig) -> Application:
         **config.decode.serve_options(), **config.backpressure_options("decode")).bind(args, prefill)
     router = serve.deployment(Router, name="Router").options(
         max_ongoing_requests=4 * config.max_ongoing_requests("decode"), ray_actor_options={"num_cpus": 0},
-        **config.router_serve_options(on_gpus=bool(gpus_per_replica(config))),
+        **config.router_serve_options(on_gpus=on_gpus),
         **config.backpressure_options("decode", scale=4)).bind(args, decode, prefill)
     return router

@@ -118,8 +118,10 @@ class DecodePool(_PoolMethods):
         self.replica.on_transfer = lambda stats: _record_transfer(stats, gauges.tags)
         self.replica.on_prefill_site = lambda site: metrics.PREFILL_SITE.inc(1, tags={"site": site, **gauges.tags})
         self.replica.async_engine.on_step = gauges
-        if self.config.stream_items_per_s > 0:
-            self.replica.async_engine.stream_pace = StreamPace(self.config.stream_items_per_s)
+        # Resolved by build_disaggregated_app; a config built elsewhere (tests) without one: the CPU default.
+        pace = self.config.resolved_stream_items_per_s(on_gpus=False)
+        if pace > 0:
+            self.replica.async_engine.stream_pace = StreamPace(pace)
         identity = replica_metrics.serve_identity()
         self._app = identity[0] if identity is not None else None
         self._warming: asyncio.Task | None = None

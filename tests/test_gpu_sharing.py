@@ -136,3 +136,24 @@ def test_the_router_gets_replicas_per_decode_replica_on_gpus_one_on_cpus_or_what
     on_gpus = build_disaggregated_app(app(decode={"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}))
     router_auto = on_gpus._bound_deployment._deployment_config.autoscaling_config
     assert (router_auto.min_replicas, router_auto.max_replicas) == (K, 4 * K)
+
+
+def test_the_decode_stream_pace_defaults_by_device_and_reaches_the_replicas():
+    """`stream_items_per_s` unset: 1,000 items a second with GPUs, 250 on CPUs (router/config.py says why), resolved
+    when the app is built so every deployment gets the same value; a given value, 0 included, wins."""
+    from router.config import STREAM_ITEMS_PER_S_CPU, STREAM_ITEMS_PER_S_GPU, AppConfig
+    from router.disaggregated import build_disaggregated_app
+
+    def app(**kw) -> AppConfig:
+        return AppConfig(**{"model": "models/tandem-tiny", **kw})
+
+    assert app().resolved_stream_items_per_s(on_gpus=True) == STREAM_ITEMS_PER_S_GPU == 1000.0
+    assert app().resolved_stream_items_per_s(on_gpus=False) == STREAM_ITEMS_PER_S_CPU == 250.0
+    assert app(stream_items_per_s=0).resolved_stream_items_per_s(on_gpus=True) == 0
+    assert app(stream_items_per_s=40).resolved_stream_items_per_s(on_gpus=False) == 40
+    with pytest.raises(ValueError):
+        app(stream_items_per_s=-1)
+    # The built app hands the resolved value to its deployments (the Router's args; the pools get the same dict).
+    assert build_disaggregated_app(app(device="cpu"))._bound_deployment.init_args[0]["stream_items_per_s"] == 250.0
+    assert build_disaggregated_app(app(device="cpu", stream_items_per_s=0))._bound_deployment.init_args[0]["stream_items_per_s"] == 0
+    assert build_disaggregated_app(app(device="cuda"))._bound_deployment.init_args[0]["stream_items_per_s"] == 1000.0
