@@ -348,3 +348,19 @@ def test_gather_and_scatter_move_each_block_exactly_whatever_the_row_width(dtype
         expected[layers, :, d_id, :, heads] = src[layers, :, s_id, :, heads]
     scatter_blocks(dst, ids_dst, layers, heads, buf)
     assert torch.equal(_bytes(dst), _bytes(expected))
+
+
+def test_the_nccl_stream_priority_comes_from_the_environment(monkeypatch):
+    """TANDEM_KV_NCCL_HIGH_PRIORITY=1 makes an agent's later NCCL pair groups high-priority (the served ranks get
+    the variable from the driver: cluster/ray_runtime.py forwards it); unset, they are not."""
+    from cluster.ray_runtime import rank_runtime_env
+    from workers.kv_transfer.plan import RankShard
+    from workers.kv_transfer.transport import KVTransferAgent
+
+    cache = torch.zeros(1, 2, 4, 2, 1, 4)
+    shard = RankShard(0, range(1), range(1))
+    monkeypatch.delenv("TANDEM_KV_NCCL_HIGH_PRIORITY", raising=False)
+    assert not KVTransferAgent(cache, shard, "prefill").nccl_high_priority
+    monkeypatch.setenv("TANDEM_KV_NCCL_HIGH_PRIORITY", "1")
+    assert KVTransferAgent(cache, shard, "decode").nccl_high_priority
+    assert rank_runtime_env()["env_vars"]["TANDEM_KV_NCCL_HIGH_PRIORITY"] == "1"
