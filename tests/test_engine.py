@@ -528,6 +528,20 @@ def test_a_paced_stream_sends_fewer_items_with_every_token_and_the_first_and_las
     assert all(g >= 0.045 for g in gaps), gaps
 
 
+def test_merged_outputs_keep_the_stamps_of_the_earlier_when_the_later_has_none():
+    """Stamps ride on tokens 1 and 2 and the last output only: a paced item that merges token 2's output with token
+    3's keeps token 2's stamps; a later output's own stamps win."""
+    from engine.async_engine import _merged
+    from engine.llm_engine import RequestOutput
+
+    two = RequestOutput("r", [1], token_ids=[5, 6], new_token_ids=[6], new_text="b", timeline={"first_decode_step": 1.0})
+    three = RequestOutput("r", [1], token_ids=[5, 6, 7], new_token_ids=[7], new_text="c")
+    merged = _merged(two, three)
+    assert merged.timeline == {"first_decode_step": 1.0} and merged.new_token_ids == [6, 7] and merged.new_text == "bc"
+    last = RequestOutput("r", [1], token_ids=[5, 6, 7], new_token_ids=[7], finish_reason="length", timeline={"end": 2.0})
+    assert _merged(two, last).timeline == {"end": 2.0}
+
+
 def test_a_stream_pace_needs_a_positive_budget():
     from engine.async_engine import StreamPace
 

@@ -89,7 +89,7 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, 
 
 
 def _all_heads(heads: slice, num_heads: int) -> bool:
-    return heads == slice(None) or (heads.start in (0, None) and heads.stop in (None, num_heads) and heads.step in (None, 1))
+    return heads.start in (0, None) and heads.stop in (None, num_heads) and heads.step in (None, 1)
 
 
 def _by_rows(words: torch.Tensor, heads: slice) -> bool:

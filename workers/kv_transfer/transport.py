@@ -202,9 +202,10 @@ class KVTransferAgent:
         # the default, beside raw NCCL).
         self.min_messages = 1
         # Pair groups made after this is set run their NCCL kernels on a high-priority stream, so the block
-        # scheduler starts them before queued gather/scatter blocks, which otherwise fill every SM while a send
-        # waits to launch (a lead from bench_kv_transfer.py, whose 4- and 16-message runs did not overlap as
-        # intended; `--nccl-high-priority` measures it). TANDEM_KV_NCCL_HIGH_PRIORITY=1 sets it for served ranks.
+        # scheduler would start them before queued gather/scatter blocks. A lead, not a finding: bench_kv_transfer.py's
+        # 4- and 16-message runs did not overlap sends with gathers as intended, and SMs filled by those kernels
+        # may be why; `--nccl-high-priority` measures it. Off by default until it has; TANDEM_KV_NCCL_HIGH_PRIORITY=1
+        # sets it for served ranks.
         self.nccl_high_priority = os.environ.get("TANDEM_KV_NCCL_HIGH_PRIORITY") == "1"
 
     def get_shard(self) -> RankShard:
@@ -565,7 +566,8 @@ class KVTransferAgent:
 def _to_host(buf: torch.Tensor) -> torch.Tensor:
     """A staged send's buffer in host memory. From a GPU: into pinned memory on this thread's stream, waiting for that
     stream only; `.cpu()` copies into pageable memory, which blocks in the CUDA driver until the GPU's other work (the
-    engine's step) is done too (workers/host_fetch.py; the shared-GPU handoff test waited out a busy kernel)."""
+    engine's step) is done too (workers/host_fetch.py). The shared-GPU handoff test still waits out a busy kernel with
+    this, for a cause not yet found (docs/benchmarks.md, "Tenth session")."""
     if not buf.is_cuda:
         return buf
     host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
