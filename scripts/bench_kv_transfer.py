@@ -21,6 +21,7 @@ timed runs the decode blocks are checked against the prefill blocks, bit for bit
     python scripts/bench_kv_transfer.py --dtype fp8                  # an FP8 KV cache: half the bytes of bf16
     python scripts/bench_kv_transfer.py --min-messages 1,4           # the agent as is, and cut into ~4 messages
     python scripts/bench_kv_transfer.py --nccl-high-priority         # and over a pair with high-priority NCCL streams
+    python scripts/bench_kv_transfer.py --copy-programs 32,64         # and with the row copy's grid capped (GPU)
     python scripts/bench_kv_transfer.py --device cpu --tokens 64 --layers 2   # the same code over gloo, as a check
 Prints a table; writes JSON (--out). Needs 2 CUDA GPUs (or --device cpu).
 """
@@ -202,8 +203,11 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
         # its transfers into messages of at most ceil(layers / N) layers.
         variants = {("agent" if k == 0 else f"agent_m{m}"): m for k, m in enumerate(cfg["min_messages"])}
         pairs = {name: (agent, spec) for name in variants}
+        programs = {name: 0 for name in variants}  # the row copy's grid cap (0: none)
         if hp is not None:  # "agent_hp": the first min_messages value over the high-priority pair
-            variants["agent_hp"], pairs["agent_hp"] = cfg["min_messages"][0], hp
+            variants["agent_hp"], pairs["agent_hp"], programs["agent_hp"] = cfg["min_messages"][0], hp, 0
+        for c in cfg["copy_programs"]:  # "agent_c<N>": the first min_messages value, gather and scatter on <= N programs
+            variants[f"agent_c{c}"], pairs[f"agent_c{c}"], programs[f"agent_c{c}"] = cfg["min_messages"][0], (agent, spec), c
         times: dict[str, list[float]] = {**{v: [] for v in variants}, "raw": [], "gather": [], "scatter": []}
         for i in range(cfg["warmup"] + cfg["iters"]):
             if rank == 0:
@@ -215,7 +219,8 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
                         "scatter": lambda: scatter_blocks(cache, dst, everything, everything, staged)}
                 move = lambda name: pairs[name][0].recv(pairs[name][1], plan, {0: shard}, dst)
             for name, m in variants.items():
-                runs[name] = lambda m=m, name=name: (setattr(pairs[name][0], "min_messages", m), move(name))
+                runs[name] = lambda m=m, name=name: (setattr(pairs[name][0], "min_messages", m),
+                                                     _copy_programs(programs[name]), move(name))
             # The same order on both ranks, so the barriers pair up; "agent" (the default) last, so what it wrote
             # is what gets verified.
             for name in ("gather", "scatter", "raw", *reversed(variants)):
@@ -227,6 +232,14 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
         out[n_tok] = {"bytes": nbytes, "blocks": len(src), "verified": _verify(rank, cache, src, dst),
                       **{f"{k}_s": statistics.median(v) for k, v in times.items() if v}}
     return out
+
+
+def _copy_programs(n: int) -> None:
+    """The row copy's grid cap for the coming transfers (GPU only: elsewhere the handoff uses PyTorch's index ops)."""
+    if torch.cuda.is_available():
+        from parallel.kernels import block_copy
+
+        block_copy.MAX_PROGRAMS = n
 
 
 def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> bool | None:
@@ -241,7 +254,7 @@ def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> b
     return bool(torch.equal(mine, theirs))
 
 
-VARIANT = r"agent_(m\d+|hp)"  # the agent runs beside the first: other --min-messages values, the high-priority pair
+VARIANT = r"agent_(m\d+|hp|c\d+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies
 
 
 def summarize(results: list[dict], cfg: dict) -> list[dict]:
@@ -292,6 +305,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "(the first is the 'agent' column and is verified; e.g. 1,4 compares the default with 4)")
     p.add_argument("--nccl-high-priority", action="store_true", help="also time the agent over a pair whose NCCL "
                    "kernels run on high-priority streams (the 'agent_hp' row; KVTransferAgent.nccl_high_priority)")
+    p.add_argument("--copy-programs", default="", help="comma-separated: also time the agent with its gather and scatter "
+                   "capped at N programs each (the 'agent_c<N>' rows; TANDEM_KV_COPY_PROGRAMS)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -302,7 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
     shape = Shape(args.layers, args.kv_heads, args.head_dim, args.block_size, args.dtype)
     cfg = {"shape": asdict(shape), "tokens": args.tokens, "warmup": args.warmup, "iters": args.iters,
            "seed": args.seed, "timeout_s": args.timeout, "device": args.device,
-           "min_messages": [int(m) for m in args.min_messages.split(",") if m], "nccl_high_priority": args.nccl_high_priority}
+           "min_messages": [int(m) for m in args.min_messages.split(",") if m], "nccl_high_priority": args.nccl_high_priority,
+           "copy_programs": [int(c) for c in args.copy_programs.split(",") if c]}
     rows = summarize(run_pair(_bench_rank, cfg, args.device), cfg)
     print_table(rows)
     report = {

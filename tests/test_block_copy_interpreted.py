@@ -21,15 +21,16 @@ for dtype, row in ((torch.int64, (4, 2, 2)), (torch.int64, (2, 3, BLOCK + 300)),
              else torch.randn((layers, 2, blocks) + row).to(dtype))
     view = cache[1:3]  # a layer slice: the cache's own strides
     ids = torch.tensor([7, 2, 5, 0], dtype=torch.long)
-    out = torch.empty((2, 2, len(ids)) + row, dtype=dtype)
-    copy_rows(view, out, ids, gather=True)
-    assert torch.equal(out, view.index_select(2, ids)), dtype
-    before = cache.clone()
-    new = (torch.randint(-2**40, 2**40, out.shape) if dtype == torch.int64 else torch.randn(out.shape).to(dtype))
-    copy_rows(new, view, ids, gather=False)
-    want = before.clone()
-    want[1:3].index_copy_(2, ids, new)
-    assert torch.equal(cache, want), dtype  # the listed blocks of layers 1-2 only
+    for programs in (0, 3):  # the full grid; a capped grid, each program looping over several row slices
+        out = torch.empty((2, 2, len(ids)) + row, dtype=dtype)
+        copy_rows(view, out, ids, gather=True, programs=programs)
+        assert torch.equal(out, view.index_select(2, ids)), (dtype, programs)
+        before = cache.clone()
+        new = (torch.randint(-2**40, 2**40, out.shape) if dtype == torch.int64 else torch.randn(out.shape).to(dtype))
+        copy_rows(new, view, ids, gather=False, programs=programs)
+        want = before.clone()
+        want[1:3].index_copy_(2, ids, new)
+        assert torch.equal(cache, want), (dtype, programs)  # the listed blocks of layers 1-2 only
     checks += 1
 try:
     copy_rows(cache[:, :, :2], torch.empty((3, 2, 2, 4, 2, 8), dtype=torch.float32), ids[:2], gather=True)

@@ -13,22 +13,25 @@ buffer viewed alike): strides are free in the first three dims, a row is contigu
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 BLOCK = 1024  # words (8 KiB of int64) per program
 
+# At most this many programs per copy (0: one per row slice, the whole GPU). A handoff's gather and scatter run beside
+# NCCL's send/recv kernels of the previous/next message; a grid that fills every SM makes those kernels wait for SMs.
+# Capped, each program loops over its share of the row slices. TANDEM_KV_COPY_PROGRAMS sets it; bench_kv_transfer.py
+# --copy-programs compares values in one run.
+MAX_PROGRAMS = int(os.environ.get("TANDEM_KV_COPY_PROGRAMS", "0") or 0)
 
-# Not specialised on the sizes and strides (the buffer's change with each transfer's block count): one compiled
-# kernel per direction and dtype, which `warm_up` builds before a pair's first handoff needs it.
-@triton.jit(do_not_specialize=["row_words", "src_s0", "src_s1", "src_s2", "dst_s0", "dst_s1", "dst_s2"])
-def _copy_rows_kernel(src_ptr, dst_ptr, ids_ptr, row_words,
-                      src_s0, src_s1, src_s2, dst_s0, dst_s1, dst_s2,
-                      GATHER: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0)  # which listed block
-    lk = tl.program_id(1)  # layer * 2 + (K or V)
-    chunk = tl.program_id(2)
+
+@triton.jit
+def _copy_one(src_ptr, dst_ptr, ids_ptr, row_words, i, lk, chunk,
+              src_s0, src_s1, src_s2, dst_s0, dst_s1, dst_s2, GATHER: tl.constexpr, BLOCK: tl.constexpr):
+    """One program's slice `chunk` of row (listed block i, layer * 2 + K/V lk)."""
     block = tl.load(ids_ptr + i).to(tl.int64)
     # 64-bit offsets: a cache holds more than 2^31 words.
     i, layer, kv = i.to(tl.int64), (lk // 2).to(tl.int64), (lk % 2).to(tl.int64)
@@ -43,14 +46,37 @@ def _copy_rows_kernel(src_ptr, dst_ptr, ids_ptr, row_words,
     tl.store(dst_ptr + dst_row + offs, tl.load(src_ptr + src_row + offs, mask=mask), mask=mask)
 
 
+# Not specialised on the sizes and strides (the buffer's change with each transfer's block count): one compiled
+# kernel per direction and dtype, which `warm_up` builds before a pair's first handoff needs it.
+@triton.jit(do_not_specialize=["row_words", "src_s0", "src_s1", "src_s2", "dst_s0", "dst_s1", "dst_s2"])
+def _copy_rows_kernel(src_ptr, dst_ptr, ids_ptr, row_words,
+                      src_s0, src_s1, src_s2, dst_s0, dst_s1, dst_s2,
+                      GATHER: tl.constexpr, BLOCK: tl.constexpr):
+    _copy_one(src_ptr, dst_ptr, ids_ptr, row_words, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+              src_s0, src_s1, src_s2, dst_s0, dst_s1, dst_s2, GATHER, BLOCK)
+
+
+# The capped grid: program p takes row slices p, p + programs, ... (slice fastest, then block, then layer/KV).
+@triton.jit(do_not_specialize=["row_words", "n_ids", "chunks", "total",
+                               "src_s0", "src_s1", "src_s2", "dst_s0", "dst_s1", "dst_s2"])
+def _copy_rows_loop_kernel(src_ptr, dst_ptr, ids_ptr, row_words, n_ids, chunks, total,
+                           src_s0, src_s1, src_s2, dst_s0, dst_s1, dst_s2,
+                           GATHER: tl.constexpr, BLOCK: tl.constexpr):
+    for w in range(tl.program_id(0), total, tl.num_programs(0)):
+        rest = w // chunks
+        _copy_one(src_ptr, dst_ptr, ids_ptr, row_words, rest % n_ids, rest // n_ids, w % chunks,
+                  src_s0, src_s1, src_s2, dst_s0, dst_s1, dst_s2, GATHER, BLOCK)
+
+
 def rows_contiguous(t: torch.Tensor) -> bool:
     """Whether each [l, kv, block] row of the 4-D-or-more view t is one contiguous run (what the kernel copies)."""
     return t[0, 0, 0].is_contiguous() if t.shape[0] and t.shape[2] else True
 
 
-def copy_rows(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather: bool) -> None:
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather: bool, programs: int | None = None) -> None:
     """gather: dst[:, :, i] = src[:, :, index[i]]; else dst[:, :, index[i]] = src[:, :, i]. src and dst: the same
-    dtype, shapes equal except dim 2, each row (dims 3 on) contiguous; index: int64 block ids on their device."""
+    dtype, shapes equal except dim 2, each row (dims 3 on) contiguous; index: int64 block ids on their device.
+    programs: at most this many programs (None: MAX_PROGRAMS; 0: no cap)."""
     layers, kv = src.shape[0], src.shape[1]
     if kv != 2:
         raise ValueError(f"copy_rows: dim 1 is K and V (2), not {kv}")
@@ -61,16 +87,22 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather:
     n, row_words = index.numel(), src[0, 0, 0].numel() if src.shape[2] else 0
     if n == 0 or layers == 0 or row_words == 0:
         return
-    grid = (n, layers * kv, triton.cdiv(row_words, BLOCK))
-    _copy_rows_kernel[grid](src, dst, index, row_words, src.stride(0), src.stride(1), src.stride(2),
-                            dst.stride(0), dst.stride(1), dst.stride(2), GATHER=gather, BLOCK=BLOCK)
+    chunks = triton.cdiv(row_words, BLOCK)
+    strides = (src.stride(0), src.stride(1), src.stride(2), dst.stride(0), dst.stride(1), dst.stride(2))
+    cap = MAX_PROGRAMS if programs is None else programs
+    total = n * layers * kv * chunks
+    if 0 < cap < total:
+        _copy_rows_loop_kernel[(cap,)](src, dst, index, row_words, n, chunks, total, *strides, GATHER=gather, BLOCK=BLOCK)
+    else:
+        _copy_rows_kernel[(n, layers * kv, chunks)](src, dst, index, row_words, *strides, GATHER=gather, BLOCK=BLOCK)
 
 
 def warm_up(device: torch.device, dtype: torch.dtype = torch.int64) -> None:
-    """Compile both directions' kernels for `dtype` (the caches' 8-byte words) on scratch tensors, so that the first
-    handoff does not wait for Triton (KVTransferAgent.warm calls it)."""
+    """Compile both directions' kernels, full and capped grid, for `dtype` (the caches' 8-byte words) on scratch
+    tensors, so that the first handoff does not wait for Triton (KVTransferAgent.warm calls it)."""
     cache = torch.zeros(1, 2, 2, 16, dtype=dtype, device=device)
     buf = torch.zeros(1, 2, 1, 16, dtype=dtype, device=device)
     index = torch.zeros(1, dtype=torch.long, device=device)
-    copy_rows(cache, buf, index, gather=True)
-    copy_rows(buf, cache, index, gather=False)
+    for programs in (0, 1):  # the full grid, and the capped grid's loop (2 row slices over 1 program)
+        copy_rows(cache, buf, index, gather=True, programs=programs)
+        copy_rows(buf, cache, index, gather=False, programs=programs)
