@@ -1,7 +1,10 @@
 """Triton paged-attention backend (CUDA): KV write by slot mapping, split-K decode, varlen prefill.
 
 Decode rows use the flash-decoding kernel (GQA-aware, one program per KV head group and context
-slice); prefill chunks use the varlen causal kernel. In a mixed step the decodes come first
+slice); prefill chunks use the varlen causal kernel, except in steps whose sequences run at most 16
+tokens each (a speculative verification step's k + 1), which go to the split-context kernel of
+parallel/kernels/verify_attention.py: the prefill kernel gives them one program per query head and
+leaves most of the GPU idle. In a mixed step the decodes come first
 (`AttentionMetadata.num_decodes`) and each kernel takes its part: run through the prefill kernel, a
 decode row would pay a whole query tile per query head. Nothing here syncs with the device or reads the device
 tensors on the host, so decode steps can be captured in CUDA graphs (`workers/cuda_graphs.py`).
@@ -15,6 +18,7 @@ import torch
 from workers.attention.backend import AttentionMetadata
 from workers.attention.kv_quant import KV_SCALE
 from parallel.kernels.paged_attention import decode_attention, prefill_attention, write_kv
+from parallel.kernels import verify_attention as _verify
 
 
 class TritonAttention:
@@ -28,6 +32,9 @@ class TritonAttention:
         d = meta.num_decodes
         if d == 0:
             write_kv(kv_cache, k, v, meta.slot_mapping, KV_SCALE)
+            if _verify.applies(meta.max_query_len, q.shape[1], kv_cache.shape[3]):  # k/v are in the cache now
+                return _verify.verify_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                                meta.max_query_len, meta.max_seq_len, scale, out=out, kv_scale=KV_SCALE)
             return prefill_attention(q, k, v, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                      meta.max_query_len, scale, out=out, kv_scale=KV_SCALE)
         dec, pre = _split(meta)
