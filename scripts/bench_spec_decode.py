@@ -76,6 +76,27 @@ def ngram_decoder(llm: LLM, k: int) -> SpecDecoder:
     return SpecDecoder(eng.config, cfg, eng.block_manager.num_blocks, eng.max_model_len, eng.eos_token_ids)
 
 
+class StepCounter:
+    """Counts the steps the engine sends (wraps its executor's submit): with the tokens, a run's tokens per
+    step and milliseconds per step, which separate a change of step cost from a change of acceptance (on
+    random weights any change of kernel numerics changes the greedy text, hence what n-gram finds)."""
+
+    def __init__(self, llm: LLM):
+        self.executor = llm.llm_engine.executor
+        self.steps = 0
+        inner = self.executor.submit
+
+        def counted(*args, **kwargs):
+            self.steps += 1
+            return inner(*args, **kwargs)
+
+        self.executor.submit = counted
+
+    def take(self) -> int:
+        n, self.steps = self.steps, 0
+        return n
+
+
 def generate(llm: LLM, prompts: list[list[int]], max_tokens: int, device: str) -> tuple[float, list[list[int]]]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     sync(device)
@@ -83,6 +104,11 @@ def generate(llm: LLM, prompts: list[list[int]], max_tokens: int, device: str) -
     outs = llm.generate(prompts, params)
     sync(device)
     return time.perf_counter() - t0, [o.token_ids for o in outs]
+
+
+def per_step(seconds: float, tokens: int, steps: int) -> dict:
+    return {"steps": steps, "tokens_per_step": round(tokens / max(1, steps), 3),
+            "ms_per_step": round(1e3 * seconds / max(1, steps), 3)}
 
 
 def spec_counts(spec: SpecDecoder | None) -> dict:
@@ -204,17 +230,23 @@ def run_ids(llm: LLM, prompts: list[list[int]], max_tokens: int, device: str, id
 def batch1(llm: LLM, prompt: list[int], args) -> dict:
     n = args.new_tokens
     set_spec(llm, None)
+    counter = StepCounter(llm)
     generate(llm, [prompt], 8, args.device)  # warm-up (and the prompt's blocks into the prefix cache)
+    counter.take()
     t_plain, ref = generate(llm, [prompt], n, args.device)
-    res = {"prompt_tokens": len(prompt), "new_tokens": n, "plain_tok_s": round(n / t_plain, 2), "ngram": {}, "emulated": {}}
+    plain_steps = per_step(t_plain, n, counter.take())
+    res = {"prompt_tokens": len(prompt), "new_tokens": n, "plain_tok_s": round(n / t_plain, 2), "plain": plain_steps,
+           "ngram": {}, "emulated": {}}
     for k in args.ngram_k:
         spec = ngram_decoder(llm, k)
         set_spec(llm, spec, NEVER)
         t, outs = generate(llm, [prompt], n, args.device)
+        steps = per_step(t, n, counter.take())
         res["ngram"][str(k)] = {"tok_s": round(n / t, 2), "speedup": round(t_plain / t, 3), **spec_counts(spec),
-                                "agreement": agreement(ref, outs)}
+                                **steps, "agreement": agreement(ref, outs)}
         print(f"batch 1 n-gram k={k}: {n / t:.1f} tok/s vs {n / t_plain:.1f} plain ({t_plain / t:.2f}x), "
-              f"acceptance {res['ngram'][str(k)]['acceptance']}", flush=True)
+              f"acceptance {res['ngram'][str(k)]['acceptance']}, {steps['tokens_per_step']} tokens per step, "
+              f"{steps['ms_per_step']} ms per step vs {plain_steps['ms_per_step']} plain", flush=True)
     k = args.emulate_k
     for a in args.acceptance:
         spec = ngram_decoder(llm, k)

@@ -26,6 +26,9 @@ def test_dry_run_fills_every_section(tmp_path):
     b1 = report["ngram_batch1"]
     assert b1["plain_tok_s"] > 0 and b1["ngram"]["2"]["tok_s"] > 0
     assert b1["ngram"]["2"]["agreement"]["identical"] == "1/1"  # fp32 on CPU: token-identical
+    assert b1["plain"]["tokens_per_step"] == 1.0 and b1["plain"]["ms_per_step"] > 0  # one step per token
+    ng = b1["ngram"]["2"]
+    assert 1 <= ng["steps"] <= 12 and ng["tokens_per_step"] == round(12 / ng["steps"], 3) and ng["ms_per_step"] > 0
     emu = b1["emulated"]["0.8"]
     assert 0.3 < emu["acceptance"] <= 1.0 and emu["drafts"] > 0  # the emulated proposer is verified like any
     row = report["batch"]["3"]

@@ -394,3 +394,103 @@ def test_verify_graph_inputs_pad_to_k_plus_1_and_pick_the_eager_rows(monkeypatch
     assert list(h[2 * t + 4:2 * t + 8]) == [9 * 4 + 2, -1, -1, -1]
     assert list(h[2 * t + 12:2 * t + 16]) == [-1] * 4  # the padding row writes nothing...
     assert list(h[3 * t:3 * t + n]) == [14, 66, 34, 4]  # ...and has no context (seq_len = q)
+
+
+# ---- greedy verification from the (argmax, logprob) rows the verification graph computes ----
+def _greedy_step(logits):
+    """Sequences over logits' rows: drafts that all match, that fail at the first and at the third
+    position, a plain decode, and one that asks for logprobs=0 (top-n empty, still plain greedy)."""
+    from workers.scheduler_output import ScheduledSeq
+
+    top = logits.argmax(-1).tolist()
+    p, p0 = SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=0)
+    wrong = lambda t: (t + 1) % logits.shape[1]  # noqa: E731
+    specs = [(p, top[0:3]), (p, [wrong(top[4])] + top[5:7]), (p, [top[8], top[9], wrong(top[10]), top[11]]),
+             (p, []), (p0, [top[14]])]
+    seqs, row = [], 0
+    for i, (params, drafts) in enumerate(specs):
+        seqs.append(ScheduledSeq(f"s{i}", [1] + drafts, 10, [0, 1, 2, 3], True, params, 3, spec_token_ids=drafts))
+        row += len(drafts) + 1
+    assert row == logits.shape[0]
+    return seqs
+
+
+def test_greedy_verification_from_packed_rows_equals_verify():
+    """`verify_greedy` on `Sampler.greedy_pack` rows (what the graph's replay computes) emits what `verify`
+    emits from the full logits: tokens, logprobs and top-n, also when the rows are spread over a padded
+    layout as the graph's are."""
+    from workers.sampler import Sampler
+    from workers.spec_decode.verify import verify, verify_greedy
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(16, 50, generator=g)
+    seqs = _greedy_step(logits)
+    want = verify(Sampler([0]), logits, seqs)
+    got = verify_greedy(Sampler.greedy_pack(logits), list(range(16)), seqs)
+    assert [[t.token_id for t in toks] for toks in got] == [[t.token_id for t in toks] for toks in want]
+    assert [len(toks) for toks in got] == [4, 1, 3, 1, 2]  # all kept + bonus, first wrong, third wrong, plain, one
+    for g_toks, w_toks in zip(got, want):
+        for a, b in zip(g_toks, w_toks):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5) and a.top_logprobs == b.top_logprobs
+    padded = torch.randn(48, 50, generator=g)  # the same rows at other places, garbage between them
+    rows = [3 * i + 1 for i in range(16)]
+    padded[rows] = logits
+    again = verify_greedy(Sampler.greedy_pack(padded), rows, seqs)
+    assert [[t.token_id for t in toks] for toks in again] == [[t.token_id for t in toks] for toks in got]
+    with pytest.raises(ValueError, match="needs 16 rows"):
+        verify_greedy(Sampler.greedy_pack(padded), rows + [0], seqs)
+
+
+def test_graphed_verification_of_a_greedy_step_reads_only_the_packed_rows(plain):
+    """The runner's verification-graph path (CUDA graphs replaced by a stand-in on CPU): an all-greedy step
+    takes its tokens from the replay's (argmax, logprob) rows and never reads the logits; a step with a
+    sampled sequence verifies from the logits. Both emit what the eager verification does."""
+    from types import SimpleNamespace
+
+    from workers.sampler import Sampler
+    from workers.scheduler_output import SchedulerOutput
+
+    runner = plain.llm_engine.executor.runner
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(16, runner.model.lm_head.weight.shape[0], generator=g)
+    seqs = _greedy_step(logits)
+    want = runner._verify_logits(logits, seqs, None)
+
+    class Poisoned:  # the logits of the graph: reading them fails the test
+        def __getitem__(self, rows):
+            raise AssertionError("an all-greedy verification read the logits")
+
+    stand_in = SimpleNamespace(can_run=lambda out: True, run=lambda out: ((Poisoned(), Sampler.greedy_pack(logits)),
+                                                                         list(range(16))))
+    saved, runner.verify_graphs = runner.verify_graphs, stand_in
+    try:
+        got = runner.execute(SchedulerOutput(seqs))
+        assert {k: [t.token_id for t in v] for k, v in got.spec.items()} == \
+               {k: [t.token_id for t in v] for k, v in want.spec.items()}
+        assert set(got.spec) == {"s0", "s1", "s2", "s4"}
+        assert {k: t.token_id for k, t in got.sampled.items()} == {k: t.token_id for k, t in want.sampled.items()}
+        seqs[3].sampling_params = SamplingParams(temperature=0.7, seed=1)  # a sampled plain row: the logits path
+        stand_in.run = lambda out: ((logits, Sampler.greedy_pack(logits)), list(range(16)))
+        mixed = runner.execute(SchedulerOutput(seqs))
+        assert {k: [t.token_id for t in v] for k, v in mixed.spec.items()} == \
+               {k: [t.token_id for t in v] for k, v in want.spec.items()}
+    finally:
+        runner.verify_graphs = saved
+
+
+def test_a_grammar_holds_in_steps_that_verify_other_sequences_drafts():
+    """A constrained request never speculates, but shares steps with one that does: its row in those
+    verification steps still takes the grammar's mask."""
+    import re
+
+    from workers.sampling_params import StructuredOutputs
+
+    llm = make(str(Path(__file__).resolve().parents[1] / "models" / "tandem-tiny"), speculative_config=NGRAM)
+    so = StructuredOutputs(kind="regex", spec=r"[a-c]{3}-\d{2}")
+    outs = llm.generate([PROMPTS[0], "Hello", "def f(x):"],
+                        [greedy(40), SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so),
+                         SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured_outputs=so)])
+    for out in outs[1:]:
+        assert out.finish_reason == "stop" and re.fullmatch(r"[a-c]{3}-\d{2}", out.text), out.text
+    assert llm.get_metrics()["spec_decode_num_drafts"] >= 6  # drafts were verified while the grammars ran
+    assert_engine_clean(llm)

@@ -26,13 +26,13 @@ from workers.models.layers import PagedAttention
 from workers.host_fetch import host_lists
 from workers.sampler import Sampler, no_top_logprobs
 from workers.sampling_params import SamplingParams
-from workers.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput, TokenBitmask
+from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput, TokenBitmask
 from workers.structured_output import apply_token_bitmask, is_constrained
 from workers.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from parallel.ulysses import choose_ulysses
 from workers.sp_plan import gather_sample_hidden, plan_sp_step, sample_owner
 from workers.step_memory import NewPeakRelease, graph_pool_bytes, kv_budget_bytes
-from workers.spec_decode.verify import verify
+from workers.spec_decode.verify import verify, verify_greedy
 
 log = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
@@ -320,8 +320,10 @@ class ModelRunner:
             return ModelRunnerOutput({})
         verify_graphs = getattr(self, "verify_graphs", None)
         if verify_graphs is not None and verify_graphs.can_run(out):  # speculative decoding, graphed
-            logits, rows = verify_graphs.run(out)
-            return self._verify_logits(logits[rows], out.seqs)
+            outputs, rows = verify_graphs.run(out)
+            if len(outputs) == 2 and self._all_greedy(out):  # the replay's argmax per row is all it needs
+                return self._verified(out.seqs, verify_greedy(outputs[1], rows, out.seqs))
+            return self._verify_logits(outputs[0][rows], out.seqs, out.token_bitmask)
         graphs = getattr(self, "cuda_graphs", None)  # unset while the KV budget is being profiled
         if graphs is not None and graphs.can_run(out):
             if not graphs.with_head:  # TP: every rank replays, the head runs eagerly
@@ -395,7 +397,7 @@ class ModelRunner:
         """
         head = self.model.lm_head
         if any(s.spec_token_ids for s in seqs):  # speculative decoding: verify the drafts
-            return self._verify(hidden, seqs)
+            return self._verify(hidden, seqs, mask)
         if head.group.size > 1 and all(Sampler.is_plain_greedy(s) for s in seqs) and not is_constrained(seqs, mask):
             result = head.greedy_tokens(hidden)
             if result is None:
@@ -409,17 +411,35 @@ class ModelRunner:
         apply_token_bitmask(logits, seqs, mask)
         return ModelRunnerOutput.from_columns([s.seq_id for s in seqs], *self.sampler.columns(logits, seqs))
 
-    def _verify(self, hidden: torch.Tensor, seqs: list[ScheduledSeq]) -> ModelRunnerOutput:
+    def _verify(self, hidden: torch.Tensor, seqs: list[ScheduledSeq], mask: TokenBitmask | None = None) -> ModelRunnerOutput:
         """A step with speculating sequences: hidden has len(spec_token_ids) + 1 rows for each of them
         (one for the others). Their proposals are verified (workers/spec_decode/verify.py); the others
         sample as usual. Under TP the full logits meet on the first rank, as for any sampled batch."""
         logits = self.model.lm_head.compute_logits(hidden)
         if logits is None:
             return ModelRunnerOutput({})
-        return self._verify_logits(logits, seqs)
+        return self._verify_logits(logits, seqs, mask)
 
-    def _verify_logits(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> ModelRunnerOutput:
-        """logits: len(spec_token_ids) + 1 rows per sequence, in order."""
+    @staticmethod
+    def _all_greedy(out: SchedulerOutput) -> bool:
+        return all(Sampler.is_plain_greedy(s) for s in out.seqs) and not is_constrained(out.seqs, out.token_bitmask)
+
+    @staticmethod
+    def _verified(seqs: list[ScheduledSeq], emitted: list[list[SampledToken]]) -> ModelRunnerOutput:
+        """Each sequence's emitted tokens as the step's output: the first as its sampled token, all of a
+        speculating sequence's in `spec`."""
+        out = ModelRunnerOutput({})
+        for s, toks in zip(seqs, emitted):
+            out.sampled[s.seq_id] = toks[0]
+            if s.spec_token_ids:
+                out.spec[s.seq_id] = toks
+        return out
+
+    def _verify_logits(self, logits: torch.Tensor, seqs: list[ScheduledSeq], mask: TokenBitmask | None) -> ModelRunnerOutput:
+        """logits: len(spec_token_ids) + 1 rows per sequence, in order. A grammar's mask (structured output)
+        applies to the sequences that do not speculate (a constrained one never does)."""
+        if all(Sampler.is_plain_greedy(s) for s in seqs) and not is_constrained(seqs, mask):
+            return self._verified(seqs, verify_greedy(Sampler.greedy_pack(logits), list(range(logits.shape[0])), seqs))
         spec = [s for s in seqs if s.spec_token_ids]
         plain = [s for s in seqs if not s.spec_token_ids]
         spec_rows: list[int] = []
@@ -431,7 +451,9 @@ class ModelRunner:
             row += n
         out = ModelRunnerOutput({})
         if plain:
-            out.sampled.update((s.seq_id, tok) for s, tok in zip(plain, self.sampler(logits[plain_rows], plain)))
+            plain_logits = logits[plain_rows]
+            apply_token_bitmask(plain_logits, plain, mask)
+            out.sampled.update((s.seq_id, tok) for s, tok in zip(plain, self.sampler(plain_logits, plain)))
         for s, toks in zip(spec, verify(self.sampler, logits[spec_rows], spec)):
             out.sampled[s.seq_id] = toks[0]
             out.spec[s.seq_id] = toks

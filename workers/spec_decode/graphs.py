@@ -23,6 +23,7 @@ import torch
 from parallel.state import tp_group
 from workers.attention import AttentionMetadata, forward_context
 from workers.cuda_graphs import capture_per_batch
+from workers.sampler import Sampler
 from workers.scheduler_output import ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,8 @@ class VerifyGraphs:
         self.buf.copy_(self.host)
         self.with_head = tp_group().size == 1  # else the graph ends at the hidden states, the head runs eagerly
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # bs -> logits [bs * q, V] (with the head) or hidden [bs * q, d]
+        # bs -> (logits [bs * q, V], greedy (argmax, logprob) [bs * q, 2]) with the head, else (hidden [bs * q, d],)
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._capture()
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -71,11 +73,16 @@ class VerifyGraphs:
             seq_lens=self.seq_lens[:bs].to(torch.int32), block_tables=self.block_tables[:bs].to(torch.int32),
             query_lens_cpu=[self.q] * bs, seq_lens_cpu=[L] * bs, max_query_len=self.q, max_seq_len=L, num_decodes=0)
 
-    def _step(self, bs: int) -> torch.Tensor:
+    def _step(self, bs: int) -> tuple[torch.Tensor, ...]:
         model = self.runner.model
         with forward_context(self._meta(bs)):
             hidden, _ = model(self.token_ids[:bs * self.q], self.positions[:bs * self.q])
-        return model.lm_head.compute_logits(hidden) if self.with_head else hidden
+        if not self.with_head:
+            return (hidden,)
+        # Every row's argmax and its logprob in the replay too: an all-greedy step then needs one small copy
+        # to the host and no eager kernel (`verify_greedy`); others read the logits.
+        logits = model.lm_head.compute_logits(hidden)
+        return logits, Sampler.greedy_pack(logits)
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -89,9 +96,9 @@ class VerifyGraphs:
         return (0 < len(seqs) <= self.max_bs and any(s.spec_token_ids for s in seqs)
                 and all(s.sample and len(s.token_ids) <= self.q and len(s.block_table) <= self.max_blocks for s in seqs))
 
-    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """Replay; returns the graph's output [bs * q, ...] and, sequence by sequence, the rows the runner
-        verifies or samples from (len(spec_token_ids) + 1 each, as `ModelRunner.prepare` picks them)."""
+    def run(self, out: SchedulerOutput) -> tuple[tuple[torch.Tensor, ...], list[int]]:
+        """Replay; returns the graph's outputs (`outputs`, [bs * q, ...] each) and, sequence by sequence, the
+        rows the runner verifies or samples from (len(spec_token_ids) + 1 each, as `ModelRunner.prepare` picks them)."""
         seqs = out.seqs
         b, q = len(seqs), self.q
         bs = next(s for s in self.batch_sizes if s >= b)
@@ -158,8 +165,8 @@ def _agrees_with_eager(runner, graphs: VerifyGraphs, k: int) -> bool:
     for s in seqs:
         s.spec_token_ids = s.token_ids[1:]
     out = SchedulerOutput(seqs)
-    graphed, rows = graphs.run(out)
-    graphed = graphed[rows].float()
+    outputs, rows = graphs.run(out)
+    graphed = outputs[0][rows].float()
     saved, runner.verify_graphs = getattr(runner, "verify_graphs", None), None
     try:
         eager = runner.logits_of(out).float()

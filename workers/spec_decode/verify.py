@@ -116,6 +116,29 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> 
     return _with_logprobs(raw, seqs, starts, emitted_ids)
 
 
+def verify_greedy(packed: torch.Tensor, rows: list[int], seqs: list[ScheduledSeq]) -> list[list[SampledToken]]:
+    """A step whose sequences are all plain greedy (`Sampler.is_plain_greedy`): `packed` [R, 2] holds each logit
+    row's argmax and its log-probability (`Sampler.greedy_pack`; the verification CUDA graph computes it in
+    the replay), `rows` each sequence's len(spec_token_ids) + 1 rows of it, in order. What `verify` returns
+    for such a step, from one small device-to-host copy and no other kernel: an emitted greedy token is
+    its row's argmax (a kept draft equals it), so its log-probability is the row's too."""
+    (table,) = host_lists(packed)
+    out: list[list[SampledToken]] = []
+    r = 0
+    for s in seqs:
+        drafts = s.spec_token_ids
+        mine = [table[i] for i in rows[r:r + len(drafts) + 1]]
+        r += len(drafts) + 1
+        a = 0
+        while a < len(drafts) and drafts[a] == int(mine[a][0]):
+            a += 1
+        top = [] if s.sampling_params.logprobs == 0 else None  # plain greedy asks for no top-n
+        out.append([SampledToken(int(t), lp, top) for t, lp in mine[:a + 1]])
+    if r != len(rows):
+        raise ValueError(f"verification needs {r} rows, got {len(rows)}")
+    return out
+
+
 def _draft_q_at(seq: ScheduledSeq) -> torch.Tensor:
     """[k] q_j(d_j) of a sequence's drafts (1 for a deterministic proposal)."""
     k = len(seq.spec_token_ids)
