@@ -4,7 +4,7 @@ what a speculative verification step's k + 1 tokens run on GPUs) on CPU, through
 torch reference backend in fp32: ragged query counts (1..16) and contexts (0, within one 64-key tile,
 across tiles, tile-aligned), GQA 1/4/8, block tables with holes, split counts 1..4 and the default (splits
 that hold no key, tiles a query sees none of), fp32 and fp16; the Triton backend's routing (verify kernel
-for short queries, prefill kernel past 16); and a CUDA-graph-style padded batch (padding tokens with slot -1
+for short queries, also after a mixed step's decodes; prefill kernel past 16); and a CUDA-graph-style padded batch (padding tokens with slot -1
 after the real ones, a padding sequence), whose real rows must equal the unpadded step's. bf16 and the FP8
 cache are left to tests/gpu/test_verify_attention.py: the interpreter's tl.dot mis-reads bf16."""
 from __future__ import annotations
@@ -95,6 +95,13 @@ for q_lens, expect_verify in (([6, 2], True), ([17, 3], False)):
     out = TritonAttention().forward(q, k, v, c, meta, SCALE)
     assert (out - ref).abs().max().item() < 1e-4, q_lens
     checked += 1
+# A mixed step (decodes first, as the runner orders them): the decode kernel takes the decodes, this one the rest.
+q, k, v, cache, meta = batch([1, 1, 5, 3], [70, 9, 100, 30], 8, 2, torch.float32)
+meta.num_decodes = 2
+ref = reference(q, k, v, cache, meta)
+out = TritonAttention().forward(q, k, v, cache.clone(), meta, SCALE)
+assert (out - ref).abs().max().item() < 1e-4
+checked += 1
 assert not va.applies(1, 8, 2) and not va.applies(9, 8, 1) and va.applies(8, 8, 1) and va.applies(16, 32, 8)
 
 # A CUDA-graph-style step: every sequence padded to q = 6 tokens (slot -1 past its real ones) and a padding
@@ -119,4 +126,4 @@ print("ok", checked)
 
 def test_verify_attention_in_the_triton_interpreter():
     out = run_interpreted(SCRIPT, timeout=900).strip()
-    assert out.startswith("ok") and int(out.split()[-1]) == 53, out
+    assert out.startswith("ok") and int(out.split()[-1]) == 54, out

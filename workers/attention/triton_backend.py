@@ -31,20 +31,28 @@ class TritonAttention:
                                     k_new=k, v_new=v, slot_mapping=meta.slot_mapping, kv_scale=KV_SCALE)
         d = meta.num_decodes
         if d == 0:
-            write_kv(kv_cache, k, v, meta.slot_mapping, KV_SCALE)
-            if _verify.applies(meta.max_query_len, q.shape[1], kv_cache.shape[3]):  # k/v are in the cache now
-                return _verify.verify_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                                meta.max_query_len, meta.max_seq_len, scale, out=out, kv_scale=KV_SCALE)
-            return prefill_attention(q, k, v, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                     meta.max_query_len, scale, out=out, kv_scale=KV_SCALE)
+            return _chunks(q, k, v, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.slot_mapping,
+                           meta.max_query_len, meta.max_seq_len, scale, out)
         dec, pre = _split(meta)
         out = torch.empty_like(q) if out is None else out
         decode_attention(q[:d], kv_cache, dec["block_tables"], dec["seq_lens"], scale, dec["max_seq_len"],
                          out=out[:d], k_new=k[:d], v_new=v[:d], slot_mapping=dec["slot_mapping"], kv_scale=KV_SCALE)
-        write_kv(kv_cache, k[d:], v[d:], pre["slot_mapping"], KV_SCALE)
-        prefill_attention(q[d:], k[d:], v[d:], kv_cache, pre["block_tables"], pre["seq_lens"], pre["query_start_loc"],
-                          meta.max_query_len, scale, out=out[d:], kv_scale=KV_SCALE)
+        _chunks(q[d:], k[d:], v[d:], kv_cache, pre["block_tables"], pre["seq_lens"], pre["query_start_loc"],
+                pre["slot_mapping"], meta.max_query_len, meta.max_seq_len, scale, out[d:])
         return out
+
+
+def _chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, max_query_len: int,
+            max_seq_len: int, scale: float, out: torch.Tensor | None) -> torch.Tensor:
+    """Sequences of several new tokens each: their k/v into the cache, then causal attention over it, on the
+    split-context kernel where every sequence runs at most a few tokens (verification), else the prefill kernel."""
+    write_kv(kv_cache, k, v, slot_mapping, KV_SCALE)
+    if _verify.applies(max_query_len, q.shape[1], kv_cache.shape[3]):  # reads the step's own k/v from the cache
+        return _verify.verify_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
+                                        scale, out=out, kv_scale=KV_SCALE)
+    return prefill_attention(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, out=out,
+                             kv_scale=KV_SCALE)
 
 
 def _split(meta: AttentionMetadata) -> tuple[dict, dict]:
