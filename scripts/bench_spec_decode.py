@@ -9,24 +9,30 @@ batch-size policy on and off. One engine, speculation switched per measurement (
 Sections of OUT.json:
   step_cost: milliseconds of one step at batch B: a plain decode (k = 0, as served: CUDA graphs where
       captured) and a verification of k drafts (k + 1 tokens per sequence), with the speedup each k implies
-      at acceptance rate a: E[tokens per step] * t(decode) / t(k), E = (1 - a^(k+1)) / (1 - a).
+      at acceptance rate a: E[tokens per step] * t(decode) / t(k), E = (1 - a^(k+1)) / (1 - a). At k = --eager-k
+      also the same step eagerly (`K_eager`) and graphed with the prefill kernel's attention (`K_prefill_attention`,
+      what verification ran before parallel/kernels/verify_attention.py).
   ngram_batch1: the code-editing prompt (a file, an instruction, the file's start again: the answer repeats
       the file with small edits): tokens/s plain vs n-gram speculation, and the measured acceptance. With
       dummy weights the model does not copy; `emulated` replaces the proposer by one that knows the plain
       greedy output and proposes each of its tokens right with probability a (wrong tokens are rejected as
-      any would), so tokens/s at a controlled acceptance is measured end to end.
+      any would), so tokens/s at a controlled acceptance is measured end to end. Each run also gives its engine
+      steps, tokens per step and ms per step (plain: `plain`), and on GPUs `ngram_prefill_attention` repeats
+      the n-gram runs with the prefill kernel's attention in the verification graph (the old path).
   batch: tokens/s at batch 32 and 128 (as `--batch-sizes`), plain vs speculation under the default policy
       (off at disable_by_batch_size or more running sequences) vs forced on.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -37,6 +43,12 @@ from tandem import LLM, SamplingParams  # noqa: E402
 from engine.spec_decode import SpecDecoder  # noqa: E402
 from workers.scheduler_output import ScheduledSeq, SchedulerOutput  # noqa: E402
 from workers.spec_decode.config import SpeculativeConfig  # noqa: E402
+from workers.spec_decode.graphs import VerifyGraphs  # noqa: E402
+
+try:
+    from parallel.kernels import verify_attention
+except ImportError:  # no Triton (CPU): verification attention is the torch backend's
+    verify_attention = None
 
 NEVER = 1 << 30
 
@@ -121,6 +133,18 @@ def spec_counts(spec: SpecDecoder | None) -> dict:
             "drafts": m["spec_decode_num_drafts"], "steps_without_speculation": m["spec_decode_num_steps_disabled"]}
 
 
+@contextlib.contextmanager
+def prefill_attention_for_verification() -> Iterator[None]:
+    """Graphs captured inside run verification's attention on the prefill kernel, as before the split-context
+    kernel (parallel/kernels/verify_attention.py): that change's baseline, in the same run."""
+    saved = verify_attention.applies
+    verify_attention.applies = lambda *args: False
+    try:
+        yield
+    finally:
+        verify_attention.applies = saved
+
+
 # ---- step cost ----
 def time_step(runner, step: SchedulerOutput, args) -> float:
     """Median milliseconds of runner.execute(step)."""
@@ -139,8 +163,6 @@ def time_step(runner, step: SchedulerOutput, args) -> float:
 def step_cost(llm: LLM, args) -> dict:
     """Per k, verification graphs for exactly k + 1 tokens per sequence (as an engine with
     num_speculative_tokens = k captures them), at each batch size; k = 0 is the plain decode step."""
-    from workers.spec_decode.graphs import VerifyGraphs
-
     runner = llm.llm_engine.executor.runner
     bs = llm.llm_engine.block_manager.block_size
     ctx = args.context
@@ -152,6 +174,10 @@ def step_cost(llm: LLM, args) -> dict:
     try:
         for k in range(0, args.max_k + 1):
             runner.verify_graphs = VerifyGraphs(runner, k + 1, sizes) if k and runner.cuda_graphs is not None else None
+            baseline = None
+            if k == args.eager_k and runner.cuda_graphs is not None:
+                with prefill_attention_for_verification():
+                    baseline = VerifyGraphs(runner, k + 1, sizes)
             for b in sizes:
                 seqs = [ScheduledSeq(f"b{i}", [11] * (k + 1), ctx, list(range(i * nb, (i + 1) * nb)), True, greedy, 5,
                                      spec_token_ids=[11] * k) for i in range(b)]
@@ -159,6 +185,8 @@ def step_cost(llm: LLM, args) -> dict:
                 if k == args.eager_k and runner.cuda_graphs is not None:  # the same step without graphs
                     saved, runner.verify_graphs = runner.verify_graphs, None
                     ms[str(b)][f"{k}_eager"] = time_step(runner, SchedulerOutput(seqs), args)
+                    runner.verify_graphs = baseline
+                    ms[str(b)][f"{k}_prefill_attention"] = time_step(runner, SchedulerOutput(seqs), args)
                     runner.verify_graphs = saved
     finally:
         runner.verify_graphs = engine_graphs
@@ -247,6 +275,24 @@ def batch1(llm: LLM, prompt: list[int], args) -> dict:
         print(f"batch 1 n-gram k={k}: {n / t:.1f} tok/s vs {n / t_plain:.1f} plain ({t_plain / t:.2f}x), "
               f"acceptance {res['ngram'][str(k)]['acceptance']}, {steps['tokens_per_step']} tokens per step, "
               f"{steps['ms_per_step']} ms per step vs {plain_steps['ms_per_step']} plain", flush=True)
+    runner = getattr(llm.llm_engine.executor, "runner", None)
+    if runner is not None and runner.verify_graphs is not None:  # the same runs with the old verification attention
+        res["ngram_prefill_attention"] = {}
+        engine_graphs = runner.verify_graphs
+        with prefill_attention_for_verification():
+            runner.verify_graphs = VerifyGraphs(runner, engine_graphs.q, [1])
+        try:
+            for k in args.ngram_k:
+                spec = ngram_decoder(llm, k)
+                set_spec(llm, spec, NEVER)
+                t, outs = generate(llm, [prompt], n, args.device)
+                steps = per_step(t, n, counter.take())
+                res["ngram_prefill_attention"][str(k)] = {"tok_s": round(n / t, 2), "speedup": round(t_plain / t, 3),
+                                                          **spec_counts(spec), **steps, "agreement": agreement(ref, outs)}
+                print(f"batch 1 n-gram k={k}, prefill-kernel attention: {n / t:.1f} tok/s ({t_plain / t:.2f}x), "
+                      f"{steps['tokens_per_step']} tokens per step, {steps['ms_per_step']} ms per step", flush=True)
+        finally:
+            runner.verify_graphs = engine_graphs
     k = args.emulate_k
     for a in args.acceptance:
         spec = ngram_decoder(llm, k)
