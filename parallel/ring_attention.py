@@ -14,8 +14,10 @@ future of a query are never computed.
 
 Each step's partial attention is blockwise: on CUDA (Triton importable, fp16/bf16/fp32, head dim a
 power of two) the fused kernel of parallel/kernels/ring_attention_triton.py, one launch per step for the
-whole ragged batch from a tile table cached on the shards, which also merges the partial into the rank's
-fp32 accumulators (the first step writes them, the last writes the output in q's dtype: `_RingSteps`);
+whole ragged batch from a tile table cached on the shards (two with split-K: a step too small for the GPU
+spreads each query tile's keys over several programs, merged by LSE in a second launch), which also merges
+the partial into the rank's fp32 accumulators (the first step writes them, the last writes the output in
+q's dtype: `_RingSteps`);
 elsewhere (CPU) `blockwise_attention_with_lse`, plain PyTorch
 tiles of queries x keys with an online softmax. Either way a rank never holds more than one score tile,
 whatever the prompt length; tiles wholly in the queries' future are skipped and only tiles that straddle
@@ -396,7 +398,9 @@ class _RingSteps:
     kv_shards[i] and merges it exactly into the result.
 
     Triton: one launch per step for the whole ragged batch, from tile tables made before the first launch
-    and cached on the shards (every layer of a forward reuses them). The first step writes the fp32
+    and cached on the shards (every layer of a forward reuses them); a step the kernel's split-K rule splits
+    (`split_counts`, or the config's split=N) adds the launch that merges its pieces, and the steps share
+    one scratch for the pieces' partials. The first step writes the fp32
     accumulators (its table covers every query row: no zero fill), middle steps merge into them, the last
     merges and writes the output in q's dtype (no separate cast); a ring of one step writes the output
     directly. PyTorch (CPU): zeroed accumulators, `blockwise_attention_with_lse` and `merge_into` per
@@ -417,11 +421,15 @@ class _RingSteps:
         self.config = kernels.RingConfig.parse(cfg) if isinstance(cfg, str) else cfg or kernels.default_config(
             q.shape[0], q.shape[-1], q.element_size(), self.tma)
         rows = kernels.rows_per_tile(self.config, q.shape[1], first_block.shape[2])
+        n_groups = q.shape[1] // self.config.heads_per_program(q.shape[1] // first_block.shape[2])
+        split = (self.config.block_n, n_groups, kernels.sm_count(q.device), self.config.splits)
         # Before the first kernel: a host-to-device copy issued later would wait for the kernels queued before it.
         self.q_pos = q_shard.positions_on(q.device)
         self.k_pos = [shard.positions_on(q.device) for shard in kv_shards]
-        self.tables = [_tile_table(q_shard, shard, rows, i in (0, self.n - 1), q.device)
+        self.tables = [_tile_table(q_shard, shard, rows, i in (0, self.n - 1), q.device, split)
                        for i, shard in enumerate(kv_shards)]
+        slots = max(t[2] for t in self.tables)  # split-K scratch, shared by the steps (one stream: they never overlap)
+        self.partials = kernels.partial_buffers(slots, n_groups, self.config, q.shape[-1], q.device) if slots else None
         self.out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.acc = None
         if self.n > 1:
@@ -438,31 +446,41 @@ class _RingSteps:
         last = i == self.n - 1
         k, v = block[0], block[1]
         tma = self.tma and (k.shape[0] == 0 or kernels.tma_ok(k, v))
-        kernels.ring_step(self.q, k, v, self.scale, self.tables[i], self.q_pos, self.k_pos[i], self.config, self.acc,
-                          load_prev=i > 0, store_acc=not last, out=self.out if last else None, tma=tma)
+        tiles, merge, _ = self.tables[i]
+        kernels.ring_step(self.q, k, v, self.scale, tiles, self.q_pos, self.k_pos[i], self.config, self.acc,
+                          load_prev=i > 0, store_acc=not last, out=self.out if last else None, tma=tma, merge=merge,
+                          partials=self.partials)
 
     def result(self) -> torch.Tensor:
         """[Tq, Hq, D] in q's dtype, once every step ran."""
         return self.out if self.use_triton else self.acc_out.to(self.q.dtype)
 
 
-def _tile_table(q_shard: TokenShard, kv_shard: TokenShard, rows: int, cover: bool,
-                device: torch.device) -> torch.Tensor:
-    """The Triton kernel's tile table of q_shard's queries over kv_shard's keys (`build_tiles`), int32 on
-    `device`, cached on q_shard (every layer of a step uses the same shards)."""
-    key = (id(kv_shard), rows, cover, str(device))
+def _tile_table(q_shard: TokenShard, kv_shard: TokenShard, rows: int, cover: bool, device: torch.device,
+                split: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """The Triton kernel's tile table of q_shard's queries over kv_shard's keys (`build_tiles`), split-K applied
+    (`split_counts` / `split_tiles` with split = (BLOCK_N, head groups, SMs, the config's splits)), int32 on
+    `device`: (tiles, merge table or None, slots), cached on q_shard (every layer of a step uses the same shards)."""
+    key = (id(kv_shard), rows, cover, str(device), split)
     hit = q_shard._tables.get(key)
     if hit is not None and hit[0] is kv_shard:
         return hit[1]
-    table = _triton_kernels().build_tiles(q_shard.positions_np(), kv_shard.positions_np(), q_shard.offsets[:-1],
-                                          kv_shard.offsets[:-1], rows, cover)
-    host = torch.from_numpy(table)
-    if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the kernels queued before it
-        on_device = host.pin_memory().to(device, non_blocking=True)
-    else:
-        on_device = host.to(device)
+    kernels = _triton_kernels()
+    table = kernels.build_tiles(q_shard.positions_np(), kv_shard.positions_np(), q_shard.offsets[:-1],
+                                kv_shard.offsets[:-1], rows, cover)
+    block_n, n_groups, sms, splits = split
+    table, merge = kernels.split_tiles(table, kernels.split_counts(table, block_n, n_groups, sms, splits), block_n)
+    slots = int((merge[:, 2] + merge[:, 3]).max()) if len(merge) else 0
+    on_device = (_to_device(table, device), _to_device(merge, device) if slots else None, slots)
     q_shard._tables[key] = (kv_shard, on_device)
     return on_device
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    host = torch.from_numpy(array)
+    if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the kernels queued before it
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def split_for_ranks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -11,13 +11,17 @@ at SP=2, <= 0.3x at SP=4), and each rank's rows are checked against SDPA (max ab
 
     python scripts/tune_ring_kernel.py                                    # 16K/64K/128K, SP 2 and 4, CANDIDATES
     python scripts/tune_ring_kernel.py --configs "128,128,8,3;128,64,8,3,pack" --lengths 16384
+    python scripts/tune_ring_kernel.py --configs "128,128,8,3,pack" --splits 1,2,4,auto   # split-K counts
     python scripts/tune_ring_kernel.py --device cpu --dry-run             # tiny shapes, Triton's interpreter, seconds
 
 Prints a table per (length, SP, config): the slowest rank's ms, the ratio, the error, each ring step's GPU
-ms (CUDA events around that rank's launches) and the host ms to issue them (if that is near the total, the
-launches, not the kernel, bound it); then every config ranked by its worst ratio / goal over all cells
+ms (CUDA events around that rank's launches, a split step's merge launch included), its tile-table rows per
+step ('*': split-K, rows are pieces) and the host ms to issue them (if that is near the total, the launches,
+not the kernel, bound it); then every config ranked by its worst ratio / goal over all cells
 (< 1: every goal met). The first config there is the one to put in `CONFIGS` of the kernel module; a config
-can also be tried without editing anything through TANDEM_RING_KERNEL="BLOCK_M,BLOCK_N,warps,stages[,pack]".
+can also be tried without editing anything through TANDEM_RING_KERNEL="BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N]".
+--splits crosses every config with split-K counts (1: never split; N: up to N pieces per query tile; auto: the
+kernel's rule from the step's work per SM, what runs by default).
 Writes JSON (--out). Stops starting new configs after --budget-s seconds (the rest are marked skipped).
 """
 from __future__ import annotations
@@ -53,6 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--configs", default=None,
                    help="';'-separated BLOCK_M,BLOCK_N,warps,stages[,pack] (default CANDIDATES; dry run "
                         "DRY_CANDIDATES)")
+    p.add_argument("--splits", default=None,
+                   help="comma-separated split-K counts crossed with every config: 1 (off), N, auto (default: each "
+                        "config as written, which is auto unless it says split=N)")
     p.add_argument("--heads", type=int, default=None, help="query heads (default 32; dry run 4)")
     p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default 8; dry run 2)")
     p.add_argument("--head-dim", type=int, default=None, help="head dim (default 128; dry run 16)")
@@ -69,8 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     tiny = a.dry_run
     a.lengths = [int(x) for x in (a.lengths or ("40" if tiny else "16384,65536,131072")).split(",") if x]
     a.sp = [int(x) for x in a.sp.split(",") if x]
-    a.configs = [c.strip() for c in (a.configs or ";".join(DRY_CANDIDATES if tiny else CANDIDATES)).split(";")
-                 if c.strip()]
+    a.configs = with_splits([c.strip() for c in (a.configs or ";".join(DRY_CANDIDATES if tiny else CANDIDATES))
+                             .split(";") if c.strip()], a.splits)
     a.heads = a.heads or (4 if tiny else 32)
     a.kv_heads = a.kv_heads or (2 if tiny else 8)
     a.head_dim = a.head_dim or (16 if tiny else 128)
@@ -84,6 +91,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+def with_splits(configs: list[str], splits: str | None) -> list[str]:
+    """Every config crossed with every split-K count of `splits` ("1,2,auto"): its split field replaced by
+    ",split=N" ("auto": none, the default rule). None: the configs as they are."""
+    if not splits:
+        return configs
+    counts = [x.strip().lower() for x in splits.split(",") if x.strip()]
+    out = []
+    for config in configs:
+        base = ",".join(f for f in config.split(",") if not f.strip().lower().startswith("split"))
+        out += [base if n == "auto" else f"{base},split={n}" for n in counts]
+    return out
+
+
 def _interpreter_ready(device: str) -> None:
     """On CPU the kernel runs in Triton's interpreter, which must be on before the kernel module is imported."""
     if device != "cpu":
@@ -93,9 +113,11 @@ def _interpreter_ready(device: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-def step_profile(q, blocks, shards, rank: int, scale: float, config, device: str) -> tuple[list[float] | None, float]:
-    """One more run of rank `rank`'s ring: each step's GPU ms (CUDA events; None on CPU) and the host ms to
-    issue the whole ring (set-up, launches) before waiting for the GPU."""
+def step_profile(q, blocks, shards, rank: int, scale: float, config,
+                 device: str) -> tuple[list[float] | None, float, list[list[int]]]:
+    """One more run of rank `rank`'s ring: each step's GPU ms (CUDA events; None on CPU), the host ms to
+    issue the whole ring (set-up, launches) before waiting for the GPU, and per step [tile-table rows, split
+    slots] (slots 0: not split; else the rows are split-K pieces)."""
     from parallel.ring_attention import _RingSteps
 
     n = len(shards)
@@ -114,10 +136,11 @@ def step_profile(q, blocks, shards, rank: int, scale: float, config, device: str
             events[i + 1].record()
     steps.result()
     issue_ms = (time.perf_counter() - t0) * 1e3
+    tables = [[int(t[0].shape[0]), t[2]] for t in steps.tables]
     if not cuda:
-        return None, issue_ms
+        return None, issue_ms, tables
     torch.cuda.synchronize()
-    return [events[i].elapsed_time(events[i + 1]) for i in range(n)], issue_ms
+    return [events[i].elapsed_time(events[i + 1]) for i in range(n)], issue_ms, tables
 
 
 def run_config(qs, blocks, shards, positions, config: str, scale: float, ref: torch.Tensor,
@@ -135,9 +158,10 @@ def run_config(qs, blocks, shards, positions, config: str, scale: float, ref: to
         ranks.append({"rank": r, "seconds": seconds, "max_abs_err": err})
         del out
     slow = max(ranks, key=lambda c: c["seconds"])
-    step_ms, issue_ms = step_profile(qs[slow["rank"]], blocks, shards, slow["rank"], scale, config, a.device)
+    step_ms, issue_ms, tables = step_profile(qs[slow["rank"]], blocks, shards, slow["rank"], scale, config, a.device)
     return {"ranks": ranks, "slowest_s": slow["seconds"], "slowest_rank": slow["rank"],
-            "max_abs_err": max(c["max_abs_err"] for c in ranks), "step_ms": step_ms, "issue_ms": issue_ms}
+            "max_abs_err": max(c["max_abs_err"] for c in ranks), "step_ms": step_ms, "issue_ms": issue_ms,
+            "step_tables": tables}
 
 
 def tune_length(n: int, a: argparse.Namespace, started: float) -> dict:
@@ -200,39 +224,41 @@ def summary(results: list[dict], configs: list[str]) -> list[dict]:
 
 
 def table(results: list[dict], configs: list[str]) -> str:
-    lines = [f"{'tokens':>7} {'SP':>2} {'config':<18} {'slowest ms':>10} {'SP=1 ms':>8} {'ratio':>6} {'goal':>5} "
-             f"{'max err':>8}  {'step ms (slowest rank)':<26} {'issue ms':>8}"]
+    lines = [f"{'tokens':>7} {'SP':>2} {'config':<26} {'slowest ms':>10} {'SP=1 ms':>8} {'ratio':>6} {'goal':>5} "
+             f"{'max err':>8}  {'step ms (slowest rank)':<26} {'issue ms':>8}  tile rows per step ('*' split)"]
     for cell in results:
         base = cell["sp1"]["baseline_s"] * 1e3
         after = f", after {cell['sp1_after_s'] * 1e3:.3f}" if "sp1_after_s" in cell else ""
-        lines.append(f"{cell['tokens']:7d}  1 {cell['sp1']['baseline']:<18} {'-':>10} {base:8.3f}{after}")
+        lines.append(f"{cell['tokens']:7d}  1 {cell['sp1']['baseline']:<26} {'-':>10} {base:8.3f}{after}")
         for sp, res in cell["sp"].items():
             for config in configs:
                 r = res[config]
                 if "ratio" not in r:
-                    lines.append(f"{cell['tokens']:7d} {sp:>2} {config:<18} {r.get('error') or r.get('skipped')}")
+                    lines.append(f"{cell['tokens']:7d} {sp:>2} {config:<26} {r.get('error') or r.get('skipped')}")
                     continue
                 goal = "-" if r["goal"] is None else f"{r['goal']:.2f}" + ("" if r["meets_goal"] else "!")
                 steps = "-" if r["step_ms"] is None else " ".join(f"{x:.2f}" for x in r["step_ms"])
-                lines.append(f"{cell['tokens']:7d} {sp:>2} {config:<18} {r['slowest_s'] * 1e3:10.3f} {base:8.3f} "
+                rows = " ".join(f"{n}{'*' if slots else ''}" for n, slots in r["step_tables"])
+                lines.append(f"{cell['tokens']:7d} {sp:>2} {config:<26} {r['slowest_s'] * 1e3:10.3f} {base:8.3f} "
                              f"{r['ratio']:6.3f} {goal:>5} {r['max_abs_err']:8.1e}{'' if r['within_bf16_tol'] else '!'}"
-                             f"  {steps:<26} {r['issue_ms']:8.2f}")
+                             f"  {steps:<26} {r['issue_ms']:8.2f}  {rows}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     _interpreter_ready(a.device)
-    from parallel.kernels.ring_attention_triton import CONFIGS, ENV, RingConfig
+    from parallel.kernels.ring_attention_triton import CONFIGS, ENV, RingConfig, sm_count
 
     for c in a.configs:
         RingConfig.parse(c)  # a typo fails here, not after minutes of timing
     started = time.perf_counter()
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu (Triton interpreter)"
+    sms = sm_count(torch.device(a.device))  # what split=auto measures a step's work against
     results = [tune_length(n, a, started) for n in a.lengths]
     ranked = summary(results, a.configs)
     report = {"benchmark": "tune_ring_kernel", "device": device_name, "date": time.strftime("%Y-%m-%d"),
-              "shape": {"heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim}, "dtype": a.dtype,
+              "sms": sms, "shape": {"heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim}, "dtype": a.dtype,
               "block_size": a.block_size, "reps": a.reps, "configs": a.configs,
               "default": str(CONFIGS.get(a.head_dim, (None,))[0]), "env_override": os.environ.get(ENV),
               "results": results, "summary": ranked, "seconds": time.perf_counter() - started}
@@ -240,13 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"{device_name}: ring kernel configs, one SP rank's attention (slowest rank) vs SP=1 attention, "
-          f"Hq={a.heads} Hkv={a.kv_heads} D={a.head_dim} {a.dtype}, block {a.block_size}, median of {a.reps}; "
+          f"Hq={a.heads} Hkv={a.kv_heads} D={a.head_dim} {a.dtype}, block {a.block_size}, median of {a.reps}, "
+          f"{sms} SMs; "
           f"'!' = goal missed / error over bf16 tolerance")
     print(table(results, a.configs))
     print(f"\nconfigs by worst ratio/goal over all cells (< 1: every goal met); current default {report['default']}:")
     for r in ranked:
         worst = "failed/skipped" if r["worst_ratio_over_goal"] is None else f"{r['worst_ratio_over_goal']:.3f}"
-        print(f"  {r['config']:<18} {worst:>13}   " + " ".join(f"{k} {v:.3f}" for k, v in r["ratios"].items()))
+        print(f"  {r['config']:<26} {worst:>13}   " + " ".join(f"{k} {v:.3f}" for k, v in r["ratios"].items()))
     print(f"wrote {out} ({report['seconds']:.0f} s)")
     return 0 if ranked and ranked[0]["worst_ratio_over_goal"] is not None else 1
 

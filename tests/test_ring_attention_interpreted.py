@@ -4,9 +4,9 @@ against the dense fp32 reference `attention_with_lse`: causal diagonal, fully vi
 rows that see nothing beside rows that do, the SP layout's interleaved positions, non-causal, GQA/MQA,
 lengths that are not a multiple of the tiles, fp32 and fp16, plain and TMA loads, the in-place merge;
 then one SP rank's whole ring (`ring_rank_attention`, backend="triton") for SP=2 and 4 against full causal
-attention. bf16 is left to tests/gpu/test_ring_attention_triton.py: the interpreter's tl.dot mis-reads
-bf16 (a plain bf16 dot of 16 x 16 comes back ~1e10). Shapes stay tiny: the interpreter runs every
-program in Python."""
+attention; split-K (pieces of a key range merged by LSE) through the same kinds of cases and rings. bf16 is
+left to tests/gpu/test_ring_attention_triton.py: the interpreter's tl.dot mis-reads bf16 (a plain bf16 dot
+of 16 x 16 comes back ~1e10). Shapes stay tiny: the interpreter runs every program in Python."""
 from __future__ import annotations
 
 import numpy as np
@@ -209,6 +209,144 @@ print("ok", checked)
 '''
 
 
+# Split-K: a query tile's key range cut into pieces (one program each, partials merged by LSE in a second
+# launch, then finished as an unsplit step: written, merged in place, or the output). Every case checks that
+# the table did split (else it would only re-test the unsplit kernel).
+SPLIT_SCRIPT = r'''
+import torch
+from parallel.kernels import ring_attention_triton as rt
+from parallel.ring_attention import TokenShard, _RingSteps, attention_with_lse, ring_rank_attention, split_for_ranks
+from workers.sp_plan import owned_positions
+
+D = 16
+S = D ** -0.5
+torch.manual_seed(1)
+checked = 0
+ar = torch.arange
+
+
+def dense(q, k, v, qp, kp):
+    mask = None if qp is None else qp[:, None] >= kp[None, :]
+    return attention_with_lse(q.float(), k.float(), v.float(), S, mask)
+
+
+def same(out, lse, ref, tol, what):
+    dead = torch.isneginf(ref[1])
+    assert torch.equal(torch.isneginf(lse), dead), what
+    assert (out[dead] == 0).all(), what
+    torch.testing.assert_close(out.float(), ref[0], rtol=tol, atol=tol, msg=what)
+    torch.testing.assert_close(lse[~dead], ref[1][~dead], rtol=tol, atol=tol, msg=what)
+
+
+def splits_happen(qp, kp, tq, tk, cfg, hq, hkv):
+    # Whether chunk_attention under cfg splits some row (as _launch decides): each case must test a split.
+    rows = rt.rows_per_tile(cfg, hq, hkv)
+    table = rt._device_tiles(None if qp is None else qp.to(torch.int32), None if kp is None else kp.to(torch.int32),
+                             tq, tk, rows, torch.device("cpu")).numpy()
+    return bool((rt.split_counts(table, cfg.block_n, 1, 1, cfg.splits) > 1).any())
+
+
+layout = [torch.tensor(owned_positions(0, 96, r, 2, 4)) for r in range(2)]
+CASES = [  # name, Hq, Hkv, Tq, Tk, q positions, k positions: several key tiles per query tile, so pieces exist
+    ("diagonal", 4, 2, 37, 61, ar(37) + 24, ar(61)),
+    ("sp layout, rank 1 queries x rank 0 keys", 3, 1, 48, 48, layout[1], layout[0]),
+    ("fully visible", 4, 4, 20, 53, ar(20) + 100, ar(53)),
+    ("some rows see nothing", 2, 1, 30, 50, ar(30) + 20, ar(50) + 25),
+    ("non-causal, uneven", 4, 1, 29, 45, None, None),
+]
+for name, hq, hkv, tq, tk, qp, kp in CASES:
+    q = torch.randn(tq, hq, D)
+    k, v = (torch.randn(tk, hkv, D) for _ in range(2))
+    ref = dense(q, k, v, qp, kp)
+    for cfg, tma in (("16,16,4,1,split=2", False), ("16,16,4,1,split=3", True), ("32,16,4,1,pack,split=4", False)):
+        cfg = rt.RingConfig.parse(cfg)
+        assert splits_happen(qp, kp, tq, tk, cfg, hq, hkv), (name, str(cfg))
+        out, lse = rt.chunk_attention(q, k, v, S, qp, kp, tiles=cfg, tma=tma)
+        same(out, lse, ref, 1e-5, (name, str(cfg), tma))
+        checked += 1
+# fp16 inputs, the output in fp16 straight from the merge kernel.
+q, k, v = torch.randn(37, 4, D).half(), torch.randn(61, 2, D).half(), torch.randn(61, 2, D).half()
+cfg = rt.RingConfig.parse("16,16,4,1,split=2")
+out, lse = rt.chunk_attention(q, k, v, S, ar(37) + 24, ar(61), out_dtype=torch.float16, tiles=cfg)
+assert out.dtype == torch.float16
+same(out, lse, dense(q, k, v, ar(37) + 24, ar(61)), 1e-2, "fp16")
+checked += 1
+
+# The in-place merge, split: accumulators of one part of the keys, then the other part merged in by pieces.
+q, k, v = torch.randn(37, 4, D), torch.randn(70, 2, D), torch.randn(70, 2, D)
+qp, kp = ar(37) + 40, ar(70)
+part = ar(70)[(ar(70) < 10) | (ar(70) >= 60)], ar(10, 60)
+acc_out, acc_lse = rt.chunk_attention(q, k[part[0]], v[part[0]], S, qp, kp[part[0]], tiles=(16, 16, 4, 1))
+rt.chunk_attention_merge_(acc_out, acc_lse, q, k[part[1]], v[part[1]], S, qp, kp[part[1]],
+                          tiles=rt.RingConfig.parse("16,16,4,1,split=3"))
+same(acc_out, acc_lse, dense(q, k, v, qp, kp), 1e-5, "split merge vs all")
+checked += 1
+
+# One rank's whole ring, split: SP=2 and 4 of a 45-token prompt, GQA 4/1 and 4/2, packed and not.
+n = 45
+for hq, hkv in ((4, 1), (4, 2)):
+    q, k, v = torch.randn(n, hq, D), torch.randn(n, hkv, D), torch.randn(n, hkv, D)
+    full, _ = dense(q, k, v, ar(n), ar(n))
+    for sp in (2, 4):
+        positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
+        qs, blocks, shards = split_for_ranks(q, k, v, positions)
+        for cfg in ("16,16,4,1,split=2", "32,16,4,1,pack,split=3"):
+            for r in range(sp):
+                out = ring_rank_attention(qs[r], blocks, shards, r, S, backend="triton", kernel_config=cfg)
+                torch.testing.assert_close(out, full[positions[r]], rtol=1e-5, atol=1e-5,
+                                           msg=str((hq, hkv, sp, cfg, r)))
+                checked += 1
+
+# The automatic rule with a GPU's worth of "SMs": SP=2 of a 45-token prompt and SP=4 of a 6-token one (empty
+# key blocks in the ring); pieces of one 16-key tile allowed, as the shapes are tiny.
+rt.SPLIT_MIN_TILES = 1
+rt.sm_count = lambda device: 132
+q, k, v = torch.randn(n, 4, D), torch.randn(n, 2, D), torch.randn(n, 2, D)
+for n_tok, sp in ((45, 2), (6, 4)):
+    positions = [owned_positions(0, n_tok, r, sp, 4) for r in range(sp)]
+    qs, blocks, shards = split_for_ranks(q[:n_tok], k[:n_tok], v[:n_tok], positions)
+    want = dense(q[:n_tok], k[:n_tok], v[:n_tok], ar(n_tok), ar(n_tok))[0]
+    split_seen = False
+    for r in range(sp):
+        srcs = [(r - s) % sp for s in range(sp)]
+        steps = _RingSteps(qs[r], blocks[r], shards[r], [shards[s] for s in srcs], S, None, True, "16,16,4,1")
+        split_seen |= any(t[2] > 0 for t in steps.tables)
+        for i, s in enumerate(srcs):
+            steps.step(i, blocks[s])
+        torch.testing.assert_close(steps.result(), want[positions[r]], rtol=1e-5, atol=1e-5, msg=str((n_tok, sp, r)))
+        checked += 1
+    assert split_seen == (n_tok > 16), (n_tok, sp)  # 6 tokens: every key range is one tile, nothing to split
+
+# A ring of one (Ulysses' attention), split: the merge kernel writes the output itself, no accumulators.
+q, k, v = torch.randn(37, 4, D), torch.randn(37, 1, D), torch.randn(37, 1, D)
+shard = TokenShard([list(range(37))])
+steps = _RingSteps(q, torch.stack([k, v]), shard, [shard], S, None, True, "16,16,4,1,pack,split=2")
+assert steps.acc is None and steps.tables[0][2] > 0
+steps.step(0, torch.stack([k, v]))
+torch.testing.assert_close(steps.result(), dense(q, k, v, ar(37), ar(37))[0], rtol=1e-5, atol=1e-5)
+checked += 1
+
+# A ragged batch in one launch per step, split: three prompts, queries a suffix of the keys in one of them.
+lens, hq, hkv, sp = (30, 40, 3), 4, 2, 2
+qf, kf, vf = ([torch.randn(m, h, D) for m in lens] for h in (hq, hkv, hkv))
+want = [dense(qf[b], kf[b], vf[b], ar(lens[b]), ar(lens[b]))[0] for b in range(3)]
+q_shards = [TokenShard([owned_positions(lo, m, r, sp, 4) for lo, m in ((0, 30), (21, 40), (0, 3))]) for r in range(sp)]
+kv_shards = [TokenShard([owned_positions(0, m, r, sp, 4) for m in lens]) for r in range(sp)]
+blocks = [torch.stack([torch.cat([x[b][p] for b, p in enumerate(kv.positions)]) for x in (kf, vf)]) for kv in kv_shards]
+for r in range(sp):
+    q = torch.cat([qf[b][p] for b, p in enumerate(q_shards[r].positions)])
+    steps = _RingSteps(q, blocks[r], q_shards[r], [kv_shards[(r - s) % sp] for s in range(sp)], S, None, True,
+                       "16,16,4,1,split=2")
+    assert steps.tables[0][2] > 0, [t[2] for t in steps.tables]  # the first step split (writes the accumulators)
+    for s in range(sp):
+        steps.step(s, blocks[(r - s) % sp])
+    ref = torch.cat([want[b][p] for b, p in enumerate(q_shards[r].positions)])
+    torch.testing.assert_close(steps.result(), ref, rtol=1e-5, atol=1e-5, msg=str(r))
+    checked += 1
+print("ok", checked)
+'''
+
+
 def test_ring_step_kernel_in_the_triton_interpreter():
     out = run_interpreted(SCRIPT)
     assert out.strip().split()[-2:] == ["ok", "55"], out[-500:]
@@ -217,6 +355,11 @@ def test_ring_step_kernel_in_the_triton_interpreter():
 def test_ring_launches_in_the_triton_interpreter():
     out = run_interpreted(RING_SCRIPT)
     assert out.strip().split()[-2:] == ["ok", str(3 * (6 + 4) + 3 * 2 + (6 + 4) + 3 * 2 + 3 + 1 + 3)], out[-500:]
+
+
+def test_split_k_in_the_triton_interpreter():
+    out = run_interpreted(SPLIT_SCRIPT)
+    assert out.strip().split()[-2:] == ["ok", str(5 * 3 + 1 + 1 + 2 * 2 * (2 + 4) + (2 + 4) + 1 + 2)], out[-500:]
 
 
 def _inputs(tq=8, tk=8, hq=4, hkv=2, d=16, dtype=torch.float32):
@@ -287,7 +430,8 @@ def test_tile_table_against_brute_force(block_q: int, cover: bool):
         work = table[:, 4] - table[:, 2]
         assert (np.diff(work) <= 0).all()
         seen_rows = []
-        for q0, q1, k0, k_full, k_end, causal in table.tolist():
+        assert (table[:, 6] == -1).all()  # no slots: build_tiles never splits
+        for q0, q1, k0, k_full, k_end, causal, _ in table.tolist():
             b = int(np.searchsorted(q_off, q0, side="right")) - 1
             assert q_off[b] <= q0 < q1 <= q_off[b + 1] and q1 - q0 <= block_q and k0 == k_off[b]
             qp, kp = np.asarray(q_pos[b]), np.asarray(k_pos[b])
@@ -314,9 +458,75 @@ def test_launch_configs(monkeypatch):
     assert cfg.heads_per_program(3) == 1 and cfg.heads_per_program(1) == 1
     assert rt.RingConfig(16, 16, 4, 1, True).heads_per_program(32) == 1
     assert rt.RingConfig(128, 64, 8, 3).heads_per_program(4) == 1
+    assert cfg.splits == 0 and rt.RingConfig.parse("128,64,8,3,split=4") == rt.RingConfig(128, 64, 8, 3, False, 4)
+    split = rt.RingConfig.parse("128,128,8,3,pack,split2")
+    assert split == rt.RingConfig(128, 128, 8, 3, True, 2) and rt.RingConfig.parse(str(split)) == split
+    assert rt.RingConfig.parse("128,128,8,3,split=auto,pack") == rt.RingConfig(128, 128, 8, 3, True, 0)
+    for bad in ("128,64,8,3,split=x", "128,64,8,3,split=2,split=3", "128,64,8,3,split=99"):
+        with pytest.raises(ValueError):
+            rt.RingConfig.parse(bad)
     monkeypatch.delenv(rt.ENV, raising=False)
     assert rt.default_config(65536, 128, 2, True) == rt.CONFIGS[128][0]
     assert rt.default_config(65536, 128, 2, False) == rt.CONFIGS[128][1]
     assert rt.default_config(40, 128, 2, True).block_m == 64
     monkeypatch.setenv(rt.ENV, "64,64,4,2,pack")
     assert rt.default_config(65536, 128, 2, True) == rt.RingConfig(64, 64, 4, 2, True)
+
+
+@pytest.mark.parametrize("block_n", [1, 16, 64])
+def test_split_tiles_cover_each_key_range_once(block_n: int):
+    """`split_tiles`: a row's pieces tile its keys [k0, k_end) in order at BLOCK_N boundaries from k0, each with
+    the k_full / causal of its own range and a slot of its own (consecutive per row); the merge table lists
+    every row once with its first slot and piece count; pieces with no split rows leave the table as it was."""
+    rt = pytest.importorskip("parallel.kernels.ring_attention_triton")
+    rng = np.random.default_rng(block_n)
+    for q_pos, k_pos in _layouts():
+        q_off = np.cumsum([0] + [len(p) for p in q_pos]).tolist()
+        k_off = np.cumsum([0] + [len(p) for p in k_pos]).tolist()
+        tiles = rt.build_tiles([np.asarray(p, dtype=np.int64) for p in q_pos],
+                               [np.asarray(p, dtype=np.int64) for p in k_pos], q_off[:-1], k_off[:-1], 16, True)
+        counts = rng.integers(1, 5, size=len(tiles))
+        table, merge = rt.split_tiles(tiles, counts, block_n)
+        if not (counts > 1).any():
+            assert table is tiles and merge.shape == (0, rt.MERGE_FIELDS)
+            continue
+        assert table.dtype == merge.dtype == np.int32 and table.shape == (counts.sum(), rt.TILE_FIELDS)
+        assert (np.diff(table[:, 4] - table[:, 2]) <= 0).all()  # heaviest first
+        assert sorted(table[:, 6].tolist()) == list(range(counts.sum()))
+        assert merge.tolist() == [[*row[:2], first, c] for row, first, c in
+                                  zip(tiles.tolist(), np.cumsum(counts) - counts, counts)]
+        by_slot = table[np.argsort(table[:, 6])]
+        for (q0, q1, k0, k_full, k_end, causal, _), first, c in zip(tiles.tolist(), merge[:, 2], merge[:, 3]):
+            pieces = by_slot[first:first + c]
+            assert (pieces[:, :2] == [q0, q1]).all()
+            edges = [k0, *pieces[:, 4].tolist()]
+            assert pieces[:, 2].tolist() == edges[:-1] and edges[-1] == k_end  # in order, no gap, no overlap
+            assert all((lo - k0) % block_n == 0 for lo in pieces[:, 2].tolist())
+            assert (pieces[:, 3] == np.clip(k_full, pieces[:, 2], pieces[:, 4])).all()
+            assert (pieces[:, 5] == (pieces[:, 3] < pieces[:, 4]) * causal).all()
+
+
+def test_split_counts_by_work_per_sm():
+    """Forced counts cap at the row's key tiles; the automatic rule leaves a large grid alone (16K tokens at SP=4,
+    Llama-8B heads packed: 1,024 programs on 132 SMs) and splits a small one (a few query tiles against long
+    keys) into pieces of at least SPLIT_MIN_TILES key tiles, so no program exceeds ~1/SPLIT_TAIL of an SM's work."""
+    rt = pytest.importorskip("parallel.kernels.ring_attention_triton")
+    from workers.sp_plan import owned_positions_array
+
+    table = np.array([[0, 32, 0, 0, 4096, 1, -1], [32, 64, 0, 100, 100, 0, -1], [64, 96, 0, 0, 0, 0, -1]], np.int32)
+    assert rt.split_counts(table, 128, 8, 132, 4).tolist() == [4, 1, 1]
+    assert rt.split_counts(table, 128, 8, 132, 1).tolist() == [1, 1, 1]
+    for step in range(4):  # 16K tokens, SP=4, rank 0 against each rank's keys: never split
+        q = owned_positions_array(0, 16384, 0, 4, 16)
+        k = owned_positions_array(0, 16384, (0 - step) % 4, 4, 16)
+        tiles = rt.build_tiles([q], [k], [0], [0], 32, step in (0, 3))
+        assert (rt.split_counts(tiles, 128, 8, 132) == 1).all()
+    # 64 new tokens after 64K tokens of context (one query tile per head group): 8 programs of 512 key tiles.
+    tiles = rt.build_tiles([np.arange(65536, 65600)], [np.arange(65600)], [0], [0], 32, True)
+    counts = rt.split_counts(tiles, 128, 8, 132)
+    key_tiles = -(-(tiles[:, 4] - tiles[:, 2]) // 128)
+    share = key_tiles.sum() * 8 / 132
+    assert (counts > 1).all() and (counts <= rt.MAX_SPLITS).all()
+    assert (np.ceil(key_tiles / counts) >= rt.SPLIT_MIN_TILES).all()
+    assert (np.ceil(key_tiles / counts) <= max(rt.SPLIT_MIN_TILES, np.ceil(share / rt.SPLIT_TAIL)) + 1).all() or \
+        (counts == rt.MAX_SPLITS).all()

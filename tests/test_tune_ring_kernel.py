@@ -42,3 +42,33 @@ def test_bad_config_is_refused_before_timing():
     done = subprocess.run([sys.executable, "scripts/tune_ring_kernel.py", "--device", "cpu", "--dry-run", "--configs",
                            "128,64,8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "BLOCK_M,BLOCK_N,warps,stages" in done.stderr
+
+
+def test_splits_cross_every_config_and_the_split_steps_show(tmp_path):
+    """--splits: each config once per split-K count (its own split field replaced); a forced split's steps run
+    as pieces (slots > 0 in step_tables), split=1's never, and both stay exact."""
+    pytest.importorskip("triton")
+    out = tmp_path / "tune.json"
+    env = {k: v for k, v in os.environ.items() if k != "TANDEM_RING_KERNEL"}
+    done = subprocess.run([sys.executable, "scripts/tune_ring_kernel.py", "--device", "cpu", "--dry-run", "--lengths",
+                           "45", "--sp", "2", "--configs", "16,16,4,1,split=3", "--splits", "1,2,auto", "--out",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["configs"] == ["16,16,4,1,split=1", "16,16,4,1,split=2", "16,16,4,1"] and report["sms"] == 1
+    res = report["results"][0]["sp"]["2"]
+    for config in report["configs"]:
+        assert res[config]["within_bf16_tol"] and res[config]["max_abs_err"] < 1e-4
+        assert len(res[config]["step_tables"]) == 2
+    assert all(slots == 0 for _, slots in res["16,16,4,1,split=1"]["step_tables"])
+    assert any(slots > 0 for _, slots in res["16,16,4,1,split=2"]["step_tables"])
+    assert "*" in done.stdout  # the split steps are marked in the table
+
+
+def test_with_splits():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from tune_ring_kernel import with_splits
+
+    assert with_splits(["128,128,8,3,pack", "64,64,4,2,split=4"], None) == ["128,128,8,3,pack", "64,64,4,2,split=4"]
+    assert with_splits(["128,128,8,3,pack", "64,64,4,2,split=4"], "1,auto") == [
+        "128,128,8,3,pack,split=1", "128,128,8,3,pack", "64,64,4,2,split=1", "64,64,4,2"]

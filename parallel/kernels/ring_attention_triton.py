@@ -23,9 +23,19 @@ ones) and heads vary fastest in the grid (programs sharing K/V tiles run togethe
 GQA packing (`RingConfig.pack`): a program takes all Hq / Hkv query heads of one KV head for BLOCK_M / G
 query rows, interleaved in the M dimension (row m: position m // G, head m % G), so every K/V tile it loads
 serves G heads (G times fewer K/V loads from L2 than one program per query head); otherwise one program per
-query head and BLOCK_M rows. Launch configs: `RingConfig`, the `CONFIGS` table by head dim, the
-TANDEM_RING_KERNEL environment variable ("BLOCK_M,BLOCK_N,warps,stages[,pack]"); scripts/tune_ring_kernel.py
-times candidates on a GPU. Memory: the inputs, the accumulators and output, and the tile table, O(chunk).
+query head and BLOCK_M rows.
+
+Split-K (`RingConfig.splits`, flash-decoding style): a query tile's key range cut into pieces at BLOCK_N
+boundaries (`split_tiles`), one program each, so a step whose grid is too small for the GPU, or whose longest
+program would outlast the rest, spreads its keys over more programs. Each piece writes its normalised partial
+and LSE to scratch (`partial_buffers`, O(chunk)); a second launch (`_merge_kernel`) merges a tile's pieces by
+LSE, exactly, and finishes as an unsplit step would (in-place merge into the accumulators, output in q's dtype).
+How many pieces: `split_counts`, from the step's key tiles per SM (`sm_count`); "split=N" in a config forces
+up to N. The split kernel is a compile of its own (SPLIT), so unsplit steps run the kernel as before.
+
+Launch configs: `RingConfig`, the `CONFIGS` table by head dim, the TANDEM_RING_KERNEL environment variable
+("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N]"); scripts/tune_ring_kernel.py times candidates on a GPU.
+Memory: the inputs, the accumulators and output, the tile table and, split, the pieces' partials: O(chunk).
 """
 from __future__ import annotations
 
@@ -45,35 +55,56 @@ except ImportError:
 
 _LOG2E = 1.4426950408889634
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-TILE_FIELDS = 6  # a tile-table row: q0, q1, k0, k_full, k_end, causal (int32)
+TILE_FIELDS = 7  # a tile-table row: q0, q1, k0, k_full, k_end, causal, slot (int32; slot -1: not a split piece)
+MERGE_FIELDS = 4  # a merge-table row: q0, q1, first slot, pieces (int32)
 ENV = "TANDEM_RING_KERNEL"
+# The automatic split-K rule (`split_counts`): no program may hold more than 1 / SPLIT_TAIL of an SM's share of
+# a step's key tiles (a longer one would end after the rest of the grid), but a program of SPLIT_MIN_TILES key
+# tiles or fewer is never cut (each piece pays a program's fixed cost: its Q load, pipeline fill, partial store).
+SPLIT_TAIL = 4
+SPLIT_MIN_TILES = 4
+MAX_SPLITS = 16
 
 
 @dataclass(frozen=True)
 class RingConfig:
-    """Launch configuration of the ring kernel: tile sizes, warps, pipeline stages and GQA packing (a program
-    takes every query head of one KV head: BLOCK_M / G query rows x G heads, see the module docstring)."""
+    """Launch configuration of the ring kernel: tile sizes, warps, pipeline stages, GQA packing (a program
+    takes every query head of one KV head: BLOCK_M / G query rows x G heads, see the module docstring) and
+    split-K (`splits`: 0 chooses per step from its work and the SM count, `split_counts`; 1 never splits; n
+    cuts every query tile's key range into up to n pieces)."""
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     pack: bool = False
+    splits: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "RingConfig":
-        """"BLOCK_M,BLOCK_N,warps,stages" with an optional fifth field "pack" (or 1/0): as the env variable."""
-        parts = [p.strip() for p in text.replace("x", ",").split(",") if p.strip()]
-        if len(parts) not in (4, 5):
-            raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack], not {text!r}")
-        pack = len(parts) == 5 and parts[4].lower() in ("pack", "1", "true", "p")
-        cfg = cls(*(int(p) for p in parts[:4]), pack)
-        if cfg.block_m < 16 or cfg.block_n < 16 or cfg.num_warps < 1 \
-                or cfg.num_stages < 1 or cfg.block_m & (cfg.block_m - 1) or cfg.block_n & (cfg.block_n - 1):
-            raise ValueError(f"bad ring kernel config {text!r}: tiles powers of two >= 16, warps and stages >= 1")
+        """"BLOCK_M,BLOCK_N,warps,stages" then optionally "pack" (or 1/0) and "split=N" (or "splitN"; "split=auto"
+        is the default): as the env variable, e.g. "128,128,8,3,pack,split=2"."""
+        parts = [p.strip().lower() for p in text.replace("x", ",").split(",") if p.strip()]
+        pack, splits = None, None
+        for flag in parts[4:]:
+            if flag.startswith("split") and splits is None:
+                n = flag[5:].lstrip("=")
+                splits = 0 if n == "auto" else int(n) if n.isdigit() else -1
+            elif flag in ("pack", "1", "true", "p", "0", "false") and pack is None:
+                pack = flag in ("pack", "1", "true", "p")
+            else:
+                raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N], not {text!r}")
+        if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]):
+            raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N], not {text!r}")
+        cfg = cls(*(int(p) for p in parts[:4]), bool(pack), splits or 0)
+        if cfg.block_m < 16 or cfg.block_n < 16 or cfg.num_warps < 1 or cfg.num_stages < 1 \
+                or cfg.block_m & (cfg.block_m - 1) or cfg.block_n & (cfg.block_n - 1) or not 0 <= cfg.splits <= 64:
+            raise ValueError(f"bad ring kernel config {text!r}: tiles powers of two >= 16, warps and stages >= 1, "
+                             f"split auto or 1..64")
         return cfg
 
     def __str__(self) -> str:
-        return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}" + (",pack" if self.pack else "")
+        return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}" + (",pack" if self.pack else "") \
+            + (f",split={self.splits}" if self.splits else "")
 
     def heads_per_program(self, gqa: int) -> int:
         """Query heads one program takes: the GQA group when packing (and it fits BLOCK_M with >= 1 row), else 1."""
@@ -148,24 +179,53 @@ def _load_kv(ptr, desc, start_n, valid, col, stride_t, offs_d, BLOCK_N: tl.const
     return x
 
 
+@triton.jit
+def _finish(out, lse, rows, head, mask_m, offs_d, acc_o_ptr, acc_l_ptr, out_ptr, load_prev, store_acc, store_out,
+            stride_at, stride_ah, stride_lt, stride_lh, stride_ot, stride_oh):
+    """A program's result (out [M, D], lse [M] fp32, of query rows `rows`, heads `head`): merged into the
+    accumulators when `load_prev` (as merge_into does), then stored to them and/or to the output."""
+    a_ptrs = acc_o_ptr + rows[:, None] * stride_at + head[:, None] * stride_ah + offs_d[None, :]
+    l_ptrs = acc_l_ptr + rows * stride_lt + head * stride_lh
+    if load_prev != 0:  # out, lse := the merge of the accumulators and this chunk's partial
+        prev_o = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0).to(tl.float32)
+        prev_lse = tl.load(l_ptrs, mask=mask_m, other=float("-inf"))
+        hi = tl.maximum(prev_lse, lse)
+        hi = tl.where(hi == float("-inf"), 0.0, hi)
+        w_prev = tl.exp(prev_lse - hi)
+        w_new = tl.exp(lse - hi)
+        total = w_prev + w_new
+        out = (prev_o * w_prev[:, None] + out * w_new[:, None]) / tl.where(total > 0, total, 1.0)[:, None]
+        lse = tl.where(total > 0, hi + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+    if store_acc != 0:
+        tl.store(a_ptrs, out.to(acc_o_ptr.dtype.element_ty), mask=mask_m[:, None])
+        tl.store(l_ptrs, lse, mask=mask_m)
+    if store_out != 0:  # the final output, in its own dtype
+        o_ptrs = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
+
+
 @triton.jit(do_not_specialize=["load_prev", "store_acc", "store_out"])  # one compile for every step
 def _ring_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, qpos_ptr, kpos_ptr, tiles_ptr, acc_o_ptr, acc_l_ptr, out_ptr,
-                 qk_scale, n_groups, load_prev, store_acc, store_out,
+                 part_o_ptr, part_l_ptr, qk_scale, n_groups, load_prev, store_acc, store_out,
                  stride_qt, stride_qh, stride_kt, stride_vt, stride_at, stride_ah, stride_lt, stride_lh,
                  stride_ot, stride_oh,
                  GQA: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr):
-    # Heads vary fastest: the programs of one tile (same keys) run side by side.
+                 BLOCK_N: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
+    # Heads vary fastest: the programs of one tile (same keys) run side by side. SPLIT: the table has split-K
+    # pieces (a compile of its own, so the unsplit kernel's registers are as before).
     pid = tl.program_id(0)
     hg = pid % n_groups  # head group: query heads hg * HP .. hg * HP + HP - 1
-    row = tiles_ptr + (pid // n_groups) * 6
+    row = tiles_ptr + (pid // n_groups) * 7
     q0 = tl.load(row)
     q1 = tl.load(row + 1)
     k0 = tl.load(row + 2)
     k_full = tl.load(row + 3)  # keys [k0, k_full) are seen by every query of the tile
     k_end = tl.load(row + 4)  # keys [k_end, ...) by none of them
     causal = tl.load(row + 5)  # 0: every key in [k0, k_end) is seen by every query (bounds masks only)
-    if (k_end == k0) & (load_prev != 0) & (store_out == 0):  # nothing to add: the accumulators stay as they are
+    slot = -1
+    if SPLIT:
+        slot = tl.load(row + 6)  # >= 0: one piece of a split key range, its partial goes to slot `slot`
+    if (k_end == k0) & (load_prev != 0) & (store_out == 0) & (slot < 0):  # nothing to add: accumulators stay
         return
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
@@ -199,24 +259,53 @@ def _ring_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, qpos_ptr, kpos_ptr, tiles_
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    a_ptrs = acc_o_ptr + rows[:, None] * stride_at + head[:, None] * stride_ah + offs_d[None, :]
-    l_ptrs = acc_l_ptr + rows * stride_lt + head * stride_lh
-    if load_prev != 0:  # out, lse := the merge of the accumulators and this chunk's partial, as merge_into does
-        prev_o = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0).to(tl.float32)
-        prev_lse = tl.load(l_ptrs, mask=mask_m, other=float("-inf"))
-        hi = tl.maximum(prev_lse, lse)
-        hi = tl.where(hi == float("-inf"), 0.0, hi)
-        w_prev = tl.exp(prev_lse - hi)
-        w_new = tl.exp(lse - hi)
-        total = w_prev + w_new
-        out = (prev_o * w_prev[:, None] + out * w_new[:, None]) / tl.where(total > 0, total, 1.0)[:, None]
-        lse = tl.where(total > 0, hi + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
-    if store_acc != 0:
-        tl.store(a_ptrs, out.to(acc_o_ptr.dtype.element_ty), mask=mask_m[:, None])
-        tl.store(l_ptrs, lse, mask=mask_m)
-    if store_out != 0:  # the final output, in its own dtype
-        o_ptrs = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
+    if SPLIT:  # every row a piece: its partial, in this program's own M x D layout (contiguous), for _merge_kernel
+        p_rows = (slot.to(tl.int64) * n_groups + hg) * BLOCK_M + offs_m
+        tl.store(part_o_ptr + p_rows[:, None] * D + offs_d[None, :], out)
+        tl.store(part_l_ptr + p_rows, lse)
+    else:
+        _finish(out, lse, rows, head, mask_m, offs_d, acc_o_ptr, acc_l_ptr, out_ptr, load_prev, store_acc, store_out,
+                stride_at, stride_ah, stride_lt, stride_lh, stride_ot, stride_oh)
+
+
+@triton.jit(do_not_specialize=["load_prev", "store_acc", "store_out"])
+def _merge_kernel(merge_ptr, part_o_ptr, part_l_ptr, acc_o_ptr, acc_l_ptr, out_ptr, n_groups, load_prev, store_acc,
+                  store_out, stride_at, stride_ah, stride_lt, stride_lh, stride_ot, stride_oh,
+                  HP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr):
+    # One program per (query tile, head group), as the pieces' programs were laid out: the pieces' partials
+    # merged by LSE (flash-decoding's reduction), then the step's usual epilogue (_finish). SUB rows at a time:
+    # BLOCK_M x D fp32 at once (partial, sum, accumulator) would not fit in registers.
+    pid = tl.program_id(0)
+    hg = pid % n_groups
+    row = merge_ptr + (pid // n_groups) * 4
+    q0 = tl.load(row)
+    q1 = tl.load(row + 1)
+    slot0 = tl.load(row + 2)
+    pieces = tl.load(row + 3)
+    offs_d = tl.arange(0, D)
+    for r0 in tl.static_range(0, BLOCK_M, SUB):
+        offs_m = r0 + tl.arange(0, SUB)
+        t_idx = q0 + offs_m // HP
+        head = hg * HP + offs_m % HP
+        mask_m = t_idx < q1
+        rows = t_idx.to(tl.int64)
+        base = (slot0.to(tl.int64) * n_groups + hg) * BLOCK_M + offs_m  # piece j's rows: base + j * n_groups * BLOCK_M
+        step = n_groups * BLOCK_M
+        m = tl.full([SUB], float("-inf"), tl.float32)
+        for j in range(0, pieces):  # first the pieces' largest LSE, so the weights below need no rescaling
+            m = tl.maximum(m, tl.load(part_l_ptr + base + j * step))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)  # a row no piece saw: weights exp(-inf) = 0, no nan
+        s = tl.zeros([SUB], tl.float32)
+        acc = tl.zeros([SUB, D], tl.float32)
+        for j in range(0, pieces):
+            w = tl.exp(tl.load(part_l_ptr + base + j * step) - m_safe)
+            acc += tl.load(part_o_ptr + (base + j * step)[:, None] * D + offs_d[None, :]) * w[:, None]
+            s += w
+        seen = s > 0
+        out = acc / tl.where(seen, s, 1.0)[:, None]
+        lse = tl.where(seen, m_safe + tl.log(tl.where(seen, s, 1.0)), float("-inf"))
+        _finish(out, lse, rows, head, mask_m, offs_d, acc_o_ptr, acc_l_ptr, out_ptr, load_prev, store_acc, store_out,
+                stride_at, stride_ah, stride_lt, stride_lh, stride_ot, stride_oh)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -252,9 +341,9 @@ def build_tiles(q_pos: list[np.ndarray], k_pos: list[np.ndarray], q_offsets: lis
     Sequence b's queries are rows [q_offsets[b], + len(q_pos[b])) at positions q_pos[b] (ascending), its keys
     rows [k_offsets[b], + len(k_pos[b])) at k_pos[b]. Per query tile of `block_q` rows (from the first query
     that sees any key): q0, q1, k0, k_full, k_end (absolute rows, see the module docstring) and causal (0 where
-    every key up to k_end is seen by every query of the tile). `cover`: also rows for the queries that see none
-    of these keys (k_end = k0), so a launch that writes the accumulators or the output reaches every row.
-    Sorted by keys per tile, most first."""
+    every key up to k_end is seen by every query of the tile), slot -1 (not split: `split_tiles` splits).
+    `cover`: also rows for the queries that see none of these keys (k_end = k0), so a launch that writes the
+    accumulators or the output reaches every row. Sorted by keys per tile, most first."""
     parts = []
     for qp, kp, qo, ko in zip(q_pos, k_pos, q_offsets, k_offsets):
         nq = len(qp)
@@ -263,14 +352,15 @@ def build_tiles(q_pos: list[np.ndarray], k_pos: list[np.ndarray], q_offsets: lis
         if cover and q_lo:
             s = np.arange(0, q_lo, block_q)
             empty = np.stack([s, np.minimum(s + block_q, q_lo), *([np.zeros_like(s)] * 4)], 1)
-            parts.append(empty + [qo, qo, ko, ko, ko, 0])
+            parts.append(np.concatenate([empty + [qo, qo, ko, ko, ko, 0], np.full_like(s, -1)[:, None]], 1))
         if q_lo < nq:
             s = np.arange(q_lo, nq, block_q)
             e = np.minimum(s + block_q, nq)
             kf = np.searchsorted(kp[:k_hi], qp[s], side="right")
             ke = np.searchsorted(kp[:k_hi], qp[e - 1], side="right")
             causal = (kf < ke).astype(s.dtype)
-            parts.append(np.stack([s + qo, e + qo, np.full_like(s, ko), kf + ko, ke + ko, causal], 1))
+            no_slot = np.full_like(s, -1)
+            parts.append(np.stack([s + qo, e + qo, np.full_like(s, ko), kf + ko, ke + ko, causal, no_slot], 1))
     if not parts:
         return np.zeros((0, TILE_FIELDS), dtype=np.int32)
     tiles = np.concatenate(parts).astype(np.int32)
@@ -288,8 +378,59 @@ def _device_tiles(q_pos: torch.Tensor | None, k_pos: torch.Tensor | None, tq: in
     else:
         kf = torch.searchsorted(k_pos, q_pos[s], right=True)
         ke = torch.searchsorted(k_pos, q_pos[e - 1], right=True)
-    table = torch.stack([s, e, torch.zeros_like(s), kf, ke, (kf < ke).to(s.dtype)], 1)
+    table = torch.stack([s, e, torch.zeros_like(s), kf, ke, (kf < ke).to(s.dtype), torch.full_like(s, -1)], 1)
     return table.flip(0).to(torch.int32).contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, what the split rule fills; 1 elsewhere (the interpreter)."""
+    if torch.device(device).type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_counts(tiles: np.ndarray, block_n: int, n_groups: int, sms: int, splits: int = 0) -> np.ndarray:
+    """Pieces per tile-table row (int64 [n]): how many programs share its key range.
+
+    `splits` >= 1: min(splits, the row's key tiles) for every row (1: no split). 0 (auto): a step's programs
+    hold sum(key tiles) * n_groups key tiles of work, about that over `sms` per SM. A program longer than
+    cap = max(SPLIT_MIN_TILES, that share / SPLIT_TAIL) key tiles is cut into the fewest pieces no longer
+    than cap (at most MAX_SPLITS). A large grid (e.g. 16K tokens at SP=4 with Llama-8B
+    heads: 1,024 programs of <= 32 key tiles, ~128 per SM) is never split; a small one (few query tiles,
+    long key ranges: short prompts against long context, few heads) is, so the grid fills the GPU and its
+    longest program no longer outlasts the rest."""
+    key_tiles = -(-(tiles[:, 4].astype(np.int64) - tiles[:, 2]) // block_n)
+    if splits >= 1:
+        return np.clip(np.minimum(key_tiles, splits), 1, None)
+    share = key_tiles.sum() * n_groups / max(sms, 1)
+    cap = max(SPLIT_MIN_TILES, int(np.ceil(share / SPLIT_TAIL)))
+    return np.clip(-(-key_tiles // cap), 1, MAX_SPLITS)
+
+
+def split_tiles(tiles: np.ndarray, counts: np.ndarray, block_n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split-K: row i of a `build_tiles` table cut into counts[i] pieces along its keys, at BLOCK_N boundaries
+    from k0, each piece with its own k_full / k_end / causal and slot (consecutive per row). Returns the new
+    tile table (heaviest first) and the merge table int32 [n, MERGE_FIELDS] (q0, q1, first slot, pieces) for
+    `_merge_kernel`. Once any row splits, every row is written as pieces (a row of one piece too), so the
+    split kernel's epilogue is one plain store (it compiles without spills, where a branch to the in-place
+    merge did not); no row splits: the table as it was and an empty merge table."""
+    if not (counts > 1).any():
+        return tiles, np.zeros((0, MERGE_FIELDS), dtype=np.int32)
+    rows = tiles.astype(np.int64)
+    c = np.maximum(counts, 1).astype(np.int64)
+    first = np.concatenate([[0], np.cumsum(c)[:-1]])
+    owner = np.repeat(np.arange(len(rows)), c)  # the row of each piece
+    j = np.arange(c.sum()) - first[owner]  # the piece's index within its row
+    r = rows[owner]
+    n_tiles = -(-(r[:, 4] - r[:, 2]) // block_n)
+    lo = np.minimum(r[:, 2] + (j * n_tiles // c[owner]) * block_n, r[:, 4])
+    hi = np.minimum(r[:, 2] + ((j + 1) * n_tiles // c[owner]) * block_n, r[:, 4])
+    kf = np.clip(r[:, 3], lo, hi)  # every query of the tile sees the piece's keys up to its own k_full
+    table = np.stack([r[:, 0], r[:, 1], lo, kf, hi, (r[:, 5] != 0) & (kf < hi), first[owner] + j], 1)
+    table = table[np.argsort(table[:, 2] - table[:, 4], kind="stable")].astype(np.int32)
+    merge = np.stack([rows[:, 0], rows[:, 1], first, c], 1).astype(np.int32)
+    return table, merge
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor | None,
@@ -316,17 +457,30 @@ def as_config(tiles: RingConfig | tuple | None, tq: int, q: torch.Tensor, tma: b
     return default_config(tq, q.shape[-1], q.element_size(), tma)
 
 
+def partial_buffers(slots: int, n_groups: int, config: RingConfig, head_dim: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch for `slots` split pieces of one step: out [slots * n_groups * BLOCK_M, D] and lse fp32, each piece's
+    program writing its BLOCK_M x D partial contiguously (reused by every step: a step's merge ends before the
+    next step's pieces start, on one stream)."""
+    n = max(slots, 1) * n_groups * config.block_m
+    return (torch.empty((n, head_dim), dtype=torch.float32, device=device),
+            torch.empty((n,), dtype=torch.float32, device=device))
+
+
 def ring_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, tiles: torch.Tensor,
               q_pos: torch.Tensor | None, k_pos: torch.Tensor | None, config: RingConfig,
               acc: tuple[torch.Tensor, torch.Tensor] | None, load_prev: bool, store_acc: bool,
-              out: torch.Tensor | None = None, tma: bool | None = None) -> None:
-    """One launch over a tile table (`build_tiles` with `rows_per_tile(config, ...)` rows per tile, on q's device).
+              out: torch.Tensor | None = None, tma: bool | None = None, merge: torch.Tensor | None = None,
+              partials: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """One launch over a tile table (`build_tiles` with `rows_per_tile(config, ...)` rows per tile, on q's device),
+    and with split-K (`split_tiles`) a second over its merge table.
 
     q [Tq, Hq, D]; k/v [Tk, Hkv, D] (rows as the table's k0.. k_end); q_pos [Tq] / k_pos [Tk] int32 positions on
     the device (None: no row of the table is causal). acc (out [Tq, Hq, D] fp32 or any float dtype, lse [Tq, Hq]
     fp32): merged with this step's partial when `load_prev`, written with the result when `store_acc`. out
     [Tq, Hq, D]: written with the result when given (a last step). A step that writes without loading, or
-    writes `out`, must have a table that covers every row (`build_tiles(..., cover=True)`)."""
+    writes `out`, must have a table that covers every row (`build_tiles(..., cover=True)`). merge: the merge
+    table of a split table (None or empty: no row split), partials: `partial_buffers` with room for its slots."""
     _check(q, k, v, q_pos, k_pos)
     tq, hq, d = q.shape
     tk, hkv = k.shape[0], k.shape[1]
@@ -335,6 +489,9 @@ def ring_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t
         return
     if (load_prev or store_acc) and acc is None:
         raise ValueError("ring_step: loading or storing accumulators needs them")
+    split = merge is not None and merge.shape[0] > 0
+    if split and partials is None:
+        raise ValueError("ring_step: a split table needs partial buffers (partial_buffers)")
     use_tma = tk > 0 and (tma_ok(k, v) if tma is None else tma)
     hp = config.heads_per_program(hq // hkv)
     if tk == 0:  # no keys: no tile loads any, but the kernel takes pointers of q's dtype
@@ -348,20 +505,26 @@ def ring_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t
         acc = (dummy.expand(1, 1, 1), dummy.view(1, 1))
     acc_o, acc_l = acc
     fin = out if out is not None else acc_o
+    part_o, part_l = partials if split else (acc_l, acc_l)  # fp32 stand-ins, never written without a split
     q_pos = tiles if q_pos is None else q_pos  # int32 stand-ins, never read
     k_pos = tiles if k_pos is None else k_pos
     n_groups = hq // hp
+    flags = (int(load_prev), int(store_acc), int(out is not None))
+    strides = (acc_o.stride(0), acc_o.stride(1), acc_l.stride(0), acc_l.stride(1), fin.stride(0), fin.stride(1))
     _ring_kernel[(n_groups * n_tiles,)](
-        q, k, v, k_desc, v_desc, q_pos, k_pos, tiles, acc_o, acc_l, fin, scale * _LOG2E, n_groups,
-        int(load_prev), int(store_acc), int(out is not None),
-        q.stride(0), q.stride(1), k.stride(0), v.stride(0), acc_o.stride(0), acc_o.stride(1),
-        acc_l.stride(0), acc_l.stride(1), fin.stride(0), fin.stride(1),
+        q, k, v, k_desc, v_desc, q_pos, k_pos, tiles, acc_o, acc_l, fin, part_o, part_l, scale * _LOG2E, n_groups,
+        *flags, q.stride(0), q.stride(1), k.stride(0), v.stride(0), *strides,
         GQA=hq // hkv, HP=hp, D=d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA=use_tma,
-        IEEE=q.dtype == torch.float32, num_warps=config.num_warps, num_stages=config.num_stages)
+        IEEE=q.dtype == torch.float32, SPLIT=split, num_warps=config.num_warps, num_stages=config.num_stages)
+    if split:  # the split rows' pieces, merged and finished as an unsplit row would have been
+        _merge_kernel[(n_groups * merge.shape[0],)](merge, part_o, part_l, acc_o, acc_l, fin, n_groups, *flags,
+                                                    *strides, HP=hp, D=d, BLOCK_M=config.block_m,
+                                                    SUB=min(config.block_m, max(16, 4096 // d)), num_warps=8)
 
 
 def _launch(q, k, v, scale, q_pos, k_pos, out, lse, merge: bool, tiles, tma) -> None:
-    """chunk_attention(_merge_): one sequence, its tile table built on the device."""
+    """chunk_attention(_merge_): one sequence, its tile table built on the device; a config of split=N >= 2 splits
+    it on the host (a copy back, which waits for the device: tests and tools, not the ring's path)."""
     _check(q, k, v, q_pos, k_pos)
     tq, hq, d = q.shape
     tk = k.shape[0]
@@ -377,7 +540,15 @@ def _launch(q, k, v, scale, q_pos, k_pos, out, lse, merge: bool, tiles, tma) -> 
     if q_pos is not None:
         q_pos, k_pos = q_pos.to(q.device, torch.int32), k_pos.to(q.device, torch.int32)
     table = _device_tiles(q_pos, k_pos, tq, tk, rows_per_tile(config, hq, k.shape[1]), q.device)
-    ring_step(q, k, v, scale, table, q_pos, k_pos, config, (out, lse), merge, True, tma=use_tma)
+    merge_table = partials = None
+    if config.splits >= 2:
+        host, merge_np = split_tiles(table.cpu().numpy(), split_counts(table.cpu().numpy(), config.block_n, 1, 1,
+                                                                       config.splits), config.block_n)
+        table, merge_table = torch.from_numpy(host).to(q.device), torch.from_numpy(merge_np).to(q.device)
+        slots = int((merge_np[:, 2] + merge_np[:, 3]).max()) if len(merge_np) else 0
+        partials = partial_buffers(slots, hq // config.heads_per_program(hq // k.shape[1]), config, d, q.device)
+    ring_step(q, k, v, scale, table, q_pos, k_pos, config, (out, lse), merge, True, tma=use_tma, merge=merge_table,
+              partials=partials)
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -2,7 +2,8 @@
 tests/test_ring_attention_interpreted.py) against PyTorch SDPA: Llama-3.1-8B heads (32 query, 8 KV, D 128)
 and other GQA ratios, bf16/fp16/fp32, plain and TMA loads, causal chunk pairs of the SP layout (diagonal,
 interleaved, fully masked, fully visible), ragged lengths; one SP rank's whole ring (`ring_rank_attention`)
-for SP=2 and 4 against full causal SDPA; and `ring_attention`'s default picks the kernel on CUDA."""
+for SP=2 and 4 against full causal SDPA; split-K (forced counts and the automatic rule on this GPU's SMs) the
+same ways; and `ring_attention`'s default picks the kernel on CUDA."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 import parallel.ring_attention as ring_mod
 from parallel.kernels import ring_attention_triton as rt
 from parallel.kernels.paged_attention import _tma_supported
-from parallel.ring_attention import ring_rank_attention, split_for_ranks
+from parallel.ring_attention import TokenShard, _RingSteps, ring_rank_attention, split_for_ranks
 from parallel.ulysses import ulysses_rank_attention
 from workers.sp_plan import owned_positions
 
@@ -82,9 +83,10 @@ def _prompt_and_full_attention(seed: int, n: int = 4099, hq: int = 32, hkv: int 
 
 
 @pytest.mark.parametrize("sp", [2, 4])
-@pytest.mark.parametrize("config", [None, "128,128,8,3,pack", "64,64,4,2", "128,64,8,2,pack"])
+@pytest.mark.parametrize("config", [None, "128,128,8,3,pack", "64,64,4,2", "128,64,8,2,pack",
+                                    "128,128,8,3,pack,split=2", "128,64,8,3,split=4"])
 def test_rank_work_matches_full_causal_sdpa(sp: int, config: str | None):
-    """Every rank's ring (default launch config, and GQA packing / other tiles) against full causal SDPA."""
+    """Every rank's ring (default launch config, and GQA packing / other tiles / split-K) against full causal SDPA."""
     q, k, v, want = _prompt_and_full_attention(sp)
     n, _, d = q.shape
     positions = [owned_positions(0, n, r, sp, 16) for r in range(sp)]
@@ -94,6 +96,49 @@ def test_rank_work_matches_full_causal_sdpa(sp: int, config: str | None):
         torch.testing.assert_close(got.float(), want[positions[r]].float(), rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(got, ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, backend="torch"),
                                    rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("case", ["diagonal", "sp2 rank1 x rank0", "fully visible", "non-causal"])
+@pytest.mark.parametrize("config", ["128,128,8,3,pack,split=3", "128,64,8,3,split=2", "64,64,4,2,split=4"])
+@pytest.mark.parametrize("tma", [False, True])
+def test_split_chunk_attention_matches_sdpa(case, config, tma):
+    """Split-K pieces merged by LSE (bf16, Llama-8B heads) against SDPA, output and LSE; the table must split."""
+    if tma and not _tma_supported(torch.empty(16, 16, device=DEV)):
+        pytest.skip("TMA needs Hopper")
+    q_pos, k_pos = CASES[case]()
+    tq, tk = (q_pos.numel(), k_pos.numel()) if q_pos is not None else (517, 1029)
+    g = torch.Generator(device=DEV).manual_seed(tq + tk)
+    q = torch.randn(tq, 32, 128, device=DEV, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(tk, 8, 128, device=DEV, generator=g).to(torch.bfloat16) for _ in range(2))
+    cfg = rt.RingConfig.parse(config)
+    table = rt._device_tiles(None if q_pos is None else q_pos.int(), None if k_pos is None else k_pos.int(), tq, tk,
+                             rt.rows_per_tile(cfg, 32, 8), q.device).cpu().numpy()
+    assert (rt.split_counts(table, cfg.block_n, 1, 1, cfg.splits) > 1).any()
+    out, lse = rt.chunk_attention(q, k, v, 128 ** -0.5, q_pos, k_pos, tiles=cfg, tma=tma)
+    ref_out, ref_lse = sdpa_with_lse(q, k, v, 128 ** -0.5, q_pos, k_pos)
+    dead = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), dead) and (out[dead] == 0).all()
+    torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse[~dead], ref_lse[~dead], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_automatic_split_of_a_small_grid(pack: bool):
+    """64 new tokens over 16K tokens of context in one step (a ring of one): a grid of a few programs with long
+    key ranges, which the automatic rule splits on this GPU's SMs; the result against causal SDPA."""
+    n, new = 16384, 64
+    g = torch.Generator(device=DEV).manual_seed(7)
+    q = torch.randn(n, 32, 128, device=DEV, generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(n, 8, 128, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                          enable_gqa=True).transpose(0, 1)[n - new:]
+    q_shard, kv_shard = TokenShard([list(range(n - new, n))]), TokenShard([list(range(n))])
+    config = "128,128,8,3,pack" if pack else "128,128,8,3"
+    steps = _RingSteps(q[n - new:].contiguous(), torch.stack([k, v]), q_shard, [kv_shard], 128 ** -0.5, None, True,
+                       config)
+    assert steps.tables[0][2] > 0, "the automatic rule did not split a grid of a few programs"
+    steps.step(0, torch.stack([k, v]))
+    torch.testing.assert_close(steps.result().float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("sp", [2, 4])
