@@ -89,6 +89,7 @@ class LinearMethod:
                 layer.packed, layer.linear_kernel = fast, fast.describe()
                 for name in self.packed_params():
                     delattr(layer, name)
+                _fused_gemv(layer, dtype)
                 return
             layer.tinygemm_skipped = fast  # why the Triton kernels serve this 4-bit layer
         layer.packed = packed
@@ -97,6 +98,7 @@ class LinearMethod:
         packed.tune(dtype)
         layer.linear_kernel = ("w8a8 _scaled_mm + fp8 gemv" if packed.w8a8_scale is not None else
                                f"triton {'fp8' if packed.bits is None else f'int{packed.bits}'} gemv/gemm")
+        _fused_gemv(layer, dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed = getattr(layer, "packed", None)
@@ -105,6 +107,15 @@ class LinearMethod:
         # Dequantize-then-matmul (CPU, and shapes the kernels do not take): exact w.r.t. the dequantized
         # model on any device; only one layer's weight is ever materialised at a time.
         return linear(x, self.dequantize(layer).to(x.dtype), bias)
+
+
+def _fused_gemv(layer: nn.Module, dtype: torch.dtype) -> None:
+    """The batch-1 fused decoder's view of the packed weight (fused_gemv.py); its kernel joins the layer's name."""
+    from parallel.quant import fused_gemv
+
+    fused_gemv.prepare(layer, dtype)
+    if getattr(layer, "gemv_weight", None) is not None:
+        layer.linear_kernel += "; batch 1: fused quantized GEMV"
 
 
 class UnquantizedLinearMethod(LinearMethod):

@@ -12,6 +12,11 @@ The residual stream h is carried summed instead of as (x, residual); every value
 the unfused path rounds it, so the two agree up to the order of the norm's sum
 (tests/gpu/test_fused_decode.py).
 
+Quantized layers (GPTQ / AWQ int4 and int8, FP8) take the same path when load gave each of them a
+`gemv_weight` (parallel/quant/fused_gemv.py): the quantized GEMV (parallel/kernels/gemv_quant.py) reads
+the packed weight in place with the same prologue and epilogues; a model with any other quantized linear
+keeps the unfused decoder.
+
 Under TP the qkv and gate/up GEMVs read this rank's column shard as they are, and the two
 row-parallel GEMVs (o_proj, down_proj) produce partial sums: the group's first rank adds the bias and
 the residual in its epilogue, the others neither, so one all-reduce returns h + x @ W.T + b, the
@@ -26,8 +31,9 @@ from parallel.comm import reduce_partial_sums
 
 try:
     from parallel.kernels import gemv as _gemv
+    from parallel.kernels import gemv_quant as _gemv_quant
 except ImportError:  # no Triton (CPU machines)
-    _gemv = None
+    _gemv = _gemv_quant = None
 
 
 def applies(model, token_ids: torch.Tensor) -> bool:
@@ -44,8 +50,9 @@ def _covers(model) -> bool:
 
     if not (model.is_first_stage and model.is_last_stage):
         return False
-    if getattr(model, "quant_config", None) is not None:  # the GEMVs read plain weights; quantized layers dequantize
-        return False
+    if getattr(model, "quant_config", None) is not None and not all(
+            _streams(lin) for layer in model.layers.values() for lin in _linears(layer)):
+        return False  # a quantized layer the fused GEMVs cannot read (fused_gemv.py says why in gemv_skipped)
     if model.embed_tokens.weight.dtype not in (torch.bfloat16, torch.float16):
         return False
     if model.config.hidden_size > _gemv.MAX_NORM_K:
@@ -63,11 +70,28 @@ def forward(model, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Te
         # RoPE goes into the qkv epilogue unless per-head q/k norms (Qwen3) must come first
         rope = None if attn.q_norm is not None else _gemv.Rope(
             positions, attn.rotary.cos_sin, attn.head_dim, (attn.num_heads + attn.num_kv_heads) * attn.head_dim)
-        qkv = gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps, rope=rope)
+        qkv = linear_gemv(gemv, h, attn.qkv_proj, attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps, rope=rope)
         h = row_parallel_gemv(gemv, attn.attend(positions, qkv, rotated=rope is not None), attn.o_proj, h)
-        act = gemv(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=ln2.weight, eps=ln2.eps, silu=True)
+        act = linear_gemv(gemv, h, mlp.gate_up_proj, mlp.gate_up_proj.bias, norm_weight=ln2.weight, eps=ln2.eps, silu=True)
         h = row_parallel_gemv(gemv, act, mlp.down_proj, h)
     return model.norm(h)
+
+
+def _linears(layer) -> tuple:
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+
+def _streams(linear) -> bool:
+    """A plain layer, or a quantized one with the quantized GEMV's view of its packed weight."""
+    return not getattr(linear, "quantized", False) or getattr(linear, "gemv_weight", None) is not None
+
+
+def linear_gemv(gemv, x: torch.Tensor, linear, bias: torch.Tensor | None, **fused) -> torch.Tensor:
+    """`gemv` (with `fused` prologue/epilogue arguments) on the layer's weight: plain, or quantized in place."""
+    qw = getattr(linear, "gemv_weight", None)
+    if qw is not None:
+        return _gemv_quant.qgemv(x, qw, bias, **fused)
+    return gemv(x, linear.weight, bias, **fused)
 
 
 def row_parallel_gemv(gemv, x: torch.Tensor, linear, residual: torch.Tensor) -> torch.Tensor:
@@ -75,5 +99,5 @@ def row_parallel_gemv(gemv, x: torch.Tensor, linear, residual: torch.Tensor) -> 
     the bias and residual ride in the first rank's epilogue only, and the all-reduce sums the parts."""
     group = linear.group
     first = group.is_first
-    out = gemv(x, linear.weight, linear.bias if first else None, residual=residual if first else None)
+    out = linear_gemv(gemv, x, linear, linear.bias if first else None, residual=residual if first else None)
     return reduce_partial_sums(out, group)

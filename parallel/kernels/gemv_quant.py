@@ -1,0 +1,444 @@
+"""Batch-1 decode GEMV on quantized weights, with the decode step's small ops folded in as in `gemv.py`.
+
+The bf16 fused decoder (workers/models/fused_decode.py) streams each weight once per token through
+`gemv.gemv`, with RMSNorm in the prologue and SiLU-and-mul / RoPE / residual add in the epilogue. This is
+the same kernel for the weights a quantized layer keeps on CUDA after load, read in place (no second copy):
+  - INT4PACK: PyTorch's tinygemm layout (parallel/quant/tinygemm.py; 4-bit GPTQ / AWQ with bf16 activations):
+        codes int32 [N/8, K/(32 J), 32, J]   word [nt, ko, t, j] nibble b = 4 lo + 2 i1 + i0 holds row
+        8 nt + t // 4, input ko*32J + 32 j + 16 i1 + 8 i0 + 2 (t % 4) + lo  (J = inner_k_tiles / 2)
+        sz bf16 [K/GS, N, 2]: w = (q - 8) * scale + zero
+    One row's 4J words of one ko tile are contiguous (64 B for J = 4), rows of an 8-row block adjacent.
+  - PACKED: the Triton layout (parallel/quant/packed.py; 8-bit GPTQ, fp16 activations, shapes tinygemm lacks):
+        codes int32 [N, K / PACK] (code k at word k // PACK, bits (k % PACK) * BITS), scales / zeros [N, G]:
+        w = (q - zero) * scale
+  - FP8: e4m3 codes [N, K] with float32 scales [N, G] (per channel: G = 1; block-wise: one per GS inputs).
+    Weight-only: the e4m3 codes are widened in registers and multiplied with the bf16 activations in fp32
+    (W8A16), so the product is x @ dequantized(w) up to fp32 summation order, not the W8A8 `_scaled_mm`
+    product of larger batches (which also rounds x to e4m3 per token).
+GPTQ act order (`perm`): the codes are stored with K sorted by group; x is gathered through the
+permutation (with the RMSNorm weight under NORM), so nothing is permuted in memory.
+
+Integer codes are never converted with I2F (a quarter-rate instruction on Hopper, which bound the earlier
+W4A16 GEMV): a code c at bits s..s+BITS of a word becomes the float 2^E + c by OR-ing the masked bits
+into the mantissa of 2^E (E = 23 - s), and one exact subtraction leaves c, so a code costs a LOP3, an FADD
+and the FFMA with x. The products of one word (one group) are summed first, then the word's group scale and
+zero are applied once: scale * sum(c x) + (zero' ) * sum(x), zero' = zero - 8 scale (tinygemm) or
+-zero * scale; exact to the dequantized weight up to fp32 summation order (the reference rounds nothing
+more: (q - z) * s is exact in fp32 for bf16/fp16 scales).
+
+Everything else (the RMSNorm prologue rounded as `RMSNorm` rounds, SiLU-and-mul, RoPE, residual add, bias,
+PDL under CUDA-graph capture) is `gemv._gemv_kernel`'s, see there. Tiles: `tune` measures candidates per
+weight shape at load (parallel/quant/fused_gemv.py), before any graph.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from parallel.kernels import gemv as _gemv
+
+INT4PACK, PACKED, FP8 = 0, 1, 2
+MAX_NORM_K = _gemv.MAX_NORM_K
+
+
+@triton.jit
+def _row_addr(rows, stride_w, FMT: tl.constexpr, J: tl.constexpr):
+    """Element offset of each output row's first code (INT4PACK: its words in an 8-row block)."""
+    if FMT == 0:
+        addr = (rows // 8).to(tl.int64) * stride_w + (rows % 8) * (4 * J)
+    else:
+        addr = rows.to(tl.int64) * stride_w
+    return addr
+
+
+@triton.jit
+def _col_addr(t, BLOCK_C: tl.constexpr, FMT: tl.constexpr, J: tl.constexpr):
+    """Offsets of the K tile t's BLOCK_C words (bytes for FP8) of a row, from its first code."""
+    c = tl.arange(0, BLOCK_C)
+    if FMT == 0:  # KO_PER = BLOCK_C / 4J ko tiles of 32J words (8 rows x 4J) each
+        off = (t * (BLOCK_C // (4 * J)) + c // (4 * J)) * (32 * J) + c % (4 * J)
+    else:
+        off = t * BLOCK_C + c
+    return off
+
+
+@triton.jit
+def _load_codes(w_ptr, row_addr, col, n_mask, EVEN_N: tl.constexpr):
+    ptrs = w_ptr + row_addr[:, None] + col[None, :]
+    if EVEN_N:
+        w = tl.load(ptrs)
+    else:
+        w = tl.load(ptrs, mask=n_mask[:, None], other=0)
+    return w
+
+
+@triton.jit
+def _xq(x_ptr, nw_ptr, perm_ptr, k, rstd, NORM: tl.constexpr, PERM: tl.constexpr):
+    """x at (layout order) inputs k, fp32; under NORM the RMSNorm of h there, rounded as `_gemv._load_x`."""
+    if PERM:
+        k = tl.load(perm_ptr + k)
+    x = tl.load(x_ptr + k)
+    if NORM:
+        nw = tl.load(nw_ptr + k)
+        x = (x.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
+        x = (nw.to(tl.float32) * x.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _shifted(w, m: tl.constexpr, BITS: tl.constexpr):
+    """The words shifted so that code pair m (4-bit: codes 2m, 2m + 1; 8-bit: code m) sits at bits 12.., with
+    2^11's exponent OR'd in: then each code is one AND with an immediate away from the float 2^11 + c * 2^(p - 12)."""
+    SH: tl.constexpr = 12 - 8 * m
+    if SH > 0:
+        v = w << SH
+    elif SH < 0:
+        v = w >> (-SH)
+    else:
+        v = w
+    return v | 0x45000000
+
+
+@triton.jit
+def _code(v, b: tl.constexpr, BITS: tl.constexpr):
+    """Code b of each word from `_shifted`'s v, as the float 2048 + c (at bits 12..) or 2048 + 16 c (4-bit odd
+    codes, at bits 16..): an AND keeps the exponent of 2^11 and the code's bits of the mantissa."""
+    if BITS == 4:
+        LO: tl.constexpr = 12 + 4 * (b % 2)
+    else:
+        LO: tl.constexpr = 12
+    return (v & ((((1 << BITS) - 1) << LO) | 0x45000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _code_scale(b: tl.constexpr, BITS: tl.constexpr):
+    """x is multiplied by this for code b, so that `_code`'s float times it is 2048 x (or 128 x) + c x."""
+    if BITS == 4 and b % 2 == 1:
+        f: tl.constexpr = 0.0625
+    else:
+        f: tl.constexpr = 1.0
+    return f
+
+
+@triton.jit
+def _code_offset(b: tl.constexpr, BITS: tl.constexpr):
+    """What `_code` times `_code_scale` adds per unit of x for code b: 2048, or 128 (4-bit odd codes)."""
+    if BITS == 4 and b % 2 == 1:
+        off: tl.constexpr = 128.0
+    else:
+        off: tl.constexpr = 2048.0
+    return off
+
+
+@triton.jit
+def _group_scale(s_ptr, z_ptr, rows, g, stride_s, mask, FMT: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """(scale, zero') of output rows `rows` in group g, fp32: w = scale * code + zero'. INT4PACK: stride_s is N
+    (scales_and_zeros [K/GS, N, 2])."""
+    if FMT == 0:
+        p = s_ptr + (g.to(tl.int64) * stride_s + rows) * 2
+        s = tl.load(p, mask=mask, other=0.0).to(tl.float32)
+        zc = tl.load(p + 1, mask=mask, other=0.0).to(tl.float32) - 8.0 * s
+    else:
+        off = rows.to(tl.int64) * stride_s + g
+        s = tl.load(s_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            zc = -tl.load(z_ptr + off, mask=mask, other=0.0).to(tl.float32) * s
+        else:
+            zc = s * 0.0
+    return s, zc
+
+
+@triton.jit
+def _int_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, rows_a, rows_b, n_mask, stride_s, rstd,
+              FMT: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, J: tl.constexpr, BLOCK_C: tl.constexpr,
+              NORM: tl.constexpr, PERM: tl.constexpr, PAIRED: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """acc[n, c] += the K tile t's products of word column c (one group) for rows_a (acc_u: rows_b)."""
+    PACK: tl.constexpr = 32 // BITS
+    KT: tl.constexpr = BLOCK_C * PACK
+    c = tl.arange(0, BLOCK_C)
+    if FMT == 0:  # word column c: ko tile kk, t-quarter a, j; code b -> input 32 j + 16 i1 + 8 i0 + 2 a + lo
+        kk = c // (4 * J)
+        a = (c % (4 * J)) // J
+        jj = c % J
+        k_word = t * KT + kk * (32 * J) + jj * 32 + 2 * a
+    else:
+        k_word = (t * BLOCK_C + c) * PACK
+    part = tl.zeros(wa.shape, tl.float32)
+    xs = tl.zeros([BLOCK_C], tl.float32)  # sum of x over each word's inputs (for the zero point)
+    xo = tl.zeros([BLOCK_C], tl.float32)  # sum of x times the codes' float offsets (`_code_offset`)
+    if PAIRED:
+        part_u = tl.zeros(wb.shape, tl.float32)
+    for b in tl.static_range(PACK):
+        if FMT == 0:
+            k = k_word + 16 * ((b // 2) % 2) + 8 * (b % 2) + b // 4
+        else:
+            k = k_word + b
+        xb = _xq(x_ptr, nw_ptr, perm_ptr, k, rstd, NORM, PERM)
+        xs += xb
+        xo += xb * _code_offset(b, BITS)
+        if BITS == 8 or b % 2 == 0:  # a new pair: shift once for both of its codes
+            va = _shifted(wa, b // (32 // BITS // 4), BITS)
+            if PAIRED:
+                vb = _shifted(wb, b // (32 // BITS // 4), BITS)
+        xb = xb * _code_scale(b, BITS)
+        part += _code(va, b, BITS) * xb[None, :]
+        if PAIRED:
+            part_u += _code(vb, b, BITS) * xb[None, :]
+    if GS % KT == 0:  # one group for the whole tile: a scale per row
+        g = (t * KT) // GS
+        s, zc = _group_scale(s_ptr, z_ptr, rows_a, g, stride_s, n_mask, FMT, HAS_ZERO)
+        acc += (part - xo[None, :]) * s[:, None] + zc[:, None] * xs[None, :]
+        if PAIRED:
+            s, zc = _group_scale(s_ptr, z_ptr, rows_b, g, stride_s, n_mask, FMT, HAS_ZERO)
+            acc_u += (part_u - xo[None, :]) * s[:, None] + zc[:, None] * xs[None, :]
+    else:  # a group per word column
+        g = k_word[None, :] // GS
+        s, zc = _group_scale(s_ptr, z_ptr, rows_a[:, None], g, stride_s, n_mask[:, None], FMT, HAS_ZERO)
+        acc += (part - xo[None, :]) * s + zc * xs[None, :]
+        if PAIRED:
+            s, zc = _group_scale(s_ptr, z_ptr, rows_b[:, None], g, stride_s, n_mask[:, None], FMT, HAS_ZERO)
+            acc_u += (part_u - xo[None, :]) * s + zc * xs[None, :]
+    return acc, acc_u
+
+
+@triton.jit
+def _fp8_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, s_ptr, rows_a, rows_b, n_mask, stride_s, rstd,
+              GS: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr, PAIRED: tl.constexpr,
+              SCALE_END: tl.constexpr):
+    """acc[n, c] += w[n, k] * x[k] over the tile's inputs k; with more than one group, each code times its scale."""
+    k = t * BLOCK_C + tl.arange(0, BLOCK_C)
+    x = _xq(x_ptr, nw_ptr, x_ptr, k, rstd, NORM, False)
+    if SCALE_END:  # one scale per row (per channel): applied once, after the sum
+        acc += wa.to(tl.float32) * x[None, :]
+        if PAIRED:
+            acc_u += wb.to(tl.float32) * x[None, :]
+    else:
+        if GS % BLOCK_C == 0:
+            g = (t * BLOCK_C) // GS
+            sa = tl.load(s_ptr + rows_a.to(tl.int64) * stride_s + g, mask=n_mask, other=0.0)[:, None]
+            if PAIRED:
+                sb = tl.load(s_ptr + rows_b.to(tl.int64) * stride_s + g, mask=n_mask, other=0.0)[:, None]
+        else:
+            g = k[None, :] // GS
+            sa = tl.load(s_ptr + rows_a[:, None].to(tl.int64) * stride_s + g, mask=n_mask[:, None], other=0.0)
+            if PAIRED:
+                sb = tl.load(s_ptr + rows_b[:, None].to(tl.int64) * stride_s + g, mask=n_mask[:, None], other=0.0)
+        acc += (wa.to(tl.float32) * sa) * x[None, :]
+        if PAIRED:
+            acc_u += (wb.to(tl.float32) * sb) * x[None, :]
+    return acc, acc_u
+
+
+@triton.jit
+def _tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, rows_a, rows_b, n_mask, stride_s, rstd,
+          FMT: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, J: tl.constexpr, BLOCK_C: tl.constexpr,
+          NORM: tl.constexpr, PERM: tl.constexpr, PAIRED: tl.constexpr, HAS_ZERO: tl.constexpr,
+          SCALE_END: tl.constexpr):
+    if FMT == 2:
+        acc, acc_u = _fp8_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, s_ptr, rows_a, rows_b, n_mask, stride_s, rstd,
+                               GS, BLOCK_C, NORM, PAIRED, SCALE_END)
+    else:
+        acc, acc_u = _int_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, rows_a, rows_b, n_mask,
+                               stride_s, rstd, FMT, BITS, GS, J, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO)
+    return acc, acc_u
+
+
+@triton.jit
+def _qgemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, nw_ptr, r_ptr, pos_ptr, cs_ptr, perm_ptr,
+                  N, K, UP, T, stride_w, stride_s, stride_cp, eps,
+                  FMT: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, J: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  EVEN_N: tl.constexpr, NORM: tl.constexpr, K_PAD: tl.constexpr, SILU: tl.constexpr,
+                  RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr,
+                  PAIRED: tl.constexpr, PERM: tl.constexpr, SCALE_END: tl.constexpr, USE_PDL: tl.constexpr,
+                  INTERPRETED: tl.constexpr):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features; under ROPE, (row, row + D/2) pairs
+    n_mask = offs_n < N
+    if ROPE:
+        offs_a = (offs_n // HALF) * HEAD_DIM + offs_n % HALF
+        offs_b = offs_a + HALF
+    else:
+        offs_a = offs_n
+        offs_b = offs_n + UP  # SILU: the "up" rows; otherwise unused
+    rows_a = _row_addr(offs_a, stride_w, FMT, J)
+    rows_b = _row_addr(offs_b, stride_w, FMT, J)
+    # The first tile of codes does not depend on the previous kernel: under PDL it loads while that one drains.
+    col = _col_addr(0, BLOCK_C, FMT, J)
+    wa = _load_codes(w_ptr, rows_a, col, n_mask, EVEN_N)
+    wb = wa
+    if PAIRED:
+        wb = _load_codes(w_ptr, rows_b, col, n_mask, EVEN_N)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x, residual and y's memory belong to earlier kernels: nothing before this touches them
+    rstd = 0.0
+    if NORM:
+        offs_f = tl.arange(0, K_PAD)
+        h = tl.load(x_ptr + offs_f, mask=offs_f < K, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(h * h, 0) / K + eps)
+    acc = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
+    acc, acc_u = _tile(acc, acc_u, wa, wb, 0, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, offs_a, offs_b, n_mask,
+                       stride_s, rstd, FMT, BITS, GS, J, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO, SCALE_END)
+    for t in range(1, T):
+        col = _col_addr(t, BLOCK_C, FMT, J)
+        wa = _load_codes(w_ptr, rows_a, col, n_mask, EVEN_N)
+        wb = wa
+        if PAIRED:
+            wb = _load_codes(w_ptr, rows_b, col, n_mask, EVEN_N)
+        acc, acc_u = _tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, offs_a, offs_b, n_mask,
+                           stride_s, rstd, FMT, BITS, GS, J, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO, SCALE_END)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    y = tl.sum(acc, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    if SCALE_END:  # FP8 per channel
+        y *= tl.load(s_ptr + offs_a.to(tl.int64) * stride_s, mask=n_mask, other=0.0)
+        u *= tl.load(s_ptr + offs_b.to(tl.int64) * stride_s, mask=n_mask, other=0.0)
+    # `gemv._gemv_kernel`'s epilogue (inline: the interpreter resolves libdevice only in the kernel itself)
+    dt = y_ptr.dtype.element_ty
+    if HAS_BIAS:
+        if not RESIDUAL:  # column-parallel: F.linear adds the bias before rounding
+            y += tl.load(b_ptr + offs_a, mask=n_mask, other=0.0).to(tl.float32)
+    if ROPE:
+        if HAS_BIAS:
+            u += tl.load(b_ptr + offs_b, mask=n_mask, other=0.0).to(tl.float32)
+        x1 = y.to(dt).to(tl.float32)
+        x2 = u.to(dt).to(tl.float32)
+        j = offs_n % HALF
+        cs = cs_ptr + tl.load(pos_ptr).to(tl.int64) * stride_cp  # table [P, 2, D] fp32: cos, then sin
+        c1 = tl.load(cs + j).to(dt).to(tl.float32)
+        c2 = tl.load(cs + HALF + j).to(dt).to(tl.float32)
+        s1 = tl.load(cs + HEAD_DIM + j).to(dt).to(tl.float32)
+        s2 = tl.load(cs + HEAD_DIM + HALF + j).to(dt).to(tl.float32)
+        o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+        o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+        rot = offs_a < ROT_ROWS  # q and k heads; v passes through
+        tl.store(y_ptr + offs_a, tl.where(rot, o1, x1).to(dt), mask=n_mask)
+        tl.store(y_ptr + offs_b, tl.where(rot, o2, x2).to(dt), mask=n_mask)
+    else:
+        if SILU:
+            if HAS_BIAS:
+                u += tl.load(b_ptr + offs_b, mask=n_mask, other=0.0).to(tl.float32)
+            g = y.to(dt).to(tl.float32)
+            if INTERPRETED:  # the interpreter has no libdevice; numpy's exp is exact there
+                s = tl.div_rn(g, 1.0 + tl.exp(-g)).to(dt)
+            else:
+                s = tl.div_rn(g, 1.0 + libdevice.exp(-g)).to(dt)  # F.silu, rounded to the dtype
+            y = s.to(tl.float32) * u.to(dt).to(tl.float32)
+        if RESIDUAL:  # row-parallel: round, add the bias (rounded), add the residual stream (rounded)
+            if HAS_BIAS:
+                y = y.to(dt).to(tl.float32) + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            y = y.to(dt).to(tl.float32) + tl.load(r_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs_n, y.to(dt), mask=n_mask)
+
+
+@dataclass
+class QuantGemvWeight:
+    """One layer's quantized weight as the fused GEMV reads it (views of the tensors the layer already holds).
+
+    fmt INT4PACK: codes int32 [N/8, K/(32J), 32, J], scales = tinygemm's scales_and_zeros [K/GS, N, 2], zeros None.
+    fmt PACKED: codes int32 [N, K/PACK], scales / zeros [N, G]. fmt FP8: codes e4m3 [N, K], scales float32 [N, G].
+    perm: GPTQ act order (int formats), the input feature of each layout position."""
+
+    fmt: int
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    group_size: int
+    bits: int
+    n: int
+    k: int
+    j: int = 1
+    perm: torch.Tensor | None = None
+    config: dict | None = None
+
+    @property
+    def pack(self) -> int:
+        return 1 if self.fmt == FP8 else 32 // self.bits
+
+    @property
+    def row_stride(self) -> int:
+        """Elements between consecutive rows (INT4PACK: between 8-row blocks)."""
+        return self.codes.shape[1] * 32 * self.j if self.fmt == INT4PACK else self.codes.stride(0)
+
+    def block_c_ok(self, block_c: int) -> bool:
+        """Whether a K tile of block_c words (bytes) per row divides this weight."""
+        if self.fmt == INT4PACK:
+            return block_c % (4 * self.j) == 0 and (self.k // (32 * self.j)) % (block_c // (4 * self.j)) == 0
+        return (self.k // self.pack) % block_c == 0
+
+
+def default_config(qw: QuantGemvWeight) -> dict | None:
+    """Tiles without load-time measurement: the first candidate that fits (`candidates`)."""
+    cands = candidates(qw)
+    return cands[0] if cands else None
+
+
+def candidates(qw: QuantGemvWeight) -> list[dict]:
+    """Tile candidates that fit the weight, the likeliest first. BLOCK_N rows per program, BLOCK_C words (FP8:
+    bytes) of each row per K step. Integer codes: one 64-byte run of words per row and step (a 16-byte load per
+    thread), and few warps for many rows, so that each thread reuses its x values (loaded, normed and summed
+    per input) over several rows: rows per thread = BLOCK_N / (8 * num_warps); compiled for sm_90 the loop
+    costs ~4.4 instructions per code at 8 rows, ~5 at 4 (Triton 3.9). Measured per shape by `tune`."""
+    if qw.fmt == FP8:
+        tiles = ((512, 8, 4), (512, 16, 4), (256, 8, 4), (1024, 16, 8), (128, 8, 4), (64, 8, 2), (32, 8, 1))
+    else:  # small K (test models) falls back to shorter runs of words
+        bc = 4 * qw.j if qw.fmt == INT4PACK else next((c for c in (16, 8, 4) if qw.block_c_ok(c)), 16)
+        tiles = ((bc, 32, 1), (bc, 64, 1), (bc, 16, 1), (bc, 64, 2))
+    fits = [dict(BLOCK_N=bn, BLOCK_C=c, num_warps=w, num_stages=3) for c, bn, w in tiles if qw.block_c_ok(c)]
+    return fits[:4]
+
+
+def supports(x: torch.Tensor, qw: QuantGemvWeight) -> bool:
+    """One row of 16-bit activations (contiguous), a weight with a tile that fits."""
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
+            and x.shape[1] == qw.k and (qw.config is not None or default_config(qw) is not None))
+
+
+def qgemv(x: torch.Tensor, qw: QuantGemvWeight, bias: torch.Tensor | None = None, config: dict | None = None, *,
+          norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+          silu: bool = False, rope: _gemv.Rope | None = None) -> torch.Tensor:
+    """F.linear(x, dequantized weight, bias) for x [1, K], with `gemv.gemv`'s fused RMSNorm prologue and
+    SiLU-and-mul / RoPE / residual epilogues (same arguments, same rounding)."""
+    if x.shape[0] != 1:
+        raise ValueError(f"qgemv: one row, got {x.shape[0]}")
+    k = x.shape[1]
+    n = qw.n // 2 if silu else qw.n
+    if norm_weight is not None and k > MAX_NORM_K:
+        raise ValueError(f"qgemv: the RMSNorm prologue supports K <= {MAX_NORM_K}, got {k}")
+    cfg = dict(config or qw.config or default_config(qw))
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    grid_n = n
+    if rope is not None:
+        if n % rope.head_dim or rope.rot_rows % rope.head_dim or rope.head_dim % 2 or rope.cos_sin.stride(-1) != 1:
+            raise ValueError("qgemv: RoPE needs whole heads of an even head_dim and a contiguous cos/sin table")
+        grid_n = n // 2
+        cfg["BLOCK_N"] = max(1, min(cfg["BLOCK_N"] // 2, rope.head_dim // 2))
+    pdl = x.is_cuda and torch.cuda.is_current_stream_capturing() and _gemv.pdl_enabled()
+    extra = dict(launch_pdl=True) if pdl else {}
+    if rope is not None:  # the RoPE products are rounded to the dtype before their sum, as `fused_ops.rope` does
+        extra["enable_fp_fusion"] = False
+    x = x.contiguous()
+    s = qw.scales
+    block_c = cfg.pop("BLOCK_C")
+    _qgemv_kernel[(triton.cdiv(grid_n, cfg["BLOCK_N"]),)](
+        x, qw.codes, s, qw.zeros if qw.zeros is not None else s, bias if bias is not None else s, y,
+        norm_weight if norm_weight is not None else x, residual if residual is not None else x,
+        rope.positions if rope else x, rope.cos_sin if rope else x, qw.perm if qw.perm is not None else x,
+        grid_n, k, n if silu else 0, k // (block_c * qw.pack), qw.row_stride, qw.n if qw.fmt == INT4PACK else s.stride(0),
+        rope.cos_sin.stride(0) if rope else 0, eps,
+        FMT=qw.fmt, BITS=qw.bits, GS=qw.group_size, J=qw.j, BLOCK_C=block_c, HAS_ZERO=qw.zeros is not None,
+        HAS_BIAS=bias is not None, EVEN_N=grid_n % cfg["BLOCK_N"] == 0, NORM=norm_weight is not None,
+        K_PAD=triton.next_power_of_2(k) if norm_weight is not None else 1, SILU=silu, RESIDUAL=residual is not None,
+        ROPE=rope is not None, HEAD_DIM=rope.head_dim if rope else 2, ROT_ROWS=rope.rot_rows if rope else 0,
+        PAIRED=silu or rope is not None, PERM=qw.perm is not None,
+        SCALE_END=qw.fmt == FP8 and qw.scales.shape[1] == 1, USE_PDL=pdl,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", **cfg, **extra)
+    return y

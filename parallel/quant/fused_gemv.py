@@ -1,0 +1,91 @@
+"""Which quantized layers the fused batch-1 decoder (workers/models/fused_decode.py) can stream, and how.
+
+After load a quantized linear layer on CUDA holds `layer.packed`: tinygemm's int4 layout (tinygemm.py,
+4-bit GPTQ / AWQ with bf16 activations) or the Triton layout (packed.py: 8-bit GPTQ, fp16 activations, FP8).
+`prepare` describes that weight to the quantized GEMV (parallel/kernels/gemv_quant.py, which reads it in
+place: no second copy of any weight), picks its tiles by measuring them once per weight shape (before any
+CUDA graph), and stores the result as `layer.gemv_weight`; the fused decoder then takes the model at batch 1
+when every decoder linear has one. FP8 layers stream their e4m3 weights with bf16 activations there
+(W8A16: exact to the dequantized weight up to fp32 summation order), not the W8A8 `_scaled_mm` product that
+larger batches use. TANDEM_FUSED_QUANT=0 leaves quantized models on the unfused decoder (to compare).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV = "TANDEM_FUSED_QUANT"
+
+try:
+    from parallel.kernels import gemv_quant as _gq
+except ImportError:  # no Triton (CPU machines): quantized models keep the unfused decoder
+    _gq = None
+
+
+def enabled() -> bool:
+    return _gq is not None and os.environ.get(ENV, "1") != "0"
+
+
+def view(pw) -> "_gq.QuantGemvWeight | str":
+    """The GEMV's description of a layer's packed weight (PackedWeight or Int4PackWeight), or why there is none."""
+    if _gq is None:
+        return "no Triton"
+    if getattr(pw, "kernel", None) == "tinygemm":
+        qw = _gq.QuantGemvWeight(_gq.INT4PACK, pw.weight, pw.scales_and_zeros, None, pw.group_size, 4, pw.out_features,
+                                 pw.in_features, j=pw.inner_k_tiles // 2, perm=pw.perm)
+    elif pw.bits is None:
+        if pw.codes.dtype != torch.float8_e4m3fn:
+            return f"FP8 codes in {pw.codes.dtype}"
+        qw = _gq.QuantGemvWeight(_gq.FP8, pw.codes, pw.scales, None, pw.group_size, 8, pw.codes.shape[0],
+                                 pw.codes.shape[1])
+    elif pw.bits in (4, 8):
+        k = pw.codes.shape[1] * (32 // pw.bits)
+        qw = _gq.QuantGemvWeight(_gq.PACKED, pw.codes, pw.scales, pw.zeros, pw.group_size, pw.bits, pw.codes.shape[0],
+                                 k, perm=pw.perm)
+    else:
+        return f"{pw.bits}-bit codes"
+    if not all(t.is_contiguous() for t in (qw.codes, qw.scales) + ((qw.zeros,) if qw.zeros is not None else ())):
+        return "non-contiguous codes or scales"
+    if _gq.default_config(qw) is None:
+        return f"no GEMV tile divides K={qw.k}"
+    return qw
+
+
+_TUNED: dict[tuple, dict] = {}
+
+
+def tune(qw, dtype: torch.dtype) -> dict:
+    """The fastest of `gemv_quant.candidates` for this weight shape and format (plain GEMV, no fused ops),
+    measured once per shape with CUDA events; the first candidate with TANDEM_QUANT_TUNE=0."""
+    cands = _gq.candidates(qw)
+    if os.environ.get("TANDEM_QUANT_TUNE", "1") == "0" or len(cands) == 1:
+        return cands[0]
+    key = (qw.fmt, qw.n, qw.k, qw.group_size, qw.bits, qw.j, qw.perm is not None, qw.zeros is not None,
+           qw.scales.shape[-1] if qw.fmt == _gq.FP8 else 0, dtype, qw.codes.device)
+    if key not in _TUNED:
+        from parallel.kernels.quant_tiles import cuda_time
+
+        x = torch.randn(1, qw.k, device=qw.codes.device, dtype=dtype)
+        times = [(cuda_time(lambda: _gq.qgemv(x, qw, config=c)), i) for i, c in enumerate(cands)]
+        _TUNED[key] = cands[min(times)[1]]
+    return _TUNED[key]
+
+
+def prepare(layer, dtype: torch.dtype) -> None:
+    """Sets `layer.gemv_weight` (or `layer.gemv_skipped`, why not) for a layer with a packed weight on CUDA."""
+    if not enabled():
+        layer.gemv_skipped = f"{ENV}=0" if _gq is not None else "no Triton"
+        return
+    if dtype not in (torch.bfloat16, torch.float16):
+        layer.gemv_skipped = f"activations in {dtype}"
+        return
+    qw = view(layer.packed)
+    if isinstance(qw, str):
+        layer.gemv_skipped = qw
+        return
+    qw.config = tune(qw, dtype)
+    layer.gemv_weight = qw
