@@ -69,10 +69,15 @@ run_pd_small() {  # issue 27: in 256 / out 64 at 32 req/s, PD goodput >= 0.95x c
     --out "$RES/pd_small"
 }
 run_pd_c1() {  # issue 27: concurrency-1 TTFT (<= 1.10x) and TPOT (<= 1.05x), fixed 2048 in / 128 out, PD vs colocated;
-  # pd = router-driven prefill (the default), pd-decode-driven = the earlier flow (--no-router-prefill), same call
+  # pd = router-driven prefill (the default), pd-decode-driven = the earlier flow (--no-router-prefill), same call;
+  # PD_C1_DEPLOYMENTS="colocated;pd" runs only those of them
+  local PD_C1_ALL="colocated=--replicas 2;pd=--disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle;pd-decode-driven=--disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle --no-router-prefill"
+  if [ -n "${PD_C1_DEPLOYMENTS:-}" ]; then  # names -> their definitions
+    PD_C1_DEPLOYMENTS=$(tr ';' '\n' <<<"$PD_C1_ALL" | grep -E "^($(tr ';' '|' <<<"$PD_C1_DEPLOYMENTS"))=" | paste -sd ';')
+  fi
   python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
     --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16 --trace-requests" --log-dir "$RES/pd_c1_logs" \
-    --deployments "colocated=--replicas 2;pd=--disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle;pd-decode-driven=--disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle --no-router-prefill" \
+    --deployments "${PD_C1_DEPLOYMENTS:-$PD_C1_ALL}" \
     --bench-args "--length-dist fixed --input-len 2048 --output-len 128 --concurrencies 1 --num-prompts 20 --max-token-id 100000" \
     --out "$RES/pd_c1"
 }
