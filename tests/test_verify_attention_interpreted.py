@@ -3,7 +3,8 @@ what a speculative verification step's k + 1 tokens run on GPUs) on CPU, through
 (TRITON_INTERPRET=1, in a subprocess since it must be set before the kernels are defined), against the
 torch reference backend in fp32: ragged query counts (1..16) and contexts (0, within one 64-key tile,
 across tiles, tile-aligned), GQA 1/4/8, block tables with holes, split counts 1..4 and the default (splits
-that hold no key, tiles a query sees none of), fp32 and fp16; the Triton backend's routing (verify kernel
+that hold no key, tiles a query sees none of), fp32 and fp16, the step's k/v written by the kernel itself
+(the same cache as `write_kv` leaves) or beforehand; the Triton backend's routing (verify kernel
 for short queries, also after a mixed step's decodes; prefill kernel past 16); and a CUDA-graph-style padded batch (padding tokens with slot -1
 after the real ones, a padding sequence), whose real rows must equal the unpadded step's. bf16 and the FP8
 cache are left to tests/gpu/test_verify_attention.py: the interpreter's tl.dot mis-reads bf16."""
@@ -61,11 +62,20 @@ def reference(q, k, v, cache, meta):
     return TorchAttention().forward(q.float(), k.float(), v.float(), c, meta, SCALE)
 
 
-def kernel(q, k, v, cache, meta, splits):  # the backend's order: write the step's k/v, then attend
+def kernel(q, k, v, cache, meta, splits, fuse):
+    """fuse: the kernel writes the step's k/v itself (the backend's call); else write_kv first, then attend."""
+    c = cache.clone()
+    args = (q, c, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, meta.max_seq_len, SCALE)
+    if fuse:
+        return va.verify_attention(*args, num_splits=splits, k_new=k, v_new=v, slot_mapping=meta.slot_mapping), c
+    write_kv(c, k, v, meta.slot_mapping)
+    return va.verify_attention(*args, num_splits=splits), c
+
+
+def written(cache, k, v, meta):
     c = cache.clone()
     write_kv(c, k, v, meta.slot_mapping)
-    return va.verify_attention(q, c, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
-                               meta.max_seq_len, SCALE, num_splits=splits), c
+    return c
 
 
 checked = 0
@@ -80,11 +90,14 @@ for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 3e-3)):
     for hq, hkv, q_lens, ctx_lens in cases:
         q, k, v, cache, meta = batch(q_lens, ctx_lens, hq, hkv, dtype)
         ref = reference(q, k, v, cache, meta)
+        want_cache = written(cache, k, v, meta)
         for splits in (None, 1, 2, 3, 4):
-            out, c = kernel(q, k, v, cache, meta, splits)
-            err = (out.float() - ref).abs().max().item()
-            assert err < tol, (dtype, hq, hkv, q_lens, ctx_lens, splits, err)
-            checked += 1
+            for fuse in (False, True):
+                out, c = kernel(q, k, v, cache, meta, splits, fuse)
+                err = (out.float() - ref).abs().max().item()
+                assert err < tol, (dtype, hq, hkv, q_lens, ctx_lens, splits, fuse, err)
+                assert torch.equal(c, want_cache), (dtype, hq, hkv, q_lens, ctx_lens, splits, fuse)
+                checked += 1
 
 # The backend's routing: short queries take this kernel (same result), 17 tokens the prefill kernel.
 for q_lens, expect_verify in (([6, 2], True), ([17, 3], False)):
@@ -94,13 +107,16 @@ for q_lens, expect_verify in (([6, 2], True), ([17, 3], False)):
     c = cache.clone()
     out = TritonAttention().forward(q, k, v, c, meta, SCALE)
     assert (out - ref).abs().max().item() < 1e-4, q_lens
+    assert torch.equal(c, written(cache, k, v, meta)), q_lens
     checked += 1
 # A mixed step (decodes first, as the runner orders them): the decode kernel takes the decodes, this one the rest.
 q, k, v, cache, meta = batch([1, 1, 5, 3], [70, 9, 100, 30], 8, 2, torch.float32)
 meta.num_decodes = 2
 ref = reference(q, k, v, cache, meta)
-out = TritonAttention().forward(q, k, v, cache.clone(), meta, SCALE)
+c = cache.clone()
+out = TritonAttention().forward(q, k, v, c, meta, SCALE)
 assert (out - ref).abs().max().item() < 1e-4
+assert torch.equal(c, written(cache, k, v, meta))
 checked += 1
 assert not va.applies(1, 8, 2) and not va.applies(9, 8, 1) and va.applies(8, 8, 1) and va.applies(16, 32, 8)
 
@@ -108,7 +124,8 @@ assert not va.applies(1, 8, 2) and not va.applies(9, 8, 1) and va.applies(8, 8, 
 # sequence (context 0, all slots -1); the real rows equal the unpadded step's, whatever the stale cache holds.
 real_q, ctx = [4, 6], [70, 129]
 q, k, v, cache, meta = batch([6, 6, 6], ctx + [0], 8, 2, torch.float32, pad_slots=[4, 5, 12, 13, 14, 15, 16, 17])
-out, c = kernel(q, k, v, cache, meta, None)
+out, c = kernel(q, k, v, cache, meta, None, True)
+assert torch.equal(c, written(cache, k, v, meta))  # padding slots (-1) untouched
 keep = [0, 1, 2, 3, 6, 7, 8, 9, 10, 11]
 q2, k2, v2 = q[keep], k[keep], v[keep]
 slots2 = meta.slot_mapping[keep]
@@ -126,4 +143,4 @@ print("ok", checked)
 
 def test_verify_attention_in_the_triton_interpreter():
     out = run_interpreted(SCRIPT, timeout=900).strip()
-    assert out.startswith("ok") and int(out.split()[-1]) == 54, out
+    assert out.startswith("ok") and int(out.split()[-1]) == 104, out

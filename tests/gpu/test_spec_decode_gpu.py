@@ -1,7 +1,8 @@
 """Speculative decoding on a GPU (issue 16): verification steps replay their CUDA graphs
 (workers/spec_decode/graphs.py), whose attention is the split-context kernel (parallel/kernels/verify_attention.py)
 and whose all-greedy steps read only the replay's argmax rows (`verify_greedy`); n-gram greedy output is
-token-identical to plain decoding in fp32, batched and at batch 1; in bf16 the graphs pass their start-up
+token-identical to plain decoding in fp32 (but for a near-tie, see `_same_but_for_a_near_tie`), batched and
+at batch 1; in bf16 the graphs pass their start-up
 check against the eager path (a failed check would leave verification eager, about 3x slower)."""
 from __future__ import annotations
 
@@ -37,16 +38,29 @@ def test_ngram_greedy_in_verification_graphs_is_token_identical():
         batched = llm.generate(prompts, params)
         single = [llm.generate([p], params)[0] for p in prompts]
         stats = spec.metrics()
-        eng.spec_decoder = None  # the same engine, plain decoding
-        plain = llm.generate(prompts, params)
+        eng.spec_decoder = None  # the same engine, plain decoding, with each position's top two
+        plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=2))
     finally:
         eng.shutdown()
-    assert [o.token_ids for o in batched] == [o.token_ids for o in plain]
-    assert [o.token_ids for o in single] == [o.token_ids for o in plain]
+    for outs in (batched, single):
+        for got, want in zip(outs, plain):
+            _same_but_for_a_near_tie(got.token_ids, want)
     assert stats["spec_decode_num_accepted_tokens"] > 0
     assert 1 in replays and max(replays) > 1, replays  # batch-1 and batched verification steps were graphed
     print(f"\n{len(replays)} graphed verification steps; acceptance {stats['spec_decode_acceptance_rate']:.2f}, "
           f"{stats['spec_decode_mean_accepted_length']:.2f} tokens per speculating step")
+
+
+def _same_but_for_a_near_tie(got: list[int], want) -> None:
+    """Token-identical, or parted where plain decoding's two best tokens were within 1e-3 nats: the
+    attention kernels' tl.dot runs fp32 inputs as TF32 (decode and verification kernels alike), so a
+    verification step and a decode step may round a near-tie differently."""
+    i = next((j for j, (a, b) in enumerate(zip(got, want.token_ids)) if a != b), None)
+    if i is None:
+        assert len(got) == len(want.token_ids)
+        return
+    top = sorted(want.logprobs[i].values(), reverse=True)
+    assert top[0] - top[1] < 1e-3, (i, got[i], want.token_ids[i], want.logprobs[i])
 
 
 def test_bf16_verification_graphs_pass_their_start_up_check():

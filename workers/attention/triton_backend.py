@@ -45,12 +45,13 @@ class TritonAttention:
 def _chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, max_query_len: int,
             max_seq_len: int, scale: float, out: torch.Tensor | None) -> torch.Tensor:
-    """Sequences of several new tokens each: their k/v into the cache, then causal attention over it, on the
-    split-context kernel where every sequence runs at most a few tokens (verification), else the prefill kernel."""
-    write_kv(kv_cache, k, v, slot_mapping, KV_SCALE)
-    if _verify.applies(max_query_len, q.shape[1], kv_cache.shape[3]):  # reads the step's own k/v from the cache
+    """Sequences of several new tokens each: their k/v into the cache and causal attention over it, on the
+    split-context kernel (which writes the k/v too) where every sequence runs at most a few tokens
+    (verification), else `write_kv` and the prefill kernel."""
+    if _verify.applies(max_query_len, q.shape[1], kv_cache.shape[3]):  # it writes the step's k/v itself
         return _verify.verify_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
-                                        scale, out=out, kv_scale=KV_SCALE)
+                                        scale, out=out, kv_scale=KV_SCALE, k_new=k, v_new=v, slot_mapping=slot_mapping)
+    write_kv(kv_cache, k, v, slot_mapping, KV_SCALE)
     return prefill_attention(q, k, v, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, out=out,
                              kv_scale=KV_SCALE)
 
