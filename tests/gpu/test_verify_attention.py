@@ -18,20 +18,25 @@ HQ, HKV, D, PAGE = 32, 8, 128, 16
 SCALE = D ** -0.5
 
 
-def run_kernel(q, k, v, cache, meta):
+def run_kernel(q, k, v, cache, meta, fuse):
+    """fuse: the kernel writes the step's k/v (the backend's call); else write_kv first."""
     c = cache.clone()
+    args = (q, c, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, meta.max_seq_len, SCALE)
+    if fuse:
+        return va.verify_attention(*args, k_new=k, v_new=v, slot_mapping=meta.slot_mapping), c
     write_kv(c, k, v, meta.slot_mapping)
-    return va.verify_attention(q, c, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
-                               meta.max_seq_len, SCALE)
+    return va.verify_attention(*args), c
 
 
+@pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("q_lens,ctx_lens", [([5], [1024]), ([9, 2, 6], [2000, 3, 700]), ([16, 4], [64, 4000]),
                                              ([6] * 32, [1024] * 32)])
-def test_bf16_matches_the_reference(q_lens, ctx_lens):
+def test_bf16_matches_the_reference(q_lens, ctx_lens, fuse):
     q, k, v, cache, meta = make_batch(q_lens, ctx_lens, HQ, HKV, D, PAGE, torch.bfloat16)
-    ref, _ = reference(q, k, v, cache, meta, SCALE)
-    out = run_kernel(q, k, v, cache, meta)
+    ref, ref_cache = reference(q, k, v, cache, meta, SCALE)
+    out, c = run_kernel(q, k, v, cache, meta, fuse)
     assert rel_err(out, ref) < 1e-2
+    assert torch.equal(c.float(), ref_cache), "K/V written to the wrong slots"
 
 
 def test_fp8_cache_through_the_backend_matches_the_torch_backend():
@@ -80,8 +85,12 @@ def test_faster_than_the_prefill_kernel_at_batch_1(ctx):
     q, k, v, cache, meta = make_batch([6], [ctx], HQ, HKV, D, PAGE, torch.bfloat16, holes=False)
     write_kv(cache, k, v, meta.slot_mapping)
     args = (meta.block_tables, meta.seq_lens)
-    t_verify = _ms(lambda: va.verify_attention(q, cache, *args, meta.query_start_loc, 6, 4096, SCALE))
-    t_prefill = _ms(lambda: prefill_attention(q, k, v, cache, *args, meta.query_start_loc, 6, SCALE))
+    slots = meta.slot_mapping
+    # each as the backend runs it: the verify kernel writes the step's k/v itself, the prefill kernel after write_kv
+    t_verify = _ms(lambda: va.verify_attention(q, cache, *args, meta.query_start_loc, 6, 4096, SCALE, k_new=k, v_new=v,
+                                               slot_mapping=slots))
+    t_prefill = _ms(lambda: (write_kv(cache, k, v, slots),
+                             prefill_attention(q, k, v, cache, *args, meta.query_start_loc, 6, SCALE)))
     q1 = q[:1]
     t_decode = _ms(lambda: decode_attention(q1, cache, meta.block_tables, meta.seq_lens, SCALE, 4096))
     print(f"\nbatch 1, 6 queries, context {ctx}: verify kernel {1e3 * t_verify:.1f} us, prefill kernel "
