@@ -19,7 +19,9 @@ ms (CUDA events around that rank's launches, a split step's merge launch include
 step ('*': split-K, rows are pieces) and the host ms to issue them (if that is near the total, the launches,
 not the kernel, bound it); then every config ranked by its worst ratio / goal over all cells
 (< 1: every goal met). The first config there is the one to put in `CONFIGS` of the kernel module; a config
-can also be tried without editing anything through TANDEM_RING_KERNEL="BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N]".
+can also be tried without editing anything through
+TANDEM_RING_KERNEL="BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]" (acc16: the running output between
+steps in bf16, half the merges' traffic; the error column shows what it costs).
 --splits crosses every config with split-K counts (1: never split; N: up to N pieces per query tile; auto: the
 kernel's rule from the step's work per SM, what runs by default).
 Writes JSON (--out). Stops starting new configs after --budget-s seconds (the rest are marked skipped).

@@ -343,6 +343,20 @@ for r in range(sp):
     ref = torch.cat([want[b][p] for b, p in enumerate(q_shards[r].positions)])
     torch.testing.assert_close(steps.result(), ref, rtol=1e-5, atol=1e-5, msg=str(r))
     checked += 1
+
+# acc16: the running output kept in fp16 between steps (LSE fp32), split or not: SP=4, within fp16 tolerance.
+q, k, v = (torch.randn(n, h, D).half() for h in (4, 2, 2))
+full, _ = dense(q, k, v, ar(n), ar(n))
+positions = [owned_positions(0, n, r, 4, 4) for r in range(4)]
+qs, blocks, shards = split_for_ranks(q, k, v, positions)
+for cfg in ("16,16,4,1,acc16", "32,16,4,1,pack,split=2,acc16"):
+    for r in range(4):
+        steps = _RingSteps(qs[r], blocks[r], shards[r], [shards[(r - s) % 4] for s in range(4)], S, None, True, cfg)
+        assert steps.acc[0].dtype == torch.float16 and steps.acc[1].dtype == torch.float32
+        for s in range(4):
+            steps.step(s, blocks[(r - s) % 4])
+        torch.testing.assert_close(steps.result().float(), full[positions[r]], rtol=1e-2, atol=1e-2, msg=str((cfg, r)))
+        checked += 1
 print("ok", checked)
 '''
 
@@ -359,7 +373,7 @@ def test_ring_launches_in_the_triton_interpreter():
 
 def test_split_k_in_the_triton_interpreter():
     out = run_interpreted(SPLIT_SCRIPT)
-    assert out.strip().split()[-2:] == ["ok", str(5 * 3 + 1 + 1 + 2 * 2 * (2 + 4) + (2 + 4) + 1 + 2)], out[-500:]
+    assert out.strip().split()[-2:] == ["ok", str(5 * 3 + 1 + 1 + 2 * 2 * (2 + 4) + (2 + 4) + 1 + 2 + 2 * 4)], out[-500:]
 
 
 def _inputs(tq=8, tk=8, hq=4, hkv=2, d=16, dtype=torch.float32):
@@ -462,7 +476,9 @@ def test_launch_configs(monkeypatch):
     split = rt.RingConfig.parse("128,128,8,3,pack,split2")
     assert split == rt.RingConfig(128, 128, 8, 3, True, 2) and rt.RingConfig.parse(str(split)) == split
     assert rt.RingConfig.parse("128,128,8,3,split=auto,pack") == rt.RingConfig(128, 128, 8, 3, True, 0)
-    for bad in ("128,64,8,3,split=x", "128,64,8,3,split=2,split=3", "128,64,8,3,split=99"):
+    acc16 = rt.RingConfig.parse("128,128,8,3,acc16,pack")
+    assert acc16 == rt.RingConfig(128, 128, 8, 3, True, 0, True) and rt.RingConfig.parse(str(acc16)) == acc16
+    for bad in ("128,64,8,3,split=x", "128,64,8,3,split=2,split=3", "128,64,8,3,split=99", "128,64,8,3,acc16,acc16"):
         with pytest.raises(ValueError):
             rt.RingConfig.parse(bad)
     monkeypatch.delenv(rt.ENV, raising=False)

@@ -34,7 +34,7 @@ How many pieces: `split_counts`, from the step's key tiles per SM (`sm_count`); 
 up to N. The split kernel is a compile of its own (SPLIT), so unsplit steps run the kernel as before.
 
 Launch configs: `RingConfig`, the `CONFIGS` table by head dim, the TANDEM_RING_KERNEL environment variable
-("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N]"); scripts/tune_ring_kernel.py times candidates on a GPU.
+("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"); scripts/tune_ring_kernel.py times candidates on a GPU.
 Memory: the inputs, the accumulators and output, the tile table and, split, the pieces' partials: O(chunk).
 """
 from __future__ import annotations
@@ -71,31 +71,38 @@ class RingConfig:
     """Launch configuration of the ring kernel: tile sizes, warps, pipeline stages, GQA packing (a program
     takes every query head of one KV head: BLOCK_M / G query rows x G heads, see the module docstring) and
     split-K (`splits`: 0 chooses per step from its work and the SM count, `split_counts`; 1 never splits; n
-    cuts every query tile's key range into up to n pieces)."""
+    cuts every query tile's key range into up to n pieces) and `acc16`: the ring's running output between steps
+    in q's 16-bit dtype instead of fp32 (its LSE stays fp32): half the accumulators' traffic per step, each
+    merge rounded to bf16 / fp16 as the output finally is. Off by default: fp32 keeps the merge exact."""
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     pack: bool = False
     splits: int = 0
+    acc16: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "RingConfig":
-        """"BLOCK_M,BLOCK_N,warps,stages" then optionally "pack" (or 1/0) and "split=N" (or "splitN"; "split=auto"
-        is the default): as the env variable, e.g. "128,128,8,3,pack,split=2"."""
+        """"BLOCK_M,BLOCK_N,warps,stages" then optionally "pack" (or 1/0), "split=N" (or "splitN"; "split=auto"
+        is the default) and "acc16": as the env variable, e.g. "128,128,8,3,pack,split=2"."""
         parts = [p.strip().lower() for p in text.replace("x", ",").split(",") if p.strip()]
-        pack, splits = None, None
+        pack, splits, acc16 = None, None, False
         for flag in parts[4:]:
-            if flag.startswith("split") and splits is None:
+            if flag == "acc16" and not acc16:
+                acc16 = True
+            elif flag.startswith("split") and splits is None:
                 n = flag[5:].lstrip("=")
                 splits = 0 if n == "auto" else int(n) if n.isdigit() else -1
             elif flag in ("pack", "1", "true", "p", "0", "false") and pack is None:
                 pack = flag in ("pack", "1", "true", "p")
             else:
-                raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N], not {text!r}")
+                raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16], "
+                                 f"not {text!r}")
         if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]):
-            raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N], not {text!r}")
-        cfg = cls(*(int(p) for p in parts[:4]), bool(pack), splits or 0)
+            raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16], "
+                             f"not {text!r}")
+        cfg = cls(*(int(p) for p in parts[:4]), bool(pack), splits or 0, acc16)
         if cfg.block_m < 16 or cfg.block_n < 16 or cfg.num_warps < 1 or cfg.num_stages < 1 \
                 or cfg.block_m & (cfg.block_m - 1) or cfg.block_n & (cfg.block_n - 1) or not 0 <= cfg.splits <= 64:
             raise ValueError(f"bad ring kernel config {text!r}: tiles powers of two >= 16, warps and stages >= 1, "
@@ -104,7 +111,7 @@ class RingConfig:
 
     def __str__(self) -> str:
         return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}" + (",pack" if self.pack else "") \
-            + (f",split={self.splits}" if self.splits else "")
+            + (f",split={self.splits}" if self.splits else "") + (",acc16" if self.acc16 else "")
 
     def heads_per_program(self, gqa: int) -> int:
         """Query heads one program takes: the GQA group when packing (and it fits BLOCK_M with >= 1 row), else 1."""
