@@ -57,23 +57,33 @@ def _row_addr(rows, stride_w, FMT: tl.constexpr, J: tl.constexpr):
 
 
 @triton.jit
-def _col_addr(t, BLOCK_C: tl.constexpr, FMT: tl.constexpr, J: tl.constexpr):
-    """Offsets of the K tile t's BLOCK_C words (bytes for FP8) of a row, from its first code."""
-    c = tl.arange(0, BLOCK_C)
-    if FMT == 0:  # KO_PER = BLOCK_C / 4J ko tiles of 32J words (8 rows x 4J) each
-        off = (t * (BLOCK_C // (4 * J)) + c // (4 * J)) * (32 * J) + c % (4 * J)
+def _chunks(t, KS: tl.constexpr):
+    """[KS, 1] indices of the K chunks of step t (each of BLOCK_C words, or bytes for FP8)."""
+    return (t * KS + tl.arange(0, KS))[:, None]
+
+
+@triton.jit
+def _col_addr(t, KS: tl.constexpr, BLOCK_C: tl.constexpr, FMT: tl.constexpr, J: tl.constexpr):
+    """[KS, BLOCK_C] offsets of step t's words (bytes for FP8) of a row, from its first code. INT4PACK: a chunk
+    is one ko tile (BLOCK_C = 4J words of a row, 32J words for the 8-row block)."""
+    c = tl.arange(0, BLOCK_C)[None, :]
+    if FMT == 0:
+        off = _chunks(t, KS) * (32 * J) + c
     else:
-        off = t * BLOCK_C + c
+        off = _chunks(t, KS) * BLOCK_C + c
     return off
 
 
 @triton.jit
-def _load_codes(w_ptr, row_addr, col, n_mask, EVEN_N: tl.constexpr):
-    ptrs = w_ptr + row_addr[:, None] + col[None, :]
+def _load_codes(w_ptr, row_addr, col, n_mask, EVEN_N: tl.constexpr, FMT: tl.constexpr):
+    ptrs = w_ptr + row_addr[:, None, None] + col[None, :, :]  # [BLOCK_N, KS, BLOCK_C]
     if EVEN_N:
         w = tl.load(ptrs)
     else:
-        w = tl.load(ptrs, mask=n_mask[:, None], other=0)
+        if FMT == 2:
+            w = tl.load(ptrs, mask=n_mask[:, None, None], other=0.0)
+        else:
+            w = tl.load(ptrs, mask=n_mask[:, None, None], other=0)
     return w
 
 
@@ -155,22 +165,20 @@ def _group_scale(s_ptr, z_ptr, rows, g, stride_s, mask, FMT: tl.constexpr, HAS_Z
 
 @triton.jit
 def _int_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, rows_a, rows_b, n_mask, stride_s, rstd,
-              FMT: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, J: tl.constexpr, BLOCK_C: tl.constexpr,
-              NORM: tl.constexpr, PERM: tl.constexpr, PAIRED: tl.constexpr, HAS_ZERO: tl.constexpr):
-    """acc[n, c] += the K tile t's products of word column c (one group) for rows_a (acc_u: rows_b)."""
+              FMT: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, J: tl.constexpr, KS: tl.constexpr,
+              BLOCK_C: tl.constexpr, NORM: tl.constexpr, PERM: tl.constexpr, PAIRED: tl.constexpr,
+              HAS_ZERO: tl.constexpr):
+    """acc[n, s, c] += step t's products of word c of chunk s (one group) for rows_a (acc_u: rows_b)."""
     PACK: tl.constexpr = 32 // BITS
-    KT: tl.constexpr = BLOCK_C * PACK
-    c = tl.arange(0, BLOCK_C)
-    if FMT == 0:  # word column c: ko tile kk, t-quarter a, j; code b -> input 32 j + 16 i1 + 8 i0 + 2 a + lo
-        kk = c // (4 * J)
-        a = (c % (4 * J)) // J
-        jj = c % J
-        k_word = t * KT + kk * (32 * J) + jj * 32 + 2 * a
+    KT: tl.constexpr = BLOCK_C * PACK  # inputs per chunk
+    c = tl.arange(0, BLOCK_C)[None, :]
+    if FMT == 0:  # word c = J a + j of a ko tile; its code b is input 32 j + 16 i1 + 8 i0 + 2 a + lo of the tile
+        k_word = _chunks(t, KS) * KT + (c % J) * 32 + 2 * (c // J)  # [KS, BLOCK_C]
     else:
-        k_word = (t * BLOCK_C + c) * PACK
+        k_word = (_chunks(t, KS) * BLOCK_C + c) * PACK
     part = tl.zeros(wa.shape, tl.float32)
-    xs = tl.zeros([BLOCK_C], tl.float32)  # sum of x over each word's inputs (for the zero point)
-    xo = tl.zeros([BLOCK_C], tl.float32)  # sum of x times the codes' float offsets (`_code_offset`)
+    xs = tl.zeros([KS, BLOCK_C], tl.float32)  # sum of x over each word's inputs (for the zero point)
+    xo = tl.zeros([KS, BLOCK_C], tl.float32)  # sum of x times the codes' float offsets (`_code_offset`)
     if PAIRED:
         part_u = tl.zeros(wb.shape, tl.float32)
     for b in tl.static_range(PACK):
@@ -185,66 +193,68 @@ def _int_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, rows
             va = _shifted(wa, b // (32 // BITS // 4), BITS)
             if PAIRED:
                 vb = _shifted(wb, b // (32 // BITS // 4), BITS)
-        xb = xb * _code_scale(b, BITS)
-        part += _code(va, b, BITS) * xb[None, :]
+        xb = (xb * _code_scale(b, BITS))[None, :, :]
+        part += _code(va, b, BITS) * xb
         if PAIRED:
-            part_u += _code(vb, b, BITS) * xb[None, :]
-    if GS % KT == 0:  # one group for the whole tile: a scale per row
-        g = (t * KT) // GS
-        s, zc = _group_scale(s_ptr, z_ptr, rows_a, g, stride_s, n_mask, FMT, HAS_ZERO)
-        acc += (part - xo[None, :]) * s[:, None] + zc[:, None] * xs[None, :]
+            part_u += _code(vb, b, BITS) * xb
+    xs = xs[None, :, :]
+    part -= xo[None, :, :]
+    if PAIRED:
+        part_u -= xo[None, :, :]
+    if GS % KT == 0:  # one group per chunk: a scale per row and chunk
+        g = (_chunks(t, KS) * KT) // GS  # [KS, 1]
+        s, zc = _group_scale(s_ptr, z_ptr, rows_a[:, None, None], g[None, :, :], stride_s, n_mask[:, None, None],
+                             FMT, HAS_ZERO)
+        acc += part * s + zc * xs
         if PAIRED:
-            s, zc = _group_scale(s_ptr, z_ptr, rows_b, g, stride_s, n_mask, FMT, HAS_ZERO)
-            acc_u += (part_u - xo[None, :]) * s[:, None] + zc[:, None] * xs[None, :]
-    else:  # a group per word column
-        g = k_word[None, :] // GS
-        s, zc = _group_scale(s_ptr, z_ptr, rows_a[:, None], g, stride_s, n_mask[:, None], FMT, HAS_ZERO)
-        acc += (part - xo[None, :]) * s + zc * xs[None, :]
+            s, zc = _group_scale(s_ptr, z_ptr, rows_b[:, None, None], g[None, :, :], stride_s, n_mask[:, None, None],
+                                 FMT, HAS_ZERO)
+            acc_u += part_u * s + zc * xs
+    else:  # a group per word
+        g = (k_word // GS)[None, :, :]
+        s, zc = _group_scale(s_ptr, z_ptr, rows_a[:, None, None], g, stride_s, n_mask[:, None, None], FMT, HAS_ZERO)
+        acc += part * s + zc * xs
         if PAIRED:
-            s, zc = _group_scale(s_ptr, z_ptr, rows_b[:, None], g, stride_s, n_mask[:, None], FMT, HAS_ZERO)
-            acc_u += (part_u - xo[None, :]) * s + zc * xs[None, :]
+            s, zc = _group_scale(s_ptr, z_ptr, rows_b[:, None, None], g, stride_s, n_mask[:, None, None], FMT, HAS_ZERO)
+            acc_u += part_u * s + zc * xs
     return acc, acc_u
 
 
 @triton.jit
 def _fp8_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, s_ptr, rows_a, rows_b, n_mask, stride_s, rstd,
-              GS: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr, PAIRED: tl.constexpr,
+              GS: tl.constexpr, KS: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr, PAIRED: tl.constexpr,
               SCALE_END: tl.constexpr):
-    """acc[n, c] += w[n, k] * x[k] over the tile's inputs k; with more than one group, each code times its scale."""
-    k = t * BLOCK_C + tl.arange(0, BLOCK_C)
-    x = _xq(x_ptr, nw_ptr, x_ptr, k, rstd, NORM, False)
+    """acc[n, s, c] += w[n, k] * x[k] over step t's inputs k; with more than one group, each code times its scale."""
+    k = _chunks(t, KS) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]  # [KS, BLOCK_C]
+    x = _xq(x_ptr, nw_ptr, x_ptr, k, rstd, NORM, False)[None, :, :]
     if SCALE_END:  # one scale per row (per channel): applied once, after the sum
-        acc += wa.to(tl.float32) * x[None, :]
+        acc += wa.to(tl.float32) * x
         if PAIRED:
-            acc_u += wb.to(tl.float32) * x[None, :]
+            acc_u += wb.to(tl.float32) * x
     else:
         if GS % BLOCK_C == 0:
-            g = (t * BLOCK_C) // GS
-            sa = tl.load(s_ptr + rows_a.to(tl.int64) * stride_s + g, mask=n_mask, other=0.0)[:, None]
-            if PAIRED:
-                sb = tl.load(s_ptr + rows_b.to(tl.int64) * stride_s + g, mask=n_mask, other=0.0)[:, None]
+            g = ((_chunks(t, KS) * BLOCK_C) // GS)[None, :, :]  # [1, KS, 1]
         else:
-            g = k[None, :] // GS
-            sa = tl.load(s_ptr + rows_a[:, None].to(tl.int64) * stride_s + g, mask=n_mask[:, None], other=0.0)
-            if PAIRED:
-                sb = tl.load(s_ptr + rows_b[:, None].to(tl.int64) * stride_s + g, mask=n_mask[:, None], other=0.0)
-        acc += (wa.to(tl.float32) * sa) * x[None, :]
+            g = (k // GS)[None, :, :]
+        sa = tl.load(s_ptr + rows_a[:, None, None].to(tl.int64) * stride_s + g, mask=n_mask[:, None, None], other=0.0)
+        acc += (wa.to(tl.float32) * sa) * x
         if PAIRED:
-            acc_u += (wb.to(tl.float32) * sb) * x[None, :]
+            sb = tl.load(s_ptr + rows_b[:, None, None].to(tl.int64) * stride_s + g, mask=n_mask[:, None, None], other=0.0)
+            acc_u += (wb.to(tl.float32) * sb) * x
     return acc, acc_u
 
 
 @triton.jit
 def _tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, rows_a, rows_b, n_mask, stride_s, rstd,
-          FMT: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, J: tl.constexpr, BLOCK_C: tl.constexpr,
-          NORM: tl.constexpr, PERM: tl.constexpr, PAIRED: tl.constexpr, HAS_ZERO: tl.constexpr,
+          FMT: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, J: tl.constexpr, KS: tl.constexpr,
+          BLOCK_C: tl.constexpr, NORM: tl.constexpr, PERM: tl.constexpr, PAIRED: tl.constexpr, HAS_ZERO: tl.constexpr,
           SCALE_END: tl.constexpr):
     if FMT == 2:
         acc, acc_u = _fp8_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, s_ptr, rows_a, rows_b, n_mask, stride_s, rstd,
-                               GS, BLOCK_C, NORM, PAIRED, SCALE_END)
+                               GS, KS, BLOCK_C, NORM, PAIRED, SCALE_END)
     else:
         acc, acc_u = _int_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, rows_a, rows_b, n_mask,
-                               stride_s, rstd, FMT, BITS, GS, J, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO)
+                               stride_s, rstd, FMT, BITS, GS, J, KS, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO)
     return acc, acc_u
 
 
@@ -252,7 +262,7 @@ def _tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, rows_a, 
 def _qgemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, nw_ptr, r_ptr, pos_ptr, cs_ptr, perm_ptr,
                   N, K, UP, T, stride_w, stride_s, stride_cp, eps,
                   FMT: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, J: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, KS: tl.constexpr, BLOCK_C: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                   EVEN_N: tl.constexpr, NORM: tl.constexpr, K_PAD: tl.constexpr, SILU: tl.constexpr,
                   RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr,
                   PAIRED: tl.constexpr, PERM: tl.constexpr, SCALE_END: tl.constexpr, USE_PDL: tl.constexpr,
@@ -270,11 +280,11 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, nw_ptr, r_ptr, pos_p
     rows_a = _row_addr(offs_a, stride_w, FMT, J)
     rows_b = _row_addr(offs_b, stride_w, FMT, J)
     # The first tile of codes does not depend on the previous kernel: under PDL it loads while that one drains.
-    col = _col_addr(0, BLOCK_C, FMT, J)
-    wa = _load_codes(w_ptr, rows_a, col, n_mask, EVEN_N)
+    col = _col_addr(0, KS, BLOCK_C, FMT, J)
+    wa = _load_codes(w_ptr, rows_a, col, n_mask, EVEN_N, FMT)
     wb = wa
     if PAIRED:
-        wb = _load_codes(w_ptr, rows_b, col, n_mask, EVEN_N)
+        wb = _load_codes(w_ptr, rows_b, col, n_mask, EVEN_N, FMT)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x, residual and y's memory belong to earlier kernels: nothing before this touches them
     rstd = 0.0
@@ -282,22 +292,22 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, nw_ptr, r_ptr, pos_p
         offs_f = tl.arange(0, K_PAD)
         h = tl.load(x_ptr + offs_f, mask=offs_f < K, other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(h * h, 0) / K + eps)
-    acc = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
+    acc = tl.zeros([BLOCK_N, KS, BLOCK_C], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, KS, BLOCK_C], tl.float32)
     acc, acc_u = _tile(acc, acc_u, wa, wb, 0, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, offs_a, offs_b, n_mask,
-                       stride_s, rstd, FMT, BITS, GS, J, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO, SCALE_END)
+                       stride_s, rstd, FMT, BITS, GS, J, KS, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO, SCALE_END)
     for t in range(1, T):
-        col = _col_addr(t, BLOCK_C, FMT, J)
-        wa = _load_codes(w_ptr, rows_a, col, n_mask, EVEN_N)
+        col = _col_addr(t, KS, BLOCK_C, FMT, J)
+        wa = _load_codes(w_ptr, rows_a, col, n_mask, EVEN_N, FMT)
         wb = wa
         if PAIRED:
-            wb = _load_codes(w_ptr, rows_b, col, n_mask, EVEN_N)
+            wb = _load_codes(w_ptr, rows_b, col, n_mask, EVEN_N, FMT)
         acc, acc_u = _tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, offs_a, offs_b, n_mask,
-                           stride_s, rstd, FMT, BITS, GS, J, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO, SCALE_END)
+                           stride_s, rstd, FMT, BITS, GS, J, KS, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO, SCALE_END)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    y = tl.sum(acc, axis=1)
-    u = tl.sum(acc_u, axis=1)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
     if SCALE_END:  # FP8 per channel
         y *= tl.load(s_ptr + offs_a.to(tl.int64) * stride_s, mask=n_mask, other=0.0)
         u *= tl.load(s_ptr + offs_b.to(tl.int64) * stride_s, mask=n_mask, other=0.0)
@@ -368,32 +378,42 @@ class QuantGemvWeight:
         """Elements between consecutive rows (INT4PACK: between 8-row blocks)."""
         return self.codes.shape[1] * 32 * self.j if self.fmt == INT4PACK else self.codes.stride(0)
 
-    def block_c_ok(self, block_c: int) -> bool:
-        """Whether a K tile of block_c words (bytes) per row divides this weight."""
-        if self.fmt == INT4PACK:
-            return block_c % (4 * self.j) == 0 and (self.k // (32 * self.j)) % (block_c // (4 * self.j)) == 0
-        return (self.k // self.pack) % block_c == 0
+    def chunk(self) -> int:
+        """BLOCK_C: words (bytes for FP8) of a row per K chunk. INT4PACK: one ko tile (4J words, 32J inputs);
+        Triton layout: 16 words; FP8: 64 bytes. A chunk is four 16-byte loads, one per thread of a row."""
+        return 4 * self.j if self.fmt == INT4PACK else 16 if self.fmt == PACKED else 64
+
+    def chunks(self) -> int:
+        """K chunks of a row (None of a ragged K: `qgemv` needs whole chunks)."""
+        per = self.chunk() * self.pack
+        return self.k // per if self.k % per == 0 else 0
 
 
-def default_config(qw: QuantGemvWeight) -> dict | None:
+def default_config(qw: QuantGemvWeight, paired: bool = False) -> dict | None:
     """Tiles without load-time measurement: the first candidate that fits (`candidates`)."""
-    cands = candidates(qw)
+    cands = candidates(qw, paired)
     return cands[0] if cands else None
 
 
-def candidates(qw: QuantGemvWeight) -> list[dict]:
-    """Tile candidates that fit the weight, the likeliest first. BLOCK_N rows per program, BLOCK_C words (FP8:
-    bytes) of each row per K step. Integer codes: one 64-byte run of words per row and step (a 16-byte load per
-    thread), and few warps for many rows, so that each thread reuses its x values (loaded, normed and summed
-    per input) over several rows: rows per thread = BLOCK_N / (8 * num_warps); compiled for sm_90 the loop
-    costs ~4.4 instructions per code at 8 rows, ~5 at 4 (Triton 3.9). Measured per shape by `tune`."""
-    if qw.fmt == FP8:
-        tiles = ((512, 8, 4), (512, 16, 4), (256, 8, 4), (1024, 16, 8), (128, 8, 4), (64, 8, 2), (32, 8, 1))
-    else:  # small K (test models) falls back to shorter runs of words
-        bc = 4 * qw.j if qw.fmt == INT4PACK else next((c for c in (16, 8, 4) if qw.block_c_ok(c)), 16)
-        tiles = ((bc, 32, 1), (bc, 64, 1), (bc, 16, 1), (bc, 64, 2))
-    fits = [dict(BLOCK_N=bn, BLOCK_C=c, num_warps=w, num_stages=3) for c, bn, w in tiles if qw.block_c_ok(c)]
-    return fits[:4]
+# (BLOCK_N output features, KS chunks, num_warps), likeliest first; then tiles for a K of few chunks (test models).
+# From register counts and instructions per code compiled for sm_90 (Triton 3.9, Llama-3.1-8B shapes): 8 rows per
+# thread stay under 255 registers for single products, 4 pairs for the paired ones (gate/up, q/k rotation pairs).
+TILES = {(False, False): ((8, 16, 2), (8, 8, 1), (4, 16, 2)), (False, True): ((4, 16, 2), (4, 8, 1), (4, 32, 4)),
+         (True, False): ((8, 16, 2), (8, 8, 1), (4, 32, 4)), (True, True): ((4, 16, 2), (4, 32, 4), (2, 16, 2))}
+SMALL_K_TILES = ((4, 4, 1), (8, 2, 1), (8, 1, 1))
+
+
+def candidates(qw: QuantGemvWeight, paired: bool = False) -> list[dict]:
+    """Tile candidates that fit the weight (KS divides its chunks), at most three, for the plain / residual
+    product or (paired) the SiLU and RoPE epilogues, which stream two rows per output. A program takes
+    BLOCK_N outputs and KS chunks of K per step ([BLOCK_N, KS, BLOCK_C] codes): Triton's layout puts 4 threads
+    on a chunk's 64 bytes, 8 threads and then the warps on the KS chunks, and repeats the rows in each
+    thread, so that every thread reuses its x values (loaded, normed and summed per input) over its rows,
+    while the K split keeps many programs on a narrow layer (a 4096-row layer in 8-row programs: 512 of
+    them). Measured per shape and kind by `parallel/quant/fused_gemv.tune`."""
+    n = qw.chunks()
+    tiles = TILES[(qw.fmt == FP8, paired)] + SMALL_K_TILES
+    return [dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1) for bn, ks, w in tiles if n and n % ks == 0][:3]
 
 
 def supports(x: torch.Tensor, qw: QuantGemvWeight) -> bool:
@@ -413,26 +433,26 @@ def qgemv(x: torch.Tensor, qw: QuantGemvWeight, bias: torch.Tensor | None = None
     n = qw.n // 2 if silu else qw.n
     if norm_weight is not None and k > MAX_NORM_K:
         raise ValueError(f"qgemv: the RMSNorm prologue supports K <= {MAX_NORM_K}, got {k}")
-    cfg = dict(config or qw.config or default_config(qw))
+    cfg = dict(config or qw.config or default_config(qw, silu or rope is not None))
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid_n = n
     if rope is not None:
         if n % rope.head_dim or rope.rot_rows % rope.head_dim or rope.head_dim % 2 or rope.cos_sin.stride(-1) != 1:
             raise ValueError("qgemv: RoPE needs whole heads of an even head_dim and a contiguous cos/sin table")
-        grid_n = n // 2
-        cfg["BLOCK_N"] = max(1, min(cfg["BLOCK_N"] // 2, rope.head_dim // 2))
+        grid_n = n // 2  # BLOCK_N counts (row, partner) pairs, as it counts (gate, up) pairs under SiLU
+        cfg["BLOCK_N"] = max(1, min(cfg["BLOCK_N"], rope.head_dim // 2))
     pdl = x.is_cuda and torch.cuda.is_current_stream_capturing() and _gemv.pdl_enabled()
     extra = dict(launch_pdl=True) if pdl else {}
     if rope is not None:  # the RoPE products are rounded to the dtype before their sum, as `fused_ops.rope` does
         extra["enable_fp_fusion"] = False
     x = x.contiguous()
     s = qw.scales
-    block_c = cfg.pop("BLOCK_C")
+    block_c = qw.chunk()
     _qgemv_kernel[(triton.cdiv(grid_n, cfg["BLOCK_N"]),)](
         x, qw.codes, s, qw.zeros if qw.zeros is not None else s, bias if bias is not None else s, y,
         norm_weight if norm_weight is not None else x, residual if residual is not None else x,
         rope.positions if rope else x, rope.cos_sin if rope else x, qw.perm if qw.perm is not None else x,
-        grid_n, k, n if silu else 0, k // (block_c * qw.pack), qw.row_stride, qw.n if qw.fmt == INT4PACK else s.stride(0),
+        grid_n, k, n if silu else 0, qw.chunks() // cfg["KS"], qw.row_stride, qw.n if qw.fmt == INT4PACK else s.stride(0),
         rope.cos_sin.stride(0) if rope else 0, eps,
         FMT=qw.fmt, BITS=qw.bits, GS=qw.group_size, J=qw.j, BLOCK_C=block_c, HAS_ZERO=qw.zeros is not None,
         HAS_BIAS=bias is not None, EVEN_N=grid_n % cfg["BLOCK_N"] == 0, NORM=norm_weight is not None,

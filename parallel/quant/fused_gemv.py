@@ -58,21 +58,38 @@ def view(pw) -> "_gq.QuantGemvWeight | str":
 _TUNED: dict[tuple, dict] = {}
 
 
-def tune(qw, dtype: torch.dtype) -> dict:
-    """The fastest of `gemv_quant.candidates` for this weight shape and format (plain GEMV, no fused ops),
-    measured once per shape with CUDA events; the first candidate with TANDEM_QUANT_TUNE=0."""
-    cands = _gq.candidates(qw)
+def tune(qw, dtype: torch.dtype, kind: str) -> dict:
+    """The fastest of `gemv_quant.candidates` for this weight shape, format and kind of layer ("paired": gate/up
+    with RMSNorm and SiLU, and qkv with RMSNorm and RoPE, measured as the former; "residual": the row-parallel
+    epilogue), measured once per shape with CUDA events; the first candidate with TANDEM_QUANT_TUNE=0."""
+    paired = kind == "paired"
+    cands = _gq.candidates(qw, paired)
     if os.environ.get("TANDEM_QUANT_TUNE", "1") == "0" or len(cands) == 1:
         return cands[0]
     key = (qw.fmt, qw.n, qw.k, qw.group_size, qw.bits, qw.j, qw.perm is not None, qw.zeros is not None,
-           qw.scales.shape[-1] if qw.fmt == _gq.FP8 else 0, dtype, qw.codes.device)
+           qw.scales.shape[-1] if qw.fmt == _gq.FP8 else 0, dtype, kind, qw.codes.device)
     if key not in _TUNED:
         from parallel.kernels.quant_tiles import cuda_time
 
-        x = torch.randn(1, qw.k, device=qw.codes.device, dtype=dtype)
-        times = [(cuda_time(lambda: _gq.qgemv(x, qw, config=c)), i) for i, c in enumerate(cands)]
+        dev = qw.codes.device
+        x = torch.randn(1, qw.k, device=dev, dtype=dtype)
+        fused = {}
+        if paired:
+            fused = dict(norm_weight=torch.ones(qw.k, device=dev, dtype=dtype), eps=1e-6, silu=True)
+        elif kind == "residual":
+            fused = dict(residual=torch.randn(1, qw.n, device=dev, dtype=dtype))
+        times = [(cuda_time(lambda: _gq.qgemv(x, qw, config=c, **fused)), i) for i, c in enumerate(cands)]
         _TUNED[key] = cands[min(times)[1]]
     return _TUNED[key]
+
+
+def kind_of(layer) -> str:
+    """How the fused decoder calls this layer's GEMV: "paired" (gate/up, qkv), "residual" (row-parallel), "plain"."""
+    from parallel.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+    if isinstance(layer, (MergedColumnParallelLinear, QKVParallelLinear)):
+        return "paired" if sum(layer.out_shards) % 2 == 0 else "plain"  # tuned as the SiLU pairs (needs even rows)
+    return "residual" if isinstance(layer, RowParallelLinear) else "plain"
 
 
 def prepare(layer, dtype: torch.dtype) -> None:
@@ -87,5 +104,5 @@ def prepare(layer, dtype: torch.dtype) -> None:
     if isinstance(qw, str):
         layer.gemv_skipped = qw
         return
-    qw.config = tune(qw, dtype)
+    qw.config = tune(qw, dtype, kind_of(layer))
     layer.gemv_weight = qw
