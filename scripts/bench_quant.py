@@ -6,11 +6,16 @@ variants quantize those weights at load, in the layouts the project's tool write
 shared with scripts/quantize.py):
     bf16      the plain model (batch-1 decode through the fused bf16 GEMVs)
     w4a16     quantization="gptq": 4-bit RTN GPTQ, group 128; on CUDA PyTorch's tinygemm int4 kernel
-              (aten._weight_int4pack_mm; dequantize + cuBLAS from the row count measured at load)
+              (aten._weight_int4pack_mm; dequantize + cuBLAS from the row count measured at load); batch-1
+              decode through the fused decoder's quantized GEMV (parallel/kernels/gemv_quant.py), which reads
+              the tinygemm layout in place
+    w4a16-unfused / fp8-unfused  the same weights with the batch-1 graph on the unfused decoder
+              (TANDEM_FUSED_QUANT=0: tinygemm / the W8A16 GEMV per linear, as before), to compare
     w4a16-triton  the same weights on the Triton W4A16 GEMV / GEMM (TANDEM_W4A16_KERNEL=triton), to compare
     w4a16-awq quantization="awq": 4-bit AWQ GEMM packing, same kernels after repacking
     fp8       quantization="fp8": online FP8, per-channel weight scales, dynamic per-token activations
-              (W8A8 torch._scaled_mm above 4 rows; W8A16 Triton GEMV at 1-4 rows)
+              (W8A8 torch._scaled_mm above 4 rows; W8A16 Triton GEMV at 2-4 rows; batch 1: the fused
+              decoder's quantized GEMV, W8A16: e4m3 weights widened in registers, bf16 activations)
     fp8-kv    bf16 weights, kv_cache_dtype="fp8" (KV blocks at the same memory, throughput)
 With --agreement-model (a real checkpoint, e.g. models/tandem-tiny) the greedy outputs of each variant
 that can run on it are compared token by token with its bf16 run on prompts cut from real text.
@@ -18,6 +23,8 @@ that can run on it are compared token by token with its bf16 run on prompts cut 
     python scripts/bench_quant.py --shape llama-3.1-8b --device cuda            # the numbers in docs/benchmarks.md
     python scripts/bench_quant.py --shape llama-3.1-8b --device cuda --variants bf16,w4a16,fp8 --gen-len 128 \
         --num-requests 200 --mean-input 128 --mean-output 128 --max-input 512 --max-output 512   # short (~4 min)
+    python scripts/bench_quant.py --shape llama-3.1-8b --device cuda --variants bf16,w4a16,fp8,w4a16-unfused,fp8-unfused \
+        --num-requests 0 --gen-len 128 --max-num-seqs 8       # batch-1 ms/token only, each beside bf16 (~3 min)
     python scripts/bench_quant.py --model models/tandem-tiny --device cpu ...   # dry run (tests/test_bench_quant.py)
 Prints a table with ratios against bf16; writes JSON (--out).
 """
@@ -49,12 +56,16 @@ VARIANTS: dict[str, dict] = {
     "w4a16-triton": {"quantization": "gptq"},
     "w4a16-awq": {"quantization": "awq"},
     "fp8": {"quantization": "fp8"},
+    "w4a16-unfused": {"quantization": "gptq"},
+    "fp8-unfused": {"quantization": "fp8"},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
 }
 
 
 # Environment a variant is built under (read at load).
-VARIANT_ENV: dict[str, dict[str, str]] = {"w4a16-triton": {"TANDEM_W4A16_KERNEL": "triton"}}
+VARIANT_ENV: dict[str, dict[str, str]] = {"w4a16-triton": {"TANDEM_W4A16_KERNEL": "triton"},
+                                          "w4a16-unfused": {"TANDEM_FUSED_QUANT": "0"},
+                                          "fp8-unfused": {"TANDEM_FUSED_QUANT": "0"}}
 
 
 def sync(device: str) -> None:
@@ -96,7 +107,10 @@ def decode(llm: LLM, args, vocab: int) -> dict:
         n += len(eng.step())
         sync(args.device)
         steps.append(time.perf_counter() - t)
-    res = {"decode_tok_per_s": n / sum(steps), "median_step_ms": 1e3 * statistics.median(steps), "gen_tokens": n}
+    res = {"decode_tok_per_s": n / sum(steps), "median_step_ms": 1e3 * statistics.median(steps), "gen_tokens": n,
+           "ms_per_token": 1e3 * sum(steps) / max(n, 1)}
+    # Whether the batch-1 graph was captured through the fused decoder (workers/models/fused_decode.py).
+    res["fused_decode"] = bool(getattr(eng.executor.runner.model, "_fused_decode_ok", False))
     graphs = getattr(getattr(eng.executor, "runner", None), "cuda_graphs", None)
     if graphs is not None and 1 in graphs.graphs:  # GPU time of the captured batch-1 step alone
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -137,6 +151,10 @@ def engine_facts(llm: LLM) -> dict:
     facts["linear_kernel"] = getattr(layer, "linear_kernel", "plain") if layer.quantized else "plain"
     if getattr(layer, "tinygemm_skipped", None):
         facts["tinygemm_skipped"] = layer.tinygemm_skipped
+    if getattr(layer, "gemv_weight", None) is not None:  # the fused batch-1 GEMV's tiles (fused_gemv.tune)
+        facts["down_proj_gemv_tile"] = layer.gemv_weight.config
+    elif getattr(layer, "gemv_skipped", None):
+        facts["gemv_skipped"] = layer.gemv_skipped
     if packed is not None:
         facts["down_proj_plan"] = packed.plan
         if getattr(packed, "kernel", None) == "tinygemm":
@@ -252,15 +270,16 @@ def ratios(results: dict) -> dict:
 
 
 def print_table(report: dict) -> None:
-    print(f"\n{'variant':<12} {'kernel (down_proj)':<40} {'weights GiB':>11} {'KV blocks':>9} {'decode tok/s':>12} {'step ms':>8} "
-          f"{'graph ms':>8} {'offline tok/s':>13}")
+    print(f"\n{'variant':<14} {'kernel (down_proj)':<40} {'weights GiB':>11} {'KV blocks':>9} {'decode tok/s':>12} {'ms/token':>8} "
+          f"{'step ms':>8} {'graph ms':>8} {'fused':>5} {'offline tok/s':>13}")
     for v, r in report["results"].items():
         if "error" in r:
-            print(f"{v:<12} ERROR {r['error']}")
+            print(f"{v:<14} ERROR {r['error']}")
             continue
         d, o = r["decode"], r.get("offline", {})
-        print(f"{v:<12} {r['linear_kernel'][:40]:<40} {r['weight_gib']:>11.2f} {r['num_kv_blocks']:>9} {d['decode_tok_per_s']:>12.1f} "
-              f"{d['median_step_ms']:>8.2f} {d.get('graph_replay_ms', float('nan')):>8.2f} {o.get('output_tok_per_s', float('nan')):>13.1f}")
+        print(f"{v:<14} {r['linear_kernel'][:40]:<40} {r['weight_gib']:>11.2f} {r['num_kv_blocks']:>9} {d['decode_tok_per_s']:>12.1f} "
+              f"{d['ms_per_token']:>8.2f} {d['median_step_ms']:>8.2f} {d.get('graph_replay_ms', float('nan')):>8.2f} "
+              f"{'yes' if d['fused_decode'] else 'no':>5} {o.get('output_tok_per_s', float('nan')):>13.1f}")
     for v, r in report["ratios"].items():
         print(f"{v} vs bf16: " + ", ".join(f"{k} {x:.2f}" for k, x in r.items()))
     if report.get("agreement"):

@@ -32,6 +32,7 @@ def test_bench_quant_dry_run(tmp_path):
     assert set(res) == {"bf16", "w4a16", "w4a16-awq", "fp8", "fp8-kv"}
     for variant, r in res.items():
         assert r["decode"]["gen_tokens"] == 3 and r["offline"]["output_tokens"] > 0, variant
+        assert r["decode"]["ms_per_token"] > 0 and r["decode"]["fused_decode"] is False, variant  # CPU: no graphs
     assert res["bf16"]["linear_kernel"] == "plain"
     assert res["w4a16"]["linear_kernel"] == "reference dequantize"  # CPU: no Triton kernels
     assert res["fp8-kv"]["kv_dtype"] == "float8_e4m3fn"

@@ -1,0 +1,160 @@
+"""The fused batch-1 GEMV on quantized weights (parallel/kernels/gemv_quant.py) compiled on CUDA.
+
+* Layers loaded from RTN-quantized tensors and processed as the loader processes them (bf16 activations:
+  GPTQ / AWQ 4-bit in tinygemm's layout, 8-bit GPTQ in the Triton layout, FP8 per channel and block-wise)
+  get a `gemv_weight`; `qgemv` with every candidate tile equals x @ the reference dequantized weight.
+* The fused prologue / epilogues (RMSNorm + SiLU-and-mul, RMSNorm + RoPE, residual add) equal the bf16
+  fused decoder's `gemv` on the dequantized weight, within bf16 rounding (the weights it reads are rounded
+  to bf16, ours are exact), also replayed from a CUDA graph (programmatic dependent launch on Hopper).
+* End to end: a quantized tiny checkpoint's batch-1 decode graph is captured through the fused path
+  (workers/models/fused_decode.py) and generates what the unfused graph generates.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel.quant.rtn import Options
+from tests.gpu.test_quant_kernels import _close, _loaded
+
+CUDA = torch.device("cuda")
+
+CASES = {
+    "gptq4_g128_sym": (Options("gptq", bits=4, group_size=128), False),
+    "gptq4_g32_asym_act": (Options("gptq", bits=4, group_size=32, sym=False, desc_act=True), True),
+    "gptq4_g64": (Options("gptq", bits=4, group_size=64, sym=False), False),
+    "gptq4_all": (Options("gptq", bits=4, group_size=-1), False),
+    "awq_g128": (Options("awq", group_size=128), False),
+    "gptq8_g64": (Options("gptq", bits=8, group_size=64), False),
+    "fp8_block128": (Options("fp8", block=(128, 128)), False),
+    "fp8_channel": (Options("fp8", fp8_scale="channel"), False),
+}
+
+
+def _processed(case: str, n_in: int, outs: list[int]):
+    """A layer as load leaves it on CUDA with bf16 activations, and its reference dequantized weight."""
+    o, act = CASES[case]
+    layer = _loaded(o, n_in, outs, perm=act)
+    ref_w = layer.quant_method.dequantize(layer)  # CPU float32 [N, K]
+    layer = layer.to(CUDA)
+    layer.init_buffers()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer.quant_method.process_weights(layer)
+    finally:
+        torch.set_default_dtype(previous)
+    assert getattr(layer, "gemv_weight", None) is not None, getattr(layer, "gemv_skipped", None)
+    return layer, layer.gemv_weight, ref_w.to(CUDA)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("n_in,outs", [(2048, [1024]), (3584, [512, 512])])
+def test_every_tile_matches_reference_dequantized_linear(case, n_in, outs):
+    from parallel.kernels import gemv_quant as gq
+
+    layer, qw, ref_w = _processed(case, n_in, outs)
+    g = torch.Generator().manual_seed(n_in)
+    x = torch.randn(1, n_in, generator=g).to(CUDA, torch.bfloat16)
+    b = torch.randn(sum(outs), generator=g).to(CUDA, torch.bfloat16)
+    exact = x.float() @ ref_w.t() + b.float()
+    cfgs = gq.candidates(qw) + gq.candidates(qw, paired=True) + [qw.config]
+    for cfg in cfgs:
+        y = gq.qgemv(x, qw, b, cfg)
+        assert y.shape == exact.shape and y.dtype == torch.bfloat16
+        _close(y, exact, 0.01)
+
+
+def _rope(head_dim: int, rot_rows: int):
+    from parallel.kernels.gemv import Rope
+
+    ang = torch.rand(16, 1, head_dim // 2, device=CUDA) * 6
+    cs = torch.cat([torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)], 1).contiguous()
+    return Rope(torch.tensor([7], device=CUDA), cs, head_dim, rot_rows)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_ops_match_the_bf16_fused_gemv(case):
+    from parallel.kernels import gemv_quant as gq
+    from parallel.kernels.gemv import gemv
+
+    k = 1024
+    h = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16) * 3
+    nw = (torch.rand(k, device=CUDA) + 0.5).to(torch.bfloat16)
+    _, qw, ref_w = _processed(case, k, [768, 768])  # gate/up halves, or q (512) k (256) v (768) rows of 128
+    w16 = ref_w.to(torch.bfloat16)
+    want = gemv(h, w16, norm_weight=nw, eps=1e-6, silu=True)
+    _close(gq.qgemv(h, qw, norm_weight=nw, eps=1e-6, silu=True), want, 0.02)
+    rope = _rope(128, 768)
+    want = gemv(h, w16, norm_weight=nw, eps=1e-6, rope=rope)
+    _close(gq.qgemv(h, qw, norm_weight=nw, eps=1e-6, rope=rope), want, 0.02)
+    r = torch.randn(1, 1536, device=CUDA, dtype=torch.bfloat16) * 4
+    _close(gq.qgemv(h, qw, residual=r), gemv(h, w16, residual=r), 0.02)
+
+
+@pytest.mark.parametrize("case", ["gptq4_g32_asym_act", "gptq8_g64", "fp8_channel"])
+def test_under_cuda_graph_capture(case):
+    from parallel.kernels import gemv_quant as gq
+
+    k = 1024
+    _, qw, _ = _processed(case, k, [512, 512])
+    nw = (torch.rand(k, device=CUDA) + 0.5).to(torch.bfloat16)
+    x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
+    eager = gq.qgemv(x, qw, norm_weight=nw, eps=1e-6, silu=True)
+    static_x = x.clone()
+    gq.qgemv(static_x, qw, norm_weight=nw, eps=1e-6, silu=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # under capture: PDL launches on Hopper
+        static_y = gq.qgemv(static_x, qw, norm_weight=nw, eps=1e-6, silu=True)
+    static_x.copy_(torch.randn_like(x))
+    graph.replay()
+    static_x.copy_(x)
+    graph.replay()
+    torch.testing.assert_close(static_y, eager, rtol=0, atol=0)
+
+
+E2E = {"gptq4": Options("gptq", bits=4, group_size=64, sym=False, desc_act=True), "awq": Options("awq", group_size=64),
+       "gptq8": Options("gptq", bits=8, group_size=128), "fp8": Options("fp8", fp8_scale="channel")}
+
+
+@pytest.mark.parametrize("method", list(E2E))
+def test_quantized_model_decodes_through_the_fused_path(tmp_path, method, monkeypatch):
+    from tandem import LLM, SamplingParams
+    from tests.models import prompts_of_lengths, tiny_model
+    from tests.quant_helpers import qt
+    from workers.models import fused_decode
+
+    src = tiny_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                     intermediate_size=512, num_hidden_layers=2)
+    dst = str(tmp_path / "q")
+    qt.quantize_folder(src, dst, E2E[method])
+    calls = []
+    real = fused_decode.forward
+    monkeypatch.setattr(fused_decode, "forward", lambda *a: calls.append(1) or real(*a))
+    llm = LLM(dst, device="cuda", dtype="bfloat16", max_model_len=256, block_size=16, num_gpu_blocks_override=128,
+              max_num_seqs=4, enable_prefix_caching=False, show_progress=False)
+    try:
+        runner = llm.llm_engine.executor.runner
+        layer = runner.model.layers["0"].mlp.down_proj
+        assert getattr(layer, "gemv_weight", None) is not None, getattr(layer, "gemv_skipped", None)
+        assert calls, "the batch-1 graph was not captured through the fused path"
+        prompts = prompts_of_lengths([5, 40, 17], 200, seed=3)
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+        fused = [llm.generate([p], params)[0] for p in prompts]
+        runner.model.fuse_decode = False
+        runner.cuda_graphs = runner._capture_cuda_graphs()
+        unfused = [llm.generate([p], params)[0] for p in prompts]
+    finally:
+        llm.llm_engine.shutdown()
+    same = total = 0
+    for f, u in zip(fused, unfused):
+        assert f.token_ids[:2] == u.token_ids[:2], (f.token_ids, u.token_ids)
+        same += sum(a == b for a, b in zip(f.token_ids, u.token_ids))
+        total += len(u.token_ids)
+        lf = [lp[t] for lp, t in zip(f.logprobs, f.token_ids)]
+        lu = [lp[t] for lp, t in zip(u.logprobs, u.token_ids)]
+        n = next((i for i, (a, b) in enumerate(zip(f.token_ids, u.token_ids)) if a != b), len(lf))
+        # The unfused path runs other kernels (tinygemm's bf16 dequantization, W8A16 in another order): the
+        # fused one agrees within a few bf16 roundings until a near-tie flips a token.
+        assert max(abs(a - b) for a, b in zip(lf[:n], lu[:n])) < 0.1, (lf, lu)
+    assert same / total >= 0.8, (fused, unfused)
