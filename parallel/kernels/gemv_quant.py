@@ -19,16 +19,25 @@ GPTQ act order (`perm`): the codes are stored with K sorted by group; x is gathe
 permutation (with the RMSNorm weight under NORM), so nothing is permuted in memory.
 
 Integer codes are never converted with I2F (a quarter-rate instruction on Hopper, which bound the earlier
-W4A16 GEMV): a code c at bits s..s+BITS of a word becomes the float 2^E + c by OR-ing the masked bits
-into the mantissa of 2^E (E = 23 - s), and one exact subtraction leaves c, so a code costs a LOP3, an FADD
-and the FFMA with x. The products of one word (one group) are summed first, then the word's group scale and
-zero are applied once: scale * sum(c x) + (zero' ) * sum(x), zero' = zero - 8 scale (tinygemm) or
--zero * scale; exact to the dequantized weight up to fp32 summation order (the reference rounds nothing
-more: (q - z) * s is exact in fp32 for bf16/fp16 scales).
+W4A16 GEMV). A word is shifted so that a pair of 4-bit codes (or one 8-bit code) sits at bits 12.. and
+the exponent of 2^11 is OR'd in (one shift and one OR per pair); an AND with an immediate then leaves the
+float 2048 + c (a code at bits 12..15) or 2048 + 16 c (bits 16..19, with x pre-scaled by 1/16), whose
+product with x is FFMA'd into the word's sum: a LOP3 and an FFMA per code, plus half a shift/OR. The
+offsets (2048 x, 128 x) are summed per input once per program and subtracted per word, and then the word's
+group scale and zero are applied once: scale * sum(c x) + zero' * sum(x), zero' = zero - 8 scale
+(tinygemm) or -zero * scale. That is x @ the dequantized weight up to fp32 summation order and the
+cancellation of the offsets (relative error ~1e-5; the reference rounds nothing more: (q - z) * s is exact
+in fp32 for bf16 / fp16 scales).
+
+Tiles: a program owns BLOCK_N output features and walks K in steps of KS chunks of 64 bytes per row, its
+codes a [BLOCK_N, KS, 64 B] tensor. Triton gives each thread one 16-byte piece of a chunk for all BLOCK_N
+rows, so each x value a thread loads (normed, summed) serves BLOCK_N rows (twice that for the paired SiLU
+/ RoPE epilogues), while the K split keeps the programs many on narrow layers; the partial sums are
+reduced over the chunks once, before the epilogue. Candidates in `candidates`; `fused_gemv.tune`
+measures them per weight shape and kind of layer at load, before any graph.
 
 Everything else (the RMSNorm prologue rounded as `RMSNorm` rounds, SiLU-and-mul, RoPE, residual add, bias,
-PDL under CUDA-graph capture) is `gemv._gemv_kernel`'s, see there. Tiles: `tune` measures candidates per
-weight shape at load (parallel/quant/fused_gemv.py), before any graph.
+PDL under CUDA-graph capture) is `gemv._gemv_kernel`'s, see there.
 """
 from __future__ import annotations
 
@@ -414,12 +423,6 @@ def candidates(qw: QuantGemvWeight, paired: bool = False) -> list[dict]:
     n = qw.chunks()
     tiles = TILES[(qw.fmt == FP8, paired)] + SMALL_K_TILES
     return [dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1) for bn, ks, w in tiles if n and n % ks == 0][:3]
-
-
-def supports(x: torch.Tensor, qw: QuantGemvWeight) -> bool:
-    """One row of 16-bit activations (contiguous), a weight with a tile that fits."""
-    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1
-            and x.shape[1] == qw.k and (qw.config is not None or default_config(qw) is not None))
 
 
 def qgemv(x: torch.Tensor, qw: QuantGemvWeight, bias: torch.Tensor | None = None, config: dict | None = None, *,
