@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import statistics
 import sys
@@ -73,6 +74,11 @@ def code_editing_prompt(tokenizer, vocab: int, n_file: int, seed: int = 0) -> li
     ids = ids[:n_file]
     instruction = tokenizer.encode("\n# Rewrite the module above, renaming `request` to `req`:\n")
     return ids + instruction + ids[: n_file // 8]
+
+
+def verification_graphs(eng) -> dict | None:
+    graphs = getattr(getattr(eng.executor, "runner", None), "verify_graphs", None)
+    return None if graphs is None else {"tokens_per_sequence": graphs.q, "batch_sizes": graphs.batch_sizes}
 
 
 def set_spec(llm: LLM, spec: SpecDecoder | None, batch_limit: int | None = None) -> None:
@@ -456,7 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     report = {"model": args.model, "load_format": args.load_format, "device": device_name,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:] if argv is None else argv,
-              "dtype": str(eng.executor.runner.dtype) if hasattr(eng.executor, "runner") else args.dtype}
+              "dtype": str(eng.executor.runner.dtype) if hasattr(eng.executor, "runner") else args.dtype,
+              # whether the engine's verification steps replay CUDA graphs (None: they run eagerly, about 3x a
+              # decode step on an H100; the start-up log says why), and the rows GEMV's setting
+              "verification_graphs": verification_graphs(eng), "gemv_rows": os.environ.get("TANDEM_GEMV_ROWS", "1")}
+    print(f"{device_name}: verification graphs {report['verification_graphs']}, TANDEM_GEMV_ROWS={report['gemv_rows']}",
+          flush=True)
     path = Path(args.out).with_suffix(".json")
     path.parent.mkdir(parents=True, exist_ok=True)
     runs = {"step_cost": lambda: step_cost(llm, args), "ngram_batch1": lambda: batch1(llm, prompt, args),

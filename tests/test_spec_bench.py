@@ -23,6 +23,7 @@ def test_dry_run_fills_every_section(tmp_path):
         assert set(cost["ms"]) == {"0", "1", "2"} and all(v > 0 for v in cost["ms"].values())
         assert cost["ratio_to_decode"]["0"] == 1.0
         assert set(cost["implied_speedup"]) == {"0.5", "0.6", "0.7", "0.8", "0.9"}
+    assert report["verification_graphs"] is None  # CPU: verification runs eagerly
     b1 = report["ngram_batch1"]
     assert b1["plain_tok_s"] > 0 and b1["ngram"]["2"]["tok_s"] > 0
     assert b1["ngram"]["2"]["agreement"]["identical"] == "1/1"  # fp32 on CPU: token-identical
