@@ -210,15 +210,17 @@ def _int_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, rows
     part -= xo[None, :, :]
     if PAIRED:
         part_u -= xo[None, :, :]
-    if GS % KT == 0:  # one group per chunk: a scale per row and chunk
+    if GS % KT == 0:  # one group per chunk: a thread's 4 words share a scale, so fold them before scaling
+        # (the last dim splits as the layout does: 4 threads x 4 words each; the sums stay in the thread)
         g = (_chunks(t, KS) * KT) // GS  # [KS, 1]
+        xs = tl.sum(tl.reshape(xs, [1, KS, BLOCK_C // 4, 4]), axis=3)
         s, zc = _group_scale(s_ptr, z_ptr, rows_a[:, None, None], g[None, :, :], stride_s, n_mask[:, None, None],
                              FMT, HAS_ZERO)
-        acc += part * s + zc * xs
+        acc += tl.sum(tl.reshape(part, [part.shape[0], KS, BLOCK_C // 4, 4]), axis=3) * s + zc * xs
         if PAIRED:
             s, zc = _group_scale(s_ptr, z_ptr, rows_b[:, None, None], g[None, :, :], stride_s, n_mask[:, None, None],
                                  FMT, HAS_ZERO)
-            acc_u += part_u * s + zc * xs
+            acc_u += tl.sum(tl.reshape(part_u, [part_u.shape[0], KS, BLOCK_C // 4, 4]), axis=3) * s + zc * xs
     else:  # a group per word
         g = (k_word // GS)[None, :, :]
         s, zc = _group_scale(s_ptr, z_ptr, rows_a[:, None, None], g, stride_s, n_mask[:, None, None], FMT, HAS_ZERO)
@@ -301,8 +303,10 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, nw_ptr, r_ptr, pos_p
         offs_f = tl.arange(0, K_PAD)
         h = tl.load(x_ptr + offs_f, mask=offs_f < K, other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(h * h, 0) / K + eps)
-    acc = tl.zeros([BLOCK_N, KS, BLOCK_C], tl.float32)
-    acc_u = tl.zeros([BLOCK_N, KS, BLOCK_C], tl.float32)
+    # Integer codes with one group per chunk keep a sum per thread's 4 words (`_int_tile`); others one per word / byte.
+    ACC_C: tl.constexpr = BLOCK_C // 4 if FMT != 2 and GS % (BLOCK_C * (32 // BITS)) == 0 else BLOCK_C
+    acc = tl.zeros([BLOCK_N, KS, ACC_C], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, KS, ACC_C], tl.float32)
     acc, acc_u = _tile(acc, acc_u, wa, wb, 0, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, offs_a, offs_b, n_mask,
                        stride_s, rstd, FMT, BITS, GS, J, KS, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO, SCALE_END)
     for t in range(1, T):
@@ -405,9 +409,10 @@ def default_config(qw: QuantGemvWeight, paired: bool = False) -> dict | None:
 
 
 # (BLOCK_N output features, KS chunks, num_warps), likeliest first; then tiles for a K of few chunks (test models).
-# From register counts and instructions per code compiled for sm_90 (Triton 3.9, Llama-3.1-8B shapes): 8 rows per
-# thread stay under 255 registers for single products, 4 pairs for the paired ones (gate/up, q/k rotation pairs).
-TILES = {(False, False): ((8, 16, 2), (8, 8, 1), (4, 16, 2)), (False, True): ((4, 16, 2), (4, 8, 1), (4, 32, 4)),
+# From register counts and instructions per code compiled for sm_90 (Triton 3.9, Llama-3.1-8B shapes, 4-bit g128):
+# 16 rows per thread fit in 168 registers for single products (4.0-4.2 instructions per code), 8 pairs for the
+# paired ones (gate/up: 5.1 with the RMSNorm prologue; 16 pairs spill); fewer rows, more programs, more x work.
+TILES = {(False, False): ((16, 16, 2), (8, 16, 2), (16, 8, 1)), (False, True): ((8, 16, 2), (8, 8, 1), (4, 16, 2)),
          (True, False): ((8, 16, 2), (8, 8, 1), (4, 32, 4)), (True, True): ((4, 16, 2), (4, 32, 4), (2, 16, 2))}
 SMALL_K_TILES = ((4, 4, 1), (8, 2, 1), (8, 1, 1))
 
