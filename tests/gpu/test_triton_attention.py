@@ -196,9 +196,11 @@ def test_serving_compiles_no_attention_kernel():
     from tests.models import prompts_of_lengths, tiny_model
     from tandem import LLM, SamplingParams
     from parallel.kernels import paged_attention as pa
+    from parallel.kernels import verify_attention as va
 
     def variants() -> dict[str, int]:
-        kernels = {"prefill": pa._prefill_kernel, "decode": pa._decode_split_kernel, "write_kv": pa._write_kv_kernel}
+        kernels = {"prefill": pa._prefill_kernel, "decode": pa._decode_split_kernel, "write_kv": pa._write_kv_kernel,
+                   "short queries": va._verify_split_kernel}  # the 5- and 17-token prompts' chunks, short tails
         return {name: sum(len(c[0]) for c in fn.device_caches.values()) for name, fn in kernels.items()}
 
     llm = LLM(tiny_model("llama"), device="cuda", dtype="bfloat16", attention_backend="triton", max_model_len=256,
