@@ -110,47 +110,49 @@ def _xq(x_ptr, nw_ptr, perm_ptr, k, rstd, NORM: tl.constexpr, PERM: tl.constexpr
 
 
 @triton.jit
-def _shifted(w, m: tl.constexpr, BITS: tl.constexpr):
-    """The words shifted so that code pair m (4-bit: codes 2m, 2m + 1; 8-bit: code m) sits at bits 12.., with
-    2^11's exponent OR'd in: then each code is one AND with an immediate away from the float 2^11 + c * 2^(p - 12)."""
-    SH: tl.constexpr = 12 - 8 * m
+def _shift(b: tl.constexpr, BITS: tl.constexpr):
+    """Left shift (negative: right) that moves code b into bits 11..22 of a word. 4-bit: codes 0-2 by 11,
+    3-5 by -1, 6-7 by -13, so three shifted copies serve a word's eight codes; 8-bit: one copy per code."""
+    if BITS == 4:
+        SH: tl.constexpr = 11 if b < 3 else -1 if b < 6 else -13
+    else:
+        SH: tl.constexpr = 11 - 8 * b
+    return SH
+
+
+@triton.jit
+def _shifted(w, b: tl.constexpr, BITS: tl.constexpr):
+    """The words shifted by `_shift(b)`, with the exponent of 2^11 OR'd in (once per copy, not per code)."""
+    SH: tl.constexpr = _shift(b, BITS)
     if SH > 0:
         v = w << SH
-    elif SH < 0:
-        v = w >> (-SH)
     else:
-        v = w
+        v = w >> (-SH)
     return v | 0x45000000
 
 
 @triton.jit
 def _code(v, b: tl.constexpr, BITS: tl.constexpr):
-    """Code b of each word from `_shifted`'s v, as the float 2048 + c (at bits 12..) or 2048 + 16 c (4-bit odd
-    codes, at bits 16..): an AND keeps the exponent of 2^11 and the code's bits of the mantissa."""
-    if BITS == 4:
-        LO: tl.constexpr = 12 + 4 * (b % 2)
-    else:
-        LO: tl.constexpr = 12
-    return (v & ((((1 << BITS) - 1) << LO) | 0x45000000)).to(tl.float32, bitcast=True)
+    """Code b from its shifted copy v (`_shifted`) as the float 2^11 + c * 2^(P - 12), P = its bit position (11,
+    15 or 19): an AND with an immediate keeps the exponent and the code's bits. (OR-ing the exponent here instead,
+    one LOP3 with two constants, made ptxas rematerialize a constant per code: more instructions, not fewer.)"""
+    P: tl.constexpr = BITS * b + _shift(b, BITS)
+    return (v & ((((1 << BITS) - 1) << P) | 0x45000000)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _code_scale(b: tl.constexpr, BITS: tl.constexpr):
-    """x is multiplied by this for code b, so that `_code`'s float times it is 2048 x (or 128 x) + c x."""
-    if BITS == 4 and b % 2 == 1:
-        f: tl.constexpr = 0.0625
-    else:
-        f: tl.constexpr = 1.0
+    """x is multiplied by 2^(12 - P) for code b, so that `_code`'s float times it is c x + 2^(23 - P) x."""
+    P: tl.constexpr = BITS * b + _shift(b, BITS)
+    f: tl.constexpr = 2.0 ** (12 - P)
     return f
 
 
 @triton.jit
 def _code_offset(b: tl.constexpr, BITS: tl.constexpr):
-    """What `_code` times `_code_scale` adds per unit of x for code b: 2048, or 128 (4-bit odd codes)."""
-    if BITS == 4 and b % 2 == 1:
-        off: tl.constexpr = 128.0
-    else:
-        off: tl.constexpr = 2048.0
+    """What `_code` times `_code_scale` adds per unit of x for code b: 2^(23 - P) (4096, 256 or 16)."""
+    P: tl.constexpr = BITS * b + _shift(b, BITS)
+    off: tl.constexpr = 2.0 ** (23 - P)
     return off
 
 
@@ -198,10 +200,10 @@ def _int_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, rows
         xb = _xq(x_ptr, nw_ptr, perm_ptr, k, rstd, NORM, PERM)
         xs += xb
         xo += xb * _code_offset(b, BITS)
-        if BITS == 8 or b % 2 == 0:  # a new pair: shift once for both of its codes
-            va = _shifted(wa, b // (32 // BITS // 4), BITS)
+        if BITS == 8 or b == 0 or b == 3 or b == 6:  # a new shifted copy (`_shift`)
+            va = _shifted(wa, b, BITS)
             if PAIRED:
-                vb = _shifted(wb, b // (32 // BITS // 4), BITS)
+                vb = _shifted(wb, b, BITS)
         xb = (xb * _code_scale(b, BITS))[None, :, :]
         part += _code(va, b, BITS) * xb
         if PAIRED:
