@@ -69,8 +69,6 @@ def tune(qw, dtype: torch.dtype, kind: str) -> dict:
     key = (qw.fmt, qw.n, qw.k, qw.group_size, qw.bits, qw.j, qw.perm is not None, qw.zeros is not None,
            qw.scales.shape[-1] if qw.fmt == _gq.FP8 else 0, dtype, kind, qw.codes.device)
     if key not in _TUNED:
-        from parallel.kernels.quant_tiles import cuda_time
-
         dev = qw.codes.device
         x = torch.randn(1, qw.k, device=dev, dtype=dtype)
         fused = {}
@@ -78,9 +76,28 @@ def tune(qw, dtype: torch.dtype, kind: str) -> dict:
             fused = dict(norm_weight=torch.ones(qw.k, device=dev, dtype=dtype), eps=1e-6, silu=True)
         elif kind == "residual":
             fused = dict(residual=torch.randn(1, qw.n, device=dev, dtype=dtype))
-        times = [(cuda_time(lambda: _gq.qgemv(x, qw, config=c, **fused)), i) for i, c in enumerate(cands)]
+        times = [(_cold_time(lambda: _gq.qgemv(x, qw, config=c, **fused)), i) for i, c in enumerate(cands)]
         _TUNED[key] = cands[min(times)[1]]
     return _TUNED[key]
+
+
+def _cold_time(fn, iters: int = 5) -> float:
+    """Milliseconds per call of `fn` with its weight out of L2, as in a forward (each layer's weight is read once
+    per token): a 64 MB write before each timed call evicts it. Timing the same weight back to back would read
+    it from L2 (a 4096 x 4096 int4 layer is 8 MB) and favour the tiles that compute fastest over those that keep
+    enough loads in flight."""
+    fn()  # compiles
+    flush = torch.empty(64 << 20, dtype=torch.uint8, device=torch.cuda.current_device())
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    total = 0.0
+    for _ in range(iters):
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        total += start.elapsed_time(end)
+    return total / iters
 
 
 def kind_of(layer) -> str:
