@@ -19,15 +19,15 @@ GPTQ act order (`perm`): the codes are stored with K sorted by group; x is gathe
 permutation (with the RMSNorm weight under NORM), so nothing is permuted in memory.
 
 Integer codes are never converted with I2F (a quarter-rate instruction on Hopper, which bound the earlier
-W4A16 GEMV). A word is shifted so that a pair of 4-bit codes (or one 8-bit code) sits at bits 12.. and
-the exponent of 2^11 is OR'd in (one shift and one OR per pair); an AND with an immediate then leaves the
-float 2048 + c (a code at bits 12..15) or 2048 + 16 c (bits 16..19, with x pre-scaled by 1/16), whose
-product with x is FFMA'd into the word's sum: a LOP3 and an FFMA per code, plus half a shift/OR. The
-offsets (2048 x, 128 x) are summed per input once per program and subtracted per word, and then the word's
-group scale and zero are applied once: scale * sum(c x) + zero' * sum(x), zero' = zero - 8 scale
-(tinygemm) or -zero * scale. That is x @ the dequantized weight up to fp32 summation order and the
-cancellation of the offsets (relative error ~1e-5; the reference rounds nothing more: (q - z) * s is exact
-in fp32 for bf16 / fp16 scales).
+W4A16 GEMV). Three shifted copies of a word (one per 8-bit code) put its codes at bits P = 11, 15, 19 with
+the exponent of 2^11 OR'd in; an AND with an immediate then leaves the float 2^11 + c * 2^(P - 12), and with
+x pre-scaled by 2^(12 - P) one FFMA adds c x + 2^(23 - P) x to the word's sum: a LOP3 and an FFMA per code
+plus 3/4 of a shift and OR (compiled for sm_90 with Triton 3.9: 3.8-4.9 instructions per code in all,
+Llama-3.1-8B shapes). The offsets are summed per input once per program and subtracted per word, then the
+word's (or a thread's chunk's) group scale and zero are applied once: scale * sum(c x) + zero' * sum(x),
+zero' = zero - 8 scale (tinygemm) or -zero * scale. That is x @ the dequantized weight up to fp32 summation
+order and the cancellation of the offsets (~1e-4 of the output's scale, under bf16's rounding of it); the
+reference rounds nothing more, since (q - z) * s is exact in fp32 for bf16 / fp16 scales.
 
 Tiles: a program owns BLOCK_N output features and walks K in steps of KS chunks of 64 bytes per row, its
 codes a [BLOCK_N, KS, 64 B] tensor. Triton gives each thread one 16-byte piece of a chunk for all BLOCK_N

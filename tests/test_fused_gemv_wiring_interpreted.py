@@ -1,0 +1,129 @@
+"""How quantized layers reach the fused batch-1 decoder (parallel/quant/fused_gemv.py, workers/models/fused_decode.py),
+on CPU through Triton's interpreter (TRITON_INTERPRET=1, in subprocesses since it must be set before the kernels
+are defined).
+
+* `fused_decode.row_parallel_gemv` on a quantized RowParallelLinear under TP=2 (two gloo ranks, each holding its
+  shard of a GPTQ / FP8 checkpoint, packed as load packs it): the first rank's epilogue adds bias and residual,
+  the all-reduce gives residual + x @ W.T + b with W the full dequantized weight.
+* `fused_decode.linear_gemv` on a quantized MergedColumnParallelLinear (gate/up) with the RMSNorm prologue and
+  SiLU-and-mul; `_streams` tells quantized layers with and without a `gemv_weight`; `fused_gemv.kind_of` how
+  each layer class is tuned. The compiled path is tested in tests/gpu/test_gemv_quant.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.interpreter import run_interpreted
+
+K, N = 512, 64
+METHODS = ("gptq", "fp8")
+
+
+def _options(method: str):
+    from parallel.quant.rtn import Options
+
+    return Options("gptq", bits=4, group_size=64, sym=False) if method == "gptq" else Options("fp8", fp8_scale="channel")
+
+
+def _pack(layer) -> None:
+    """What LinearMethod.process_weights does on CUDA: the Triton layout, then the fused GEMV's view of it."""
+    from parallel.quant import fused_gemv
+
+    layer.packed = layer.quant_method.pack(layer)
+    qw = fused_gemv.view(layer.packed)
+    assert not isinstance(qw, str), qw
+    layer.gemv_weight = qw
+
+
+def _rank_check(rank: int) -> None:
+    from parallel.kernels import gemv as gemv_module
+    from parallel.linear import RowParallelLinear
+    from parallel.quant import parse_quant_config
+    from parallel.quant.rtn import quantize
+    from workers.models.fused_decode import row_parallel_gemv
+
+    for method in METHODS:
+        o = _options(method)
+        g = torch.Generator().manual_seed(0)  # every rank draws the same full tensors
+        tensors, deq = quantize(torch.randn(N, K, generator=g) * 0.05, o)
+        b, x, residual = torch.randn(N, generator=g), torch.randn(1, K, generator=g), torch.randn(1, N, generator=g)
+        layer = RowParallelLinear(K, N, bias=True, quant_config=parse_quant_config(o.quantization_config()))
+        for name, t in tensors.items():
+            p = getattr(layer, name)
+            p.weight_loader(p, t)
+        layer.bias.data.copy_(b)
+        layer.init_buffers()
+        layer.quant_method.process_weights(layer)  # CPU: the reference dequantize path
+        _pack(layer)
+        shard = slice(rank * K // 2, (rank + 1) * K // 2)
+        got = row_parallel_gemv(gemv_module.gemv, x[:, shard].contiguous(), layer, residual.clone())
+        torch.testing.assert_close(got, residual + x @ deq.t() + b, rtol=1e-4, atol=1e-3)
+
+
+def _main_tp2() -> None:
+    from tests.multiprocess import run_ranks
+
+    run_ranks(_rank_check, 2, parallel={"tensor_parallel_size": 2})
+    print("ok")
+
+
+def _main_gate_up() -> None:
+    import torch.nn.functional as F
+
+    from parallel.kernels import gemv as gemv_module
+    from parallel.linear import MergedColumnParallelLinear
+    from parallel.quant import fused_gemv, parse_quant_config
+    from parallel.quant.rtn import quantize
+    from parallel.state import Group
+    from workers.models.fused_decode import _streams, linear_gemv
+
+    for method in METHODS:
+        o = _options(method)
+        g = torch.Generator().manual_seed(1)
+        layer = MergedColumnParallelLinear(K, [N, N], group=Group(ranks=[0], rank=0),
+                                           quant_config=parse_quant_config(o.quantization_config()))
+        deqs = []
+        for i in range(2):
+            tensors, deq = quantize(torch.randn(N, K, generator=g) * 0.05, o)
+            deqs.append(deq)
+            for name, t in tensors.items():
+                p = getattr(layer, name)
+                p.weight_loader(p, t, i)
+        layer.init_buffers()
+        assert not _streams(layer)  # quantized, no view yet: the model keeps the unfused decoder
+        _pack(layer)
+        assert _streams(layer) and fused_gemv.kind_of(layer) == "paired"
+        h, nw = torch.randn(1, K, generator=g) * 3, torch.rand(K, generator=g) + 0.5
+        got = linear_gemv(gemv_module.gemv, h, layer, None, norm_weight=nw, eps=1e-6, silu=True)
+        normed = h * torch.rsqrt(h.pow(2).mean() + 1e-6) * nw
+        gate, up = normed @ deqs[0].t(), normed @ deqs[1].t()
+        # fp32: the kernel's code offsets (up to 4096 x, cancelled per word) leave ~1e-4 of the output scale
+        torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-3, atol=1e-3)
+    print("ok")
+
+
+def test_layer_kinds():
+    pytest.importorskip("triton")
+    from parallel.linear import QKVParallelLinear, RowParallelLinear
+    from parallel.quant import fused_gemv
+    from parallel.state import Group
+
+    one = Group(ranks=[0], rank=0)
+    assert fused_gemv.kind_of(QKVParallelLinear(64, 16, 4, 2, group=one)) == "paired"
+    assert fused_gemv.kind_of(RowParallelLinear(64, 64, group=one)) == "residual"
+
+
+def test_quantized_row_parallel_gemv_under_tp2_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the compiled kernels are tested on the GPU (tests/gpu/test_gemv_quant.py)")
+    out = run_interpreted("from tests.test_fused_gemv_wiring_interpreted import _main_tp2; _main_tp2()", timeout=600)
+    assert "ok" in out, out[-3000:]
+
+
+def test_quantized_gate_up_through_linear_gemv_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    out = run_interpreted("from tests.test_fused_gemv_wiring_interpreted import _main_gate_up; _main_gate_up()",
+                          timeout=600)
+    assert "ok" in out, out[-3000:]
