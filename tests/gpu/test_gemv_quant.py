@@ -146,15 +146,12 @@ def test_quantized_model_decodes_through_the_fused_path(tmp_path, method, monkey
         unfused = [llm.generate([p], params)[0] for p in prompts]
     finally:
         llm.llm_engine.shutdown()
-    same = total = 0
     for f, u in zip(fused, unfused):
-        assert f.token_ids[:2] == u.token_ids[:2], (f.token_ids, u.token_ids)
-        same += sum(a == b for a, b in zip(f.token_ids, u.token_ids))
-        total += len(u.token_ids)
+        assert f.token_ids[0] == u.token_ids[0], "the prefill (same kernels in both passes) must agree"
         lf = [lp[t] for lp, t in zip(f.logprobs, f.token_ids)]
         lu = [lp[t] for lp, t in zip(u.logprobs, u.token_ids)]
-        n = next((i for i, (a, b) in enumerate(zip(f.token_ids, u.token_ids)) if a != b), len(lf))
-        # The unfused path runs other kernels (tinygemm's bf16 dequantization, W8A16 in another order): the
-        # fused one agrees within a few bf16 roundings until a near-tie flips a token.
-        assert max(abs(a - b) for a, b in zip(lf[:n], lu[:n])) < 0.1, (lf, lu)
-    assert same / total >= 0.8, (fused, unfused)
+        n = next((i for i, (a, b) in enumerate(zip(f.token_ids, u.token_ids)) if a != b), len(lf) - 1)
+        # The unfused path runs other kernels (tinygemm's bf16 dequantization, W8A16 in another order), so a
+        # near-tie may flip a token; up to and at the first difference each path's chosen token's log-prob (its
+        # top one) must agree within a few bf16 roundings. A wrong layout or epilogue is off from token 1 on.
+        assert max(abs(a - b) for a, b in zip(lf[:n + 1], lu[:n + 1])) < 0.1, (n, lf, lu)
