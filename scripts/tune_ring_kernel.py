@@ -119,7 +119,8 @@ def step_profile(q, blocks, shards, rank: int, scale: float, config,
                  device: str) -> tuple[list[float] | None, float, list[list[int]]]:
     """One more run of rank `rank`'s ring: each step's GPU ms (CUDA events; None on CPU), the host ms to
     issue the whole ring (set-up, launches) before waiting for the GPU, and per step [tile-table rows, split
-    slots] (slots 0: not split; else the rows are split-K pieces)."""
+    slots (0: not split; else the rows are split-K pieces), mean and max key tiles per row] (a program per row
+    and head group: fewer key tiles per program, more of each program's fixed cost)."""
     from parallel.ring_attention import _RingSteps
 
     n = len(shards)
@@ -138,11 +139,24 @@ def step_profile(q, blocks, shards, rank: int, scale: float, config,
             events[i + 1].record()
     steps.result()
     issue_ms = (time.perf_counter() - t0) * 1e3
-    tables = [[int(t[0].shape[0]), t[2]] for t in steps.tables]
+    if cuda:
+        torch.cuda.synchronize()
+    tables = []
+    for tiles, _, slots in steps.tables:
+        key_tiles = -(-(tiles[:, 4] - tiles[:, 2]).cpu().double() // config_block_n(config))
+        tables.append([int(tiles.shape[0]), slots, round(float(key_tiles.mean()), 2) if len(key_tiles) else 0.0,
+                       int(key_tiles.max()) if len(key_tiles) else 0])
     if not cuda:
         return None, issue_ms, tables
     torch.cuda.synchronize()
     return [events[i].elapsed_time(events[i + 1]) for i in range(n)], issue_ms, tables
+
+
+def config_block_n(config: str) -> int:
+    """BLOCK_N of a config string (the key tile a program's loop steps by)."""
+    from parallel.kernels.ring_attention_triton import RingConfig
+
+    return RingConfig.parse(config).block_n
 
 
 def run_config(qs, blocks, shards, positions, config: str, scale: float, ref: torch.Tensor,
@@ -240,7 +254,7 @@ def table(results: list[dict], configs: list[str]) -> str:
                     continue
                 goal = "-" if r["goal"] is None else f"{r['goal']:.2f}" + ("" if r["meets_goal"] else "!")
                 steps = "-" if r["step_ms"] is None else " ".join(f"{x:.2f}" for x in r["step_ms"])
-                rows = " ".join(f"{n}{'*' if slots else ''}" for n, slots in r["step_tables"])
+                rows = " ".join(f"{t[0]}{'*' if t[1] else ''}" for t in r["step_tables"])
                 lines.append(f"{cell['tokens']:7d} {sp:>2} {config:<26} {r['slowest_s'] * 1e3:10.3f} {base:8.3f} "
                              f"{r['ratio']:6.3f} {goal:>5} {r['max_abs_err']:8.1e}{'' if r['within_bf16_tol'] else '!'}"
                              f"  {steps:<26} {r['issue_ms']:8.2f}  {rows}")

@@ -60,8 +60,11 @@ def test_splits_cross_every_config_and_the_split_steps_show(tmp_path):
     for config in report["configs"]:
         assert res[config]["within_bf16_tol"] and res[config]["max_abs_err"] < 1e-4
         assert len(res[config]["step_tables"]) == 2
-    assert all(slots == 0 for _, slots in res["16,16,4,1,split=1"]["step_tables"])
-    assert any(slots > 0 for _, slots in res["16,16,4,1,split=2"]["step_tables"])
+    assert all(t[1] == 0 for t in res["16,16,4,1,split=1"]["step_tables"])
+    assert any(t[1] > 0 for t in res["16,16,4,1,split=2"]["step_tables"])
+    # Split, a step has more rows (pieces), each with fewer key tiles at most.
+    for one, two in zip(res["16,16,4,1,split=1"]["step_tables"], res["16,16,4,1,split=2"]["step_tables"]):
+        assert two[0] >= one[0] and two[3] <= one[3] and (two[1] == 0 or two[3] < one[3])
     assert "*" in done.stdout  # the split steps are marked in the table
 
 
