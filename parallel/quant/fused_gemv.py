@@ -11,12 +11,9 @@ larger batches use. TANDEM_FUSED_QUANT=0 leaves quantized models on the unfused 
 """
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
-
-log = logging.getLogger(__name__)
 
 ENV = "TANDEM_FUSED_QUANT"
 
