@@ -450,7 +450,7 @@ def qgemv(x: torch.Tensor, qw: QuantGemvWeight, bias: torch.Tensor | None = None
         if n % rope.head_dim or rope.rot_rows % rope.head_dim or rope.head_dim % 2 or rope.cos_sin.stride(-1) != 1:
             raise ValueError("qgemv: RoPE needs whole heads of an even head_dim and a contiguous cos/sin table")
         grid_n = n // 2  # BLOCK_N counts (row, partner) pairs, as it counts (gate, up) pairs under SiLU
-        cfg["BLOCK_N"] = max(1, min(cfg["BLOCK_N"], rope.head_dim // 2))
+        cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 1 << ((rope.head_dim // 2).bit_length() - 1))  # a power of two
     pdl = x.is_cuda and torch.cuda.is_current_stream_capturing() and _gemv.pdl_enabled()
     extra = dict(launch_pdl=True) if pdl else {}
     if rope is not None:  # the RoPE products are rounded to the dtype before their sum, as `fused_ops.rope` does
