@@ -152,7 +152,12 @@ def engine_facts(llm: LLM) -> dict:
     if getattr(layer, "tinygemm_skipped", None):
         facts["tinygemm_skipped"] = layer.tinygemm_skipped
     if getattr(layer, "gemv_weight", None) is not None:  # the fused batch-1 GEMV's tiles (fused_gemv.tune)
+        from parallel.quant import fused_gemv
+
         facts["down_proj_gemv_tile"] = layer.gemv_weight.config
+        # Each weight shape's tile times at load (weights out of L2): the GEMV's bandwidth apart from the step.
+        facts["gemv_tuning"] = list(fused_gemv.MEASURED)
+        fused_gemv.MEASURED.clear()
     elif getattr(layer, "gemv_skipped", None):
         facts["gemv_skipped"] = layer.gemv_skipped
     if packed is not None:
@@ -280,6 +285,11 @@ def print_table(report: dict) -> None:
         print(f"{v:<14} {r['linear_kernel'][:40]:<40} {r['weight_gib']:>11.2f} {r['num_kv_blocks']:>9} {d['decode_tok_per_s']:>12.1f} "
               f"{d['ms_per_token']:>8.2f} {d['median_step_ms']:>8.2f} {d.get('graph_replay_ms', float('nan')):>8.2f} "
               f"{'yes' if d['fused_decode'] else 'no':>5} {o.get('output_tok_per_s', float('nan')):>13.1f}")
+    for v, r in report["results"].items():
+        for m in r.get("gemv_tuning", []):
+            print(f"{v}: fused GEMV {m['format']} {m['n']}x{m['k']} ({m['kind']}): {m['best_us']:.1f} us, "
+                  f"{m['best_gb_per_s']:.0f} GB/s; tiles " + ", ".join(
+                      f"{t['BLOCK_N']}/{t['KS']}/{t['num_warps']}w {t['us']:.1f}" for t in m["tiles"]))
     for v, r in report["ratios"].items():
         print(f"{v} vs bf16: " + ", ".join(f"{k} {x:.2f}" for k, x in r.items()))
     if report.get("agreement"):

@@ -53,6 +53,7 @@ def view(pw) -> "_gq.QuantGemvWeight | str":
 
 
 _TUNED: dict[tuple, dict] = {}
+MEASURED: list[dict] = []  # what `tune` measured, per weight shape (scripts/bench_quant.py reports it)
 
 
 def tune(qw, dtype: torch.dtype, kind: str) -> dict:
@@ -75,7 +76,17 @@ def tune(qw, dtype: torch.dtype, kind: str) -> dict:
             fused = dict(residual=torch.randn(1, qw.n, device=dev, dtype=dtype))
         times = [(_cold_time(lambda: _gq.qgemv(x, qw, config=c, **fused)), i) for i, c in enumerate(cands)]
         _TUNED[key] = cands[min(times)[1]]
+        MEASURED.append(_measured(qw, kind, [(cands[i], ms) for ms, i in times], min(times)[0]))
     return _TUNED[key]
+
+
+def _measured(qw, kind: str, times: list[tuple[dict, float]], best_ms: float) -> dict:
+    """One shape's tuning: each tile's time, and the best one's weight bytes per second (codes and scales)."""
+    nbytes = sum(t.numel() * t.element_size() for t in (qw.codes, qw.scales, qw.zeros) if t is not None)
+    fmt = {_gq.INT4PACK: "int4 (tinygemm layout)", _gq.PACKED: f"int{qw.bits}", _gq.FP8: "fp8"}[qw.fmt]
+    return {"format": fmt, "n": qw.n, "k": qw.k, "kind": kind, "weight_mb": nbytes / 1e6, "best_us": best_ms * 1e3,
+            "best_gb_per_s": nbytes / best_ms / 1e6,
+            "tiles": [{**{k: c[k] for k in ("BLOCK_N", "KS", "num_warps")}, "us": ms * 1e3} for c, ms in times]}
 
 
 def _cold_time(fn, iters: int = 5) -> float:
