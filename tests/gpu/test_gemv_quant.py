@@ -19,6 +19,12 @@ from tests.gpu.test_quant_kernels import _close, _loaded
 
 CUDA = torch.device("cuda")
 
+
+@pytest.fixture(autouse=True)
+def _first_tile(monkeypatch):
+    """Layers take their first candidate tile without measuring (fewer compilations); one test measures."""
+    monkeypatch.setenv("TANDEM_QUANT_TUNE", "0")
+
 CASES = {
     "gptq4_g128_sym": (Options("gptq", bits=4, group_size=128), False),
     "gptq4_g32_asym_act": (Options("gptq", bits=4, group_size=32, sym=False, desc_act=True), True),
@@ -58,12 +64,25 @@ def test_every_tile_matches_reference_dequantized_linear(case):
     x = torch.randn(1, n_in, generator=g).to(CUDA, torch.bfloat16)
     b = torch.randn(sum(outs), generator=g).to(CUDA, torch.bfloat16)
     exact = x.float() @ ref_w.t() + b.float()
-    cfgs = gq.candidates(qw) + [c for c in gq.candidates(qw, paired=True) if c not in gq.candidates(qw)]
-    assert qw.config in cfgs  # the tuned one
+    cfgs = gq.candidates(qw) + [gq.candidates(qw, paired=True)[0]]
+    assert qw.config == cfgs[-1]  # the layer's (gate/up: paired; untuned here)
     for cfg in cfgs:
         y = gq.qgemv(x, qw, b, cfg)
         assert y.shape == exact.shape and y.dtype == torch.bfloat16
         _close(y, exact, 0.01)
+
+
+@pytest.mark.parametrize("case", ["gptq4_g128_sym", "fp8_channel"])
+def test_tuning_measures_every_candidate(case, monkeypatch):
+    from parallel.kernels import gemv_quant as gq
+    from parallel.quant import fused_gemv
+
+    monkeypatch.setenv("TANDEM_QUANT_TUNE", "1")
+    fused_gemv.MEASURED.clear()
+    _, qw, _ = _processed(case, 4096, [1024, 1024])
+    (m,) = fused_gemv.MEASURED
+    assert (m["n"], m["k"], m["kind"]) == (2048, 4096, "paired") and len(m["tiles"]) == len(gq.candidates(qw, True))
+    assert qw.config in gq.candidates(qw, True) and 0 < m["best_us"] == min(t["us"] for t in m["tiles"])
 
 
 def _rope(head_dim: int, rot_rows: int):
@@ -125,7 +144,6 @@ def test_quantized_model_decodes_through_the_fused_path(tmp_path, method, monkey
     from tests.quant_helpers import qt
     from workers.models import fused_decode
 
-    monkeypatch.setenv("TANDEM_QUANT_TUNE", "0")  # the first tile of each kind: fewer compilations
     src = tiny_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                      intermediate_size=512, num_hidden_layers=2)
     dst = str(tmp_path / "q")
