@@ -109,21 +109,15 @@ def _xq(x_ptr, nw_ptr, perm_ptr, k, rstd, NORM: tl.constexpr, PERM: tl.constexpr
     return x.to(tl.float32)
 
 
-@triton.jit
-def _shift(b: tl.constexpr, BITS: tl.constexpr):
-    """Left shift (negative: right) that moves code b into bits 11..22 of a word. 4-bit: codes 0-2 by 11,
-    3-5 by -1, 6-7 by -13, so three shifted copies serve a word's eight codes; 8-bit: one copy per code."""
-    if BITS == 4:
-        SH: tl.constexpr = 11 if b < 3 else -1 if b < 6 else -13
-    else:
-        SH: tl.constexpr = 11 - 8 * b
-    return SH
-
-
+# Code b's bit position after its shift (`_shifted`) is P = 11 + 4 (b % 3) for 4-bit codes (11, 15 or 19) and 11 for 8-bit
+# ones. Each helper computes it inline: older Triton cannot return a constexpr from a jit function (the GPU host's
+# Triton failed to compile the kernel when P came from one).
 @triton.jit
 def _shifted(w, b: tl.constexpr, BITS: tl.constexpr):
-    """The words shifted by `_shift(b)`, with the exponent of 2^11 OR'd in (once per copy, not per code)."""
-    SH: tl.constexpr = _shift(b, BITS)
+    """The words shifted so that code b lands in bits 11..22 (left; right where negative), with the exponent of 2^11
+    OR'd in (once per copy, not per code). 4-bit: codes 0-2 by 11, 3-5 by -1, 6-7 by -13, so three shifted copies
+    serve a word's eight codes; 8-bit: one copy per code, by 11 - 8 b."""
+    SH: tl.constexpr = (11 if b < 3 else -1 if b < 6 else -13) if BITS == 4 else 11 - 8 * b
     if SH > 0:
         v = w << SH
     else:
@@ -136,24 +130,22 @@ def _code(v, b: tl.constexpr, BITS: tl.constexpr):
     """Code b from its shifted copy v (`_shifted`) as the float 2^11 + c * 2^(P - 12), P = its bit position (11,
     15 or 19): an AND with an immediate keeps the exponent and the code's bits. (OR-ing the exponent here instead,
     one LOP3 with two constants, made ptxas rematerialize a constant per code: more instructions, not fewer.)"""
-    P: tl.constexpr = BITS * b + _shift(b, BITS)
+    P: tl.constexpr = 11 + 4 * (b % 3) if BITS == 4 else 11
     return (v & ((((1 << BITS) - 1) << P) | 0x45000000)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _code_scale(b: tl.constexpr, BITS: tl.constexpr):
-    """x is multiplied by 2^(12 - P) for code b, so that `_code`'s float times it is c x + 2^(23 - P) x."""
-    P: tl.constexpr = BITS * b + _shift(b, BITS)
-    f: tl.constexpr = 2.0 ** (12 - P)
-    return f
+def _scaled_x(x, b: tl.constexpr, BITS: tl.constexpr):
+    """x times 2^(12 - P) for code b (2, 1/8 or 1/128), so that `_code`'s float times it is c x + 2^(23 - P) x."""
+    P: tl.constexpr = 11 + 4 * (b % 3) if BITS == 4 else 11
+    return x * (2.0 if P == 11 else 0.125 if P == 15 else 0.0078125)
 
 
 @triton.jit
-def _code_offset(b: tl.constexpr, BITS: tl.constexpr):
-    """What `_code` times `_code_scale` adds per unit of x for code b: 2^(23 - P) (4096, 256 or 16)."""
-    P: tl.constexpr = BITS * b + _shift(b, BITS)
-    off: tl.constexpr = 2.0 ** (23 - P)
-    return off
+def _offset_x(x, b: tl.constexpr, BITS: tl.constexpr):
+    """x times 2^(23 - P) (4096, 256 or 16): what `_code` times `_scaled_x` adds per unit of x for code b."""
+    P: tl.constexpr = 11 + 4 * (b % 3) if BITS == 4 else 11
+    return x * (4096.0 if P == 11 else 256.0 if P == 15 else 16.0)
 
 
 @triton.jit
@@ -189,7 +181,7 @@ def _int_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, rows
         k_word = (_chunks(t, KS) * BLOCK_C + c) * PACK
     part = tl.zeros(wa.shape, tl.float32)
     xs = tl.zeros([KS, BLOCK_C], tl.float32)  # sum of x over each word's inputs (for the zero point)
-    xo = tl.zeros([KS, BLOCK_C], tl.float32)  # sum of x times the codes' float offsets (`_code_offset`)
+    xo = tl.zeros([KS, BLOCK_C], tl.float32)  # sum of x times the codes' float offsets (`_offset_x`)
     if PAIRED:
         part_u = tl.zeros(wb.shape, tl.float32)
     for b in tl.static_range(PACK):
@@ -199,12 +191,12 @@ def _int_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, rows
             k = k_word + b
         xb = _xq(x_ptr, nw_ptr, perm_ptr, k, rstd, NORM, PERM)
         xs += xb
-        xo += xb * _code_offset(b, BITS)
-        if BITS == 8 or b == 0 or b == 3 or b == 6:  # a new shifted copy (`_shift`)
+        xo += _offset_x(xb, b, BITS)
+        if BITS == 8 or b == 0 or b == 3 or b == 6:  # a new shifted copy (`_shifted`)
             va = _shifted(wa, b, BITS)
             if PAIRED:
                 vb = _shifted(wb, b, BITS)
-        xb = (xb * _code_scale(b, BITS))[None, :, :]
+        xb = _scaled_x(xb, b, BITS)[None, :, :]
         part += _code(va, b, BITS) * xb
         if PAIRED:
             part_u += _code(vb, b, BITS) * xb
