@@ -162,6 +162,33 @@ def test_draft_model_greedy_is_token_identical(plain, tmp_path):
     assert_engine_clean(spec)
 
 
+def test_greedy_draft_steps_fetch_their_drafts_once(plain, tmp_path, monkeypatch):
+    """Plain greedy sequences: each draft pass's argmax feeds the next pass from the device, and a step's drafts
+    reach the host in one fetch, not one per drafted token (k = 4 here); the output still equals plain decoding."""
+    import workers.spec_decode.draft as draft_module
+
+    spec = make(speculative_config={"model": perturbed_copy(tiny_model("llama"), tmp_path / "draft", 0.3),
+                                    "num_speculative_tokens": 4})
+    calls = {"fetch": 0, "propose": 0}
+    fetch, propose = draft_module.host_lists, draft_module.DraftProposer.propose
+
+    def counted_fetch(*tensors):
+        calls["fetch"] += 1
+        return fetch(*tensors)
+
+    def counted_propose(self, seqs, history):
+        calls["propose"] += bool(seqs)
+        return propose(self, seqs, history)
+
+    monkeypatch.setattr(draft_module, "host_lists", counted_fetch)
+    monkeypatch.setattr(draft_module.DraftProposer, "propose", counted_propose)
+    params = [greedy(20), greedy(26), greedy(13)]
+    check_same(plain.generate(PROMPTS[:3], params), spec.generate(PROMPTS[:3], params))
+    assert calls["propose"] > 5 and calls["fetch"] == calls["propose"]
+    assert spec.get_metrics()["spec_decode_num_draft_tokens"] > 3 * calls["propose"]  # most steps drafted 4
+    assert_engine_clean(spec)
+
+
 def test_stops_inside_accepted_runs(plain, same_draft):
     ref = plain.generate(PROMPTS[:2], greedy(30))
     assert same_draft.get_metrics()["spec_decode_acceptance_rate"] in (0.0, 1.0)

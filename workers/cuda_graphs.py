@@ -136,15 +136,17 @@ class DecodeGraphs:
         return (0 < len(seqs) <= self.max_bs and all(len(s.token_ids) == 1 and s.sample for s in seqs)
                 and all(len(s.block_table) <= self.max_blocks for s in seqs))
 
-    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, ...]:
+    def run(self, out: SchedulerOutput, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Replay the decode step; returns the B real rows' logits [B, V] and greedy (token, logprob)
-        [B, 2], or without the head (`with_head`) their hidden states [B, d]."""
+        [B, 2], or without the head (`with_head`) their hidden states [B, d]. token_ids: the B input tokens on
+        the device (the sequences' own are then not read), e.g. a draft model's last argmax."""
         seqs = out.seqs
         b = len(seqs)
         bs = next(s for s in self.batch_sizes if s >= b)
         n, h, page, mb = self.max_bs, self.host_np, self.block_size, self.max_blocks
         pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=b)
-        h[0:b] = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64, count=b)
+        if token_ids is None:
+            h[0:b] = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64, count=b)
         h[n:n + b] = pos
         h[2 * n:2 * n + b] = [s.block_table[p // page] * page + p % page for s, p in zip(seqs, pos.tolist())]
         h[2 * n + b:2 * n + bs] = -1
@@ -155,6 +157,8 @@ class DecodeGraphs:
             tables[i, :len(s.block_table)] = s.block_table
         used = self._small + bs * mb  # the small fields and the first bs block-table rows: one contiguous copy
         self.buf[:used].copy_(self.host[:used], non_blocking=True)
+        if token_ids is not None:  # after the host copy (same stream), which wrote stale tokens there
+            self.token_ids[:b].copy_(token_ids)
         self.graphs[bs].replay()
         return tuple(t[:b] for t in self.outputs[bs])
 

@@ -71,3 +71,34 @@ def test_bf16_verification_graphs_pass_their_start_up_check():
         assert len(out[0].token_ids) == 32
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_draft_model_greedy_feeds_its_drafts_from_the_device():
+    """A draft model (tandem-tiny drafting for itself) on a GPU: the greedy draft loop replays the draft's decode
+    graphs with each pass's argmax as the next input, straight from the device, and fetches a step's drafts once;
+    every draft of the model's own weights is accepted, and the output equals plain decoding (fp32, near-ties aside)."""
+    import workers.spec_decode.draft as draft_module
+
+    llm = LLM(TINY, device="cuda", dtype="float32", block_size=16, num_gpu_blocks_override=512, max_num_seqs=8,
+              enable_prefix_caching=False, show_progress=False,
+              speculative_config={"model": TINY, "num_speculative_tokens": 4})
+    eng = llm.llm_engine
+    draft = eng.spec_decoder.draft
+    assert draft.runner.cuda_graphs is not None, "the draft runner captured no decode graphs"
+    fed, fetches = [], []
+    run, fetch = draft.runner.cuda_graphs.run, draft_module.host_lists
+    draft.runner.cuda_graphs.run = lambda out, tokens=None: fed.append(tokens is not None) or run(out, tokens)
+    draft_module.host_lists = lambda *t: fetches.append(len(t)) or fetch(*t)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        spec_out = llm.generate(PROMPTS, params)
+        stats = eng.spec_decoder.metrics()
+        eng.spec_decoder = None
+        plain = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2))
+    finally:
+        draft_module.host_lists = fetch
+        eng.shutdown()
+    for got, want in zip(spec_out, plain):
+        _same_but_for_a_near_tie(got.token_ids, want)
+    assert any(fed) and max(fetches) > 1  # graphed passes fed from the device; one fetch held several passes
+    assert stats["spec_decode_acceptance_rate"] > 0.9

@@ -14,6 +14,10 @@ after a fully accepted run) and samples draft 1 at the last; passes 2..k run one
 graph replay where the draft runner captured them). Greedy requests take the draft's argmax; sampled
 ones draw from the draft's distribution q after the request's own processing (temperature, top-k,
 top-p, min-p, penalties), and q travels with the drafts for the rejection sampler.
+
+When every sequence of the step is plain greedy (`Sampler.is_plain_greedy`: no penalties, logprobs or
+min_tokens to apply on the host), a pass's argmax stays on the device and is the next pass's input token;
+the step's drafts reach the host in one fetch after the last pass, not one per drafted token.
 """
 from __future__ import annotations
 
@@ -70,6 +74,8 @@ class DraftProposer:
             start = min(self._done.get(s.seq_id, 0), s.start_pos)  # trust only what this draft computed
             views.append(ScheduledSeq(s.seq_id, tokens[start:], start, s.block_table, True, s.sampling_params,
                                       s.num_output_tokens, s.prompt_token_ids, list(s.output_token_ids)))
+        if all(Sampler.is_plain_greedy(v) for v in views):
+            return [(d, None) for d in self._propose_greedy(seqs, views)]
         k = max(s.num_lookahead for s in seqs)
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -96,21 +102,48 @@ class DraftProposer:
                 break
         return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
 
-    def _forward(self, views: list[ScheduledSeq]) -> torch.Tensor:
-        """Draft logits at each view's last token, in the order given."""
+    def _propose_greedy(self, seqs: list[ScheduledSeq], views: list[ScheduledSeq]) -> list[list[int]]:
+        """`propose` for a step of plain greedy sequences: each pass feeds the last one's argmax from the device
+        (`_forward`'s `tokens`); one host fetch for all passes at the end."""
+        passes: list[tuple[list[int], torch.Tensor]] = []  # (indices into seqs, their drafts [len] on the device)
+        active, tokens = list(range(len(seqs))), None
+        while active:
+            tokens = self._forward([views[i] for i in active], tokens).argmax(dim=-1)
+            passes.append((active, tokens))
+            for i in active:
+                v = views[i]
+                self._done[v.seq_id] = v.context_len
+                # The next pass feeds this draft at the next position: its value is on the device (`tokens`).
+                v.start_pos, v.token_ids = v.context_len, [0]
+                v.num_output_tokens += 1
+            keep = [row for row, i in enumerate(active) if len(passes) < seqs[i].num_lookahead]
+            if 0 < len(keep) < len(active):
+                tokens = tokens[_index(keep, tokens.device)]
+            active = [active[row] for row in keep]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        for (rows, _), values in zip(passes, host_lists(*(t for _, t in passes))):
+            for i, token in zip(rows, values):
+                drafts[i].append(token)
+        return drafts
+
+    def _forward(self, views: list[ScheduledSeq], tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft logits at each view's last token, in the order given. tokens: each view's one input token on the
+        device (their `token_ids` are then placeholders), or None to read them from the views."""
         runner = self.runner
         out = SchedulerOutput(views)
         graphs = runner.cuda_graphs
         if graphs is not None and graphs.with_head and graphs.can_run(out):
-            return graphs.run(out)[0]
+            return graphs.run(out, tokens)[0]
         order = sorted(range(len(views)), key=lambda i: views[i].num_tokens != 1)  # decodes first (attention)
         batch = [views[i] for i in order]
         token_ids, positions, meta, sample_rows = runner.prepare(SchedulerOutput(batch))
+        if tokens is not None:  # one token per view: the flat step's tokens are the views' in `order`
+            token_ids = tokens[_index(order, tokens.device)].to(token_ids.dtype)
         with forward_context(meta):
             hidden, _ = runner.model(token_ids, positions, None, None)
         logits = runner.model.lm_head.compute_logits(hidden[sample_rows])
         back = torch.empty(len(order), dtype=torch.long, device=logits.device)
-        back[torch.tensor(order, device=logits.device)] = torch.arange(len(order), device=logits.device)
+        back[_index(order, logits.device)] = torch.arange(len(order), device=logits.device)
         return logits[back]
 
     def _draw(self, logits: torch.Tensor, views: list[ScheduledSeq]) -> tuple[list[int], torch.Tensor | None]:
@@ -126,3 +159,10 @@ class DraftProposer:
             q[rows] = self.sampler.probs(x[rows], [views[i] for i in rows])
             tokens[rows] = self.sampler.draw(q[rows].clone(), [views[i] for i in rows], salt=DRAFT_SALT)
         return host_lists(tokens)[0], q
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """rows as an index tensor on `device`. On a GPU through pinned memory: a copy from pageable memory first
+    waits for the stream's queued work, the host round trip the greedy draft loop avoids."""
+    index = torch.tensor(rows, dtype=torch.long)
+    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
