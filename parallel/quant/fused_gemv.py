@@ -7,7 +7,13 @@ place: no second copy of any weight), picks its tiles by measuring them once per
 CUDA graph), and stores the result as `layer.gemv_weight`; the fused decoder then takes the model at batch 1
 when every decoder linear has one. FP8 layers stream their e4m3 weights with bf16 activations there
 (W8A16: exact to the dequantized weight up to fp32 summation order), not the W8A8 `_scaled_mm` product that
-larger batches use. TANDEM_FUSED_QUANT=0 leaves quantized models on the unfused decoder (to compare).
+larger batches use.
+
+By default only FP8 layers take it. On an H100 (2026-11-27, Llama-3.1-8B shapes, batch-1 decode beside bf16 in one
+run) FP8 through the fused decoder ran at 1.48-1.55x bf16, while 4-bit GPTQ through it ran at 0.80x: its integer
+GEMV reached 107-504 GB/s, where tinygemm's int4 kernel per linear (the unfused decoder) had given 1.77x the day
+before. So integer layouts keep the unfused decoder unless TANDEM_FUSED_QUANT=all; TANDEM_FUSED_QUANT=0 leaves every
+quantized model there (to compare).
 """
 from __future__ import annotations
 
@@ -23,8 +29,12 @@ except ImportError:  # no Triton (CPU machines): quantized models keep the unfus
     _gq = None
 
 
-def enabled() -> bool:
-    return _gq is not None and os.environ.get(ENV, "1") != "0"
+def enabled(fmt: int | None = None) -> bool:
+    """Whether layers stored as `fmt` (a gemv_quant format; None: any) take the fused GEMV (see the module's note)."""
+    value = os.environ.get(ENV, "1")
+    if _gq is None or value == "0":
+        return False
+    return fmt is None or fmt == _gq.FP8 or value == "all"
 
 
 def view(pw) -> "_gq.QuantGemvWeight | str":
@@ -128,6 +138,9 @@ def prepare(layer, dtype: torch.dtype) -> None:
     qw = view(layer.packed)
     if isinstance(qw, str):
         layer.gemv_skipped = qw
+        return
+    if not enabled(qw.fmt):
+        layer.gemv_skipped = f"integer codes stay on the unfused decoder ({ENV}=all fuses them)"
         return
     qw.config = tune(qw, dtype, kind_of(layer))
     layer.gemv_weight = qw

@@ -148,6 +148,7 @@ def test_quantized_model_decodes_through_the_fused_path(tmp_path, method, monkey
                      intermediate_size=512, num_hidden_layers=2)
     dst = str(tmp_path / "q")
     qt.quantize_folder(src, dst, E2E[method])
+    monkeypatch.setenv("TANDEM_FUSED_QUANT", "all")  # integer layouts take the fused GEMV only when asked
     calls = []
     real = fused_decode.forward
     monkeypatch.setattr(fused_decode, "forward", lambda *a: calls.append(1) or real(*a))
