@@ -90,8 +90,12 @@ class DecodeGraphs:
         # [tokens | positions | slots | seq_lens | query_start (n+1) | block_tables (n * max_blocks)]
         self._small = 5 * n + 1
         total = self._small + n * self.max_blocks
-        self.host = torch.zeros(total, dtype=torch.int64, pin_memory=True)
-        self.host_np = self.host.numpy()
+        # Two pinned staging buffers, taken in turn: a replay's inputs are copied from one without the host waiting,
+        # and a caller that replays again before reading anything back (the draft model's greedy passes) must not
+        # rewrite a buffer whose copy the GPU has not made yet; `_copied[i]` marks buffer i's last copy.
+        self._hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
         self.buf = torch.zeros(total, dtype=torch.int64, device=self.device)
         self.token_ids = self.buf[0:n]
         self.positions = self.buf[n:2 * n]
@@ -99,9 +103,10 @@ class DecodeGraphs:
         self.seq_lens = self.buf[3 * n:4 * n]
         self.query_start = self.buf[4 * n:5 * n + 1]
         self.block_tables = self.buf[self._small:].view(n, self.max_blocks)
-        self.host_np[2 * n:3 * n] = -1
-        self.host_np[4 * n:5 * n + 1] = np.arange(n + 1)
-        self.buf.copy_(self.host)
+        for host in self._hosts:
+            host[2 * n:3 * n] = -1
+            host[4 * n:5 * n + 1] = torch.arange(n + 1)
+        self.buf.copy_(self._hosts[0])
         self.with_head = tp_group().size == 1  # else the graph ends at the hidden states
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # bs -> (logits [bs, V], greedy [bs, 2]) with the head, else (hidden [bs, d],)
@@ -136,6 +141,15 @@ class DecodeGraphs:
         return (0 < len(seqs) <= self.max_bs and all(len(s.token_ids) == 1 and s.sample for s in seqs)
                 and all(len(s.block_table) <= self.max_blocks for s in seqs))
 
+    def _staging(self) -> tuple[int, torch.Tensor]:
+        """This replay's pinned staging buffer (its index and itself), once the GPU has copied what it held last."""
+        i, self._turn = self._turn, self._turn ^ 1
+        if self._copied[i] is None:
+            self._copied[i] = torch.cuda.Event()
+        else:
+            self._copied[i].synchronize()
+        return i, self._hosts[i]
+
     def run(self, out: SchedulerOutput, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Replay the decode step; returns the B real rows' logits [B, V] and greedy (token, logprob)
         [B, 2], or without the head (`with_head`) their hidden states [B, d]. token_ids: the B input tokens on
@@ -143,7 +157,8 @@ class DecodeGraphs:
         seqs = out.seqs
         b = len(seqs)
         bs = next(s for s in self.batch_sizes if s >= b)
-        n, h, page, mb = self.max_bs, self.host_np, self.block_size, self.max_blocks
+        staging, host = self._staging()
+        n, h, page, mb = self.max_bs, host.numpy(), self.block_size, self.max_blocks
         pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=b)
         if token_ids is None:
             h[0:b] = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64, count=b)
@@ -156,7 +171,8 @@ class DecodeGraphs:
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = s.block_table
         used = self._small + bs * mb  # the small fields and the first bs block-table rows: one contiguous copy
-        self.buf[:used].copy_(self.host[:used], non_blocking=True)
+        self.buf[:used].copy_(host[:used], non_blocking=True)
+        self._copied[staging].record()
         if token_ids is not None:  # after the host copy (same stream), which wrote stale tokens there
             self.token_ids[:b].copy_(token_ids)
         self.graphs[bs].replay()
