@@ -7,9 +7,7 @@ shared with scripts/quantize.py):
     bf16      the plain model (batch-1 decode through the fused bf16 GEMVs)
     w4a16     quantization="gptq": 4-bit RTN GPTQ, group 128; on CUDA PyTorch's tinygemm int4 kernel
               (aten._weight_int4pack_mm; dequantize + cuBLAS from the row count measured at load), batch 1
-              included (the unfused decoder: integer layouts take the fused one only with TANDEM_FUSED_QUANT=all)
-    w4a16-fused  the same weights with batch-1 decode through the fused decoder's quantized GEMV
-              (parallel/kernels/gemv_quant.py, reading the tinygemm layout in place; TANDEM_FUSED_QUANT=all)
+              included (the unfused decoder: parallel/quant/fused_gemv.py says why integer layouts keep it)
     w4a16-unfused / fp8-unfused  the same weights with the batch-1 graph on the unfused decoder
               (TANDEM_FUSED_QUANT=0: tinygemm / the W8A16 GEMV per linear), to compare
     w4a16-triton  the same weights on the Triton W4A16 GEMV / GEMM (TANDEM_W4A16_KERNEL=triton), to compare
@@ -58,7 +56,6 @@ VARIANTS: dict[str, dict] = {
     "w4a16-awq": {"quantization": "awq"},
     "fp8": {"quantization": "fp8"},
     "w4a16-unfused": {"quantization": "gptq"},
-    "w4a16-fused": {"quantization": "gptq"},
     "fp8-unfused": {"quantization": "fp8"},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
 }
@@ -67,7 +64,6 @@ VARIANTS: dict[str, dict] = {
 # Environment a variant is built under (read at load).
 VARIANT_ENV: dict[str, dict[str, str]] = {"w4a16-triton": {"TANDEM_W4A16_KERNEL": "triton"},
                                           "w4a16-unfused": {"TANDEM_FUSED_QUANT": "0"},
-                                          "w4a16-fused": {"TANDEM_FUSED_QUANT": "all"},
                                           "fp8-unfused": {"TANDEM_FUSED_QUANT": "0"}}
 
 

@@ -18,6 +18,14 @@ from parallel.quant.rtn import Options
 from tests.gpu.test_quant_kernels import _close, _loaded
 
 CUDA = torch.device("cuda")
+# On an H100 (2026-11-27, Triton 3.6) 16 of the 17 integer-layout cases below failed (FP8's all passed), though each
+# passes under Triton's interpreter on CPU (tests/test_gemv_quant_interpreted.py): the integer GEMV is not used by the
+# engine (parallel/quant/fused_gemv.py) until it passes here.
+INTEGER_ON_GPU = pytest.mark.xfail(reason="the integer fused GEMV is wrong on a GPU (2026-11-27); not enabled", strict=False)
+
+
+def _cases(names) -> list:
+    return [n if n.startswith("fp8") else pytest.param(n, marks=INTEGER_ON_GPU) for n in names]
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +62,7 @@ def _processed(case: str, n_in: int, outs: list[int]):
     return layer, layer.gemv_weight, ref_w.to(CUDA)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", _cases(CASES))
 def test_every_tile_matches_reference_dequantized_linear(case):
     from parallel.kernels import gemv_quant as gq
 
@@ -72,7 +80,7 @@ def test_every_tile_matches_reference_dequantized_linear(case):
         _close(y, exact, 0.01)
 
 
-@pytest.mark.parametrize("case", ["gptq4_g128_sym", "fp8_channel"])
+@pytest.mark.parametrize("case", _cases(["gptq4_g128_sym", "fp8_channel"]))
 def test_tuning_measures_every_candidate(case, monkeypatch):
     from parallel.kernels import gemv_quant as gq
     from parallel.quant import fused_gemv
@@ -93,7 +101,7 @@ def _rope(head_dim: int, rot_rows: int):
     return Rope(torch.tensor([7], device=CUDA), cs, head_dim, rot_rows)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", _cases(CASES))
 def test_fused_ops_match_the_bf16_fused_gemv(case):
     from parallel.kernels import gemv_quant as gq
     from parallel.kernels.gemv import gemv
@@ -112,7 +120,7 @@ def test_fused_ops_match_the_bf16_fused_gemv(case):
     _close(gq.qgemv(h, qw, residual=r), gemv(h, w16, residual=r), 0.02)
 
 
-@pytest.mark.parametrize("case", ["gptq4_g32_asym_act", "gptq8_g64", "fp8_channel"])
+@pytest.mark.parametrize("case", _cases(["gptq4_g32_asym_act", "gptq8_g64", "fp8_channel"]))
 def test_under_cuda_graph_capture(case):
     from parallel.kernels import gemv_quant as gq
 
@@ -137,7 +145,7 @@ E2E = {"gptq4": Options("gptq", bits=4, group_size=64, sym=False, desc_act=True)
        "gptq8": Options("gptq", bits=8, group_size=128), "fp8": Options("fp8", fp8_scale="channel")}
 
 
-@pytest.mark.parametrize("method", list(E2E))
+@pytest.mark.parametrize("method", _cases(E2E))
 def test_quantized_model_decodes_through_the_fused_path(tmp_path, method, monkeypatch):
     from tandem import LLM, SamplingParams
     from tests.models import prompts_of_lengths, tiny_model
@@ -148,7 +156,8 @@ def test_quantized_model_decodes_through_the_fused_path(tmp_path, method, monkey
                      intermediate_size=512, num_hidden_layers=2)
     dst = str(tmp_path / "q")
     qt.quantize_folder(src, dst, E2E[method])
-    monkeypatch.setenv("TANDEM_FUSED_QUANT", "all")  # integer layouts take the fused GEMV only when asked
+    if not method.startswith("fp8"):
+        monkeypatch.setattr("parallel.quant.fused_gemv.enabled", lambda fmt=None: True)  # what would be, once correct
     calls = []
     real = fused_decode.forward
     monkeypatch.setattr(fused_decode, "forward", lambda *a: calls.append(1) or real(*a))
