@@ -130,7 +130,7 @@ def test_quantized_gate_up_through_linear_gemv_in_the_triton_interpreter():
 
 
 def test_only_fp8_takes_the_fused_gemv(monkeypatch):
-    """Integer layouts stay on the unfused decoder (their fused GEMV failed its GPU tests); FP8 takes the fused GEMV;
+    """Integer layouts stay on the unfused decoder (tinygemm is faster at batch 1); FP8 takes the fused GEMV;
     TANDEM_FUSED_QUANT=0 turns it off for FP8 too."""
     pytest.importorskip("triton")
     from parallel.kernels import gemv_quant as gq

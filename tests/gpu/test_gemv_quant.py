@@ -18,10 +18,12 @@ from parallel.quant.rtn import Options
 from tests.gpu.test_quant_kernels import _close, _loaded
 
 CUDA = torch.device("cuda")
-# On an H100 (2026-11-27, Triton 3.6) 16 of the 17 integer-layout cases below failed (FP8's all passed), though each
-# passes under Triton's interpreter on CPU (tests/test_gemv_quant_interpreted.py): the integer GEMV is not used by the
-# engine (parallel/quant/fused_gemv.py) until it passes here.
-INTEGER_ON_GPU = pytest.mark.xfail(reason="the integer fused GEMV is wrong on a GPU (2026-11-27); not enabled", strict=False)
+# On an H100 (2026-11-27, Triton 3.6) the integer layouts' reference checks passed with this file run alone (call 4,
+# cut by its time limit after 10 cases), and 16 of the 17 integer cases failed with it run after other GPU test files
+# in one process (FP8's all passed); the cause is not established. The engine does not use the integer GEMV
+# (parallel/quant/fused_gemv.py: slower than tinygemm at batch 1), so these cases are marked, not hidden.
+INTEGER_ON_GPU = pytest.mark.xfail(reason="integer fused GEMV: unsettled on GPUs (2026-11-27); not used by the engine",
+                                   strict=False)
 
 
 def _cases(names) -> list:
