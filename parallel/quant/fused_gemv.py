@@ -13,8 +13,7 @@ Only FP8 layers take it. On an H100 (2026-11-27, Llama-3.1-8B shapes, batch-1 de
 through the fused decoder ran at 1.48-1.55x bf16 and passed its GPU tests. 4-bit GPTQ through it ran at 0.80x bf16:
 its integer GEMV reached 107-504 GB/s, where tinygemm's int4 kernel per linear (the unfused decoder) had given 1.77x
 the day before. Its kernel-level GPU tests passed for every layout (2026-11-27, call 4), but the 4-bit GPTQ and AWQ
-models decoding end to end through it failed their comparison with the unfused decoder in call 6 (8-bit passed;
-cause not established). So integer layouts keep the unfused decoder. TANDEM_FUSED_QUANT=0 leaves FP8 there too (to compare).
+models decoding end to end through it failed in call 6 (8-bit passed; the failure's detail was not kept). So integer layouts keep the unfused decoder. TANDEM_FUSED_QUANT=0 leaves FP8 there too (to compare).
 """
 from __future__ import annotations
 
