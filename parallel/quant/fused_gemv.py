@@ -12,8 +12,9 @@ larger batches use.
 Only FP8 layers take it. On an H100 (2026-11-27, Llama-3.1-8B shapes, batch-1 decode beside bf16 in one run) FP8
 through the fused decoder ran at 1.48-1.55x bf16 and passed its GPU tests. 4-bit GPTQ through it ran at 0.80x bf16:
 its integer GEMV reached 107-504 GB/s, where tinygemm's int4 kernel per linear (the unfused decoder) had given 1.77x
-the day before. Its kernel-level GPU tests passed for every layout (2026-11-27, call 4), but the 4-bit GPTQ and AWQ
-models decoding end to end through it failed in call 6 (8-bit passed; the failure's detail was not kept). So integer layouts keep the unfused decoder. TANDEM_FUSED_QUANT=0 leaves FP8 there too (to compare).
+the day before. Its kernel-level GPU tests passed for every layout (docs/benchmarks.md, "Eleventh session"), but the
+4-bit GPTQ and AWQ models decoding end to end through it failed (8-bit passed; the failure's detail was not kept).
+So integer layouts keep the unfused decoder. TANDEM_FUSED_QUANT=0 leaves FP8 there too (to compare).
 """
 from __future__ import annotations
 
