@@ -22,6 +22,7 @@ timed runs the decode blocks are checked against the prefill blocks, bit for bit
     python scripts/bench_kv_transfer.py --min-messages 1,4           # the agent as is, and cut into ~4 messages
     python scripts/bench_kv_transfer.py --nccl-high-priority         # and over a pair with high-priority NCCL streams
     python scripts/bench_kv_transfer.py --copy-programs 32,64         # and with the row copy's grid capped (GPU)
+    python scripts/bench_kv_transfer.py --overlap-copy-programs 66    # capped only beside a message in flight (GPU)
     python scripts/bench_kv_transfer.py --device cpu --tokens 64 --layers 2   # the same code over gloo, as a check
 Prints a table; writes JSON (--out). Needs 2 CUDA GPUs (or --device cpu).
 """
@@ -208,6 +209,10 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
             variants["agent_hp"], pairs["agent_hp"], programs["agent_hp"] = cfg["min_messages"][0], hp, 0
         for c in cfg["copy_programs"]:  # "agent_c<N>": the first min_messages value, gather and scatter on <= N programs
             variants[f"agent_c{c}"], pairs[f"agent_c{c}"], programs[f"agent_c{c}"] = cfg["min_messages"][0], (agent, spec), c
+        overlap = {name: 0 for name in variants}  # KVTransferAgent.overlap_copy_programs
+        for c in cfg["overlap_copy_programs"]:  # "agent_o<N>": capped at N only where a message is in flight beside it
+            name = f"agent_o{c}"
+            variants[name], pairs[name], programs[name], overlap[name] = cfg["min_messages"][0], (agent, spec), 0, c
         times: dict[str, list[float]] = {**{v: [] for v in variants}, "raw": [], "gather": [], "scatter": []}
         for i in range(cfg["warmup"] + cfg["iters"]):
             if rank == 0:
@@ -220,6 +225,7 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
                 move = lambda name: pairs[name][0].recv(pairs[name][1], plan, {0: shard}, dst)
             for name, m in variants.items():
                 runs[name] = lambda m=m, name=name: (setattr(pairs[name][0], "min_messages", m),
+                                                     setattr(pairs[name][0], "overlap_copy_programs", overlap[name]),
                                                      _copy_programs(programs[name]), move(name))
             # The same order on both ranks, so the barriers pair up; "agent" (the default) last, so what it wrote
             # is what gets verified.
@@ -254,7 +260,7 @@ def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> b
     return bool(torch.equal(mine, theirs))
 
 
-VARIANT = r"agent_(m\d+|hp|c\d+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies
+VARIANT = r"agent_(m\d+|hp|c\d+|o\d+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies
 
 
 def summarize(results: list[dict], cfg: dict) -> list[dict]:
@@ -307,6 +313,9 @@ def main(argv: list[str] | None = None) -> dict:
                    "kernels run on high-priority streams (the 'agent_hp' row; KVTransferAgent.nccl_high_priority)")
     p.add_argument("--copy-programs", default="", help="comma-separated: also time the agent with its gather and scatter "
                    "capped at N programs each (the 'agent_c<N>' rows; TANDEM_KV_COPY_PROGRAMS)")
+    p.add_argument("--overlap-copy-programs", default="", help="comma-separated: also time the agent with gathers and "
+                   "scatters capped at N programs only beside a message in flight (the 'agent_o<N>' rows; "
+                   "KVTransferAgent.overlap_copy_programs)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -318,7 +327,8 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = {"shape": asdict(shape), "tokens": args.tokens, "warmup": args.warmup, "iters": args.iters,
            "seed": args.seed, "timeout_s": args.timeout, "device": args.device,
            "min_messages": [int(m) for m in args.min_messages.split(",") if m], "nccl_high_priority": args.nccl_high_priority,
-           "copy_programs": [int(c) for c in args.copy_programs.split(",") if c]}
+           "copy_programs": [int(c) for c in args.copy_programs.split(",") if c],
+           "overlap_copy_programs": [int(c) for c in args.overlap_copy_programs.split(",") if c]}
     rows = summarize(run_pair(_bench_rank, cfg, args.device), cfg)
     print_table(rows)
     report = {

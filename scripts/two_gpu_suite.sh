@@ -6,7 +6,7 @@
 #     RES=/tmp/res bash scripts/two_gpu_suite.sh [step ...]     # default: every step, in this order
 #
 # LIMITS="sp=200 sp_serve=380" overrides steps' time limits; SP_LENGTHS the sp step's prompt lengths, PD_RATES the
-# pd step's request rates, KV_MIN_MESSAGES the kv step's message counts, KV_COPY_PROGRAMS its row-copy grid caps.
+# pd step's request rates, KV_MIN_MESSAGES the kv step's message counts, KV_COPY_PROGRAMS and KV_OVERLAP_COPY_PROGRAMS its row-copy grid caps.
 # Steps: tests offline latency pd kv sp ep fault (the default), and allreduce pd_small pd_c1 sp_serve tp_serve pd_trace
 # pd_profile.
 set -u
@@ -50,7 +50,8 @@ run_pd() {  # issue 27's goodput curve: each rate sends 15 s of Poisson arrivals
 run_kv() {  # the agent as is, cut into more messages a transfer (min_messages, KV_MIN_MESSAGES), over a pair with
   # high-priority NCCL streams, and with its gather/scatter grid capped (KV_COPY_PROGRAMS), each beside raw NCCL
   python scripts/bench_kv_transfer.py --device cuda --min-messages "${KV_MIN_MESSAGES:-1,4}" --nccl-high-priority \
-    --copy-programs "${KV_COPY_PROGRAMS:-32,64}" --out "$RES/kv_transfer.json"; }
+    --copy-programs "${KV_COPY_PROGRAMS:-66}" --overlap-copy-programs "${KV_OVERLAP_COPY_PROGRAMS:-66,132}" \
+    --out "$RES/kv_transfer.json"; }
 run_sp() {
   python scripts/bench_sp_prefill.py --shape llama-3.1-8b --device cuda --dtype bfloat16 \
     --lengths $SP_LENGTHS --runs 2 --layouts "sp1 sp2+ring sp2+ulysses" --out "$RES/sp_prefill"

@@ -364,3 +364,50 @@ def test_the_nccl_stream_priority_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("TANDEM_KV_NCCL_HIGH_PRIORITY", "1")
     assert KVTransferAgent(cache, shard, "decode").nccl_high_priority
     assert rank_runtime_env()["env_vars"]["TANDEM_KV_NCCL_HIGH_PRIORITY"] == "1"
+
+
+class _Posted:
+    """A message the fake pair group below 'delivered' at once."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _InstantGroup:
+    """Stands in for a pair group: every send and receive is done when posted (nothing moves)."""
+
+    def send(self, tensors, dst: int, tag: int) -> _Posted:
+        return _Posted()
+
+    def recv(self, tensors, src: int, tag: int) -> _Posted:
+        return _Posted()
+
+
+def test_only_copies_beside_a_message_in_flight_take_the_overlap_cap(monkeypatch):
+    """overlap_copy_programs caps a transfer's gathers but the first and its scatters but the last (the ones that
+    run while another message of it is on the wire); 0 caps none. Checked on the programs each copy is asked for."""
+    from workers.kv_transfer import transport
+
+    asked: list[tuple[str, int | None]] = []
+    monkeypatch.setattr(transport, "gather_blocks",
+                        lambda *a: asked.append(("gather", a[5])) or torch.zeros(a[2].stop - a[2].start, 2, 3, BS,
+                                                                                 KV_HEADS, HEAD_DIM))
+    monkeypatch.setattr(transport, "scatter_blocks", lambda *a: asked.append(("scatter", a[6])))
+    shard = replica_shards(1, 1, LAYERS, KV_HEADS)[0]
+    plan = plan_transfers([shard], [shard], range(3))
+    spec = PairSpec("p", 1, 1)
+    agents = {role: KVTransferAgent(torch.zeros(LAYERS, 2, 8, BS, KV_HEADS, HEAD_DIM), shard, role)
+              for role in ("prefill", "decode")}
+    for agent in agents.values():
+        agent._groups["p"], agent.min_messages = _InstantGroup(), 3  # 6 layers: 3 messages of 2
+    for cap, gathers, scatters in [(66, [None, 66, 66], [66, 66, None]), (0, [None] * 3, [None] * 3)]:
+        asked.clear()
+        for agent in agents.values():
+            agent.overlap_copy_programs = cap
+        agents["prefill"].send(spec, plan, {0: shard}, [0, 1, 2])
+        agents["decode"].recv(spec, plan, {0: shard}, [5, 6, 7])
+        assert [p for kind, p in asked if kind == "gather"] == gathers
+        assert [p for kind, p in asked if kind == "scatter"] == scatters

@@ -46,9 +46,10 @@ def block_index(block_ids: list[int], device: torch.device | str) -> torch.Tenso
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, heads: slice,
-                  index: torch.Tensor | None = None) -> torch.Tensor:
+                  index: torch.Tensor | None = None, programs: int | None = None) -> torch.Tensor:
     """kv_cache [L, 2, num_blocks, block_size, H, D] -> contiguous [l, 2, n, block_size, h, D], in the wire dtype.
-    index: block_index(block_ids) if the caller has it already."""
+    index: block_index(block_ids) if the caller has it already; programs: the GPU row copy's grid cap (None: the
+    module default, `block_copy.MAX_PROGRAMS`; 0: none)."""
     if index is None:
         index = block_index(block_ids, kv_cache.device)
     wire = _as_wire(kv_cache)
@@ -57,13 +58,13 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, h
         from parallel.kernels.block_copy import copy_rows  # Triton: imported on GPUs only
 
         out = torch.empty(words.shape[:2] + (index.numel(),) + words.shape[3:], dtype=words.dtype, device=words.device)
-        copy_rows(words, out, index, gather=True)
+        copy_rows(words, out, index, gather=True, programs=programs)
         return out.view(wire.dtype)
     return words.index_select(2, index)[..., heads, :].contiguous().view(wire.dtype)
 
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, heads: slice, buf: torch.Tensor,
-                   index: torch.Tensor | None = None) -> None:
+                   index: torch.Tensor | None = None, programs: int | None = None) -> None:
     """Inverse of gather_blocks: write buf [l, 2, n, block_size, h, D] (wire dtype) into the given blocks."""
     wire = wire_dtype(kv_cache.dtype)
     if buf.dtype != wire:
@@ -79,7 +80,7 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, 
         if _by_rows(words, heads) and _by_rows(src, heads):
             from parallel.kernels.block_copy import copy_rows  # Triton: imported on GPUs only
 
-            copy_rows(src, words, index, gather=False)
+            copy_rows(src, words, index, gather=False, programs=programs)
         else:
             words.index_copy_(2, index, src)
     else:

@@ -207,6 +207,12 @@ class KVTransferAgent:
         # may be why; `--nccl-high-priority` measures it. Off by default until it has; TANDEM_KV_NCCL_HIGH_PRIORITY=1
         # sets it for served ranks.
         self.nccl_high_priority = os.environ.get("TANDEM_KV_NCCL_HIGH_PRIORITY") == "1"
+        # Caps the GPU row copy's grid (`block_copy.copy_rows`) only for copies that run beside a message in flight:
+        # every gather but a transfer's first, every scatter but its last. Capped at 66 programs, a 32K-token
+        # handoff's copies left NCCL's kernels room (71% -> 80% of raw NCCL), but a lone copy got slower (1K: 48% ->
+        # 38%), and the first gather and last scatter are always alone. A lead to measure
+        # (`bench_kv_transfer.py --overlap-copy-programs`); 0, the default, caps nothing. TANDEM_KV_OVERLAP_COPY_PROGRAMS.
+        self.overlap_copy_programs = int(os.environ.get("TANDEM_KV_OVERLAP_COPY_PROGRAMS", "0") or 0)
 
     def get_shard(self) -> RankShard:
         return self.shard
@@ -373,7 +379,7 @@ class KVTransferAgent:
             if index is None:
                 index = block_index(local_ids, self.kv_cache.device)
                 clock.mark("index")
-            buf = gather_blocks(self.kv_cache, local_ids, layers, heads, index)
+            buf = gather_blocks(self.kv_cache, local_ids, layers, heads, index, self._copy_programs(overlapped=bool(works)))
             if spec.staged:
                 buf = _to_host(buf)
             clock.mark("gather")
@@ -424,7 +430,7 @@ class KVTransferAgent:
         received = self._copy_from_peers(spec, group, local, src_shards, block_table, src_block_table)
         clock.mark("peers")
         nccl = self._nccl(spec)
-        for work, buf, block_ids, index, layers, heads in pending:
+        for k, (work, buf, block_ids, index, layers, heads) in enumerate(pending):
             if nccl:
                 # Stream order only (no CPU wait): the scatter below runs on the GPU once this message has
                 # landed, while the later ones are still arriving; the CPU queues every scatter at once.
@@ -434,7 +440,8 @@ class KVTransferAgent:
             clock.mark("wait")
             if spec.staged:
                 buf = buf.to(self.kv_cache.device, non_blocking=True)
-            scatter_blocks(self.kv_cache, block_ids, layers, heads, buf, index)
+            scatter_blocks(self.kv_cache, block_ids, layers, heads, buf, index,
+                           self._copy_programs(overlapped=k < len(pending) - 1))
             clock.mark("scatter")
             received += buf.numel() * buf.element_size()
         posted = time.time()
@@ -500,6 +507,11 @@ class KVTransferAgent:
                 if mine:
                     yield tag, t, slice(layers.start + k, layers.start + min(k + step, n)), heads
                 tag += 1
+
+    def _copy_programs(self, overlapped: bool) -> int | None:
+        """The row copy's grid cap for a gather or scatter: `overlap_copy_programs` where a message is in flight beside
+        it (and the cap is set), else the module default."""
+        return self.overlap_copy_programs if overlapped and self.overlap_copy_programs else None
 
     def _layers_per_message(self, t: Transfer) -> int:
         """How many of t's layers one message carries: as many as fit in message_bytes, at most
