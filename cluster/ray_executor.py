@@ -56,6 +56,7 @@ class RayExecutor(Executor):
         self.parallel = config.parallel
         self.step_timeout_s = step_timeout_s
         self.world_size = self.parallel.world_size
+        self.needs_fill = self.world_size > 1  # one rank fills a step sent ahead from its own answer
         self._error: str | None = None
         self._coords = {r: (p, s, t) for p, stage in enumerate(rank_grid(self.parallel))
                         for s, row in enumerate(stage) for t, r in enumerate(row)}

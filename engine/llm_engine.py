@@ -300,7 +300,7 @@ class LLMEngine:
             ahead = self._submit(ahead_of=sched_out) if self._can_schedule_ahead(sched_out) else None
             result = pending.result()
             self.scheduler.step_done()
-            if ahead is not None:  # the ranks wait for these before they run the step already sent
+            if ahead is not None and self.executor.needs_fill:  # the ranks wait for these before the step sent ahead
                 self.executor.fill([result.sampled[s.seq_id].token_id for s in placeholder_seqs(ahead[0].seqs)])
         except BaseException:
             if not self.executor.alive:  # the ranks are gone: nothing writes any block any more

@@ -56,6 +56,9 @@ class Executor(ABC):
     # True where a step may be sent while the one before it is still out (asynchronous scheduling): the
     # step carries placeholders for the tokens the step before samples, sent after it with `fill`.
     supports_ahead: bool = False
+    # False where the ranks fill a step sent ahead themselves (one rank, which sampled the tokens): then the engine
+    # does not build the token list for `fill` at all.
+    needs_fill: bool = True
 
     def submit(self, out: SchedulerOutput, ahead: bool = False) -> PendingStep:
         """Start one step; its `result()` is `execute(out)`. Here the step runs before this returns.
