@@ -8,7 +8,10 @@ bandwidth. Shapes are the linear layers of the models in scripts/model_shapes.py
     python scripts/bench_gemv.py                       # the default tile choice vs cuBLAS
     python scripts/bench_gemv.py --sweep               # also every tile config (what parallel/kernels/gemv.py's table came from)
     python scripts/bench_gemv.py --rows 2,4,8,9,16 [--sweep]   # M rows (verification steps, small batches): the rows kernel
-Prints a table; writes JSON (--out).
+    python scripts/bench_gemv.py --fp8 [--sweep]       # FP8 e4m3 weights through the fused quantized GEMV (gemv_quant.py)
+                                                       # beside the bf16 GEMV, each with the decoder's fused ops
+Prints a table; writes JSON (--out). `--fp8 --sweep` also prints the `FP8_TABLE` lines of gemv_quant.py for the
+fastest tiles it found.
 """
 from __future__ import annotations
 
@@ -61,12 +64,18 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
     p.add_argument("--sweep", action="store_true", help="time every tile config too")
     p.add_argument("--rows", default="", help="comma-separated row counts > 1: time the rows kernel instead")
+    p.add_argument("--fp8", action="store_true", help="FP8 weights through gemv_quant.qgemv beside bf16 (Llama-3.1-8B "
+                   "decoder shapes unless --shapes)")
     p.add_argument("--out", default="bench_results/bench_gemv.json")
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gemv needs a CUDA GPU")
     if a.rows:
         return bench_rows(a)
+    if a.fp8:
+        from scripts.bench_gemv_fp8 import bench_fp8
+
+        return bench_fp8(a, SHAPES, ROTATE_BYTES, bench)
     from parallel.kernels.gemv import gemv, tile_config
 
     sweep = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)

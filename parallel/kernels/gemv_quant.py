@@ -33,8 +33,10 @@ Tiles: a program owns BLOCK_N output features and walks K in steps of KS chunks 
 codes a [BLOCK_N, KS, 64 B] tensor. Triton gives each thread one 16-byte piece of a chunk for all BLOCK_N
 rows, so each x value a thread loads (normed, summed) serves BLOCK_N rows (twice that for the paired SiLU
 / RoPE epilogues), while the K split keeps the programs many on narrow layers; the partial sums are
-reduced over the chunks once, before the epilogue. Candidates in `candidates`; `fused_gemv.tune`
-measures them per weight shape and kind of layer at load, before any graph.
+reduced over the chunks once, before the epilogue. FP8 also has 16-byte chunks, one per thread, summed in
+the thread every step (`_fp8_red_tile`: one fp32 accumulator per row and chunk instead of one per code). Tiles:
+`FP8_TABLE` (measured per Llama-3.1-8B shape by `scripts/bench_gemv.py --fp8 --sweep`) where it has the shape,
+else `candidates`, which `fused_gemv.tune` measures per weight shape and kind of layer at load, before any graph.
 
 Everything else (the RMSNorm prologue rounded as `RMSNorm` rounds, SiLU-and-mul, RoPE, residual add, bias,
 PDL under CUDA-graph capture) is `gemv._gemv_kernel`'s, see there.
@@ -228,11 +230,15 @@ def _int_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, rows
 @triton.jit
 def _fp8_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, s_ptr, rows_a, rows_b, n_mask, stride_s, rstd,
               GS: tl.constexpr, KS: tl.constexpr, BLOCK_C: tl.constexpr, NORM: tl.constexpr, PAIRED: tl.constexpr,
-              SCALE_END: tl.constexpr):
-    """acc[n, s, c] += w[n, k] * x[k] over step t's inputs k; with more than one group, each code times its scale."""
+              SCALE_END: tl.constexpr, RED: tl.constexpr):
+    """acc[n, s, c] += w[n, k] * x[k] over step t's inputs k; with more than one group, each code times its scale.
+    RED: acc[n, s, 0] += the chunk's sum instead (`_fp8_red_tile`)."""
     k = _chunks(t, KS) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]  # [KS, BLOCK_C]
     x = _xq(x_ptr, nw_ptr, x_ptr, k, rstd, NORM, False)[None, :, :]
-    if SCALE_END:  # one scale per row (per channel): applied once, after the sum
+    if RED:
+        acc, acc_u = _fp8_red_tile(acc, acc_u, wa, wb, t, x, s_ptr, rows_a, rows_b, n_mask, stride_s, GS, KS, BLOCK_C,
+                                   PAIRED, SCALE_END)
+    elif SCALE_END:  # one scale per row (per channel): applied once, after the sum
         acc += wa.to(tl.float32) * x
         if PAIRED:
             acc_u += wb.to(tl.float32) * x
@@ -250,13 +256,47 @@ def _fp8_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, s_ptr, rows_a, rows_b, n_mas
 
 
 @triton.jit
+def _fp8_red_tile(acc, acc_u, wa, wb, t, x, s_ptr, rows_a, rows_b, n_mask, stride_s, GS: tl.constexpr,
+                  KS: tl.constexpr, BLOCK_C: tl.constexpr, PAIRED: tl.constexpr, SCALE_END: tl.constexpr):
+    """FP8 tiles of one 16-byte vector per row and chunk (BLOCK_C = 16, `candidates`): Triton gives each thread
+    whole chunks, so the sum over a chunk stays in the thread (a chain of FMAs) and the accumulator is one fp32
+    per row and chunk, [BLOCK_N, KS, 1], not one per code: a quarter of the registers of the 64-byte chunks'
+    [BLOCK_N, KS, 64] accumulator over 4 threads, which left room for only 4 programs of 2 warps per SM. A
+    block scale (GS a multiple of the chunk) multiplies the chunk's sum once, not each code."""
+    if SCALE_END or GS % BLOCK_C == 0:
+        pa = tl.sum(wa.to(tl.float32) * x, axis=2, keep_dims=True)
+        if PAIRED:
+            pb = tl.sum(wb.to(tl.float32) * x, axis=2, keep_dims=True)
+        if SCALE_END:  # per channel: the row's scale is applied once, after the K loop
+            acc += pa
+            if PAIRED:
+                acc_u += pb
+        else:
+            g = ((_chunks(t, KS) * BLOCK_C) // GS)[None, :, :]  # [1, KS, 1]
+            acc += pa * tl.load(s_ptr + rows_a[:, None, None].to(tl.int64) * stride_s + g, mask=n_mask[:, None, None],
+                                other=0.0)
+            if PAIRED:
+                acc_u += pb * tl.load(s_ptr + rows_b[:, None, None].to(tl.int64) * stride_s + g,
+                                      mask=n_mask[:, None, None], other=0.0)
+    else:  # groups narrower than a chunk: each code times its own scale
+        k = _chunks(t, KS) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+        g = (k // GS)[None, :, :]
+        sa = tl.load(s_ptr + rows_a[:, None, None].to(tl.int64) * stride_s + g, mask=n_mask[:, None, None], other=0.0)
+        acc += tl.sum((wa.to(tl.float32) * sa) * x, axis=2, keep_dims=True)
+        if PAIRED:
+            sb = tl.load(s_ptr + rows_b[:, None, None].to(tl.int64) * stride_s + g, mask=n_mask[:, None, None], other=0.0)
+            acc_u += tl.sum((wb.to(tl.float32) * sb) * x, axis=2, keep_dims=True)
+    return acc, acc_u
+
+
+@triton.jit
 def _tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, rows_a, rows_b, n_mask, stride_s, rstd,
           FMT: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, J: tl.constexpr, KS: tl.constexpr,
           BLOCK_C: tl.constexpr, NORM: tl.constexpr, PERM: tl.constexpr, PAIRED: tl.constexpr, HAS_ZERO: tl.constexpr,
-          SCALE_END: tl.constexpr):
+          SCALE_END: tl.constexpr, RED: tl.constexpr):
     if FMT == 2:
         acc, acc_u = _fp8_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, s_ptr, rows_a, rows_b, n_mask, stride_s, rstd,
-                               GS, KS, BLOCK_C, NORM, PAIRED, SCALE_END)
+                               GS, KS, BLOCK_C, NORM, PAIRED, SCALE_END, RED)
     else:
         acc, acc_u = _int_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, rows_a, rows_b, n_mask,
                                stride_s, rstd, FMT, BITS, GS, J, KS, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO)
@@ -270,8 +310,8 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, nw_ptr, r_ptr, pos_p
                   BLOCK_N: tl.constexpr, KS: tl.constexpr, BLOCK_C: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                   EVEN_N: tl.constexpr, NORM: tl.constexpr, K_PAD: tl.constexpr, SILU: tl.constexpr,
                   RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr,
-                  PAIRED: tl.constexpr, PERM: tl.constexpr, SCALE_END: tl.constexpr, USE_PDL: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
+                  PAIRED: tl.constexpr, PERM: tl.constexpr, SCALE_END: tl.constexpr, RED: tl.constexpr,
+                  USE_PDL: tl.constexpr, INTERPRETED: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features; under ROPE, (row, row + D/2) pairs
@@ -298,11 +338,11 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, nw_ptr, r_ptr, pos_p
         h = tl.load(x_ptr + offs_f, mask=offs_f < K, other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(h * h, 0) / K + eps)
     # Integer codes with one group per chunk keep a sum per thread's 4 words (`_int_tile`); others one per word / byte.
-    ACC_C: tl.constexpr = BLOCK_C // 4 if FMT != 2 and GS % (BLOCK_C * (32 // BITS)) == 0 else BLOCK_C
+    ACC_C: tl.constexpr = 1 if RED else BLOCK_C // 4 if FMT != 2 and GS % (BLOCK_C * (32 // BITS)) == 0 else BLOCK_C
     acc = tl.zeros([BLOCK_N, KS, ACC_C], tl.float32)
     acc_u = tl.zeros([BLOCK_N, KS, ACC_C], tl.float32)
     acc, acc_u = _tile(acc, acc_u, wa, wb, 0, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, offs_a, offs_b, n_mask,
-                       stride_s, rstd, FMT, BITS, GS, J, KS, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO, SCALE_END)
+                       stride_s, rstd, FMT, BITS, GS, J, KS, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO, SCALE_END, RED)
     for t in range(1, T):
         col = _col_addr(t, KS, BLOCK_C, FMT, J)
         wa = _load_codes(w_ptr, rows_a, col, n_mask, EVEN_N, FMT)
@@ -310,7 +350,7 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, nw_ptr, r_ptr, pos_p
         if PAIRED:
             wb = _load_codes(w_ptr, rows_b, col, n_mask, EVEN_N, FMT)
         acc, acc_u = _tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, offs_a, offs_b, n_mask,
-                           stride_s, rstd, FMT, BITS, GS, J, KS, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO, SCALE_END)
+                           stride_s, rstd, FMT, BITS, GS, J, KS, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO, SCALE_END, RED)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -409,19 +449,48 @@ def default_config(qw: QuantGemvWeight, paired: bool = False) -> dict | None:
 TILES = {(False, False): ((16, 16, 2), (8, 16, 2), (16, 8, 1)), (False, True): ((8, 16, 2), (8, 8, 1), (4, 16, 2)),
          (True, False): ((8, 16, 2), (8, 8, 1), (4, 32, 4)), (True, True): ((4, 16, 2), (4, 32, 4), (2, 16, 2))}
 SMALL_K_TILES = ((4, 4, 1), (8, 2, 1), (8, 1, 1))
+# FP8 tiles of 16-byte chunks summed in the thread (`_fp8_red_tile`), tried before the 64-byte ones above. Compiled
+# for sm_90 (Triton 3.9, K = 4096, not yet timed on a GPU): residual (16, 32, 4) and (8, 32, 2) take 64 registers
+# against 213 for (8, 16, 2) of 64-byte chunks (its [8, 16, 64] fp32 accumulator is 128 registers a thread), so
+# 8 warps of those fit an SM where 4 did; paired (8, 32, 4) takes 72 with the RMSNorm prologue.
+FP8_RED_TILES = {False: ((16, 32, 4), (8, 32, 2), (4, 64, 4)), True: ((8, 32, 4), (4, 32, 2), (4, 64, 4))}
+FP8_RED_CHUNK = 16
+
+# Measured FP8 tiles per weight shape and kind of layer: (N, K, kind) -> config, kind as `fused_gemv.kind_of`
+# ("paired": qkv / gate-up with the RMSNorm prologue, "residual": o / down). `fused_gemv.tune` takes an entry as
+# is and measures `candidates` only for shapes not here. Filled from `scripts/bench_gemv.py --fp8 --sweep`,
+# which prints these lines for the shapes it timed (GPU, batch 1, weights rotated past L2, CUDA graphs); empty
+# until its first run on an H100.
+FP8_TABLE: dict[tuple[int, int, str], dict] = {}
+
+
+def _fits(qw: QuantGemvWeight, cfg: dict) -> bool:
+    per_step = cfg.get("BLOCK_C", qw.chunk()) * qw.pack * cfg["KS"]
+    return qw.k % per_step == 0 and (not cfg.get("RED") or qw.fmt == FP8)
+
+
+def table_config(qw: QuantGemvWeight, kind: str) -> dict | None:
+    """FP8_TABLE's tiles for this weight (FP8, per channel or block-wise), if they fit it."""
+    cfg = FP8_TABLE.get((qw.n, qw.k, kind)) if qw.fmt == FP8 else None
+    return dict(cfg) if cfg is not None and _fits(qw, cfg) else None
 
 
 def candidates(qw: QuantGemvWeight, paired: bool = False) -> list[dict]:
-    """Tile candidates that fit the weight (KS divides its chunks), at most three, for the plain / residual
-    product or (paired) the SiLU and RoPE epilogues, which stream two rows per output. A program takes
-    BLOCK_N outputs and KS chunks of K per step ([BLOCK_N, KS, BLOCK_C] codes): Triton's layout puts 4 threads
-    on a chunk's 64 bytes, 8 threads and then the warps on the KS chunks, and repeats the rows in each
+    """Tile candidates that fit the weight (a K step divides K), at most three (FP8: four), for the plain /
+    residual product or (paired) the SiLU and RoPE epilogues, which stream two rows per output. A program takes
+    BLOCK_N outputs and KS chunks of K per step ([BLOCK_N, KS, BLOCK_C] codes). 64-byte chunks: Triton's layout
+    puts 4 threads on a chunk, 8 threads and then the warps on the KS chunks, and repeats the rows in each
     thread, so that every thread reuses its x values (loaded, normed and summed per input) over its rows,
     while the K split keeps many programs on a narrow layer (a 4096-row layer in 8-row programs: 512 of
-    them). Measured per shape and kind by `parallel/quant/fused_gemv.tune`."""
-    n = qw.chunks()
-    tiles = TILES[(qw.fmt == FP8, paired)] + SMALL_K_TILES
-    return [dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1) for bn, ks, w in tiles if n and n % ks == 0][:3]
+    them). FP8 first tries 16-byte chunks, one per thread, each summed in the thread (FP8_RED_TILES). Measured
+    per shape and kind by `parallel/quant/fused_gemv.tune` where FP8_TABLE has no entry."""
+    out = []
+    if qw.fmt == FP8:
+        out = [dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, BLOCK_C=FP8_RED_CHUNK, RED=True)
+               for bn, ks, w in FP8_RED_TILES[paired]]
+    out += [dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1)
+            for bn, ks, w in TILES[(qw.fmt == FP8, paired)] + SMALL_K_TILES]
+    return [c for c in out if _fits(qw, c)][:4 if qw.fmt == FP8 else 3]
 
 
 def qgemv(x: torch.Tensor, qw: QuantGemvWeight, bias: torch.Tensor | None = None, config: dict | None = None, *,
@@ -449,18 +518,21 @@ def qgemv(x: torch.Tensor, qw: QuantGemvWeight, bias: torch.Tensor | None = None
         extra["enable_fp_fusion"] = False
     x = x.contiguous()
     s = qw.scales
-    block_c = qw.chunk()
+    block_c, red = cfg.pop("BLOCK_C", qw.chunk()), cfg.pop("RED", False)
+    per_step = block_c * qw.pack * cfg["KS"]  # inputs per K step
+    if k % per_step or (red and qw.fmt != FP8):
+        raise ValueError(f"qgemv: tile {cfg} does not fit K={k} ({qw.fmt=}; RED is FP8 only)")
     _qgemv_kernel[(triton.cdiv(grid_n, cfg["BLOCK_N"]),)](
         x, qw.codes, s, qw.zeros if qw.zeros is not None else s, bias if bias is not None else s, y,
         norm_weight if norm_weight is not None else x, residual if residual is not None else x,
         rope.positions if rope else x, rope.cos_sin if rope else x, qw.perm if qw.perm is not None else x,
-        grid_n, k, n if silu else 0, qw.chunks() // cfg["KS"], qw.row_stride, qw.n if qw.fmt == INT4PACK else s.stride(0),
+        grid_n, k, n if silu else 0, k // per_step, qw.row_stride, qw.n if qw.fmt == INT4PACK else s.stride(0),
         rope.cos_sin.stride(0) if rope else 0, eps,
         FMT=qw.fmt, BITS=qw.bits, GS=qw.group_size, J=qw.j, BLOCK_C=block_c, HAS_ZERO=qw.zeros is not None,
         HAS_BIAS=bias is not None, EVEN_N=grid_n % cfg["BLOCK_N"] == 0, NORM=norm_weight is not None,
         K_PAD=triton.next_power_of_2(k) if norm_weight is not None else 1, SILU=silu, RESIDUAL=residual is not None,
         ROPE=rope is not None, HEAD_DIM=rope.head_dim if rope else 2, ROT_ROWS=rope.rot_rows if rope else 0,
         PAIRED=silu or rope is not None, PERM=qw.perm is not None,
-        SCALE_END=qw.fmt == FP8 and qw.scales.shape[1] == 1, USE_PDL=pdl,
+        SCALE_END=qw.fmt == FP8 and qw.scales.shape[1] == 1, RED=red, USE_PDL=pdl,
         INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", **cfg, **extra)
     return y

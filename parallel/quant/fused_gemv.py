@@ -71,6 +71,9 @@ def tune(qw, dtype: torch.dtype, kind: str) -> dict:
     with RMSNorm and SiLU, and qkv with RMSNorm and RoPE, measured as the former; "residual": the row-parallel
     epilogue), measured once per shape with CUDA events; the first candidate with TANDEM_QUANT_TUNE=0."""
     paired = kind == "paired"
+    table = _gq.table_config(qw, kind)
+    if table is not None:  # measured offline for this shape (scripts/bench_gemv.py --fp8 --sweep)
+        return table
     cands = _gq.candidates(qw, paired)
     if os.environ.get("TANDEM_QUANT_TUNE", "1") == "0" or len(cands) == 1:
         return cands[0]
@@ -96,20 +99,25 @@ def _measured(qw, kind: str, times: list[tuple[dict, float]], best_ms: float) ->
     fmt = {_gq.INT4PACK: "int4 (tinygemm layout)", _gq.PACKED: f"int{qw.bits}", _gq.FP8: "fp8"}[qw.fmt]
     return {"format": fmt, "n": qw.n, "k": qw.k, "kind": kind, "weight_mb": nbytes / 1e6, "best_us": best_ms * 1e3,
             "best_gb_per_s": nbytes / best_ms / 1e6,
-            "tiles": [{**{k: c[k] for k in ("BLOCK_N", "KS", "num_warps")}, "us": ms * 1e3} for c, ms in times]}
+            "tiles": [{**{k: c[k] for k in ("BLOCK_N", "KS", "num_warps", "BLOCK_C", "RED") if k in c}, "us": ms * 1e3}
+                      for c, ms in times]}
 
 
 def _cold_time(fn, iters: int = 5) -> float:
     """Milliseconds per call of `fn` with its weight out of L2, as in a forward (each layer's weight is read once
     per token): a 64 MB write before each timed call evicts it. Timing the same weight back to back would read
     it from L2 (a 4096 x 4096 int4 layer is 8 MB) and favour the tiles that compute fastest over those that keep
-    enough loads in flight."""
+    enough loads in flight. A ~0.1 ms spin kernel before the start event keeps the GPU busy while the host
+    launches `fn` (a Triton launch of this many arguments takes tens of microseconds of host time). Without it
+    the interval could include that launch: on 2026-11-27 (H100) every FP8 shape measured 130-155 us, from 16.8 to
+    117.6 MB of weight, while a whole 32-layer decode step took 3.7 ms."""
     fn()  # compiles
     flush = torch.empty(64 << 20, dtype=torch.uint8, device=torch.cuda.current_device())
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     total = 0.0
     for _ in range(iters):
         flush.zero_()
+        torch.cuda._sleep(200_000)  # clock cycles: ~0.1 ms at an H100's 1.98 GHz
         start.record()
         fn()
         end.record()

@@ -1,0 +1,152 @@
+"""`scripts/bench_gemv.py --fp8 [--sweep]`: the batch-1 FP8 GEMV (parallel/kernels/gemv_quant.py) beside the bf16 one.
+
+Each decoder linear is timed as the fused decoder calls it (workers/models/fused_decode.py): qkv with the RMSNorm
+prologue and RoPE, gate/up with RMSNorm and SiLU-and-mul, o and down with the residual add. The bf16 GEMV
+(`gemv.gemv`, its default tiles) runs the same fused op on a bf16 weight of the same shape; both replay a CUDA graph
+over weight copies that together exceed L2 (as `bench_gemv.bench`), so the figures are HBM streaming rates. GB/s
+counts the bytes each kernel must read: bf16 weights, or e4m3 codes plus their float32 scales.
+
+Without --sweep: the tiles the engine would use (FP8_TABLE's entry, else the first candidate; the engine measures
+the candidates at load where the table has no entry). With --sweep: every tile of `sweep_configs` too, each checked
+against the first candidate's output, and the fastest per shape, printed as FP8_TABLE lines to paste into
+gemv_quant.py.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from typing import Callable
+
+import torch
+
+# name in bench_gemv.SHAPES -> kind (gemv_quant.FP8_TABLE's key) and the fused op the decoder runs with it
+DECODER = {"llama-3.1-8b qkv": ("paired", "rope"), "llama-3.1-8b o": ("residual", "residual"),
+           "llama-3.1-8b gate_up": ("paired", "silu"), "llama-3.1-8b down": ("residual", "residual")}
+HEAD_DIM, Q_HEADS, KV_HEADS = 128, 32, 8  # Llama-3.1-8B: qkv rows = (32 + 2 * 8) * 128
+DEVICE = "cuda"  # tests/test_bench_gemv_fp8.py runs the script's logic on CPU under Triton's interpreter
+
+
+def sweep_configs(k: int, paired: bool) -> list[dict]:
+    """FP8 tiles to time: 16-byte chunks summed in the thread (RED) over rows x chunks x warps, with 1-16 (paired:
+    1-8) 16-byte vectors per thread and step; a few of them accumulating per code instead (RED off); and the
+    64-byte-chunk tiles of gemv_quant.TILES. Only tiles whose K step divides K."""
+    from parallel.kernels import gemv_quant as gq
+
+    out = []
+    for bn, ks, w in itertools.product((2, 4, 8, 16, 32), (16, 32, 64, 128), (2, 4, 8)):
+        vec = bn * ks // (32 * w)  # 16-byte vectors per thread per step (per weight half when paired)
+        if 1 <= vec <= (8 if paired else 16) and k % (16 * ks) == 0:
+            out.append(dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, BLOCK_C=16, RED=True))
+            if vec <= 4:
+                out.append(dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, BLOCK_C=16, RED=False))
+    for bn, ks, w in gq.TILES[(True, paired)]:
+        if k % (64 * ks) == 0:
+            out.append(dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1))
+    return out
+
+
+def _fused_args(op: str, n: int, k: int) -> dict:
+    """The keyword arguments of the decoder's fused call (gemv.gemv and gemv_quant.qgemv take the same)."""
+    from parallel.kernels.gemv import Rope
+
+    dev = DEVICE
+    if op == "residual":
+        return dict(residual=torch.randn(1, n, device=dev, dtype=torch.bfloat16))
+    fused = dict(norm_weight=torch.rand(k, device=dev, dtype=torch.bfloat16) + 0.5, eps=1e-5)
+    if op == "silu":
+        return {**fused, "silu": True}
+    ang = torch.rand(4096, 1, HEAD_DIM // 2, device=dev) * 6
+    cs = torch.cat([torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)], 1).contiguous()
+    rope = Rope(torch.tensor([777], device=dev, dtype=torch.int32), cs, HEAD_DIM, (Q_HEADS + KV_HEADS) * HEAD_DIM)
+    return {**fused, "rope": rope}
+
+
+def _fp8_weights(n: int, k: int, copies: int) -> list:
+    """`copies` FP8 layers as load leaves them (per-channel scales), as the fused GEMV views them."""
+    from parallel.kernels import gemv_quant as gq
+
+    out = []
+    for _ in range(copies):
+        codes = (torch.randn(n, k, device=DEVICE) * 64).to(torch.float8_e4m3fn)
+        scales = torch.rand(n, 1, device=DEVICE) * 1e-3 + 1e-4
+        out.append(gq.QuantGemvWeight(gq.FP8, codes, scales, None, k, 8, n, k))
+    return out
+
+
+def _time_fp8(bench: Callable, x: torch.Tensor, qws: list, cfg: dict, fused: dict, ref: torch.Tensor) -> float:
+    """Seconds per pass over all copies with tile `cfg`, after checking the first copy's output against `ref`."""
+    from parallel.kernels import gemv_quant as gq
+
+    y = gq.qgemv(x, qws[0], None, cfg, **fused).float()
+    err = ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+    if not err < 2e-2:
+        raise AssertionError(f"tile {cfg}: relative error {err:.2e} against the first candidate")
+    return bench(lambda: [gq.qgemv(x, qw, None, cfg, **fused) for qw in qws])
+
+
+def _shape_row(name: str, n_k: tuple[int, int], rotate_bytes: int, bench: Callable, sweep: bool) -> dict:
+    """One decoder linear: bf16 and FP8 (the engine's tiles, and with --sweep every tile), GB/s and times."""
+    from parallel.kernels import gemv_quant as gq
+    from parallel.kernels.gemv import gemv, tile_config
+
+    kind, op = DECODER[name]
+    n, k = n_k
+    rows_out = n // 2 if op == "silu" else n
+    fused = _fused_args(op, rows_out, k)
+    x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+    ws = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k**0.5 for _ in range(max(2, rotate_bytes // (2 * n * k)))]
+    t_bf16 = bench(lambda: [gemv(x, w, **fused) for w in ws])
+    bf16_bytes = len(ws) * 2 * n * k
+    del ws
+    qws = _fp8_weights(n, k, max(2, rotate_bytes // (n * k)))
+    fp8_bytes = len(qws) * (n * k + 4 * n)
+    first = gq.candidates(qws[0], kind == "paired")[0]
+    ref = gq.qgemv(x, qws[0], None, first, **fused).float()
+    engine = gq.table_config(qws[0], kind) or first
+    t_engine = _time_fp8(bench, x, qws, engine, fused, ref)
+    row = {"shape": name, "n": n, "k": k, "kind": kind, "fused": op, "bf16_us": 1e6 * t_bf16 * 2 * n * k / bf16_bytes,
+           "bf16_GBps": bf16_bytes / t_bf16 / 1e9, "fp8_config": engine, "fp8_GBps": fp8_bytes / t_engine / 1e9,
+           "fp8_us": 1e6 * t_engine / len(qws)}
+    row["fp8_speedup_vs_bf16"] = row["bf16_us"] / row["fp8_us"]
+    if sweep:
+        tried = []
+        for cfg in sweep_configs(k, kind == "paired"):
+            try:
+                t = _time_fp8(bench, x, qws, cfg, fused, ref)
+            except Exception as e:  # a tile the compiler rejects, or a wrong result (reported, never picked)
+                print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            tried.append({"config": cfg, "GBps": fp8_bytes / t / 1e9, "us": 1e6 * t / len(qws)})
+        best = max(tried, key=lambda r: r["GBps"])
+        row.update(sweep=tried, best_config=best["config"], best_GBps=best["GBps"], best_us=best["us"],
+                   best_speedup_vs_bf16=row["bf16_us"] / best["us"])
+    del qws
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def bench_fp8(a, shapes: dict, rotate_bytes: int, bench: Callable) -> None:
+    """The --fp8 mode of scripts/bench_gemv.py (see the module docstring)."""
+    names = [s for s in a.shapes.split(",") if s in DECODER] if a.shapes != ",".join(shapes) else list(DECODER)
+    report = {"benchmark": "gemv_fp8", "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "torch": torch.__version__, "results": []}
+    print(f"{report['gpu']}: batch-1 fused GEMV, weight GB/s (bytes each kernel reads) and us per call")
+    for name in names:
+        row = _shape_row(name, shapes[name], rotate_bytes, bench, a.sweep)
+        report["results"].append(row)
+        extra = (f"  best fp8 {row['best_GBps']:6.0f} GB/s {row['best_us']:6.1f} us ({row['best_speedup_vs_bf16']:.2f}x)"
+                 f" {row['best_config']}") if a.sweep else ""
+        print(f"{name:22} {row['fused']:8}  bf16 {row['bf16_GBps']:6.0f} GB/s {row['bf16_us']:6.1f} us  fp8 "
+              f"{row['fp8_GBps']:6.0f} GB/s {row['fp8_us']:6.1f} us ({row['fp8_speedup_vs_bf16']:.2f}x){extra}", flush=True)
+    if a.sweep:
+        print("FP8_TABLE entries (parallel/kernels/gemv_quant.py):")
+        for r in report["results"]:
+            cfg = ", ".join(f"{k}={v!r}" for k, v in r["best_config"].items())
+            print(f"    ({r['n']}, {r['k']}, {r['kind']!r}): dict({cfg}),  # {r['best_GBps']:.0f} GB/s, {r['shape']}")
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {a.out}")
