@@ -35,11 +35,14 @@ def sweep_configs(k: int, paired: bool) -> list[dict]:
     from parallel.kernels import gemv_quant as gq
 
     out = []
-    for bn, ks, w in itertools.product((2, 4, 8, 16, 32), (16, 32, 64, 128), (2, 4, 8)):
+    # KS up to 256: a 4096 x 4096 layer is ~127 KB per SM, so one step of 4 vectors per thread at full occupancy
+    # (2048 threads) can have all of it in flight; the kernel has no software pipeline (num_stages changes nothing
+    # in its SASS), so fewer, wider steps are the way to keep loads in flight.
+    for bn, ks, w in itertools.product((1, 2, 4, 8, 16, 32), (16, 32, 64, 128, 256), (2, 4, 8)):
         vec = bn * ks // (32 * w)  # 16-byte vectors per thread per step (per weight half when paired)
-        if 1 <= vec <= (8 if paired else 16) and k % (16 * ks) == 0:
+        if bn * ks >= 32 * w and vec <= (8 if paired else 16) and k % (16 * ks) == 0:
             out.append(dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, BLOCK_C=16, RED=True))
-            if vec <= 4:
+            if vec <= 2 and w <= 4:  # an accumulator per code: registers grow with the vectors
                 out.append(dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, BLOCK_C=16, RED=False))
     for bn, ks, w in gq.TILES[(True, paired)]:
         if k % (64 * ks) == 0:
@@ -131,12 +134,15 @@ def _shape_row(name: str, n_k: tuple[int, int], rotate_bytes: int, bench: Callab
 def bench_fp8(a, shapes: dict, rotate_bytes: int, bench: Callable) -> None:
     """The --fp8 mode of scripts/bench_gemv.py (see the module docstring)."""
     names = [s for s in a.shapes.split(",") if s in DECODER] if a.shapes != ",".join(shapes) else list(DECODER)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     report = {"benchmark": "gemv_fp8", "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "torch": torch.__version__, "results": []}
     print(f"{report['gpu']}: batch-1 fused GEMV, weight GB/s (bytes each kernel reads) and us per call")
     for name in names:
         row = _shape_row(name, shapes[name], rotate_bytes, bench, a.sweep)
         report["results"].append(row)
+        with open(a.out, "w") as f:  # after every shape: a run cut short keeps what it measured
+            json.dump(report, f, indent=2)
         extra = (f"  best fp8 {row['best_GBps']:6.0f} GB/s {row['best_us']:6.1f} us ({row['best_speedup_vs_bf16']:.2f}x)"
                  f" {row['best_config']}") if a.sweep else ""
         print(f"{name:22} {row['fused']:8}  bf16 {row['bf16_GBps']:6.0f} GB/s {row['bf16_us']:6.1f} us  fp8 "
@@ -146,7 +152,4 @@ def bench_fp8(a, shapes: dict, rotate_bytes: int, bench: Callable) -> None:
         for r in report["results"]:
             cfg = ", ".join(f"{k}={v!r}" for k, v in r["best_config"].items())
             print(f"    ({r['n']}, {r['k']}, {r['kind']!r}): dict({cfg}),  # {r['best_GBps']:.0f} GB/s, {r['shape']}")
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=2)
     print(f"wrote {a.out}")
