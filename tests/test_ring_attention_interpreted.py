@@ -113,7 +113,8 @@ D = 16
 S = D ** -0.5
 torch.manual_seed(0)
 checked = 0
-CONFIGS = ["16,16,4,1", "16,16,4,1,pack", "64,32,4,1,pack"]  # packed: 4 query rows x G=4 heads; 16 x 4
+# packed: 4 query rows x G=4 heads; 16 x 4. early: each step starts from the accumulators (no merge after).
+CONFIGS = ["16,16,4,1", "16,16,4,1,pack", "64,32,4,1,pack", "16,16,4,1,early", "32,16,4,1,pack,early"]
 
 
 def causal(q, k, v, qp=None, kp=None):
@@ -127,7 +128,7 @@ def causal(q, k, v, qp=None, kp=None):
 for dtype, tol, hq, hkv, cfgs, lengths in (
         (torch.float32, 1e-5, 4, 1, CONFIGS, ((45, (2, 4)), (6, (4,)))),
         (torch.float32, 1e-5, 4, 2, CONFIGS, ((45, (2,)),)),
-        (torch.float16, 1e-2, 4, 1, CONFIGS[1:2], ((45, (2, 4)), (6, (4,))))):
+        (torch.float16, 1e-2, 4, 1, CONFIGS[1:2] + CONFIGS[4:], ((45, (2, 4)), (6, (4,))))):
     for n, sps in lengths:
         q, k, v = (torch.randn(n, h, D).to(dtype) for h in (hq, hkv, hkv))
         full = causal(q, k, v)
@@ -290,7 +291,7 @@ for hq, hkv in ((4, 1), (4, 2)):
     for sp in (2, 4):
         positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
         qs, blocks, shards = split_for_ranks(q, k, v, positions)
-        for cfg in ("16,16,4,1,split=2", "32,16,4,1,pack,split=3"):
+        for cfg in ("16,16,4,1,split=2", "32,16,4,1,pack,split=3", "16,16,4,1,split=2,early"):
             for r in range(sp):
                 out = ring_rank_attention(qs[r], blocks, shards, r, S, backend="triton", kernel_config=cfg)
                 torch.testing.assert_close(out, full[positions[r]], rtol=1e-5, atol=1e-5,
@@ -349,7 +350,7 @@ q, k, v = (torch.randn(n, h, D).half() for h in (4, 2, 2))
 full, _ = dense(q, k, v, ar(n), ar(n))
 positions = [owned_positions(0, n, r, 4, 4) for r in range(4)]
 qs, blocks, shards = split_for_ranks(q, k, v, positions)
-for cfg in ("16,16,4,1,acc16", "32,16,4,1,pack,split=2,acc16"):
+for cfg in ("16,16,4,1,acc16", "32,16,4,1,pack,split=2,acc16", "32,16,4,1,pack,acc16,early"):
     for r in range(4):
         steps = _RingSteps(qs[r], blocks[r], shards[r], [shards[(r - s) % 4] for s in range(4)], S, None, True, cfg)
         assert steps.acc[0].dtype == torch.float16 and steps.acc[1].dtype == torch.float32
@@ -368,12 +369,14 @@ def test_ring_step_kernel_in_the_triton_interpreter():
 
 def test_ring_launches_in_the_triton_interpreter():
     out = run_interpreted(RING_SCRIPT)
-    assert out.strip().split()[-2:] == ["ok", str(3 * (6 + 4) + 3 * 2 + (6 + 4) + 3 * 2 + 3 + 1 + 3)], out[-500:]
+    configs = 5
+    assert out.strip().split()[-2:] == ["ok", str(configs * (6 + 4) + configs * 2 + 2 * (6 + 4) + configs * 2
+                                                  + configs + 1 + 3)], out[-500:]
 
 
 def test_split_k_in_the_triton_interpreter():
     out = run_interpreted(SPLIT_SCRIPT)
-    assert out.strip().split()[-2:] == ["ok", str(5 * 3 + 1 + 1 + 2 * 2 * (2 + 4) + (2 + 4) + 1 + 2 + 2 * 4)], out[-500:]
+    assert out.strip().split()[-2:] == ["ok", str(5 * 3 + 1 + 1 + 2 * 3 * (2 + 4) + (2 + 4) + 1 + 2 + 3 * 4)], out[-500:]
 
 
 def _inputs(tq=8, tk=8, hq=4, hkv=2, d=16, dtype=torch.float32):
@@ -478,7 +481,11 @@ def test_launch_configs(monkeypatch):
     assert rt.RingConfig.parse("128,128,8,3,split=auto,pack") == rt.RingConfig(128, 128, 8, 3, True, 0)
     acc16 = rt.RingConfig.parse("128,128,8,3,acc16,pack")
     assert acc16 == rt.RingConfig(128, 128, 8, 3, True, 0, True) and rt.RingConfig.parse(str(acc16)) == acc16
-    for bad in ("128,64,8,3,split=x", "128,64,8,3,split=2,split=3", "128,64,8,3,split=99", "128,64,8,3,acc16,acc16"):
+    early = rt.RingConfig.parse("128,128,8,3,pack,pdl,early")
+    assert early == rt.RingConfig(128, 128, 8, 3, True, early=True, pdl=True) and str(early).endswith(",early,pdl")
+    assert rt.RingConfig.parse(str(early)) == early and not cfg.early and not cfg.pdl
+    for bad in ("128,64,8,3,split=x", "128,64,8,3,split=2,split=3", "128,64,8,3,split=99", "128,64,8,3,acc16,acc16",
+                "128,64,8,3,early,early", "128,64,8,3,pdl2"):
         with pytest.raises(ValueError):
             rt.RingConfig.parse(bad)
     monkeypatch.delenv(rt.ENV, raising=False)

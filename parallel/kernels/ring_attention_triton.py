@@ -33,8 +33,15 @@ LSE, exactly, and finishes as an unsplit step would (in-place merge into the acc
 How many pieces: `split_counts`, from the step's key tiles per SM (`sm_count`); "split=N" in a config forces
 up to N. The split kernel is a compile of its own (SPLIT), so unsplit steps run the kernel as before.
 
+Short steps (16K tokens at SP=4: ~16 key tiles per program against ~64 at SP=1, the same number of programs per
+rank) pay each program's fixed cost four times as often per key tile. Two options cut it (`RingConfig`): `early`
+starts a step's online softmax from the accumulators, loaded beside q, so the epilogue makes no second memory
+round trip; `pdl` chains the steps by programmatic dependent launch, so a step's programs fill the SMs the
+previous step's tail frees.
+
 Launch configs: `RingConfig`, the `CONFIGS` table by head dim, the TANDEM_RING_KERNEL environment variable
-("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"); scripts/tune_ring_kernel.py times candidates on a GPU.
+("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16][,early][,pdl]"); scripts/tune_ring_kernel.py times
+candidates on a GPU.
 Memory: the inputs, the accumulators and output, the tile table and, split, the pieces' partials: O(chunk).
 """
 from __future__ import annotations
@@ -73,7 +80,17 @@ class RingConfig:
     split-K (`splits`: 0 chooses per step from its work and the SM count, `split_counts`; 1 never splits; n
     cuts every query tile's key range into up to n pieces) and `acc16`: the ring's running output between steps
     in q's 16-bit dtype instead of fp32 (its LSE stays fp32): half the accumulators' traffic per step, each
-    merge rounded to bf16 / fp16 as the output finally is. Off by default: fp32 keeps the merge exact."""
+    merge rounded to bf16 / fp16 as the output finally is. Off by default: fp32 keeps the merge exact.
+
+    `early`: a step that merges starts its online softmax from the accumulators (m = their LSE, l = 1, acc =
+    their output, exactly the state they stand for) instead of merging them into its result after its key loop:
+    their load is issued beside q's at the program's start, the epilogue is a plain normalise-and-store (no
+    second memory round trip, no merge arithmetic) and the result is the same merge. `pdl`: steps after the
+    first are launched with programmatic dependent launch (Hopper+): a step's programs start on the SMs the
+    previous step's tail frees and run up to the accumulators (`gdc_wait`, the previous step's writes complete
+    and visible), instead of each launch draining the GPU first. Split steps launch plainly (their pieces share
+    one scratch). In `ring_attention` a receive wait sits between two steps on the stream; CUDA then serialises
+    the launch as usual (no overlap, still correct)."""
     block_m: int
     block_n: int
     num_warps: int
@@ -81,28 +98,31 @@ class RingConfig:
     pack: bool = False
     splits: int = 0
     acc16: bool = False
+    early: bool = False
+    pdl: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "RingConfig":
         """"BLOCK_M,BLOCK_N,warps,stages" then optionally "pack" (or 1/0), "split=N" (or "splitN"; "split=auto"
-        is the default) and "acc16": as the env variable, e.g. "128,128,8,3,pack,split=2"."""
+        is the default), "acc16", "early" and "pdl": as the env variable, e.g. "128,128,8,3,pack,split=2"."""
         parts = [p.strip().lower() for p in text.replace("x", ",").split(",") if p.strip()]
-        pack, splits, acc16 = None, None, False
+        pack, splits, flags = None, None, set()
         for flag in parts[4:]:
-            if flag == "acc16" and not acc16:
-                acc16 = True
+            if flag in ("acc16", "early", "pdl") and flag not in flags:
+                flags.add(flag)
             elif flag.startswith("split") and splits is None:
                 n = flag[5:].lstrip("=")
                 splits = 0 if n == "auto" else int(n) if n.isdigit() else -1
             elif flag in ("pack", "1", "true", "p", "0", "false") and pack is None:
                 pack = flag in ("pack", "1", "true", "p")
             else:
-                raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16], "
-                                 f"not {text!r}")
+                raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
+                                 f"[,early][,pdl], not {text!r}")
         if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]):
-            raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16], "
-                             f"not {text!r}")
-        cfg = cls(*(int(p) for p in parts[:4]), bool(pack), splits or 0, acc16)
+            raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
+                             f"[,early][,pdl], not {text!r}")
+        cfg = cls(*(int(p) for p in parts[:4]), bool(pack), splits or 0, "acc16" in flags, "early" in flags,
+                  "pdl" in flags)
         if cfg.block_m < 16 or cfg.block_n < 16 or cfg.num_warps < 1 or cfg.num_stages < 1 \
                 or cfg.block_m & (cfg.block_m - 1) or cfg.block_n & (cfg.block_n - 1) or not 0 <= cfg.splits <= 64:
             raise ValueError(f"bad ring kernel config {text!r}: tiles powers of two >= 16, warps and stages >= 1, "
@@ -111,7 +131,8 @@ class RingConfig:
 
     def __str__(self) -> str:
         return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}" + (",pack" if self.pack else "") \
-            + (f",split={self.splits}" if self.splits else "") + (",acc16" if self.acc16 else "")
+            + (f",split={self.splits}" if self.splits else "") + (",acc16" if self.acc16 else "") \
+            + (",early" if self.early else "") + (",pdl" if self.pdl else "")
 
     def heads_per_program(self, gqa: int) -> int:
         """Query heads one program takes: the GQA group when packing (and it fits BLOCK_M with >= 1 row), else 1."""
@@ -188,21 +209,23 @@ def _load_kv(ptr, desc, start_n, valid, col, stride_t, offs_d, BLOCK_N: tl.const
 
 @triton.jit
 def _finish(out, lse, rows, head, mask_m, offs_d, acc_o_ptr, acc_l_ptr, out_ptr, load_prev, store_acc, store_out,
-            stride_at, stride_ah, stride_lt, stride_lh, stride_ot, stride_oh):
+            stride_at, stride_ah, stride_lt, stride_lh, stride_ot, stride_oh, MERGE: tl.constexpr = True):
     """A program's result (out [M, D], lse [M] fp32, of query rows `rows`, heads `head`): merged into the
-    accumulators when `load_prev` (as merge_into does), then stored to them and/or to the output."""
+    accumulators when `load_prev` (as merge_into does; not compiled without MERGE: an `early` program started
+    from them), then stored to them and/or to the output."""
     a_ptrs = acc_o_ptr + rows[:, None] * stride_at + head[:, None] * stride_ah + offs_d[None, :]
     l_ptrs = acc_l_ptr + rows * stride_lt + head * stride_lh
-    if load_prev != 0:  # out, lse := the merge of the accumulators and this chunk's partial
-        prev_o = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0).to(tl.float32)
-        prev_lse = tl.load(l_ptrs, mask=mask_m, other=float("-inf"))
-        hi = tl.maximum(prev_lse, lse)
-        hi = tl.where(hi == float("-inf"), 0.0, hi)
-        w_prev = tl.exp(prev_lse - hi)
-        w_new = tl.exp(lse - hi)
-        total = w_prev + w_new
-        out = (prev_o * w_prev[:, None] + out * w_new[:, None]) / tl.where(total > 0, total, 1.0)[:, None]
-        lse = tl.where(total > 0, hi + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+    if MERGE:
+        if load_prev != 0:  # out, lse := the merge of the accumulators and this chunk's partial
+            prev_o = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0).to(tl.float32)
+            prev_lse = tl.load(l_ptrs, mask=mask_m, other=float("-inf"))
+            hi = tl.maximum(prev_lse, lse)
+            hi = tl.where(hi == float("-inf"), 0.0, hi)
+            w_prev = tl.exp(prev_lse - hi)
+            w_new = tl.exp(lse - hi)
+            total = w_prev + w_new
+            out = (prev_o * w_prev[:, None] + out * w_new[:, None]) / tl.where(total > 0, total, 1.0)[:, None]
+            lse = tl.where(total > 0, hi + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
     if store_acc != 0:
         tl.store(a_ptrs, out.to(acc_o_ptr.dtype.element_ty), mask=mask_m[:, None])
         tl.store(l_ptrs, lse, mask=mask_m)
@@ -217,9 +240,13 @@ def _ring_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, qpos_ptr, kpos_ptr, tiles_
                  stride_qt, stride_qh, stride_kt, stride_vt, stride_at, stride_ah, stride_lt, stride_lh,
                  stride_ot, stride_oh,
                  GQA: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
+                 BLOCK_N: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+                 EARLY: tl.constexpr, PDL: tl.constexpr):
     # Heads vary fastest: the programs of one tile (same keys) run side by side. SPLIT: the table has split-K
-    # pieces (a compile of its own, so the unsplit kernel's registers are as before).
+    # pieces (a compile of its own, so the unsplit kernel's registers are as before). EARLY: start from the
+    # accumulators (RingConfig.early; pieces never do: their merge kernel merges). PDL: RingConfig.pdl.
+    if PDL:  # the next step may launch now: its programs take the SMs this grid's tail frees
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     hg = pid % n_groups  # head group: query heads hg * HP .. hg * HP + HP - 1
     row = tiles_ptr + (pid // n_groups) * 7
@@ -243,9 +270,25 @@ def _ring_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, qpos_ptr, kpos_ptr, tiles_
     kv_col = ((hg * HP) // GQA) * D  # k/v rows hold Hkv heads of D contiguous values
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=mask_m[:, None],
                 other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if EARLY and not SPLIT:
+        if PDL:  # the accumulators are the previous step's: wait until that grid is done and its writes visible
+            tl.extra.cuda.gdc_wait()
+        # The online softmax's state for the keys merged so far, exactly: max m = their LSE (log2 domain), sum
+        # l = 1 (the output is normalised), acc = the output. Masked loads (load_prev 0): nothing seen, no traffic.
+        # Addresses as int32 offsets from the tile's first row and head (not the epilogue's 64-bit pointers, which
+        # the compiler would otherwise keep live, spilled, across the key loops).
+        prev = mask_m & ((tl.zeros([BLOCK_M], tl.int32) + load_prev) != 0)
+        rel = (offs_m // HP) * stride_at + (offs_m % HP) * stride_ah
+        a_base = acc_o_ptr + q0.to(tl.int64) * stride_at + (hg * HP) * stride_ah
+        acc = tl.load(a_base + rel[:, None] + offs_d[None, :], mask=prev[:, None], other=0.0).to(tl.float32)
+        l_rel = (offs_m // HP) * stride_lt + (offs_m % HP) * stride_lh
+        l_base = acc_l_ptr + q0.to(tl.int64) * stride_lt + (hg * HP) * stride_lh
+        m_i = tl.load(l_base + l_rel, mask=prev, other=float("-inf")) * 1.4426950408889634
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
     full_end = k0 + ((k_full - k0) // BLOCK_N) * BLOCK_N
     for start_n in range(k0, full_end, BLOCK_N):  # every score visible: no mask, no positions
         k = _load_kv(k_ptr, k_desc, start_n, None, kv_col, stride_kt, offs_d, BLOCK_N, TMA, False)
@@ -271,8 +314,10 @@ def _ring_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, qpos_ptr, kpos_ptr, tiles_
         tl.store(part_o_ptr + p_rows[:, None] * D + offs_d[None, :], out)
         tl.store(part_l_ptr + p_rows, lse)
     else:
+        if PDL and not EARLY:  # the accumulators are the previous step's (see above)
+            tl.extra.cuda.gdc_wait()
         _finish(out, lse, rows, head, mask_m, offs_d, acc_o_ptr, acc_l_ptr, out_ptr, load_prev, store_acc, store_out,
-                stride_at, stride_ah, stride_lt, stride_lh, stride_ot, stride_oh)
+                stride_at, stride_ah, stride_lt, stride_lh, stride_ot, stride_oh, not EARLY)
 
 
 @triton.jit(do_not_specialize=["load_prev", "store_acc", "store_out"])
@@ -312,7 +357,7 @@ def _merge_kernel(merge_ptr, part_o_ptr, part_l_ptr, acc_o_ptr, acc_l_ptr, out_p
         out = acc / tl.where(seen, s, 1.0)[:, None]
         lse = tl.where(seen, m_safe + tl.log(tl.where(seen, s, 1.0)), float("-inf"))
         _finish(out, lse, rows, head, mask_m, offs_d, acc_o_ptr, acc_l_ptr, out_ptr, load_prev, store_acc, store_out,
-                stride_at, stride_ah, stride_lt, stride_lh, stride_ot, stride_oh)
+                stride_at, stride_ah, stride_lt, stride_lh, stride_ot, stride_oh, True)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -334,6 +379,14 @@ def tma_ok(k: torch.Tensor, v: torch.Tensor) -> bool:
     if _TensorDescriptor is None or not k.is_cuda or _capability(k.device)[0] < 9:
         return False
     return all(x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0 for x in (k, v))
+
+
+def pdl_ok(device: torch.device) -> bool:
+    """Whether programmatic dependent launch can be used: a Hopper-or-newer CUDA device and a Triton that has
+    `gdc_wait` (never under the interpreter)."""
+    device = torch.device(device)
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and _capability(device)[0] >= 9
+            and hasattr(tl.extra.cuda, "gdc_wait"))
 
 
 def rows_per_tile(config: RingConfig, num_q_heads: int, num_kv_heads: int) -> int:
@@ -518,11 +571,17 @@ def ring_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t
     n_groups = hq // hp
     flags = (int(load_prev), int(store_acc), int(out is not None))
     strides = (acc_o.stride(0), acc_o.stride(1), acc_l.stride(0), acc_l.stride(1), fin.stride(0), fin.stride(1))
+    # PDL: one compile for every step of the ring (a launch without it makes the kernel's PDL calls no-ops);
+    # only a step that merges (load_prev: its predecessor is this ring's own step) launches programmatically,
+    # never a split one (its pieces reuse the scratch its predecessor's merge read).
+    pdl = config.pdl and not split and pdl_ok(q.device)
+    launch = dict(launch_pdl=True) if pdl and load_prev else {}
     _ring_kernel[(n_groups * n_tiles,)](
         q, k, v, k_desc, v_desc, q_pos, k_pos, tiles, acc_o, acc_l, fin, part_o, part_l, scale * _LOG2E, n_groups,
         *flags, q.stride(0), q.stride(1), k.stride(0), v.stride(0), *strides,
         GQA=hq // hkv, HP=hp, D=d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA=use_tma,
-        IEEE=q.dtype == torch.float32, SPLIT=split, num_warps=config.num_warps, num_stages=config.num_stages)
+        IEEE=q.dtype == torch.float32, SPLIT=split, EARLY=config.early, PDL=pdl, num_warps=config.num_warps,
+        num_stages=config.num_stages, **launch)
     if split:  # the split rows' pieces, merged and finished as an unsplit row would have been
         _merge_kernel[(n_groups * merge.shape[0],)](merge, part_o, part_l, acc_o, acc_l, fin, n_groups, *flags,
                                                     *strides, HP=hp, D=d, BLOCK_M=config.block_m,
