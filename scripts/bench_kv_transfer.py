@@ -23,6 +23,7 @@ timed runs the decode blocks are checked against the prefill blocks, bit for bit
     python scripts/bench_kv_transfer.py --nccl-high-priority         # and over a pair with high-priority NCCL streams
     python scripts/bench_kv_transfer.py --copy-programs 32,64         # and with the row copy's grid capped (GPU)
     python scripts/bench_kv_transfer.py --overlap-copy-programs 66    # capped only beside a message in flight (GPU)
+    python scripts/bench_kv_transfer.py --ramp-mib 16 --ramp-overlap-copy-programs 66   # first/last messages small
     python scripts/bench_kv_transfer.py --device cpu --tokens 64 --layers 2   # the same code over gloo, as a check
 Prints a table; writes JSON (--out). Needs 2 CUDA GPUs (or --device cpu).
 """
@@ -213,6 +214,11 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
         for c in cfg["overlap_copy_programs"]:  # "agent_o<N>": capped at N only where a message is in flight beside it
             name = f"agent_o{c}"
             variants[name], pairs[name], programs[name], overlap[name] = cfg["min_messages"][0], (agent, spec), 0, c
+        ramp = {name: 0 for name in variants}  # KVTransferAgent.ramp_bytes
+        for mib in cfg["ramp_mib"]:  # "agent_r<M>[o<N>]": messages ramped from ~M MiB (plan.message_cut), overlap cap N
+            name = f"agent_r{mib}" + (f"o{cfg['ramp_overlap']}" if cfg["ramp_overlap"] else "")
+            variants[name], pairs[name], programs[name] = cfg["min_messages"][0], (agent, spec), 0
+            overlap[name], ramp[name] = cfg["ramp_overlap"], mib << 20
         times: dict[str, list[float]] = {**{v: [] for v in variants}, "raw": [], "gather": [], "scatter": []}
         for i in range(cfg["warmup"] + cfg["iters"]):
             if rank == 0:
@@ -226,6 +232,7 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
             for name, m in variants.items():
                 runs[name] = lambda m=m, name=name: (setattr(pairs[name][0], "min_messages", m),
                                                      setattr(pairs[name][0], "overlap_copy_programs", overlap[name]),
+                                                     setattr(pairs[name][0], "ramp_bytes", ramp[name]),
                                                      _copy_programs(programs[name]), move(name))
             # The same order on both ranks, so the barriers pair up; "agent" (the default) last, so what it wrote
             # is what gets verified.
@@ -260,7 +267,7 @@ def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> b
     return bool(torch.equal(mine, theirs))
 
 
-VARIANT = r"agent_(m\d+|hp|c\d+|o\d+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies
+VARIANT = r"agent_(m\d+|hp|c\d+|o\d+|r\d+(?:o\d+)?)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, ramps
 
 
 def summarize(results: list[dict], cfg: dict) -> list[dict]:
@@ -316,6 +323,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--overlap-copy-programs", default="", help="comma-separated: also time the agent with gathers and "
                    "scatters capped at N programs only beside a message in flight (the 'agent_o<N>' rows; "
                    "KVTransferAgent.overlap_copy_programs)")
+    p.add_argument("--ramp-mib", default="", help="comma-separated: also time the agent with a transfer's first and last "
+                   "messages ramped from about M MiB (the 'agent_r<M>' rows; KVTransferAgent.ramp_bytes)")
+    p.add_argument("--ramp-overlap-copy-programs", type=int, default=0, help="the ramped rows' overlap_copy_programs "
+                   "(their names get o<N>)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -328,7 +339,8 @@ def main(argv: list[str] | None = None) -> dict:
            "seed": args.seed, "timeout_s": args.timeout, "device": args.device,
            "min_messages": [int(m) for m in args.min_messages.split(",") if m], "nccl_high_priority": args.nccl_high_priority,
            "copy_programs": [int(c) for c in args.copy_programs.split(",") if c],
-           "overlap_copy_programs": [int(c) for c in args.overlap_copy_programs.split(",") if c]}
+           "overlap_copy_programs": [int(c) for c in args.overlap_copy_programs.split(",") if c],
+           "ramp_mib": [int(c) for c in args.ramp_mib.split(",") if c], "ramp_overlap": args.ramp_overlap_copy_programs}
     rows = summarize(run_pair(_bench_rank, cfg, args.device), cfg)
     print_table(rows)
     report = {

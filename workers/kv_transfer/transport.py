@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from workers.kv_layout import block_pool, local_block_id
 from workers.kv_transfer.blocks import block_index, gather_blocks, scatter_blocks, transfer_shape, warm_kernels, wire_dtype
-from workers.kv_transfer.plan import RankShard, Transfer
+from workers.kv_transfer.plan import RankShard, Transfer, message_cut
 
 log = logging.getLogger(__name__)
 MAX_UNCOLLECTED_ACKS = 1024  # sends whose ack nobody waited for (the handoff failed): the oldest are forgotten
@@ -93,6 +93,7 @@ class PhaseClock:
 # "Eighth session"). On an idle pair the overlap lost to the larger cut is the first gather and the last
 # scatter of 256 MiB: ~0.2 ms each on an H100 (about 5% of a 32K-token handoff).
 MESSAGE_BYTES = 256 << 20
+RAMP_BYTES = int(os.environ.get("TANDEM_KV_RAMP_BYTES", "0") or 0)
 
 # Waiting for NCCL work: `Work.wait(timeout)` blocks the CPU in a loop that sleeps 1 ms between polls
 # (ProcessGroupNCCL's kSynchronizeBusyWaitMillis), so each wait that is not done already costs up to a
@@ -201,6 +202,10 @@ class KVTransferAgent:
         # scatter are smaller and overlap the sends more (bench_kv_transfer.py --min-messages measures it against 1,
         # the default, beside raw NCCL).
         self.min_messages = 1
+        # > 0: a transfer of several messages starts and ends on messages of about this many bytes, doubling up to
+        # message_bytes (plan.message_cut), so its first gather and last scatter, which nothing overlaps, are small.
+        # Both sides the same (TANDEM_KV_RAMP_BYTES); bench_kv_transfer.py --ramp-mib times it beside the plain cut.
+        self.ramp_bytes = RAMP_BYTES
         # Pair groups made after this is set run their NCCL kernels on a high-priority stream, so the block
         # scheduler would start them before queued gather/scatter blocks. A lead, not a finding: bench_kv_transfer.py's
         # 4- and 16-message runs did not overlap sends with gathers as intended, and SMs filled by those kernels
@@ -497,30 +502,30 @@ class KVTransferAgent:
         (tag, transfer, layer slice, head slice), the slices into this rank's cache."""
         tag = 0
         for t in plan:
-            n, step = len(t.layers), self._layers_per_message(t)
+            cut = self._message_cut(t)
             mine = (t.src if sending else t.dst) == self.shard.rank
             if mine:
                 src_layers, src_heads, dst_layers, dst_heads = t.local_slices(
                     self.shard if sending else peers[t.src], peers[t.dst] if sending else self.shard)
                 layers, heads = (src_layers, src_heads) if sending else (dst_layers, dst_heads)
-            for k in range(0, n, step):
+            k = 0
+            for size in cut:
                 if mine:
-                    yield tag, t, slice(layers.start + k, layers.start + min(k + step, n)), heads
+                    yield tag, t, slice(layers.start + k, layers.start + k + size), heads
                 tag += 1
+                k += size
 
     def _copy_programs(self, overlapped: bool) -> int | None:
         """The row copy's grid cap for a gather or scatter: `overlap_copy_programs` where a message is in flight beside
         it (and the cap is set), else the module default."""
         return self.overlap_copy_programs if overlapped and self.overlap_copy_programs else None
 
-    def _layers_per_message(self, t: Transfer) -> int:
-        """How many of t's layers one message carries: as many as fit in message_bytes, at most
-        ceil(layers / min_messages), at least one. From what both sides share (the plan, block size, head dim, wire
-        dtype, the two settings), so both cut t the same way."""
+    def _message_cut(self, t: Transfer) -> list[int]:
+        """How many of t's layers each of its messages carries (plan.message_cut): from what both sides share (the
+        plan, block size, head dim, wire dtype, message_bytes, min_messages, ramp_bytes), so both cut t the same way."""
         _, _, _, block_size, _, head_dim = self.kv_cache.shape
         per_layer = 2 * len(t.blocks) * block_size * len(t.heads) * head_dim * wire_dtype(self.kv_cache.dtype).itemsize
-        n = len(t.layers)
-        return max(1, min(n, self.message_bytes // max(1, per_layer), -(-n // max(1, self.min_messages))))
+        return message_cut(len(t.layers), per_layer, self.message_bytes, self.min_messages, self.ramp_bytes)
 
     def _local_ids(self, block_ids: list[int]) -> list[int]:
         return _local_ids(self.kv_cache, self.shard, block_ids)
