@@ -14,7 +14,10 @@ per rank linear in its chunk.
     python scripts/bench_sp_rank.py                                   # 16K/64K/128K, SP 2 and 4, Llama-3.1-8B heads
     python scripts/bench_sp_rank.py --device cpu --dry-run            # tiny shapes, CPU, seconds
 
-Per rank it reports the median time of --reps runs (after one warm-up run), the max abs error of its rows
+Per rank it reports the median time of --reps runs (after one warm-up run; each waits for the GPU first, so it
+also counts the host's time to issue the first launch) and the streamed time (--reps runs issued back to back,
+CUDA events around them: GPU time per run once the host runs ahead, as in a forward's layers; SP=1 timed the
+same way for the streamed ratio), the max abs error of its rows
 against SP=1 attention, and memory: `resident` (its queries, its own K/V block, the received block in hand
 and the one in flight: what a ring rank holds for attention) and `work_peak` (torch.cuda.max_memory_allocated during the call beyond what
 was allocated before it: accumulators, output, positions). Not timed: communication (none here), the
@@ -96,6 +99,28 @@ def timed(fn, device: str, reps: int) -> tuple[float, object]:
     return statistics.median(times), result
 
 
+def streamed(fn, device: str, reps: int) -> float:
+    """Seconds per call of fn() issued `reps` times back to back with no wait in between (after one warm-up
+    call), timed by CUDA events around the whole run: the GPU time per call once the host runs ahead of the GPU,
+    as a forward's layers queue their kernels. `timed` waits for the GPU before each call, so it also counts
+    the host's time to issue the first launch (for a ring rank: its steps' set-up and first launch, ~0.1 ms at
+    16K tokens, which a served forward hides behind the previous layer's kernels)."""
+    fn()
+    if device != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
 def sp1_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, device: str, reps: int) -> dict:
     """SP=1 over the whole prompt: the engine's prefill kernel (CUDA) and SDPA (flash on CUDA, math on CPU).
     Returns seconds per kernel, the baseline's name and the reference output for the error."""
@@ -112,11 +137,14 @@ def sp1_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
     res = {}
     res["sdpa_s"], ref = timed(sdpa, device, reps)
-    del kr, vr
     res["baseline"], res["baseline_s"] = "sdpa", res["sdpa_s"]
+    res["baseline_stream_s"] = streamed(sdpa, device, reps)
+    del kr, vr
     if device == "cuda":
-        res["prefill_attention_s"] = timed(_engine_prefill(q, k, v, scale), device, reps)[0]
+        prefill = _engine_prefill(q, k, v, scale)
+        res["prefill_attention_s"] = timed(prefill, device, reps)[0]
         res["baseline"], res["baseline_s"] = "prefill_attention", res["prefill_attention_s"]
+        res["baseline_stream_s"] = streamed(prefill, device, reps)
     return {"res": res, "ref": ref}
 
 
@@ -142,6 +170,7 @@ def bench_rank(qs, blocks, shards, rank: int, scale: float, ref: torch.Tensor, a
     err = (out.float() - ref.index_select(0, rows).float()).abs().max().item() if rows.numel() else 0.0
     others = [b.nbytes for r, b in enumerate(blocks) if r != rank]
     cell = {"rank": rank, "query_tokens": qs[rank].shape[0], "seconds": seconds, "max_abs_err": err,
+            "stream_s": streamed(run, a.device, a.reps),
             "resident_bytes": qs[rank].nbytes + blocks[rank].nbytes + 2 * max(others, default=0)}
     if a.device == "cuda":
         del out
@@ -163,7 +192,9 @@ def bench_sp(q, k, v, sp: int, scale: float, sp1: dict, a: argparse.Namespace) -
     qs, blocks, shards = split_for_ranks(q, k, v, positions)
     ranks = [bench_rank(qs, blocks, shards, r, scale, sp1["ref"], a) for r in range(sp)]
     slowest = max(c["seconds"] for c in ranks)
+    stream = max(c["stream_s"] for c in ranks)
     res = {"ranks": ranks, "slowest_s": slowest, "ratio": slowest / sp1["res"]["baseline_s"],
+           "slowest_stream_s": stream, "stream_ratio": stream / sp1["res"]["baseline_stream_s"],
            "max_abs_err": max(c["max_abs_err"] for c in ranks), "goal": GOALS.get(sp)}
     res["meets_goal"] = None if res["goal"] is None else res["ratio"] <= res["goal"]
     res["within_bf16_tol"] = res["max_abs_err"] <= BF16_TOL
@@ -212,14 +243,15 @@ def bench_length(n: int, a: argparse.Namespace) -> dict:
 
 def table(results: list[dict]) -> str:
     lines = [f"{'tokens':>8} {'SP':>3} {'slowest rank s':>14} {'SP=1 s':>9} {'ratio':>7} {'goal':>6} {'max err':>9} "
-             f"{'peak/rank MiB':>13}"]
+             f"{'peak/rank MiB':>13} {'streamed ratio':>14}"]
     for cell in results:
         if "error" in cell:
             lines.append(f"{cell['tokens']:8d} {cell['error']}")
             continue
         base = cell["sp1"]["baseline_s"]
-        lines.append(f"{cell['tokens']:8d} {1:3d} {'-':>14} {base:9.4f} {'1':>7} {'-':>6} {'-':>9} {'-':>13}"
-                     f"   ({cell['sp1']['baseline']}; sdpa {cell['sp1']['sdpa_s']:.4f} s)")
+        lines.append(f"{cell['tokens']:8d} {1:3d} {'-':>14} {base:9.4f} {'1':>7} {'-':>6} {'-':>9} {'-':>13} "
+                     f"{'1':>14}   ({cell['sp1']['baseline']}; sdpa {cell['sp1']['sdpa_s']:.4f} s; streamed "
+                     f"{cell['sp1']['baseline_stream_s']:.4f} s)")
         for sp, r in cell["sp"].items():
             if "error" in r:
                 lines.append(f"{cell['tokens']:8d} {sp:>3} {r['error']}")
@@ -227,7 +259,7 @@ def table(results: list[dict]) -> str:
             goal = "-" if r["goal"] is None else f"{r['goal']:.2f}" + ("" if r["meets_goal"] else "!")
             peak = f"{r['peak_bytes_max'] / 2**20:13.0f}" if "peak_bytes_max" in r else f"{'-':>13}"
             lines.append(f"{cell['tokens']:8d} {sp:>3} {r['slowest_s']:14.4f} {base:9.4f} {r['ratio']:7.3f} {goal:>6} "
-                         f"{r['max_abs_err']:9.2e} {peak}   (ring)")
+                         f"{r['max_abs_err']:9.2e} {peak} {r['stream_ratio']:14.3f}   (ring)")
             if "ulysses" in r:
                 u = r["ulysses"]
                 ugoal = "-" if u["goal"] is None else f"{u['goal']:.2f}" + ("" if u["meets_goal"] else "!")

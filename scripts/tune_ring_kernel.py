@@ -23,7 +23,12 @@ can also be tried without editing anything through
 TANDEM_RING_KERNEL="BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]" (acc16: the running output between
 steps in bf16, half the merges' traffic; the error column shows what it costs).
 --splits crosses every config with split-K counts (1: never split; N: up to N pieces per query tile; auto: the
-kernel's rule from the step's work per SM, what runs by default).
+kernel's rule from the step's work per SM, what runs by default). --flags crosses every config with sets of
+RingConfig flags ("none,early,pdl,early+pdl": early starts each merging step from the accumulators, pdl chains
+the steps by programmatic dependent launch).
+The "streamed" column is the slowest rank's GPU time per run with runs issued back to back over SP=1's taken
+the same way (host launch time hidden, as behind a forward's earlier layers); the ratio column waits for the
+GPU before each run, so it also counts the host's time to issue a rank's first launch. Both rankings print.
 Writes JSON (--out). Stops starting new configs after --budget-s seconds (the rest are marked skipped).
 """
 from __future__ import annotations
@@ -62,6 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--splits", default=None,
                    help="comma-separated split-K counts crossed with every config: 1 (off), N, auto (default: each "
                         "config as written, which is auto unless it says split=N)")
+    p.add_argument("--flags", default=None,
+                   help="comma-separated flag sets crossed with every config, each '+'-joined or 'none': e.g. "
+                        "'none,early,pdl,early+pdl,early+pdl+acc16' (RingConfig's early / pdl / acc16)")
     p.add_argument("--heads", type=int, default=None, help="query heads (default 32; dry run 4)")
     p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default 8; dry run 2)")
     p.add_argument("--head-dim", type=int, default=None, help="head dim (default 128; dry run 16)")
@@ -78,8 +86,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     tiny = a.dry_run
     a.lengths = [int(x) for x in (a.lengths or ("40" if tiny else "16384,65536,131072")).split(",") if x]
     a.sp = [int(x) for x in a.sp.split(",") if x]
-    a.configs = with_splits([c.strip() for c in (a.configs or ";".join(DRY_CANDIDATES if tiny else CANDIDATES))
-                             .split(";") if c.strip()], a.splits)
+    a.configs = with_flags(with_splits([c.strip() for c in (a.configs or ";".join(DRY_CANDIDATES if tiny else
+                                                                            CANDIDATES)).split(";") if c.strip()],
+                                       a.splits), a.flags)
     a.heads = a.heads or (4 if tiny else 32)
     a.kv_heads = a.kv_heads or (2 if tiny else 8)
     a.head_dim = a.head_dim or (16 if tiny else 128)
@@ -103,6 +112,22 @@ def with_splits(configs: list[str], splits: str | None) -> list[str]:
     for config in configs:
         base = ",".join(f for f in config.split(",") if not f.strip().lower().startswith("split"))
         out += [base if n == "auto" else f"{base},split={n}" for n in counts]
+    return out
+
+
+def with_flags(configs: list[str], flags: str | None) -> list[str]:
+    """Every config crossed with every flag set of `flags` ("none,early,early+pdl"): the set's flags appended
+    (those the config has already are not repeated). None: the configs as they are."""
+    if not flags:
+        return configs
+    sets = [[f for f in x.strip().lower().split("+") if f and f != "none"] for x in flags.split(",") if x.strip()]
+    out = []
+    for config in configs:
+        have = {f.strip().lower() for f in config.split(",")}
+        for extra in sets:
+            config_with = ",".join([config] + [f for f in extra if f not in have])
+            if config_with not in out:
+                out.append(config_with)
     return out
 
 
@@ -162,7 +187,7 @@ def config_block_n(config: str) -> int:
 def run_config(qs, blocks, shards, positions, config: str, scale: float, ref: torch.Tensor,
                a: argparse.Namespace) -> dict:
     """Every rank's ring under `config`: per-rank seconds and error, the slowest, its step profile."""
-    from bench_sp_rank import timed
+    from bench_sp_rank import streamed, timed
     from parallel.ring_attention import ring_rank_attention
 
     ranks = []
@@ -171,11 +196,12 @@ def run_config(qs, blocks, shards, positions, config: str, scale: float, ref: to
         seconds, out = timed(run, a.device, a.reps)
         rows = torch.tensor(positions[r], dtype=torch.long, device=ref.device)
         err = (out.float() - ref.index_select(0, rows).float()).abs().max().item() if rows.numel() else 0.0
-        ranks.append({"rank": r, "seconds": seconds, "max_abs_err": err})
         del out
+        ranks.append({"rank": r, "seconds": seconds, "stream_s": streamed(run, a.device, a.reps), "max_abs_err": err})
     slow = max(ranks, key=lambda c: c["seconds"])
     step_ms, issue_ms, tables = step_profile(qs[slow["rank"]], blocks, shards, slow["rank"], scale, config, a.device)
     return {"ranks": ranks, "slowest_s": slow["seconds"], "slowest_rank": slow["rank"],
+            "slowest_stream_s": max(c["stream_s"] for c in ranks),
             "max_abs_err": max(c["max_abs_err"] for c in ranks), "step_ms": step_ms, "issue_ms": issue_ms,
             "step_tables": tables}
 
@@ -208,6 +234,7 @@ def tune_length(n: int, a: argparse.Namespace, started: float) -> dict:
                 res[config] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 continue
             r["ratio"] = r["slowest_s"] / base
+            r["stream_ratio"] = r["slowest_stream_s"] / sp1["res"]["baseline_stream_s"]
             r["goal"] = GOALS.get(sp)
             r["meets_goal"] = None if r["goal"] is None else r["ratio"] <= r["goal"]
             r["within_bf16_tol"] = r["max_abs_err"] <= BF16_TOL
@@ -220,44 +247,47 @@ def tune_length(n: int, a: argparse.Namespace, started: float) -> dict:
     return cell
 
 
-def summary(results: list[dict], configs: list[str]) -> list[dict]:
+def summary(results: list[dict], configs: list[str], key: str = "ratio") -> list[dict]:
     """Per config: worst ratio / goal over the cells with a goal (None if any cell failed, was skipped or is
-    off in error), and its ratios; best first."""
+    off in error), and its ratios; best first. key: "ratio" (each run waits for the GPU first) or
+    "stream_ratio" (runs issued back to back)."""
     rows = []
     for config in configs:
         ratios, worst, ok = {}, 0.0, True
         for cell in results:
             for sp, res in cell.get("sp", {}).items():
                 r = res.get(config, {})
-                if "ratio" not in r or not r["within_bf16_tol"]:
+                if key not in r or not r["within_bf16_tol"]:
                     ok = False
                     continue
-                ratios[f"{cell['tokens']}/sp{sp}"] = round(r["ratio"], 4)
+                ratios[f"{cell['tokens']}/sp{sp}"] = round(r[key], 4)
                 if r["goal"]:
-                    worst = max(worst, r["ratio"] / r["goal"])
+                    worst = max(worst, r[key] / r["goal"])
         rows.append({"config": config, "worst_ratio_over_goal": round(worst, 4) if ok else None, "ratios": ratios})
     return sorted(rows, key=lambda r: (r["worst_ratio_over_goal"] is None, r["worst_ratio_over_goal"] or 0.0))
 
 
 def table(results: list[dict], configs: list[str]) -> str:
-    lines = [f"{'tokens':>7} {'SP':>2} {'config':<26} {'slowest ms':>10} {'SP=1 ms':>8} {'ratio':>6} {'goal':>5} "
-             f"{'max err':>8}  {'step ms (slowest rank)':<26} {'issue ms':>8}  tile rows per step ('*' split)"]
+    lines = [f"{'tokens':>7} {'SP':>2} {'config':<34} {'slowest ms':>10} {'SP=1 ms':>8} {'ratio':>6} {'goal':>5} "
+             f"{'max err':>8} {'streamed':>8}  {'step ms (slowest rank)':<26} {'issue ms':>8}  tile rows per step "
+             f"('*' split)"]
     for cell in results:
         base = cell["sp1"]["baseline_s"] * 1e3
         after = f", after {cell['sp1_after_s'] * 1e3:.3f}" if "sp1_after_s" in cell else ""
-        lines.append(f"{cell['tokens']:7d}  1 {cell['sp1']['baseline']:<26} {'-':>10} {base:8.3f}{after}")
+        lines.append(f"{cell['tokens']:7d}  1 {cell['sp1']['baseline']:<34} {'-':>10} {base:8.3f}{after}; streamed "
+                     f"{cell['sp1']['baseline_stream_s'] * 1e3:.3f}")
         for sp, res in cell["sp"].items():
             for config in configs:
                 r = res[config]
                 if "ratio" not in r:
-                    lines.append(f"{cell['tokens']:7d} {sp:>2} {config:<26} {r.get('error') or r.get('skipped')}")
+                    lines.append(f"{cell['tokens']:7d} {sp:>2} {config:<34} {r.get('error') or r.get('skipped')}")
                     continue
                 goal = "-" if r["goal"] is None else f"{r['goal']:.2f}" + ("" if r["meets_goal"] else "!")
                 steps = "-" if r["step_ms"] is None else " ".join(f"{x:.2f}" for x in r["step_ms"])
                 rows = " ".join(f"{t[0]}{'*' if t[1] else ''}" for t in r["step_tables"])
-                lines.append(f"{cell['tokens']:7d} {sp:>2} {config:<26} {r['slowest_s'] * 1e3:10.3f} {base:8.3f} "
+                lines.append(f"{cell['tokens']:7d} {sp:>2} {config:<34} {r['slowest_s'] * 1e3:10.3f} {base:8.3f} "
                              f"{r['ratio']:6.3f} {goal:>5} {r['max_abs_err']:8.1e}{'' if r['within_bf16_tol'] else '!'}"
-                             f"  {steps:<26} {r['issue_ms']:8.2f}  {rows}")
+                             f" {r['stream_ratio']:8.3f}  {steps:<26} {r['issue_ms']:8.2f}  {rows}")
     return "\n".join(lines)
 
 
@@ -273,11 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     sms = sm_count(torch.device(a.device))  # what split=auto measures a step's work against
     results = [tune_length(n, a, started) for n in a.lengths]
     ranked = summary(results, a.configs)
+    ranked_stream = summary(results, a.configs, "stream_ratio")
     report = {"benchmark": "tune_ring_kernel", "device": device_name, "date": time.strftime("%Y-%m-%d"),
               "sms": sms, "shape": {"heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim}, "dtype": a.dtype,
               "block_size": a.block_size, "reps": a.reps, "configs": a.configs,
               "default": str(CONFIGS.get(a.head_dim, (None,))[0]), "env_override": os.environ.get(ENV),
-              "results": results, "summary": ranked, "seconds": time.perf_counter() - started}
+              "results": results, "summary": ranked, "summary_streamed": ranked_stream,
+              "seconds": time.perf_counter() - started}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
@@ -287,9 +319,12 @@ def main(argv: list[str] | None = None) -> int:
           f"'!' = goal missed / error over bf16 tolerance")
     print(table(results, a.configs))
     print(f"\nconfigs by worst ratio/goal over all cells (< 1: every goal met); current default {report['default']}:")
-    for r in ranked:
-        worst = "failed/skipped" if r["worst_ratio_over_goal"] is None else f"{r['worst_ratio_over_goal']:.3f}"
-        print(f"  {r['config']:<26} {worst:>13}   " + " ".join(f"{k} {v:.3f}" for k, v in r["ratios"].items()))
+    for title, rows in (("", ranked), ("streamed (runs back to back, SP=1 too): ", ranked_stream)):
+        if title:
+            print(f"\n{title}")
+        for r in rows:
+            worst = "failed/skipped" if r["worst_ratio_over_goal"] is None else f"{r['worst_ratio_over_goal']:.3f}"
+            print(f"  {r['config']:<34} {worst:>13}   " + " ".join(f"{k} {v:.3f}" for k, v in r["ratios"].items()))
     print(f"wrote {out} ({report['seconds']:.0f} s)")
     return 0 if ranked and ranked[0]["worst_ratio_over_goal"] is not None else 1
 

@@ -33,7 +33,9 @@ def test_dry_run_times_and_checks_every_config(tmp_path):
         assert [r["rank"] for r in res["ranks"]] == [0, 1] and res["slowest_s"] > 0
         assert res["ratio"] == res["slowest_s"] / cell["sp1"]["baseline_s"] and res["goal"] == 0.55
         assert res["max_abs_err"] < 1e-4 and res["within_bf16_tol"] and res["issue_ms"] > 0
+        assert res["stream_ratio"] == res["slowest_stream_s"] / cell["sp1"]["baseline_stream_s"]
     assert sorted(r["config"] for r in report["summary"]) == sorted(configs)
+    assert sorted(r["config"] for r in report["summary_streamed"]) == sorted(configs)
     assert all(r["worst_ratio_over_goal"] is not None for r in report["summary"])
     assert "configs by worst ratio/goal" in done.stdout
 
@@ -75,3 +77,13 @@ def test_with_splits():
     assert with_splits(["128,128,8,3,pack", "64,64,4,2,split=4"], None) == ["128,128,8,3,pack", "64,64,4,2,split=4"]
     assert with_splits(["128,128,8,3,pack", "64,64,4,2,split=4"], "1,auto") == [
         "128,128,8,3,pack,split=1", "128,128,8,3,pack", "64,64,4,2,split=1", "64,64,4,2"]
+
+
+def test_flags_cross_every_config():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from tune_ring_kernel import with_flags
+
+    assert with_flags(["128,128,8,3,pack"], None) == ["128,128,8,3,pack"]
+    assert with_flags(["128,128,8,3,pack", "128,64,8,3,early"], "none,early,early+pdl") == [
+        "128,128,8,3,pack", "128,128,8,3,pack,early", "128,128,8,3,pack,early,pdl",
+        "128,64,8,3,early", "128,64,8,3,early,pdl"]
