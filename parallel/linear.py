@@ -89,6 +89,12 @@ class _TPLinear(nn.Module):
     def init_buffers(self) -> None:
         self.quant_method.init_buffers(self)
 
+    def fp8_input_rows(self, x: torch.Tensor) -> int | None:
+        """Rows of FP8 activations this layer would quantize x to (dynamic W8A8 GEMM), for the kernel producing x
+        to emit them (parallel/quant/fp8_act.py); None when it would not."""
+        fn = getattr(getattr(self, "packed", None), "fp8_input_rows", None)  # tinygemm's int4 weights have none
+        return fn(x) if fn is not None else None
+
     def out_slice(self, shard_id) -> tuple[int, int]:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no fused shards (got {shard_id!r})")

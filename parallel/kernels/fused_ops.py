@@ -17,6 +17,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from parallel.kernels.quant_gemm import fp8_pad_row, fp8_row
+from parallel.quant import fp8_act
+
 # No mul+add -> fma contraction: PyTorch rounds each product to the dtype before the add.
 _EXACT = dict(enable_fp_fusion=False)
 _LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"  # the CPU interpreter (kernel tests) has no libdevice
@@ -25,11 +28,27 @@ _LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"  # the CPU interpreter (k
 # ---------------------------------------------------------------- RMSNorm
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, eps,
-                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, M, stride_x, stride_r, stride_o,
+                     stride_ro, stride_q, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+                     FP8: tl.constexpr):
+    """One row per program; with FP8 the grid also covers the W8A8 GEMM's padding rows M.. (zero codes, scale 1)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    if FP8:
+        if row < M:
+            _rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, row, offs, mask, stride_x, stride_r,
+                          stride_o, stride_ro, stride_q, eps, N, HAS_RES, True)
+        else:
+            fp8_pad_row(q_ptr, s_ptr, row, stride_q, offs, mask)
+    else:
+        _rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, row, offs, mask, stride_x, stride_r,
+                      stride_o, stride_ro, stride_q, eps, N, HAS_RES, False)
+
+
+@triton.jit
+def _rms_norm_row(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, row, offs, mask, stride_x, stride_r,
+                  stride_o, stride_ro, stride_q, eps, N: tl.constexpr, HAS_RES: tl.constexpr, FP8: tl.constexpr):
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
@@ -41,10 +60,25 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     y = (w.to(tl.float32) * h.to(tl.float32)).to(out_ptr.dtype.element_ty)  # weight * h
     tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+    if FP8:  # the next linear's W8A8 input, from the rounded output (parallel/quant/fp8_act.py)
+        fp8_row(y.to(tl.float32), mask, q_ptr, s_ptr, row, stride_q, offs)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """Same contract as layers.RMSNorm.forward: norm(x), or (norm(x + residual), x + residual)."""
+def _fp8_outputs(n: int, fp8_rows: int | None, out: torch.Tensor):
+    """(codes [fp8_rows, n] e4m3 and scales [fp8_rows, 1] float32, or None) and the (codes, scales, row stride)
+    arguments of a producer kernel asked for FP8 activations (unused pointers otherwise)."""
+    if fp8_rows is None:
+        return None, (out, out, 0)
+    q = torch.empty(fp8_rows, n, dtype=torch.float8_e4m3fn, device=out.device)
+    s = torch.empty(fp8_rows, 1, dtype=torch.float32, device=out.device)
+    return (q, s), (q, s, q.stride(0))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             fp8_rows: int | None = None):
+    """Same contract as layers.RMSNorm.forward: norm(x), or (norm(x + residual), x + residual). `fp8_rows`: also
+    write the output's per-token FP8 codes and scales (`quant_fp8_rows` of it, padded to fp8_rows rows) and
+    attach them to it for the W8A8 linear that takes it (parallel/quant/fp8_act.py); 16-bit outputs only."""
     shape = x.shape
     n = shape[-1]
     x2 = x.reshape(-1, n)
@@ -53,24 +87,39 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     rows = x2.shape[0]
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
+    fp8, (q, s, stride_q) = _fp8_outputs(n, fp8_rows, out)
     block = triton.next_power_of_2(n)
     warps = 4 if block <= 1024 else 8
     if residual is None:
-        if rows:
-            _rms_norm_kernel[(rows,)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, eps,
-                                      N=n, BLOCK=block, HAS_RES=False, num_warps=warps, **_EXACT)
-        return out.view(shape)
-    r2 = residual.reshape(-1, n)
-    if r2.stride(-1) != 1:
-        r2 = r2.contiguous()
-    res_out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        r2 = res_out = x2
+    else:
+        r2 = residual.reshape(-1, n)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+        res_out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    grid = max(rows, fp8_rows or 0)  # FP8: padding rows too
     if rows:
-        _rms_norm_kernel[(rows,)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
-                                  res_out.stride(0), eps, N=n, BLOCK=block, HAS_RES=True, num_warps=warps, **_EXACT)
-    return out.view(shape), res_out.view(shape)
+        _rms_norm_kernel[(grid,)](x2, r2, weight, out, res_out, q, s, rows, x2.stride(0), r2.stride(0) if residual is not None else 0,
+                                  out.stride(0), res_out.stride(0) if residual is not None else 0, stride_q, eps, N=n,
+                                  BLOCK=block, HAS_RES=residual is not None, FP8=fp8 is not None, num_warps=warps, **_EXACT)
+    y = out.view(shape)
+    if fp8 is not None:
+        fp8_act.attach(y, *fp8)
+    return y if residual is None else (y, res_out.view(shape))
 
 
 # ---------------------------------------------------------------- SiLU and mul
+
+@triton.jit
+def _silu_mul(g, u, LIBDEVICE: tl.constexpr):
+    """silu(g) * u as PyTorch rounds it: g fp32 (from the 16-bit gate), u 16-bit; fp32 result of the rounded product."""
+    if LIBDEVICE:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    s = tl.div_rn(g, 1.0 + e).to(u.dtype)  # F.silu (x / (1 + expf(-x))), rounded to the dtype
+    return (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype).to(tl.float32)
+
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr,
@@ -80,25 +129,52 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BL
     mask = offs < N
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + N + offs, mask=mask, other=0.0)
-    if LIBDEVICE:
-        e = libdevice.exp(-g)
+    y = _silu_mul(g, u, LIBDEVICE)
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, q_ptr, s_ptr, M, stride_x, stride_o, stride_q, N: tl.constexpr,
+                             BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """`_silu_and_mul_kernel` with the whole row in one program, so that it can also write the row's FP8 codes and
+    scale (`fp8_row`) for the W8A8 down projection; programs M.. write the GEMM's padding rows."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    if row < M:
+        g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * stride_x + N + offs, mask=mask, other=0.0)
+        y = _silu_mul(g, u, LIBDEVICE)
+        tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        fp8_row(y, mask, q_ptr, s_ptr, row, stride_q, offs)
     else:
-        e = tl.exp(-g)
-    s = tl.div_rn(g, 1.0 + e).to(u.dtype)  # F.silu (x / (1 + expf(-x))), rounded to the dtype
-    y = (s.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+        fp8_pad_row(q_ptr, s_ptr, row, stride_q, offs, mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+MAX_FP8_SILU_N = 32768  # the FP8-emitting SiLU kernel holds a row in registers (16 warps: 64 values a thread)
+
+
+def silu_and_mul(gate_up: torch.Tensor, fp8_rows: int | None = None) -> torch.Tensor:
+    """silu(gate) * up of the [gate; up] halves. `fp8_rows`: also the output's per-token FP8 codes and scales
+    (padded to fp8_rows rows), attached to it for the W8A8 down projection (parallel/quant/fp8_act.py); not
+    for rows wider than MAX_FP8_SILU_N (the consumer then quantizes them itself)."""
     n = gate_up.shape[-1] // 2
     x2 = gate_up.reshape(-1, 2 * n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
+    rows = x2.shape[0]
+    out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
+    if fp8_rows is not None and n <= MAX_FP8_SILU_N and rows:
+        (q, s), _ = _fp8_outputs(n, fp8_rows, out)
+        block = triton.next_power_of_2(n)
+        _silu_and_mul_fp8_kernel[(max(rows, fp8_rows),)](
+            x2, out, q, s, rows, x2.stride(0), out.stride(0), q.stride(0), N=n, BLOCK=block, LIBDEVICE=_LIBDEVICE,
+            num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **_EXACT)
+        return fp8_act.attach(out.view(*gate_up.shape[:-1], n), q, s)
     block = min(2048, triton.next_power_of_2(n))
-    if x2.shape[0]:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), out.stride(0), N=n,
-                                                                   BLOCK=block, LIBDEVICE=_LIBDEVICE, num_warps=4, **_EXACT)
+    if rows:
+        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x2, out, x2.stride(0), out.stride(0), N=n,
+                                                            BLOCK=block, LIBDEVICE=_LIBDEVICE, num_warps=4, **_EXACT)
     return out.view(*gate_up.shape[:-1], n)
 
 

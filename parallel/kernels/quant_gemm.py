@@ -23,11 +23,14 @@ Nothing here syncs with the host, so the kernels run inside CUDA graphs.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from parallel.kernels.quant_tiles import GEMV_MAX_ROWS, gemm_block_k, gemm_config, gemv_config, supported  # noqa: F401
+from parallel.kernels.quant_tiles import fp8_padded_rows
 from parallel.kernels.quant_tiles import cuda_time as _time
 
 FP8_MAX = 448.0
@@ -280,34 +283,66 @@ def tune(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, 
 # ---------------------------------------------------------------- FP8 activations (W8A8)
 
 @triton.jit
-def _quant_fp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr):
+def fp8_row(y, mask, q_ptr, s_ptr, row, stride_q, offs):
+    """Quantize one row held in registers (fp32 y, the activation values as the consumer would read them): per-token
+    scale amax / 448 (at least 1e-12), codes clamp(y / scale) in e4m3. The producers that emit FP8 activations
+    with their output (fused_ops.rms_norm / silu_and_mul) call this on the row they just rounded, so their codes
+    are `_quant_fp8_rows_kernel`'s codes of that output, bit for bit."""
+    amax = tl.max(tl.where(mask, tl.abs(y), 0.0), 0)
+    scale = tl.maximum(amax / 448.0, 1e-12)
+    q = tl.clamp(y / scale, -448.0, 448.0)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def fp8_pad_row(q_ptr, s_ptr, row, stride_q, offs, mask):
+    """A padding row of the W8A8 GEMM's activations (cuBLAS takes rows in multiples of 16): zero codes, scale 1."""
+    tl.store(q_ptr + row * stride_q + offs, tl.zeros(offs.shape, tl.float32).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, 1.0)
+
+
+@triton.jit
+def _quant_fp8_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, BLOCK: tl.constexpr,
+                           ONE_PASS: tl.constexpr):
+    """Row m < M: its codes and scale. Rows M.. (padding up to a multiple of 16 for cuBLAS): zero codes, scale 1,
+    written here rather than by two fill kernels before it. ONE_PASS (K <= BLOCK): the row is read once."""
     m = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros([BLOCK], tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + m * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0) / 448.0, 1e-12)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + m * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
-        q = tl.clamp(x / scale, -448.0, 448.0)
-        tl.store(q_ptr + m * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
-    tl.store(s_ptr + m, scale)
+    if m < M:
+        if ONE_PASS:
+            offs = tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + m * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
+            fp8_row(x, offs < K, q_ptr, s_ptr, m, stride_qm, offs)
+        else:
+            amax = tl.zeros([BLOCK], tl.float32)
+            for k0 in range(0, K, BLOCK):
+                offs = k0 + tl.arange(0, BLOCK)
+                x = tl.load(x_ptr + m * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.maximum(tl.max(amax, 0) / 448.0, 1e-12)
+            for k0 in range(0, K, BLOCK):
+                offs = k0 + tl.arange(0, BLOCK)
+                x = tl.load(x_ptr + m * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
+                q = tl.clamp(x / scale, -448.0, 448.0)
+                tl.store(q_ptr + m * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+            tl.store(s_ptr + m, scale)
+    else:
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            fp8_pad_row(q_ptr, s_ptr, m, stride_qm, offs, offs < K)
 
 
 def quant_fp8_rows(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [R, K], float32 scales [R, 1]) with R = rows or M; rows past M are zero codes
-    with scale 1 (cuBLAS wants M padded to a multiple of 16)."""
+    with scale 1 (cuBLAS wants M padded to a multiple of 16). One kernel, padding included."""
     m, k = x.shape
     r = rows or m
-    q = torch.empty(r, k, dtype=torch.float8_e4m3fn, device=x.device) if r == m else \
-        torch.zeros(r, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(r, 1, dtype=torch.float32, device=x.device) if r == m else \
-        torch.ones(r, 1, dtype=torch.float32, device=x.device)
-    if m:
-        _quant_fp8_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=min(4096, triton.next_power_of_2(k)),
-                                     num_warps=4)
+    q = torch.empty(r, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(r, 1, dtype=torch.float32, device=x.device)
+    if r:
+        block = min(8192, triton.next_power_of_2(k))
+        _quant_fp8_rows_kernel[(r,)](x, q, s, m, k, x.stride(0), q.stride(0), BLOCK=block, ONE_PASS=k <= block,
+                                     num_warps=4 if block <= 2048 else 8)
     return q, s
 
 
@@ -328,14 +363,22 @@ def fp8_activations(x: torch.Tensor, rows: int, input_scale: torch.Tensor | None
     return quant_fp8_rows(x, rows) if input_scale is None else quant_fp8_static(x, input_scale, rows)
 
 
+_FAST_ACCUM = os.environ.get("TANDEM_FP8_FAST_ACCUM", "0") == "1"
+
+
 def scaled_mm_fp8(x: torch.Tensor, w8: torch.Tensor, w_scale_row: torch.Tensor, bias: torch.Tensor | None,
-                  input_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  input_scale: torch.Tensor | None = None,
+                  pre: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """W8A8: x [M, K] (16-bit) quantized per token (or with the static input_scale [1] float32), w8 [N, K]
     e4m3 with per-output-channel scales w_scale_row [1, N] float32 -> [M, N] in x's dtype, through
-    cuBLASLt's FP8 GEMM (row-wise scaling: a static scale is repeated per row)."""
+    cuBLASLt's FP8 GEMM (row-wise scaling: a static scale is repeated per row). `pre`: x's codes and scales
+    [fp8_padded_rows(M)] already made by the kernel that produced x (parallel/quant/fp8_act.py), so no quantization
+    kernel runs here. TANDEM_FP8_FAST_ACCUM=1: cuBLAS's fast FP8 accumulation (Hopper's reduced-precision
+    accumulator, what vLLM's CUTLASS FP8 kernels use), off by default."""
     m = x.shape[0]
-    padded = -(-m // 16) * 16
-    xq, xs = fp8_activations(x, padded, input_scale)
-    y = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scale_row, out_dtype=x.dtype)
+    padded = fp8_padded_rows(m)
+    xq, xs = pre if pre is not None else fp8_activations(x, padded, input_scale)
+    extra = dict(use_fast_accum=True) if _FAST_ACCUM else {}
+    y = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scale_row, out_dtype=x.dtype, **extra)
     y = y[:m] if padded != m else y
     return y + bias if bias is not None else y

@@ -5,6 +5,11 @@ from __future__ import annotations
 GEMV_MAX_ROWS = 4  # up to here each row streams the codes (from L2 after the first); above, tensor cores
 
 
+def fp8_padded_rows(m: int) -> int:
+    """Rows of the W8A8 GEMM's FP8 activations for m tokens: up to a multiple of 16 (cuBLAS's FP8 GEMM)."""
+    return -(-m // 16) * 16
+
+
 def gemv_block_k(k: int, gs: int, bits: int | None, preferred: int = 512) -> int | None:
     """The GEMV's K tile: a power of two dividing K that is a multiple or a divisor of the group size."""
     bk = preferred

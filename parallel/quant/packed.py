@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel.kernels import quant_tiles
+from parallel.quant import fp8_act
 
 try:
     from parallel.kernels import quant_gemm as _kernels
@@ -65,12 +66,23 @@ class PackedWeight:
             w = torch.empty_like(w).index_copy_(1, self.perm, w)
         return w
 
+    def fp8_input_rows(self, x: torch.Tensor) -> int | None:
+        """The rows (padded) of the FP8 activations `apply` would quantize x to, if it runs the dynamic W8A8 GEMM on
+        x; else None. The kernel that produces x can then emit them itself (fp8_act.py)."""
+        m = x.numel() // x.shape[-1] if x.dim() else 0
+        if (self.w8a8_scale is None or self.act_scale is not None or not x.is_cuda or x.dtype != torch.bfloat16
+                or m <= quant_tiles.GEMV_MAX_ROWS or not fp8_act.enabled()):
+            return None
+        return quant_tiles.fp8_padded_rows(m)
+
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(1, self.perm)
-        x = x.contiguous()
+        x = x.contiguous()  # the same tensor object when contiguous (as every producer's output is)
         if self.w8a8_scale is not None and x.shape[0] > quant_tiles.GEMV_MAX_ROWS and x.dtype == torch.bfloat16:
-            return _kernels.scaled_mm_fp8(x, self.codes, self.w8a8_scale, bias, self.act_scale)
+            pre = fp8_act.take(x, quant_tiles.fp8_padded_rows(x.shape[0])) if self.act_scale is None else None
+            extra = dict(pre=pre) if pre is not None else {}
+            return _kernels.scaled_mm_fp8(x, self.codes, self.w8a8_scale, bias, self.act_scale, **extra)
         return _kernels.matmul_q(x, self.codes, self.scales, self.zeros, self.group_size, self.bits, bias, self.plan)
 
 

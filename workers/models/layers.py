@@ -30,10 +30,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = set_weight_loader(nn.Parameter(torch.empty(dim), requires_grad=False), default_weight_loader)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8_rows: int | None = None):
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual). `fp8_rows` (CUDA): the next
+        linear's W8A8 activations are emitted with the output (parallel/quant/fp8_act.py)."""
         if _use_fused(x):
-            return _fused.rms_norm(x, self.weight, self.eps, residual)
+            return _fused.rms_norm(x, self.weight, self.eps, residual, fp8_rows)
         if residual is not None:
             x = x + residual
             residual = x
@@ -44,9 +45,10 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, fp8_rows: int | None = None) -> torch.Tensor:
+    """silu(gate) * up; `fp8_rows` as in `RMSNorm.forward` (CUDA only)."""
     if _use_fused(gate_up):
-        return _fused.silu_and_mul(gate_up)
+        return _fused.silu_and_mul(gate_up, fp8_rows)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

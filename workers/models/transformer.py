@@ -87,7 +87,9 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, quant_config=quant_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        # FP8 W8A8: SiLU-and-mul also writes down_proj's FP8 activations (parallel/quant/fp8_act.py)
+        return self.down_proj(silu_and_mul(gate_up, self.down_proj.fp8_input_rows(gate_up)))
 
 
 def _is_moe_layer(cfg, spec: ArchSpec, layer_idx: int) -> bool:
@@ -116,12 +118,15 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=bool(getattr(cfg, "mlp_bias", False)), quant_config=quant_config)
 
     def forward(self, positions, x, residual):
+        # FP8 W8A8: the norms also write the FP8 activations of the linear after them (parallel/quant/fp8_act.py)
+        qkv_rows = self.self_attn.qkv_proj.fp8_input_rows(x)
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, x = x, self.input_layernorm(x, fp8_rows=qkv_rows)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, fp8_rows=qkv_rows)
         x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
+        mlp_rows = self.mlp.gate_up_proj.fp8_input_rows(x) if isinstance(self.mlp, MLP) else None
+        x, residual = self.post_attention_layernorm(x, residual, fp8_rows=mlp_rows)
         return self.mlp(x), residual
 
 
