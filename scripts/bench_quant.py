@@ -15,6 +15,9 @@ shared with scripts/quantize.py):
     fp8       quantization="fp8": online FP8, per-channel weight scales, dynamic per-token activations
               (W8A8 torch._scaled_mm above 4 rows; W8A16 Triton GEMV at 2-4 rows; batch 1: the fused
               decoder's quantized GEMV, W8A16: e4m3 weights widened in registers, bf16 activations)
+    fp8-actq  fp8 with each W8A8 linear quantizing its own activations (TANDEM_FP8_FUSED_ACT=0), not the RMSNorm /
+              SiLU-and-mul kernel before it (parallel/quant/fp8_act.py), to compare
+    fp8-fastacc  fp8 with cuBLAS's fast FP8 accumulation in the W8A8 GEMMs (TANDEM_FP8_FAST_ACCUM=1)
     fp8-kv    bf16 weights, kv_cache_dtype="fp8" (KV blocks at the same memory, throughput)
 With --agreement-model (a real checkpoint, e.g. models/tandem-tiny) the greedy outputs of each variant
 that can run on it are compared token by token with its bf16 run on prompts cut from real text.
@@ -57,6 +60,8 @@ VARIANTS: dict[str, dict] = {
     "fp8": {"quantization": "fp8"},
     "w4a16-unfused": {"quantization": "gptq"},
     "fp8-unfused": {"quantization": "fp8"},
+    "fp8-actq": {"quantization": "fp8"},
+    "fp8-fastacc": {"quantization": "fp8"},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
 }
 
@@ -64,7 +69,9 @@ VARIANTS: dict[str, dict] = {
 # Environment a variant is built under (read at load).
 VARIANT_ENV: dict[str, dict[str, str]] = {"w4a16-triton": {"TANDEM_W4A16_KERNEL": "triton"},
                                           "w4a16-unfused": {"TANDEM_FUSED_QUANT": "0"},
-                                          "fp8-unfused": {"TANDEM_FUSED_QUANT": "0"}}
+                                          "fp8-unfused": {"TANDEM_FUSED_QUANT": "0"},
+                                          "fp8-actq": {"TANDEM_FP8_FUSED_ACT": "0"},
+                                          "fp8-fastacc": {"TANDEM_FP8_FAST_ACCUM": "1"}}
 
 
 def sync(device: str) -> None:

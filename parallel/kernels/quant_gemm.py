@@ -23,8 +23,6 @@ Nothing here syncs with the host, so the kernels run inside CUDA graphs.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -363,22 +361,19 @@ def fp8_activations(x: torch.Tensor, rows: int, input_scale: torch.Tensor | None
     return quant_fp8_rows(x, rows) if input_scale is None else quant_fp8_static(x, input_scale, rows)
 
 
-_FAST_ACCUM = os.environ.get("TANDEM_FP8_FAST_ACCUM", "0") == "1"
-
-
 def scaled_mm_fp8(x: torch.Tensor, w8: torch.Tensor, w_scale_row: torch.Tensor, bias: torch.Tensor | None,
-                  input_scale: torch.Tensor | None = None,
-                  pre: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  input_scale: torch.Tensor | None = None, pre: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  fast_accum: bool = False) -> torch.Tensor:
     """W8A8: x [M, K] (16-bit) quantized per token (or with the static input_scale [1] float32), w8 [N, K]
     e4m3 with per-output-channel scales w_scale_row [1, N] float32 -> [M, N] in x's dtype, through
     cuBLASLt's FP8 GEMM (row-wise scaling: a static scale is repeated per row). `pre`: x's codes and scales
     [fp8_padded_rows(M)] already made by the kernel that produced x (parallel/quant/fp8_act.py), so no quantization
-    kernel runs here. TANDEM_FP8_FAST_ACCUM=1: cuBLAS's fast FP8 accumulation (Hopper's reduced-precision
-    accumulator, what vLLM's CUTLASS FP8 kernels use), off by default."""
+    kernel runs here. `fast_accum`: cuBLAS's fast FP8 accumulation (Hopper's reduced-precision accumulator), off
+    by default (packed.py: TANDEM_FP8_FAST_ACCUM=1 at load)."""
     m = x.shape[0]
     padded = fp8_padded_rows(m)
     xq, xs = pre if pre is not None else fp8_activations(x, padded, input_scale)
-    extra = dict(use_fast_accum=True) if _FAST_ACCUM else {}
+    extra = dict(use_fast_accum=True) if fast_accum else {}
     y = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scale_row, out_dtype=x.dtype, **extra)
     y = y[:m] if padded != m else y
     return y + bias if bias is not None else y

@@ -14,7 +14,8 @@ bit for bit (tests/test_fp8_act_interpreted.py), so the result does not depend o
 
 Who asks for them: `parallel.linear._TPLinear.fp8_input_rows(x)` says, per call, whether the layer would run the
 dynamic W8A8 GEMM on x and on how many (padded) rows; the model passes that to the producer
-(workers/models/transformer.py). TANDEM_FP8_FUSED_ACT=0 turns it off (to compare).
+(workers/models/transformer.py). TANDEM_FP8_FUSED_ACT=0 at load turns it off for the layers loaded then
+(`PackedWeight.act_from_producer`; scripts/bench_quant.py's fp8-actq variant, to compare).
 """
 from __future__ import annotations
 

@@ -40,6 +40,11 @@ class PackedWeight:
     w8a8_scale: torch.Tensor | None = None  # [1, N] float32: FP8 per-channel weights go through _scaled_mm
     act_scale: torch.Tensor | None = None  # [1] float32: FP8 static activation scale (None: dynamic per token)
     plan: dict | None = None  # measured kernel choices (quant_gemm.tune), set on CUDA before serving
+    # W8A8 options, read from the environment at load (scripts/bench_quant.py's variants set them per model):
+    # the producer of x emits its FP8 codes (fp8_act.py; TANDEM_FP8_FUSED_ACT=0: off), and cuBLAS's fast FP8
+    # accumulation (TANDEM_FP8_FAST_ACCUM=1: on)
+    act_from_producer: bool = True
+    fast_accum: bool = False
 
     def tune(self, dtype: torch.dtype) -> None:
         if os.environ.get("TANDEM_QUANT_TUNE", "1") != "0":
@@ -71,7 +76,7 @@ class PackedWeight:
         x; else None. The kernel that produces x can then emit them itself (fp8_act.py)."""
         m = x.numel() // x.shape[-1] if x.dim() else 0
         if (self.w8a8_scale is None or self.act_scale is not None or not x.is_cuda or x.dtype != torch.bfloat16
-                or m <= quant_tiles.GEMV_MAX_ROWS or not fp8_act.enabled()):
+                or m <= quant_tiles.GEMV_MAX_ROWS or not self.act_from_producer):
             return None
         return quant_tiles.fp8_padded_rows(m)
 
@@ -82,6 +87,8 @@ class PackedWeight:
         if self.w8a8_scale is not None and x.shape[0] > quant_tiles.GEMV_MAX_ROWS and x.dtype == torch.bfloat16:
             pre = fp8_act.take(x, quant_tiles.fp8_padded_rows(x.shape[0])) if self.act_scale is None else None
             extra = dict(pre=pre) if pre is not None else {}
+            if self.fast_accum:
+                extra["fast_accum"] = True
             return _kernels.scaled_mm_fp8(x, self.codes, self.w8a8_scale, bias, self.act_scale, **extra)
         return _kernels.matmul_q(x, self.codes, self.scales, self.zeros, self.group_size, self.bits, bias, self.plan)
 
@@ -130,7 +137,8 @@ def from_fp8(weight: torch.Tensor, scales: torch.Tensor, group_size: int, per_ch
     if per_channel and _kernels is not None and weight.is_cuda and torch.cuda.get_device_capability(weight.device) >= (8, 9):
         w8a8 = scales.reshape(1, -1).float().contiguous()
     act = input_scale.reshape(1).float().contiguous() if input_scale is not None else None
-    return PackedWeight(weight.contiguous(), scales.float().contiguous(), None, group_size, None, None, w8a8, act_scale=act)
+    return PackedWeight(weight.contiguous(), scales.float().contiguous(), None, group_size, None, None, w8a8, act_scale=act,
+                        act_from_producer=fp8_act.enabled(), fast_accum=os.environ.get("TANDEM_FP8_FAST_ACCUM", "0") == "1")
 
 
 def _kernels_fit(k: int, group_size: int, bits: int | None) -> bool:
