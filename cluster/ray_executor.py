@@ -65,6 +65,9 @@ class RayExecutor(Executor):
         self.placement: RankPlacement | None = None
         self.channel: StepChannel | None = None
         self._inflight: PendingStep | None = None  # the newest step sent; it collects any older one first
+        # Pipelined steps: up to one per stage out at once, each over its own group of sequences.
+        self.max_steps_in_flight = config.step_groups
+        self._steps_out = 0  # sent and not yet collected
         self._to_fill = 0  # placeholders of the step sent ahead, which the ranks hold until `fill`
         use_cuda = config.model.resolved_device().type == "cuda"
         self._spin = use_cuda  # CPU ranks compute on the cores a spinning wait would take
@@ -123,16 +126,22 @@ class RayExecutor(Executor):
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.submit(out).result()
 
-    def submit(self, out: SchedulerOutput, ahead: bool = False) -> PendingStep:
+    def submit(self, out: SchedulerOutput, ahead: bool = False, overlap: bool = False) -> PendingStep:
         """Send the step to every rank and return at once; `result()` waits for the answers. Without
-        `ahead`, an uncollected earlier step is collected first. With it, the earlier step may still be out
-        (one at most): the ranks run this one after it, once `fill` has sent its placeholders' tokens, and
-        this step's `result()` collects the earlier one first (answers come back in order)."""
+        `ahead` or `overlap`, an uncollected earlier step is collected first. With `ahead`, the earlier step
+        may still be out (one at most): the ranks run this one after it, once `fill` has sent its placeholders'
+        tokens. With `overlap`, up to `max_steps_in_flight - 1` earlier steps over other sequences stay out: every
+        rank takes its steps in the order sent, so the first stage starts this one as soon as it has passed its
+        part of them on, while the later stages still run them. Either way this step's `result()` collects the
+        earlier ones first (answers come back in order)."""
         self._check_usable("run more steps")
         if self._to_fill:
             raise ExecutorError("a step was sent ahead and its placeholders were never filled")
-        previous = self._inflight if ahead else None
-        if not ahead:
+        if overlap and (ahead or self._steps_out >= self.max_steps_in_flight):
+            raise ExecutorError(f"{self._steps_out} steps are out, at most {self.max_steps_in_flight} may be "
+                                "(and none sent ahead beside them)")
+        previous = self._inflight if ahead or overlap else None
+        if previous is None:
             self._settle()
         to_fill = num_placeholders(out)
         payload = self.encoder.encode(out)
@@ -142,13 +151,16 @@ class RayExecutor(Executor):
         except RankFailure as e:
             self._step_failed("step", e)
         self._to_fill = 0 if own else to_fill
+        self._steps_out += 1
 
         def collect() -> ModelRunnerOutput:
             if previous is not None:
                 previous.result()
             if self._inflight is pending and self._to_fill:  # the ranks would wait for the fill forever
                 raise ExecutorError("a step's result was asked for before its placeholders were filled")
-            return self._collect_step(out)
+            result = self._collect_step(out)
+            self._steps_out -= 1
+            return result
 
         pending = self._inflight = PendingStep(collect)
         return pending

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from transformers import AutoTokenizer, GenerationConfig
@@ -105,7 +106,10 @@ class LLMEngine:
         self.max_model_len = self._fit_max_model_len_to_cache(num_blocks * config.cache.block_size)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, num_pools=sp)
         log.info("%s", capacity_line(num_blocks, config.cache.block_size, sp, self.max_model_len))
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        # Pipelined steps (EngineConfig.step_groups): one step per group of sequences in flight (_step_pipelined).
+        groups = config.step_groups
+        self.step_groups = groups if getattr(self.executor, "max_steps_in_flight", 1) >= groups else 1
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.step_groups)
         spec = config.speculative.spec
         self.spec_decoder = None if spec is None else SpecDecoder(config, spec, num_blocks, self.max_model_len,
                                                                    self.eos_token_ids)
@@ -115,6 +119,8 @@ class LLMEngine:
                         "their capture failed); on a GPU that is slower than plain decoding (docs/benchmarks.md)")
         self.requests: dict[str, _Request] = {}
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # sent to the ranks, not yet collected
+        # Pipelined steps sent and not yet collected, oldest first, with their group: at most one per group.
+        self._pipeline: deque[tuple[SchedulerOutput, PendingStep, int]] = deque()
         # Asynchronous scheduling: step n+1 is planned and sent while the ranks compute step n (step()).
         self.async_scheduling = config.scheduler.async_scheduling and self.executor.supports_ahead
         self._unscheduled: dict[str, _Request] = {}  # added, not yet in any step: their "scheduled" stamp is due
@@ -289,7 +295,11 @@ class LLMEngine:
         one's tokens are in and its finished sequences freed, and the text work (detokenizing, stop strings,
         outputs) runs while the ranks compute it. Either way a step may run a sequence that the step before
         ended (a stop token, a stop string, an abort): its token is dropped (`Scheduler.update` skips
-        finished sequences) and its blocks stay parked until that step has answered."""
+        finished sequences) and its blocks stay parked until that step has answered.
+
+        With pipelined steps (`step_groups > 1`, pipeline parallelism) see `_step_pipelined`."""
+        if self.step_groups > 1:
+            return self._step_pipelined()
         if self._inflight is None:
             self._inflight = self._submit()
             if self._inflight is None:
@@ -306,18 +316,53 @@ class LLMEngine:
             if not self.executor.alive:  # the ranks are gone: nothing writes any block any more
                 self.scheduler.steps_lost()
             raise
+        got, verdicts = self._apply(sched_out, result)
+        if ahead is not None:
+            self._inflight = ahead
+        elif self.executor.overlaps_host_work:
+            self._inflight = self._submit()
+        return [self._emit(req, ids, reason, stop) for (req, _), (ids, reason, stop) in zip(got, verdicts)]
+
+    def _apply(self, sched_out: SchedulerOutput, result) -> tuple[list[tuple[_Request, list[SampledToken]]], list[tuple]]:
+        """A collected step's tokens into the scheduler and the requests; what finished is freed (or parked).
+        Returns each request that got tokens with them, and the verdicts of `_check_tokens`."""
         for seq_id, entries in result.prompt_logprobs.items():
             self._add_prompt_logprobs(seq_id, entries)
         got = [(self.requests[seq.seq_id], result.spec.get(seq.seq_id) or [result.sampled[seq.seq_id]])
                for seq in self.scheduler.update(sched_out, result)]
         if self.spec_decoder is not None:
             self.spec_decoder.record(sched_out, result)
-        verdicts = [self._check_tokens(req, tokens) for req, tokens in got]  # frees (or parks) what finished
-        if ahead is not None:
-            self._inflight = ahead
-        elif self.executor.overlaps_host_work:
-            self._inflight = self._submit()
+        return got, [self._check_tokens(req, tokens) for req, tokens in got]  # frees (or parks) what finished
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """One step per group of sequences stays in flight (vLLM's virtual engines): while the later pipeline
+        stages run one group's step, the first stage already runs another's. Each call collects the oldest step,
+        applies its tokens, and sends that group's next step (it needs only its own group's tokens) before the
+        text work, as `step` does. Groups whose step is not out (none yet, or nothing to run when last tried) are
+        scheduled too, so a new request starts at once in a group that was idle."""
+        self._fill_pipeline()
+        if not self._pipeline:
+            return []
+        sched_out, pending, _ = self._pipeline.popleft()
+        try:
+            result = pending.result()
+        except BaseException:
+            if not self.executor.alive:  # the ranks are gone: nothing writes any block any more
+                self.scheduler.steps_lost()
+            raise
+        self.scheduler.step_done()
+        got, verdicts = self._apply(sched_out, result)
+        self._fill_pipeline()
         return [self._emit(req, ids, reason, stop) for (req, _), (ids, reason, stop) in zip(got, verdicts)]
+
+    def _fill_pipeline(self) -> None:
+        """Send a step for every group that has none out and something to run."""
+        busy = {group for _, _, group in self._pipeline}
+        for group in range(self.step_groups):
+            if group not in busy:
+                sent = self._submit(group=group)
+                if sent is not None:
+                    self._pipeline.append((*sent, group))
 
     def _can_schedule_ahead(self, out: SchedulerOutput) -> bool:
         """Whether the step after `out` may be planned before `out`'s tokens are back. Not where its inputs
@@ -372,14 +417,15 @@ class LLMEngine:
         finally:
             blocks.enable_prefix_caching = True
 
-    def _submit(self, ahead_of: SchedulerOutput | None = None) -> tuple[SchedulerOutput, PendingStep] | None:
-        """Schedule and send a step; `ahead_of`: the step still out, whose tokens this one waits for."""
+    def _submit(self, ahead_of: SchedulerOutput | None = None, group: int | None = None) -> tuple[SchedulerOutput, PendingStep] | None:
+        """Schedule and send a step; `ahead_of`: the step still out, whose tokens this one waits for; `group`:
+        the group a pipelined step runs (the other groups' steps may be out)."""
         spec = self.spec_decoder
         with self._full_prompts_if_needed():
             if ahead_of is not None:
                 sched_out = self.scheduler.schedule(ahead_of=ahead_of, will_finish=self._will_finish)
             elif spec is None:
-                sched_out = self.scheduler.schedule()
+                sched_out = self.scheduler.schedule(group=group)
             else:
                 spec.begin_step(len(self.scheduler.running))
                 sched_out = self.scheduler.schedule(spec.lookahead)
@@ -392,7 +438,10 @@ class LLMEngine:
             self._stamp_scheduled(sched_out)
         if self.grammars.active:  # structured output: the step's allowed tokens go with it to the ranks
             sched_out.token_bitmask = self.grammars.bitmask(sched_out.seqs)
-        pending = self.executor.submit(sched_out, ahead=ahead_of is not None)
+        if group is None:
+            pending = self.executor.submit(sched_out, ahead=ahead_of is not None)
+        else:
+            pending = self.executor.submit(sched_out, overlap=True)
         self.scheduler.step_sent()
         return sched_out, pending
 
@@ -508,9 +557,13 @@ class LLMEngine:
     def drain(self) -> None:
         """With no request left, collect a step still in flight and free what waited on it (the offline
         `LLM` calls this after each `generate`, so the engine is at rest in between)."""
-        if self._inflight is not None and not self.requests:
-            sched_out, pending = self._inflight
-            self._inflight = None
+        if self.requests:
+            return
+        out = [self._inflight] if self._inflight is not None else []
+        out += [(sched_out, pending) for sched_out, pending, _ in self._pipeline]
+        self._inflight = None
+        self._pipeline.clear()
+        for sched_out, pending in out:  # oldest first: the order the answers come back in
             try:
                 result = pending.result()
             except BaseException:

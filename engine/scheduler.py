@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from operator import itemgetter
 from collections import deque
 from typing import Callable
 
@@ -71,9 +72,13 @@ class DrainRate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_groups: int = 1):
         self.config = config
         self.blocks = block_manager
+        # Pipelined steps (EngineConfig.step_groups): the running sequences form `num_groups` disjoint groups and a
+        # step runs one group (`schedule(group=...)`), so one step per group can be in flight at once. Each group's
+        # step has the whole token budget and up to max_num_seqs sequences, as each of vLLM's virtual engines.
+        self.num_groups = num_groups
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
@@ -88,7 +93,7 @@ class Scheduler:
         # is collected, so no KV transfer (`reserve`) gets a block a step still writes.
         self.steps_sent = 0
         self.steps_done = 0
-        self._parked: deque[tuple[int, list[int]]] = deque()  # (last step that may write them, block ids)
+        self._parked: list[tuple[int, list[int]]] = []  # (last step that may write them, block ids), in step order
         # When each waiting sequence (re-)entered the queue (time.monotonic()), for `max_queue_delay_s`.
         self._enqueued_at: dict[str, float] = {}
         self.drain = DrainRate()  # how fast the queue drains when backlogged: the predicted queueing delay
@@ -208,7 +213,7 @@ class Scheduler:
         the decode pool puts on prefill)."""
         if seq.seq_id in self.seqs or seq.seq_id in self.reserved:
             raise ValueError(f"request id {seq.seq_id!r} is already in use")
-        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
+        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs * self.num_groups:
             return False
         self.blocks.match_prefix(seq)
         n = seq.num_tokens + 1 - seq.num_computed_tokens
@@ -227,6 +232,9 @@ class Scheduler:
         self.blocks.cache_full_blocks(seq)
         seq.token_ids.append(first_token)
         seq.status = SeqStatus.RUNNING
+        if self.num_groups > 1:
+            loads, _ = self._group_loads()
+            seq.group = min(range(self.num_groups), key=loads.__getitem__)
         self.seqs[seq_id] = seq
         self.running.append(seq)
         return seq
@@ -256,20 +264,27 @@ class Scheduler:
     def step_done(self) -> None:
         """The oldest step out has answered: blocks parked only for it (or earlier ones) are free again."""
         self.steps_done += 1
-        while self._parked and self._parked[0][0] <= self.steps_done:
-            self.blocks.free_blocks(self._parked.popleft()[1])
+        done = 0
+        while done < len(self._parked) and self._parked[done][0] <= self.steps_done:
+            self.blocks.free_blocks(self._parked[done][1])
+            done += 1
+        del self._parked[:done]
 
     def steps_lost(self) -> None:
         """The executor failed: no step out will write anything more, so nothing stays parked."""
         self.steps_done = self.steps_sent
-        while self._parked:
-            self.blocks.free_blocks(self._parked.popleft()[1])
+        for _, block_ids in self._parked:
+            self.blocks.free_blocks(block_ids)
+        self._parked.clear()
 
     def _free(self, seq: Sequence) -> None:
-        """Free a sequence's blocks now, or park them while a step that may still write them is out."""
+        """Free a sequence's blocks now, or park them while a step that ran it (and may still write them) is out.
+        Only such a step counts: with pipelined steps another group's step is nearly always out, and a preemption
+        that only parked its victim's blocks would free nothing for the step being planned."""
         seq.plain_at = (-1, 0, 0)  # whatever table it gets next is not the one the ranks hold
-        if self.steps_sent > self.steps_done and seq.block_table:
-            self._parked.append((self.steps_sent, seq.block_table))
+        if self.steps_done < seq.last_step <= self.steps_sent and seq.block_table:
+            # Kept in step order (step_done frees from the front); a sequence's last step may be older than others'.
+            bisect.insort(self._parked, (seq.last_step, seq.block_table), key=itemgetter(0))
             seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
         else:
             self.blocks.free_seq(seq)
@@ -296,7 +311,7 @@ class Scheduler:
         self._enqueue(seq)
 
     def schedule(self, lookahead: Callable[[Sequence], int] | None = None, ahead_of: SchedulerOutput | None = None,
-                 will_finish: Callable[[Sequence], bool] | None = None) -> SchedulerOutput | None:
+                 will_finish: Callable[[Sequence], bool] | None = None, group: int | None = None) -> SchedulerOutput | None:
         """`lookahead(seq)`: speculative decoding's draft slots for a decoding sequence (engine/spec_decode.py).
         They are KV slots reserved past the sequence's last token; `update` frees the blocks that the
         verification did not fill, so a rejected draft holds no block beyond its step.
@@ -306,13 +321,16 @@ class Scheduler:
         where it samples, gained one token, which the new step carries as `PLACEHOLDER_TOKEN` (the ranks get
         it once it is known: LLMEngine.step). A sampling sequence for which `will_finish(seq)` (its token
         surely ends it: length, handoff) is left out. Returns None, having changed nothing that matters, when
-        the plan would have to preempt: the caller waits for the step out and schedules again."""
+        the plan would have to preempt: the caller waits for the step out and schedules again.
+
+        `group`: with pipelined steps, the group this step runs (its running sequences, and the waiting ones that
+        join it: `_admit`); a preemption takes a victim of the same group, whose sequences are in no step out."""
         budget = self.config.max_num_batched_tokens
         planned: list[tuple[Sequence, int, int]] = []
         preempted = False
-        admitted = 0
         self.running.sort(key=lambda s: s.sort_key)
-        queue = list(self.running)  # most important first; victims come off the end
+        # most important first; victims come off the end
+        queue = list(self.running) if group is None else [s for s in self.running if s.group == group]
         pending = {} if ahead_of is None else {s.seq_id: (s.num_tokens, int(s.sample)) for s in ahead_of.seqs}
         while queue and budget > 0:
             seq = queue.pop(0)
@@ -346,26 +364,58 @@ class Scheduler:
                 self.blocks.grow(seq, n + extra)
                 planned.append((seq, n, extra))
                 budget -= n + extra
-        if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                seq = self.waiting[0]
-                self.blocks.match_prefix(seq)
-                n = min(seq.num_uncomputed_tokens, budget)
-                if not self.blocks.can_grow(seq, n):
-                    self.blocks.free_seq(seq)
-                    break
-                self.blocks.grow(seq, n)
-                self.waiting.pop(0)
-                self._enqueued_at.pop(seq.seq_id, None)
-                self.blocks.record_admission(seq)
-                seq.status = SeqStatus.RUNNING
-                self.running.append(seq)
-                planned.append((seq, n, 0))
-                budget -= n
-                admitted += 1
+        admitted = 0 if preempted else self._admit(planned, budget, group)
         self.drain.observe(time.monotonic(), admitted, bool(self.waiting))
         dropped, self._dropped = self._dropped, []
         return self._output(planned, pending, dropped)
+
+    def _group_loads(self) -> tuple[list[int], list[int]]:
+        """Per group: the tokens (prompt and output so far) of its running sequences, and their count."""
+        loads, counts = [0] * self.num_groups, [0] * self.num_groups
+        for s in self.running:
+            loads[s.group] += s.num_tokens
+            counts[s.group] += 1
+        return loads, counts
+
+    def _admit(self, planned: list[tuple[Sequence, int, int]], budget: int, group: int | None) -> int:
+        """Admit waiting sequences into the step, most important first, while its token budget, max_num_seqs and
+        the KV cache allow; returns how many. With groups, each joins the group with the fewest tokens among those
+        with room, in queue order (ties to the group scheduled now): one bound for another group is left waiting
+        for that group's own step (at most one step later), and the queue goes on past it. So a burst spreads
+        evenly, and a lone arrival joins the lighter group: balanced groups keep every stage's share of the
+        pipeline even. A sequence keeps its group while it runs; preempted, it joins one again on readmission."""
+        limit = self.config.max_num_seqs
+        grouped = group is not None
+        loads, counts = self._group_loads() if grouped else ([0], [len(self.running)])
+        me = group if grouped else 0
+        admitted = i = 0
+        while i < len(self.waiting) and budget > 0 and counts[me] < limit:
+            seq = self.waiting[i]
+            if grouped:
+                target = min((g for g in range(self.num_groups) if counts[g] < limit),
+                             key=lambda g: (loads[g], g != group))
+                if target != group:  # its own group's step admits it
+                    loads[target] += seq.num_tokens
+                    counts[target] += 1
+                    i += 1
+                    continue
+            self.blocks.match_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.blocks.can_grow(seq, n):
+                self.blocks.free_seq(seq)
+                break
+            self.blocks.grow(seq, n)
+            self.waiting.pop(i)
+            self._enqueued_at.pop(seq.seq_id, None)
+            self.blocks.record_admission(seq)
+            seq.status, seq.group = SeqStatus.RUNNING, me
+            self.running.append(seq)
+            planned.append((seq, n, 0))
+            budget -= n
+            admitted += 1
+            loads[me] += seq.num_tokens
+            counts[me] += 1
+        return admitted
 
     def _output(self, planned: list[tuple[Sequence, int, int]], pending: dict[str, tuple[int, int]],
                 dropped: list[str]) -> SchedulerOutput:
@@ -377,8 +427,13 @@ class Scheduler:
 
         `pending`: what a step still out adds to each of its sequences first (`schedule(ahead_of=...)`): the
         tokens it computes and whether it samples one. The ScheduledSeq is built here, positionally, and not
-        in a helper: this loop runs for every sequence of every step."""
+        in a helper: this loop runs for every sequence of every step.
+
+        With groups (`num_groups > 1`) consecutive steps run different sequences, so no step continues the one
+        before: no columns, and the encoder finds the plain decodes by their slots (workers/step_delta.py)."""
         step, after = next(_step_numbers), self._last_step
+        columns = self.num_groups == 1
+        number = self.steps_sent + 1  # this step's, once sent (LLMEngine._submit sends every step with sequences)
         seqs: list[ScheduledSeq] = []
         rows: list[int] = []
         others: list[int] = []
@@ -386,6 +441,7 @@ class Scheduler:
         grown: list[tuple[int, int, list[int]]] = []
         for seq, n, extra in planned:
             computed, gained = pending.get(seq.seq_id, _NOTHING_PENDING) if pending else _NOTHING_PENDING
+            seq.last_step = number
             start = seq.num_computed_tokens + computed
             all_ids = seq.token_ids
             ids = all_ids[start : start + n]
@@ -403,7 +459,7 @@ class Scheduler:
             seqs.append(ScheduledSeq(seq.seq_id, ids, start, table, sample, params, seq.num_output_tokens + gained,
                                      [], [], [], None, extra))
             # One sampled token and no history: n == 1 with nothing past it (drafts come only with `extra`).
-            if n == 1 and sample and not extra:
+            if n == 1 and sample and not extra and columns:
                 last, row, num_blocks = seq.plain_at
                 seq.plain_at = (step, i, len(table))
                 if last == after and len(table) >= num_blocks:
@@ -413,7 +469,7 @@ class Scheduler:
                     tokens.append(ids[0])
                     continue
             others.append(i)
-        if not seqs:
+        if not seqs or not columns:
             return SchedulerOutput(seqs=seqs, finished_seq_ids=dropped)
         if not others and len(rows) == self._last_size and rows == list(range(len(rows))):
             rows = None  # the last step's sequences, in its order: the common steady decode step

@@ -34,6 +34,12 @@ class Sequence:
     # The scheduler's note for the step encoder (Scheduler._output): (step, index in it, block count) of the last
     # step that ran this sequence as a plain decode; (-1, 0, 0): none since it (re)started.
     plain_at: tuple[int, int, int] = field(default=(-1, 0, 0), compare=False, repr=False)
+    # Pipelined steps (Scheduler.num_groups > 1): the group whose steps run this sequence, set each time it is
+    # admitted; a group's steps are in flight one at a time, beside the other groups'.
+    group: int = field(default=0, compare=False, repr=False)
+    # The number the last step that ran this sequence has among the scheduler's steps sent (Scheduler.steps_sent once
+    # it is sent): its blocks are parked on release only while that step is out (Scheduler._free).
+    last_step: int = field(default=0, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -44,7 +44,8 @@ def _engine_facts(llm) -> dict:
     import ray
 
     sizes = ray.get([w.cuda_graph_sizes.remote() for w in ex.workers])
-    return {"num_kv_blocks": ex.num_blocks, "cuda_graphs": all(sizes)}
+    # step_groups: steps in flight at once over disjoint groups of sequences (pipelined steps under PP), else 1.
+    return {"num_kv_blocks": ex.num_blocks, "cuda_graphs": all(sizes), "step_groups": llm.llm_engine.step_groups}
 
 
 def synthetic_requests(n: int, vocab: int, mean_in: int, mean_out: int, max_in: int, max_out: int, seed: int):
@@ -65,7 +66,8 @@ def sync(device: str) -> None:
 def parse_layout(spec: str) -> dict:
     """"uni", "ray", "tp2", "pp2", "sp2", "ep2", "gN" (cuda_graph_max_tokens=N: g0 runs prefill and mixed
     steps eagerly), "nop2p" (NCCL-only TP all-reduce), "async" / "sync" (async_scheduling on / off; on is the
-    default), "ring" / "ulysses" (the SP attention mode) and
+    default), "nooverlap" (pipeline_step_overlap off: under PP one step at a time, cut into micro-batches),
+    "ring" / "ulysses" (the SP attention mode) and
     "+"-joined combinations ("tp2+ray", "tp2+g0", "sp2+ring") as engine arguments."""
     sizes = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "sp": "sequence_parallel_size",
              "ep": "expert_parallel_size"}
@@ -83,10 +85,12 @@ def parse_layout(spec: str) -> dict:
             layout["async_scheduling"] = False
         elif part == "async":
             layout["async_scheduling"] = True
+        elif part == "nooverlap":
+            layout["pipeline_step_overlap"] = False
         elif part in ("ring", "ulysses"):
             layout["sequence_parallel_attention"] = part
         else:
-            raise SystemExit(f"--layouts: cannot read {part!r} (uni, ray, tpN, ppN, spN, epN, gN, nop2p, async, sync, ring, "
+            raise SystemExit(f"--layouts: cannot read {part!r} (uni, ray, tpN, ppN, spN, epN, gN, nop2p, async, sync, nooverlap, ring, "
                              "ulysses, joined with +)")
     return layout
 

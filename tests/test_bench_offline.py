@@ -34,3 +34,4 @@ def test_layout_names_map_to_engine_arguments():
     assert parse_layout("sp2+ring") == {"sequence_parallel_size": 2, "sequence_parallel_attention": "ring"}
     assert parse_layout("tp2+sync") == {"tensor_parallel_size": 2, "async_scheduling": False}
     assert parse_layout("ray+async") == {"distributed_executor_backend": "ray", "async_scheduling": True}
+    assert parse_layout("pp2+nooverlap") == {"pipeline_parallel_size": 2, "pipeline_step_overlap": False}

@@ -38,7 +38,7 @@ VALUES: dict[str, typing.Any] = {
     "block_size": 8, "enable_prefix_caching": False, "gpu_memory_utilization": 0.5, "cpu_kv_cache_bytes": 1 << 20,
     "num_gpu_blocks_override": 32, "kv_lease_seconds": 5.0, "kv_transfer_timeout_seconds": 7.0,
     "max_num_seqs": 8, "max_num_batched_tokens": 128, "max_waiting_requests": 16, "max_waiting_kv_ratio": 0.5,
-    "max_queue_delay_s": 2.5, "async_scheduling": False,
+    "max_queue_delay_s": 2.5, "async_scheduling": False, "pipeline_step_overlap": False,
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
 }
 

@@ -159,6 +159,10 @@ class SchedulerConfig(StrictModel):
                                    "distributed_executor_backend='ray'): plan and send step n+1 while the ranks "
                                    "compute step n. Speculative decoding, structured output, penalties and SP "
                                    "steps still run one at a time.")
+    pipeline_step_overlap: bool = Field(default=True, description="PP > 1: the running sequences form PP groups, "
+                                        "one step of each in flight at once (vLLM's virtual engines); max_num_seqs "
+                                        "and max_num_batched_tokens bound each group's step. False: one step at a "
+                                        "time, in micro-batches. Off with speculative decoding.")
 
 
 class SpeculativeSection(StrictModel):
@@ -201,6 +205,14 @@ class EngineConfig(StrictModel):
         if spec is not None:
             spec.check_against_target(self.model.model)
         return self
+
+    @property
+    def step_groups(self) -> int:
+        """How many groups of sequences have a step in flight at once: the pipeline's stage count where
+        `pipeline_step_overlap` applies, else 1. The engine and every rank read it (the ranks run such a step
+        whole, not cut into micro-batches), so both sides agree from the same config."""
+        pp = self.parallel.pipeline_parallel_size
+        return pp if pp > 1 and self.scheduler.pipeline_step_overlap and self.speculative.spec is None else 1
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

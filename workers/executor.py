@@ -59,11 +59,16 @@ class Executor(ABC):
     # False where the ranks fill a step sent ahead themselves (one rank, which sampled the tokens): then the engine
     # does not build the token list for `fill` at all.
     needs_fill: bool = True
+    # How many steps over disjoint sequences may be out at once (pipelined steps, EngineConfig.step_groups: one
+    # per pipeline stage); 1 where steps run one at a time.
+    max_steps_in_flight: int = 1
 
-    def submit(self, out: SchedulerOutput, ahead: bool = False) -> PendingStep:
+    def submit(self, out: SchedulerOutput, ahead: bool = False, overlap: bool = False) -> PendingStep:
         """Start one step; its `result()` is `execute(out)`. Here the step runs before this returns.
-        `ahead=True`: the previous step is still out and `out` has placeholders (`supports_ahead` only)."""
-        if ahead:
+        `ahead=True`: the previous step is still out and `out` has placeholders (`supports_ahead` only).
+        `overlap=True`: earlier steps may still be out, over other sequences than `out`'s, and stay out: the ranks
+        run `out` after them, the first stage while the later stages still run those (`max_steps_in_flight`)."""
+        if ahead or overlap:
             raise ExecutorError(f"{type(self).__name__} runs one step at a time")
         return PendingStep(None, self.execute(out))
 

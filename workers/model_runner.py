@@ -67,6 +67,9 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids)
         self.pp = pp_group()
         self._pp_seq_no = 0  # micro-batches sent/received so far: every stage counts the same
+        # Micro-batches per step. Pipelined steps (EngineConfig.step_groups) keep the stages busy with other groups'
+        # steps instead: a step runs whole, since each micro-batch of a decode step reads the weights again.
+        self.pp_micro_batches = self.pp.size if config.step_groups == 1 else 1
         # Before a step larger than any so far, the allocator's cache is emptied (workers/step_memory.py).
         self.new_peak_release = NewPeakRelease(torch.cuda.empty_cache if self.device.type == "cuda" else None)
         self.num_blocks = self._num_kv_blocks()
@@ -339,8 +342,8 @@ class ModelRunner:
         self.new_peak_release.before_step(sum(s.num_tokens for s in seqs))  # eager steps only: graphs allocate nothing
         if self.sp.size == 1:  # decodes first: attention runs them with the decode kernel (AttentionMetadata.num_decodes)
             seqs = sorted(seqs, key=lambda s: s.num_tokens != 1)
-        # One micro-batch per stage keeps every stage busy once the pipeline is full.
-        micro_batches = split_by_sequence(seqs, self.pp.size) if self.pp.size > 1 else [seqs]
+        # One micro-batch per stage keeps every stage busy once the pipeline is full (unless steps are pipelined).
+        micro_batches = split_by_sequence(seqs, self.pp_micro_batches) if self.pp_micro_batches > 1 else [seqs]
         sends: list[PendingSend] = []
         sample_hidden: list[torch.Tensor] = []
         for batch in micro_batches:
