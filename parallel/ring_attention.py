@@ -340,6 +340,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_shard: T
     block = torch.stack([k, v]).contiguous()  # [2, Tk, Hkv, D]: one message per step instead of two
     order = [kv_shards[(me - step) % n] for step in range(n)]  # whose keys each step holds
     steps = _RingSteps(q, block, q_shard, order, scale, tiles, triton_is_default(q, block))
+    if getattr(steps, "fused", False):
+        return _ring_fused(steps, group, block, kv_shards)
     for step in range(n):
         src = (me - step) % n
         exchange = None
@@ -349,6 +351,22 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_shard: T
         steps.step(step, block)
         if exchange is not None:
             block = exchange.wait()
+    return steps.result()
+
+
+def _ring_fused(steps: "_RingSteps", group: Group, block: torch.Tensor, kv_shards: list[TokenShard]) -> torch.Tensor:
+    """The ring under RingConfig.fuse: every block's whole trip issued before the first step's kernel (exchange j
+    sends on what exchange j - 1 receives: the NCCL stream keeps them in order, and none waits for this rank's
+    compute, which NCCL's stream would if an exchange were issued after a kernel), the own block's step computed
+    meanwhile, then each received block scattered into the position-ordered buffer and one launch over them all."""
+    n, me = group.size, group.rank
+    exchanges, send = [], block
+    for step in range(n - 1):
+        exchanges.append(_RingExchange(group, send, kv_shards[(me - step - 1) % n].num_tokens))
+        send = exchanges[-1].recv
+    steps.step(0, block)
+    for step, exchange in enumerate(exchanges, 1):
+        steps.step(step, exchange.wait())
     return steps.result()
 
 
@@ -403,7 +421,9 @@ class _RingSteps:
     one scratch for the pieces' partials. The first step writes the fp32
     accumulators (its table covers every query row: no zero fill), middle steps merge into them, the last
     merges and writes the output in q's dtype (no separate cast); a ring of one step writes the output
-    directly. PyTorch (CPU): zeroed accumulators, `blockwise_attention_with_lse` and `merge_into` per
+    directly. Under RingConfig.fuse (three or more steps) the steps after the first only scatter their block
+    into a position-ordered buffer (`_fused_layout`), and the last launches once over it: two launches in all.
+    PyTorch (CPU): zeroed accumulators, `blockwise_attention_with_lse` and `merge_into` per
     sequence, one cast at the end."""
 
     def __init__(self, q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, kv_shards: list[TokenShard],
@@ -423,16 +443,25 @@ class _RingSteps:
         rows = kernels.rows_per_tile(self.config, q.shape[1], first_block.shape[2])
         n_groups = q.shape[1] // self.config.heads_per_program(q.shape[1] // first_block.shape[2])
         split = (self.config.block_n, n_groups, kernels.sm_count(q.device), self.config.splits)
+        # fuse: the steps after the first are one launch over the other blocks, each scattered on arrival into
+        # rows in position order (`_fused_layout`); the launches' key shards are then [own, fused].
+        self.fused = self.config.fuse and self.n >= 3
+        launches = kv_shards
+        if self.fused:
+            fused_shard, self.dst = _fused_layout(q_shard, kv_shards[1:], q.device)
+            launches = [kv_shards[0], fused_shard]
+            self.fused_kv = first_block.new_empty((2, fused_shard.num_tokens, *first_block.shape[2:]))
+        self.n_launch = len(launches)
         # Before the first kernel: a host-to-device copy issued later would wait for the kernels queued before it.
         self.q_pos = q_shard.positions_on(q.device)
-        self.k_pos = [shard.positions_on(q.device) for shard in kv_shards]
-        self.tables = [_tile_table(q_shard, shard, rows, i in (0, self.n - 1), q.device, split)
-                       for i, shard in enumerate(kv_shards)]
+        self.k_pos = [shard.positions_on(q.device) for shard in launches]
+        self.tables = [_tile_table(q_shard, shard, rows, i in (0, self.n_launch - 1), q.device, split)
+                       for i, shard in enumerate(launches)]
         slots = max(t[2] for t in self.tables)  # split-K scratch, shared by the steps (one stream: they never overlap)
         self.partials = kernels.partial_buffers(slots, n_groups, self.config, q.shape[-1], q.device) if slots else None
         self.out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.acc = None
-        if self.n > 1:
+        if self.n_launch > 1:
             # acc16: the running output in q's 16-bit dtype (half the traffic of the steps' merges), LSE fp32.
             acc_dtype = q.dtype if self.config.acc16 and q.element_size() == 2 else torch.float32
             self.acc = (torch.empty(q.shape, dtype=acc_dtype, device=q.device),
@@ -445,7 +474,12 @@ class _RingSteps:
                           self.tiles)
             return
         kernels = _triton_kernels()
-        last = i == self.n - 1
+        if self.fused and i > 0:  # into its rows of the position-ordered buffer; the last block launches them all
+            _scatter_runs(self.fused_kv, block, *self.dst[i - 1])
+            if i < self.n - 1:
+                return
+            i, block = 1, self.fused_kv
+        last = i == self.n_launch - 1
         k, v = block[0], block[1]
         tma = self.tma and (k.shape[0] == 0 or kernels.tma_ok(k, v))
         tiles, merge, _ = self.tables[i]
@@ -476,6 +510,64 @@ def _tile_table(q_shard: TokenShard, kv_shard: TokenShard, rows: int, cover: boo
     on_device = (_to_device(table, device), _to_device(merge, device) if slots else None, slots)
     q_shard._tables[key] = (kv_shard, on_device)
     return on_device
+
+
+def _fused_layout(q_shard: TokenShard, kv_shards: list[TokenShard],
+                  device: torch.device) -> tuple[TokenShard, list[tuple[int, torch.Tensor]]]:
+    """The keys of `kv_shards` (disjoint position sets: other ranks' tokens) as one shard, each sequence's positions
+    ascending, and per shard how its rows scatter there (`_runs`); cached on q_shard (every layer of a forward uses
+    the same shards)."""
+    key = ("fused", tuple(id(s) for s in kv_shards), str(device))
+    hit = q_shard._tables.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], kv_shards)):
+        return hit[1]
+    positions, dst = [], [np.empty(s.num_tokens, dtype=np.int64) for s in kv_shards]
+    start = 0
+    for b in range(q_shard.num_seqs):
+        parts = [s.positions_np()[b] for s in kv_shards]
+        order = np.argsort(np.concatenate(parts), kind="stable")
+        rank_of = np.empty_like(order)
+        rank_of[order] = np.arange(len(order))  # concatenated row -> its row in position order
+        positions.append(np.concatenate(parts)[order].tolist())
+        cut = 0
+        for s, part, rows in zip(kv_shards, parts, dst):
+            rows[s.offsets[b]:s.offsets[b + 1]] = start + rank_of[cut:cut + len(part)]
+            cut += len(part)
+        start += len(order)
+    fused = (TokenShard(positions), [_runs(rows, start, device) for rows in dst])
+    q_shard._tables[key] = (list(kv_shards), fused)
+    return fused
+
+
+def _runs(dst: np.ndarray, total: int, device: torch.device) -> tuple[int, torch.Tensor]:
+    """A block's scatter into the fused buffer (its row j goes to row dst[j] of `total`) as whole runs of R rows:
+    R the largest length dividing every run of consecutive rows and every run's start on both sides (16, the SP
+    layout's block, for whole prompts; 1 at worst). Returns (R, the destination run of each source run), so the
+    copy moves R x Hkv x D values per index (`_scatter_runs`), not one row's or one value's."""
+    if len(dst) == 0:
+        return 1, _to_device(np.zeros(0, dtype=np.int64), device)
+    starts = np.flatnonzero(np.diff(dst, prepend=dst[0] - 2) != 1)  # a new run: not the previous row + 1
+    ends = np.append(starts[1:], len(dst))
+    run = int(np.gcd.reduce(np.concatenate([starts, ends, dst[starts], [len(dst)]])))
+    run = run if run and total // run * run >= dst.max() + 1 else 1
+    return run, _to_device(dst[::run] // run, device)
+
+
+def _scatter_runs(buf: torch.Tensor, block: torch.Tensor, run: int, index: torch.Tensor) -> None:
+    """buf [2, T, Hkv, D] rows of block [2, Tk, Hkv, D] by `_runs`: one row copy (parallel/kernels/block_copy.py,
+    8-byte words, wide vector loads) per run of R rows of K or V, where index_copy_ would index every word."""
+    from parallel.kernels.block_copy import copy_rows
+
+    tk, t = block.shape[1], buf.shape[1] // run * run
+    if tk == 0:
+        return
+    row = run * block.shape[2] * block.shape[3]
+    if (row * block.element_size()) % 8 or not block.is_contiguous():
+        buf.index_copy_(1, (index[:, None] * run + torch.arange(run, device=index.device)).reshape(-1), block)
+        return
+    src = block.view(1, 2, tk // run, row).view(torch.int64)  # views (a copy would take the writes)
+    dst = buf[:, :t].view(1, 2, t // run, row).view(torch.int64)
+    copy_rows(src, dst, index, gather=False, programs=0)
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

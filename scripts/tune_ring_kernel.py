@@ -24,8 +24,10 @@ TANDEM_RING_KERNEL="BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]" (acc1
 steps in bf16, half the merges' traffic; the error column shows what it costs).
 --splits crosses every config with split-K counts (1: never split; N: up to N pieces per query tile; auto: the
 kernel's rule from the step's work per SM, what runs by default). --flags crosses every config with sets of
-RingConfig flags ("none,early,pdl,early+pdl": early starts each merging step from the accumulators, pdl chains
-the steps by programmatic dependent launch).
+RingConfig flags ("none,early,pdl,early+pdl,fuse": early starts each merging step from the accumulators, pdl
+chains the steps by programmatic dependent launch, fuse runs the steps after the first as one launch over the
+other ranks' blocks scattered into position order; with fuse the middle step columns are those scatters alone,
+the last one its scatter and the fused launch, and the tile rows are per launch).
 The "streamed" column is the slowest rank's GPU time per run with runs issued back to back over SP=1's taken
 the same way (host launch time hidden, as behind a forward's earlier layers); the ratio column waits for the
 GPU before each run, so it also counts the host's time to issue a rank's first launch. Both rankings print.
@@ -69,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "config as written, which is auto unless it says split=N)")
     p.add_argument("--flags", default=None,
                    help="comma-separated flag sets crossed with every config, each '+'-joined or 'none': e.g. "
-                        "'none,early,pdl,early+pdl,early+pdl+acc16' (RingConfig's early / pdl / acc16)")
+                        "'none,early,pdl,early+pdl,fuse+early+pdl' (RingConfig's early / pdl / acc16 / fuse)")
     p.add_argument("--heads", type=int, default=None, help="query heads (default 32; dry run 4)")
     p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default 8; dry run 2)")
     p.add_argument("--head-dim", type=int, default=None, help="head dim (default 128; dry run 16)")

@@ -272,3 +272,27 @@ def test_block_owned_layout_balances_causal_work_per_rank_and_ring_step(sp: int,
     c = rank_step_work([list(range(r * n // sp, (r + 1) * n // sp)) for r in range(sp)])
     contiguous = [sum(step[r] for step in c) for r in range(sp)]
     assert max(contiguous) / min(contiguous) > 2.5, contiguous
+
+
+@pytest.mark.parametrize("lens,sp", [((16384,), 4), ((30, 40, 3), 3), ((1000, 77), 4), ((5,), 3)])
+def test_fused_layout_puts_every_other_rank_key_in_position_order(lens, sp):
+    """RingConfig.fuse: the other ranks' keys as one position-ordered shard, and each block's scatter into it by
+    runs of R rows (R = the layout's 16-token block for a whole prompt) lands every row where its position is."""
+    from workers.sp_plan import owned_positions
+
+    shards = [TokenShard([owned_positions(0, n, r, sp, 16) for n in lens]) for r in range(sp)]
+    others = shards[1:]
+    fused, runs = ring_mod._fused_layout(shards[0], others, torch.device("cpu"))
+    assert fused.positions == [sorted(p for s in others for p in s.positions[b]) for b in range(len(lens))]
+    if lens == (16384,):
+        assert min(run for run, _ in runs) == 16
+    landed = torch.full((fused.num_tokens,), -1)
+    for shard, (run, index) in zip(others, runs):
+        src = torch.tensor([p for pos in shard.positions for p in pos], dtype=torch.long)
+        assert index.numel() * run == src.numel()
+        for i, d in enumerate(index.tolist()):
+            assert (landed[d * run:(d + 1) * run] == -1).all()  # no row written twice
+            landed[d * run:(d + 1) * run] = src[i * run:(i + 1) * run]
+    assert landed.tolist() == [p for pos in fused.positions for p in pos]
+    assert ring_mod._fused_layout(shards[0], others, torch.device("cpu")) is ring_mod._fused_layout(
+        shards[0], others, torch.device("cpu"))  # cached: every layer reuses it

@@ -114,7 +114,10 @@ S = D ** -0.5
 torch.manual_seed(0)
 checked = 0
 # packed: 4 query rows x G=4 heads; 16 x 4. early: each step starts from the accumulators (no merge after).
-CONFIGS = ["16,16,4,1", "16,16,4,1,pack", "64,32,4,1,pack", "16,16,4,1,early", "32,16,4,1,pack,early"]
+# fuse: with 3+ ranks the steps after the first are one launch over the other blocks in position order.
+CONFIGS = ["16,16,4,1", "16,16,4,1,pack", "64,32,4,1,pack", "16,16,4,1,early", "32,16,4,1,pack,early",
+           "32,16,4,1,pack,fuse", "16,16,4,1,fuse,early"]
+FUSED = [c for c in CONFIGS if "fuse" in c]
 
 
 def causal(q, k, v, qp=None, kp=None):
@@ -161,6 +164,23 @@ for cfg in CONFIGS:
         torch.testing.assert_close(steps.result(), ref, rtol=1e-5, atol=1e-5, msg=str((cfg, r)))
         checked += 1
 
+# 2b. The same ragged batch at SP=3, fused: each sequence's other-rank keys scattered into one position-ordered
+# buffer (a 3-token prompt of which ranks 1 and 2 hold nothing), one launch after the own block's.
+sp = 3
+q_shards = [TokenShard([owned_positions(lo, n, r, sp, 4) for lo, n in ((0, 30), (21, 40), (0, 3))]) for r in range(sp)]
+kv_shards = [TokenShard([owned_positions(0, n, r, sp, 4) for n in lens]) for r in range(sp)]
+blocks = [torch.stack([torch.cat([x[b][p] for b, p in enumerate(kv.positions)]) for x in (kf, vf)]) for kv in kv_shards]
+for cfg in FUSED:
+    for r in range(sp):
+        q = torch.cat([qf[b][p] for b, p in enumerate(q_shards[r].positions)])
+        steps = _RingSteps(q, blocks[r], q_shards[r], [kv_shards[(r - s) % sp] for s in range(sp)], S, None, True, cfg)
+        assert steps.fused and len(steps.tables) == 2
+        for s in range(sp):
+            steps.step(s, blocks[(r - s) % sp])
+        ref = torch.cat([want[b][p] for b, p in enumerate(q_shards[r].positions)])
+        torch.testing.assert_close(steps.result(), ref, rtol=1e-5, atol=1e-5, msg=str((cfg, r)))
+        checked += 1
+
 # 3. A ring of one (Ulysses' attention): the output straight from the kernel, no accumulators.
 q, k, v = torch.randn(37, 4, D), torch.randn(37, 1, D), torch.randn(37, 1, D)
 shard = TokenShard([list(range(37))])
@@ -186,8 +206,8 @@ qs, blocks, shards = split_for_ranks(q, k, v, positions)
 full = causal(q, k, v)
 ring_mod.triton_is_default = lambda q, block: True
 os_env = __import__("os").environ
-os_env["TANDEM_RING_KERNEL"] = "16,16,4,1,pack"
-for r in range(sp):
+for r, env in [(r, env) for env in ("16,16,4,1,pack", "16,16,4,1,pack,fuse") for r in range(sp)]:
+    os_env["TANDEM_RING_KERNEL"] = env  # fuse: every exchange issued before the first step, each sending the last
     held = [r]
 
     class Exchange:
@@ -196,14 +216,21 @@ for r in range(sp):
             held.append((held[-1] - 1) % sp)
             self.recv = blocks[held[-1]]
             assert self.recv.shape[1] == recv_tokens
+            log.append("exchange")
 
         def wait(self):
             return self.recv
 
+    log = []
+    step = ring_mod._RingSteps.step
+    ring_mod._RingSteps.step = lambda self, i, block: (log.append("step"), step(self, i, block))[1]
     ring_mod._RingExchange = Exchange
     out = ring_mod.ring_attention(qs[r], blocks[r][0], blocks[r][1], shards[r], shards, S,
                                   types.SimpleNamespace(size=sp, rank=r))
+    ring_mod._RingSteps.step = step
     assert held == [r, (r - 1) % sp, (r - 2) % sp]
+    # Fused, no exchange may be issued after the first step's kernel (NCCL's stream would wait for it).
+    assert log == (["exchange"] * 2 + ["step"] * 3 if "fuse" in env else ["exchange", "step"] * 2 + ["step"]), log
     torch.testing.assert_close(out, full[positions[r]], rtol=1e-5, atol=1e-5)
     checked += 1
 print("ok", checked)
@@ -369,9 +396,9 @@ def test_ring_step_kernel_in_the_triton_interpreter():
 
 def test_ring_launches_in_the_triton_interpreter():
     out = run_interpreted(RING_SCRIPT)
-    configs = 5
-    assert out.strip().split()[-2:] == ["ok", str(configs * (6 + 4) + configs * 2 + 2 * (6 + 4) + configs * 2
-                                                  + configs + 1 + 3)], out[-500:]
+    configs, fused, fp16 = 7, 2, 4
+    assert out.strip().split()[-2:] == ["ok", str(configs * (6 + 4) + configs * 2 + fp16 * (6 + 4) + configs * 2
+                                                  + fused * 3 + configs + 1 + 2 * 3)], out[-500:]
 
 
 def test_split_k_in_the_triton_interpreter():
@@ -483,7 +510,9 @@ def test_launch_configs(monkeypatch):
     assert acc16 == rt.RingConfig(128, 128, 8, 3, True, 0, True) and rt.RingConfig.parse(str(acc16)) == acc16
     early = rt.RingConfig.parse("128,128,8,3,pack,pdl,early")
     assert early == rt.RingConfig(128, 128, 8, 3, True, early=True, pdl=True) and str(early).endswith(",early,pdl")
-    assert rt.RingConfig.parse(str(early)) == early and not cfg.early and not cfg.pdl
+    assert rt.RingConfig.parse(str(early)) == early and not cfg.early and not cfg.pdl and not cfg.fuse
+    assert rt.RingConfig.parse("128,128,8,3,fuse,pack").fuse and str(rt.RingConfig.parse("128,128,8,3,fuse")).endswith(
+        ",fuse")
     for bad in ("128,64,8,3,split=x", "128,64,8,3,split=2,split=3", "128,64,8,3,split=99", "128,64,8,3,acc16,acc16",
                 "128,64,8,3,early,early", "128,64,8,3,pdl2"):
         with pytest.raises(ValueError):
