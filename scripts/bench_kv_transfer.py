@@ -24,6 +24,7 @@ timed runs the decode blocks are checked against the prefill blocks, bit for bit
     python scripts/bench_kv_transfer.py --copy-programs 32,64         # and with the row copy's grid capped (GPU)
     python scripts/bench_kv_transfer.py --overlap-copy-programs 66    # capped only beside a message in flight (GPU)
     python scripts/bench_kv_transfer.py --ramp-mib 16 --ramp-overlap-copy-programs 66   # first/last messages small
+    python scripts/bench_kv_transfer.py --variants m2o66,o32          # any mix: m<min_messages> o<overlap cap> c<cap> r<ramp MiB>
     python scripts/bench_kv_transfer.py --device cpu --tokens 64 --layers 2   # the same code over gloo, as a check
 Prints a table; writes JSON (--out). Needs 2 CUDA GPUs (or --device cpu).
 """
@@ -219,6 +220,11 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
             name = f"agent_r{mib}" + (f"o{cfg['ramp_overlap']}" if cfg["ramp_overlap"] else "")
             variants[name], pairs[name], programs[name] = cfg["min_messages"][0], (agent, spec), 0
             overlap[name], ramp[name] = cfg["ramp_overlap"], mib << 20
+        for spec_text in cfg["variants"]:  # "agent_<spec>": any mix of m<N> o<N> c<N> r<MiB>, e.g. m2o66
+            knobs = {k: int(v) for k, v in re.findall(r"([mocr])(\d+)", spec_text)}
+            name = f"agent_{spec_text}"
+            variants[name], pairs[name], programs[name] = knobs.get("m", cfg["min_messages"][0]), (agent, spec), knobs.get("c", 0)
+            overlap[name], ramp[name] = knobs.get("o", 0), knobs.get("r", 0) << 20
         times: dict[str, list[float]] = {**{v: [] for v in variants}, "raw": [], "gather": [], "scatter": []}
         for i in range(cfg["warmup"] + cfg["iters"]):
             if rank == 0:
@@ -267,7 +273,7 @@ def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> b
     return bool(torch.equal(mine, theirs))
 
 
-VARIANT = r"agent_(m\d+|hp|c\d+|o\d+|r\d+(?:o\d+)?)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, ramps
+VARIANT = r"agent_(hp|(?:[mocr]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, ramps, mixes
 
 
 def summarize(results: list[dict], cfg: dict) -> list[dict]:
@@ -325,6 +331,9 @@ def main(argv: list[str] | None = None) -> dict:
                    "KVTransferAgent.overlap_copy_programs)")
     p.add_argument("--ramp-mib", default="", help="comma-separated: also time the agent with a transfer's first and last "
                    "messages ramped from about M MiB (the 'agent_r<M>' rows; KVTransferAgent.ramp_bytes)")
+    p.add_argument("--variants", default="", help="comma-separated agent settings to time, each any mix of m<N> "
+                   "(min_messages), o<N> (overlap_copy_programs), c<N> (copy programs), r<MiB> (ramp), e.g. m2o66,o32 "
+                   "(the 'agent_<spec>' rows)")
     p.add_argument("--ramp-overlap-copy-programs", type=int, default=0, help="the ramped rows' overlap_copy_programs "
                    "(their names get o<N>)")
     p.add_argument("--warmup", type=int, default=3)
@@ -340,7 +349,8 @@ def main(argv: list[str] | None = None) -> dict:
            "min_messages": [int(m) for m in args.min_messages.split(",") if m], "nccl_high_priority": args.nccl_high_priority,
            "copy_programs": [int(c) for c in args.copy_programs.split(",") if c],
            "overlap_copy_programs": [int(c) for c in args.overlap_copy_programs.split(",") if c],
-           "ramp_mib": [int(c) for c in args.ramp_mib.split(",") if c], "ramp_overlap": args.ramp_overlap_copy_programs}
+           "ramp_mib": [int(c) for c in args.ramp_mib.split(",") if c], "ramp_overlap": args.ramp_overlap_copy_programs,
+           "variants": [v for v in args.variants.split(",") if v]}
     rows = summarize(run_pair(_bench_rank, cfg, args.device), cfg)
     print_table(rows)
     report = {
