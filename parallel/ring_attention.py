@@ -485,7 +485,7 @@ class _RingSteps:
         tiles, merge, _ = self.tables[i]
         kernels.ring_step(self.q, k, v, self.scale, tiles, self.q_pos, self.k_pos[i], self.config, self.acc,
                           load_prev=i > 0, store_acc=not last, out=self.out if last else None, tma=tma, merge=merge,
-                          partials=self.partials)
+                          partials=self.partials, chained=not self.fused)
 
     def result(self) -> torch.Tensor:
         """[Tq, Hq, D] in q's dtype, once every step ran."""

@@ -548,7 +548,10 @@ def ring_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t
     fp32): merged with this step's partial when `load_prev`, written with the result when `store_acc`. out
     [Tq, Hq, D]: written with the result when given (a last step). A step that writes without loading, or
     writes `out`, must have a table that covers every row (`build_tiles(..., cover=True)`). merge: the merge
-    table of a split table (None or empty: no row split), partials: `partial_buffers` with room for its slots."""
+    table of a split table (None or empty: no row split), partials: `partial_buffers` with room for its slots.
+    chained: the kernel before this one on the stream is the ring's previous step (under RingConfig.pdl this step
+    may then start in its tail: it reads nothing that kernel writes before `gdc_wait`); False after other work
+    (the fused step's scatters), which a programmatic launch could read before it is visible."""
     _check(q, k, v, q_pos, k_pos)
     tq, hq, d = q.shape
     tk, hkv = k.shape[0], k.shape[1]
@@ -583,7 +586,7 @@ def ring_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t
     # only a step that merges (load_prev: its predecessor is this ring's own step) launches programmatically,
     # never a split one (its pieces reuse the scratch its predecessor's merge read).
     pdl = config.pdl and not split and pdl_ok(q.device)
-    launch = dict(launch_pdl=True) if pdl and load_prev else {}
+    launch = dict(launch_pdl=True) if pdl and load_prev and chained else {}
     _ring_kernel[(n_groups * n_tiles,)](
         q, k, v, k_desc, v_desc, q_pos, k_pos, tiles, acc_o, acc_l, fin, part_o, part_l, scale * _LOG2E, n_groups,
         *flags, q.stride(0), q.stride(1), k.stride(0), v.stride(0), *strides,
