@@ -29,21 +29,20 @@ DEVICE = "cuda"  # tests/test_bench_gemv_fp8.py runs the script's logic on CPU u
 
 
 def sweep_configs(k: int, paired: bool) -> list[dict]:
-    """FP8 tiles to time: 16-byte chunks summed in the thread (RED) over rows x chunks x warps, with 1-16 (paired:
-    1-8) 16-byte vectors per thread and step; a few of them accumulating per code instead (RED off); and the
-    64-byte-chunk tiles of gemv_quant.TILES. Only tiles whose K step divides K."""
+    """FP8 tiles to time: 8- and 16-byte chunks summed in the thread (RED) over rows x chunks x warps, with 16-128
+    (paired: 16-64 per half) bytes of codes per thread and step and a step of at most 4096 inputs, and the
+    64-byte-chunk tiles of gemv_quant.TILES (the kernel before the RED tiles). Only tiles whose K step divides K:
+    ~90-110 a shape."""
     from parallel.kernels import gemv_quant as gq
 
     out = []
-    # KS up to 256: a 4096 x 4096 layer is ~127 KB per SM, so one step of 4 vectors per thread at full occupancy
-    # (2048 threads) can have all of it in flight; the kernel has no software pipeline (num_stages changes nothing
-    # in its SASS), so fewer, wider steps are the way to keep loads in flight.
-    for bn, ks, w in itertools.product((1, 2, 4, 8, 16, 32), (16, 32, 64, 128, 256), (2, 4, 8)):
-        vec = bn * ks // (32 * w)  # 16-byte vectors per thread per step (per weight half when paired)
-        if bn * ks >= 32 * w and vec <= (8 if paired else 16) and k % (16 * ks) == 0:
-            out.append(dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, BLOCK_C=16, RED=True))
-            if vec <= 2 and w <= 4:  # an accumulator per code: registers grow with the vectors
-                out.append(dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, BLOCK_C=16, RED=False))
+    # Steps up to 4096 inputs (one step for K = 4096): a 4096 x 4096 layer is ~127 KB per SM, so one step of 64
+    # bytes per thread at full occupancy (2048 threads) can have all of it in flight; the kernel has no software
+    # pipeline (num_stages changes nothing in its SASS), so fewer, wider steps are the way to keep loads in flight.
+    for bn, ks, w, c in itertools.product((1, 2, 4, 8, 16), (16, 32, 64, 128, 256, 512), (2, 4, 8), (8, 16)):
+        per_thread = bn * ks // (32 * w) * c  # bytes of codes per thread and step (per weight half when paired)
+        if bn * ks >= 32 * w and 16 <= per_thread <= (64 if paired else 128) and k % (c * ks) == 0 and c * ks <= 4096:
+            out.append(dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, BLOCK_C=c, RED=True))
     for bn, ks, w in gq.TILES[(True, paired)]:
         if k % (64 * ks) == 0:
             out.append(dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1))

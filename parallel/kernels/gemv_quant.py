@@ -258,11 +258,11 @@ def _fp8_tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, s_ptr, rows_a, rows_b, n_mas
 @triton.jit
 def _fp8_red_tile(acc, acc_u, wa, wb, t, x, s_ptr, rows_a, rows_b, n_mask, stride_s, GS: tl.constexpr,
                   KS: tl.constexpr, BLOCK_C: tl.constexpr, PAIRED: tl.constexpr, SCALE_END: tl.constexpr):
-    """FP8 tiles of one 16-byte vector per row and chunk (BLOCK_C = 16, `candidates`): Triton gives each thread
-    whole chunks, so the sum over a chunk stays in the thread (a chain of FMAs) and the accumulator is one fp32
-    per row and chunk, [BLOCK_N, KS, 1], not one per code: a quarter of the registers of the 64-byte chunks'
-    [BLOCK_N, KS, 64] accumulator over 4 threads, which left room for only 4 programs of 2 warps per SM. A
-    block scale (GS a multiple of the chunk) multiplies the chunk's sum once, not each code."""
+    """FP8 tiles of one 8- or 16-byte vector per row and chunk (BLOCK_C = 8 or 16, `candidates`): Triton gives each
+    thread whole chunks, so the sum over a chunk stays in the thread and the accumulator is one fp32 per row and
+    chunk, [BLOCK_N, KS, 1], not one per code (the 64-byte chunks' [BLOCK_N, KS, 64] accumulator over 4 threads
+    left room for only 4 programs of 2 warps per SM). A block scale (GS a multiple of the chunk) multiplies the
+    chunk's sum once, not each code."""
     if SCALE_END or GS % BLOCK_C == 0:
         pa = tl.sum(wa.to(tl.float32) * x, axis=2, keep_dims=True)
         if PAIRED:
@@ -449,12 +449,14 @@ def default_config(qw: QuantGemvWeight, paired: bool = False) -> dict | None:
 TILES = {(False, False): ((16, 16, 2), (8, 16, 2), (16, 8, 1)), (False, True): ((8, 16, 2), (8, 8, 1), (4, 16, 2)),
          (True, False): ((8, 16, 2), (8, 8, 1), (4, 32, 4)), (True, True): ((4, 16, 2), (4, 32, 4), (2, 16, 2))}
 SMALL_K_TILES = ((4, 4, 1), (8, 2, 1), (8, 1, 1))
-# FP8 tiles of 16-byte chunks summed in the thread (`_fp8_red_tile`), tried before the 64-byte ones above. Compiled
-# for sm_90 (Triton 3.9, K = 4096, not yet timed on a GPU): residual (16, 32, 4) and (8, 32, 2) take 64 registers
-# against 213 for (8, 16, 2) of 64-byte chunks (its [8, 16, 64] fp32 accumulator is 128 registers a thread), so
-# 8 warps of those fit an SM where 4 did; paired (8, 32, 4) takes 72 with the RMSNorm prologue.
-FP8_RED_TILES = {False: ((16, 32, 4), (8, 32, 2), (4, 64, 4)), True: ((8, 32, 4), (4, 32, 2), (4, 64, 4))}
-FP8_RED_CHUNK = 16
+# FP8 tiles of 8- or 16-byte chunks summed in the thread (`_fp8_red_tile`), tried before the 64-byte ones above:
+# (BLOCK_N, KS, num_warps, BLOCK_C). Compiled for sm_90 (Triton 3.9; not yet timed on a GPU): 64-byte chunks
+# (8, 16, 2) take 213 registers (an [8, 16, 64] fp32 accumulator: 128 a thread), so 4 programs of 2 warps fit an
+# SM; 16-byte chunks take 56-96 and 8-byte ones 48-96. With 8-byte chunks each thread's 8 activations are one
+# 16-byte load laid out as its codes are, so the loop has no shared-memory exchange of x (16-byte chunks: 2-8
+# barriers a step) and the chunk's sum compiles to a chain of FMAs: ~3.2-3.6 instructions per code against ~4.
+FP8_RED_TILES = {False: ((4, 128, 4, 8), (8, 128, 4, 8), (16, 32, 4, 16)),
+                 True: ((2, 128, 4, 8), (4, 128, 4, 8), (8, 32, 4, 16))}
 
 # Measured FP8 tiles per weight shape and kind of layer: (N, K, kind) -> config, kind as `fused_gemv.kind_of`
 # ("paired": qkv / gate-up with the RMSNorm prologue, "residual": o / down). `fused_gemv.tune` takes an entry as
@@ -482,12 +484,12 @@ def candidates(qw: QuantGemvWeight, paired: bool = False) -> list[dict]:
     puts 4 threads on a chunk, 8 threads and then the warps on the KS chunks, and repeats the rows in each
     thread, so that every thread reuses its x values (loaded, normed and summed per input) over its rows,
     while the K split keeps many programs on a narrow layer (a 4096-row layer in 8-row programs: 512 of
-    them). FP8 first tries 16-byte chunks, one per thread, each summed in the thread (FP8_RED_TILES). Measured
+    them). FP8 first tries 8- and 16-byte chunks, one per thread, each summed in the thread (FP8_RED_TILES). Measured
     per shape and kind by `parallel/quant/fused_gemv.tune` where FP8_TABLE has no entry."""
     out = []
     if qw.fmt == FP8:
-        out = [dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, BLOCK_C=FP8_RED_CHUNK, RED=True)
-               for bn, ks, w in FP8_RED_TILES[paired]]
+        out = [dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, BLOCK_C=c, RED=True)
+               for bn, ks, w, c in FP8_RED_TILES[paired]]
     out += [dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1)
             for bn, ks, w in TILES[(qw.fmt == FP8, paired)] + SMALL_K_TILES]
     return [c for c in out if _fits(qw, c)][:4 if qw.fmt == FP8 else 3]
