@@ -55,3 +55,20 @@ def test_the_handoff_uses_pytorchs_index_ops_off_the_gpu():
 
     words = torch.zeros(2, 2, 4, 4, 2, 8, dtype=torch.int64)
     assert not _by_rows(words, slice(None))
+
+
+def test_rows_contiguous_from_strides_matches_asking_a_row():
+    """rows_contiguous reads shapes and strides only; it must say what indexing a row out and asking would."""
+    import torch
+
+    from parallel.kernels.block_copy import rows_contiguous
+
+    def asked(t: torch.Tensor) -> bool:
+        return t[0, 0, 0].is_contiguous() if t.shape[0] and t.shape[2] else True
+
+    c = torch.zeros(4, 2, 8, 16, 8, 128)
+    views = [c, c[1:3], c[:, :, 2:5], c[..., 2:4, :], c[..., :64], c.transpose(3, 4), c[:, :, :, :1],
+             c[:, :, :, :, :1], torch.zeros(2, 2, 3, 1, 1, 5)[..., ::2], torch.zeros(2, 2, 3, 4).transpose(2, 3)[:, :, :1],
+             c[:0], c[:, :, :0], c.view(torch.int64), c.permute(1, 0, 2, 3, 4, 5)]
+    assert [rows_contiguous(v) for v in views] == [asked(v) for v in views]
+    assert not all(rows_contiguous(v) for v in views) and any(rows_contiguous(v) for v in views)

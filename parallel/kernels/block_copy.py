@@ -13,6 +13,7 @@ buffer viewed alike): strides are free in the first three dims, a row is contigu
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -69,8 +70,17 @@ def _copy_rows_loop_kernel(src_ptr, dst_ptr, ids_ptr, row_words, n_ids, chunks, 
 
 
 def rows_contiguous(t: torch.Tensor) -> bool:
-    """Whether each [l, kv, block] row of the 4-D-or-more view t is one contiguous run (what the kernel copies)."""
-    return t[0, 0, 0].is_contiguous() if t.shape[0] and t.shape[2] else True
+    """Whether each [l, kv, block] row of the 4-D-or-more view t is one contiguous run (what the kernel copies).
+    From the shape and strides alone: indexing out a row to ask it cost ~10 us a call, three calls a copy, on the
+    handoff's critical path (a 1K-token transfer's host time, scripts/profile_kv_transfer.py)."""
+    if not (t.shape[0] and t.shape[2]):
+        return True
+    expected = 1
+    for size, stride in zip(reversed(t.shape[3:]), reversed(t.stride()[3:])):
+        if size != 1 and stride != expected:  # a dim of one may carry any stride, as in Tensor.is_contiguous
+            return False
+        expected *= size
+    return True
 
 
 def copy_rows(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather: bool, programs: int | None = None) -> None:
@@ -84,7 +94,7 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather:
         raise ValueError(f"copy_rows: {tuple(src.shape)} {src.dtype} and {tuple(dst.shape)} {dst.dtype} do not match")
     if not (rows_contiguous(src) and rows_contiguous(dst)):
         raise ValueError("copy_rows: a block's row must be contiguous on both sides")
-    n, row_words = index.numel(), src[0, 0, 0].numel() if src.shape[2] else 0
+    n, row_words = index.numel(), math.prod(src.shape[3:]) if src.shape[2] else 0
     if n == 0 or layers == 0 or row_words == 0:
         return
     chunks = triton.cdiv(row_words, BLOCK)
