@@ -6,8 +6,8 @@ prologue and RoPE, gate/up with RMSNorm and SiLU-and-mul, o and down with the re
 over weight copies that together exceed L2 (as `bench_gemv.bench`), so the figures are HBM streaming rates. GB/s
 counts the bytes each kernel must read: bf16 weights, or e4m3 codes plus their float32 scales.
 
-Without --sweep: the tiles the engine would use (FP8_TABLE's entry, else the first candidate; the engine measures
-the candidates at load where the table has no entry). With --sweep: every tile of `sweep_configs` too, each checked
+Without --sweep: the tiles the engine would use (`fused_gemv.tune`: FP8_TABLE's entry, else the fastest candidate
+as load measures them). With --sweep: every tile of `sweep_configs` too, each checked
 against the first candidate's output, and the fastest per shape, printed as FP8_TABLE lines to paste into
 gemv_quant.py.
 """
@@ -91,7 +91,8 @@ def _time_fp8(bench: Callable, x: torch.Tensor, qws: list, cfg: dict, fused: dic
 def _shape_row(name: str, n_k: tuple[int, int], rotate_bytes: int, bench: Callable, sweep: bool) -> dict:
     """One decoder linear: bf16 and FP8 (the engine's tiles, and with --sweep every tile), GB/s and times."""
     from parallel.kernels import gemv_quant as gq
-    from parallel.kernels.gemv import gemv, tile_config
+    from parallel.kernels.gemv import gemv
+    from parallel.quant import fused_gemv
 
     kind, op = DECODER[name]
     n, k = n_k
@@ -106,7 +107,7 @@ def _shape_row(name: str, n_k: tuple[int, int], rotate_bytes: int, bench: Callab
     fp8_bytes = len(qws) * (n * k + 4 * n)
     first = gq.candidates(qws[0], kind == "paired")[0]
     ref = gq.qgemv(x, qws[0], None, first, **fused).float()
-    engine = gq.table_config(qws[0], kind) or first
+    engine = fused_gemv.tune(qws[0], torch.bfloat16, kind)  # what load picks: FP8_TABLE's entry, else measured
     t_engine = _time_fp8(bench, x, qws, engine, fused, ref)
     row = {"shape": name, "n": n, "k": k, "kind": kind, "fused": op, "bf16_us": 1e6 * t_bf16 * 2 * n * k / bf16_bytes,
            "bf16_GBps": bf16_bytes / t_bf16 / 1e9, "fp8_config": engine, "fp8_GBps": fp8_bytes / t_engine / 1e9,
