@@ -539,7 +539,7 @@ def ring_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t
               q_pos: torch.Tensor | None, k_pos: torch.Tensor | None, config: RingConfig,
               acc: tuple[torch.Tensor, torch.Tensor] | None, load_prev: bool, store_acc: bool,
               out: torch.Tensor | None = None, tma: bool | None = None, merge: torch.Tensor | None = None,
-              partials: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+              partials: tuple[torch.Tensor, torch.Tensor] | None = None, chained: bool = True) -> None:
     """One launch over a tile table (`build_tiles` with `rows_per_tile(config, ...)` rows per tile, on q's device),
     and with split-K (`split_tiles`) a second over its merge table.
 
