@@ -433,3 +433,19 @@ def test_only_copies_beside_a_message_in_flight_take_the_overlap_cap(monkeypatch
         agents["decode"].recv(spec, plan, {0: shard}, [5, 6, 7])
         assert [p for kind, p in asked if kind == "gather"] == gathers
         assert [p for kind, p in asked if kind == "scatter"] == scatters
+
+
+def test_block_ids_map_into_their_sp_pool_and_foreign_ids_are_refused():
+    """transport._local_ids: ids of this SP rank's pool -> indices into its cache (a range check, then a shift);
+    an id of another pool is refused, never sent from the wrong cache slot."""
+    from workers.kv_transfer.transport import _local_ids
+
+    cache = torch.zeros(1, 2, 10, BS, 1, HEAD_DIM)  # pools of 10 blocks
+    shard0 = replica_shards(1, 1, 1, 1, 2)[0]
+    shard1 = replica_shards(1, 1, 1, 1, 2)[1]
+    assert _local_ids(cache, shard0, [3, 0, 9]) == [3, 0, 9]
+    assert _local_ids(cache, shard1, [13, 10, 19]) == [3, 0, 9]
+    assert _local_ids(cache, shard1, []) == []
+    for shard, ids in ((shard0, [3, 10]), (shard1, [9, 12]), (shard1, [20])):
+        with pytest.raises(ValueError, match="not in SP rank"):
+            _local_ids(cache, shard, ids)

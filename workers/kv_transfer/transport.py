@@ -615,6 +615,9 @@ def _local_ids(kv_cache: torch.Tensor, shard: RankShard, block_ids: list[int]) -
     """Block ids -> indices into the cache of the rank `shard` describes. Under SP the ids are global and a
     cache holds only its SP rank's pool of them (engine/block_manager.py); without SP the two are the same."""
     pool_size = kv_cache.shape[2]
+    lo = shard.sp_rank * pool_size  # the pool's first id (block_pool / local_block_id, in one range check)
+    if block_ids and lo <= min(block_ids) and max(block_ids) < lo + pool_size:
+        return [b - lo for b in block_ids] if lo else list(block_ids)
     foreign = [b for b in block_ids if block_pool(b, pool_size) != shard.sp_rank]
     if foreign:  # the plan and the block manager disagree on ownership: never send another pool's bytes
         raise ValueError(f"blocks {foreign} are not in SP rank {shard.sp_rank}'s pool of {pool_size}")
