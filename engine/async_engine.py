@@ -151,11 +151,13 @@ class AsyncEngine:
 
     # ---- request streams ----
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                       handoff: bool = False) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request, step by step; the last one has `finish_reason` set."""
+                       handoff: bool = False, pieces: bool = False) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request, step by step; the last one has `finish_reason` set. pieces: see
+        `LLMEngine.add_request` (outputs with `kv_blocks` come before the handoff's)."""
         queue = self._open(request_id)
+        add = functools.partial(self.llm_engine.add_request, pieces=True) if pieces else self.llm_engine.add_request
         try:
-            await self.call_for(request_id, self.llm_engine.add_request, request_id, prompt, params, priority, handoff)
+            await self.call_for(request_id, add, request_id, prompt, params, priority, handoff)
         except BaseException:
             self._queues.pop(request_id, None)
             raise

@@ -5,8 +5,11 @@ The protocol (docs/architecture.md, "Prefill/decode handoff"):
  1. decode: reserve blocks for the prompt (+1 token), reusing its own cached prefix; full -> QueueFullError.
  2. decode -> prefill (any replica, via the caller's `PrefillClient`): run the prompt, sample the first
     token, hold the blocks under a lease; answer `PrefillReady` (first token, block ids, rank handles).
- 3. decode: under its lock for that prefill replica, build the pair's transfer group if new, then make
-    the prefill ranks send and its own ranks receive the blocks it lacks, resharded by `plan_transfers`.
+ 3. decode: under its lock for that prefill replica, build the pair's transfer group if new and number the
+    transfer on the pair; then (other transfers in flight beside it, every rank posting them in number order)
+    make the prefill ranks send and its own ranks receive the blocks it lacks, resharded by `plan_transfers`.
+    With `kv_pieces`, pieces of a long prompt (`PrefillPiece`) come and move before step 2's answer, while
+    its later chunks are prefilled; the answer's transfer moves the rest.
  4. decode reads the rest of the prefill stream (in the background): the prefill replica waits for
     its ranks to report the send done (the ack), then frees the blocks; or when the lease ends.
  5. decode: the first token goes to the caller as soon as step 2 answers, while step 3 moves the KV;
@@ -56,6 +59,23 @@ class Reservation:
     # Prefill replicas whose rank handles the decode side holds already: they need not travel again
     # (pickling actor handles costs a registration with Ray's ownership tables per request).
     known_peers: frozenset[str] = frozenset()
+    # Ask for the prompt's pieces (`PrefillPiece`) while it is prefilled over several steps, so that its KV moves
+    # while the later chunks compute (`DecodeReplica.kv_pieces`).
+    pieces: bool = False
+
+
+@dataclass
+class PrefillPiece:
+    """A prompt that its prefill replica computes over several steps (chunked prefill), part-way: its first
+    `len(block_ids)` blocks are full and computed, and may move while the later chunks run (`Reservation.pieces`).
+    Only these blocks: the next chunk writes into the partial block after them. A decode replica admits the request
+    only once every piece and the rest (`PrefillReady`) have arrived."""
+
+    prefill_replica: str
+    block_ids: list[int]
+    epoch: int  # the prefill's preemptions so far: a preemption frees its blocks, so an older epoch's pieces are stale
+    shards: list[RankShard] = field(default_factory=list)
+    rank_handles: list = field(default_factory=list)  # as PrefillReady's: only on a replica's first item to a decode one
 
 
 @dataclass
@@ -71,6 +91,7 @@ class PrefillReady:
     # This prefill's key on the prefill ranks (their sends, acks and abandons): not the request id, which a retry
     # reuses, maybe on the same replica, where an earlier attempt's abandon must not touch the new one's KV.
     handoff_id: str = ""
+    epoch: int = 0  # as PrefillPiece's, when the prompt ended
 
     @property
     def finished(self) -> bool:
@@ -89,6 +110,20 @@ class TransferStats:
     recv_start: float = 0.0  # wall clock when the first decode rank began its receive,
     recv_posted: float = 0.0  # when the last one had posted its receives and queued its scatters,
     recv_end: float = 0.0  # and when the last one had its blocks
+
+    @staticmethod
+    def combined(parts: list["TransferStats"]) -> "TransferStats":
+        """One handoff's transfers (its pieces and the rest) as one: the bytes and blocks of all, from the first
+        one's start to the last one's end."""
+        if len(parts) == 1:
+            return parts[0]
+        start, end = min(p.start for p in parts), max(p.end for p in parts)
+        ranks = [p for p in parts if p.send_start]
+        first = lambda name: min(getattr(p, name) for p in ranks) if ranks else 0.0  # noqa: E731
+        last = lambda name: max(getattr(p, name) for p in ranks) if ranks else 0.0  # noqa: E731
+        return TransferStats(sum(p.bytes for p in parts), end - start, sum(p.blocks for p in parts), start, end,
+                             first("send_start"), last("send_end"), first("recv_start"), last("recv_posted"),
+                             last("recv_end"))
 
     def stamps(self) -> dict[str, float]:
         """The push's stamps for the request's timeline (router/metrics.py STAGES); the ranks' own where known."""
@@ -232,15 +267,27 @@ class PrefillReplica:
         return self.async_engine.alive and self.executor.alive
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-                      reservation: Reservation) -> AsyncIterator[PrefillReady]:
-        """The decode replica's call: the answer, then (the stream held open) the blocks held until sent."""
-        ready = await self._run(request_id, prompt_token_ids, params, priority)
+                      reservation: Reservation) -> AsyncIterator[PrefillPiece | PrefillReady]:
+        """The decode replica's call: with `reservation.pieces`, the prompt's pieces as its steps complete them;
+        the answer; then (the stream held open) the blocks held until sent."""
+        tell_handles = self.replica_id not in reservation.known_peers
+        ready: PrefillReady | None = None
+        async with contextlib.aclosing(self._items(request_id, prompt_token_ids, params, priority,
+                                                   reservation.pieces)) as items:
+            async for item in items:
+                if isinstance(item, PrefillReady):
+                    ready = item
+                    continue
+                item.shards = self.shards
+                if tell_handles:
+                    item.rank_handles, tell_handles = list(self.executor.workers), False
+                yield item
         if ready.finished:
             yield ready
             return
         try:
             ready.shards = self.shards
-            if self.replica_id not in reservation.known_peers:
+            if tell_handles:
                 ready.rank_handles = list(self.executor.workers)
             yield ready
             await self._wait_sent(ready.handoff_id)
@@ -275,22 +322,38 @@ class PrefillReplica:
                    priority: int) -> PrefillReady:
         """Run the prompt and sample token 1; unless that ended the request, its blocks stay held (the caller
         frees them). A cancelled or failed run frees them itself."""
+        ready = None
+        async with contextlib.aclosing(self._items(request_id, prompt_token_ids, params, priority, False)) as items:
+            async for ready in items:
+                pass
+        return ready
+
+    async def _items(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+                     pieces: bool) -> AsyncIterator[PrefillPiece | PrefillReady]:
+        """`_run`'s answer, last; before it, with `pieces`, a `PrefillPiece` for each step that completed more of
+        the prompt's blocks. Closed early, the request is aborted (its blocks freed)."""
         first: RequestOutput | None = None
-        async for out in self.async_engine.generate(request_id, prompt_token_ids, params, priority, handoff=True):
-            first = out
+        async with contextlib.aclosing(self.async_engine.generate(request_id, prompt_token_ids, params, priority,
+                                                                  handoff=True, pieces=pieces)) as outputs:
+            async for out in outputs:
+                if out.kv_blocks is not None and not out.finished:
+                    yield PrefillPiece(self.replica_id, out.kv_blocks, out.kv_epoch)
+                else:
+                    first = out
         ready = PrefillReady(self.replica_id, first)
         if ready.finished:
-            return ready
+            yield ready
+            return
         try:
             ready.first = SampledToken(first.token_ids[0], *_first_logprobs(first))
             # Read here, not on the engine thread (which may be inside a step): the engine held the blocks
             # before it returned this output, and held blocks do not change until `release`.
-            ready.block_ids = self.llm_engine.held_block_ids(request_id)
+            ready.block_ids, ready.epoch = self.llm_engine.held_kv(request_id)
             ready.handoff_id = f"{request_id}#{next(self._handoffs)}"
         except BaseException:
             await self.async_engine.cleanup(self.llm_engine.release, request_id)
             raise
-        return ready
+        yield ready
 
     async def _wait_sent(self, handoff_id: str) -> None:
         """The decode replica drives our ranks' send: hold the blocks until every rank reports it done (or
@@ -355,9 +418,94 @@ def _first_logprobs(out: RequestOutput) -> tuple[float, list[tuple[int, float]] 
     return entry[out.token_ids[0]], sorted(entry.items(), key=lambda kv: -kv[1])
 
 
+# Transfers a decode replica has in flight at once on one pair. Each waits on a thread of every rank actor of both
+# replicas (16 each, `RayExecutor`) for its turn to post (`_PostOrder`), and the turn's own transfer must find a
+# thread free: a few per pair leaves room for several decode replicas per prefill replica.
+MAX_TRANSFERS_IN_FLIGHT = 4
+
+
+class _PairState:
+    """A pair group this decode replica built or warmed: it numbers the pair's transfers (the order every rank
+    posts them in, `_PostOrder`) and bounds how many are in flight. A new object per group: a rebuilt group counts
+    from 0 again, and a failure of a transfer on an older one does not drop it (`DecodeReplica._drop_pair`)."""
+
+    def __init__(self) -> None:
+        self.seqs = itertools.count()
+        self.slots = asyncio.Semaphore(MAX_TRANSFERS_IN_FLIGHT)
+
+
+class _Pieces:
+    """One handoff attempt's KV in pieces (`Reservation.pieces`): each `PrefillPiece` starts the transfer of the
+    blocks it adds, while the prompt's later chunks compute; `finish` moves the rest once the prefill has answered
+    and waits for everything. Every piece writes into the reservation: it is freed (`DecodeReplica._give_up`) only
+    after `drain`. Pieces of an older epoch (a preemption on the prefill side freed their blocks, which may have been
+    reused while they were read) are overwritten: the next transfer, once they have landed, sends every block again."""
+
+    def __init__(self, replica: "DecodeReplica", reservation: Reservation):
+        self.replica, self.res = replica, reservation
+        self.sent = reservation.num_hit_blocks  # blocks [hits, sent) are here or on their way
+        self.epoch = 0
+        self.tasks: list[asyncio.Task] = []
+        self.numbered: list[asyncio.Event] = []  # set once each piece's transfer has its number on the pair (or ended)
+        self.landed_stats: list[TransferStats] = []  # of the pieces landed, stale ones too (their bytes moved as well)
+
+    async def add(self, piece: PrefillPiece) -> None:
+        await self.check()
+        self.replica._peer_handles(piece)
+        await self._rebase(piece.epoch)
+        if len(piece.block_ids) <= self.sent:
+            return
+        blocks, self.sent = range(self.sent, len(piece.block_ids)), len(piece.block_ids)
+        numbered = asyncio.Event()
+        task = asyncio.ensure_future(self.replica._transfer(piece, self.res, blocks, piece=True, numbered=numbered))
+        task.add_done_callback(lambda _: numbered.set())
+        self.tasks.append(task)
+        self.numbered.append(numbered)
+
+    async def finish(self, ready: PrefillReady) -> TransferStats:
+        """The rest of the prompt's blocks (and the handoff's ack: `KVTransferAgent.send` claims it), beside the
+        pieces still on their way; then all of them. Raises the first failure, once nothing writes any more."""
+        await self._rebase(ready.epoch)
+        # Numbered after every piece, so every rank posts it, and its ack, after the pieces' gathers: the prefill
+        # replica frees the blocks on that ack, and a piece numbered later could still be reading them.
+        for numbered in self.numbered:
+            await numbered.wait()
+        last = await self.replica._transfer(ready, self.res, range(min(self.sent, len(ready.block_ids)), len(ready.block_ids)))
+        await self.landed()
+        return TransferStats.combined(self.landed_stats + [last])
+
+    async def check(self) -> None:
+        """Raise a piece's failure as soon as it is known (a dead decode rank fails the request, a failed pair
+        re-prefills it), not after the rest of the prompt, nor as a consequence of it (its rank handles forgotten)."""
+        if any(t.done() and (t.cancelled() or t.exception() is not None) for t in self.tasks):
+            await self.landed()
+
+    async def landed(self) -> None:
+        """Wait for every piece on its way (never cancelling one: posted messages cannot be taken back); their stats
+        join `landed_stats`. Raises the first failure."""
+        tasks, self.tasks = self.tasks, []
+        if not tasks:
+            return
+        await asyncio.wait(tasks)
+        failed = [t.exception() for t in tasks if t.cancelled() or t.exception() is not None]
+        if failed:
+            raise failed[0] if failed[0] is not None else asyncio.CancelledError()
+        self.landed_stats += [t.result() for t in tasks]
+
+    async def drain(self) -> None:
+        """`landed`, its outcome ignored: before the reservation is freed."""
+        with contextlib.suppress(BaseException):
+            await self.landed()
+
+    async def _rebase(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            await self.landed()  # stale pieces land before their blocks are sent again over them
+            self.sent, self.epoch = self.res.num_hit_blocks, epoch
+
+
 class DecodeReplica:
     def __init__(self, engine: LLMEngine, prefill: PrefillClient, replica_id: str | None = None, max_attempts: int = 2,
-                 local_prefill: LocalPrefillPolicy | None = None):
+                 local_prefill: LocalPrefillPolicy | None = None, kv_pieces: bool = False):
         if engine.config.parallel.sequence_parallel_size > 1:
             # KV arrives into one block table that every rank holds in full; SP splits blocks over ranks.
             raise ValueError("decode replicas do not support sequence_parallel_size > 1 (only prefill replicas use SP)")
@@ -372,11 +520,14 @@ class DecodeReplica:
         self.prefill = prefill
         self.max_attempts = max_attempts
         self.transfer_timeout_s = engine.config.cache.kv_transfer_timeout_seconds
-        self._pair_locks: dict[str, asyncio.Lock] = {}
+        # Ask prefill replicas for a long prompt's pieces as its chunks compute (`PrefillPiece`), and move them then.
+        self.kv_pieces = kv_pieces
+        self._pair_locks: dict[str, asyncio.Lock] = {}  # held while a pair's group is built and a transfer numbered
         self._peer_ranks: dict[str, list] = {}  # prefill replica id -> its rank actor handles
-        # Pairs whose group this client built or found (no `has_group` round trip per handoff); a failed
+        # Pairs whose group this client built (no `has_group` round trip per handoff), with their numbering; a failed
         # transfer drops the pair on both sides and here (`_drop_pair`).
-        self._joined: set[str] = set()
+        self._joined: dict[str, _PairState] = {}
+        self._dropping: dict[str, list] = {}  # pair id -> its prefill ranks' drops, not yet known to have run
         self._background: set[asyncio.Task] = set()  # prefill streams being read to their end (step 4)
         self.transfers: list[TransferStats] = []  # for metrics and tests
         self.on_transfer: Callable[[TransferStats], None] | None = None
@@ -432,7 +583,7 @@ class DecodeReplica:
                     except BaseException:
                         await asyncio.shield(_close(routed))  # the prefill side frees its blocks at once
                         raise
-                    stream = routed
+                    stream, pieces = routed, _Pieces(self, reservation)  # a unary answer: no pieces
                     try:
                         yield RESERVED  # the router may stream token 1 now, from the prefill's answer
                         ready = await anext(routed)
@@ -443,10 +594,10 @@ class DecodeReplica:
                     if not ready.finished:
                         sent = ready.first  # the router has streamed token 1 itself
                 else:
-                    ready, reservation, stream = await self._remote_prefill(request_id, prompt_token_ids, params,
-                                                                            priority, timeline)
+                    ready, reservation, stream, pieces = await self._remote_prefill(request_id, prompt_token_ids,
+                                                                                    params, priority, timeline)
                 if ready.finished:  # the first token ended the request: no KV to move
-                    await self._give_up(request_id, stream)
+                    await self._give_up(request_id, stream, pieces)
                     if sent is not None:
                         raise RuntimeError(f"request {request_id}: its re-prefill ended where the first did not")
                     ready.output.timeline = timeline
@@ -457,10 +608,10 @@ class DecodeReplica:
                     try:
                         yield streamable(ready.output)  # the client sees token 1 while its KV moves
                     except BaseException:  # the client went away here: let go of both sides' blocks
-                        await asyncio.shield(self._give_up(request_id, stream))
+                        await asyncio.shield(self._give_up(request_id, stream, pieces))
                         raise
                 timeline["kv_queued"] = time.time()
-                moved = await self._move_kv(request_id, ready, reservation, stream)
+                moved = await self._move_kv(request_id, ready, stream, pieces)
                 timeline.update(moved.stamps())
                 break
             except (KVTransferError, ConnectionError, RuntimeError) as e:
@@ -543,23 +694,28 @@ class DecodeReplica:
         return self.local_prefill.prefill_here(uncached, busy, engine.config.scheduler.max_num_batched_tokens)
 
     async def _remote_prefill(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
-                              timeline: dict[str, float]) -> tuple[PrefillReady, Reservation, AsyncIterator[PrefillReady]]:
-        """Steps 1-2: reserve blocks here, have the prefill pool run the prompt. On failure or cancellation
-        both sides have let go of the request's blocks, or are letting go of them, when this raises;
-        otherwise the caller owns the reservation and the prefill stream (`_move_kv` or `_give_up`).
-        Stamps "reserved" and "prefill_answered" into `timeline`, with the prefill engine's own stages."""
+                              timeline: dict[str, float]) -> tuple[PrefillReady, Reservation, AsyncIterator, "_Pieces"]:
+        """Steps 1-2: reserve blocks here, have the prefill pool run the prompt (with `kv_pieces`, moving its pieces
+        as they come). On failure or cancellation both sides have let go of the request's blocks, or are letting go
+        of them, when this raises; otherwise the caller owns the reservation, the prefill stream and the pieces on
+        their way (`_move_kv` or `_give_up`). Stamps "reserved" and "prefill_answered" into `timeline`, with the
+        prefill engine's own stages."""
         reservation = await self._reserve(request_id, prompt, params, priority, timeline)
         stream = self.prefill(request_id, prompt, params, priority, reservation)
+        pieces = _Pieces(self, reservation)
         try:
-            ready = await anext(aiter(stream))
+            items = aiter(stream)
+            while isinstance(ready := await anext(items), PrefillPiece):
+                await pieces.add(ready)
+            await pieces.check()
             if not ready.finished:
                 self._peer_handles(ready)
         except BaseException:
-            # Shielded: a second cancellation must not leave the reservation or the prefill's KV behind.
-            await asyncio.shield(self._give_up(request_id, stream))
+            # Shielded: a second cancellation must not leave the reservation, the prefill's KV or a piece behind.
+            await asyncio.shield(self._give_up(request_id, stream, pieces))
             raise
         timeline.update(ready.output.timeline or {}, prefill_answered=time.time())  # a retry's stamps replace the first's
-        return ready, reservation, stream
+        return ready, reservation, stream, pieces
 
     async def _reserve(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
                        timeline: dict[str, float]) -> Reservation:
@@ -572,9 +728,10 @@ class DecodeReplica:
             raise QueueFullError(f"decode replica {self.replica_id} has no room for request {request_id}")
         block_ids, hits = reserved
         timeline["reserved"] = time.time()
-        return Reservation(request_id, self.replica_id, block_ids, hits, self.shards, frozenset(self._peer_ranks))
+        return Reservation(request_id, self.replica_id, block_ids, hits, self.shards, frozenset(self._peer_ranks),
+                           self.kv_pieces)
 
-    def _peer_handles(self, ready: PrefillReady) -> None:
+    def _peer_handles(self, ready: PrefillReady | PrefillPiece) -> None:
         """Remember a prefill replica's rank handles the first time they come; fill them in after."""
         if ready.rank_handles:
             self._peer_ranks[ready.prefill_replica] = ready.rank_handles
@@ -584,22 +741,28 @@ class DecodeReplica:
             raise KVTransferError(f"no rank handles for {ready.prefill_replica}; re-prefilling")
         ready.rank_handles = handles
 
-    async def _move_kv(self, request_id: str, ready: PrefillReady, reservation: Reservation, stream) -> TransferStats:
-        """Steps 3-4: move the KV into the reservation (which is then the request's, for `start`), and
-        read the prefill stream to its end in the background. Lets go of both sides if it raises."""
+    async def _move_kv(self, request_id: str, ready: PrefillReady, stream, pieces: _Pieces) -> TransferStats:
+        """Steps 3-4: move the KV (what its pieces have not) into the reservation (which is then the request's, for
+        `start`), and read the prefill stream to its end in the background. Lets go of both sides if it raises."""
         try:
-            moved = await self._transfer(ready, reservation)
+            moved = await pieces.finish(ready)
         except BaseException:
-            await asyncio.shield(self._give_up(request_id, stream))
+            await asyncio.shield(self._give_up(request_id, stream, pieces))
             raise
         if isinstance(stream, RouterPrefill):
             stream.moved = True  # every rank has sent: the prefill replica frees the blocks itself
         self._in_background(_read_to_end(stream))  # step 4, off the request's path
+        self.transfers.append(moved)
+        if self.on_transfer is not None:
+            self.on_transfer(moved)
         return moved
 
-    async def _give_up(self, request_id: str, stream) -> None:
-        """Free the reservation (even on a dead engine) and close the prefill stream, which frees its KV."""
+    async def _give_up(self, request_id: str, stream, pieces: _Pieces | None = None) -> None:
+        """Once no piece writes into the reservation any more, free it (even on a dead engine), and close the
+        prefill stream, which frees its KV."""
         try:
+            if pieces is not None:
+                await pieces.drain()
             await self.async_engine.cleanup(self.llm_engine.cancel_reservation, request_id)
         finally:
             await _close(stream)
@@ -625,85 +788,108 @@ class DecodeReplica:
             if spec.pair_id in self._joined:
                 return False
             # A thread without the caller's context, as `_transfer`'s calls (no Serve request to cancel them).
-            await asyncio.get_running_loop().run_in_executor(None, self._warm_blocking, spec, rank_handles)
-            self._joined.add(spec.pair_id)
+            await asyncio.get_running_loop().run_in_executor(None, self._join_blocking, spec, rank_handles, True)
+            self._joined[spec.pair_id] = _PairState()
             self._peer_ranks.setdefault(prefill_replica, rank_handles)
         return True
 
-    def _warm_blocking(self, spec: PairSpec, rank_handles: list) -> None:
+    def _join_blocking(self, spec: PairSpec, rank_handles: list, warm: bool = False) -> None:
+        """Build the pair's group (and with `warm`, its communicator: `KVTransferAgent.warm`). A group its ranks
+        have already that this replica did not build (`_joined`) numbers its transfers in a way this one cannot
+        know: it is dropped on both sides and built anew. A failure drops what was built and raises."""
         import ray
 
         try:
-            if not self.executor.kv_call("has_group", spec.pair_id, ranks=[0])[0]:
-                self._connect(spec, rank_handles)
-            warms = [h.kv.remote("warm", spec) for h in rank_handles]
-            self.executor.kv_call("warm", spec)
-            ray.get(warms, timeout=self.transfer_timeout_s)
-        except Exception:
+            with contextlib.suppress(Exception):  # a rank that is gone has no group to drop
+                ray.get(self._dropping.pop(spec.pair_id, []), timeout=self.transfer_timeout_s)
+            if self.executor.kv_call("has_group", spec.pair_id, ranks=[0])[0]:
+                ray.get([h.kv.remote("drop", spec.pair_id) for h in rank_handles], timeout=self.transfer_timeout_s)
+                self.executor.kv_call("drop", spec.pair_id)
+            self._connect(spec, rank_handles)
+            if warm:
+                warms = [h.kv.remote("warm", spec) for h in rank_handles]
+                self.executor.kv_call("warm", spec)
+                ray.get(warms, timeout=self.transfer_timeout_s)
+        except Exception as e:
             self._drop_pair(spec.pair_id, rank_handles)
-            raise
+            if isinstance(e, ExecutorError):
+                raise
+            raise KVTransferError(f"building the KV transfer group {spec.pair_id} failed: {e}") from e
 
-    async def _transfer(self, ready: PrefillReady, res: Reservation) -> TransferStats:
-        spec = self._pair_spec(ready.prefill_replica, ready.shards)
+    async def _transfer(self, peer: PrefillReady | PrefillPiece, res: Reservation, blocks: range | None = None,
+                        piece: bool = False, numbered: asyncio.Event | None = None) -> TransferStats:
+        """Move `blocks` (by index in the sequence; default: all those the decode side lacks) of `peer`'s prompt into
+        the reservation. Several transfers may be in flight on a pair: each is numbered on it, under the pair's lock
+        (which also builds the group), and every rank of both sides posts them in that order (`_PostOrder`)."""
+        spec = self._pair_spec(peer.prefill_replica, peer.shards)
         # The blocks the decode side lacks, by their index in the sequence (an SP prefill rank holds some of them).
-        blocks = range(res.num_hit_blocks, len(ready.block_ids))
-        plan = plan_transfers(ready.shards, self.shards, blocks)
-        src_by_rank = {s.rank: s for s in ready.shards}
-        dst_by_rank = {s.rank: s for s in self.shards}
-        lock = self._pair_locks.setdefault(spec.pair_id, asyncio.Lock())
-        async with lock:  # one transfer at a time per pair: both sides post their messages in the same order
-            # On a thread that does not carry this request's context (not `asyncio.to_thread`, which copies it):
-            # the Ray tasks it submits (the prefill ranks' sends, a pair's joins) are then not children of the
-            # Serve request, whose cancellation (a client gone) would cancel them recursively, half-way through
-            # a transfer whose other side is posted: a stalled receive and a dropped pair.
-            moving = asyncio.get_running_loop().run_in_executor(None, functools.partial(
-                self._transfer_blocking, spec, ready, plan, src_by_rank, dst_by_rank, res, len(blocks)))
+        blocks = range(res.num_hit_blocks, len(peer.block_ids)) if blocks is None else blocks
+        plan = plan_transfers(peer.shards, self.shards, blocks)
+        loop = asyncio.get_running_loop()
+        async with self._pair_locks.setdefault(spec.pair_id, asyncio.Lock()):
+            state = self._joined.get(spec.pair_id)
+            if state is None:
+                try:
+                    # On a thread that does not carry this request's context (not `asyncio.to_thread`, which copies
+                    # it): the Ray tasks it submits (a pair's joins, the prefill ranks' sends) are then not children
+                    # of the Serve request, whose cancellation (a client gone) would cancel them recursively, half-way
+                    # through a transfer whose other side is posted: a stalled receive and a dropped pair.
+                    await asyncio.shield(loop.run_in_executor(None, self._join_blocking, spec, peer.rank_handles))
+                except KVTransferError:
+                    self._peer_ranks.pop(peer.prefill_replica, None)  # the next answer brings them anew
+                    raise
+                state = self._joined[spec.pair_id] = _PairState()
+            await state.slots.acquire()
+            seq = next(state.seqs)
+        if numbered is not None:
+            numbered.set()
+        try:
+            # Submitted at once, with no await between the numbering and it: the thread pool starts its jobs in
+            # order, so a transfer never waits on the ranks for one numbered after it that got a thread first.
+            moving = loop.run_in_executor(None, functools.partial(
+                self._transfer_blocking, spec, state, seq, peer, plan, res, len(blocks), piece))
             try:
                 return await asyncio.shield(moving)
             except asyncio.CancelledError:
                 # Posted messages cannot be taken back: the transfer runs on (bounded by the transfer
-                # timeout) and writes into the reserved blocks. The caller frees them, and the next
-                # transfer may use the pair, only once it has ended.
+                # timeout) and writes into the reserved blocks. The caller frees them only once it has ended.
                 await asyncio.wait([moving])
                 if not moving.cancelled() and moving.exception() is not None:
                     log.warning("request %s: the transfer of a cancelled request failed: %s", res.request_id,
                                 moving.exception())
                 raise
+        finally:
+            state.slots.release()
 
-    def _transfer_blocking(self, spec: PairSpec, ready: PrefillReady, plan: list[Transfer], src_by_rank: dict[int, RankShard],
-                           dst_by_rank: dict[int, RankShard], res: Reservation, num_blocks: int) -> TransferStats:
+    def _transfer_blocking(self, spec: PairSpec, state: _PairState, seq: int, peer: PrefillReady | PrefillPiece,
+                           plan: list[Transfer], res: Reservation, num_blocks: int, piece: bool) -> TransferStats:
         import ray
 
         request_id = res.request_id
+        handoff_id = "" if piece else peer.handoff_id
+        src_by_rank = {s.rank: s for s in peer.shards}
+        dst_by_rank = {s.rank: s for s in self.shards}
         t0, start = time.perf_counter(), time.time()
         try:
-            if spec.pair_id not in self._joined:
-                if not self.executor.kv_call("has_group", spec.pair_id, ranks=[0])[0]:
-                    self._connect(spec, ready.rank_handles)
-                self._joined.add(spec.pair_id)
             # Both sides get the whole block table; the plan picks the blocks by index.
-            sends = [h.kv.remote("send", spec, plan, dst_by_rank, ready.block_ids, ready.handoff_id)
-                     for h in ready.rank_handles]
+            sends = [h.kv.remote("send", spec, plan, dst_by_rank, peer.block_ids, handoff_id, seq, piece)
+                     for h in peer.rank_handles]
             received: list[RecvResult] = self.executor.kv_call("recv", spec, plan, src_by_rank, res.block_ids,
-                                                                ready.block_ids)
+                                                                peer.block_ids, seq)
             sent: list[SendResult] = ray.get(sends, timeout=self.transfer_timeout_s)
         except Exception as e:
-            self._drop_pair(spec.pair_id, ready.rank_handles)
-            self._peer_ranks.pop(ready.prefill_replica, None)  # the next answer brings them anew
+            self._drop_pair(spec.pair_id, peer.rank_handles, state)
+            self._peer_ranks.pop(peer.prefill_replica, None)  # the next answer brings them anew
             if isinstance(e, ExecutorError):
                 raise  # this replica's own ranks are gone: no new prefill can help
             raise KVTransferError(f"request {request_id}: KV transfer {spec.pair_id} failed: {e}") from e
         if any(result.abandoned for result in sent):
             # Every message paired up (the pair stays usable), but some blocks came from a cache that had let them go.
-            raise PrefillAbandoned(f"request {request_id}: handoff {ready.handoff_id} was abandoned on the prefill side "
+            raise PrefillAbandoned(f"request {request_id}: handoff {handoff_id} was abandoned on the prefill side "
                                    "before its send; the KV received is discarded")
-        stats = TransferStats(sum(r.bytes for r in received), time.perf_counter() - t0, num_blocks, start, time.time(),
-                              min(r.began for r in sent), max(r.ended for r in sent), min(r.began for r in received),
-                              max(r.posted for r in received), max(r.ended for r in received))
-        self.transfers.append(stats)
-        if self.on_transfer is not None:
-            self.on_transfer(stats)
-        return stats
+        return TransferStats(sum(r.bytes for r in received), time.perf_counter() - t0, num_blocks, start, time.time(),
+                             min(r.began for r in sent), max(r.ended for r in sent), min(r.began for r in received),
+                             max(r.posted for r in received), max(r.ended for r in received))
 
     def _connect(self, spec: PairSpec, prefill_ranks: list) -> None:
         """Build the pair's group: prefill rank 0 hosts its store, every rank of both replicas joins."""
@@ -714,11 +900,15 @@ class DecodeReplica:
         self.executor.kv_call("join", spec, host, port)
         ray.get(joins, timeout=self.transfer_timeout_s)
 
-    def _drop_pair(self, pair_id: str, prefill_ranks: list) -> None:
-        """Forget the pair's group on both sides, best effort (either may be gone): the next transfer rebuilds it."""
-        self._joined.discard(pair_id)
-        for h in prefill_ranks:
-            h.kv.remote("drop", pair_id)
+    def _drop_pair(self, pair_id: str, prefill_ranks: list, state: _PairState | None = None) -> None:
+        """Forget the pair's group on both sides, best effort (either may be gone): the next transfer rebuilds it.
+        `state`: the group a failed transfer ran on; if the pair has been rebuilt since, the new group stays."""
+        if state is not None and self._joined.get(pair_id) is not state:
+            return
+        self._joined.pop(pair_id, None)
+        # Not waited for here (a rank may be gone), but before the pair is built again (`_join_blocking`): a drop that
+        # a prefill rank ran after the new group's join would leave it without the group, or with the old one.
+        self._dropping[pair_id] = [h.kv.remote("drop", pair_id) for h in prefill_ranks]
         if self.executor.alive:
             try:
                 self.executor.kv_call("drop", pair_id)

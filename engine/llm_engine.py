@@ -53,6 +53,11 @@ class RequestOutput:
     # one only, each time a new dict, so snapshots never share a dict that changes (docs/architecture.md,
     # "Request timeline"); callers upstream add their own stages to the last output's copy.
     timeline: dict[str, float] | None = None
+    # Prefill pool, a handed-off prompt prefilled in pieces (`add_request(pieces=True)`): on the outputs of the steps
+    # that computed part of it (no token, not finished), the ids of its first blocks, all full and computed, and
+    # how often it was preempted so far (a preemption frees its blocks: pieces told before it may be stale).
+    kv_blocks: list[int] | None = None
+    kv_epoch: int = 0
 
     @property
     def finished(self) -> bool:
@@ -72,6 +77,7 @@ class _Request:
     output: RequestOutput
     streamed_chars: int = 0
     handoff: bool = False  # prefill pool: stop after the first token and hold the KV for the decode pool
+    pieces: int = -1  # handoff in pieces: full blocks told so far (`LLMEngine._prefill_pieces`); -1: not in pieces
     prompt_lps: dict[int, dict[int, float]] = field(default_factory=dict)  # by prompt position, as chunks arrive
     timeline: dict[str, float] = field(default_factory=dict)  # see RequestOutput.timeline
 
@@ -118,6 +124,7 @@ class LLMEngine:
             log.warning("speculative decoding: verification steps run without CUDA graphs (TP, enforce_eager, or "
                         "their capture failed); on a GPU that is slower than plain decoding (docs/benchmarks.md)")
         self.requests: dict[str, _Request] = {}
+        self._piece_requests = 0  # requests added with pieces=True, not yet gone: only then are steps searched for pieces
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # sent to the ranks, not yet collected
         # Pipelined steps sent and not yet collected, oldest first, with their group: at most one per group.
         self._pipeline: deque[tuple[SchedulerOutput, PendingStep, int]] = deque()
@@ -182,10 +189,12 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0,
-                    handoff: bool = False, speculate: bool = True) -> None:
+                    handoff: bool = False, speculate: bool = True, pieces: bool = False) -> None:
         """Queue a request. With handoff=True (prefill pool) it stops after its first token and its KV
-        blocks are held for the decode pool until `release` or the KV lease runs out. speculate=False:
-        this request decodes one token per step even when the engine speculates."""
+        blocks are held for the decode pool until `release` or the KV lease runs out; with pieces=True too,
+        every step that completes more of its prompt's blocks (chunked prefill) outputs them (`RequestOutput.
+        kv_blocks`), so they can move while the later chunks compute. speculate=False: this request decodes
+        one token per step even when the engine speculates."""
         if not speculate and self.spec_decoder is not None:
             self.spec_decoder.opted_out.add(request_id)
         params = (params or SamplingParams()).with_defaults(self.default_sampling_fields)
@@ -197,6 +206,9 @@ class LLMEngine:
             self.grammars.add(request_id, params.structured_outputs)
         self.scheduler.add(seq)
         req = self.requests[request_id] = self._new_request(seq, handoff)
+        if handoff and pieces:
+            req.pieces = 0
+            self._piece_requests += 1
         req.timeline["queued"] = time.time()
         self._unscheduled[request_id] = req
 
@@ -223,6 +235,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request in any state (queued, running, holding or awaiting KV) and free its blocks."""
         req = self.requests.pop(request_id, None)
+        self._forget_pieces(req)
         self._unscheduled.pop(request_id, None)
         self.grammars.drop(request_id)
         if not self.executor.alive:  # its ranks are gone: no step out writes anything any more
@@ -236,10 +249,15 @@ class LLMEngine:
     # ---- disaggregation (see docs/architecture.md, "Prefill/decode handoff") ----
     def held_block_ids(self, request_id: str) -> list[int]:
         """Prefill side: the blocks holding a handed-off prompt's KV."""
+        return self.held_kv(request_id)[0]
+
+    def held_kv(self, request_id: str) -> tuple[list[int], int]:
+        """Prefill side: the blocks holding a handed-off prompt's KV, and how often it was preempted (its pieces'
+        epoch: `RequestOutput.kv_epoch`)."""
         entry = self.scheduler.held.get(request_id)
         if entry is None:
             raise KeyError(f"request {request_id} holds no KV (released, expired or never prefilled here)")
-        return list(entry[0].block_table)
+        return list(entry[0].block_table), entry[0].num_preemptions
 
     def release(self, request_id: str) -> bool:
         """Prefill side: the KV was delivered (or given up on): free the held blocks."""
@@ -321,7 +339,26 @@ class LLMEngine:
             self._inflight = ahead
         elif self.executor.overlaps_host_work:
             self._inflight = self._submit()
-        return [self._emit(req, ids, reason, stop) for (req, _), (ids, reason, stop) in zip(got, verdicts)]
+        pieces = self._prefill_pieces(sched_out) if self._piece_requests else []
+        return pieces + [self._emit(req, ids, reason, stop) for (req, _), (ids, reason, stop) in zip(got, verdicts)]
+
+    def _prefill_pieces(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
+        """The outputs telling that a step completed more full blocks of a prompt prefilled in pieces (and sampled
+        nothing: its last step's output is the handoff itself). Only full blocks: the next chunk, which may be
+        running already (a step sent ahead), writes into the last partial one."""
+        outputs = []
+        block_size = self.config.cache.block_size
+        for s in sched_out.seqs:
+            req = self.requests.get(s.seq_id)
+            if req is None or req.pieces < 0 or s.sample:
+                continue
+            seq = req.seq
+            full = seq.num_computed_tokens // block_size
+            if full > req.pieces:
+                req.pieces = full
+                outputs.append(replace(req.output.snapshot(), new_token_ids=[], new_text="",
+                                       kv_blocks=list(seq.block_table[:full]), kv_epoch=seq.num_preemptions))
+        return outputs
 
     def _apply(self, sched_out: SchedulerOutput, result) -> tuple[list[tuple[_Request, list[SampledToken]]], list[tuple]]:
         """A collected step's tokens into the scheduler and the requests; what finished is freed (or parked).
@@ -488,9 +525,14 @@ class LLMEngine:
         elif reason is not None:
             self.scheduler.finish(seq, reason)
         if reason is not None:
-            del self.requests[seq.seq_id]
+            self._forget_pieces(self.requests.pop(seq.seq_id))
             self.grammars.drop(seq.seq_id)
         return reason, stop
+
+    def _forget_pieces(self, req: _Request | None) -> None:
+        if req is not None and req.pieces >= 0:
+            req.pieces = -1
+            self._piece_requests -= 1
 
     def _emit(self, req: _Request, tokens: list[int], reason: str | None, stop: int | None) -> RequestOutput:
         """The text side of a step's tokens: detokenize, look for stop strings, fill the output's text
@@ -547,7 +589,7 @@ class LLMEngine:
         allocated meanwhile (a decode-side `reserve`, whose blocks a KV transfer fills) shares a block with a
         write still under way."""
         if token_reason is None:
-            self.requests.pop(seq.seq_id, None)
+            self._forget_pieces(self.requests.pop(seq.seq_id, None))
             self.grammars.drop(seq.seq_id)
             if self.scheduler.seqs.get(seq.seq_id) is seq:
                 self.scheduler.finish(seq, "stop")

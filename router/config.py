@@ -149,6 +149,10 @@ class AppConfig(EngineArgs):
                                         "Default: with GPUs, 4 per decode replica, autoscaled with the decode pool "
                                         "when it autoscales (one router process streamed at most ~1,600 tokens/s on "
                                         "an H100 host); on CPUs, 1.")
+    kv_push_pieces: bool = Field(default=False, description="Disaggregated: a decode replica that hands a prompt off "
+                                 "itself asks the prefill replica for its KV in pieces, one per chunked-prefill step, "
+                                 "moved while the later chunks compute; the rest goes with the first token. Prompts "
+                                 "the router prefills itself (router_prefill) still move in one piece.")
     stream_items_per_s: float | None = Field(default=None, ge=0, description="Disaggregated: most stream items a "
                                              "decode replica sends its routers per second, over all its requests. Under "
                                              "load an item carries the tokens of several steps (a request's first and "

@@ -92,3 +92,70 @@ def test_bench_script_runs_and_verifies(tmp_path: Path):
     assert [r["bytes"] for r in rows] == [n // 16 * report["bytes_per_block"] for n in (256, 1024)]
     assert all(r["verified"] and r["agent_gbps"] > 0 and r["raw_gbps"] > 0 for r in rows)
     assert json.loads(out.read_text())["results"] == rows
+
+
+# Four numbered transfers of one pair in flight at once (issue 24, item 2), each of its own blocks; their calls reach
+# each rank in another order than their numbers, and each rank posts them in number order (`_PostOrder`).
+IN_FLIGHT = {0: [0, 1], 1: [2, 3], 2: [4, 5], 3: [6]}  # seq -> indices into SRC_BLOCKS / DST_BLOCKS
+PIECE_SEQ = 3  # sent as a piece of a prompt still being prefilled: its blocks are written on the engine's stream late
+
+
+def _in_flight_case(rank: int, device_type: str) -> dict:
+    """Rank 0 sends, rank 1 receives, four transfers on threads of their own. Transfer PIECE_SEQ's source blocks hold
+    zeros until a write queued on the default stream behind a ~50 ms sleep (a prefill chunk still running): its send,
+    with piece=True, must gather only after that write (`send` makes its stream wait for the default stream)."""
+    import threading
+
+    device = bench.rank_device(rank, device_type)
+    shard = RankShard(0, range(LAYERS), range(HEADS))
+    full = _source_kv()
+    if rank == 0:
+        cache = full.to(device)
+    else:
+        cache = torch.full((LAYERS, 2, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM), SENTINEL, dtype=torch.bfloat16, device=device)
+    agent, spec = bench.connect_agents(rank, cache, shard, timeout_s=60.0)
+    bench.sync_start(rank)
+    piece_src = [SRC_BLOCKS[i] for i in IN_FLIGHT[PIECE_SEQ]]
+    if rank == 0 and device.type == "cuda":
+        cache[:, :, piece_src] = 0
+        torch.cuda._sleep(100_000_000)  # the chunk still computing, on the engine's (default) stream
+        cache[:, :, piece_src] = full[:, :, piece_src].to(device, non_blocking=False)
+    results, errors = {}, []
+
+    def one(seq: int) -> None:
+        try:
+            torch.cuda.set_device(device) if device.type == "cuda" else None
+            idx = IN_FLIGHT[seq]
+            plan = [Transfer(0, 0, range(LAYERS), range(HEADS), tuple(range(len(idx))))]
+            if rank == 0:
+                results[seq] = agent.send(spec, plan, {0: shard}, [SRC_BLOCKS[i] for i in idx], f"h{seq}", seq,
+                                          seq == PIECE_SEQ).bytes
+            else:
+                results[seq] = agent.recv(spec, plan, {0: shard}, [DST_BLOCKS[i] for i in idx], None, seq).bytes
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    order = [3, 2, 1, 0] if rank == 0 else [2, 3, 0, 1]
+    threads = [threading.Thread(target=one, args=(seq,)) for seq in order]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    bench.synchronize()
+    out = {"bytes": sum(results.values()), "errors": errors}
+    if rank == 1:
+        expected = torch.full_like(cache, SENTINEL, device="cpu")
+        for s, d in zip(SRC_BLOCKS, DST_BLOCKS, strict=True):
+            expected[:, :, d] = full[:, :, s]
+        got = cache.cpu()
+        out.update(equal=torch.equal(got, expected),
+                   mismatched_blocks=sorted({int(b) for b in (got != expected).nonzero()[:, 2].tolist()}))
+    return out
+
+
+def test_numbered_transfers_in_flight_together_land_bit_for_bit_and_a_piece_waits_for_its_chunk():
+    sender, receiver = bench.run_pair(_in_flight_case, "cuda", timeout_s=300.0)
+    assert not sender["errors"] and not receiver["errors"], (sender["errors"], receiver["errors"])
+    assert sender["bytes"] == receiver["bytes"] == len(SRC_BLOCKS) * LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 2
+    assert receiver["equal"], f"blocks that differ from what was sent: {receiver['mismatched_blocks']} " \
+                              f"(the piece's are {[DST_BLOCKS[i] for i in IN_FLIGHT[PIECE_SEQ]]})"

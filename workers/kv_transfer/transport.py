@@ -108,6 +108,48 @@ WAIT_SPIN_S = 2e-3
 
 # The tag of `warm`'s messages (gloo pairs messages by tag; NCCL by order): none of a plan's, which count from 0.
 WARM_TAG = 1 << 24
+# Several transfers may be in flight on one pair (`send` / `recv` with a `seq`): transfer `seq`'s messages are tagged
+# from (seq % TAG_SEQS) * TAG_STRIDE, so gloo never pairs a message with another in-flight transfer's; below WARM_TAG.
+TAG_STRIDE, TAG_SEQS = 1 << 16, 255
+
+
+class _PostOrder:
+    """A pair group's transfers, in the order their messages are posted on this rank. NCCL pairs the point-to-point
+    messages of two ranks by the order they were posted, not by tag, so every rank of a pair must post the transfers'
+    messages in one order: the decode replica numbers its transfers on a pair (0, 1, 2, ... per group), and each rank
+    posts transfer `seq` only once it has posted transfer `seq - 1` (`turn`); the transfers' waits, gathers after the
+    first and scatters then overlap. Closed when the group is dropped: a transfer waiting for its turn fails."""
+
+    def __init__(self) -> None:
+        self.next = 0
+        self.closed = False
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def turn(self, seq: int | None, timeout_s: float):
+        """Holds while this rank posts transfer `seq`'s messages (None: unnumbered, the caller orders them). The turn
+        passes on when the block ends; a block that raised leaves the group out of step, and the caller drops it."""
+        if seq is None:
+            yield
+            return
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self.next != seq and not self.closed:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.next > seq:
+                    raise TimeoutError(f"transfer {seq}'s turn to post never came (next: {self.next})")
+                self._cond.wait(left)
+            if self.closed:
+                raise KVTransferError("the pair group was dropped while this transfer waited for its turn to post")
+        yield
+        with self._cond:
+            self.next = seq + 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
 
 
 class KVTransferError(RuntimeError):
@@ -172,15 +214,18 @@ class KVTransferAgent:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', not {role!r}")
         self.kv_cache = kv_cache  # [L_local, 2, num_blocks, block_size, H_local, D]
-        # Transfers run on a CUDA stream of their own: on the stream the engine computes on, a send's gather
-        # queued behind the prefill step running then (tens of ms), and a receive's scatter and final sync behind
-        # decode steps. Nothing orders the two streams, and nothing needs to:
+        # Transfers run on CUDA streams of their own, one per thread that runs them (several transfers may be in
+        # flight at once, each on its own actor thread: `_own_stream`): on the stream the engine computes on, a
+        # send's gather queued behind the prefill step running then (tens of ms), and a receive's scatter and final
+        # sync behind decode steps. Nothing orders them with the engine's stream, and nothing needs to:
         # - a send starts after its prefill's first token reached the host, so the kernels that wrote its blocks
-        #   have finished, and no later step writes blocks held for a handoff;
+        #   have finished, and no later step writes blocks held for a handoff; a piece sent while the prompt's
+        #   later chunks compute (`send(piece=True)`) waits for the engine's stream instead (`_send`);
         # - a receive writes blocks reserved for its request, which no step reads before `start` (after `recv`
         #   has synchronised this stream), and which were free only once every step using them had answered
         #   (the scheduler's parked blocks).
-        self._stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
+        self._streams = threading.local()
+        self._orders: dict[str, _PostOrder] = {}  # pair id -> the order its transfers post in (`_PostOrder`)
         self.shard = shard
         self.role = role
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -256,6 +301,7 @@ class KVTransferAgent:
             group = dist.ProcessGroupNCCL(prefixed, pair_rank, spec.size, opts)
         else:
             group = dist.ProcessGroupGloo(prefixed, pair_rank, spec.size, self.timeout)
+        self._orders[spec.pair_id] = _PostOrder()
         self._groups[spec.pair_id] = group
 
     def warm(self, spec: PairSpec) -> None:
@@ -286,24 +332,33 @@ class KVTransferAgent:
     def drop(self, pair_id: str) -> None:
         self._groups.pop(pair_id, None)
         self._stores.pop(pair_id, None)
+        order = self._orders.pop(pair_id, None)
+        if order is not None:
+            order.close()  # transfers waiting for their turn on the dropped group fail now, not at their timeout
         for key in [k for k in self._peer_caches if k[0] == pair_id]:
             del self._peer_caches[key]
 
     # ---- one handoff ----
     def send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_table: list[int],
-             handoff_id: str = "") -> SendResult:
+             handoff_id: str = "", seq: int | None = None, piece: bool = False) -> SendResult:
         """Prefill side: send this rank's part of the plan. block_table: the request's block ids, indexed by
         the plan's block indices; handoff_id: the prefill's key (`PrefillReady.handoff_id`), which its acks and
         `abandon` use. The send claims the handoff first: from then on an `abandon` of it is a no-op, and the
         blocks stay held until this send has ended (its ack). If it was abandoned already, the messages still
-        go out (the decode side has posted, or will post, the matching receives), and the result says so."""
+        go out (the decode side has posted, or will post, the matching receives), and the result says so.
+        seq: the transfer's number on the pair (`_PostOrder`; None: the caller runs one transfer at a time).
+        piece: blocks of a prompt still being prefilled (`PrefillPiece`): no claim and no ack (the request's
+        last transfer has them), and the gathers wait for the engine's stream, where the chunk that wrote the
+        blocks may still be running (a step that samples nothing returns before its kernels end)."""
         began = time.time()
-        claimed = self._claim(handoff_id)
+        claimed = True if piece else self._claim(handoff_id)
         try:
             with self._own_stream():
-                sent = self._send(spec, plan, dst_shards, block_table)
+                if piece and self.kv_cache.is_cuda:
+                    torch.cuda.current_stream().wait_stream(torch.cuda.default_stream(self.kv_cache.device))
+                sent = self._send(spec, plan, dst_shards, block_table, seq)
         finally:
-            if claimed:  # an abandoned handoff was acked by its abandon
+            if claimed and not piece:  # an abandoned handoff was acked by its abandon
                 self._end_claim(handoff_id)
         return SendResult(sent, abandoned=not claimed, began=began, ended=time.time())
 
@@ -367,13 +422,39 @@ class KVTransferAgent:
             return event
 
     def _own_stream(self):
-        """Make this thread's current CUDA stream the transfers' own (`_stream`); nothing on CPU."""
-        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        """Make this thread's current CUDA stream its transfers' own, one per thread (so transfers in flight at once
+        queue their gathers and scatters on streams of their own); nothing on CPU."""
+        if not self.kv_cache.is_cuda:
+            return contextlib.nullcontext()
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = torch.cuda.Stream(self.kv_cache.device)
+        return torch.cuda.stream(stream)
 
-    def _send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_table: list[int]) -> int:
+    def _posting(self, pair_id: str, group: dist.ProcessGroup, seq: int | None):
+        """The block in which a transfer posts its messages: its turn on the pair (`_PostOrder.turn`), failing as
+        `_check` does (and dropping the group, now out of step) if the turn never comes or the posting raises."""
+        if self._groups.get(pair_id) is not group:
+            raise KVTransferError(f"no transfer group for {pair_id} (dropped)")
+        order = self._orders.setdefault(pair_id, _PostOrder())  # `join` makes it; a group set by hand (tests) gets one
+        return _checked(self, pair_id, group, order.turn(seq, self.timeout.total_seconds()))
+
+    def _send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_table: list[int],
+              seq: int | None = None) -> int:
         group, clock = self._group(spec.pair_id), PhaseClock()
+        with self._posting(spec.pair_id, group, seq):
+            works, sent = self._post_sends(spec, group, clock, plan, dst_shards, block_table, seq)
+        self._wait(spec.pair_id, group, [w for w, _ in works])
+        clock.mark("sent")
+        clock.log("send", messages=len(works), bytes=sent)
+        self.bytes_sent += sent
+        return sent
+
+    def _post_sends(self, spec: PairSpec, group: dist.ProcessGroup, clock: PhaseClock, plan: list[Transfer],
+                    dst_shards: dict[int, RankShard], block_table: list[int], seq: int | None) -> tuple[list, int]:
+        """Gather and post this rank's messages of the plan: (works with their buffers, bytes)."""
         works, sent, last, index = [], 0, None, None
-        for tag, t, layers, heads in self._messages(plan, dst_shards, sending=True):
+        for tag, t, layers, heads in self._messages(plan, dst_shards, sending=True, seq=seq):
             if t is not last:  # the transfer's block ids (and their index tensor): once, not per message
                 last, local_ids = t, self._local_ids([block_table[i] for i in t.blocks])
                 index = None
@@ -397,46 +478,26 @@ class KVTransferAgent:
             works.append((group.send([buf], spec.num_prefill_ranks + t.dst, tag), buf))
             clock.mark("post")
             sent += buf.numel() * buf.element_size()
-        self._wait(spec.pair_id, group, [w for w, _ in works])
-        clock.mark("sent")
-        clock.log("send", messages=len(works), bytes=sent)
-        self.bytes_sent += sent
-        return sent
+        return works, sent
 
     def recv(self, spec: PairSpec, plan: list[Transfer], src_shards: dict[int, RankShard], block_table: list[int],
-             src_block_table: list[int] | None = None) -> RecvResult:
+             src_block_table: list[int] | None = None, seq: int | None = None) -> RecvResult:
         """Decode side: receive this rank's part of the plan into the request's blocks (block_table, indexed
         by the plan's block indices). src_block_table: the prefill side's, needed where a prefill rank
-        shares this rank's GPU (the blocks are copied out of its cache)."""
+        shares this rank's GPU (the blocks are copied out of its cache). seq: as `send`'s."""
         began = time.time()
         with self._own_stream():
-            received, posted = self._recv(spec, plan, src_shards, block_table, src_block_table)
+            received, posted = self._recv(spec, plan, src_shards, block_table, src_block_table, seq)
         return RecvResult(received, began, posted, time.time())
 
     def _recv(self, spec: PairSpec, plan: list[Transfer], src_shards: dict[int, RankShard], block_table: list[int],
-              src_block_table: list[int] | None) -> tuple[int, float]:
+              src_block_table: list[int] | None, seq: int | None = None) -> tuple[int, float]:
         """(bytes received, when the last receive was posted and the last scatter queued)."""
         group, clock = self._group(spec.pair_id), PhaseClock()
-        pending, local, last, index = [], [], None, None
-        # Every receive is posted first, in the senders' order (NCCL pairs a rank pair's messages by
-        # order, not by tag); each chunk is then scattered as it lands, overlapping the later ones.
-        for tag, t, layers, heads in self._messages(plan, src_shards, sending=False):
-            if self._same_gpu(spec, src_shards[t.src]):
-                local.append((tag, t, layers, heads))
-                continue
-            if t is not last:  # the transfer's block ids and their index tensor: once, not per message
-                last, block_ids = t, [block_table[i] for i in t.blocks]
-                index = block_index(block_ids, self.kv_cache.device)
-                clock.mark("index")
-            shape, wire = transfer_shape(self.kv_cache, len(t.blocks), layers, heads), wire_dtype(self.kv_cache.dtype)
-            # Staged: received into pinned host memory, so its copy to the GPU below is asynchronous on this stream
-            # (from pageable memory it would wait for the engine's work on the GPU too).
-            buf = (torch.empty(shape, dtype=wire, pin_memory=self.kv_cache.is_cuda) if spec.staged
-                   else torch.empty(shape, dtype=wire, device=self.kv_cache.device))
-            clock.mark("alloc")
-            pending.append((group.recv([buf], t.src, tag), buf, block_ids, index, layers, heads))
-            clock.mark("post")
-        received = self._copy_from_peers(spec, group, local, src_shards, block_table, src_block_table)
+        with self._posting(spec.pair_id, group, seq):
+            pending, local = self._post_recvs(spec, group, clock, plan, src_shards, block_table, seq)
+            # The peers' acks are messages too: posted in this transfer's turn.
+            received = self._copy_from_peers(spec, group, local, src_shards, block_table, src_block_table)
         clock.mark("peers")
         nccl = self._nccl(spec)
         for k, (work, buf, block_ids, index, layers, heads) in enumerate(pending):
@@ -462,6 +523,30 @@ class KVTransferAgent:
         clock.log("recv", messages=len(pending), bytes=received)
         self.bytes_received += received
         return received, posted
+
+    def _post_recvs(self, spec: PairSpec, group: dist.ProcessGroup, clock: PhaseClock, plan: list[Transfer],
+                    src_shards: dict[int, RankShard], block_table: list[int], seq: int | None) -> tuple[list, list]:
+        """Post this rank's receives of the plan, in the senders' order (NCCL pairs a rank pair's messages by order,
+        not by tag); each chunk is then scattered as it lands (`_recv`), overlapping the later ones. Returns the
+        posted receives and the messages to copy from a peer on this GPU instead."""
+        pending, local, last, index = [], [], None, None
+        for tag, t, layers, heads in self._messages(plan, src_shards, sending=False, seq=seq):
+            if self._same_gpu(spec, src_shards[t.src]):
+                local.append((tag, t, layers, heads))
+                continue
+            if t is not last:  # the transfer's block ids and their index tensor: once, not per message
+                last, block_ids = t, [block_table[i] for i in t.blocks]
+                index = block_index(block_ids, self.kv_cache.device)
+                clock.mark("index")
+            shape, wire = transfer_shape(self.kv_cache, len(t.blocks), layers, heads), wire_dtype(self.kv_cache.dtype)
+            # Staged: received into pinned host memory, so its copy to the GPU below is asynchronous on this stream
+            # (from pageable memory it would wait for the engine's work on the GPU too).
+            buf = (torch.empty(shape, dtype=wire, pin_memory=self.kv_cache.is_cuda) if spec.staged
+                   else torch.empty(shape, dtype=wire, device=self.kv_cache.device))
+            clock.mark("alloc")
+            pending.append((group.recv([buf], t.src, tag), buf, block_ids, index, layers, heads))
+            clock.mark("post")
+        return pending, local
 
     def _copy_from_peers(self, spec: PairSpec, group: dist.ProcessGroup, messages: list, src_shards: dict[int, RankShard],
                          block_table: list[int], src_block_table: list[int] | None) -> int:
@@ -500,11 +585,13 @@ class KVTransferAgent:
             self._peer_caches[key] = _import_cache(store.get(f"ipc/{rank}"), self.kv_cache.device)
         return self._peer_caches[key]
 
-    def _messages(self, plan: list[Transfer], peers: dict[int, RankShard], sending: bool):
+    def _messages(self, plan: list[Transfer], peers: dict[int, RankShard], sending: bool, seq: int | None = None):
         """This rank's messages, in the order both sides agree on: each transfer of the plan cut into
-        chunks of LAYERS_PER_MESSAGE layers, tagged by position in the whole plan. Yields
-        (tag, transfer, layer slice, head slice), the slices into this rank's cache."""
-        tag = 0
+        chunks of LAYERS_PER_MESSAGE layers, tagged by position in the whole plan (from the transfer's own tag
+        range where it is numbered, `TAG_STRIDE`). Yields (tag, transfer, layer slice, head slice), the slices
+        into this rank's cache."""
+        tag = 0 if seq is None else (seq % TAG_SEQS) * TAG_STRIDE
+        limit = tag + TAG_STRIDE
         for t in plan:
             cut = self._message_cut(t)
             mine = (t.src if sending else t.dst) == self.shard.rank
@@ -514,6 +601,8 @@ class KVTransferAgent:
                 layers, heads = (src_layers, src_heads) if sending else (dst_layers, dst_heads)
             k = 0
             for size in cut:
+                if tag >= limit:
+                    raise ValueError(f"a transfer of more than {TAG_STRIDE} messages does not fit its tag range")
                 if mine:
                     yield tag, t, slice(layers.start + k, layers.start + k + size), heads
                 tag += 1
@@ -583,6 +672,21 @@ class KVTransferAgent:
             if self._groups.get(pair_id) is group:  # not one rebuilt since this transfer began
                 self.drop(pair_id)
             raise KVTransferError(f"KV transfer on {pair_id} failed ({self.role} rank {self.shard.rank}): {e}") from e
+
+
+@contextlib.contextmanager
+def _checked(agent: KVTransferAgent, pair_id: str, group: dist.ProcessGroup, inner):
+    """`inner` (a context manager) and the block it guards, failing as `KVTransferAgent._check`: any error drops the
+    pair's group (if it is still this one) and raises KVTransferError."""
+    try:
+        with inner:
+            yield
+    except Exception as e:  # noqa: BLE001 - a transfer that failed half-posted leaves the pair out of step
+        if agent._groups.get(pair_id) is group:
+            agent.drop(pair_id)
+        if isinstance(e, KVTransferError):
+            raise
+        raise KVTransferError(f"KV transfer on {pair_id} failed ({agent.role} rank {agent.shard.rank}): {e}") from e
 
 
 def _to_host(buf: torch.Tensor) -> torch.Tensor:
