@@ -28,22 +28,22 @@ HEAD_DIM, Q_HEADS, KV_HEADS = 128, 32, 8  # Llama-3.1-8B: qkv rows = (32 + 2 * 8
 DEVICE = "cuda"  # tests/test_bench_gemv_fp8.py runs the script's logic on CPU under Triton's interpreter
 
 
-def sweep_configs(k: int, paired: bool) -> list[dict]:
+def sweep_configs(k: int, paired: bool, chunks: tuple[int, ...] = (8, 16)) -> list[dict]:
     """FP8 tiles to time: 8- and 16-byte chunks summed in the thread (RED) over rows x chunks x warps, with 16-128
-    (paired: 16-64 per half) bytes of codes per thread and step and a step of at most 4096 inputs, and the
-    64-byte-chunk tiles of gemv_quant.TILES (the kernel before the RED tiles). Only tiles whose K step divides K:
-    ~90-110 a shape."""
+    (paired: 16-64 per half) bytes of codes per thread and step and a step of at most 4096 inputs, and with 64 in
+    `chunks` the 64-byte-chunk tiles of gemv_quant.TILES (the kernel before the RED tiles). Only tiles whose K step
+    divides K: ~80-100 a shape for 8 and 16."""
     from parallel.kernels import gemv_quant as gq
 
     out = []
     # Steps up to 4096 inputs (one step for K = 4096): a 4096 x 4096 layer is ~127 KB per SM, so one step of 64
     # bytes per thread at full occupancy (2048 threads) can have all of it in flight; the kernel has no software
     # pipeline (num_stages changes nothing in its SASS), so fewer, wider steps are the way to keep loads in flight.
-    for bn, ks, w, c in itertools.product((1, 2, 4, 8, 16), (16, 32, 64, 128, 256, 512), (2, 4, 8), (8, 16)):
+    for bn, ks, w, c in itertools.product((1, 2, 4, 8, 16), (16, 32, 64, 128, 256, 512), (2, 4, 8), chunks):
         per_thread = bn * ks // (32 * w) * c  # bytes of codes per thread and step (per weight half when paired)
         if bn * ks >= 32 * w and 16 <= per_thread <= (64 if paired else 128) and k % (c * ks) == 0 and c * ks <= 4096:
             out.append(dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, BLOCK_C=c, RED=True))
-    for bn, ks, w in gq.TILES[(True, paired)]:
+    for bn, ks, w in gq.TILES[(True, paired)] if 64 in chunks else ():
         if k % (64 * ks) == 0:
             out.append(dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1))
     return out
@@ -88,7 +88,46 @@ def _time_fp8(bench: Callable, x: torch.Tensor, qws: list, cfg: dict, fused: dic
     return bench(lambda: [gq.qgemv(x, qw, None, cfg, **fused) for qw in qws])
 
 
-def _shape_row(name: str, n_k: tuple[int, int], rotate_bytes: int, bench: Callable, sweep: bool) -> dict:
+def _warm_worker(job: tuple[str, tuple[int, int], list[dict]]) -> int:
+    """In a spawned process: compile `cfgs` for one shape, as `_time_fp8` launches them (eagerly, and under CUDA-graph
+    capture, which adds PDL), into Triton's on-disk cache, where the timing process then finds them. Returns how
+    many compiled."""
+    from scripts.bench_gemv import bench
+
+    name, (n, k), cfgs = job
+    kind, op = DECODER[name]
+    fused = _fused_args(op, n // 2 if op == "silu" else n, k)
+    x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+    qws = _fp8_weights(n, k, 1)
+    from parallel.kernels import gemv_quant as gq
+
+    done = 0
+    for cfg in cfgs:
+        try:
+            bench(lambda: gq.qgemv(x, qws[0], None, cfg, **fused), iters=1)
+            done += 1
+        except Exception:  # the timing process reports it
+            pass
+    return done
+
+
+def _warm(name: str, n_k: tuple[int, int], cfgs: list[dict], jobs: int) -> None:
+    """Compile the sweep's tiles in `jobs` processes at once (one compile is ~1 s of host time, and a shape has ~100
+    tiles): the timing loop then loads each kernel from the cache instead of compiling it."""
+    import multiprocessing as mp
+
+    parts = [(name, n_k, cfgs[i::jobs]) for i in range(jobs)]
+    try:
+        with mp.get_context("spawn").Pool(jobs) as pool:
+            done = sum(pool.map(_warm_worker, parts))
+    except Exception as e:  # the timing loop then compiles each tile itself, one after another
+        print(f"  {name}: compiling in {jobs} processes failed ({type(e).__name__}: {e}); compiling in turn", flush=True)
+        return
+    print(f"  {name}: compiled {done} of {len(cfgs)} tiles in {jobs} processes", flush=True)
+
+
+def _shape_row(name: str, n_k: tuple[int, int], rotate_bytes: int, bench: Callable, sweep: bool,
+               chunks: tuple[int, ...] = (8, 16), jobs: int = 0) -> dict:
     """One decoder linear: bf16 and FP8 (the engine's tiles, and with --sweep every tile), GB/s and times."""
     from parallel.kernels import gemv_quant as gq
     from parallel.kernels.gemv import gemv
@@ -115,7 +154,10 @@ def _shape_row(name: str, n_k: tuple[int, int], rotate_bytes: int, bench: Callab
     row["fp8_speedup_vs_bf16"] = row["bf16_us"] / row["fp8_us"]
     if sweep:
         tried = []
-        for cfg in sweep_configs(k, kind == "paired"):
+        cfgs = sweep_configs(k, kind == "paired", chunks)
+        if jobs > 1:
+            _warm(name, n_k, cfgs, jobs)
+        for cfg in cfgs:
             try:
                 t = _time_fp8(bench, x, qws, cfg, fused, ref)
             except Exception as e:  # a tile the compiler rejects, or a wrong result (reported, never picked)
@@ -139,7 +181,8 @@ def bench_fp8(a, shapes: dict, rotate_bytes: int, bench: Callable) -> None:
               "torch": torch.__version__, "results": []}
     print(f"{report['gpu']}: batch-1 fused GEMV, weight GB/s (bytes each kernel reads) and us per call")
     for name in names:
-        row = _shape_row(name, shapes[name], rotate_bytes, bench, a.sweep)
+        row = _shape_row(name, shapes[name], rotate_bytes, bench, a.sweep, tuple(getattr(a, "fp8_chunks", (8, 16))),
+                         getattr(a, "jobs", 0))
         report["results"].append(row)
         with open(a.out, "w") as f:  # after every shape: a run cut short keeps what it measured
             json.dump(report, f, indent=2)
@@ -147,9 +190,15 @@ def bench_fp8(a, shapes: dict, rotate_bytes: int, bench: Callable) -> None:
                  f" {row['best_config']}") if a.sweep else ""
         print(f"{name:22} {row['fused']:8}  bf16 {row['bf16_GBps']:6.0f} GB/s {row['bf16_us']:6.1f} us  fp8 "
               f"{row['fp8_GBps']:6.0f} GB/s {row['fp8_us']:6.1f} us ({row['fp8_speedup_vs_bf16']:.2f}x){extra}", flush=True)
+        if a.sweep:  # each shape's line as soon as it is measured: a run cut short keeps those it finished
+            print(_table_line(row), flush=True)
     if a.sweep:
         print("FP8_TABLE entries (parallel/kernels/gemv_quant.py):")
         for r in report["results"]:
-            cfg = ", ".join(f"{k}={v!r}" for k, v in r["best_config"].items())
-            print(f"    ({r['n']}, {r['k']}, {r['kind']!r}): dict({cfg}),  # {r['best_GBps']:.0f} GB/s, {r['shape']}")
+            print(_table_line(r))
     print(f"wrote {a.out}")
+
+
+def _table_line(r: dict) -> str:
+    cfg = ", ".join(f"{k}={v!r}" for k, v in r["best_config"].items())
+    return f"    ({r['n']}, {r['k']}, {r['kind']!r}): dict({cfg}),  # {r['best_GBps']:.0f} GB/s, {r['shape']}"

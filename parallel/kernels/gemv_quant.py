@@ -450,11 +450,13 @@ TILES = {(False, False): ((16, 16, 2), (8, 16, 2), (16, 8, 1)), (False, True): (
          (True, False): ((8, 16, 2), (8, 8, 1), (4, 32, 4)), (True, True): ((4, 16, 2), (4, 32, 4), (2, 16, 2))}
 SMALL_K_TILES = ((4, 4, 1), (8, 2, 1), (8, 1, 1))
 # FP8 tiles of 8- or 16-byte chunks summed in the thread (`_fp8_red_tile`), tried before the 64-byte ones above:
-# (BLOCK_N, KS, num_warps, BLOCK_C). Compiled for sm_90 (Triton 3.9; not yet timed on a GPU): 64-byte chunks
-# (8, 16, 2) take 213 registers (an [8, 16, 64] fp32 accumulator: 128 a thread), so 4 programs of 2 warps fit an
-# SM; 16-byte chunks take 56-96 and 8-byte ones 48-96. With 8-byte chunks each thread's 8 activations are one
-# 16-byte load laid out as its codes are, so the loop has no shared-memory exchange of x (16-byte chunks: 2-8
-# barriers a step) and the chunk's sum compiles to a chain of FMAs: ~3.2-3.6 instructions per code against ~4.
+# (BLOCK_N, KS, num_warps, BLOCK_C). Compiled for sm_90 by scripts/gemv_fp8_sass.py (Triton 3.9; not yet timed on a
+# GPU), K = 4096, residual: the 64-byte (8, 16, 2) takes 213 registers (an [8, 16, 64] fp32 accumulator, 128 a
+# thread), so only 4 programs of 2 warps fit an SM, with 3.0 loop instructions per code and 2 barriers a step;
+# 16-byte (16, 32, 4) 64 registers, 3.7 per code, 8 barriers a step (x exchanged through shared memory); 8-byte
+# (4, 128, 4) / (8, 128, 4) 32 / 48 registers, 4.1 / 3.7 per code and no barrier: each thread's 8 activations are
+# one 16-byte load laid out as its codes are, and the chunk's sum is a chain of FMAs. Paired (gate/up with the
+# RMSNorm prologue): (2, 128, 4, 8) 32 registers, (8, 32, 4, 16) 72, the 64-byte (4, 16, 2) 216.
 FP8_RED_TILES = {False: ((4, 128, 4, 8), (8, 128, 4, 8), (16, 32, 4, 16)),
                  True: ((2, 128, 4, 8), (4, 128, 4, 8), (8, 32, 4, 16))}
 
