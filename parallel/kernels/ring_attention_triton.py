@@ -625,7 +625,7 @@ def _launch(q, k, v, scale, q_pos, k_pos, out, lse, merge: bool, tiles, tma) -> 
         slots = int((merge_np[:, 2] + merge_np[:, 3]).max()) if len(merge_np) else 0
         partials = partial_buffers(slots, hq // config.heads_per_program(hq // k.shape[1]), config, d, q.device)
     ring_step(q, k, v, scale, table, q_pos, k_pos, config, (out, lse), merge, True, tma=use_tma, merge=merge_table,
-              partials=partials)
+              partials=partials, chained=False)  # after whatever the caller ran: never a programmatic launch
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
