@@ -38,6 +38,7 @@ import random
 import re
 import statistics
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -196,6 +197,7 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
         if cfg["nccl_high_priority"] else None
     everything = slice(None)
     out: dict[int, dict] = {}
+    next_seq = [0]  # the numbered transfers' next number on the pair, the same on both ranks (`_in_flight_run`)
     for n_tok in tokens:
         src, dst = block_ids(n_tok, shape, cache_blocks, cfg["seed"])
         plan = plan_transfers([shard], [shard], range(len(src)))
@@ -225,7 +227,9 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
             name = f"agent_{spec_text}"
             variants[name], pairs[name], programs[name] = knobs.get("m", cfg["min_messages"][0]), (agent, spec), knobs.get("c", 0)
             overlap[name], ramp[name] = knobs.get("o", 0), knobs.get("r", 0) << 20
-        times: dict[str, list[float]] = {**{v: [] for v in variants}, "raw": [], "gather": [], "scatter": []}
+        flights = {f"agent_x{n}": n for n in cfg["in_flight"]}  # "agent_x<N>": N transfers on the pair at once
+        times: dict[str, list[float]] = {**{v: [] for v in variants}, **{v: [] for v in flights}, "raw": [], "gather": [],
+                                         "scatter": []}
         for i in range(cfg["warmup"] + cfg["iters"]):
             if rank == 0:
                 runs = {"raw": lambda: dist.send(raw, dst=1),
@@ -240,17 +244,50 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
                                                      setattr(pairs[name][0], "overlap_copy_programs", overlap[name]),
                                                      setattr(pairs[name][0], "ramp_bytes", ramp[name]),
                                                      _copy_programs(programs[name]), move(name))
+            for name, n in flights.items():
+                runs[name] = _in_flight_run(rank, agent, spec, shard, plan, src, dst, n, next_seq, f"x{n_tok}-{i}")
             # The same order on both ranks, so the barriers pair up; "agent" (the default) last, so what it wrote
             # is what gets verified.
-            for name in ("gather", "scatter", "raw", *reversed(variants)):
+            for name in ("gather", "scatter", "raw", *flights, *reversed(variants)):
                 fn = runs.get(name, lambda: None)
                 seconds = _timed(rank, fn)
                 if i >= cfg["warmup"] and name in runs:
-                    times[name].append(seconds)
+                    times[name].append(seconds / flights.get(name, 1))  # in flight together: the time per transfer
         del raw, staged
         out[n_tok] = {"bytes": nbytes, "blocks": len(src), "verified": _verify(rank, cache, src, dst),
                       **{f"{k}_s": statistics.median(v) for k, v in times.items() if v}}
     return out
+
+
+def _in_flight_run(rank: int, agent: KVTransferAgent, spec: PairSpec, shard: RankShard, plan: list, src: list[int],
+                   dst: list[int], n: int, next_seq: list[int], key: str) -> Callable[[], None]:
+    """N numbered transfers of the prompt's blocks on the pair at once (issue 24: several in flight per pair), each on a
+    thread of its own and started in reverse number order, so each rank's `_PostOrder` has to order their posts, as
+    in a served decode replica whose calls reach the ranks in any order. Every one writes the same blocks."""
+    def run() -> None:
+        base, errors = next_seq[0], []
+        next_seq[0] += n
+
+        def one(seq: int) -> None:
+            try:
+                if agent.kv_cache.is_cuda:
+                    torch.cuda.set_device(agent.kv_cache.device)
+                if rank == 0:
+                    agent.send(spec, plan, {0: shard}, src, f"{key}-{seq}", seq)
+                else:
+                    agent.recv(spec, plan, {0: shard}, dst, None, seq)
+            except BaseException as e:  # noqa: BLE001 - raised on the caller's thread below
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(base + k,)) for k in reversed(range(n))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    return run
 
 
 def _copy_programs(n: int) -> None:
@@ -273,7 +310,7 @@ def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> b
     return bool(torch.equal(mine, theirs))
 
 
-VARIANT = r"agent_(hp|(?:[mocr]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, ramps, mixes
+VARIANT = r"agent_(hp|x\d+|(?:[mocr]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, ramps, mixes
 
 
 def summarize(results: list[dict], cfg: dict) -> list[dict]:
@@ -336,6 +373,9 @@ def main(argv: list[str] | None = None) -> dict:
                    "(the 'agent_<spec>' rows)")
     p.add_argument("--ramp-overlap-copy-programs", type=int, default=0, help="the ramped rows' overlap_copy_programs "
                    "(their names get o<N>)")
+    p.add_argument("--in-flight", default="", help="comma-separated: also time N transfers of each prompt on the pair "
+                   "at once, numbered, as a decode replica runs several handoffs per pair (the 'agent_x<N>' rows: time "
+                   "per transfer, so agent_x4_ms below agent_ms is what overlapping them gains)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -350,7 +390,8 @@ def main(argv: list[str] | None = None) -> dict:
            "copy_programs": [int(c) for c in args.copy_programs.split(",") if c],
            "overlap_copy_programs": [int(c) for c in args.overlap_copy_programs.split(",") if c],
            "ramp_mib": [int(c) for c in args.ramp_mib.split(",") if c], "ramp_overlap": args.ramp_overlap_copy_programs,
-           "variants": [v for v in args.variants.split(",") if v]}
+           "variants": [v for v in args.variants.split(",") if v],
+           "in_flight": [int(n) for n in args.in_flight.split(",") if n]}
     rows = summarize(run_pair(_bench_rank, cfg, args.device), cfg)
     print_table(rows)
     report = {
