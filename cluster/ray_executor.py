@@ -128,12 +128,12 @@ class RayExecutor(Executor):
 
     def submit(self, out: SchedulerOutput, ahead: bool = False, overlap: bool = False) -> PendingStep:
         """Send the step to every rank and return at once; `result()` waits for the answers. Without
-        `ahead` or `overlap`, an uncollected earlier step is collected first. With `ahead`, the earlier step
-        may still be out (one at most): the ranks run this one after it, once `fill` has sent its placeholders'
-        tokens. With `overlap`, up to `max_steps_in_flight - 1` earlier steps over other sequences stay out: every
-        rank takes its steps in the order sent, so the first stage starts this one as soon as it has passed its
-        part of them on, while the later stages still run them. Either way this step's `result()` collects the
-        earlier ones first (answers come back in order)."""
+        `ahead` or `overlap`, an uncollected earlier step is collected first. With `ahead`, the earlier steps
+        may still be out (one, or with pipelined steps one per group): the ranks run this one after them,
+        once `fill` has sent its placeholders' tokens. With `overlap`, up to `max_steps_in_flight - 1` earlier
+        steps over other sequences stay out: every rank takes its steps in the order sent, so the first stage
+        starts this one as soon as it has passed its part of them on, while the later stages still run them.
+        Either way this step's `result()` collects the earlier ones first (answers come back in order)."""
         self._check_usable("run more steps")
         if self._to_fill:
             raise ExecutorError("a step was sent ahead and its placeholders were never filled")

@@ -375,20 +375,28 @@ class LLMEngine:
         """One step per group of sequences stays in flight (vLLM's virtual engines): while the later pipeline
         stages run one group's step, the first stage already runs another's. Each call collects the oldest step,
         applies its tokens, and sends that group's next step (it needs only its own group's tokens) before the
-        text work, as `step` does. Groups whose step is not out (none yet, or nothing to run when last tried) are
-        scheduled too, so a new request starts at once in a group that was idle."""
+        text work, as `step` does. With `async_scheduling` that next step is planned and sent before the oldest
+        step's tokens are back, behind the other groups' steps on every rank, and its placeholders are filled as
+        soon as they are (as in `step`): the first stage then waits only for that small frame, not for the update,
+        the schedule and the encoding. Groups whose step is not out (none yet, or nothing to run when last tried)
+        are scheduled too, so a new request starts at once in a group that was idle."""
         self._fill_pipeline()
         if not self._pipeline:
             return []
-        sched_out, pending, _ = self._pipeline.popleft()
+        sched_out, pending, group = self._pipeline.popleft()
         try:
+            ahead = self._submit(ahead_of=sched_out, group=group) if self._can_schedule_ahead(sched_out) else None
             result = pending.result()
+            self.scheduler.step_done()
+            if ahead is not None:  # the ranks wait for these before the step sent ahead
+                self.executor.fill([result.sampled[s.seq_id].token_id for s in placeholder_seqs(ahead[0].seqs)])
         except BaseException:
             if not self.executor.alive:  # the ranks are gone: nothing writes any block any more
                 self.scheduler.steps_lost()
             raise
-        self.scheduler.step_done()
         got, verdicts = self._apply(sched_out, result)
+        if ahead is not None:
+            self._pipeline.append((*ahead, group))
         self._fill_pipeline()
         return [self._emit(req, ids, reason, stop) for (req, _), (ids, reason, stop) in zip(got, verdicts)]
 
@@ -460,7 +468,7 @@ class LLMEngine:
         spec = self.spec_decoder
         with self._full_prompts_if_needed():
             if ahead_of is not None:
-                sched_out = self.scheduler.schedule(ahead_of=ahead_of, will_finish=self._will_finish)
+                sched_out = self.scheduler.schedule(ahead_of=ahead_of, will_finish=self._will_finish, group=group)
             elif spec is None:
                 sched_out = self.scheduler.schedule(group=group)
             else:
@@ -475,7 +483,7 @@ class LLMEngine:
             self._stamp_scheduled(sched_out)
         if self.grammars.active:  # structured output: the step's allowed tokens go with it to the ranks
             sched_out.token_bitmask = self.grammars.bitmask(sched_out.seqs)
-        if group is None:
+        if group is None or ahead_of is not None:
             pending = self.executor.submit(sched_out, ahead=ahead_of is not None)
         else:
             pending = self.executor.submit(sched_out, overlap=True)

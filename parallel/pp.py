@@ -35,6 +35,14 @@ class PendingSend:
         self.works.clear()
         self.buffers.clear()
 
+    def done(self) -> bool:
+        """Whether every send has completed (without waiting); then the buffers are released."""
+        if all(w.is_completed() for w in self.works):
+            self.works.clear()
+            self.buffers.clear()
+            return True
+        return False
+
 
 def _header(seq_no: int, tensors: list[torch.Tensor]) -> torch.Tensor:
     if len(tensors) > _MAX_TENSORS:

@@ -70,6 +70,7 @@ class ModelRunner:
         # Micro-batches per step. Pipelined steps (EngineConfig.step_groups) keep the stages busy with other groups'
         # steps instead: a step runs whole, since each micro-batch of a decode step reads the weights again.
         self.pp_micro_batches = self.pp.size if config.step_groups == 1 else 1
+        self._pp_sends: list[PendingSend] = []  # pipelined steps: sends to the next stage not yet complete (_keep_sends)
         # Before a step larger than any so far, the allocator's cache is emptied (workers/step_memory.py).
         self.new_peak_release = NewPeakRelease(torch.cuda.empty_cache if self.device.type == "cuda" else None)
         self.num_blocks = self._num_kv_blocks()
@@ -361,8 +362,11 @@ class ModelRunner:
             elif sample_rows or self.sp.size > 1:
                 sample_hidden.append(hidden[sample_rows])
             self._pp_seq_no += 1
-        for pending in sends:
-            pending.wait()
+        if self.pp_micro_batches > 1:
+            for pending in sends:
+                pending.wait()
+        elif sends:
+            self._keep_sends(sends)
         to_sample = [s for s in seqs if s.sample]
         if not self.pp.is_last or not to_sample:
             return ModelRunnerOutput({})
@@ -373,6 +377,16 @@ class ModelRunner:
             if hidden is None:
                 return ModelRunnerOutput({})
         return self.sample(hidden, to_sample, out.token_bitmask)
+
+    def _keep_sends(self, sends: list[PendingSend]) -> None:
+        """Pipelined steps: a send to the next stage completes only once that stage receives it (gloo's send waits
+        for the matching receive; NCCL's, on the GPU, too), which it does after finishing the step before. Waiting
+        here would hold this stage's next step (another group's) behind the next stage's current one, so the sends
+        are kept, their buffers alive, and dropped once complete; only past one outstanding step per stage does
+        this stage wait for the oldest (a bound on the activations held)."""
+        self._pp_sends = [p for p in self._pp_sends if not p.done()] + sends
+        while len(self._pp_sends) > self.pp.size:
+            self._pp_sends.pop(0).wait()
 
     def _forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  hidden: torch.Tensor | None, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
