@@ -345,7 +345,8 @@ def test_bytes_moved_are_the_prompt_kv_minus_decode_prefix_hits(pools, run, monk
 
     async def recording(*args):
         async for ready in original(*args):
-            handoffs.append(ready.handoff_id)
+            if isinstance(ready, PrefillReady):  # not a piece (kv_pieces): only the answer has a handoff id
+                handoffs.append(ready.handoff_id)
             yield ready
 
     monkeypatch.setattr(pair.prefill, "prefill", recording)
