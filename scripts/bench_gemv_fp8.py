@@ -28,11 +28,12 @@ HEAD_DIM, Q_HEADS, KV_HEADS = 128, 32, 8  # Llama-3.1-8B: qkv rows = (32 + 2 * 8
 DEVICE = "cuda"  # tests/test_bench_gemv_fp8.py runs the script's logic on CPU under Triton's interpreter
 
 
-def sweep_configs(k: int, paired: bool, chunks: tuple[int, ...] = (8, 16)) -> list[dict]:
+def sweep_configs(k: int, paired: bool, chunks: tuple[int, ...] = (8, 16), prefetch: bool = True) -> list[dict]:
     """FP8 tiles to time: 8- and 16-byte chunks summed in the thread (RED) over rows x chunks x warps, with 16-128
     (paired: 16-64 per half) bytes of codes per thread and step and a step of at most 4096 inputs, and with 64 in
-    `chunks` the 64-byte-chunk tiles of gemv_quant.TILES (the kernel before the RED tiles). Only tiles whose K step
-    divides K: ~80-100 a shape for 8 and 16."""
+    `chunks` the 64-byte-chunk tiles of gemv_quant.TILES (the kernel before the RED tiles); with `prefetch`, each
+    RED tile of 2+ steps and at most 64 bytes a thread also with the next step's codes loaded during the current
+    one (PREFETCH). Only tiles whose K step divides K."""
     from parallel.kernels import gemv_quant as gq
 
     out = []
@@ -43,6 +44,8 @@ def sweep_configs(k: int, paired: bool, chunks: tuple[int, ...] = (8, 16)) -> li
         per_thread = bn * ks // (32 * w) * c  # bytes of codes per thread and step (per weight half when paired)
         if bn * ks >= 32 * w and 16 <= per_thread <= (64 if paired else 128) and k % (c * ks) == 0 and c * ks <= 4096:
             out.append(dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, BLOCK_C=c, RED=True))
+            if prefetch and k // (c * ks) >= 2 and per_thread <= 64:  # the next step's codes in flight too
+                out.append(dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, BLOCK_C=c, RED=True, PREFETCH=True))
     for bn, ks, w in gq.TILES[(True, paired)] if 64 in chunks else ():
         if k % (64 * ks) == 0:
             out.append(dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1))

@@ -8,7 +8,8 @@ frequent opcodes. This is where gemv_quant's comments on register counts and bar
 
     python scripts/gemv_fp8_sass.py --kind residual --k 14336 --tiles 4,128,4,8 8,16,2,64
     python scripts/gemv_fp8_sass.py --kind paired --k 4096 --tiles 2,128,4,8 8,32,4,16
-A tile is BLOCK_N,KS,num_warps,BLOCK_C (BLOCK_C 64: the 64-byte chunks; 8 or 16: the RED tiles). Needs Triton's
+A tile is BLOCK_N,KS,num_warps,BLOCK_C[,1] (BLOCK_C 64: the 64-byte chunks; 8 or 16: the RED tiles; a fifth
+field 1: PREFETCH). Needs Triton's
 bundled ptxas and cuobjdump (triton/backends/nvidia/bin), no GPU.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ PTRS = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", z_ptr="*fp32", b_ptr
             nw_ptr="*bf16", r_ptr="*bf16", pos_ptr="*i32", cs_ptr="*fp32", perm_ptr="*i32")
 
 
-def compile_tile(tile: tuple[int, int, int, int], kind: str, k: int):
+def compile_tile(tile: tuple[int, ...], kind: str, k: int):
     """The kernel as qgemv launches it for an FP8 per-channel weight under CUDA-graph capture (PDL on), compiled."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -36,12 +37,13 @@ def compile_tile(tile: tuple[int, int, int, int], kind: str, k: int):
 
     from parallel.kernels import gemv_quant as gq
 
-    bn, ks, warps, chunk = tile
+    bn, ks, warps, chunk = tile[:4]
+    prefetch = len(tile) > 4 and bool(tile[4])
     paired = kind == "paired"
     consts = dict(FMT=gq.FP8, BITS=8, GS=k, J=1, BLOCK_N=bn, KS=ks, BLOCK_C=chunk, HAS_ZERO=False, HAS_BIAS=False,
                   EVEN_N=True, NORM=paired, K_PAD=triton.next_power_of_2(k) if paired else 1, SILU=paired,
                   RESIDUAL=kind == "residual", ROPE=False, HEAD_DIM=2, ROT_ROWS=0, PAIRED=paired, PERM=False,
-                  SCALE_END=True, RED=chunk != 64, USE_PDL=True, INTERPRETED=False)
+                  SCALE_END=True, RED=chunk != 64, PREFETCH=prefetch, USE_PDL=True, INTERPRETED=False)
     fn = gq._qgemv_kernel.fn
     names = list(fn.__code__.co_varnames[:fn.__code__.co_argcount])
     sig = {n: PTRS.get(n) or ("constexpr" if n in consts else "fp32" if n == "eps" else "i32") for n in names}

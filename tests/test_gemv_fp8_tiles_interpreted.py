@@ -1,7 +1,8 @@
 """The FP8 tiles of the fused batch-1 GEMV that sum each 8- or 16-byte chunk in the thread (gemv_quant's RED tiles,
 `_fp8_red_tile`), on CPU through Triton's interpreter, for per-channel and block-wise (16 x 128) scales: the plain
 product with bias, and each fused prologue / epilogue against `gemv.gemv` on the dequantized weight (RMSNorm +
-RoPE, RMSNorm + SiLU-and-mul, residual add), with one, several and a ragged number of programs and K steps. Also
+RoPE, RMSNorm + SiLU-and-mul, residual add), with one, several and a ragged number of programs and K steps, with and without the next step's codes loaded
+during the current one (PREFETCH). Also
 `FP8_TABLE`: an entry for a shape is what `fused_gemv.tune` returns for it, and one that does not fit K is not."""
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def check(got, want, what, tol=2e-4):
 
 TILES = [dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, BLOCK_C=c, RED=True)
          for bn, ks, w, c in ((4, 128, 4, 8), (2, 32, 2, 8), (8, 16, 2, 16), (16, 64, 4, 16), (1, 16, 1, 8))]
+# PREFETCH (codes of the next K step loaded during this one) over 1, 2 and 4 steps (T = 1 loads step 0 twice)
+TILES += [dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, BLOCK_C=c, RED=True, PREFETCH=True)
+          for bn, ks, w, c in ((4, 128, 4, 8), (2, 64, 2, 8), (2, 32, 2, 8), (8, 16, 2, 16))]
 HD = 16
 h, nw = torch.randn(1, K) * 3, torch.rand(K) + 0.5
 ang = torch.rand(8, 1, HD // 2) * 6
@@ -72,4 +76,4 @@ print("ok", checked)
 
 def test_fp8_red_tiles_in_the_triton_interpreter():
     out = run_interpreted(SCRIPT, timeout=900).strip()
-    assert out == "ok 40", out
+    assert out == "ok 72", out

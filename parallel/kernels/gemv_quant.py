@@ -99,6 +99,18 @@ def _load_codes(w_ptr, row_addr, col, n_mask, EVEN_N: tl.constexpr, FMT: tl.cons
 
 
 @triton.jit
+def _step_codes(w_ptr, rows_a, rows_b, t, n_mask, KS: tl.constexpr, BLOCK_C: tl.constexpr, FMT: tl.constexpr,
+                J: tl.constexpr, EVEN_N: tl.constexpr, PAIRED: tl.constexpr):
+    """Step t's codes of rows_a (and under PAIRED of rows_b; else the same tensor twice)."""
+    col = _col_addr(t, KS, BLOCK_C, FMT, J)
+    wa = _load_codes(w_ptr, rows_a, col, n_mask, EVEN_N, FMT)
+    wb = wa
+    if PAIRED:
+        wb = _load_codes(w_ptr, rows_b, col, n_mask, EVEN_N, FMT)
+    return wa, wb
+
+
+@triton.jit
 def _xq(x_ptr, nw_ptr, perm_ptr, k, rstd, NORM: tl.constexpr, PERM: tl.constexpr):
     """x at (layout order) inputs k, fp32; under NORM the RMSNorm of h there, rounded as `_gemv._load_x`."""
     if PERM:
@@ -311,7 +323,7 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, nw_ptr, r_ptr, pos_p
                   EVEN_N: tl.constexpr, NORM: tl.constexpr, K_PAD: tl.constexpr, SILU: tl.constexpr,
                   RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr,
                   PAIRED: tl.constexpr, PERM: tl.constexpr, SCALE_END: tl.constexpr, RED: tl.constexpr,
-                  USE_PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+                  PREFETCH: tl.constexpr, USE_PDL: tl.constexpr, INTERPRETED: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features; under ROPE, (row, row + D/2) pairs
@@ -325,11 +337,9 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, nw_ptr, r_ptr, pos_p
     rows_a = _row_addr(offs_a, stride_w, FMT, J)
     rows_b = _row_addr(offs_b, stride_w, FMT, J)
     # The first tile of codes does not depend on the previous kernel: under PDL it loads while that one drains.
-    col = _col_addr(0, KS, BLOCK_C, FMT, J)
-    wa = _load_codes(w_ptr, rows_a, col, n_mask, EVEN_N, FMT)
-    wb = wa
-    if PAIRED:
-        wb = _load_codes(w_ptr, rows_b, col, n_mask, EVEN_N, FMT)
+    wa, wb = _step_codes(w_ptr, rows_a, rows_b, 0, n_mask, KS, BLOCK_C, FMT, J, EVEN_N, PAIRED)
+    if PREFETCH:  # and the second (the first again when T = 1): two steps of codes in flight from here on
+        na, nb = _step_codes(w_ptr, rows_a, rows_b, tl.minimum(T - 1, 1), n_mask, KS, BLOCK_C, FMT, J, EVEN_N, PAIRED)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x, residual and y's memory belong to earlier kernels: nothing before this touches them
     rstd = 0.0
@@ -343,14 +353,20 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, nw_ptr, r_ptr, pos_p
     acc_u = tl.zeros([BLOCK_N, KS, ACC_C], tl.float32)
     acc, acc_u = _tile(acc, acc_u, wa, wb, 0, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, offs_a, offs_b, n_mask,
                        stride_s, rstd, FMT, BITS, GS, J, KS, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO, SCALE_END, RED)
-    for t in range(1, T):
-        col = _col_addr(t, KS, BLOCK_C, FMT, J)
-        wa = _load_codes(w_ptr, rows_a, col, n_mask, EVEN_N, FMT)
-        wb = wa
-        if PAIRED:
-            wb = _load_codes(w_ptr, rows_b, col, n_mask, EVEN_N, FMT)
-        acc, acc_u = _tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, offs_a, offs_b, n_mask,
-                           stride_s, rstd, FMT, BITS, GS, J, KS, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO, SCALE_END, RED)
+    if PREFETCH:  # step t's codes were loaded during step t - 1; this iteration loads step t + 1's
+        for t in range(1, T - 1):
+            wa, wb = _step_codes(w_ptr, rows_a, rows_b, t + 1, n_mask, KS, BLOCK_C, FMT, J, EVEN_N, PAIRED)
+            acc, acc_u = _tile(acc, acc_u, na, nb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, offs_a, offs_b, n_mask,
+                               stride_s, rstd, FMT, BITS, GS, J, KS, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO, SCALE_END, RED)
+            na, nb = wa, wb
+        if T > 1:
+            acc, acc_u = _tile(acc, acc_u, na, nb, T - 1, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, offs_a, offs_b, n_mask,
+                               stride_s, rstd, FMT, BITS, GS, J, KS, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO, SCALE_END, RED)
+    else:
+        for t in range(1, T):
+            wa, wb = _step_codes(w_ptr, rows_a, rows_b, t, n_mask, KS, BLOCK_C, FMT, J, EVEN_N, PAIRED)
+            acc, acc_u = _tile(acc, acc_u, wa, wb, t, x_ptr, nw_ptr, perm_ptr, s_ptr, z_ptr, offs_a, offs_b, n_mask,
+                               stride_s, rstd, FMT, BITS, GS, J, KS, BLOCK_C, NORM, PERM, PAIRED, HAS_ZERO, SCALE_END, RED)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -474,7 +490,7 @@ FP8_TABLE: dict[tuple[int, int, str], dict] = {
 
 def _fits(qw: QuantGemvWeight, cfg: dict) -> bool:
     per_step = cfg.get("BLOCK_C", qw.chunk()) * qw.pack * cfg["KS"]
-    return qw.k % per_step == 0 and (not cfg.get("RED") or qw.fmt == FP8)
+    return qw.k % per_step == 0 and (not (cfg.get("RED") or cfg.get("PREFETCH")) or qw.fmt == FP8)
 
 
 def table_config(qw: QuantGemvWeight, kind: str) -> dict | None:
@@ -526,10 +542,10 @@ def qgemv(x: torch.Tensor, qw: QuantGemvWeight, bias: torch.Tensor | None = None
         extra["enable_fp_fusion"] = False
     x = x.contiguous()
     s = qw.scales
-    block_c, red = cfg.pop("BLOCK_C", qw.chunk()), cfg.pop("RED", False)
+    block_c, red, prefetch = cfg.pop("BLOCK_C", qw.chunk()), cfg.pop("RED", False), cfg.pop("PREFETCH", False)
     per_step = block_c * qw.pack * cfg["KS"]  # inputs per K step
-    if k % per_step or (red and qw.fmt != FP8):
-        raise ValueError(f"qgemv: tile {cfg} does not fit K={k} ({qw.fmt=}; RED is FP8 only)")
+    if k % per_step or ((red or prefetch) and qw.fmt != FP8):
+        raise ValueError(f"qgemv: tile {cfg} does not fit K={k} ({qw.fmt=}; RED and PREFETCH are FP8 only)")
     _qgemv_kernel[(triton.cdiv(grid_n, cfg["BLOCK_N"]),)](
         x, qw.codes, s, qw.zeros if qw.zeros is not None else s, bias if bias is not None else s, y,
         norm_weight if norm_weight is not None else x, residual if residual is not None else x,
@@ -541,6 +557,6 @@ def qgemv(x: torch.Tensor, qw: QuantGemvWeight, bias: torch.Tensor | None = None
         K_PAD=triton.next_power_of_2(k) if norm_weight is not None else 1, SILU=silu, RESIDUAL=residual is not None,
         ROPE=rope is not None, HEAD_DIM=rope.head_dim if rope else 2, ROT_ROWS=rope.rot_rows if rope else 0,
         PAIRED=silu or rope is not None, PERM=qw.perm is not None,
-        SCALE_END=qw.fmt == FP8 and qw.scales.shape[1] == 1, RED=red, USE_PDL=pdl,
+        SCALE_END=qw.fmt == FP8 and qw.scales.shape[1] == 1, RED=red, PREFETCH=prefetch, USE_PDL=pdl,
         INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", **cfg, **extra)
     return y
