@@ -143,6 +143,7 @@ def test_step_groups_follow_the_config():
     assert groups(pipeline_parallel_size=2) == 2 and groups(pipeline_parallel_size=4) == 4
     assert groups(pipeline_parallel_size=2, pipeline_step_overlap=False) == 1
     assert groups(tensor_parallel_size=2) == 1 and groups() == 1
+    assert groups(pipeline_parallel_size=2, sequence_parallel_size=2) == 1
     assert groups(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}) == 1
 
 

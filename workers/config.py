@@ -162,7 +162,7 @@ class SchedulerConfig(StrictModel):
     pipeline_step_overlap: bool = Field(default=True, description="PP > 1: the running sequences form PP groups, "
                                         "one step of each in flight at once (vLLM's virtual engines); max_num_seqs "
                                         "and max_num_batched_tokens bound each group's step. False: one step at a "
-                                        "time, in micro-batches. Off with speculative decoding.")
+                                        "time, in micro-batches. Off with speculative decoding or SP.")
 
 
 class SpeculativeSection(StrictModel):
@@ -210,9 +210,12 @@ class EngineConfig(StrictModel):
     def step_groups(self) -> int:
         """How many groups of sequences have a step in flight at once: the pipeline's stage count where
         `pipeline_step_overlap` applies, else 1. The engine and every rank read it (the ranks run such a step
-        whole, not cut into micro-batches), so both sides agree from the same config."""
-        pp = self.parallel.pipeline_parallel_size
-        return pp if pp > 1 and self.scheduler.pipeline_step_overlap and self.speculative.spec is None else 1
+        whole, not cut into micro-batches), so both sides agree from the same config. Speculative decoding plans
+        its drafts over the whole batch; PP with SP keeps its tested micro-batch path."""
+        par = self.parallel
+        pp = par.pipeline_parallel_size
+        pipelined = self.scheduler.pipeline_step_overlap and self.speculative.spec is None and par.sequence_parallel_size == 1
+        return pp if pp > 1 and pipelined else 1
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
