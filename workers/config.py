@@ -211,7 +211,8 @@ class EngineConfig(StrictModel):
         """How many groups of sequences have a step in flight at once: the pipeline's stage count where
         `pipeline_step_overlap` applies, else 1. The engine and every rank read it (the ranks run such a step
         whole, not cut into micro-batches), so both sides agree from the same config. Speculative decoding plans
-        its drafts over the whole batch; PP with SP keeps its tested micro-batch path."""
+        its drafts over the whole batch; PP with SP keeps the micro-batch path (no test runs SP with pipelined
+        steps)."""
         par = self.parallel
         pp = par.pipeline_parallel_size
         pipelined = self.scheduler.pipeline_step_overlap and self.speculative.spec is None and par.sequence_parallel_size == 1
