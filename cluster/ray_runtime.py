@@ -14,10 +14,12 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # need plain NCCL collectives and p2p. A value already set in the driver's environment wins.
 _NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # Settings the rank processes read: diagnostics (workers/rank_profile.py: per-step chrome traces, and the served
-# ranks' own step profile, logged as they run; workers/kv_transfer/transport.py: each handoff's phases) and the KV
-# pairs' NCCL stream priority (transport.py, `nccl_high_priority`).
+# ranks' own step profile, logged as they run; workers/kv_transfer/transport.py: each handoff's phases), the KV
+# handoff's knobs (transport.py: NCCL stream priority, message ramp, row-copy grid caps) and measured FP8 GEMV tiles
+# (parallel/kernels/gemv_quant.py, TANDEM_FP8_TABLE).
 _FORWARDED_ENV = ("TANDEM_PROFILE_TRACE_DIR", "TANDEM_RANK_PROFILE", "TANDEM_KV_PHASES", "TANDEM_KV_NCCL_HIGH_PRIORITY",
-                  "TANDEM_KV_RAMP_BYTES", "TANDEM_KV_OVERLAP_COPY_PROGRAMS", "TANDEM_KV_COPY_PROGRAMS")
+                  "TANDEM_KV_RAMP_BYTES", "TANDEM_KV_OVERLAP_COPY_PROGRAMS", "TANDEM_KV_COPY_PROGRAMS",
+                  "TANDEM_FP8_TABLE")
 # Where a user or operator may have given Ray a token already: theirs wins.
 AUTH_TOKEN_SOURCES = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 

@@ -488,6 +488,23 @@ FP8_TABLE: dict[tuple[int, int, str], dict] = {
 }
 
 
+def load_fp8_table(path: str) -> int:
+    """Add the fastest tiles of a `scripts/bench_gemv.py --fp8 --sweep` JSON (its rows' n, k, kind, best_config) to
+    FP8_TABLE, over its built-in entries: the tiles measured on this GPU. Returns how many it added."""
+    import json
+
+    with open(path) as f:
+        rows = json.load(f)["results"]
+    found = {(r["n"], r["k"], r["kind"]): dict(r["best_config"]) for r in rows if r.get("best_config")}
+    FP8_TABLE.update(found)
+    return len(found)
+
+
+# TANDEM_FP8_TABLE=<sweep JSON>: tune once on a GPU, then every engine on that kind of GPU loads those tiles.
+if os.environ.get("TANDEM_FP8_TABLE"):
+    load_fp8_table(os.environ["TANDEM_FP8_TABLE"])
+
+
 def _fits(qw: QuantGemvWeight, cfg: dict) -> bool:
     per_step = cfg.get("BLOCK_C", qw.chunk()) * qw.pack * cfg["KS"]
     return qw.k % per_step == 0 and (not (cfg.get("RED") or cfg.get("PREFETCH")) or qw.fmt == FP8)
