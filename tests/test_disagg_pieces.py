@@ -327,3 +327,36 @@ def test_a_preempted_prefills_pieces_are_sent_again_once_the_stale_ones_landed(r
                      ("start", [1, 2, 3, 4, 5], True), ("start", [6, 7, 8, 9], False),  # then all again, beside the rest
                      ("end", [1, 2, 3, 4, 5], True), ("end", [6, 7, 8, 9], False)]
     assert moved.blocks == 3 + 5 + 4  # the stale piece's blocks moved too
+
+
+def test_a_handoffs_ack_waits_for_the_pieces_numbered_before_it():
+    """The prefill replica frees a prompt's blocks on its last send's ack. A piece numbered before it gathers on a
+    stream of its own, which nothing orders before that ack: so the ack waits until every transfer numbered before
+    it has ended on the rank. Here the piece's send is held 2 s after posting; the last transfer lands at once."""
+    prefill, decode, spec = _agents()
+    src = replica_shards(1, 1, LAYERS, HEADS)[0]
+    plan = plan_transfers([src], [src], range(2))
+    original = prefill._wait
+
+    def slow_piece(pair_id, group, works):
+        if threading.current_thread().name == "piece":
+            time.sleep(2.0)
+        return original(pair_id, group, works)
+
+    prefill._wait = slow_piece
+    calls = {"piece": lambda: prefill.send(spec, plan, {0: src}, [0, 1], "", 0, True),
+             "last": lambda: prefill.send(spec, plan, {0: src}, [2, 3], "h-last", 1),
+             "recv0": lambda: decode.recv(spec, plan, {0: src}, [4, 5], None, 0),
+             "recv1": lambda: decode.recv(spec, plan, {0: src}, [6, 7], None, 1)}
+    threads = {name: threading.Thread(target=fn, name=name) for name, fn in calls.items()}
+    for t in threads.values():
+        t.start()
+    threads["recv1"].join(10)
+    threads["recv0"].join(10)
+    threads["last"].join(1.0)  # its own messages are out: without the rule it acks now
+    assert not threads["recv1"].is_alive() and threads["piece"].is_alive()  # everything landed; the piece's send runs on
+    assert prefill.sent_among(["h-last"], 0.0) == []  # so no ack yet: its blocks stay held
+    for t in threads.values():
+        t.join(20)
+    assert prefill.sent_among(["h-last"], 5.0) == ["h-last"]
+    assert torch.equal(decode.kv_cache[:, :, [4, 5, 6, 7]], prefill.kv_cache[:, :, [0, 1, 2, 3]])

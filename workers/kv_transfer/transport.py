@@ -124,6 +124,8 @@ class _PostOrder:
         self.next = 0
         self.closed = False
         self._cond = threading.Condition()
+        self._ended: set[int] = set()  # transfers that ended here (sent or failed), beyond `_ended_below`
+        self._ended_below = 0  # every transfer numbered below this has ended here
 
     @contextlib.contextmanager
     def turn(self, seq: int | None, timeout_s: float):
@@ -145,6 +147,28 @@ class _PostOrder:
         with self._cond:
             self.next = seq + 1
             self._cond.notify_all()
+
+    def end(self, seq: int | None) -> None:
+        """Transfer `seq` has ended on this rank: its gathers have run (its send waited for its stream)."""
+        if seq is None:
+            return
+        with self._cond:
+            self._ended.add(seq)
+            while self._ended_below in self._ended:
+                self._ended.remove(self._ended_below)
+                self._ended_below += 1
+            self._cond.notify_all()
+
+    def wait_ended_below(self, seq: int | None, timeout_s: float) -> None:
+        """Until every transfer numbered below `seq` has ended here (or the group is dropped, or the timeout). A
+        handoff's last send acks only then: its pieces, numbered before it, gather on streams of their own, which
+        nothing else orders before the ack that lets the prefill replica free (and reuse) their blocks."""
+        if seq is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._ended_below < seq and not self.closed and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
 
     def close(self) -> None:
         with self._cond:
@@ -352,13 +376,16 @@ class KVTransferAgent:
         blocks may still be running (a step that samples nothing returns before its kernels end)."""
         began = time.time()
         claimed = True if piece else self._claim(handoff_id)
+        order = self._orders.get(spec.pair_id) or _PostOrder()  # none: `_send` fails on the missing group
         try:
             with self._own_stream():
                 if piece and self.kv_cache.is_cuda:
                     torch.cuda.current_stream().wait_stream(torch.cuda.default_stream(self.kv_cache.device))
                 sent = self._send(spec, plan, dst_shards, block_table, seq)
         finally:
+            order.end(seq)
             if claimed and not piece:  # an abandoned handoff was acked by its abandon
+                order.wait_ended_below(seq, self.timeout.total_seconds())  # its pieces too have stopped reading
                 self._end_claim(handoff_id)
         return SendResult(sent, abandoned=not claimed, began=began, ended=time.time())
 
