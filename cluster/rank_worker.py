@@ -149,7 +149,8 @@ class RankWorker:
 
         self._bind_device()
         self.kv_agent = KVTransferAgent(self.runner.kv_cache, self.runner.kv_shard(self.rank), role,
-                                        self.runner.config.cache.kv_transfer_timeout_seconds)
+                                        self.runner.config.cache.kv_transfer_timeout_seconds,
+                                        self.runner.track_chunk_ends() if role == "prefill" else None)
 
     def kv(self, method: str, *args):
         """KV transfers and their waits run on other actor threads, beside the steps (max_concurrency > 1)."""

@@ -867,12 +867,14 @@ class DecodeReplica:
 
         request_id = res.request_id
         handoff_id = "" if piece else peer.handoff_id
+        # A piece's last token: its prefill rank finds the step that computed it (`ChunkEnds`); same block size.
+        piece_end = (request_id, len(peer.block_ids) * self.llm_engine.config.cache.block_size) if piece else None
         src_by_rank = {s.rank: s for s in peer.shards}
         dst_by_rank = {s.rank: s for s in self.shards}
         t0, start = time.perf_counter(), time.time()
         try:
             # Both sides get the whole block table; the plan picks the blocks by index.
-            sends = [h.kv.remote("send", spec, plan, dst_by_rank, peer.block_ids, handoff_id, seq, piece)
+            sends = [h.kv.remote("send", spec, plan, dst_by_rank, peer.block_ids, handoff_id, seq, piece, piece_end)
                      for h in peer.rank_handles]
             received: list[RecvResult] = self.executor.kv_call("recv", spec, plan, src_by_rank, res.block_ids,
                                                                 peer.block_ids, seq)

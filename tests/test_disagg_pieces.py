@@ -360,3 +360,31 @@ def test_a_handoffs_ack_waits_for_the_pieces_numbered_before_it():
         t.join(20)
     assert prefill.sent_among(["h-last"], 5.0) == ["h-last"]
     assert torch.equal(decode.kv_cache[:, :, [4, 5, 6, 7]], prefill.kv_cache[:, :, [0, 1, 2, 3]])
+
+
+def test_a_piece_waits_for_the_event_of_the_step_that_computed_it():
+    """`ChunkEnds`: a prefill rank notes, per step that runs prefill chunks, how far each sequence is computed once the
+    step's event fires; a piece's send waits for the first such event past its last token, not for the engine's
+    whole stream (which also holds the chunk after it). Dropped sequences are forgotten."""
+    from workers.kv_transfer.chunk_ends import KEEP, ChunkEnds
+    from workers.sampling_params import SamplingParams
+    from workers.scheduler_output import ScheduledSeq, SchedulerOutput
+
+    events = iter(range(100))
+    ends = ChunkEnds(new_event=lambda: f"event-{next(events)}")
+
+    def step(*seqs, finished=()):
+        return SchedulerOutput(seqs=[ScheduledSeq(sid, [1] * n, start, [], sample, SamplingParams(), 0)
+                                     for sid, start, n, sample in seqs], finished_seq_ids=list(finished))
+
+    ends.record(step(("a", 0, 16, False), ("b", 0, 6, False)))  # event-0: a to 16, b to 6
+    ends.record(step(("a", 16, 16, False), ("b", 6, 1, True)))  # event-1: a to 32; b samples (its last step)
+    ends.record(step(("c", 0, 1, True)))  # decodes only: no event
+    assert ends.event_for("a", 16) == "event-0" and ends.event_for("a", 12) == "event-0"
+    assert ends.event_for("a", 32) == "event-1" and ends.event_for("a", 33) is None  # not computed yet: the stream
+    assert ends.event_for("b", 4) == "event-0" and ends.event_for("nobody", 1) is None
+    ends.record(step(finished=["a"]))
+    assert ends.event_for("a", 16) is None and ends.event_for("b", 4) == "event-0"
+    for k in range(KEEP + 1):  # the oldest are forgotten: a later event of the sequence is as safe
+        ends.record(step(("d", 8 * k, 8, False)))
+    assert ends.event_for("d", 8) == ends.event_for("d", 16) == "event-3"

@@ -133,7 +133,8 @@ class UniprocExecutor(Executor):
         from workers.kv_transfer.transport import KVTransferAgent
 
         self.kv_agent = KVTransferAgent(self.runner.kv_cache, self.runner.kv_shard(0), role,
-                                        self.runner.config.cache.kv_transfer_timeout_seconds)
+                                        self.runner.config.cache.kv_transfer_timeout_seconds,
+                                        self.runner.track_chunk_ends() if role == "prefill" else None)
 
     def kv_call(self, method: str, *args, ranks: list[int] | None = None) -> list:
         return [getattr(self.kv_agent, method)(*args)]

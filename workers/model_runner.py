@@ -315,6 +315,8 @@ class ModelRunner:
         logprobs of the prefill chunks that asked for them); other ranks return an empty output."""
         self._prompt_logprobs = {}  # filled per micro-batch by _run_step (workers/prompt_logprobs.py)
         result = self._run_step(out)
+        if self.chunk_ends is not None:  # a prefill rank on a GPU: where its prompts' chunks end (KV in pieces)
+            self.chunk_ends.record(out)
         if self._prompt_logprobs:
             result.prompt_logprobs = self._prompt_logprobs
         return result
@@ -475,6 +477,17 @@ class ModelRunner:
             out.sampled[s.seq_id] = toks[0]
             out.spec[s.seq_id] = toks
         return out
+
+    chunk_ends = None  # workers/kv_transfer/chunk_ends.py, once `track_chunk_ends` made it
+
+    def track_chunk_ends(self):
+        """A prefill rank's record of where its prompts' chunks end on the engine stream, for the KV agent's piece
+        sends (GPU only: on CPU a step's work is done when it returns). Made once, then returned again."""
+        if self.chunk_ends is None and self.device.type == "cuda":
+            from workers.kv_transfer.chunk_ends import ChunkEnds
+
+            self.chunk_ends = ChunkEnds()
+        return self.chunk_ends
 
     def kv_shard(self, rank: int) -> "RankShard":
         """Which global layers and KV heads this rank's cache holds, and under SP which blocks (its SP

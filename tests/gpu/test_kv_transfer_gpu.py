@@ -103,8 +103,11 @@ PIECE_SEQ = 3  # sent as a piece of a prompt still being prefilled: its blocks a
 def _in_flight_case(rank: int, device_type: str) -> dict:
     """Rank 0 sends, rank 1 receives, four transfers on threads of their own. Transfer PIECE_SEQ's source blocks hold
     zeros until a write queued on the default stream behind a ~50 ms sleep (a prefill chunk still running): its send,
-    with piece=True, must gather only after that write (`send` makes its stream wait for the default stream)."""
+    with piece=True, must gather only after that write: it waits for the event recorded after it (`ChunkEnds`, as a
+    prefill rank's model runner records one per chunk), while another sleep (the next chunk) follows on the stream."""
     import threading
+
+    from workers.kv_transfer.chunk_ends import ChunkEnds
 
     device = bench.rank_device(rank, device_type)
     shard = RankShard(0, range(LAYERS), range(HEADS))
@@ -120,6 +123,9 @@ def _in_flight_case(rank: int, device_type: str) -> dict:
         cache[:, :, piece_src] = 0
         torch.cuda._sleep(100_000_000)  # the chunk still computing, on the engine's (default) stream
         cache[:, :, piece_src] = full[:, :, piece_src].to(device, non_blocking=False)
+        agent.chunk_ends = ChunkEnds()
+        agent.chunk_ends.record(_chunk_step("piece-req", 64))  # the event after the write
+        torch.cuda._sleep(100_000_000)  # the next chunk: the piece need not wait for it
     results, errors = {}, []
 
     def one(seq: int) -> None:
@@ -129,7 +135,7 @@ def _in_flight_case(rank: int, device_type: str) -> dict:
             plan = [Transfer(0, 0, range(LAYERS), range(HEADS), tuple(range(len(idx))))]
             if rank == 0:
                 results[seq] = agent.send(spec, plan, {0: shard}, [SRC_BLOCKS[i] for i in idx], f"h{seq}", seq,
-                                          seq == PIECE_SEQ).bytes
+                                          seq == PIECE_SEQ, ("piece-req", 64) if seq == PIECE_SEQ else None).bytes
             else:
                 results[seq] = agent.recv(spec, plan, {0: shard}, [DST_BLOCKS[i] for i in idx], None, seq).bytes
         except BaseException as e:  # noqa: BLE001 - reported below
@@ -151,6 +157,14 @@ def _in_flight_case(rank: int, device_type: str) -> dict:
         out.update(equal=torch.equal(got, expected),
                    mismatched_blocks=sorted({int(b) for b in (got != expected).nonzero()[:, 2].tolist()}))
     return out
+
+
+def _chunk_step(seq_id: str, tokens: int):
+    """A step that runs `tokens` prompt tokens of `seq_id` and samples nothing (a prefill chunk), as ChunkEnds sees it."""
+    from workers.sampling_params import SamplingParams
+    from workers.scheduler_output import ScheduledSeq, SchedulerOutput
+
+    return SchedulerOutput(seqs=[ScheduledSeq(seq_id, [0] * tokens, 0, [], False, SamplingParams(), 0)])
 
 
 def test_numbered_transfers_in_flight_together_land_bit_for_bit_and_a_piece_waits_for_its_chunk():

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from workers.kv_layout import block_pool, local_block_id
 from workers.kv_transfer.blocks import block_index, gather_blocks, scatter_blocks, transfer_shape, warm_kernels, wire_dtype
+from workers.kv_transfer.chunk_ends import ChunkEnds
 from workers.kv_transfer.plan import RankShard, Transfer, message_cut
 
 log = logging.getLogger(__name__)
@@ -234,7 +235,8 @@ def _node_ip() -> str:
 class KVTransferAgent:
     """Lives in every rank process of a pool replica, next to the model runner's KV cache."""
 
-    def __init__(self, kv_cache: torch.Tensor, shard: RankShard, role: str, timeout_s: float = 60.0):
+    def __init__(self, kv_cache: torch.Tensor, shard: RankShard, role: str, timeout_s: float = 60.0,
+                 chunk_ends: ChunkEnds | None = None):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', not {role!r}")
         self.kv_cache = kv_cache  # [L_local, 2, num_blocks, block_size, H_local, D]
@@ -249,6 +251,7 @@ class KVTransferAgent:
         #   has synchronised this stream), and which were free only once every step using them had answered
         #   (the scheduler's parked blocks).
         self._streams = threading.local()
+        self.chunk_ends = chunk_ends  # a prefill rank's model runner's (GPU): the event a piece's gathers wait for
         self._orders: dict[str, _PostOrder] = {}  # pair id -> the order its transfers post in (`_PostOrder`)
         self.shard = shard
         self.role = role
@@ -364,7 +367,8 @@ class KVTransferAgent:
 
     # ---- one handoff ----
     def send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_table: list[int],
-             handoff_id: str = "", seq: int | None = None, piece: bool = False) -> SendResult:
+             handoff_id: str = "", seq: int | None = None, piece: bool = False,
+             piece_end: tuple[str, int] | None = None) -> SendResult:
         """Prefill side: send this rank's part of the plan. block_table: the request's block ids, indexed by
         the plan's block indices; handoff_id: the prefill's key (`PrefillReady.handoff_id`), which its acks and
         `abandon` use. The send claims the handoff first: from then on an `abandon` of it is a no-op, and the
@@ -372,15 +376,16 @@ class KVTransferAgent:
         go out (the decode side has posted, or will post, the matching receives), and the result says so.
         seq: the transfer's number on the pair (`_PostOrder`; None: the caller runs one transfer at a time).
         piece: blocks of a prompt still being prefilled (`PrefillPiece`): no claim and no ack (the request's
-        last transfer has them), and the gathers wait for the engine's stream, where the chunk that wrote the
-        blocks may still be running (a step that samples nothing returns before its kernels end)."""
+        last transfer has them), and the gathers wait for the chunk that wrote the blocks, which may still be
+        running (a step that samples nothing returns before its kernels end): piece_end (request id, tokens in
+        the piece's blocks) finds its step's event (`ChunkEnds`); else they wait for the engine's whole stream."""
         began = time.time()
         claimed = True if piece else self._claim(handoff_id)
         order = self._orders.get(spec.pair_id) or _PostOrder()  # none: `_send` fails on the missing group
         try:
             with self._own_stream():
                 if piece and self.kv_cache.is_cuda:
-                    torch.cuda.current_stream().wait_stream(torch.cuda.default_stream(self.kv_cache.device))
+                    self._after_chunk(piece_end)
                 sent = self._send(spec, plan, dst_shards, block_table, seq)
         finally:
             order.end(seq)
@@ -388,6 +393,14 @@ class KVTransferAgent:
                 order.wait_ended_below(seq, self.timeout.total_seconds())  # its pieces too have stopped reading
                 self._end_claim(handoff_id)
         return SendResult(sent, abandoned=not claimed, began=began, ended=time.time())
+
+    def _after_chunk(self, piece_end: tuple[str, int] | None) -> None:
+        """Order this thread's stream after the prefill chunk that computed a piece's blocks (`ChunkEnds`)."""
+        event = self.chunk_ends.event_for(*piece_end) if self.chunk_ends is not None and piece_end else None
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+        else:
+            torch.cuda.current_stream().wait_stream(torch.cuda.default_stream(self.kv_cache.device))
 
     def sent_among(self, handoff_ids: list[str], timeout_s: float) -> list[str]:
         """Prefill side: those of `handoff_ids` whose send finished here (or failed, or was abandoned), waiting
