@@ -480,11 +480,14 @@ FP8_RED_TILES = {False: ((4, 128, 4, 8), (8, 128, 4, 8), (16, 32, 4, 16)),
 # ("paired": qkv / gate-up with the RMSNorm prologue, "residual": o / down). `fused_gemv.tune` takes an entry as
 # is and measures `candidates` only for shapes not here. Filled from `scripts/bench_gemv.py --fp8 --sweep`,
 # which prints these lines for the shapes it timed (GPU, batch 1, weights rotated past L2, CUDA graphs).
-# 2026-11-27, one H100 80GB HBM3 (of nvidia-h100-x2), Llama-3.1-8B: qkv 2213 GB/s against 1741 for the tiles load
-# picked, o 2259 against 1528 (bf16: 2534, 2545). gate_up and down were not reached in that call's time limit.
+# Llama-3.1-8B, 2026-11-27: qkv and o on one H100 80GB HBM3 (2213 and 2259 GB/s against 1741 and 1528 for the
+# tiles load picked; bf16 2534, 2545), gate_up and down on one H200 with this session's later tiles (3537 and 3473
+# GB/s; bf16 on that GPU: 3845, 3896). Another GPU: sweep it and point TANDEM_FP8_TABLE at the JSON.
 FP8_TABLE: dict[tuple[int, int, str], dict] = {
     (6144, 4096, "paired"): dict(BLOCK_N=4, KS=64, num_warps=4, num_stages=1, BLOCK_C=16, RED=True),
     (4096, 4096, "residual"): dict(BLOCK_N=2, KS=64, num_warps=4, num_stages=1, BLOCK_C=16, RED=True),
+    (28672, 4096, "paired"): dict(BLOCK_N=2, KS=64, num_warps=2, num_stages=1, BLOCK_C=16, RED=True),
+    (4096, 14336, "residual"): dict(BLOCK_N=1, KS=256, num_warps=4, num_stages=1, BLOCK_C=8, RED=True),
 }
 
 
