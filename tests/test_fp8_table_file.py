@@ -28,7 +28,7 @@ def test_a_sweep_file_adds_and_overrides_table_entries(tmp_path):
     env = {**os.environ, "TANDEM_FP8_TABLE": str(sweep), "PYTHONPATH": str(ROOT)}
     table = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                       check=True, cwd=ROOT).stdout)
-    assert table["4096,14336,residual"]["BLOCK_N"] == 8  # added
+    assert table["4096,14336,residual"]["BLOCK_N"] == 8  # the file's tiles
     assert table["4096,4096,residual"]["BLOCK_N"] == 4 and table["4096,4096,residual"]["KS"] == 128  # overrides
     assert table["6144,4096,paired"]["BLOCK_N"] == 4  # a built-in entry the file does not name stays
     assert "1,1,plain" not in table
