@@ -287,9 +287,11 @@ def fp8_row(y, mask, q_ptr, s_ptr, row, stride_q, offs):
     with their output (fused_ops.rms_norm / silu_and_mul) call this on the row they just rounded, so their codes
     are `_quant_fp8_rows_kernel`'s codes of that output, bit for bit."""
     amax = tl.max(tl.where(mask, tl.abs(y), 0.0), 0)
-    # div_rn: IEEE division, as torch divides. Triton's `/` on fp32 is the approximate one, which moved codes that sit
-    # near a rounding boundary by one step against torch's (tests/gpu/test_fp8_fused_act.py, 2 x H200, 2026-11-27).
-    scale = tl.maximum(tl.div_rn(amax, 448.0), 1e-12)
+    # The scale as torch computes amax / 448.0 (a tensor by a scalar: times the reciprocal, which Triton's `/` by a
+    # constant also does; with div_rn the scales differed from torch's on 2 x H200); the codes by IEEE division, as
+    # torch divides a tensor by a tensor (Triton's fp32 `/` is the approximate one, which moved codes near a
+    # rounding boundary one step from torch's: tests/gpu/test_fp8_fused_act.py, 2026-11-27; not yet rerun).
+    scale = tl.maximum(amax / 448.0, 1e-12)
     q = tl.clamp(tl.div_rn(y, scale), -448.0, 448.0)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
@@ -319,7 +321,7 @@ def _quant_fp8_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, BLOC
                 offs = k0 + tl.arange(0, BLOCK)
                 x = tl.load(x_ptr + m * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = tl.maximum(tl.div_rn(tl.max(amax, 0), 448.0), 1e-12)
+            scale = tl.maximum(tl.max(amax, 0) / 448.0, 1e-12)
             for k0 in range(0, K, BLOCK):
                 offs = k0 + tl.arange(0, BLOCK)
                 x = tl.load(x_ptr + m * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
