@@ -88,8 +88,8 @@ def test_chunked_prefill_matches_hf(make_llm, arch, chunk):
     steps = []
     schedule = llm.llm_engine.scheduler.schedule
 
-    def spy():
-        sched_out = schedule()
+    def spy(*args, **kwargs):
+        sched_out = schedule(*args, **kwargs)
         steps.append([(s.start_pos, s.num_tokens) for s in sched_out.seqs])
         return sched_out
 
