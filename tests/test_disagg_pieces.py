@@ -30,6 +30,17 @@ pytestmark = pytest.mark.slow
 LONG = 40  # three prefill steps of PREFILL_CHUNK tokens
 
 
+@pytest.fixture(scope="module", autouse=True)
+def several_in_flight():
+    """These tests are about transfers in flight together on a pair; the served default is one at a time
+    (engine/disagg.py MAX_TRANSFERS_IN_FLIGHT says why)."""
+    import engine.disagg as disagg
+
+    saved, disagg.MAX_TRANSFERS_IN_FLIGHT = disagg.MAX_TRANSFERS_IN_FLIGHT, 4
+    yield
+    disagg.MAX_TRANSFERS_IN_FLIGHT = saved
+
+
 @pytest.fixture(scope="module")
 def ray_session(shared_ray):
     return shared_ray  # the session's local Ray (tests/conftest.py)
