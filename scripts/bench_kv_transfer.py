@@ -22,7 +22,7 @@ timed runs the decode blocks are checked against the prefill blocks, bit for bit
     python scripts/bench_kv_transfer.py --min-messages 1,4           # the agent as is, and cut into ~4 messages
     python scripts/bench_kv_transfer.py --nccl-high-priority         # and over a pair with high-priority NCCL streams
     python scripts/bench_kv_transfer.py --copy-programs 32,64         # and with the row copy's grid capped (GPU)
-    python scripts/bench_kv_transfer.py --overlap-copy-programs 66    # capped only beside a message in flight (GPU)
+    python scripts/bench_kv_transfer.py --overlap-copy-programs 0,132 # the overlap cap off / at 132 (default 66, GPU)
     python scripts/bench_kv_transfer.py --ramp-mib 16 --ramp-overlap-copy-programs 66   # first/last messages small
     python scripts/bench_kv_transfer.py --variants m2o66,o32          # any mix: m<min_messages> o<overlap cap> c<cap> r<ramp MiB>
     python scripts/bench_kv_transfer.py --device cpu --tokens 64 --layers 2   # the same code over gloo, as a check
@@ -213,7 +213,10 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
             variants["agent_hp"], pairs["agent_hp"], programs["agent_hp"] = cfg["min_messages"][0], hp, 0
         for c in cfg["copy_programs"]:  # "agent_c<N>": the first min_messages value, gather and scatter on <= N programs
             variants[f"agent_c{c}"], pairs[f"agent_c{c}"], programs[f"agent_c{c}"] = cfg["min_messages"][0], (agent, spec), c
-        overlap = {name: 0 for name in variants}  # KVTransferAgent.overlap_copy_programs
+        # KVTransferAgent.overlap_copy_programs: the agent's default (66) unless a row sets it (agent_o0: no cap); the
+        # agent_c<N> rows cap every copy at N instead
+        default_overlap = agent.overlap_copy_programs
+        overlap = {name: 0 if name.startswith("agent_c") else default_overlap for name in variants}
         for c in cfg["overlap_copy_programs"]:  # "agent_o<N>": capped at N only where a message is in flight beside it
             name = f"agent_o{c}"
             variants[name], pairs[name], programs[name], overlap[name] = cfg["min_messages"][0], (agent, spec), 0, c
@@ -226,7 +229,7 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
             knobs = {k: int(v) for k, v in re.findall(r"([mocr])(\d+)", spec_text)}
             name = f"agent_{spec_text}"
             variants[name], pairs[name], programs[name] = knobs.get("m", cfg["min_messages"][0]), (agent, spec), knobs.get("c", 0)
-            overlap[name], ramp[name] = knobs.get("o", 0), knobs.get("r", 0) << 20
+            overlap[name], ramp[name] = knobs.get("o", default_overlap), knobs.get("r", 0) << 20
         flights = {f"agent_x{n}": n for n in cfg["in_flight"]}  # "agent_x<N>": N transfers on the pair at once
         times: dict[str, list[float]] = {**{v: [] for v in variants}, **{v: [] for v in flights}, "raw": [], "gather": [],
                                          "scatter": []}

@@ -50,7 +50,7 @@ run_pd() {  # issue 27's goodput curve: each rate sends 15 s of Poisson arrivals
 run_kv() {  # the agent as is, cut into more messages a transfer (min_messages, KV_MIN_MESSAGES), over a pair with
   # high-priority NCCL streams, and with its gather/scatter grid capped (KV_COPY_PROGRAMS), each beside raw NCCL
   python scripts/bench_kv_transfer.py --device cuda --min-messages "${KV_MIN_MESSAGES:-1,4}" --nccl-high-priority \
-    --copy-programs "${KV_COPY_PROGRAMS:-66}" --overlap-copy-programs "${KV_OVERLAP_COPY_PROGRAMS:-66,132}" \
+    --copy-programs "${KV_COPY_PROGRAMS:-66}" --overlap-copy-programs "${KV_OVERLAP_COPY_PROGRAMS:-0,132}" \
     --out "$RES/kv_transfer.json"; }
 run_sp() {
   python scripts/bench_sp_prefill.py --shape llama-3.1-8b --device cuda --dtype bfloat16 \

@@ -6,6 +6,7 @@ an FP8 cache (`kv_cache_dtype="fp8"`) moves as bytes, half those of a 16-bit cac
 from __future__ import annotations
 
 import itertools
+import os
 import time
 
 import pytest
@@ -425,6 +426,8 @@ def test_only_copies_beside_a_message_in_flight_take_the_overlap_cap(monkeypatch
               for role in ("prefill", "decode")}
     for agent in agents.values():
         agent._groups["p"], agent.min_messages = _InstantGroup(), 3  # 6 layers: 3 messages of 2
+    if "TANDEM_KV_OVERLAP_COPY_PROGRAMS" not in os.environ:
+        assert all(a.overlap_copy_programs == 66 for a in agents.values())  # the default (transport.py says why)
     for cap, gathers, scatters in [(66, [None, 66, 66], [66, 66, None]), (0, [None] * 3, [None] * 3)]:
         asked.clear()
         for agent in agents.values():

@@ -95,6 +95,7 @@ class PhaseClock:
 # scatter of 256 MiB: ~0.2 ms each on an H100 (about 5% of a 32K-token handoff).
 MESSAGE_BYTES = 256 << 20
 RAMP_BYTES = int(os.environ.get("TANDEM_KV_RAMP_BYTES", "0") or 0)
+OVERLAP_COPY_PROGRAMS = 66  # KVTransferAgent.overlap_copy_programs' default (see there)
 
 # Waiting for NCCL work: `Work.wait(timeout)` blocks the CPU in a loop that sleeps 1 ms between polls
 # (ProcessGroupNCCL's kSynchronizeBusyWaitMillis), so each wait that is not done already costs up to a
@@ -289,11 +290,12 @@ class KVTransferAgent:
         # sets it for served ranks.
         self.nccl_high_priority = os.environ.get("TANDEM_KV_NCCL_HIGH_PRIORITY") == "1"
         # Caps the GPU row copy's grid (`block_copy.copy_rows`) only for copies that run beside a message in flight:
-        # every gather but a transfer's first, every scatter but its last. Capped at 66 programs, a 32K-token
-        # handoff's copies left NCCL's kernels room (71% -> 80% of raw NCCL), but a lone copy got slower (1K: 48% ->
-        # 38%), and the first gather and last scatter are always alone. A lead to measure
-        # (`bench_kv_transfer.py --overlap-copy-programs`); 0, the default, caps nothing. TANDEM_KV_OVERLAP_COPY_PROGRAMS.
-        self.overlap_copy_programs = int(os.environ.get("TANDEM_KV_OVERLAP_COPY_PROGRAMS", "0") or 0)
+        # every gather but a transfer's first, every scatter but its last, so NCCL's kernels find SMs free (a lone
+        # copy keeps the whole GPU: capped too, a 1K-token handoff got slower). 66 programs, half an H100's or H200's
+        # SMs: against no cap, in the same runs, 8K-token handoffs went from 67-68% to 75-76% of raw NCCL on 2 x H100
+        # and from 77% to 81% on 2 x H200, 32K from 73% to 85% and from 82-83% to 88%, 1K unchanged (four runs,
+        # docs/benchmarks.md, twelfth session). 0 caps nothing. TANDEM_KV_OVERLAP_COPY_PROGRAMS overrides it.
+        self.overlap_copy_programs = int(os.environ.get("TANDEM_KV_OVERLAP_COPY_PROGRAMS") or OVERLAP_COPY_PROGRAMS)
 
     def get_shard(self) -> RankShard:
         return self.shard
