@@ -324,8 +324,20 @@ class LLMEngine:
                 return []
         sched_out, pending = self._inflight
         self._inflight = None
+        got, verdicts, ahead = self._collect(sched_out, pending)
+        if ahead is not None:
+            self._inflight = ahead
+        elif self.executor.overlaps_host_work:
+            self._inflight = self._submit()
+        pieces = self._prefill_pieces(sched_out) if self._piece_requests else []
+        return pieces + [self._emit(req, ids, reason, stop) for (req, _), (ids, reason, stop) in zip(got, verdicts)]
+
+    def _collect(self, sched_out: SchedulerOutput, pending: PendingStep, group: int | None = None):
+        """Wait for a step's answer and apply it; with async scheduling the next step (of the same group, where steps
+        are pipelined) is planned and sent first, and its placeholders filled as soon as the answer is in. Returns
+        (requests with their tokens, their verdicts, the step sent ahead or None)."""
         try:
-            ahead = self._submit(ahead_of=sched_out) if self._can_schedule_ahead(sched_out) else None
+            ahead = self._submit(ahead_of=sched_out, group=group) if self._can_schedule_ahead(sched_out) else None
             result = pending.result()
             self.scheduler.step_done()
             if ahead is not None and self.executor.needs_fill:  # the ranks wait for these before the step sent ahead
@@ -335,12 +347,7 @@ class LLMEngine:
                 self.scheduler.steps_lost()
             raise
         got, verdicts = self._apply(sched_out, result)
-        if ahead is not None:
-            self._inflight = ahead
-        elif self.executor.overlaps_host_work:
-            self._inflight = self._submit()
-        pieces = self._prefill_pieces(sched_out) if self._piece_requests else []
-        return pieces + [self._emit(req, ids, reason, stop) for (req, _), (ids, reason, stop) in zip(got, verdicts)]
+        return got, verdicts, ahead
 
     def _prefill_pieces(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
         """The outputs telling that a step completed more full blocks of a prompt prefilled in pieces (and sampled
@@ -384,17 +391,7 @@ class LLMEngine:
         if not self._pipeline:
             return []
         sched_out, pending, group = self._pipeline.popleft()
-        try:
-            ahead = self._submit(ahead_of=sched_out, group=group) if self._can_schedule_ahead(sched_out) else None
-            result = pending.result()
-            self.scheduler.step_done()
-            if ahead is not None:  # the ranks wait for these before the step sent ahead
-                self.executor.fill([result.sampled[s.seq_id].token_id for s in placeholder_seqs(ahead[0].seqs)])
-        except BaseException:
-            if not self.executor.alive:  # the ranks are gone: nothing writes any block any more
-                self.scheduler.steps_lost()
-            raise
-        got, verdicts = self._apply(sched_out, result)
+        got, verdicts, ahead = self._collect(sched_out, pending, group)
         if ahead is not None:
             self._pipeline.append((*ahead, group))
         self._fill_pipeline()
