@@ -7,8 +7,8 @@
 #
 # LIMITS="sp=200 sp_serve=380" overrides steps' time limits; SP_LENGTHS the sp step's prompt lengths, PD_RATES the
 # pd step's request rates, KV_MIN_MESSAGES the kv step's message counts, KV_COPY_PROGRAMS and KV_OVERLAP_COPY_PROGRAMS its row-copy grid caps.
-# Steps: tests offline latency pd kv sp ep fault (the default), and allreduce pd_small pd_c1 sp_serve tp_serve pd_trace
-# pd_profile.
+# Steps: tests offline latency pd kv sp ep fault (the default), and pp allreduce pd_small pd_c1 sp_serve tp_serve
+# pd_trace pd_profile.
 set -u
 RES=${RES:-/tmp/res}
 mkdir -p "$RES"
@@ -32,6 +32,12 @@ run_offline() {
   python scripts/bench_offline.py --shape llama-3.1-8b --device cuda --dtype bfloat16 --load-format dummy \
     --layouts "uni tp2 tp2+sync pp2" --isolate --num-requests 1000 --mean-input 230 --mean-output 200 \
     --max-num-seqs 256 --max-num-batched-tokens 8192 --skip-hf --profile-steps 40 --out "$RES/offline.json"
+}
+run_pp() {  # issue 26: PP=2 with pipelined steps (one step group per stage, max_num_seqs per group) beside one GPU, and with
+  # 128 sequences per group (the same total as one GPU's 256)
+  local common="--shape llama-3.1-8b --device cuda --dtype bfloat16 --load-format dummy --isolate --num-requests 600 --mean-input 230 --mean-output 200 --max-input 1024 --max-output 512 --max-model-len 2048 --max-num-batched-tokens 8192 --skip-hf"
+  python scripts/bench_offline.py $common --layouts "uni pp2" --max-num-seqs 256 --out "$RES/offline_pp2.json" || return $?
+  python scripts/bench_offline.py $common --layouts "pp2" --max-num-seqs 128 --out "$RES/offline_pp2_seqs128.json"
 }
 run_latency() {  # TP=1, TP=2 with the NCCL-only all-reduce, TP=2 with the P2P one
   for v in "1 tp1" "2 tp2_nop2p --disable-p2p-all-reduce" "2 tp2"; do
@@ -152,8 +158,8 @@ run_fault() {
 SP_LENGTHS=${SP_LENGTHS:-16384,65536,131056}
 PD_RATES=${PD_RATES:-2,4,8,16,24}
 export RES M8B SP_LENGTHS PD_RATES
-export -f run_tests run_offline run_latency run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
-declare -A LIMIT=([tests]=300 [offline]=540 [latency]=300 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
+export -f run_tests run_offline run_pp run_latency run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
+declare -A LIMIT=([tests]=300 [offline]=540 [pp]=300 [latency]=300 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
                  [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [pd_trace]=240 [pd_profile]=240)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
