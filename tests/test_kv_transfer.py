@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 
 import pytest
@@ -452,3 +453,102 @@ def test_block_ids_map_into_their_sp_pool_and_foreign_ids_are_refused():
     for shard, ids in ((shard0, [3, 10]), (shard1, [9, 12]), (shard1, [20])):
         with pytest.raises(ValueError, match="not in SP rank"):
             _local_ids(cache, shard, ids)
+
+
+class _OrderWire:
+    """Point-to-point messages matched the way NCCL matches them: per (sender, receiver), the n-th send posted pairs
+    with the n-th receive posted, whatever the tags (gloo matches by tag, so a transfer posted out of order would
+    still pair up over gloo and never show here). A pair whose shapes differ is recorded and both fail."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sends: dict[tuple[int, int], list] = {}
+        self.recvs: dict[tuple[int, int], list] = {}
+        self.mismatches: list[str] = []
+
+    def post(self, kind: str, me: int, peer: int, tensor: torch.Tensor) -> "_WireWork":
+        work = _WireWork(tensor)
+        key = (me, peer) if kind == "send" else (peer, me)
+        with self.lock:
+            (self.sends if kind == "send" else self.recvs).setdefault(key, []).append(work)
+            sends, recvs = self.sends.get(key, []), self.recvs.get(key, [])
+            while sends and recvs:
+                s, r = sends.pop(0), recvs.pop(0)
+                if s.tensor.shape != r.tensor.shape or s.tensor.dtype != r.tensor.dtype:
+                    self.mismatches.append(f"{key}: send {tuple(s.tensor.shape)} met recv {tuple(r.tensor.shape)}")
+                    s.failed = r.failed = True
+                else:
+                    r.tensor.copy_(s.tensor)
+                s.done.set()
+                r.done.set()
+        return work
+
+
+class _WireWork:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.done, self.failed = tensor, threading.Event(), False
+
+    def wait(self, timeout=None) -> bool:
+        if not self.done.wait(timeout.total_seconds() if timeout is not None else None) or self.failed:
+            raise RuntimeError("message not delivered (or paired with another transfer's)")
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+
+class _WireGroup:
+    def __init__(self, wire: _OrderWire, rank: int) -> None:
+        self.wire, self.rank = wire, rank
+
+    def send(self, tensors, dst: int, tag: int) -> _WireWork:
+        return self.wire.post("send", self.rank, dst, tensors[0])
+
+    def recv(self, tensors, src: int, tag: int) -> _WireWork:
+        return self.wire.post("recv", self.rank, src, tensors[0])
+
+
+def test_numbered_transfers_in_flight_pair_up_by_posting_order_as_nccl_does():
+    """Four numbered transfers of different sizes, each side's calls started in a scrambled order from their own
+    threads and several messages each, over a wire that pairs messages by posting order only (NCCL's rule): every
+    message meets its own transfer's, and every transfer's blocks land where they belong."""
+    import random
+
+    shard = replica_shards(1, 1, LAYERS, KV_HEADS)[0]
+    torch.manual_seed(0)
+    prefill = KVTransferAgent(torch.randn(LAYERS, 2, 16, BS, KV_HEADS, HEAD_DIM), shard, "prefill", timeout_s=20)
+    decode = KVTransferAgent(torch.zeros(LAYERS, 2, 24, BS, KV_HEADS, HEAD_DIM), shard, "decode", timeout_s=20)
+    wire, spec = _OrderWire(), PairSpec("p->d", 1, 1)
+    for rank, agent in enumerate((prefill, decode)):
+        agent._groups[spec.pair_id] = _WireGroup(wire, rank)
+        agent.message_bytes = 2 * 2 * BS * KV_HEADS * HEAD_DIM * 4  # two blocks of one layer: several messages each
+    jobs = {0: ([0, 1, 2], [10, 11, 12]), 1: ([3], [13]), 2: ([4, 5, 6, 7, 8], [14, 15, 16, 17, 18]), 3: ([9, 15], [19, 23])}
+    results: dict[tuple[int, str], object] = {}
+    errors: list[BaseException] = []
+
+    def transfer(seq: int, side: str) -> None:
+        src_blocks, dst_blocks = jobs[seq]
+        plan = plan_transfers([shard], [shard], range(len(src_blocks)))
+        try:
+            if side == "send":
+                results[(seq, side)] = prefill.send(spec, plan, {0: shard}, src_blocks, f"h{seq}", seq)
+            else:
+                results[(seq, side)] = decode.recv(spec, plan, {0: shard}, dst_blocks, None, seq)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    calls = [(seq, side) for seq in jobs for side in ("send", "recv")]
+    random.Random(3).shuffle(calls)
+    threads = [threading.Thread(target=transfer, args=call) for call in calls]
+    for t in threads:
+        t.start()
+        time.sleep(0.01)
+    for t in threads:
+        t.join(30)
+    assert not errors and not wire.mismatches, (errors, wire.mismatches)
+    for seq, (src_blocks, dst_blocks) in jobs.items():
+        assert results[(seq, "send")].bytes == results[(seq, "recv")].bytes > 0
+        # the ack waits only for the pair's earlier transfers to end, not out its timeout (a send once took a
+        # throwaway order where no group came from `join`)
+        assert results[(seq, "send")].ended - results[(seq, "send")].began < 5
+        assert torch.equal(decode.kv_cache[:, :, dst_blocks], prefill.kv_cache[:, :, src_blocks]), seq

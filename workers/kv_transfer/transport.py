@@ -383,7 +383,9 @@ class KVTransferAgent:
         the piece's blocks) finds its step's event (`ChunkEnds`); else they wait for the engine's whole stream."""
         began = time.time()
         claimed = True if piece else self._claim(handoff_id)
-        order = self._orders.get(spec.pair_id) or _PostOrder()  # none: `_send` fails on the missing group
+        # The order `_posting` uses (made by `join`, or here for a group set by hand): a throwaway one would never
+        # see this pair's earlier transfers end, and the ack below would wait out the whole timeout.
+        order = self._orders.setdefault(spec.pair_id, _PostOrder())
         try:
             with self._own_stream():
                 if piece and self.kv_cache.is_cuda:
