@@ -46,3 +46,15 @@ def test_load_returns_the_entries_it_added(tmp_path):
     finally:
         gq.FP8_TABLE.clear()
         gq.FP8_TABLE.update(saved)
+
+
+def test_the_quantized_paths_knobs_reach_rank_actors(monkeypatch):
+    """Read at load on every rank: set in the driver, they must reach the Ray rank actors (TP, PD pools)."""
+    from cluster.ray_runtime import rank_runtime_env
+
+    knobs = {"TANDEM_FP8_TABLE": "/tmp/sweep.json", "TANDEM_FUSED_QUANT": "0", "TANDEM_FP8_FUSED_ACT": "0",
+             "TANDEM_FP8_FAST_ACCUM": "1"}
+    for k, v in knobs.items():
+        monkeypatch.setenv(k, v)
+    env = rank_runtime_env()["env_vars"]
+    assert {k: env.get(k) for k in knobs} == knobs
