@@ -54,6 +54,9 @@ PAIRS = {
     "tp2->tp1": dict(model=("llama", {}),
                      prefill=dict(tensor_parallel_size=2, max_num_batched_tokens=PREFILL_CHUNK),
                      decode=dict(tensor_parallel_size=1)),
+    "pp2->tp1": dict(model=("llama", {}),
+                     prefill=dict(pipeline_parallel_size=2, max_num_batched_tokens=PREFILL_CHUNK),
+                     decode=dict(tensor_parallel_size=1)),
     "tp1->tp2": dict(model=("qwen3", dict(num_key_value_heads=1)),
                      prefill=dict(tensor_parallel_size=1, max_num_batched_tokens=PREFILL_CHUNK, kv_lease_seconds=LEASE_S),
                      decode=dict(tensor_parallel_size=2)),
@@ -659,6 +662,26 @@ def test_killed_prefill_rank_fails_the_request_and_frees_the_reservation(pools, 
         run(body())
     finally:
         pools.close()
+
+
+# ---------------------------------------------------------------- prefill PP=2 (pipelined steps) -> decode TP=1
+
+
+def test_pp2_prefill_with_pipelined_steps_hands_off_to_tp1(pools, run):
+    """A PP=2 prefill pool runs pipelined steps (two step groups, one in flight per stage); prompts arriving together
+    spread over both groups, each stage sends its own layers' KV, and every output equals HF's."""
+    pair = pools.get("pp2->tp1")
+    assert pair.prefill.llm_engine.step_groups == 2
+    assert [s.layers for s in pair.prefill.shards] == [range(0, 1), range(1, 2)]
+    prompts = prompts_of_lengths([3, 9, 17, 26], VOCAB, seed=5)
+    params = greedy(6)
+
+    async def together():
+        return await asyncio.gather(*(generate(pair.decode, f"pp-{i}", p, params) for i, p in enumerate(prompts)))
+
+    for out, prompt in zip(run(together()), prompts, strict=True):
+        assert out.token_ids == hf_greedy(pair.path, prompt, 6)[0]
+    run(settle(pair))
 
 
 # ---------------------------------------------------------------- prefill TP=1 -> decode TP=2, one KV head
