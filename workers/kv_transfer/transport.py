@@ -292,7 +292,7 @@ class KVTransferAgent:
         # Caps the GPU row copy's grid (`block_copy.copy_rows`) only for copies that run beside a message in flight:
         # every gather but a transfer's first, every scatter but its last, so NCCL's kernels find SMs free (a lone
         # copy keeps the whole GPU: capped too, a 1K-token handoff got slower). 66 programs, half an H100's or H200's
-        # SMs: against no cap, in the same runs, 8K-token handoffs went from 67-68% to 75-76% of raw NCCL on 2 x H100
+        # SMs: against no cap, in the same runs, 8K-token handoffs went from 68-69% to 75-76% of raw NCCL on 2 x H100
         # and from 77% to 81% on 2 x H200, 32K from 73% to 85% and from 82-83% to 88%, 1K unchanged (four runs,
         # docs/benchmarks.md, twelfth session). 0 caps nothing. TANDEM_KV_OVERLAP_COPY_PROGRAMS overrides it.
         self.overlap_copy_programs = int(os.environ.get("TANDEM_KV_OVERLAP_COPY_PROGRAMS") or OVERLAP_COPY_PROGRAMS)
