@@ -3,6 +3,7 @@ agent variants run, move every block intact and are reported beside the raw base
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -28,3 +29,16 @@ def test_the_agent_with_each_min_messages_is_timed_and_verified(tmp_path):
     assert row["agent_r1o8_ms"] > 0  # and one whose messages ramp up from ~1 MiB
     assert row["agent_m2o8_ms"] > 0 and row["agent_m2o8_over_raw"] > 0  # and a mix given by --variants
     assert row["agent_x3_ms"] > 0 and row["agent_x3_over_raw"] > 0  # and three numbered transfers in flight at once
+
+
+def test_profile_script_reports_both_ranks_host_time(tmp_path):
+    """scripts/profile_kv_transfer.py over gloo: both ranks' transfers run under cProfile and the report names the
+    agent's send and receive paths with a median per transfer."""
+    import profile_kv_transfer as prof
+
+    out = tmp_path / "profile.txt"
+    prof.main(["--device", "cpu", "--tokens", "32", "--layers", "2", "--iters", "3", "--warmup", "1", "--top", "15",
+               "--out", str(out)])
+    report = out.read_text()
+    assert "=== rank 0 (send): median" in report and "=== rank 1 (recv): median" in report
+    assert re.search(r"transport\.py:\d+\(send\)", report) and re.search(r"transport\.py:\d+\(recv\)", report)
