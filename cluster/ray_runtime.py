@@ -15,11 +15,11 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # Settings the rank processes read: diagnostics (workers/rank_profile.py: per-step chrome traces, and the served
 # ranks' own step profile, logged as they run; workers/kv_transfer/transport.py: each handoff's phases), the KV
-# handoff's knobs (transport.py: NCCL stream priority, message ramp, row-copy grid caps) and the quantized paths' knobs
+# handoff's knobs (transport.py: NCCL stream priority, row-copy grid caps) and the quantized paths' knobs
 # read at load (measured FP8 GEMV tiles, the fused quantized GEMV, FP8 activations from their producers, fast FP8
 # accumulation: parallel/kernels/gemv_quant.py, parallel/quant/fused_gemv.py, fp8_act.py, packed.py).
 _FORWARDED_ENV = ("TANDEM_PROFILE_TRACE_DIR", "TANDEM_RANK_PROFILE", "TANDEM_KV_PHASES", "TANDEM_KV_NCCL_HIGH_PRIORITY",
-                  "TANDEM_KV_RAMP_BYTES", "TANDEM_KV_OVERLAP_COPY_PROGRAMS", "TANDEM_KV_COPY_PROGRAMS",
+                  "TANDEM_KV_OVERLAP_COPY_PROGRAMS", "TANDEM_KV_COPY_PROGRAMS",
                   "TANDEM_FP8_TABLE", "TANDEM_FUSED_QUANT", "TANDEM_FP8_FUSED_ACT", "TANDEM_FP8_FAST_ACCUM")
 # Where a user or operator may have given Ray a token already: theirs wins.
 AUTH_TOKEN_SOURCES = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")

@@ -23,8 +23,7 @@ timed runs the decode blocks are checked against the prefill blocks, bit for bit
     python scripts/bench_kv_transfer.py --nccl-high-priority         # and over a pair with high-priority NCCL streams
     python scripts/bench_kv_transfer.py --copy-programs 32,64         # and with the row copy's grid capped (GPU)
     python scripts/bench_kv_transfer.py --overlap-copy-programs 0,132 # the overlap cap off / at 132 (default 66, GPU)
-    python scripts/bench_kv_transfer.py --ramp-mib 16 --ramp-overlap-copy-programs 66   # first/last messages small
-    python scripts/bench_kv_transfer.py --variants m2o66,o32          # any mix: m<min_messages> o<overlap cap> c<cap> r<ramp MiB>
+    python scripts/bench_kv_transfer.py --variants m2o66,o32          # any mix: m<min_messages> o<overlap cap> c<cap>
     python scripts/bench_kv_transfer.py --device cpu --tokens 64 --layers 2   # the same code over gloo, as a check
 Prints a table; writes JSON (--out). Needs 2 CUDA GPUs (or --device cpu).
 """
@@ -220,16 +219,11 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
         for c in cfg["overlap_copy_programs"]:  # "agent_o<N>": capped at N only where a message is in flight beside it
             name = f"agent_o{c}"
             variants[name], pairs[name], programs[name], overlap[name] = cfg["min_messages"][0], (agent, spec), 0, c
-        ramp = {name: 0 for name in variants}  # KVTransferAgent.ramp_bytes
-        for mib in cfg["ramp_mib"]:  # "agent_r<M>[o<N>]": messages ramped from ~M MiB (plan.message_cut), overlap cap N
-            name = f"agent_r{mib}" + (f"o{cfg['ramp_overlap']}" if cfg["ramp_overlap"] else "")
-            variants[name], pairs[name], programs[name] = cfg["min_messages"][0], (agent, spec), 0
-            overlap[name], ramp[name] = cfg["ramp_overlap"], mib << 20
-        for spec_text in cfg["variants"]:  # "agent_<spec>": any mix of m<N> o<N> c<N> r<MiB>, e.g. m2o66
-            knobs = {k: int(v) for k, v in re.findall(r"([mocr])(\d+)", spec_text)}
+        for spec_text in cfg["variants"]:  # "agent_<spec>": any mix of m<N> o<N> c<N>, e.g. m2o66
+            knobs = {k: int(v) for k, v in re.findall(r"([moc])(\d+)", spec_text)}
             name = f"agent_{spec_text}"
             variants[name], pairs[name], programs[name] = knobs.get("m", cfg["min_messages"][0]), (agent, spec), knobs.get("c", 0)
-            overlap[name], ramp[name] = knobs.get("o", default_overlap), knobs.get("r", 0) << 20
+            overlap[name] = knobs.get("o", default_overlap)
         flights = {f"agent_x{n}": n for n in cfg["in_flight"]}  # "agent_x<N>": N transfers on the pair at once
         times: dict[str, list[float]] = {**{v: [] for v in variants}, **{v: [] for v in flights}, "raw": [], "gather": [],
                                          "scatter": []}
@@ -245,7 +239,6 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
             for name, m in variants.items():
                 runs[name] = lambda m=m, name=name: (setattr(pairs[name][0], "min_messages", m),
                                                      setattr(pairs[name][0], "overlap_copy_programs", overlap[name]),
-                                                     setattr(pairs[name][0], "ramp_bytes", ramp[name]),
                                                      _copy_programs(programs[name]), move(name))
             for name, n in flights.items():
                 runs[name] = _in_flight_run(rank, agent, spec, shard, plan, src, dst, n, next_seq, f"x{n_tok}-{i}")
@@ -313,7 +306,7 @@ def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> b
     return bool(torch.equal(mine, theirs))
 
 
-VARIANT = r"agent_(hp|x\d+|(?:[mocr]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, ramps, mixes
+VARIANT = r"agent_(hp|x\d+|(?:[moc]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
 
 
 def summarize(results: list[dict], cfg: dict) -> list[dict]:
@@ -369,13 +362,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--overlap-copy-programs", default="", help="comma-separated: also time the agent with gathers and "
                    "scatters capped at N programs only beside a message in flight (the 'agent_o<N>' rows; "
                    "KVTransferAgent.overlap_copy_programs)")
-    p.add_argument("--ramp-mib", default="", help="comma-separated: also time the agent with a transfer's first and last "
-                   "messages ramped from about M MiB (the 'agent_r<M>' rows; KVTransferAgent.ramp_bytes)")
     p.add_argument("--variants", default="", help="comma-separated agent settings to time, each any mix of m<N> "
-                   "(min_messages), o<N> (overlap_copy_programs), c<N> (copy programs), r<MiB> (ramp), e.g. m2o66,o32 "
+                   "(min_messages), o<N> (overlap_copy_programs), c<N> (copy programs), e.g. m2o66,o32 "
                    "(the 'agent_<spec>' rows)")
-    p.add_argument("--ramp-overlap-copy-programs", type=int, default=0, help="the ramped rows' overlap_copy_programs "
-                   "(their names get o<N>)")
     p.add_argument("--in-flight", default="", help="comma-separated: also time N transfers of each prompt on the pair "
                    "at once, numbered, as a decode replica runs several handoffs per pair (the 'agent_x<N>' rows: time "
                    "per transfer, so agent_x4_ms below agent_ms is what overlapping them gains)")
@@ -392,7 +381,6 @@ def main(argv: list[str] | None = None) -> dict:
            "min_messages": [int(m) for m in args.min_messages.split(",") if m], "nccl_high_priority": args.nccl_high_priority,
            "copy_programs": [int(c) for c in args.copy_programs.split(",") if c],
            "overlap_copy_programs": [int(c) for c in args.overlap_copy_programs.split(",") if c],
-           "ramp_mib": [int(c) for c in args.ramp_mib.split(",") if c], "ramp_overlap": args.ramp_overlap_copy_programs,
            "variants": [v for v in args.variants.split(",") if v],
            "in_flight": [int(n) for n in args.in_flight.split(",") if n]}
     rows = summarize(run_pair(_bench_rank, cfg, args.device), cfg)

@@ -127,12 +127,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: torch.dtype = torch.float32,
                    device: str = "cpu", staged: bool = False, gpus: tuple[str, str] = ("", ""),
-                   message_bytes: int | None = None, busy_cycles: int = 0, ramp_bytes: int = 0) -> None:
+                   message_bytes: int | None = None, busy_cycles: int = 0) -> None:
     """One rank of a prefill -> decode handoff; every rank checks what it holds afterwards. device "cuda":
     every rank on the same GPU (pools sharing it), which only a `staged` pair can do; `gpus`: the GPU ids
     the prefill and the decode ranks report (equal: they copy by CUDA IPC; different: through host memory).
-    message_bytes: the agents' message size (every rank the same), to cut transfers into several messages;
-    ramp_bytes: their ramp (plan.message_cut). busy_cycles (CUDA): each rank first queues a kernel that spins this many GPU cycles on its default stream,
+    message_bytes: the agents' message size (every rank the same), to cut transfers into several messages.
+    busy_cycles (CUDA): each rank first queues a kernel that spins this many GPU cycles on its default stream,
     as a running engine step does; the handoff must not wait for it."""
     import dataclasses
 
@@ -156,7 +156,6 @@ def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: t
     agent = KVTransferAgent(cache, shard, "prefill" if is_prefill else "decode", timeout_s=60.0)
     if message_bytes is not None:
         agent.message_bytes = message_bytes
-    agent.ramp_bytes = ramp_bytes
     spec = PairSpec("p->d", len(src), len(dst), staged=staged, ipc=staged and gpus[0] == gpus[1] != "")
     address = [agent.open_store(spec.pair_id) if rank == 0 else None]
     dist.broadcast_object_list(address, src=0)
@@ -201,27 +200,6 @@ def test_transfers_cut_into_several_messages_arrive_whole(message_bytes):
     """A transfer larger than message_bytes goes as several messages of whole layers (one layer each, or
     4 + 2 of the 6 when 4 of this tp2->tp1 plan's one-head layers fit); the blocks arrive all the same."""
     run_ranks(_transfer_rank, 3, (2, 1), 1, torch.float32, "cpu", False, ("", ""), message_bytes)
-
-
-@pytest.mark.slow
-def test_a_ramped_transfer_arrives_whole():
-    """With a ramp the tp2->tp1 plan's 6-layer transfers go as 1 + 2 + 2 + 1 layers (plain cut: 2 + 2 + 2); every
-    block still lands where it belongs."""
-    per_layer = 2 * (NUM_SEQ_BLOCKS - HITS) * BS * HEAD_DIM * 4  # one head a transfer, float32
-    run_ranks(_transfer_rank, 3, (2, 1), 1, torch.float32, "cpu", False, ("", ""), 2 * per_layer, 0, per_layer)
-
-
-def test_a_ramp_cuts_the_first_and_last_messages_small():
-    shard = replica_shards(1, 1, LAYERS, KV_HEADS)[0]
-    agent = KVTransferAgent(torch.zeros(LAYERS, 2, 8, BS, KV_HEADS, HEAD_DIM), shard, "decode")
-    plan = plan_transfers([shard], [shard], range(5))
-    per_layer = 2 * 5 * BS * KV_HEADS * HEAD_DIM * 4
-    agent.message_bytes, agent.ramp_bytes = 4 * per_layer, per_layer
-    got = list(agent._messages(plan, {0: shard}, sending=False))
-    assert [m[2].stop - m[2].start for m in got] == [1, 4, 1]
-    assert [m[2].start for m in got] == [0, 1, 5] and [m[0] for m in got] == [0, 1, 2]
-    agent.message_bytes = 10 * per_layer  # one message: no ramp
-    assert [m[2].stop - m[2].start for m in agent._messages(plan, {0: shard}, sending=False)] == [6]
 
 
 def test_messages_hold_as_many_whole_layers_as_fit():

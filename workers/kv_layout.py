@@ -20,6 +20,11 @@ def block_pool(block_id: int, pool_size: int) -> int:
     return block_id // pool_size
 
 
+def pool_ids(pool: int, pool_size: int) -> range:
+    """The block ids pool (SP rank) `pool` holds; id b of it lives at b - range.start in that rank's cache."""
+    return range(pool * pool_size, (pool + 1) * pool_size)
+
+
 def local_block_id(block_id: int, pool_size: int) -> int:
     """Where a block id lives in its pool's KV cache (pool p holds ids [p * N, (p + 1) * N) at 0..N-1)."""
     return block_id % pool_size

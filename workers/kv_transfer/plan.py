@@ -110,31 +110,3 @@ def _layer_cuts(src: list[RankShard], layers: range) -> list[range]:
     """Split a decode rank's layers where prefill stage boundaries fall."""
     cuts = sorted({layers.start, layers.stop} | {s.layers.start for s in src if layers.start < s.layers.start < layers.stop})
     return [range(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
-
-
-def message_cut(num_layers: int, per_layer_bytes: int, message_bytes: int, min_messages: int = 1,
-                ramp_bytes: int = 0) -> list[int]:
-    """How many of a transfer's layers each of its messages carries, in order (sums to num_layers). Both sides of a
-    pair compute it from what they share, so their messages pair up.
-
-    The plain cut: as many whole layers per message as fit in message_bytes, at most ceil(layers / min_messages), at
-    least one. A transfer's first gather runs before anything is on the wire and its last scatter after everything
-    has landed; with 256 MiB messages those two take ~0.2 ms each on an H100, ~10% of an 8K-token handoff. ramp_bytes
-    > 0 (and more than one message): the first messages start at about ramp_bytes and double up to the plain size,
-    and the last mirror them, so the pipeline fills and drains on small copies. Doubling keeps each gather about as
-    long as the send of the message before it (a gather moves bytes at several times NVLink's rate, twice over).
-    A transfer that fits in one message is left whole: its handoff is then bound by the host's posts, not copies."""
-    per_layer = max(1, per_layer_bytes)
-    step = max(1, min(num_layers, message_bytes // per_layer, -(-num_layers // max(1, min_messages))))
-    if num_layers <= step or ramp_bytes <= 0:
-        return _even_cut(num_layers, step)
-    ramp: list[int] = []
-    size = max(1, ramp_bytes // per_layer)
-    while size < step and 2 * (sum(ramp) + size) < num_layers:  # room left for the plain messages in between
-        ramp.append(size)
-        size *= 2
-    return ramp + _even_cut(num_layers - 2 * sum(ramp), step) + ramp[::-1]
-
-
-def _even_cut(n: int, step: int) -> list[int]:
-    return [step] * (n // step) + ([n % step] if n % step else [])

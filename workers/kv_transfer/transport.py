@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from workers.kv_layout import block_pool, local_block_id
+from workers.kv_layout import pool_ids
 from workers.kv_transfer.blocks import block_index, gather_blocks, scatter_blocks, transfer_shape, warm_kernels, wire_dtype
 from workers.kv_transfer.chunk_ends import ChunkEnds
-from workers.kv_transfer.plan import RankShard, Transfer, message_cut
+from workers.kv_transfer.plan import RankShard, Transfer
 
 log = logging.getLogger(__name__)
 MAX_UNCOLLECTED_ACKS = 1024  # sends whose ack nobody waited for (the handoff failed): the oldest are forgotten
@@ -94,7 +94,6 @@ class PhaseClock:
 # "Eighth session"). On an idle pair the overlap lost to the larger cut is the first gather and the last
 # scatter of 256 MiB: ~0.2 ms each on an H100 (about 5% of a 32K-token handoff).
 MESSAGE_BYTES = 256 << 20
-RAMP_BYTES = int(os.environ.get("TANDEM_KV_RAMP_BYTES", "0") or 0)
 OVERLAP_COPY_PROGRAMS = 66  # KVTransferAgent.overlap_copy_programs' default (see there)
 
 # Waiting for NCCL work: `Work.wait(timeout)` blocks the CPU in a loop that sleeps 1 ms between polls
@@ -279,10 +278,6 @@ class KVTransferAgent:
         # scatter are smaller and overlap the sends more (bench_kv_transfer.py --min-messages measures it against 1,
         # the default, beside raw NCCL).
         self.min_messages = 1
-        # > 0: a transfer of several messages starts and ends on messages of about this many bytes, doubling up to
-        # message_bytes (plan.message_cut), so its first gather and last scatter, which nothing overlaps, are small.
-        # Both sides the same (TANDEM_KV_RAMP_BYTES); bench_kv_transfer.py --ramp-mib times it beside the plain cut.
-        self.ramp_bytes = RAMP_BYTES
         # Pair groups made after this is set run their NCCL kernels on a high-priority stream, so the block
         # scheduler would start them before queued gather/scatter blocks. A lead, not a finding: bench_kv_transfer.py's
         # 4- and 16-message runs did not overlap sends with gathers as intended, and SMs filled by those kernels
@@ -383,9 +378,7 @@ class KVTransferAgent:
         the piece's blocks) finds its step's event (`ChunkEnds`); else they wait for the engine's whole stream."""
         began = time.time()
         claimed = True if piece else self._claim(handoff_id)
-        # The order `_posting` uses (made by `join`, or here for a group set by hand): a throwaway one would never
-        # see this pair's earlier transfers end, and the ack below would wait out the whole timeout.
-        order = self._orders.setdefault(spec.pair_id, _PostOrder())
+        order = self._order(spec.pair_id)
         try:
             with self._own_stream():
                 if piece and self.kv_cache.is_cuda:
@@ -480,7 +473,7 @@ class KVTransferAgent:
         `_check` does (and dropping the group, now out of step) if the turn never comes or the posting raises."""
         if self._groups.get(pair_id) is not group:
             raise KVTransferError(f"no transfer group for {pair_id} (dropped)")
-        order = self._orders.setdefault(pair_id, _PostOrder())  # `join` makes it; a group set by hand (tests) gets one
+        order = self._order(pair_id)
         return _checked(self, pair_id, group, order.turn(seq, self.timeout.total_seconds()))
 
     def _send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_table: list[int],
@@ -637,32 +630,38 @@ class KVTransferAgent:
         tag = 0 if seq is None else (seq % TAG_SEQS) * TAG_STRIDE
         limit = tag + TAG_STRIDE
         for t in plan:
-            cut = self._message_cut(t)
+            n, step = len(t.layers), self._layers_per_message(t)
             mine = (t.src if sending else t.dst) == self.shard.rank
             if mine:
                 src_layers, src_heads, dst_layers, dst_heads = t.local_slices(
                     self.shard if sending else peers[t.src], peers[t.dst] if sending else self.shard)
                 layers, heads = (src_layers, src_heads) if sending else (dst_layers, dst_heads)
-            k = 0
-            for size in cut:
+            for k in range(0, n, step):
                 if tag >= limit:
                     raise ValueError(f"a transfer of more than {TAG_STRIDE} messages does not fit its tag range")
                 if mine:
-                    yield tag, t, slice(layers.start + k, layers.start + k + size), heads
+                    yield tag, t, slice(layers.start + k, layers.start + min(k + step, n)), heads
                 tag += 1
-                k += size
 
     def _copy_programs(self, overlapped: bool) -> int | None:
         """The row copy's grid cap for a gather or scatter: `overlap_copy_programs` where a message is in flight beside
         it (and the cap is set), else the module default."""
         return self.overlap_copy_programs if overlapped and self.overlap_copy_programs else None
 
-    def _message_cut(self, t: Transfer) -> list[int]:
-        """How many of t's layers each of its messages carries (plan.message_cut): from what both sides share (the
-        plan, block size, head dim, wire dtype, message_bytes, min_messages, ramp_bytes), so both cut t the same way."""
+    def _layers_per_message(self, t: Transfer) -> int:
+        """How many of t's layers one message carries: as many as fit in message_bytes, at most
+        ceil(layers / min_messages), at least one. From what both sides share (the plan, block size, head dim, wire
+        dtype, the two settings), so both cut t the same way."""
         _, _, _, block_size, _, head_dim = self.kv_cache.shape
         per_layer = 2 * len(t.blocks) * block_size * len(t.heads) * head_dim * wire_dtype(self.kv_cache.dtype).itemsize
-        return message_cut(len(t.layers), per_layer, self.message_bytes, self.min_messages, self.ramp_bytes)
+        n = len(t.layers)
+        return max(1, min(n, self.message_bytes // max(1, per_layer), -(-n // max(1, self.min_messages))))
+
+    def _order(self, pair_id: str) -> _PostOrder:
+        """The pair's post order, shared by its sends' posting turns and their acks: `join` makes it; a group set by
+        hand (tests) gets one here. A throwaway one would never see the pair's earlier transfers end, and an ack
+        would wait out the whole timeout."""
+        return self._orders.setdefault(pair_id, _PostOrder())
 
     def _local_ids(self, block_ids: list[int]) -> list[int]:
         return _local_ids(self.kv_cache, self.shard, block_ids)
@@ -763,13 +762,12 @@ def _local_ids(kv_cache: torch.Tensor, shard: RankShard, block_ids: list[int]) -
     """Block ids -> indices into the cache of the rank `shard` describes. Under SP the ids are global and a
     cache holds only its SP rank's pool of them (engine/block_manager.py); without SP the two are the same."""
     pool_size = kv_cache.shape[2]
-    lo = shard.sp_rank * pool_size  # the pool's first id (block_pool / local_block_id, in one range check)
-    if block_ids and lo <= min(block_ids) and max(block_ids) < lo + pool_size:
-        return [b - lo for b in block_ids] if lo else list(block_ids)
-    foreign = [b for b in block_ids if block_pool(b, pool_size) != shard.sp_rank]
-    if foreign:  # the plan and the block manager disagree on ownership: never send another pool's bytes
+    ids = pool_ids(shard.sp_rank, pool_size)
+    if block_ids and not (min(block_ids) in ids and max(block_ids) in ids):
+        # the plan and the block manager disagree on ownership: never send another pool's bytes
+        foreign = [b for b in block_ids if b not in ids]
         raise ValueError(f"blocks {foreign} are not in SP rank {shard.sp_rank}'s pool of {pool_size}")
-    return [local_block_id(b, pool_size) for b in block_ids]
+    return [b - ids.start for b in block_ids]
 
 
 def _export_cache(kv_cache: torch.Tensor) -> bytes:
