@@ -155,7 +155,8 @@ def run():
     tasks = asyncio.all_tasks(loop)
     for task in tasks:
         task.cancel()
-    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    if tasks:  # gather() of nothing would make its future on another loop
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
     loop.close()
 
 

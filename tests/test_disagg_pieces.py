@@ -21,6 +21,7 @@ from engine.llm_engine import LLMEngine
 from tests.models import hf_greedy, prompts_of_lengths, tiny_model
 from tests.test_disagg import (BLOCK, PREFILL_CHUNK, TRANSFER_TIMEOUT_S, VOCAB, WAIT_S, Pair, StepGate,
                                assert_same_output, build_pair, expect_cancelled, generate, greedy, poll, settle)
+from tests.test_disagg import ray_session, run  # noqa: F401 - the module's fixtures: shared Ray, one event loop
 from tests.test_kv_transfer_claims import _both
 from workers.config import EngineConfig
 from workers.kv_transfer.plan import plan_transfers, replica_shards
@@ -39,27 +40,6 @@ def several_in_flight():
     saved, disagg.MAX_TRANSFERS_IN_FLIGHT = disagg.MAX_TRANSFERS_IN_FLIGHT, 4
     yield
     disagg.MAX_TRANSFERS_IN_FLIGHT = saved
-
-
-@pytest.fixture(scope="module")
-def ray_session(shared_ray):
-    return shared_ray  # the session's local Ray (tests/conftest.py)
-
-
-@pytest.fixture(scope="module")
-def run():
-    loop = asyncio.new_event_loop()
-
-    def run(coro, timeout: float = 180.0):
-        return loop.run_until_complete(asyncio.wait_for(coro, timeout))
-
-    yield run
-    tasks = asyncio.all_tasks(loop)
-    for task in tasks:
-        task.cancel()
-    if tasks:  # gather() of nothing would make its future on another loop
-        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-    loop.close()
 
 
 @pytest.fixture(scope="module")
