@@ -15,9 +15,12 @@ at SP=2, <= 0.3x at SP=4), and each rank's rows are checked against SDPA (max ab
     python scripts/tune_ring_kernel.py --device cpu --dry-run             # tiny shapes, Triton's interpreter, seconds
 
 Prints a table per (length, SP, config): the slowest rank's ms, the ratio, the error, each ring step's GPU
-ms (CUDA events around that rank's launches, a split step's merge launch included), its tile-table rows per
-step ('*': split-K, rows are pieces) and the host ms to issue them (if that is near the total, the launches,
-not the kernel, bound it); then every config ranked by its worst ratio / goal over all cells
+ms (CUDA events around that rank's launches, a split step's merge launch included, queued behind a spin kernel so
+the host has issued them all first: the kernels' own time), its tile-table rows per step ('*': split-K, rows are
+pieces), the host ms to issue them and the host ms of the set-up and of each step's call (if the whole is near the
+total, the launches, not the kernel, bound it); per SP size also the prefill kernel over the prompt's first 1/sp
+(one ring step's shape) times sp: the SP=1 kernel's own cost for sp short launches; --sp 1 times the ring kernel
+itself over the whole prompt (one launch) beside the prefill kernel; then every config ranked by its worst ratio / goal over all cells
 (< 1: every goal met). The first config there is the one to put in `CONFIGS` of the kernel module; a config
 can also be tried without editing anything through
 TANDEM_RING_KERNEL="BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]" (acc16: the running output between
@@ -62,7 +65,8 @@ DRY_CANDIDATES = ["16,16,4,1", "32,16,4,1,pack"]
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default=None, help="prompt lengths (default 16384,65536,131072; dry run 40)")
-    p.add_argument("--sp", default="2,4", help="SP sizes")
+    p.add_argument("--sp", default="2,4", help="SP sizes (1: the ring kernel over the whole prompt in one launch, "
+                                                 "beside the prefill kernel; no goal)")
     p.add_argument("--configs", default=None,
                    help="';'-separated BLOCK_M,BLOCK_N,warps,stages[,pack] (default CANDIDATES; dry run "
                         "DRY_CANDIDATES)")
@@ -97,8 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.block_size = a.block_size or (4 if tiny else 16)
     a.reps = a.reps or (1 if tiny else 3)
     a.dtype = a.dtype or ("fp32" if tiny else "bf16")
-    if min(a.lengths) < 1 or min(a.sp) < 2 or a.heads % a.kv_heads or a.reps < 1:
-        p.error("lengths must be positive, SP sizes >= 2, heads a multiple of kv-heads, reps >= 1")
+    if min(a.lengths) < 1 or min(a.sp) < 1 or a.heads % a.kv_heads or a.reps < 1:
+        p.error("lengths must be positive, SP sizes >= 1, heads a multiple of kv-heads, reps >= 1")
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda needs a CUDA GPU (use --device cpu --dry-run to check the script)")
     return a
@@ -143,29 +147,39 @@ def _interpreter_ready(device: str) -> None:
 
 
 def step_profile(q, blocks, shards, rank: int, scale: float, config,
-                 device: str) -> tuple[list[float] | None, float, list[list[int]]]:
+                 device: str) -> tuple[list[float] | None, float, list[list[int]], list[float]]:
     """One more run of rank `rank`'s ring: each step's GPU ms (CUDA events; None on CPU), the host ms to
-    issue the whole ring (set-up, launches) before waiting for the GPU, and per step [tile-table rows, split
-    slots (0: not split; else the rows are split-K pieces), mean and max key tiles per row] (a program per row
-    and head group: fewer key tiles per program, more of each program's fixed cost)."""
+    issue the whole ring (set-up, launches), per step [tile-table rows, split slots (0: not split; else the
+    rows are split-K pieces), mean and max key tiles per row] (a program per row and head group: fewer key
+    tiles per program, more of each program's fixed cost), and the host ms of [set-up, step 0, step 1, ...].
+
+    On CUDA a spin kernel (~SPIN_MS) is queued first, so the host has issued every launch before the GPU reaches
+    the first one: the step times are the kernels' own, without the host's time to issue them (which the host
+    column gives; where the host took longer than the spin, `host_bound` says so and the first step's time
+    holds part of it)."""
     from parallel.ring_attention import _RingSteps
 
     n = len(shards)
     srcs = [(rank - s) % n for s in range(n)]
     cuda = device == "cuda"
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 2)] if cuda else []
     if cuda:
         torch.cuda.synchronize()
+        events[-1].record()
+        torch.cuda._sleep(int(SPIN_MS * 1e-3 * _clock_hz()))
     t0 = time.perf_counter()
     steps = _RingSteps(q, blocks[rank], shards[rank], [shards[s] for s in srcs], scale, None, True, config)
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)] if cuda else []
+    host = [time.perf_counter()]
     for i, src in enumerate(srcs):
         if cuda and i == 0:
             events[0].record()
         steps.step(i, blocks[src])
+        host.append(time.perf_counter())
         if cuda:
             events[i + 1].record()
     steps.result()
     issue_ms = (time.perf_counter() - t0) * 1e3
+    host_ms = [(b - a) * 1e3 for a, b in zip([t0] + host[:-1], host)]
     if cuda:
         torch.cuda.synchronize()
     tables = []
@@ -174,9 +188,20 @@ def step_profile(q, blocks, shards, rank: int, scale: float, config,
         tables.append([int(tiles.shape[0]), slots, round(float(key_tiles.mean()), 2) if len(key_tiles) else 0.0,
                        int(key_tiles.max()) if len(key_tiles) else 0])
     if not cuda:
-        return None, issue_ms, tables
-    torch.cuda.synchronize()
-    return [events[i].elapsed_time(events[i + 1]) for i in range(n)], issue_ms, tables
+        return None, issue_ms, tables, host_ms
+    host_ms.append(float(events[-1].elapsed_time(events[0]) < issue_ms))  # 1.0: the spin ended before the host did
+    return [events[i].elapsed_time(events[i + 1]) for i in range(n)], issue_ms, tables, host_ms
+
+
+SPIN_MS = 3.0  # the spin kernel ahead of a profiled ring (step_profile): longer than any ring's host issue time
+
+
+def _clock_hz() -> float:
+    """The GPU's SM clock in Hz (torch.cuda._sleep spins in cycles); 1.98 GHz (H100/H200 boost) if unknown."""
+    try:
+        return torch.cuda.clock_rate() * 1e6
+    except Exception:  # noqa: BLE001 - needs pynvml; the spin's length is only a lower bound on the host's time
+        return 1.98e9
 
 
 def config_block_n(config: str) -> int:
@@ -201,11 +226,13 @@ def run_config(qs, blocks, shards, positions, config: str, scale: float, ref: to
         del out
         ranks.append({"rank": r, "seconds": seconds, "stream_s": streamed(run, a.device, a.reps), "max_abs_err": err})
     slow = max(ranks, key=lambda c: c["seconds"])
-    step_ms, issue_ms, tables = step_profile(qs[slow["rank"]], blocks, shards, slow["rank"], scale, config, a.device)
+    step_ms, issue_ms, tables, host_ms = step_profile(qs[slow["rank"]], blocks, shards, slow["rank"], scale, config,
+                                                      a.device)
     return {"ranks": ranks, "slowest_s": slow["seconds"], "slowest_rank": slow["rank"],
             "slowest_stream_s": max(c["stream_s"] for c in ranks),
             "max_abs_err": max(c["max_abs_err"] for c in ranks), "step_ms": step_ms, "issue_ms": issue_ms,
-            "step_tables": tables}
+            "step_tables": tables, "host_ms": host_ms[:len(shards) + 1],
+            "host_bound": bool(host_ms[-1]) if step_ms is not None else None}
 
 
 def tune_length(n: int, a: argparse.Namespace, started: float) -> dict:
@@ -221,8 +248,10 @@ def tune_length(n: int, a: argparse.Namespace, started: float) -> dict:
     scale = d ** -0.5
     sp1 = sp1_attention(q, k, v, scale, a.device, a.reps)
     base = sp1["res"]["baseline_s"]
-    cell = {"tokens": n, "sp1": sp1["res"], "sp": {}}
+    cell = {"tokens": n, "sp1": sp1["res"], "sp": {}, "chunk_prefill": {}}
     for sp in a.sp:
+        if a.device == "cuda" and sp > 1:
+            cell["chunk_prefill"][str(sp)] = chunk_prefill(q, k, v, n // sp, sp, scale, sp1["res"], a.reps)
         positions = [owned_positions(0, n, r, sp, a.block_size) for r in range(sp)]
         qs, blocks, shards = split_for_ranks(q, k, v, positions)
         cell["sp"][str(sp)] = res = {}
@@ -247,6 +276,19 @@ def tune_length(n: int, a: argparse.Namespace, started: float) -> dict:
     if a.device == "cuda":  # the baseline again: did the clocks move while the configs ran?
         cell["sp1_after_s"] = timed(_engine_prefill(q, k, v, scale), a.device, a.reps)[0]
     return cell
+
+
+def chunk_prefill(q, k, v, tokens: int, sp: int, scale: float, sp1: dict, reps: int) -> dict:
+    """The prefill kernel over the prompt's first `tokens` tokens (a causal prompt of one ring step's size: a rank
+    of SP=sp runs sp steps of about this shape, its own chunk against each rank's), times sp, against SP=1: what
+    the SP=1 kernel itself would take for a rank's work if it ran sp short launches (its short-program floor)."""
+    from bench_sp_rank import streamed, timed, _engine_prefill
+
+    run = _engine_prefill(q[:tokens], k[:tokens], v[:tokens], scale)
+    seconds = timed(run, "cuda", reps)[0]
+    stream = streamed(run, "cuda", reps)
+    return {"tokens": tokens, "seconds": seconds, "stream_s": stream, "ratio_x_sp": sp * seconds / sp1["baseline_s"],
+            "stream_ratio_x_sp": sp * stream / sp1["baseline_stream_s"]}
 
 
 def summary(results: list[dict], configs: list[str], key: str = "ratio") -> list[dict]:
@@ -278,6 +320,10 @@ def table(results: list[dict], configs: list[str]) -> str:
         after = f", after {cell['sp1_after_s'] * 1e3:.3f}" if "sp1_after_s" in cell else ""
         lines.append(f"{cell['tokens']:7d}  1 {cell['sp1']['baseline']:<34} {'-':>10} {base:8.3f}{after}; streamed "
                      f"{cell['sp1']['baseline_stream_s'] * 1e3:.3f}")
+        for sp, c in cell.get("chunk_prefill", {}).items():
+            lines.append(f"{cell['tokens']:7d} {sp:>2} {'prefill kernel at ' + str(c['tokens']) + ' tokens x ' + sp:<34} "
+                         f"{c['seconds'] * 1e3 * int(sp):10.3f} {base:8.3f} {c['ratio_x_sp']:6.3f} {'':>5} {'':>8} "
+                         f"{c['stream_ratio_x_sp']:8.3f}  (one launch {c['seconds'] * 1e3:.3f} ms)")
         for sp, res in cell["sp"].items():
             for config in configs:
                 r = res[config]
@@ -287,9 +333,11 @@ def table(results: list[dict], configs: list[str]) -> str:
                 goal = "-" if r["goal"] is None else f"{r['goal']:.2f}" + ("" if r["meets_goal"] else "!")
                 steps = "-" if r["step_ms"] is None else " ".join(f"{x:.2f}" for x in r["step_ms"])
                 rows = " ".join(f"{t[0]}{'*' if t[1] else ''}" for t in r["step_tables"])
+                host = " ".join(f"{x:.3f}" for x in r.get("host_ms", []))
                 lines.append(f"{cell['tokens']:7d} {sp:>2} {config:<34} {r['slowest_s'] * 1e3:10.3f} {base:8.3f} "
                              f"{r['ratio']:6.3f} {goal:>5} {r['max_abs_err']:8.1e}{'' if r['within_bf16_tol'] else '!'}"
-                             f" {r['stream_ratio']:8.3f}  {steps:<26} {r['issue_ms']:8.2f}  {rows}")
+                             f" {r['stream_ratio']:8.3f}  {steps:<26} {r['issue_ms']:8.2f}  {rows}   host ms "
+                             f"[set-up, steps] {host}{' (host-bound)' if r.get('host_bound') else ''}")
     return "\n".join(lines)
 
 
