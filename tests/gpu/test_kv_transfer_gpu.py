@@ -10,7 +10,13 @@ benchmark runs end to end on a small prompt and verifies its own transfers.
 from __future__ import annotations
 
 import json
+import math
+import random
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -173,3 +179,255 @@ def test_numbered_transfers_in_flight_together_land_bit_for_bit_and_a_piece_wait
     assert sender["bytes"] == receiver["bytes"] == len(SRC_BLOCKS) * LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 2
     assert receiver["equal"], f"blocks that differ from what was sent: {receiver['mismatched_blocks']} " \
                               f"(the piece's are {[DST_BLOCKS[i] for i in IN_FLIGHT[PIECE_SEQ]]})"
+
+
+# ---- Many transfers in flight on one pair, as served rank actors run them (issue 24, item 2) ----
+# MAX_TRANSFERS_IN_FLIGHT > 1 failed end to end on 2 x H200 (engine/disagg.py says how). This drives the real agent
+# over NCCL the way a served pair does, without an engine: transfers of mixed sizes numbered on the pair, started on a
+# pool of 16 threads (a rank actor's) in another order than their numbers, at most WINDOW at once; the prefill side
+# frees each transfer's blocks the moment its send returns and overwrites them (a freed block reused by the next
+# prefill), the decode side checks each transfer's blocks on another stream the moment its receive returns. Every
+# transfer carries its own contents, and every row of a block starts with (transfer, block): a wrong block names
+# where its bytes came from. A transfer stuck past the agent's timeout fails; a process stuck past that is killed,
+# and the failure shows both ranks' progress logs and Python stacks.
+@dataclass(frozen=True)
+class StressShape:
+    layers: int = 32  # Llama-3.1-8B's: 2 MiB a block in bf16
+    heads: int = 8
+    dim: int = 128
+    block: int = 16
+    cache_blocks: int = 1024  # 2 GiB a cache
+    sizes: tuple[int, ...] = (1, 2, 3, 5, 8, 16, 33, 64, 100, 160)  # blocks a transfer (160: two messages of 16 layers)
+    device: str = "cuda"  # "cpu": the same run over gloo, a check of the harness itself
+
+
+S_PHASES = (("serial", 1, False), ("in-flight-4", 4, False), ("in-flight-8-busy", 8, True))  # (name, window, busy GPU)
+S_TRANSFERS = 96  # a phase
+# A transfer stuck this long fails (and drops the pair); a run stuck this long has its stacks dumped, then is killed.
+S_AGENT_TIMEOUT_S, S_DUMP_STACKS_S, S_KILL_S = 15.0, 50.0, 60.0
+# The two-GPU handoff test's model (models/tandem-tiny: 16 KiB blocks, prompts of 1-12 blocks), and Llama-3.1-8B's.
+STRESS_SHAPES = {"tiny": StressShape(layers=4, heads=2, dim=32, cache_blocks=256, sizes=(1, 2, 3, 4, 5, 8, 12)),
+                 "llama8b": StressShape()}
+POISON_WORD, FRESH_WORD = -21846, 21845  # 0xAAAA: a prefill block freed after its send; 0x5555: a decode block unwritten
+
+
+def _stress_content(shape: StressShape, seq: int, n: int, device: torch.device) -> torch.Tensor:
+    """Transfer seq's KV [L, 2, n, block, H, D] as int16 words: a hash of (seq, position), each row's first two words
+    (seq, block in the transfer). Integer arithmetic, so both GPUs make the same words."""
+    dims = (shape.layers, 2, n, shape.block, shape.heads, shape.dim)
+    x = torch.arange(math.prod(dims), dtype=torch.int32, device=device) * 1103515245 + (seq * 2654435 + 12345)
+    words = (x ^ (x >> 15)).to(torch.int16).view(dims)
+    words[..., 0] = seq
+    words[..., 1] = torch.arange(n, dtype=torch.int16, device=device).view(1, 1, n, 1, 1)
+    return words
+
+
+def _stress_bad_blocks(shape: StressShape, cache: torch.Tensor, ids: list[int], seq: int) -> list[str]:
+    """The decode side's check of transfer seq, on this thread's default stream (not the agent's), at once: what each
+    wrong block holds instead."""
+    want = _stress_content(shape, seq, len(ids), cache.device)
+    got = cache.view(torch.int16)[:, :, ids]
+    bad = (got != want).transpose(0, 2).reshape(len(ids), -1).any(1).nonzero().flatten().tolist()
+    found = []
+    for j in bad[:6]:
+        words, wrong = got[:, :, j], (got[:, :, j] != want[:, :, j]).float().mean().item()
+        if bool((words == POISON_WORD).all()):
+            what = "the prefill side's poison: read after its send had returned (freed before its gather ran?)"
+        elif bool((words == FRESH_WORD).all()):
+            what = "nothing: never written"
+        else:
+            what = f"a row headed (transfer {int(words[0, 0, 0, 0, 0])}, block {int(words[0, 0, 0, 0, 1])})"
+        found.append(f"transfer {seq} block {j}/{len(ids)}: {wrong:.1%} of its words wrong; holds {what}")
+    return found + ([f"transfer {seq}: {len(bad)} of {len(ids)} blocks wrong"] if len(bad) > 6 else [])
+
+
+class _BlockPool:
+    """A cache's free blocks; a transfer takes scattered ones (as block tables are) and gives them back when done."""
+
+    def __init__(self, n: int, seed: int):
+        self.free, self._rng, self._cond = list(range(n)), random.Random(seed), threading.Condition()
+
+    def take(self, n: int, timeout_s: float) -> list[int]:
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self.free) >= n, timeout_s):
+                raise TimeoutError(f"{n} free blocks did not come in {timeout_s:.0f}s")
+            self._rng.shuffle(self.free)
+            taken, self.free = self.free[:n], self.free[n:]
+            return taken
+
+    def give(self, ids: list[int]) -> None:
+        with self._cond:
+            self.free.extend(ids)
+            self._cond.notify_all()
+
+
+def _busy_gpu(device: torch.device, stop: threading.Event) -> None:
+    """An engine's steps on a stream of their own: matmuls, and a host sync every few (its sampled tokens)."""
+    torch.cuda.set_device(device)
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        while not stop.is_set():
+            for _ in range(8):
+                a @ a
+            torch.cuda.current_stream().synchronize()
+
+
+class _StressRank:
+    """One rank's side of the run (rank 0 sends, rank 1 receives), phase by phase, on a pool of 16 threads."""
+
+    def __init__(self, rank: int, shape: StressShape, log) -> None:
+        self.rank, self.shape, self.log, self._log_lock = rank, shape, log, threading.Lock()
+        self.device = bench.rank_device(rank, shape.device)
+        self.cache = torch.zeros(shape.layers, 2, shape.cache_blocks, shape.block, shape.heads, shape.dim,
+                                 dtype=torch.bfloat16, device=self.device)
+        self.cache.view(torch.int16).fill_(POISON_WORD if rank == 0 else FRESH_WORD)
+        self.shard = RankShard(0, range(shape.layers), range(shape.heads))
+        self.agent, self.spec = bench.connect_agents(rank, self.cache, self.shard, timeout_s=S_AGENT_TIMEOUT_S)
+        self.agent.warm(self.spec)  # the communicator and the copy kernels, as a served pair's warm-up
+        self.threads = ThreadPoolExecutor(max_workers=16)
+
+    def note(self, text: str) -> None:
+        with self._log_lock:
+            self.log.write(f"{time.monotonic():.3f} rank {self.rank}: {text}\n")
+
+    def phase(self, name: str, first_seq: int, sizes: list[int], window: int, busy: bool) -> dict:
+        """Transfers first_seq.. of `sizes` blocks, at most `window` at once, submitted in pairs in reverse order."""
+        report = {"bad": [], "errors": [], "unfinished": []}
+        pool, slots, batch, futures = _BlockPool(self.shape.cache_blocks, 17 + self.rank), threading.Semaphore(window), [], {}
+        stop = threading.Event()
+        busy = busy and self.device.type == "cuda"
+        noise = threading.Thread(target=_busy_gpu, args=(self.device, stop), daemon=True) if busy else None
+        noise.start() if noise else None
+        start = time.perf_counter()
+        try:
+            for k, n in enumerate(sizes):
+                if not slots.acquire(timeout=3 * S_AGENT_TIMEOUT_S):
+                    raise TimeoutError(f"no transfer slot freed in {3 * S_AGENT_TIMEOUT_S:.0f}s")
+                ids = pool.take(n, 3 * S_AGENT_TIMEOUT_S)
+                if self.rank == 0:  # the prompt's KV, computed before its send starts (its first token on the host)
+                    self.cache.view(torch.int16)[:, :, ids] = _stress_content(self.shape, first_seq + k, n, self.device)
+                    self._sync()
+                batch.append((first_seq + k, ids))
+                if len(batch) == min(2, window) or k == len(sizes) - 1:
+                    for seq, ids in reversed(batch):
+                        futures[self.threads.submit(self._one, seq, ids, pool, slots, report)] = seq
+                    batch = []
+            _, pending = wait(futures, timeout=3 * S_AGENT_TIMEOUT_S)
+            report["unfinished"] = sorted(futures[f] for f in pending)
+        except BaseException as e:  # noqa: BLE001 - reported with the phase
+            report["errors"].append(f"driver: {e!r}")
+        finally:
+            stop.set()
+        report["seconds"] = round(time.perf_counter() - start, 3)
+        self.note(f"phase {name}: {report}")
+        return report
+
+    def _one(self, seq: int, ids: list[int], pool: _BlockPool, slots: threading.Semaphore, report: dict) -> None:
+        """One transfer on a pool thread; its blocks are freed (and reused: overwritten) the moment it returns."""
+        try:
+            torch.cuda.set_device(self.device) if self.device.type == "cuda" else None
+            plan = [Transfer(0, 0, range(self.shape.layers), range(self.shape.heads), tuple(range(len(ids))))]
+            self.note(f"transfer {seq} ({len(ids)} blocks) starts")
+            if self.rank == 0:
+                self.agent.send(self.spec, plan, {0: self.shard}, ids, f"h{seq}", seq)
+            else:
+                self.agent.recv(self.spec, plan, {0: self.shard}, ids, None, seq)
+                report["bad"] += _stress_bad_blocks(self.shape, self.cache, ids, seq)
+            self.cache.view(torch.int16)[:, :, ids] = POISON_WORD if self.rank == 0 else FRESH_WORD
+            self._sync()
+            self.note(f"transfer {seq} done")
+        except BaseException as e:  # noqa: BLE001 - reported with the phase
+            report["errors"].append(f"transfer {seq}: {e!r}")
+            self.note(f"transfer {seq} failed: {e!r}")
+        finally:
+            pool.give(ids)
+            slots.release()
+
+    def _sync(self) -> None:
+        """This thread's default stream done (what a freed block waits for before the engine may reuse it)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+
+
+def _stress_rank(rank: int, shape: StressShape, log) -> dict:
+    side = _StressRank(rank, shape, log)
+    rng = random.Random(7)  # the same sizes on both ranks
+    sizes = [rng.choice(shape.sizes) for _ in range(S_TRANSFERS * len(S_PHASES))]
+    out = {}
+    for p, (name, window, busy) in enumerate(S_PHASES):
+        out[name] = side.phase(name, p * S_TRANSFERS, sizes[p * S_TRANSFERS:(p + 1) * S_TRANSFERS], window, busy)
+        if out[name]["errors"] or out[name]["unfinished"]:
+            break  # the pair was dropped (or is stuck): later phases would only fail on it
+    return out
+
+
+def _stress_child(rank: int, port: int, log_dir: str, shape: StressShape, results) -> None:
+    """A GPU process of the run: its result goes to the parent the moment it has one (no closing barrier, which a
+    stuck peer would hold), then the process ends without tearing NCCL down."""
+    import faulthandler
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    log = open(Path(log_dir) / f"rank{rank}.log", "w", buffering=1)
+    faulthandler.dump_traceback_later(S_DUMP_STACKS_S, file=log)  # every thread's stack, if still running then
+    try:
+        device, url = bench.rank_device(rank, shape.device), f"tcp://127.0.0.1:{port}"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", init_method=url, rank=rank, world_size=2, device_id=device)
+        else:
+            dist.init_process_group("gloo", init_method=url, rank=rank, world_size=2)
+        results.put((rank, True, _stress_rank(rank, shape, log)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()
+        log.flush()
+        os._exit(0)
+
+
+def _run_stress(log_dir: Path, shape: StressShape = StressShape()) -> dict[int, dict]:
+    """Both ranks' reports; a run that outlives S_KILL_S is killed and fails with both ranks' logs."""
+    import queue
+
+    import torch.multiprocessing as mp
+
+    from parallel.net import free_port
+
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_stress_child, args=(r, port, str(log_dir), shape, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    got, deadline = {}, time.monotonic() + S_KILL_S
+    try:
+        while len(got) < 2 and time.monotonic() < deadline:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            assert ok, f"rank {rank} failed:\n{value}"
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.kill() if p.is_alive() else None
+    if len(got) < 2:
+        logs = "\n".join(f"--- rank {r} ---\n" + "\n".join((log_dir / f"rank{r}.log").read_text().splitlines()[-60:])
+                         for r in range(2) if (log_dir / f"rank{r}.log").exists())
+        pytest.fail(f"HUNG: ranks {sorted(set(range(2)) - set(got))} had no result after {S_KILL_S:.0f}s\n{logs}")
+    return got
+
+
+@pytest.mark.parametrize("shape", list(STRESS_SHAPES))
+def test_transfers_in_flight_from_threads_land_bit_for_bit(shape: str, tmp_path: Path):
+    sender, receiver = (v for _, v in sorted(_run_stress(tmp_path, STRESS_SHAPES[shape]).items()))
+    lines = [f"{name}: sender {sender.get(name)} | receiver {receiver.get(name)}" for name, _, _ in S_PHASES]
+    print("\n".join(lines))
+    for name, _, _ in S_PHASES:
+        for side, report in (("sender", sender), ("receiver", receiver)):
+            assert name in report, f"phase {name} never ran (an earlier one failed):\n" + "\n".join(lines)
+            assert not report[name]["errors"] and not report[name]["unfinished"], f"{name} {side}: {report[name]}"
+        assert not receiver[name]["bad"], f"{name}: blocks wrong:\n" + "\n".join(receiver[name]["bad"])
