@@ -416,7 +416,8 @@ class _RingSteps:
     kv_shards[i] and merges it exactly into the result.
 
     Triton: one launch per step for the whole ragged batch, from tile tables made before the first launch
-    and cached on the shards (every layer of a forward reuses them); a step the kernel's split-K rule splits
+    and cached on the shards (every layer of a forward reuses them), each step's arguments planned there too
+    (`StepLaunch`: a step's call only adds its K/V and launches); a step the kernel's split-K rule splits
     (`split_counts`, or the config's split=N) adds the launch that merges its pieces, and the steps share
     one scratch for the pieces' partials. The first step writes the fp32
     accumulators (its table covers every query row: no zero fill), middle steps merge into them, the last
@@ -438,7 +439,7 @@ class _RingSteps:
         kernels = _triton_kernels()
         self.tma = kernels.tma_ok(first_block[0], first_block[1])
         cfg = kernel_config
-        self.config = kernels.RingConfig.parse(cfg) if isinstance(cfg, str) else cfg or kernels.default_config(
+        self.config = kernels.parse_config(cfg) if isinstance(cfg, str) else cfg or kernels.default_config(
             q.shape[0], q.shape[-1], q.element_size(), self.tma)
         rows = kernels.rows_per_tile(self.config, q.shape[1], first_block.shape[2])
         n_groups = q.shape[1] // self.config.heads_per_program(q.shape[1] // first_block.shape[2])
@@ -466,6 +467,13 @@ class _RingSteps:
             acc_dtype = q.dtype if self.config.acc16 and q.element_size() == 2 else torch.float32
             self.acc = (torch.empty(q.shape, dtype=acc_dtype, device=q.device),
                         torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
+        # Every launch's arguments worked out now, before the first: a step's call then only adds its K/V.
+        hkv = first_block.shape[2]
+        self.launches = [kernels.StepLaunch(q, shard.num_tokens, hkv, scale, self.tables[i][0], self.q_pos,
+                                            self.k_pos[i], self.config, self.acc, i > 0, i < self.n_launch - 1,
+                                            self.out if i == self.n_launch - 1 else None, self.tma,
+                                            self.tables[i][1], self.partials, not self.fused)
+                         for i, shard in enumerate(launches)]
 
     def step(self, i: int, block: torch.Tensor) -> None:
         """Attend over `block` [2, Tk, Hkv, D], the keys of kv_shards[i], and merge."""
@@ -479,13 +487,15 @@ class _RingSteps:
             if i < self.n - 1:
                 return
             i, block = 1, self.fused_kv
-        last = i == self.n_launch - 1
         k, v = block[0], block[1]
-        tma = self.tma and (k.shape[0] == 0 or kernels.tma_ok(k, v))
-        tiles, merge, _ = self.tables[i]
-        kernels.ring_step(self.q, k, v, self.scale, tiles, self.q_pos, self.k_pos[i], self.config, self.acc,
-                          load_prev=i > 0, store_acc=not last, out=self.out if last else None, tma=tma, merge=merge,
-                          partials=self.partials, chained=not self.fused)
+        if self.tma and k.shape[0] and not kernels.tma_ok(k, v):  # a block TMA cannot read (misaligned): plain loads
+            last = i == self.n_launch - 1
+            tiles, merge, _ = self.tables[i]
+            kernels.ring_step(self.q, k, v, self.scale, tiles, self.q_pos, self.k_pos[i], self.config, self.acc,
+                              load_prev=i > 0, store_acc=not last, out=self.out if last else None, tma=False,
+                              merge=merge, partials=self.partials, chained=not self.fused)
+            return
+        self.launches[i](k, v)
 
     def result(self) -> torch.Tensor:
         """[Tq, Hq, D] in q's dtype, once every step ran."""

@@ -9,7 +9,9 @@ every key). Returns out [Tq, Hq, D] and lse [Tq, Hq] fp32 (-inf, out 0, for a ro
 parallel/ring_attention.py's ring runs per step: one launch for a whole ragged batch, driven by a tile
 table (`build_tiles`, made once per pair of shards and reused by every layer), whose first step writes the
 fp32 accumulators (no zero fill), middle steps merge into them and last step merges and writes the output
-in q's dtype (no separate cast); a ring of one writes the output directly.
+in q's dtype (no separate cast); a ring of one writes the output directly. `StepLaunch` is a step's launch with
+everything but its K/V worked out ahead (the ring plans each step's before its first launch, so the host's cost
+per step is Triton's launch path, not argument set-up).
 
 Flash-attention-2 style: one program per (head group, tile of query rows), online softmax over BLOCK_N key
 tiles in registers, exp2 with log2(e) folded into the scale. Each tile-table row is one query tile:
@@ -147,6 +149,12 @@ class RingConfig:
         return gqa if self.pack and gqa > 1 and self.block_m % gqa == 0 and gqa & (gqa - 1) == 0 else 1
 
 
+@functools.lru_cache(maxsize=None)
+def parse_config(text: str) -> RingConfig:
+    """`RingConfig.parse`, once per string (a ring parses its config on every layer's call)."""
+    return RingConfig.parse(text)
+
+
 # Long query chunks in 16/32-bit floats, by head dim: (TMA loads, plain loads). 128 x 128 tiles, 8 warps and
 # 3 stages are the prefill kernel's best on an H100 at 8K tokens (scripts/bench_prefill_attention.py); three
 # stages of 128 x 128 K/V tiles need Hopper's shared memory, hence 128 x 64 with plain loads.
@@ -163,7 +171,7 @@ def default_config(tq: int, head_dim: int, element_size: int, tma: bool) -> Ring
     >= 128 rows), else fp32 (two stages: three would not fit in shared memory) or short chunks."""
     env = os.environ.get(ENV)
     if env:
-        return RingConfig.parse(env)
+        return parse_config(env)
     if tq >= 128 and head_dim in CONFIGS and element_size == 2:
         return CONFIGS[head_dim][0 if tma else 1]
     if tq >= 128 and head_dim <= 128:
@@ -541,7 +549,7 @@ def ring_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t
               out: torch.Tensor | None = None, tma: bool | None = None, merge: torch.Tensor | None = None,
               partials: tuple[torch.Tensor, torch.Tensor] | None = None, chained: bool = True) -> None:
     """One launch over a tile table (`build_tiles` with `rows_per_tile(config, ...)` rows per tile, on q's device),
-    and with split-K (`split_tiles`) a second over its merge table.
+    and with split-K (`split_tiles`) a second over its merge table: `StepLaunch` made and run once.
 
     q [Tq, Hq, D]; k/v [Tk, Hkv, D] (rows as the table's k0.. k_end); q_pos [Tq] / k_pos [Tk] int32 positions on
     the device (None: no row of the table is causal). acc (out [Tq, Hq, D] fp32 or any float dtype, lse [Tq, Hq]
@@ -553,50 +561,87 @@ def ring_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t
     may then start in its tail: it reads nothing that kernel writes before `gdc_wait`); False after other work
     (the fused step's scatters), which a programmatic launch could read before it is visible."""
     _check(q, k, v, q_pos, k_pos)
-    tq, hq, d = q.shape
-    tk, hkv = k.shape[0], k.shape[1]
-    n_tiles = tiles.shape[0]
-    if tq == 0 or n_tiles == 0:
-        return
-    if (load_prev or store_acc) and acc is None:
-        raise ValueError("ring_step: loading or storing accumulators needs them")
-    split = merge is not None and merge.shape[0] > 0
-    if split and partials is None:
-        raise ValueError("ring_step: a split table needs partial buffers (partial_buffers)")
-    use_tma = tk > 0 and (tma_ok(k, v) if tma is None else tma)
-    hp = config.heads_per_program(hq // hkv)
-    if tk == 0:  # no keys: no tile loads any, but the kernel takes pointers of q's dtype
-        k = v = q.new_empty((1, hkv, d))
-    k_desc = v_desc = None
-    if use_tma:  # 2-D views [Tk, Hkv * D] with their row strides: one box is one head's BLOCK_N rows
-        k_desc = _TensorDescriptor(k, [tk, hkv * d], [k.stride(0), 1], [config.block_n, d])
-        v_desc = _TensorDescriptor(v, [tk, hkv * d], [v.stride(0), 1], [config.block_n, d])
-    if acc is None:  # never read nor written: fp32 stand-ins, so the kernel compiled for the ring serves too
-        dummy = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
-        acc = (dummy.expand(1, 1, 1), dummy.view(1, 1))
-    acc_o, acc_l = acc
-    fin = out if out is not None else acc_o
-    part_o, part_l = partials if split else (acc_l, acc_l)  # fp32 stand-ins, never written without a split
-    q_pos = tiles if q_pos is None else q_pos  # int32 stand-ins, never read
-    k_pos = tiles if k_pos is None else k_pos
-    n_groups = hq // hp
-    flags = (int(load_prev), int(store_acc), int(out is not None))
-    strides = (acc_o.stride(0), acc_o.stride(1), acc_l.stride(0), acc_l.stride(1), fin.stride(0), fin.stride(1))
-    # PDL: one compile for every step of the ring (a launch without it makes the kernel's PDL calls no-ops);
-    # only a step that merges (load_prev: its predecessor is this ring's own step) launches programmatically,
-    # never a split one (its pieces reuse the scratch its predecessor's merge read).
-    pdl = config.pdl and not split and pdl_ok(q.device)
-    launch = dict(launch_pdl=True) if pdl and load_prev and chained else {}
-    _ring_kernel[(n_groups * n_tiles,)](
-        q, k, v, k_desc, v_desc, q_pos, k_pos, tiles, acc_o, acc_l, fin, part_o, part_l, scale * _LOG2E, n_groups,
-        *flags, q.stride(0), q.stride(1), k.stride(0), v.stride(0), *strides,
-        GQA=hq // hkv, HP=hp, D=d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA=use_tma,
-        IEEE=q.dtype == torch.float32, SPLIT=split, EARLY=config.early, PDL=pdl, num_warps=config.num_warps,
-        num_stages=config.num_stages, **launch)
-    if split:  # the split rows' pieces, merged and finished as an unsplit row would have been
-        _merge_kernel[(n_groups * merge.shape[0],)](merge, part_o, part_l, acc_o, acc_l, fin, n_groups, *flags,
-                                                    *strides, HP=hp, D=d, BLOCK_M=config.block_m,
-                                                    SUB=min(config.block_m, max(16, 4096 // d)), num_warps=8)
+    use_tma = k.shape[0] > 0 and (tma_ok(k, v) if tma is None else tma)
+    StepLaunch(q, k.shape[0], k.shape[1], scale, tiles, q_pos, k_pos, config, acc, load_prev, store_acc, out, use_tma,
+               merge, partials, chained)(k, v)
+
+
+class StepLaunch:
+    """One ring step's launch(es) with everything but its K/V worked out once: the kernel's arguments, constexprs,
+    grid and launch options, from what `ring_step` takes (its docstring) less K/V's data: `tk` keys of `hkv` heads,
+    and `tma` (whether K/V are read by TMA; the caller checked `tma_ok`). Calling it with k/v [tk, Hkv, D] (rows
+    of Hkv * D packed values, as `supported` wants) launches: what a ring step costs the host is then the K/V
+    descriptors and Triton's own launch path, not this set-up (`_RingSteps` makes one per step before the first
+    launch, so a rank's launches follow each other as fast as the host can issue them)."""
+
+    def __init__(self, q: torch.Tensor, tk: int, hkv: int, scale: float, tiles: torch.Tensor,
+                 q_pos: torch.Tensor | None, k_pos: torch.Tensor | None, config: RingConfig,
+                 acc: tuple[torch.Tensor, torch.Tensor] | None, load_prev: bool, store_acc: bool,
+                 out: torch.Tensor | None, tma: bool, merge: torch.Tensor | None,
+                 partials: tuple[torch.Tensor, torch.Tensor] | None, chained: bool):
+        tq, hq, d = q.shape
+        self.tk, self.hkv, self.d, self.block_n, self.dtype = tk, hkv, d, config.block_n, q.dtype
+        self.empty = tq == 0 or tiles.shape[0] == 0
+        if self.empty:
+            return
+        if (load_prev or store_acc) and acc is None:
+            raise ValueError("ring_step: loading or storing accumulators needs them")
+        split = merge is not None and merge.shape[0] > 0
+        if split and partials is None:
+            raise ValueError("ring_step: a split table needs partial buffers (partial_buffers)")
+        self.tma = tk > 0 and tma
+        hp = config.heads_per_program(hq // hkv)
+        self.no_keys = q.new_empty((1, hkv, d)) if tk == 0 else None  # no tile loads any, but pointers of q's dtype
+        if acc is None:  # never read nor written: fp32 stand-ins, so the kernel compiled for the ring serves too
+            dummy = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
+            acc = (dummy.expand(1, 1, 1), dummy.view(1, 1))
+        acc_o, acc_l = acc
+        fin = out if out is not None else acc_o
+        part_o, part_l = partials if split else (acc_l, acc_l)  # fp32 stand-ins, never written without a split
+        q_pos = tiles if q_pos is None else q_pos  # int32 stand-ins, never read
+        k_pos = tiles if k_pos is None else k_pos
+        n_groups = hq // hp
+        flags = (int(load_prev), int(store_acc), int(out is not None))
+        strides = (acc_o.stride(0), acc_o.stride(1), acc_l.stride(0), acc_l.stride(1), fin.stride(0), fin.stride(1))
+        # PDL: one compile for every step of the ring (a launch without it makes the kernel's PDL calls no-ops);
+        # only a step that merges (load_prev: its predecessor is this ring's own step) launches programmatically,
+        # never a split one (its pieces reuse the scratch its predecessor's merge read).
+        pdl = config.pdl and not split and pdl_ok(q.device)
+        # The arguments before and after K/V's five (k, v, their descriptors, and k/v's row strides at the end).
+        self.head = (q,)
+        self.mid = (q_pos, k_pos, tiles, acc_o, acc_l, fin, part_o, part_l, scale * _LOG2E, n_groups, *flags,
+                    q.stride(0), q.stride(1))
+        self.tail = strides
+        self.grid = (n_groups * tiles.shape[0],)
+        self.kw = dict(GQA=hq // hkv, HP=hp, D=d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA=self.tma,
+                       IEEE=q.dtype == torch.float32, SPLIT=split, EARLY=config.early, PDL=pdl,
+                       num_warps=config.num_warps, num_stages=config.num_stages)
+        if pdl and load_prev and chained:
+            self.kw["launch_pdl"] = True
+        self.merge_args = None
+        if split:  # the split rows' pieces, merged and finished as an unsplit row would have been
+            self.merge_grid = (n_groups * merge.shape[0],)
+            self.merge_args = (merge, part_o, part_l, acc_o, acc_l, fin, n_groups, *flags, *strides)
+            self.merge_kw = dict(HP=hp, D=d, BLOCK_M=config.block_m, SUB=min(config.block_m, max(16, 4096 // d)),
+                                 num_warps=8)
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.empty:
+            return
+        if k.shape != (self.tk, self.hkv, self.d) or v.shape != k.shape or k.dtype != self.dtype or v.dtype != k.dtype \
+                or k.stride(1) != self.d or v.stride(1) != self.d or k.stride(2) != 1 or v.stride(2) != 1:
+            raise ValueError(f"this step was planned for k/v [{self.tk}, {self.hkv}, {self.d}] {self.dtype} with packed "
+                             f"heads, got {tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}")
+        if self.no_keys is not None:
+            k = v = self.no_keys
+        k_desc = v_desc = None
+        if self.tma:  # 2-D views [Tk, Hkv * D] with their row strides: one box is one head's BLOCK_N rows
+            k_desc = _TensorDescriptor(k, [self.tk, self.hkv * self.d], [k.stride(0), 1], [self.block_n, self.d])
+            v_desc = _TensorDescriptor(v, [self.tk, self.hkv * self.d], [v.stride(0), 1], [self.block_n, self.d])
+        _ring_kernel[self.grid](*self.head, k, v, k_desc, v_desc, *self.mid, k.stride(0), v.stride(0), *self.tail,
+                                **self.kw)
+        if self.merge_args is not None:
+            _merge_kernel[self.merge_grid](*self.merge_args, **self.merge_kw)
 
 
 def _launch(q, k, v, scale, q_pos, k_pos, out, lse, merge: bool, tiles, tma) -> None:
