@@ -311,7 +311,7 @@ def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> b
     return bool(torch.equal(mine, theirs))
 
 
-VARIANT = r"agent_(hp|x\d+|(?:[moc]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
+VARIANT = r"agent_(hp|x\d+|(?:[moc]\d+|i(?:pageable|pinned|mapped))+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
 
 
 def summarize(results: list[dict], cfg: dict) -> list[dict]:
