@@ -38,9 +38,9 @@ import random
 import re
 import statistics
 import sys
-import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -266,29 +266,36 @@ def _in_flight_run(rank: int, agent: KVTransferAgent, spec: PairSpec, shard: Ran
     thread of its own and started in reverse number order, so each rank's `_PostOrder` has to order their posts, as
     in a served decode replica whose calls reach the ranks in any order. Every one writes the same blocks."""
     def run() -> None:
-        base, errors = next_seq[0], []
+        base = next_seq[0]
         next_seq[0] += n
 
         def one(seq: int) -> None:
-            try:
-                if agent.kv_cache.is_cuda:
-                    torch.cuda.set_device(agent.kv_cache.device)
-                if rank == 0:
-                    agent.send(spec, plan, {0: shard}, src, f"{key}-{seq}", seq)
-                else:
-                    agent.recv(spec, plan, {0: shard}, dst, None, seq)
-            except BaseException as e:  # noqa: BLE001 - raised on the caller's thread below
-                errors.append(e)
+            if agent.kv_cache.is_cuda:
+                torch.cuda.set_device(agent.kv_cache.device)
+            if rank == 0:
+                agent.send(spec, plan, {0: shard}, src, f"{key}-{seq}", seq)
+            else:
+                agent.recv(spec, plan, {0: shard}, dst, None, seq)
 
-        threads = [threading.Thread(target=one, args=(base + k,)) for k in reversed(range(n))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        for done in [_rank_threads().submit(one, base + k) for k in reversed(range(n))]:
+            done.result()  # the first failure raises here
 
     return run
+
+
+_THREADS: ThreadPoolExecutor | None = None
+
+
+def _rank_threads() -> ThreadPoolExecutor:
+    """The threads in-flight transfers run on: 16 for the whole run, as a rank actor's (max_concurrency=16). Not new ones
+    per run: the agent gives each thread a CUDA stream of its own (`KVTransferAgent._own_stream`), and torch hands out
+    its pool's 32 streams a device round robin, so a few dozen short-lived threads made later transfers share streams
+    with each other and with the pair's NCCL stream, queueing their copies behind its kernels, which a served rank's
+    few long-lived threads do not."""
+    global _THREADS
+    if _THREADS is None:
+        _THREADS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-in-flight")
+    return _THREADS
 
 
 def _copy_programs(n: int) -> None:
