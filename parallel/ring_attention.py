@@ -416,8 +416,8 @@ class _RingSteps:
     kv_shards[i] and merges it exactly into the result.
 
     Triton: one launch per step for the whole ragged batch, from tile tables made before the first launch
-    and cached on the shards (every layer of a forward reuses them), each step's arguments planned there too
-    (`StepLaunch`: a step's call only adds its K/V and launches); a step the kernel's split-K rule splits
+    and cached on the shards (every layer of a forward reuses them), each launch's arguments planned once at
+    its first call (`StepLaunch`, while the GPU runs the step before); a step the kernel's split-K rule splits
     (`split_counts`, or the config's split=N) adds the launch that merges its pieces, and the steps share
     one scratch for the pieces' partials. The first step writes the fp32
     accumulators (its table covers every query row: no zero fill), middle steps merge into them, the last
@@ -441,7 +441,8 @@ class _RingSteps:
         cfg = kernel_config
         self.config = kernels.parse_config(cfg) if isinstance(cfg, str) else cfg or kernels.default_config(
             q.shape[0], q.shape[-1], q.element_size(), self.tma)
-        rows = kernels.rows_per_tile(self.config, q.shape[1], first_block.shape[2])
+        self.q_hkv = first_block.shape[2]
+        rows = kernels.rows_per_tile(self.config, q.shape[1], self.q_hkv)
         n_groups = q.shape[1] // self.config.heads_per_program(q.shape[1] // first_block.shape[2])
         split = (self.config.block_n, n_groups, kernels.sm_count(q.device), self.config.splits)
         # fuse: the steps after the first are one launch over the other blocks, each scattered on arrival into
@@ -467,13 +468,10 @@ class _RingSteps:
             acc_dtype = q.dtype if self.config.acc16 and q.element_size() == 2 else torch.float32
             self.acc = (torch.empty(q.shape, dtype=acc_dtype, device=q.device),
                         torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
-        # Every launch's arguments worked out now, before the first: a step's call then only adds its K/V.
-        hkv = first_block.shape[2]
-        self.launches = [kernels.StepLaunch(q, shard.num_tokens, hkv, scale, self.tables[i][0], self.q_pos,
-                                            self.k_pos[i], self.config, self.acc, i > 0, i < self.n_launch - 1,
-                                            self.out if i == self.n_launch - 1 else None, self.tma,
-                                            self.tables[i][1], self.partials, not self.fused)
-                         for i, shard in enumerate(launches)]
+        # Each launch's arguments are worked out at its step's first call (`_launch`), so a launch's set-up runs
+        # while the GPU computes the step before it, and the rank's first kernel waits only for its own.
+        self.key_tokens = [shard.num_tokens for shard in launches]
+        self.launches = [None] * self.n_launch
 
     def step(self, i: int, block: torch.Tensor) -> None:
         """Attend over `block` [2, Tk, Hkv, D], the keys of kv_shards[i], and merge."""
@@ -495,7 +493,17 @@ class _RingSteps:
                               load_prev=i > 0, store_acc=not last, out=self.out if last else None, tma=False,
                               merge=merge, partials=self.partials, chained=not self.fused)
             return
-        self.launches[i](k, v)
+        self._launch(i)(k, v)
+
+    def _launch(self, i: int):
+        """Launch i's `StepLaunch` (planned at its first use)."""
+        if self.launches[i] is None:
+            last = i == self.n_launch - 1
+            self.launches[i] = _triton_kernels().StepLaunch(
+                self.q, self.key_tokens[i], self.q_hkv, self.scale, self.tables[i][0], self.q_pos, self.k_pos[i],
+                self.config, self.acc, i > 0, not last, self.out if last else None, self.tma, self.tables[i][1],
+                self.partials, not self.fused)
+        return self.launches[i]
 
     def result(self) -> torch.Tensor:
         """[Tq, Hq, D] in q's dtype, once every step ran."""

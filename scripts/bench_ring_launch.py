@@ -103,7 +103,7 @@ def one_sp(n: int, sp: int, config: str | None, iters: int, q, k, v) -> dict:
     for i, src in enumerate(srcs):  # each step's own call, on a ring set up once (its launches repeat)
         res[f"step{i}"] = host_us(lambda: steps.step(i, blocks[src]), iters)
     kb = steps.fused_kv if steps.fused else blocks[srcs[-1]]
-    launch = steps.launches[last]
+    launch = steps._launch(last)
     tiles, merge, _ = steps.tables[last]
     res["ring_step"] = host_us(lambda: rt.ring_step(
         steps.q, kb[0], kb[1], scale, tiles, steps.q_pos, steps.k_pos[last], steps.config, steps.acc, last > 0,
@@ -114,7 +114,7 @@ def one_sp(n: int, sp: int, config: str | None, iters: int, q, k, v) -> dict:
     # launch goes through it (same output as the ordinary launches, bitwise).
     try:
         check = make()
-        handle = HandleLaunch(check.launches[last])
+        handle = HandleLaunch(check._launch(last))
         check.launches[last] = handle
         for i, src in enumerate(srcs):
             check.step(i, blocks[src])

@@ -10,8 +10,8 @@ parallel/ring_attention.py's ring runs per step: one launch for a whole ragged b
 table (`build_tiles`, made once per pair of shards and reused by every layer), whose first step writes the
 fp32 accumulators (no zero fill), middle steps merge into them and last step merges and writes the output
 in q's dtype (no separate cast); a ring of one writes the output directly. `StepLaunch` is a step's launch with
-everything but its K/V worked out ahead (the ring plans each step's before its first launch, so the host's cost
-per step is Triton's launch path, not argument set-up).
+everything but its K/V worked out once (the ring plans each of its launches once per call, so its host cost per
+step is one plan and Triton's launch path).
 
 Flash-attention-2 style: one program per (head group, tile of query rows), online softmax over BLOCK_N key
 tiles in registers, exp2 with log2(e) folded into the scale. Each tile-table row is one query tile:
@@ -571,8 +571,8 @@ class StepLaunch:
     grid and launch options, from what `ring_step` takes (its docstring) less K/V's data: `tk` keys of `hkv` heads,
     and `tma` (whether K/V are read by TMA; the caller checked `tma_ok`). Calling it with k/v [tk, Hkv, D] (rows
     of Hkv * D packed values, as `supported` wants) launches: what a ring step costs the host is then the K/V
-    descriptors and Triton's own launch path, not this set-up (`_RingSteps` makes one per step before the first
-    launch, so a rank's launches follow each other as fast as the host can issue them)."""
+    descriptors and Triton's own launch path (`_RingSteps` makes each of its launches' at that launch's first
+    use, while the GPU runs the launch before it)."""
 
     def __init__(self, q: torch.Tensor, tk: int, hkv: int, scale: float, tiles: torch.Tensor,
                  q_pos: torch.Tensor | None, k_pos: torch.Tensor | None, config: RingConfig,
