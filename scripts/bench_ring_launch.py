@@ -6,7 +6,8 @@ set the ring up and issued it: that host time is part of the rank's time (tune_r
 waits for the GPU before each run). This script splits it: with a spin kernel queued first (so no launch waits for
 the GPU), the host microseconds of
 
-  setup        `_RingSteps(...)`: config, tile tables (cached), accumulators, every step's `StepLaunch`
+  setup        `_RingSteps(...)`: config, tile tables (cached), accumulators (setup_plan0: and the first
+               launch's `StepLaunch`, what the first kernel waits for beside its launch)
   step i       `steps.step(i, block)`: the launch as the ring issues it (a planned `StepLaunch` call)
   ring_step    the same launch through `ring_step` (checks and argument set-up on every call, as before plans)
   jit          the bare Triton launch `_ring_kernel[grid](...)` with the step's arguments ready (Triton's own path)
@@ -75,7 +76,7 @@ class HandleLaunch:
         args = handle_args(cl, k, v)
         if self.kernel is None:
             self.kernel = rt._ring_kernel.warmup(*args[:-10], grid=cl.grid, **cl.kw)
-        run = self.kernel[cl.grid]
+        run = self.kernel[(*cl.grid, 1, 1)]  # the handle's runner reads grid[0], grid[1] and grid[2]
         if self.form is None:
             try:
                 run(*args)
@@ -97,7 +98,7 @@ def one_sp(n: int, sp: int, config: str | None, iters: int, q, k, v) -> dict:
     make = lambda: _RingSteps(qs[0], blocks[0], shards[0], [shards[s] for s in srcs], scale, None, True,  # noqa: E731
                               config)
     want = ring_rank_attention(qs[0], blocks, shards, 0, scale, "triton", kernel_config=config)
-    res = {"sp": sp, "setup": host_us(make, iters)}
+    res = {"sp": sp, "setup": host_us(make, iters), "setup_plan0": host_us(lambda: make()._launch(0), iters)}
     steps = make()
     last = steps.n_launch - 1
     for i, src in enumerate(srcs):  # each step's own call, on a ring set up once (its launches repeat)
