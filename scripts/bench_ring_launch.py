@@ -91,7 +91,7 @@ class HandleLaunch:
 
 
 def one_sp(n: int, sp: int, config: str | None, iters: int, q, k, v) -> dict:
-    positions = [owned_positions(0, n, r, sp, 16) for r in range(sp)]
+    positions = [owned_positions(0, n, r, sp, 16 if n >= 1024 else 4) for r in range(sp)]
     qs, blocks, shards = split_for_ranks(q, k, v, positions)
     scale = q.shape[-1] ** -0.5
     srcs = [(0 - s) % sp for s in range(sp)]
