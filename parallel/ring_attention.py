@@ -423,7 +423,8 @@ class _RingSteps:
     accumulators (its table covers every query row: no zero fill), middle steps merge into them, the last
     merges and writes the output in q's dtype (no separate cast); a ring of one step writes the output
     directly. Under RingConfig.fuse (three or more steps) the steps after the first only scatter their block
-    into a position-ordered buffer (`_fused_layout`), and the last launches once over it: two launches in all.
+    into a position-ordered buffer (`_fused_layout`), and the last launches once over it: two launches in all;
+    under RingConfig.gather (two or more) the first step's block is scattered too: one launch in all.
     PyTorch (CPU): zeroed accumulators, `blockwise_attention_with_lse` and `merge_into` per
     sequence, one cast at the end."""
 
@@ -446,12 +447,15 @@ class _RingSteps:
         n_groups = q.shape[1] // self.config.heads_per_program(q.shape[1] // first_block.shape[2])
         split = (self.config.block_n, n_groups, kernels.sm_count(q.device), self.config.splits)
         # fuse: the steps after the first are one launch over the other blocks, each scattered on arrival into
-        # rows in position order (`_fused_layout`); the launches' key shards are then [own, fused].
-        self.fused = self.config.fuse and self.n >= 3
+        # rows in position order (`_fused_layout`); the launches' key shards are then [own, fused]. gather: every
+        # block so (the own one too), one launch over [fused]. f0: the first step whose block is scattered.
+        gather = self.config.gather and self.n >= 2
+        self.fused = gather or (self.config.fuse and self.n >= 3)
+        self.f0 = 0 if gather else 1
         launches = kv_shards
         if self.fused:
-            fused_shard, self.dst = _fused_layout(q_shard, kv_shards[1:], q.device)
-            launches = [kv_shards[0], fused_shard]
+            fused_shard, self.dst = _fused_layout(q_shard, kv_shards[self.f0:], q.device)
+            launches = [fused_shard] if gather else [kv_shards[0], fused_shard]
             self.fused_kv = first_block.new_empty((2, fused_shard.num_tokens, *first_block.shape[2:]))
         self.n_launch = len(launches)
         # Before the first kernel: a host-to-device copy issued later would wait for the kernels queued before it.
@@ -480,11 +484,11 @@ class _RingSteps:
                           self.tiles)
             return
         kernels = _triton_kernels()
-        if self.fused and i > 0:  # into its rows of the position-ordered buffer; the last block launches them all
-            _scatter_runs(self.fused_kv, block, *self.dst[i - 1])
+        if self.fused and i >= self.f0:  # into its rows of the position-ordered buffer; the last launches them all
+            _scatter_runs(self.fused_kv, block, *self.dst[i - self.f0])
             if i < self.n - 1:
                 return
-            i, block = 1, self.fused_kv
+            i, block = self.n_launch - 1, self.fused_kv
         k, v = block[0], block[1]
         if self.tma and k.shape[0] and not kernels.tma_ok(k, v):  # a block TMA cannot read (misaligned): plain loads
             last = i == self.n_launch - 1

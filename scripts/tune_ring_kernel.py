@@ -30,7 +30,8 @@ kernel's rule from the step's work per SM, what runs by default). --flags crosse
 RingConfig flags ("none,early,pdl,early+pdl,fuse": early starts each merging step from the accumulators, pdl
 chains the steps by programmatic dependent launch, fuse runs the steps after the first as one launch over the
 other ranks' blocks scattered into position order; with fuse the middle step columns are those scatters alone,
-the last one its scatter and the fused launch, and the tile rows are per launch).
+the last one its scatter and the fused launch, and the tile rows are per launch; gather, SP >= 2: the own block
+scattered too, one launch after every block arrived: a diagnostic of longer programs, its time omits that wait).
 The "streamed" column is the slowest rank's GPU time per run with runs issued back to back over SP=1's taken
 the same way (host launch time hidden, as behind a forward's earlier layers); the ratio column waits for the
 GPU before each run, so it also counts the host's time to issue a rank's first launch. Both rankings print.
@@ -193,6 +194,9 @@ def step_profile(q, blocks, shards, rank: int, scale: float, config,
     return [events[i].elapsed_time(events[i + 1]) for i in range(n)], issue_ms, tables, host_ms
 
 
+# gather (RingConfig): the rank's one launch waits for every block; this one-GPU time has no transfers, so it omits
+# that wait ((SP - 1) x a block's bytes over the link), which the ring's other configs overlap with their steps.
+GATHER_NOTE = "  [gather: omits the wait for the blocks]"
 SPIN_MS = 3.0  # the spin kernel ahead of a profiled ring (step_profile): longer than any ring's host issue time
 
 
@@ -337,7 +341,8 @@ def table(results: list[dict], configs: list[str]) -> str:
                 lines.append(f"{cell['tokens']:7d} {sp:>2} {config:<34} {r['slowest_s'] * 1e3:10.3f} {base:8.3f} "
                              f"{r['ratio']:6.3f} {goal:>5} {r['max_abs_err']:8.1e}{'' if r['within_bf16_tol'] else '!'}"
                              f" {r['stream_ratio']:8.3f}  {steps:<26} {r['issue_ms']:8.2f}  {rows}   host ms "
-                             f"[set-up, steps] {host}{' (host-bound)' if r.get('host_bound') else ''}")
+                             f"[set-up, steps] {host}{' (host-bound)' if r.get('host_bound') else ''}"
+                             f"{GATHER_NOTE if 'gather' in config else ''}")
     return "\n".join(lines)
 
 

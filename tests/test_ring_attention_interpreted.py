@@ -181,6 +181,27 @@ for cfg in FUSED:
         torch.testing.assert_close(steps.result(), ref, rtol=1e-5, atol=1e-5, msg=str((cfg, r)))
         checked += 1
 
+# 2c. gather: every block, the own one too, scattered into one position-ordered buffer and one launch in all, no
+# accumulators (the same ragged batch at SP=2 and 3; at SP=3 ranks 1 and 2 hold nothing of the 3-token prompt).
+GATHER = ["32,16,4,1,pack,gather", "16,16,4,1,gather,early"]
+for sp in (2, 3):
+    q_shards = [TokenShard([owned_positions(lo, n, r, sp, 4) for lo, n in ((0, 30), (21, 40), (0, 3))])
+                for r in range(sp)]
+    kv_shards = [TokenShard([owned_positions(0, n, r, sp, 4) for n in lens]) for r in range(sp)]
+    blocks = [torch.stack([torch.cat([x[b][p] for b, p in enumerate(kv.positions)]) for x in (kf, vf)])
+              for kv in kv_shards]
+    for cfg in GATHER:
+        for r in range(sp):
+            q = torch.cat([qf[b][p] for b, p in enumerate(q_shards[r].positions)])
+            steps = _RingSteps(q, blocks[r], q_shards[r], [kv_shards[(r - s) % sp] for s in range(sp)], S, None,
+                               True, cfg)
+            assert steps.fused and len(steps.tables) == 1 and steps.acc is None
+            for s in range(sp):
+                steps.step(s, blocks[(r - s) % sp])
+            ref = torch.cat([want[b][p] for b, p in enumerate(q_shards[r].positions)])
+            torch.testing.assert_close(steps.result(), ref, rtol=1e-5, atol=1e-5, msg=str((cfg, sp, r)))
+            checked += 1
+
 # 3. A ring of one (Ulysses' attention): the output straight from the kernel, no accumulators.
 q, k, v = torch.randn(37, 4, D), torch.randn(37, 1, D), torch.randn(37, 1, D)
 shard = TokenShard([list(range(37))])
@@ -206,7 +227,8 @@ qs, blocks, shards = split_for_ranks(q, k, v, positions)
 full = causal(q, k, v)
 ring_mod.triton_is_default = lambda q, block: True
 os_env = __import__("os").environ
-for r, env in [(r, env) for env in ("16,16,4,1,pack", "16,16,4,1,pack,fuse") for r in range(sp)]:
+for r, env in [(r, env) for env in ("16,16,4,1,pack", "16,16,4,1,pack,fuse", "16,16,4,1,pack,gather")
+               for r in range(sp)]:
     os_env["TANDEM_RING_KERNEL"] = env  # fuse: every exchange issued before the first step, each sending the last
     held = [r]
 
@@ -230,7 +252,8 @@ for r, env in [(r, env) for env in ("16,16,4,1,pack", "16,16,4,1,pack,fuse") for
     ring_mod._RingSteps.step = step
     assert held == [r, (r - 1) % sp, (r - 2) % sp]
     # Fused, no exchange may be issued after the first step's kernel (NCCL's stream would wait for it).
-    assert log == (["exchange"] * 2 + ["step"] * 3 if "fuse" in env else ["exchange", "step"] * 2 + ["step"]), log
+    assert log == (["exchange"] * 2 + ["step"] * 3 if "fuse" in env or "gather" in env
+                   else ["exchange", "step"] * 2 + ["step"]), log
     torch.testing.assert_close(out, full[positions[r]], rtol=1e-5, atol=1e-5)
     checked += 1
 print("ok", checked)
@@ -396,9 +419,9 @@ def test_ring_step_kernel_in_the_triton_interpreter():
 
 def test_ring_launches_in_the_triton_interpreter():
     out = run_interpreted(RING_SCRIPT)
-    configs, fused, fp16 = 7, 2, 4
+    configs, fused, fp16, gathered = 7, 2, 4, 2 * (2 + 3)
     assert out.strip().split()[-2:] == ["ok", str(configs * (6 + 4) + configs * 2 + fp16 * (6 + 4) + configs * 2
-                                                  + fused * 3 + configs + 1 + 2 * 3)], out[-500:]
+                                                  + fused * 3 + gathered + configs + 1 + 3 * 3)], out[-500:]
 
 
 def test_split_k_in_the_triton_interpreter():
@@ -513,8 +536,11 @@ def test_launch_configs(monkeypatch):
     assert rt.RingConfig.parse(str(early)) == early and not cfg.early and not cfg.pdl and not cfg.fuse
     assert rt.RingConfig.parse("128,128,8,3,fuse,pack").fuse and str(rt.RingConfig.parse("128,128,8,3,fuse")).endswith(
         ",fuse")
+    gather = rt.RingConfig.parse("128,128,8,3,gather,pack,fuse")
+    assert gather.gather and gather.fuse and not cfg.gather and rt.RingConfig.parse(str(gather)) == gather
+    assert rt.parse_config("128,128,8,3,pack,gather") is rt.parse_config("128,128,8,3,pack,gather")  # parsed once
     for bad in ("128,64,8,3,split=x", "128,64,8,3,split=2,split=3", "128,64,8,3,split=99", "128,64,8,3,acc16,acc16",
-                "128,64,8,3,early,early", "128,64,8,3,pdl2"):
+                "128,64,8,3,early,early", "128,64,8,3,pdl2", "128,64,8,3,gather,gather"):
         with pytest.raises(ValueError):
             rt.RingConfig.parse(bad)
     monkeypatch.delenv(rt.ENV, raising=False)

@@ -42,7 +42,7 @@ round trip; `pdl` chains the steps by programmatic dependent launch, so a step's
 previous step's tail frees.
 
 Launch configs: `RingConfig`, the `CONFIGS` table by head dim, the TANDEM_RING_KERNEL environment variable
-("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16][,early][,pdl][,fuse]"); scripts/tune_ring_kernel.py times
+("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16][,early][,pdl][,fuse][,gather]"); scripts/tune_ring_kernel.py times
 candidates on a GPU.
 Memory: the inputs, the accumulators and output, the tile table and, split, the pieces' partials: O(chunk).
 """
@@ -99,7 +99,13 @@ class RingConfig:
     order, so each query tile has one key range (one masked stretch) as at SP=1 and the rank runs two launches
     (two rounds of q / accumulator traffic, half the programs) instead of SP. The blocks travel as the ring's
     do, all of them during the first step's compute; the rank holds them all (O(sequence) K/V, not O(chunk)),
-    so it is meant for short chunks, where each step's fixed costs dominate."""
+    so it is meant for short chunks, where each step's fixed costs dominate.
+
+    `gather` (read by parallel/ring_attention.py; SP >= 2): as `fuse`, the rank's own block scattered too, so the
+    rank runs ONE launch over every key in position order (programs as long as SP=1's for its query tiles: each
+    program's fixed cost paid once per query tile, not once per step), after every block has arrived: nothing
+    overlaps the transfers, so a rank's time is that launch plus the wait for the last block (the one-GPU
+    per-rank benchmarks do not see that wait; it is about (SP - 1) x a block's bytes over the link)."""
     block_m: int
     block_n: int
     num_warps: int
@@ -110,15 +116,16 @@ class RingConfig:
     early: bool = False
     pdl: bool = False
     fuse: bool = False
+    gather: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "RingConfig":
         """"BLOCK_M,BLOCK_N,warps,stages" then optionally "pack" (or 1/0), "split=N" (or "splitN"; "split=auto"
-        is the default), "acc16", "early", "pdl" and "fuse": as the env variable, e.g. "128,128,8,3,pack,split=2"."""
+        is the default), "acc16", "early", "pdl", "fuse" and "gather": as the env variable, e.g. "128,128,8,3,pack,split=2"."""
         parts = [p.strip().lower() for p in text.replace("x", ",").split(",") if p.strip()]
         pack, splits, flags = None, None, set()
         for flag in parts[4:]:
-            if flag in ("acc16", "early", "pdl", "fuse") and flag not in flags:
+            if flag in ("acc16", "early", "pdl", "fuse", "gather") and flag not in flags:
                 flags.add(flag)
             elif flag.startswith("split") and splits is None:
                 n = flag[5:].lstrip("=")
@@ -127,12 +134,12 @@ class RingConfig:
                 pack = flag in ("pack", "1", "true", "p")
             else:
                 raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
-                                 f"[,early][,pdl][,fuse], not {text!r}")
+                                 f"[,early][,pdl][,fuse][,gather], not {text!r}")
         if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]):
             raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
-                             f"[,early][,pdl][,fuse], not {text!r}")
+                             f"[,early][,pdl][,fuse][,gather], not {text!r}")
         cfg = cls(*(int(p) for p in parts[:4]), bool(pack), splits or 0, "acc16" in flags, "early" in flags,
-                  "pdl" in flags, "fuse" in flags)
+                  "pdl" in flags, "fuse" in flags, "gather" in flags)
         if cfg.block_m < 16 or cfg.block_n < 16 or cfg.num_warps < 1 or cfg.num_stages < 1 \
                 or cfg.block_m & (cfg.block_m - 1) or cfg.block_n & (cfg.block_n - 1) or not 0 <= cfg.splits <= 64:
             raise ValueError(f"bad ring kernel config {text!r}: tiles powers of two >= 16, warps and stages >= 1, "
@@ -142,7 +149,8 @@ class RingConfig:
     def __str__(self) -> str:
         return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}" + (",pack" if self.pack else "") \
             + (f",split={self.splits}" if self.splits else "") + (",acc16" if self.acc16 else "") \
-            + (",early" if self.early else "") + (",pdl" if self.pdl else "") + (",fuse" if self.fuse else "")
+            + (",early" if self.early else "") + (",pdl" if self.pdl else "") + (",fuse" if self.fuse else "") \
+            + (",gather" if self.gather else "")
 
     def heads_per_program(self, gqa: int) -> int:
         """Query heads one program takes: the GQA group when packing (and it fits BLOCK_M with >= 1 row), else 1."""
