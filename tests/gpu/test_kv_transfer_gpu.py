@@ -405,9 +405,13 @@ def _run_stress(log_dir: Path, shape: StressShape = StressShape()) -> dict[int, 
     got, deadline = {}, time.monotonic() + S_KILL_S
     try:
         while len(got) < 2 and time.monotonic() < deadline:
+            # A rank that exited is given a little longer: its result may be in the pipe still.
+            dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
             try:
-                rank, ok, value = results.get(timeout=1.0)
+                rank, ok, value = results.get(timeout=5.0 if dead else 1.0)
             except queue.Empty:
+                assert not dead, f"rank {dead[0]} exited (code {procs[dead[0]].exitcode}) without a result:\n" + \
+                    "\n".join((log_dir / f"rank{dead[0]}.log").read_text().splitlines()[-40:])
                 continue
             assert ok, f"rank {rank} failed:\n{value}"
             got[rank] = value
