@@ -58,9 +58,12 @@ def handle_args(launch: rt.StepLaunch, k: torch.Tensor, v: torch.Tensor) -> list
         desc = tuple(rt._TensorDescriptor(x, [launch.tk, launch.hkv * launch.d], [x.stride(0), 1],
                                           [launch.block_n, launch.d]) for x in (k, v))
     values = [*launch.head, k, v, *desc, *launch.mid, k.stride(0), v.stride(0), *launch.tail]
-    constexprs = [launch.kw[name] for name in ("GQA", "HP", "D", "BLOCK_M", "BLOCK_N", "TMA", "IEEE", "SPLIT",
-                                               "EARLY", "PDL")]
-    return values + constexprs
+    return values + [launch.kw[name] for name in CONSTEXPRS]
+
+
+# The kernel's constexpr parameters (upper-case names), in signature order, after its runtime ones.
+CONSTEXPRS = [name for name in rt._ring_kernel.arg_names if name.isupper()]
+N_CONST = len(CONSTEXPRS)
 
 
 class HandleLaunch:
@@ -75,17 +78,17 @@ class HandleLaunch:
         cl = self.launch
         args = handle_args(cl, k, v)
         if self.kernel is None:
-            self.kernel = rt._ring_kernel.warmup(*args[:-10], grid=cl.grid, **cl.kw)
+            self.kernel = rt._ring_kernel.warmup(*args[:-N_CONST], grid=cl.grid, **cl.kw)
         run = self.kernel[(*cl.grid, 1, 1)]  # the handle's runner reads grid[0], grid[1] and grid[2]
         if self.form is None:
             try:
                 run(*args)
                 self.form = "all"
             except TypeError:
-                run(*args[:-10])
+                run(*args[:-N_CONST])
                 self.form = "runtime"
         else:
-            run(*(args if self.form == "all" else args[:-10]))
+            run(*(args if self.form == "all" else args[:-N_CONST]))
         if cl.merge_args is not None:
             rt._merge_kernel[cl.merge_grid](*cl.merge_args, **cl.merge_kw)
 
@@ -110,7 +113,7 @@ def one_sp(n: int, sp: int, config: str | None, iters: int, q, k, v) -> dict:
         steps.q, kb[0], kb[1], scale, tiles, steps.q_pos, steps.k_pos[last], steps.config, steps.acc, last > 0,
         False, out=steps.out, tma=launch.tma, merge=merge, partials=steps.partials, chained=not steps.fused), iters)
     args = handle_args(launch, kb[0], kb[1])
-    res["jit"] = host_us(lambda: rt._ring_kernel[launch.grid](*args[:-10], **launch.kw), iters)
+    res["jit"] = host_us(lambda: rt._ring_kernel[launch.grid](*args[:-N_CONST], **launch.kw), iters)
     # The handle: the compiled kernel itself, called with every argument; checked first on a whole ring whose last
     # launch goes through it (same output as the ordinary launches, bitwise).
     try:

@@ -57,7 +57,10 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 1e-2)):
         q = torch.randn(tq, hq, D).to(dtype)
         k, v = (torch.randn(tk, hkv, D).to(dtype) for _ in range(2))
         ref = dense(q, k, v, qp, kp)
-        for tiles, tma in (((16, 16, 4, 1), False), (None, False), ((16, 16, 4, 1), True)):
+        # oneloop: the masked key tiles in the unmasked tiles' loop (a branch per tile): the same results.
+        for tiles, tma in (((16, 16, 4, 1), False), (None, False), ((16, 16, 4, 1), True),
+                           (rt.RingConfig.parse("16,16,4,1,oneloop"), False),
+                           (rt.RingConfig.parse("32,16,4,1,pack,oneloop"), True)):
             if dtype != torch.float32 and tma:
                 continue
             out, lse = rt.chunk_attention(q, k, v, S, qp, kp, tiles=tiles, tma=tma)
@@ -115,8 +118,9 @@ torch.manual_seed(0)
 checked = 0
 # packed: 4 query rows x G=4 heads; 16 x 4. early: each step starts from the accumulators (no merge after).
 # fuse: with 3+ ranks the steps after the first are one launch over the other blocks in position order.
+# oneloop: a program's masked key tiles in its one loop (a branch on the tile), not a second loop.
 CONFIGS = ["16,16,4,1", "16,16,4,1,pack", "64,32,4,1,pack", "16,16,4,1,early", "32,16,4,1,pack,early",
-           "32,16,4,1,pack,fuse", "16,16,4,1,fuse,early"]
+           "32,16,4,1,pack,fuse", "16,16,4,1,fuse,early", "32,16,4,1,pack,oneloop", "16,16,4,1,oneloop,early,fuse"]
 FUSED = [c for c in CONFIGS if "fuse" in c]
 
 
@@ -414,12 +418,12 @@ print("ok", checked)
 
 def test_ring_step_kernel_in_the_triton_interpreter():
     out = run_interpreted(SCRIPT)
-    assert out.strip().split()[-2:] == ["ok", "55"], out[-500:]
+    assert out.strip().split()[-2:] == ["ok", "76"], out[-500:]
 
 
 def test_ring_launches_in_the_triton_interpreter():
     out = run_interpreted(RING_SCRIPT)
-    configs, fused, fp16, gathered = 7, 2, 4, 2 * (2 + 3)
+    configs, fused, fp16, gathered = 9, 3, 6, 2 * (2 + 3)
     assert out.strip().split()[-2:] == ["ok", str(configs * (6 + 4) + configs * 2 + fp16 * (6 + 4) + configs * 2
                                                   + fused * 3 + gathered + configs + 1 + 3 * 3)], out[-500:]
 
@@ -536,6 +540,8 @@ def test_launch_configs(monkeypatch):
     assert rt.RingConfig.parse(str(early)) == early and not cfg.early and not cfg.pdl and not cfg.fuse
     assert rt.RingConfig.parse("128,128,8,3,fuse,pack").fuse and str(rt.RingConfig.parse("128,128,8,3,fuse")).endswith(
         ",fuse")
+    one = rt.RingConfig.parse("128,128,8,3,oneloop,pack")
+    assert one.oneloop and not cfg.oneloop and rt.RingConfig.parse(str(one)) == one and str(one).endswith(",oneloop")
     gather = rt.RingConfig.parse("128,128,8,3,gather,pack,fuse")
     assert gather.gather and gather.fuse and not cfg.gather and rt.RingConfig.parse(str(gather)) == gather
     assert rt.parse_config("128,128,8,3,pack,gather") is rt.parse_config("128,128,8,3,pack,gather")  # parsed once

@@ -42,8 +42,8 @@ round trip; `pdl` chains the steps by programmatic dependent launch, so a step's
 previous step's tail frees.
 
 Launch configs: `RingConfig`, the `CONFIGS` table by head dim, the TANDEM_RING_KERNEL environment variable
-("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16][,early][,pdl][,fuse][,gather]"); scripts/tune_ring_kernel.py times
-candidates on a GPU.
+("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16][,early][,pdl][,fuse][,gather][,oneloop]");
+scripts/tune_ring_kernel.py times candidates on a GPU.
 Memory: the inputs, the accumulators and output, the tile table and, split, the pieces' partials: O(chunk).
 """
 from __future__ import annotations
@@ -101,6 +101,11 @@ class RingConfig:
     do, all of them during the first step's compute; the rank holds them all (O(sequence) K/V, not O(chunk)),
     so it is meant for short chunks, where each step's fixed costs dominate.
 
+    `oneloop`: a program's key tiles in one pipelined loop, the masked ones (from the first that straddles a query's
+    position) by a uniform branch on the tile's start, instead of a second loop after the unmasked one: no pipeline
+    drain and refill between the two, and the masked tile's K/V loads are prefetched with the others (a short
+    program's fixed cost); the unmasked tiles then also compute the row max's -inf guard.
+
     `gather` (read by parallel/ring_attention.py; SP >= 2): as `fuse`, the rank's own block scattered too, so the
     rank runs ONE launch over every key in position order (programs as long as SP=1's for its query tiles: each
     program's fixed cost paid once per query tile, not once per step), after every block has arrived: nothing
@@ -117,15 +122,17 @@ class RingConfig:
     pdl: bool = False
     fuse: bool = False
     gather: bool = False
+    oneloop: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "RingConfig":
         """"BLOCK_M,BLOCK_N,warps,stages" then optionally "pack" (or 1/0), "split=N" (or "splitN"; "split=auto"
-        is the default), "acc16", "early", "pdl", "fuse" and "gather": as the env variable, e.g. "128,128,8,3,pack,split=2"."""
+        is the default), "acc16", "early", "pdl", "fuse", "gather" and "oneloop": as the env variable, e.g.
+        "128,128,8,3,pack,split=2"."""
         parts = [p.strip().lower() for p in text.replace("x", ",").split(",") if p.strip()]
         pack, splits, flags = None, None, set()
         for flag in parts[4:]:
-            if flag in ("acc16", "early", "pdl", "fuse", "gather") and flag not in flags:
+            if flag in ("acc16", "early", "pdl", "fuse", "gather", "oneloop") and flag not in flags:
                 flags.add(flag)
             elif flag.startswith("split") and splits is None:
                 n = flag[5:].lstrip("=")
@@ -134,12 +141,12 @@ class RingConfig:
                 pack = flag in ("pack", "1", "true", "p")
             else:
                 raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
-                                 f"[,early][,pdl][,fuse][,gather], not {text!r}")
+                                 f"[,early][,pdl][,fuse][,gather][,oneloop], not {text!r}")
         if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]):
             raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
-                             f"[,early][,pdl][,fuse][,gather], not {text!r}")
+                             f"[,early][,pdl][,fuse][,gather][,oneloop], not {text!r}")
         cfg = cls(*(int(p) for p in parts[:4]), bool(pack), splits or 0, "acc16" in flags, "early" in flags,
-                  "pdl" in flags, "fuse" in flags, "gather" in flags)
+                  "pdl" in flags, "fuse" in flags, "gather" in flags, "oneloop" in flags)
         if cfg.block_m < 16 or cfg.block_n < 16 or cfg.num_warps < 1 or cfg.num_stages < 1 \
                 or cfg.block_m & (cfg.block_m - 1) or cfg.block_n & (cfg.block_n - 1) or not 0 <= cfg.splits <= 64:
             raise ValueError(f"bad ring kernel config {text!r}: tiles powers of two >= 16, warps and stages >= 1, "
@@ -150,7 +157,7 @@ class RingConfig:
         return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}" + (",pack" if self.pack else "") \
             + (f",split={self.splits}" if self.splits else "") + (",acc16" if self.acc16 else "") \
             + (",early" if self.early else "") + (",pdl" if self.pdl else "") + (",fuse" if self.fuse else "") \
-            + (",gather" if self.gather else "")
+            + (",gather" if self.gather else "") + (",oneloop" if self.oneloop else "")
 
     def heads_per_program(self, gqa: int) -> int:
         """Query heads one program takes: the GQA group when packing (and it fits BLOCK_M with >= 1 row), else 1."""
@@ -214,6 +221,39 @@ def _tile(q, k, v, m_i, l_i, acc, qk_scale, visible, MASK: tl.constexpr, IEEE: t
 
 
 @triton.jit
+def _one_loop(q, k_ptr, v_ptr, k_desc, v_desc, kpos_ptr, qpos, m_i, l_i, acc, qk_scale, k0, full_end, k_end, causal,
+              kv_col, stride_kt, stride_vt, offs_d, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
+              IEEE: tl.constexpr):
+    """Keys [k0, k_end) in one pipelined loop (RingConfig.oneloop): the tiles from full_end on (those that straddle
+    some query's position, or run past k_end) masked by a uniform branch on the tile's start, the rest plain. The
+    scores stay unscaled through the branch; the scale rides on the max and the exponent as in `_tile`'s
+    unmasked path, and a row that has seen nothing keeps its max at -inf (subtract 0: no nan)."""
+    for start_n in range(k0, k_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < k_end
+        k = _load_kv(k_ptr, k_desc, start_n, mask_n, kv_col, stride_kt, offs_d, BLOCK_N, TMA, True)
+        v = _load_kv(v_ptr, v_desc, start_n, mask_n, kv_col, stride_vt, offs_d, BLOCK_N, TMA, True)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        if start_n >= full_end:
+            kpos = tl.load(kpos_ptr + offs_n, mask=mask_n & ((tl.zeros([BLOCK_N], tl.int32) + causal) != 0), other=0)
+            qk = tl.where(mask_n[None, :] & (qpos[:, None] >= kpos[None, :]), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk * qk_scale - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _load_kv(ptr, desc, start_n, valid, col, stride_t, offs_d, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
              BOUNDED: tl.constexpr):
     """K or V rows [start_n, start_n + BLOCK_N) of the KV head whose values start at column `col` (TMA: one
@@ -265,7 +305,7 @@ def _ring_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, qpos_ptr, kpos_ptr, tiles_
                  stride_ot, stride_oh,
                  GQA: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-                 EARLY: tl.constexpr, PDL: tl.constexpr):
+                 EARLY: tl.constexpr, PDL: tl.constexpr, ONELOOP: tl.constexpr = False):
     # Heads vary fastest: the programs of one tile (same keys) run side by side. SPLIT: the table has split-K
     # pieces (a compile of its own, so the unsplit kernel's registers are as before). EARLY: start from the
     # accumulators (RingConfig.early; pieces never do: their merge kernel merges). PDL: RingConfig.pdl.
@@ -314,22 +354,29 @@ def _ring_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, qpos_ptr, kpos_ptr, tiles_
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
     full_end = k0 + ((k_full - k0) // BLOCK_N) * BLOCK_N
-    for start_n in range(k0, full_end, BLOCK_N):  # every score visible: no mask, no positions
-        k = _load_kv(k_ptr, k_desc, start_n, None, kv_col, stride_kt, offs_d, BLOCK_N, TMA, False)
-        v = _load_kv(v_ptr, v_desc, start_n, None, kv_col, stride_vt, offs_d, BLOCK_N, TMA, False)
-        m_i, l_i, acc = _tile(q, k, v, m_i, l_i, acc, qk_scale, None, False, IEEE)
-    # The tiles that straddle some query's position (and the partial last tile). Query positions are loaded
-    # only now, so they take no registers in the loop above; without `causal` no position is read.
-    use_pos = (tl.zeros([BLOCK_M], tl.int32) + causal) != 0
-    qpos = tl.load(qpos_ptr + t_idx, mask=mask_m & use_pos, other=2147483647)
-    for start_n in range(full_end, k_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < k_end
-        k = _load_kv(k_ptr, k_desc, start_n, mask_n, kv_col, stride_kt, offs_d, BLOCK_N, TMA, True)
-        v = _load_kv(v_ptr, v_desc, start_n, mask_n, kv_col, stride_vt, offs_d, BLOCK_N, TMA, True)
-        kpos = tl.load(kpos_ptr + offs_n, mask=mask_n & ((tl.zeros([BLOCK_N], tl.int32) + causal) != 0), other=0)
-        visible = mask_n[None, :] & (qpos[:, None] >= kpos[None, :])
-        m_i, l_i, acc = _tile(q, k, v, m_i, l_i, acc, qk_scale, visible, True, IEEE)
+    if ONELOOP:  # RingConfig.oneloop: the masked tiles in the same pipelined loop (no drain and refill between)
+        use_pos = (tl.zeros([BLOCK_M], tl.int32) + causal) != 0
+        qpos = tl.load(qpos_ptr + t_idx, mask=mask_m & use_pos, other=2147483647)
+        m_i, l_i, acc = _one_loop(q, k_ptr, v_ptr, k_desc, v_desc, kpos_ptr, qpos, m_i, l_i, acc, qk_scale, k0,
+                                  full_end, k_end, causal, kv_col, stride_kt, stride_vt, offs_d, BLOCK_M, BLOCK_N, TMA,
+                                  IEEE)
+    else:
+        for start_n in range(k0, full_end, BLOCK_N):  # every score visible: no mask, no positions
+            k = _load_kv(k_ptr, k_desc, start_n, None, kv_col, stride_kt, offs_d, BLOCK_N, TMA, False)
+            v = _load_kv(v_ptr, v_desc, start_n, None, kv_col, stride_vt, offs_d, BLOCK_N, TMA, False)
+            m_i, l_i, acc = _tile(q, k, v, m_i, l_i, acc, qk_scale, None, False, IEEE)
+        # The tiles that straddle some query's position (and the partial last tile). Query positions are loaded
+        # only now, so they take no registers in the loop above; without `causal` no position is read.
+        use_pos = (tl.zeros([BLOCK_M], tl.int32) + causal) != 0
+        qpos = tl.load(qpos_ptr + t_idx, mask=mask_m & use_pos, other=2147483647)
+        for start_n in range(full_end, k_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < k_end
+            k = _load_kv(k_ptr, k_desc, start_n, mask_n, kv_col, stride_kt, offs_d, BLOCK_N, TMA, True)
+            v = _load_kv(v_ptr, v_desc, start_n, mask_n, kv_col, stride_vt, offs_d, BLOCK_N, TMA, True)
+            kpos = tl.load(kpos_ptr + offs_n, mask=mask_n & ((tl.zeros([BLOCK_N], tl.int32) + causal) != 0), other=0)
+            visible = mask_n[None, :] & (qpos[:, None] >= kpos[None, :])
+            m_i, l_i, acc = _tile(q, k, v, m_i, l_i, acc, qk_scale, visible, True, IEEE)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -622,7 +669,7 @@ class StepLaunch:
         self.tail = strides
         self.grid = (n_groups * tiles.shape[0],)
         self.kw = dict(GQA=hq // hkv, HP=hp, D=d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA=self.tma,
-                       IEEE=q.dtype == torch.float32, SPLIT=split, EARLY=config.early, PDL=pdl,
+                       IEEE=q.dtype == torch.float32, SPLIT=split, EARLY=config.early, PDL=pdl, ONELOOP=config.oneloop,
                        num_warps=config.num_warps, num_stages=config.num_stages)
         if pdl and load_prev and chained:
             self.kw["launch_pdl"] = True
@@ -638,8 +685,8 @@ class StepLaunch:
             return
         if k.shape != (self.tk, self.hkv, self.d) or v.shape != k.shape or k.dtype != self.dtype or v.dtype != k.dtype \
                 or k.stride(1) != self.d or v.stride(1) != self.d or k.stride(2) != 1 or v.stride(2) != 1:
-            raise ValueError(f"this step was planned for k/v [{self.tk}, {self.hkv}, {self.d}] {self.dtype} with packed "
-                             f"heads, got {tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}")
+            raise ValueError(f"this step was planned for k/v [{self.tk}, {self.hkv}, {self.d}] {self.dtype} with "
+                             f"packed heads, got {tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}")
         if self.no_keys is not None:
             k = v = self.no_keys
         k_desc = v_desc = None

@@ -72,6 +72,27 @@ def test_chunk_attention_matches_sdpa(case, dtype, hq, hkv, d, tma):
     torch.testing.assert_close(lse[~dead], ref_lse[~dead], rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("tma", [False, True])
+def test_one_loop_chunk_attention_matches_sdpa(case, tma):
+    """RingConfig.oneloop (the masked key tiles in the unmasked tiles' loop, by a branch per tile) against SDPA, bf16,
+    Llama-8B heads packed and not."""
+    if tma and not _tma_supported(torch.empty(16, 16, device=DEV)):
+        pytest.skip("TMA needs Hopper")
+    q_pos, k_pos = CASES[case]()
+    tq, tk = (q_pos.numel(), k_pos.numel()) if q_pos is not None else (517, 1029)
+    g = torch.Generator(device=DEV).manual_seed(tq + tk)
+    q = torch.randn(tq, 32, 128, device=DEV, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(tk, 8, 128, device=DEV, generator=g).to(torch.bfloat16) for _ in range(2))
+    ref_out, ref_lse = sdpa_with_lse(q, k, v, 128 ** -0.5, q_pos, k_pos)
+    dead = torch.isneginf(ref_lse)
+    for config in ("128,128,8,3,pack,oneloop", "128,64,8,3,oneloop"):
+        out, lse = rt.chunk_attention(q, k, v, 128 ** -0.5, q_pos, k_pos, tiles=rt.RingConfig.parse(config), tma=tma)
+        assert torch.equal(torch.isneginf(lse), dead) and (out[dead] == 0).all(), config
+        torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2, msg=config)
+        torch.testing.assert_close(lse[~dead], ref_lse[~dead], rtol=1e-3, atol=1e-3, msg=config)
+
+
 def _prompt_and_full_attention(seed: int, n: int = 4099, hq: int = 32, hkv: int = 8, d: int = 128):
     """A bf16 prompt's q [n, Hq, D], k/v [n, Hkv, D] and its full causal attention by SDPA."""
     g = torch.Generator(device=DEV).manual_seed(seed)
@@ -88,7 +109,8 @@ def _prompt_and_full_attention(seed: int, n: int = 4099, hq: int = 32, hkv: int 
                                     "128,128,8,3,pack,early", "128,128,8,3,pack,pdl", "128,128,8,3,pack,early,pdl",
                                     "128,128,8,3,early,pdl,acc16", "128,64,8,3,pack,split=2,early,pdl",
                                     "128,128,8,3,pack,fuse", "128,128,8,3,pack,fuse,early,pdl",
-                                    "128,128,8,3,pack,fuse,split=1", "128,128,8,3,pack,gather"])
+                                    "128,128,8,3,pack,fuse,split=1", "128,128,8,3,pack,gather",
+                                    "128,128,8,3,pack,oneloop", "128,128,8,3,pack,fuse,split=1,oneloop,early"])
 def test_rank_work_matches_full_causal_sdpa(sp: int, config: str | None):
     """Every rank's ring (default launch config, and GQA packing / other tiles / split-K / steps that start from the
     accumulators / steps chained by programmatic dependent launch / the steps after the first fused into one launch
