@@ -345,7 +345,8 @@ for hq, hkv in ((4, 1), (4, 2)):
     for sp in (2, 4):
         positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
         qs, blocks, shards = split_for_ranks(q, k, v, positions)
-        for cfg in ("16,16,4,1,split=2", "32,16,4,1,pack,split=3", "16,16,4,1,split=2,early"):
+        for cfg in ("16,16,4,1,split=2", "32,16,4,1,pack,split=3", "16,16,4,1,split=2,early",
+                    "32,16,4,1,pack,split=2,oneloop"):
             for r in range(sp):
                 out = ring_rank_attention(qs[r], blocks, shards, r, S, backend="triton", kernel_config=cfg)
                 torch.testing.assert_close(out, full[positions[r]], rtol=1e-5, atol=1e-5,
@@ -430,7 +431,7 @@ def test_ring_launches_in_the_triton_interpreter():
 
 def test_split_k_in_the_triton_interpreter():
     out = run_interpreted(SPLIT_SCRIPT)
-    assert out.strip().split()[-2:] == ["ok", str(5 * 3 + 1 + 1 + 2 * 3 * (2 + 4) + (2 + 4) + 1 + 2 + 3 * 4)], out[-500:]
+    assert out.strip().split()[-2:] == ["ok", str(5 * 3 + 1 + 1 + 2 * 4 * (2 + 4) + (2 + 4) + 1 + 2 + 3 * 4)], out[-500:]
 
 
 def _inputs(tq=8, tk=8, hq=4, hkv=2, d=16, dtype=torch.float32):
