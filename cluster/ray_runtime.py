@@ -19,7 +19,7 @@ _NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "
 # read at load (measured FP8 GEMV tiles, the fused quantized GEMV, FP8 activations from their producers, fast FP8
 # accumulation: parallel/kernels/gemv_quant.py, parallel/quant/fused_gemv.py, fp8_act.py, packed.py).
 _FORWARDED_ENV = ("TANDEM_PROFILE_TRACE_DIR", "TANDEM_RANK_PROFILE", "TANDEM_KV_PHASES", "TANDEM_KV_NCCL_HIGH_PRIORITY",
-                  "TANDEM_KV_OVERLAP_COPY_PROGRAMS", "TANDEM_KV_COPY_PROGRAMS", "TANDEM_KV_INDEX",
+                  "TANDEM_KV_OVERLAP_COPY_PROGRAMS", "TANDEM_KV_COPY_PROGRAMS",
                   "TANDEM_FP8_TABLE", "TANDEM_FUSED_QUANT", "TANDEM_FP8_FUSED_ACT", "TANDEM_FP8_FAST_ACCUM")
 # Where a user or operator may have given Ray a token already: theirs wins.
 AUTH_TOKEN_SOURCES = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")

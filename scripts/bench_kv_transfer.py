@@ -24,7 +24,6 @@ timed runs the decode blocks are checked against the prefill blocks, bit for bit
     python scripts/bench_kv_transfer.py --copy-programs 32,64         # and with the row copy's grid capped (GPU)
     python scripts/bench_kv_transfer.py --overlap-copy-programs 0,132 # the overlap cap off / at 132 (default 66, GPU)
     python scripts/bench_kv_transfer.py --variants m2o66,o32          # any mix: m<min_messages> o<overlap cap> c<cap>
-    python scripts/bench_kv_transfer.py --variants ipinned,imapped    # and i<index mode> (TANDEM_KV_INDEX)
     python scripts/bench_kv_transfer.py --device cpu --tokens 64 --layers 2   # the same code over gloo, as a check
 Prints a table; writes JSON (--out). Needs 2 CUDA GPUs (or --device cpu).
 """
@@ -220,14 +219,11 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
         for c in cfg["overlap_copy_programs"]:  # "agent_o<N>": capped at N only where a message is in flight beside it
             name = f"agent_o{c}"
             variants[name], pairs[name], programs[name], overlap[name] = cfg["min_messages"][0], (agent, spec), 0, c
-        index_mode = {name: agent.index_mode for name in variants}  # KVTransferAgent.index_mode (TANDEM_KV_INDEX)
-        for spec_text in cfg["variants"]:  # "agent_<spec>": any mix of m<N> o<N> c<N> i<mode>, e.g. m2o66, ipinned
+        for spec_text in cfg["variants"]:  # "agent_<spec>": any mix of m<N> o<N> c<N>, e.g. m2o66
             knobs = {k: int(v) for k, v in re.findall(r"([moc])(\d+)", spec_text)}
             name = f"agent_{spec_text}"
             variants[name], pairs[name], programs[name] = knobs.get("m", cfg["min_messages"][0]), (agent, spec), knobs.get("c", 0)
             overlap[name] = knobs.get("o", default_overlap)
-            mode = re.search(r"i(pageable|pinned|mapped)", spec_text)
-            index_mode[name] = mode.group(1) if mode else agent.index_mode
         flights = {f"agent_x{n}": n for n in cfg["in_flight"]}  # "agent_x<N>": N transfers on the pair at once
         times: dict[str, list[float]] = {**{v: [] for v in variants}, **{v: [] for v in flights}, "raw": [], "gather": [],
                                          "scatter": []}
@@ -243,7 +239,6 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
             for name, m in variants.items():
                 runs[name] = lambda m=m, name=name: (setattr(pairs[name][0], "min_messages", m),
                                                      setattr(pairs[name][0], "overlap_copy_programs", overlap[name]),
-                                                     setattr(pairs[name][0], "index_mode", index_mode[name]),
                                                      _copy_programs(programs[name]), move(name))
             for name, n in flights.items():
                 runs[name] = _in_flight_run(rank, agent, spec, shard, plan, src, dst, n, next_seq, f"x{n_tok}-{i}")
@@ -318,7 +313,7 @@ def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> b
     return bool(torch.equal(mine, theirs))
 
 
-VARIANT = r"agent_(hp|x\d+|(?:[moc]\d+|i(?:pageable|pinned|mapped))+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
+VARIANT = r"agent_(hp|x\d+|(?:[moc]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
 
 
 def summarize(results: list[dict], cfg: dict) -> list[dict]:
@@ -375,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "scatters capped at N programs only beside a message in flight (the 'agent_o<N>' rows; "
                    "KVTransferAgent.overlap_copy_programs)")
     p.add_argument("--variants", default="", help="comma-separated agent settings to time, each any mix of m<N> "
-                   "(min_messages), o<N> (overlap_copy_programs), c<N> (copy programs), i<pageable|pinned|mapped> (index_mode), e.g. m2o66,o32 "
+                   "(min_messages), o<N> (overlap_copy_programs), c<N> (copy programs), e.g. m2o66,o32 "
                    "(the 'agent_<spec>' rows)")
     p.add_argument("--in-flight", default="", help="comma-separated: also time N transfers of each prompt on the pair "
                    "at once, numbered, as a decode replica runs several handoffs per pair (the 'agent_x<N>' rows: time "

@@ -530,30 +530,3 @@ def test_numbered_transfers_in_flight_pair_up_by_posting_order_as_nccl_does():
         # throwaway order where no group came from `join`)
         assert results[(seq, "send")].ended - results[(seq, "send")].began < 5
         assert torch.equal(decode.kv_cache[:, :, dst_blocks], prefill.kv_cache[:, :, src_blocks]), seq
-
-
-def test_index_stage_gives_each_index_of_a_transfer_its_own_bytes_and_starts_over_per_transfer():
-    """IndexStage (the "pinned" / "mapped" index modes): within one transfer no index overwrites another's ids (a
-    queued kernel may still read them), a new transfer reuses the buffer from its start, and a transfer of more
-    ids than the buffer holds grows it. pin=False: this machine has no CUDA, the bookkeeping is the same."""
-    from workers.kv_transfer.blocks import IndexStage
-
-    stage = IndexStage("mapped", pin=False, capacity=8)
-    stage.begin()
-    first, second = stage.take([5, 3, 9], torch.device("cpu")), stage.take([1, 2], torch.device("cpu"))
-    assert first.tolist() == [5, 3, 9] and second.tolist() == [1, 2]
-    assert first.data_ptr() != second.data_ptr() and stage.used == 5
-    stage.begin()
-    again = stage.take([7], torch.device("cpu"))
-    assert again.data_ptr() == first.data_ptr() and again.tolist() == [7]
-    big = stage.take(list(range(20)), torch.device("cpu"))  # more than the 8 left: a bigger buffer
-    assert big.tolist() == list(range(20)) and stage.host.numel() >= 20
-    with pytest.raises(ValueError, match="modes"):
-        IndexStage("pageable", pin=False)
-
-
-def test_an_unknown_index_mode_is_refused_with_the_modes(monkeypatch):
-    monkeypatch.setenv("TANDEM_KV_INDEX", "zero-copy")
-    shard = replica_shards(1, 1, LAYERS, KV_HEADS)[0]
-    with pytest.raises(ValueError, match="pageable.*pinned.*mapped"):
-        KVTransferAgent(torch.zeros(LAYERS, 2, 8, BS, KV_HEADS, HEAD_DIM), shard, "prefill")

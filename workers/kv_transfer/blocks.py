@@ -45,48 +45,6 @@ def block_index(block_ids: list[int], device: torch.device | str) -> torch.Tenso
     return torch.tensor(block_ids, dtype=torch.long, device=device)
 
 
-# How a GPU transfer's block ids reach its copy kernels (`IndexStage`, `KVTransferAgent.index_mode`):
-# - "pageable": `block_index`, a synchronous copy from pageable memory (~50-85 us of host time on the H100 / H200
-#   hosts, on the sender's critical path before its gather: scripts/profile_kv_transfer.py, twelfth session);
-# - "pinned": written into a pinned buffer the thread keeps, then one asynchronous copy to the GPU;
-# - "mapped": written into that buffer, which the Triton row copy then reads itself (pinned host memory is mapped
-#   into the GPU's address space): no copy at all. Head slices (PyTorch's index ops) get a device copy.
-INDEX_MODES = ("pageable", "pinned", "mapped")
-
-
-class IndexStage:
-    """One thread's pinned host buffer for its transfers' block-id indexes ("pinned" and "mapped" modes).
-
-    A transfer takes one slice per index (`take`), so the indexes of one transfer never share bytes; `begin` starts
-    the next transfer from the buffer's start once the thread's stream has finished with the previous one's (its
-    kernels, or its host-to-device copies, may still read it: a transfer that failed returns without waiting)."""
-
-    def __init__(self, mode: str, pin: bool = True, capacity: int = 1 << 16):
-        if mode not in INDEX_MODES[1:]:
-            raise ValueError(f"IndexStage takes the modes {INDEX_MODES[1:]}, not {mode!r}")
-        self.mode, self.pin = mode, pin
-        self.host = torch.empty(capacity, dtype=torch.long, pin_memory=pin)
-        self.used = 0
-
-    def begin(self) -> None:
-        if self.pin and self.used:
-            torch.cuda.current_stream().synchronize()  # idle after a transfer that ended normally: a few us
-        self.used = 0
-
-    def take(self, block_ids: list[int], device: torch.device) -> torch.Tensor:
-        """block_ids as an index: a device tensor ("pinned") or the pinned host slice itself ("mapped")."""
-        n = len(block_ids)
-        if self.used + n > self.host.numel():  # rare (a transfer of more blocks than any before): grow
-            if self.pin:
-                torch.cuda.current_stream().synchronize()  # queued work may still read the old buffer
-            self.host = torch.empty(max(2 * self.host.numel(), n), dtype=torch.long, pin_memory=self.pin)
-            self.used = 0
-        view = self.host[self.used:self.used + n]
-        self.used += n
-        view.numpy()[:] = block_ids
-        return view if self.mode == "mapped" else view.to(device, non_blocking=True)
-
-
 def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, heads: slice,
                   index: torch.Tensor | None = None, programs: int | None = None) -> torch.Tensor:
     """kv_cache [L, 2, num_blocks, block_size, H, D] -> contiguous [l, 2, n, block_size, h, D], in the wire dtype.
@@ -102,7 +60,7 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, h
         out = torch.empty(words.shape[:2] + (index.numel(),) + words.shape[3:], dtype=words.dtype, device=words.device)
         copy_rows(words, out, index, gather=True, programs=programs)
         return out.view(wire.dtype)
-    return words.index_select(2, index.to(words.device))[..., heads, :].contiguous().view(wire.dtype)
+    return words.index_select(2, index)[..., heads, :].contiguous().view(wire.dtype)
 
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, heads: slice, buf: torch.Tensor,
@@ -124,7 +82,7 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, 
 
             copy_rows(src, words, index, gather=False, programs=programs)
         else:
-            words.index_copy_(2, index.to(words.device), src)  # a mapped host index (IndexStage) is copied here
+            words.index_copy_(2, index, src)
     else:
         # Partial heads: index_copy_ cannot take a head slice, so copy block by block into the view.
         for i, b in enumerate(block_ids):

@@ -33,8 +33,7 @@ import torch
 import torch.distributed as dist
 
 from workers.kv_layout import pool_ids
-from workers.kv_transfer.blocks import (INDEX_MODES, IndexStage, block_index, gather_blocks, scatter_blocks, transfer_shape,
-                                       warm_kernels, wire_dtype)
+from workers.kv_transfer.blocks import block_index, gather_blocks, scatter_blocks, transfer_shape, warm_kernels, wire_dtype
 from workers.kv_transfer.chunk_ends import ChunkEnds
 from workers.kv_transfer.plan import RankShard, Transfer
 
@@ -292,12 +291,6 @@ class KVTransferAgent:
         # and from 77% to 81% on 2 x H200, 32K from 73% to 85% and from 82-83% to 88%, 1K unchanged (four runs,
         # docs/benchmarks.md, twelfth session). 0 caps nothing. TANDEM_KV_OVERLAP_COPY_PROGRAMS overrides it.
         self.overlap_copy_programs = int(os.environ.get("TANDEM_KV_OVERLAP_COPY_PROGRAMS") or OVERLAP_COPY_PROGRAMS)
-        # How block ids reach the GPU copies (blocks.INDEX_MODES; TANDEM_KV_INDEX): on the sender the index is made
-        # before its first gather can be launched, the critical path of a short (one-message) handoff.
-        self.index_mode = os.environ.get("TANDEM_KV_INDEX") or "pageable"
-        if self.index_mode not in INDEX_MODES:
-            raise ValueError(f"TANDEM_KV_INDEX must be one of {INDEX_MODES}, not {self.index_mode!r}")
-        self._index_stages = threading.local()  # per thread: its IndexStage (a thread runs one transfer at a time)
 
     def get_shard(self) -> RankShard:
         return self.shard
@@ -498,7 +491,6 @@ class KVTransferAgent:
                     dst_shards: dict[int, RankShard], block_table: list[int], seq: int | None) -> tuple[list, int]:
         """Gather and post this rank's messages of the plan: (works with their buffers, bytes)."""
         works, sent, last, index = [], 0, None, None
-        self._index_stage_begin()
         for tag, t, layers, heads in self._messages(plan, dst_shards, sending=True, seq=seq):
             if t is not last:  # the transfer's block ids (and their index tensor): once, not per message
                 last, local_ids = t, self._local_ids([block_table[i] for i in t.blocks])
@@ -512,7 +504,7 @@ class KVTransferAgent:
                 continue
             # Gathering the next chunk (this agent's stream) overlaps sending this one (NCCL's stream).
             if index is None:
-                index = self._index(local_ids)
+                index = block_index(local_ids, self.kv_cache.device)
                 clock.mark("index")
             buf = gather_blocks(self.kv_cache, local_ids, layers, heads, index, self._copy_programs(overlapped=bool(works)))
             if spec.staged:
@@ -575,14 +567,13 @@ class KVTransferAgent:
         not by tag); each chunk is then scattered as it lands (`_recv`), overlapping the later ones. Returns the
         posted receives and the messages to copy from a peer on this GPU instead."""
         pending, local, last, index = [], [], None, None
-        self._index_stage_begin()
         for tag, t, layers, heads in self._messages(plan, src_shards, sending=False, seq=seq):
             if self._same_gpu(spec, src_shards[t.src]):
                 local.append((tag, t, layers, heads))
                 continue
             if t is not last:  # the transfer's block ids and their index tensor: once, not per message
                 last, block_ids = t, [block_table[i] for i in t.blocks]
-                index = self._index(block_ids)
+                index = block_index(block_ids, self.kv_cache.device)
                 clock.mark("index")
             shape, wire = transfer_shape(self.kv_cache, len(t.blocks), layers, heads), wire_dtype(self.kv_cache.dtype)
             # Staged: received into pinned host memory, so its copy to the GPU below is asynchronous on this stream
@@ -671,21 +662,6 @@ class KVTransferAgent:
         hand (tests) gets one here. A throwaway one would never see the pair's earlier transfers end, and an ack
         would wait out the whole timeout."""
         return self._orders.setdefault(pair_id, _PostOrder())
-
-    def _index_stage_begin(self) -> None:
-        """A transfer's indexes start from its thread's staging buffer's start (`IndexStage.begin`)."""
-        stage = getattr(self._index_stages, "stage", None)
-        if stage is not None:
-            stage.begin()
-
-    def _index(self, block_ids: list[int]) -> torch.Tensor:
-        """block_ids as the copy kernels' index, made as `index_mode` says (CPU caches: always a plain tensor)."""
-        if self.index_mode == "pageable" or not self.kv_cache.is_cuda:
-            return block_index(block_ids, self.kv_cache.device)
-        stage = getattr(self._index_stages, "stage", None)
-        if stage is None or stage.mode != self.index_mode:
-            stage = self._index_stages.stage = IndexStage(self.index_mode)
-        return stage.take(block_ids, self.kv_cache.device)
 
     def _local_ids(self, block_ids: list[int]) -> list[int]:
         return _local_ids(self.kv_cache, self.shard, block_ids)
