@@ -606,6 +606,15 @@ def test_split_counts_by_work_per_sm():
         k = owned_positions_array(0, 16384, (0 - step) % 4, 4, 16)
         tiles = rt.build_tiles([q], [k], [0], [0], 32, step in (0, 3))
         assert (rt.split_counts(tiles, 128, 8, 132) == 1).all()
+    # The fused launch of 16K tokens at SP=4 (rank 0's queries over the other ranks' keys in position order): 1,024
+    # programs of up to 96 key tiles, ~372 per SM, heaviest first: never split (SPLIT_WAVES).
+    q = owned_positions_array(0, 16384, 0, 4, 16)
+    others = np.sort(np.concatenate([owned_positions_array(0, 16384, r, 4, 16) for r in (1, 2, 3)]))
+    tiles = rt.build_tiles([q], [others], [0], [0], 32, True)
+    fused_tiles = -(-(tiles[:, 4] - tiles[:, 2]) // 128)
+    share = fused_tiles.sum() * 8 / 132
+    assert len(tiles) == 129 and fused_tiles.max() == 96 and np.ceil(share / rt.SPLIT_TAIL) < 96 <= share  # cap alone: split
+    assert (rt.split_counts(tiles, 128, 8, 132) == 1).all()
     # 64 new tokens after 64K tokens of context (one query tile per head group): 8 programs of 512 key tiles.
     tiles = rt.build_tiles([np.arange(65536, 65600)], [np.arange(65600)], [0], [0], 32, True)
     counts = rt.split_counts(tiles, 128, 8, 132)

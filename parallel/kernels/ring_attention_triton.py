@@ -73,6 +73,11 @@ ENV = "TANDEM_RING_KERNEL"
 SPLIT_TAIL = 4
 SPLIT_MIN_TILES = 4
 MAX_SPLITS = 16
+# ... unless the grid already fills SPLIT_WAVES waves of programs and none holds more than an SM's share: launched
+# heaviest first, its longest programs start first and end before the rest of the grid (e.g. the fused launch of
+# 16K tokens at SP=4: 1,024 programs of up to 96 key tiles, ~372 per SM), so pieces would only add the partials'
+# stores and a merge launch.
+SPLIT_WAVES = 2
 
 
 @dataclass(frozen=True)
@@ -527,7 +532,8 @@ def split_counts(tiles: np.ndarray, block_n: int, n_groups: int, sms: int, split
     `splits` >= 1: min(splits, the row's key tiles) for every row (1: no split). 0 (auto): a step's programs
     hold sum(key tiles) * n_groups key tiles of work, about that over `sms` per SM. A program longer than
     cap = max(SPLIT_MIN_TILES, that share / SPLIT_TAIL) key tiles is cut into the fewest pieces no longer
-    than cap (at most MAX_SPLITS). A large grid (e.g. 16K tokens at SP=4 with Llama-8B
+    than cap (at most MAX_SPLITS), except in a grid of SPLIT_WAVES waves or more whose longest program holds at
+    most a share (heaviest first, it ends before the rest: nothing splits). A large grid (e.g. 16K tokens at SP=4 with Llama-8B
     heads: 1,024 programs of <= 32 key tiles, ~128 per SM) is never split; a small one (few query tiles,
     long key ranges: short prompts against long context, few heads) is, so the grid fills the GPU and its
     longest program no longer outlasts the rest."""
@@ -535,6 +541,8 @@ def split_counts(tiles: np.ndarray, block_n: int, n_groups: int, sms: int, split
     if splits >= 1:
         return np.clip(np.minimum(key_tiles, splits), 1, None)
     share = key_tiles.sum() * n_groups / max(sms, 1)
+    if len(key_tiles) * n_groups >= SPLIT_WAVES * max(sms, 1) and len(key_tiles) and key_tiles.max() <= share:
+        return np.ones(len(key_tiles), dtype=np.int64)
     cap = max(SPLIT_MIN_TILES, int(np.ceil(share / SPLIT_TAIL)))
     return np.clip(-(-key_tiles // cap), 1, MAX_SPLITS)
 
