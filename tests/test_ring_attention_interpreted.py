@@ -9,6 +9,8 @@ left to tests/gpu/test_ring_attention_triton.py: the interpreter's tl.dot mis-re
 of 16 x 16 comes back ~1e10). Shapes stay tiny: the interpreter runs every program in Python."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -553,6 +555,10 @@ def test_launch_configs(monkeypatch):
     monkeypatch.delenv(rt.ENV, raising=False)
     assert rt.default_config(65536, 128, 2, True) == rt.CONFIGS[128][0]
     assert rt.default_config(65536, 128, 2, False) == rt.CONFIGS[128][1]
+    # Short chunks fuse the steps after the first (from SP=3 on); longer ones keep the plain ring (O(chunk) K/V).
+    assert rt.default_config(4096, 128, 2, True) == dataclasses.replace(rt.CONFIGS[128][0], fuse=True)
+    assert rt.default_config(rt.FUSE_MAX_TOKENS, 128, 2, True).fuse
+    assert not rt.default_config(rt.FUSE_MAX_TOKENS + 1, 128, 2, True).fuse
     assert rt.default_config(40, 128, 2, True).block_m == 64
     monkeypatch.setenv(rt.ENV, "64,64,4,2,pack")
     assert rt.default_config(65536, 128, 2, True) == rt.RingConfig(64, 64, 4, 2, True)

@@ -48,6 +48,7 @@ Memory: the inputs, the accumulators and output, the tile table and, split, the 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -188,15 +189,26 @@ CONFIGS: dict[int, tuple[RingConfig, RingConfig]] = {
 
 def default_config(tq: int, head_dim: int, element_size: int, tma: bool) -> RingConfig:
     """The config for `tq` query rows: TANDEM_RING_KERNEL if set, else `CONFIGS` (16-bit floats, D <= 128,
-    >= 128 rows), else fp32 (two stages: three would not fit in shared memory) or short chunks."""
+    >= 128 rows), else fp32 (two stages: three would not fit in shared memory) or short chunks; `fuse` on where
+    the rank's queries are at most FUSE_MAX_TOKENS (it applies from SP=3 on)."""
     env = os.environ.get(ENV)
     if env:
         return parse_config(env)
     if tq >= 128 and head_dim in CONFIGS and element_size == 2:
-        return CONFIGS[head_dim][0 if tma else 1]
-    if tq >= 128 and head_dim <= 128:
-        return RingConfig(128, 64, 8, 2)
-    return RingConfig(max(16, min(64, triton.next_power_of_2(max(tq, 1)))), 64, 4, 2)
+        config = CONFIGS[head_dim][0 if tma else 1]
+    elif tq >= 128 and head_dim <= 128:
+        config = RingConfig(128, 64, 8, 2)
+    else:
+        config = RingConfig(max(16, min(64, triton.next_power_of_2(max(tq, 1)))), 64, 4, 2)
+    return dataclasses.replace(config, fuse=True) if tq <= FUSE_MAX_TOKENS else config
+
+
+# `fuse` by default up to this many query rows per rank: short chunks, whose per-step fixed costs dominate. On one H100
+# (2026-11-27, docs/benchmarks.md) 16K tokens at SP=4 (4K per rank) ran 0.302x of SP=1 fused (split-K off, as the
+# automatic rule now leaves it) against 0.343x in four steps, streamed; 64K at SP=4 (16K per rank) 0.249x against
+# 0.263x on one H200. Fused, a rank holds every other rank's K/V block at once (O(sequence) K/V for the layer's
+# attention, not two blocks), so longer chunks keep the plain ring.
+FUSE_MAX_TOKENS = 16384
 
 
 @triton.jit
