@@ -437,44 +437,19 @@ class _RingSteps:
             return
         if q.shape[0] != q_shard.num_tokens:
             raise ValueError(f"q has {q.shape[0]} rows, its shard {q_shard.num_tokens} tokens")
-        kernels = _triton_kernels()
-        self.tma = kernels.tma_ok(first_block[0], first_block[1])
-        cfg = kernel_config
-        self.config = kernels.parse_config(cfg) if isinstance(cfg, str) else cfg or kernels.default_config(
-            q.shape[0], q.shape[-1], q.element_size(), self.tma)
-        self.q_hkv = first_block.shape[2]
-        rows = kernels.rows_per_tile(self.config, q.shape[1], self.q_hkv)
-        n_groups = q.shape[1] // self.config.heads_per_program(q.shape[1] // first_block.shape[2])
-        split = (self.config.block_n, n_groups, kernels.sm_count(q.device), self.config.splits)
-        # fuse: the steps after the first are one launch over the other blocks, each scattered on arrival into
-        # rows in position order (`_fused_layout`); the launches' key shards are then [own, fused]. gather: every
-        # block so (the own one too), one launch over [fused]. f0: the first step whose block is scattered.
-        gather = self.config.gather and self.n >= 2
-        self.fused = gather or (self.config.fuse and self.n >= 3)
-        self.f0 = 0 if gather else 1
-        launches = kv_shards
+        plan = _ring_plan(q, first_block, q_shard, kv_shards, kernel_config)
+        self.config, self.tma, self.q_hkv, self.fused, self.f0 = plan.config, plan.tma, plan.hkv, plan.fused, plan.f0
+        self.dst, self.n_launch, self.q_pos, self.k_pos = plan.dst, plan.n_launch, plan.q_pos, plan.k_pos
+        self.tables, self.partials, self.key_tokens = plan.tables, plan.partials, plan.key_tokens
         if self.fused:
-            fused_shard, self.dst = _fused_layout(q_shard, kv_shards[self.f0:], q.device)
-            launches = [fused_shard] if gather else [kv_shards[0], fused_shard]
-            self.fused_kv = first_block.new_empty((2, fused_shard.num_tokens, *first_block.shape[2:]))
-        self.n_launch = len(launches)
-        # Before the first kernel: a host-to-device copy issued later would wait for the kernels queued before it.
-        self.q_pos = q_shard.positions_on(q.device)
-        self.k_pos = [shard.positions_on(q.device) for shard in launches]
-        self.tables = [_tile_table(q_shard, shard, rows, i in (0, self.n_launch - 1), q.device, split)
-                       for i, shard in enumerate(launches)]
-        slots = max(t[2] for t in self.tables)  # split-K scratch, shared by the steps (one stream: they never overlap)
-        self.partials = kernels.partial_buffers(slots, n_groups, self.config, q.shape[-1], q.device) if slots else None
+            self.fused_kv = first_block.new_empty((2, plan.fused_tokens, *first_block.shape[2:]))
         self.out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.acc = None
         if self.n_launch > 1:
-            # acc16: the running output in q's 16-bit dtype (half the traffic of the steps' merges), LSE fp32.
-            acc_dtype = q.dtype if self.config.acc16 and q.element_size() == 2 else torch.float32
-            self.acc = (torch.empty(q.shape, dtype=acc_dtype, device=q.device),
+            self.acc = (torch.empty(q.shape, dtype=plan.acc_dtype, device=q.device),
                         torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
         # Each launch's arguments are worked out at its step's first call (`_launch`), so a launch's set-up runs
         # while the GPU computes the step before it, and the rank's first kernel waits only for its own.
-        self.key_tokens = [shard.num_tokens for shard in launches]
         self.launches = [None] * self.n_launch
 
     def step(self, i: int, block: torch.Tensor) -> None:
@@ -512,6 +487,73 @@ class _RingSteps:
     def result(self) -> torch.Tensor:
         """[Tq, Hq, D] in q's dtype, once every step ran."""
         return self.out if self.use_triton else self.acc_out.to(self.q.dtype)
+
+
+@dataclass(frozen=True)
+class _RingPlan:
+    """What `_RingSteps` works out for the Triton kernel from the shards, the shapes and the config alone: the same
+    for every layer of a forward (`_ring_plan` caches it on the query shard)."""
+    config: object  # RingConfig
+    tma: bool  # K/V read by TMA
+    hkv: int
+    fused: bool  # RingConfig.fuse (SP >= 3) or gather (SP >= 2): blocks scattered into one position-ordered buffer
+    f0: int  # the first step whose block is scattered (fused)
+    dst: list | None  # per scattered block, its rows' runs in the buffer (`_runs`)
+    fused_tokens: int  # the buffer's rows
+    n_launch: int
+    q_pos: torch.Tensor
+    k_pos: list
+    tables: list  # per launch (tiles, merge table or None, split slots), `_tile_table`
+    partials: tuple | None  # split-K scratch, shared by the launches (one stream: they never overlap)
+    key_tokens: list  # per launch, its keys
+    acc_dtype: torch.dtype
+
+
+def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, kv_shards: list[TokenShard],
+               kernel_config) -> _RingPlan:
+    """The Triton ring's plan for these shards (kv_shards in step order), q's shape and dtype, K/V's shape and
+    TMA-readability and the config (None: `default_config`, which TANDEM_RING_KERNEL may set); cached on q_shard
+    like the tile tables, so a layer's ring does one lookup here, not a dozen."""
+    kernels = _triton_kernels()
+    tma = kernels.tma_ok(first_block[0], first_block[1])
+    env = os.environ.get(kernels.ENV) if kernel_config is None else None
+    key = ("plan", tuple(id(s) for s in kv_shards), kernel_config, env, q.shape, q.dtype, q.device, first_block.shape,
+           tma)
+    hit = q_shard._tables.get(key)
+    if hit is not None and len(hit[0]) == len(kv_shards) and all(a is b for a, b in zip(hit[0], kv_shards)):
+        return hit[1]
+    cfg = kernel_config
+    config = kernels.parse_config(cfg) if isinstance(cfg, str) else cfg or kernels.default_config(
+        q.shape[0], q.shape[-1], q.element_size(), tma)
+    hkv = first_block.shape[2]
+    rows = kernels.rows_per_tile(config, q.shape[1], hkv)
+    n_groups = q.shape[1] // config.heads_per_program(q.shape[1] // hkv)
+    split = (config.block_n, n_groups, kernels.sm_count(q.device), config.splits)
+    # fuse: the steps after the first are one launch over the other blocks, each scattered on arrival into
+    # rows in position order (`_fused_layout`); the launches' key shards are then [own, fused]. gather: every
+    # block so (the own one too), one launch over [fused]. f0: the first step whose block is scattered.
+    n = len(kv_shards)
+    gather = config.gather and n >= 2
+    fused = gather or (config.fuse and n >= 3)
+    f0 = 0 if gather else 1
+    launches, dst, fused_tokens = kv_shards, None, 0
+    if fused:
+        fused_shard, dst = _fused_layout(q_shard, kv_shards[f0:], q.device)
+        launches = [fused_shard] if gather else [kv_shards[0], fused_shard]
+        fused_tokens = fused_shard.num_tokens
+    # Before the first kernel: a host-to-device copy issued later would wait for the kernels queued before it.
+    q_pos = q_shard.positions_on(q.device)
+    k_pos = [shard.positions_on(q.device) for shard in launches]
+    tables = [_tile_table(q_shard, shard, rows, i in (0, len(launches) - 1), q.device, split)
+              for i, shard in enumerate(launches)]
+    slots = max(t[2] for t in tables)
+    partials = kernels.partial_buffers(slots, n_groups, config, q.shape[-1], q.device) if slots else None
+    # acc16: the running output in q's 16-bit dtype (half the traffic of the steps' merges), LSE fp32.
+    acc_dtype = q.dtype if config.acc16 and q.element_size() == 2 else torch.float32
+    plan = _RingPlan(config, tma, hkv, fused, f0, dst, fused_tokens, len(launches), q_pos, k_pos, tables, partials,
+                     [shard.num_tokens for shard in launches], acc_dtype)
+    q_shard._tables[key] = (list(kv_shards), plan)
+    return plan
 
 
 def _tile_table(q_shard: TokenShard, kv_shard: TokenShard, rows: int, cover: bool, device: torch.device,
