@@ -6,8 +6,9 @@ The protocol (docs/architecture.md, "Prefill/decode handoff"):
  2. decode -> prefill (any replica, via the caller's `PrefillClient`): run the prompt, sample the first
     token, hold the blocks under a lease; answer `PrefillReady` (first token, block ids, rank handles).
  3. decode: under its lock for that prefill replica, build the pair's transfer group if new and number the
-    transfer on the pair; then (other transfers in flight beside it, every rank posting them in number order)
-    make the prefill ranks send and its own ranks receive the blocks it lacks, resharded by `plan_transfers`.
+    transfer on the pair; then (up to `kv_transfers_in_flight` in flight on it, every rank posting them in
+    number order) make the prefill ranks send and its own ranks receive the blocks it lacks, resharded by
+    `plan_transfers`.
     With `kv_pieces`, pieces of a long prompt (`PrefillPiece`) come and move before step 2's answer, while
     its later chunks are prefilled; the answer's transfer moves the rest.
  4. decode reads the rest of the prefill stream (in the background): the prefill replica waits for
@@ -418,14 +419,29 @@ def _first_logprobs(out: RequestOutput) -> tuple[float, list[tuple[int, float]] 
     return entry[out.token_ids[0]], sorted(entry.items(), key=lambda kv: -kv[1])
 
 
-# Transfers a decode replica has in flight at once on one pair. Each waits on a thread of every rank actor of both
-# replicas (16 each, `RayExecutor`) for its turn to post (`_PostOrder`), and the turn's own transfer must find a
-# thread free: a few per pair leaves room for several decode replicas per prefill replica.
-# 1 (one at a time, as before the numbered transfers) until several in flight pass on GPUs: with 4, the two-GPU
-# handoff test (tests/gpu/test_disagg_gpu.py [whole], 4 prompts) decoded different tokens for one prompt in one run
-# and did not finish in 70 s in the next, on 2 x H200, 2026-11-27; with 1 it passed. Cause not found. The CPU tests
-# (gloo) pass with 4, and tests/test_disagg_pieces.py runs with 4.
-MAX_TRANSFERS_IN_FLIGHT = 1
+# Transfers a decode replica keeps in flight at once on one prefill/decode pair: the served `kv_transfers_in_flight`
+# (router/config.py, the same default and bounds), `DecodeReplica(kv_transfers_in_flight=...)`. Several in flight on
+# one pair share its one communicator, whose kernels NCCL runs in order on one stream: they overlap the host's work
+# (Ray round trips, the wait for a turn to post, gathers and scatters on the rank threads' own CUDA streams), not the
+# wire. Each waits on a thread of every rank actor of both replicas (16 each, `RayExecutor`) for its turn to post
+# (`_PostOrder`); beyond those 16 the threads, not this bound, limit what runs on a pair, and the ranks' other KV
+# calls (a prefill replica's `sent_among` polls, other pairs' transfers) wait for a thread.
+# The default is 1 because every served PD measurement so far was made with 1 in flight. Several in flight have
+# passed on GPUs (2 x H100, 2026-11-27): tests/gpu/test_kv_transfer_gpu.py -k in_flight_from_threads (serial, 4 and
+# 8 in flight with a busy GPU: every block bit for bit, none unfinished) and scripts/diagnose_pd_in_flight.py
+# --in-flight 4 --rounds 3 (0 transfers failed, 0 wrong blocks, 0 requests with other tokens). The earlier failure
+# with 4 (tests/gpu/test_disagg_gpu.py [whole] on 2 x H200: other tokens for one prompt, then no end in 70 s) is
+# believed to be a bf16 near-tie (the reference decodes the four prompts at batch 4, the handoff run at other batch
+# sizes) and a cold-start timeout, not the transport: the [in-flight-4-fp32] case tests the handoff without near-ties.
+TRANSFERS_IN_FLIGHT_DEFAULT = 1
+TRANSFERS_IN_FLIGHT_MAX = 64
+
+
+def check_transfers_in_flight(n: int) -> int:
+    """`n` if it is a valid `kv_transfers_in_flight`, else a ValueError naming the setting."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= TRANSFERS_IN_FLIGHT_MAX:
+        raise ValueError(f"kv_transfers_in_flight must be an integer from 1 to {TRANSFERS_IN_FLIGHT_MAX}, not {n!r}")
+    return n
 
 
 class _PairState:
@@ -433,9 +449,9 @@ class _PairState:
     posts them in, `_PostOrder`) and bounds how many are in flight. A new object per group: a rebuilt group counts
     from 0 again, and a failure of a transfer on an older one does not drop it (`DecodeReplica._drop_pair`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, in_flight: int) -> None:
         self.seqs = itertools.count()
-        self.slots = asyncio.Semaphore(MAX_TRANSFERS_IN_FLIGHT)
+        self.slots = asyncio.Semaphore(in_flight)  # the replica's `kv_transfers_in_flight`
 
 
 class _Pieces:
@@ -509,7 +525,10 @@ class _Pieces:
 
 class DecodeReplica:
     def __init__(self, engine: LLMEngine, prefill: PrefillClient, replica_id: str | None = None, max_attempts: int = 2,
-                 local_prefill: LocalPrefillPolicy | None = None, kv_pieces: bool = False):
+                 local_prefill: LocalPrefillPolicy | None = None, kv_pieces: bool = False,
+                 kv_transfers_in_flight: int = TRANSFERS_IN_FLIGHT_DEFAULT):
+        # Checked before anything starts (the config checks it too; tests and scripts build replicas directly).
+        self.kv_transfers_in_flight = check_transfers_in_flight(kv_transfers_in_flight)
         if engine.config.parallel.sequence_parallel_size > 1:
             # KV arrives into one block table that every rank holds in full; SP splits blocks over ranks.
             raise ValueError("decode replicas do not support sequence_parallel_size > 1 (only prefill replicas use SP)")
@@ -793,7 +812,7 @@ class DecodeReplica:
                 return False
             # A thread without the caller's context, as `_transfer`'s calls (no Serve request to cancel them).
             await asyncio.get_running_loop().run_in_executor(None, self._join_blocking, spec, rank_handles, True)
-            self._joined[spec.pair_id] = _PairState()
+            self._joined[spec.pair_id] = _PairState(self.kv_transfers_in_flight)
             self._peer_ranks.setdefault(prefill_replica, rank_handles)
         return True
 
@@ -842,7 +861,7 @@ class DecodeReplica:
                 except KVTransferError:
                     self._peer_ranks.pop(peer.prefill_replica, None)  # the next answer brings them anew
                     raise
-                state = self._joined[spec.pair_id] = _PairState()
+                state = self._joined[spec.pair_id] = _PairState(self.kv_transfers_in_flight)
             await state.slots.acquire()
             seq = next(state.seqs)
         if numbered is not None:

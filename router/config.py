@@ -153,6 +153,11 @@ class AppConfig(EngineArgs):
                                  "itself asks the prefill replica for its KV in pieces, one per chunked-prefill step, "
                                  "moved while the later chunks compute; the rest goes with the first token. Prompts "
                                  "the router prefills itself (router_prefill) still move in one piece.")
+    kv_transfers_in_flight: int = Field(default=1, ge=1, le=64, description="Disaggregated: KV transfers a decode "
+                                        "replica keeps in flight at once with one prefill replica (1 to 64). They "
+                                        "share the pair's one NCCL stream, so more overlap the host's work (Ray round "
+                                        "trips, gathers, scatters), not the wire. 1: every served PD measurement so "
+                                        "far was made with one at a time.")
     stream_items_per_s: float | None = Field(default=None, ge=0, description="Disaggregated: most stream items a "
                                              "decode replica sends its routers per second, over all its requests. Under "
                                              "load an item carries the tokens of several steps (a request's first and "

@@ -114,7 +114,8 @@ class DecodePool(_PoolMethods):
         engine = _engine(self.config, "decode")
         policy = LocalPrefillPolicy(self.config.local_prefill_max_tokens, self.config.local_prefill_when_idle)
         self.replica = DecodeReplica(engine, self._prefill_client, _replica_id("decode"), local_prefill=policy,
-                                     kv_pieces=self.config.kv_push_pieces)
+                                     kv_pieces=self.config.kv_push_pieces,
+                                     kv_transfers_in_flight=self.config.kv_transfers_in_flight)
         gauges = metrics.PoolGauges("decode", self.config.served_model_name)
         self.replica.on_transfer = lambda stats: _record_transfer(stats, gauges.tags)
         self.replica.on_prefill_site = lambda site: metrics.PREFILL_SITE.inc(1, tags={"site": site, **gauges.tags})

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Issue 24, item 2: where several KV transfers in flight on one prefill/decode pair go wrong on GPUs.
 
-With engine/disagg.py's MAX_TRANSFERS_IN_FLIGHT at 4, tests/gpu/test_disagg_gpu.py [whole] decoded other tokens than
-the single-GPU engine for one prompt in one run and hung in the next (2 x H200). This runs that test's scenario
-(models/tandem-tiny, bf16, one prefill and one decode replica at TP=1 as Ray rank actors on GPUs 0 and 1, NCCL, its
-four prompts at once) for --rounds rounds, each round's prompts made distinct by a first line of its own, and:
+With 4 transfers in flight per pair (the decode replica's `kv_transfers_in_flight`), tests/gpu/test_disagg_gpu.py
+[whole] decoded other tokens than the single-GPU engine for one prompt in one run and hung in the next (2 x H200);
+on 2 x H100 (2026-11-27) `--in-flight 4 --rounds 3` gave PASS (engine/disagg.py, at TRANSFERS_IN_FLIGHT_DEFAULT, says
+what is known). This runs that test's scenario (models/tandem-tiny, bf16, one prefill and one decode replica at TP=1
+as Ray rank actors on GPUs 0 and 1, NCCL, its four prompts at once) for --rounds rounds, each round's prompts made
+distinct by a first line of its own, and:
 - after every transfer, before its request joins the decode batch, reads the blocks it moved on both ranks
   (Ray's `__ray_call__` on the rank actors) and compares them bit for bit: whole blocks, and the last block's slots
   up to the prompt's end (the rest is not the prompt's KV);
@@ -124,14 +126,15 @@ class TransferLog:
         return checked
 
 
-def _replicas(transfer_timeout_s: float, engine: dict):
+def _replicas(transfer_timeout_s: float, engine: dict, in_flight: int):
     from engine import LLMEngine
     from engine.disagg import DecodeReplica, PrefillReplica
     from workers.config import EngineConfig
 
     kwargs = dict(engine, distributed_executor_backend="ray", kv_transfer_timeout_seconds=transfer_timeout_s)
     prefill = PrefillReplica(LLMEngine(EngineConfig.from_kwargs(**kwargs), show_progress=False))
-    decode = DecodeReplica(LLMEngine(EngineConfig.from_kwargs(**kwargs), show_progress=False), prefill.prefill)
+    decode = DecodeReplica(LLMEngine(EngineConfig.from_kwargs(**kwargs), show_progress=False), prefill.prefill,
+                           kv_transfers_in_flight=in_flight)
     return prefill, decode
 
 
@@ -153,7 +156,7 @@ async def _rounds(decode, rounds: list[list[list[int]]], params, log: TransferLo
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--in-flight", type=int, default=4, help="engine/disagg.py MAX_TRANSFERS_IN_FLIGHT for this run")
+    ap.add_argument("--in-flight", type=int, default=4, help="the decode replica's kv_transfers_in_flight (per pair) for this run")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the test's four prompts, each with a line of its own")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -172,11 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("needs 2 CUDA GPUs")
     engine = dict(ENGINE, device=args.device, dtype=args.dtype)
     faulthandler.dump_traceback_later(args.budget_s, exit=True)  # a hang: the stacks, then exit (code 1)
-    disagg.MAX_TRANSFERS_IN_FLIGHT = args.in_flight
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     ray.init(num_gpus=2, num_cpus=8, include_dashboard=False, ignore_reinit_error=True)
     try:
-        prefill, decode = _replicas(args.transfer_timeout_s, engine)
+        prefill, decode = _replicas(args.transfer_timeout_s, engine, args.in_flight)
         tok = decode.llm_engine.tokenizer
         rounds = [[tok.encode(f"# round {r}\n" + p) for p in PROMPTS] for r in range(args.rounds)]
         log = TransferLog({f"r{r}-{i}": len(p) for r, ps in enumerate(rounds) for i, p in enumerate(ps)}, engine["block_size"])

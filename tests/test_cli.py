@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from parallel.net import free_port
 from router.config import SHARED_ONLY, AppConfig
@@ -165,11 +166,43 @@ def test_serve_layout_flags():
     (["serve", "--expert-parallel-size", "3", "--tensor-parallel-size", "2"], "expert_parallel_size"),
     (["serve", DEFAULT_MODEL, "--model", "/elsewhere"], "give the model once"),
     (["generate", "--max-num-batched-tokens", "-1"], "max_num_batched_tokens"),
+    (["serve", "--disaggregated", "--kv-transfers-in-flight", "0"], "kv_transfers_in_flight"),
+    (["serve", "--disaggregated", "--kv-transfers-in-flight", "65"], "kv_transfers_in_flight"),
 ])
 def test_bad_input_is_one_error_line_and_status_2(argv, message, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_kv_transfers_in_flight_from_flag_and_yaml_reaches_the_decode_replica(monkeypatch):
+    """A served field (not an engine one): its default and bounds are the decode replica's own, a bad value is refused
+    naming it, and the decode pool builds its replica with the value given."""
+    from engine import disagg
+    from router import pools
+
+    assert AppConfig().kv_transfers_in_flight == disagg.TRANSFERS_IN_FLIGHT_DEFAULT == 1
+    disagg.check_transfers_in_flight(disagg.TRANSFERS_IN_FLIGHT_MAX)
+    assert AppConfig(kv_transfers_in_flight=disagg.TRANSFERS_IN_FLIGHT_MAX).kv_transfers_in_flight == 64
+    for bad in (0, -3, disagg.TRANSFERS_IN_FLIGHT_MAX + 1, 2.5, "many"):
+        with pytest.raises(ValidationError, match="kv_transfers_in_flight"):
+            AppConfig(kv_transfers_in_flight=bad)
+    from_yaml = AppConfig.model_validate(yaml.safe_load(f"model: {DEFAULT_MODEL}\nkv_transfers_in_flight: 4\n"))
+    assert from_yaml.kv_transfers_in_flight == 4
+    _, config = cli.serve_spec(cli.build_parser().parse_args(["serve", "--disaggregated", "--kv-transfers-in-flight", "8"]))
+    assert config.kv_transfers_in_flight == 8
+
+    built: dict = {}
+
+    class Replica:  # records what the pool passes; no engine
+        def __init__(self, engine, prefill, replica_id=None, **kw):
+            built.update(kw)
+            self.async_engine = type("AsyncEngine", (), {})()
+
+    monkeypatch.setattr(pools, "_engine", lambda config, pool: None)
+    monkeypatch.setattr(pools, "DecodeReplica", Replica)
+    pools.DecodePool(config.to_args(), prefill=None)  # the args the Serve deployment gets
+    assert built["kv_transfers_in_flight"] == 8
 
 
 def test_bad_flag_value_is_refused_by_argparse(capsys):

@@ -90,9 +90,10 @@ class Pair:
             engine.shutdown()
 
 
-def build_pair(path: str, prefill_kw: dict, decode_kw: dict) -> Pair:
+def build_pair(path: str, prefill_kw: dict, decode_kw: dict, replica_kw: dict | None = None) -> Pair:
     """A prefill and a decode replica of `path` (COMMON engine arguments plus each side's own), the decode
-    side's prefill client calling the prefill replica directly and recording the request ids it asks for."""
+    side's prefill client calling the prefill replica directly and recording the request ids it asks for.
+    `replica_kw`: the `DecodeReplica`'s own arguments (`kv_pieces`, `kv_transfers_in_flight`)."""
 
     def engine(kw: dict) -> LLMEngine:
         return LLMEngine(EngineConfig.from_kwargs(model=path, **COMMON, **kw), show_progress=False)
@@ -106,7 +107,7 @@ def build_pair(path: str, prefill_kw: dict, decode_kw: dict) -> Pair:
             yield ready
 
     try:
-        decode = DecodeReplica(engine(decode_kw), client)
+        decode = DecodeReplica(engine(decode_kw), client, **(replica_kw or {}))
     except BaseException:
         prefill.llm_engine.shutdown()
         raise

@@ -1,9 +1,11 @@
 """Issue 24, item 2: a long prompt's KV moves in pieces while it is prefilled (`DecodeReplica(kv_pieces=True)`,
-`PrefillPiece`), and several transfers are in flight at once on one prefill/decode pair (`_PostOrder`).
+`PrefillPiece`), and several transfers are in flight at once on one prefill/decode pair (`_PostOrder`), at most
+the decode replica's `kv_transfers_in_flight`.
 
 A "tp2->tp1" pair of tests/test_disagg.py (a GQA Llama prefilled on 2 ranks and decoded on 1, Ray actors, gloo),
-its decode replica asking for pieces. Prefill engines take 16 tokens a step with 4-token blocks, so a 40-token
-prompt is prefilled in three steps: pieces of blocks 0-3 and 4-7, then the rest (8-9) with the first token.
+its decode replica asking for pieces with IN_FLIGHT transfers in flight per pair (the served default is 1:
+engine/disagg.py TRANSFERS_IN_FLIGHT_DEFAULT says why). Prefill engines take 16 tokens a step with 4-token blocks,
+so a 40-token prompt is prefilled in three steps: pieces of blocks 0-3 and 4-7, then the rest (8-9) with the first token.
 `StepGate` freezes the prefill engine after its first chunk, so a piece provably moves while the prompt is not
 yet computed. After every test both engines hold no block, lease or request.
 """
@@ -29,24 +31,13 @@ from workers.kv_transfer.transport import KVTransferAgent, KVTransferError, Pair
 
 pytestmark = pytest.mark.slow
 LONG = 40  # three prefill steps of PREFILL_CHUNK tokens
-
-
-@pytest.fixture(scope="module", autouse=True)
-def several_in_flight():
-    """These tests are about transfers in flight together on a pair; the served default is one at a time
-    (engine/disagg.py MAX_TRANSFERS_IN_FLIGHT says why)."""
-    import engine.disagg as disagg
-
-    saved, disagg.MAX_TRANSFERS_IN_FLIGHT = disagg.MAX_TRANSFERS_IN_FLIGHT, 4
-    yield
-    disagg.MAX_TRANSFERS_IN_FLIGHT = saved
+IN_FLIGHT = 4  # the pair's decode replica's kv_transfers_in_flight
 
 
 @pytest.fixture(scope="module")
 def pair(ray_session, run) -> Pair:
     pair = build_pair(tiny_model("llama"), dict(tensor_parallel_size=2, max_num_batched_tokens=PREFILL_CHUNK),
-                      dict(tensor_parallel_size=1))
-    pair.decode.kv_pieces = True
+                      dict(tensor_parallel_size=1), dict(kv_pieces=True, kv_transfers_in_flight=IN_FLIGHT))
     yield pair
     pair.shutdown()
 
@@ -177,6 +168,38 @@ def test_two_requests_transfers_are_in_flight_together_on_one_pair(pair, run, re
     for out, want in zip(outs, reference.generate(prompts, greedy(5))):
         assert out.token_ids == want.token_ids
     run(settle(pair))
+
+
+def test_kv_transfers_in_flight_bounds_the_transfers_running_at_once_on_a_pair(pair, run, reference):
+    """IN_FLIGHT + 1 handoffs at once, each send stalled 1 s before posting (the stalls take turns, `_PostOrder`,
+    so the transfers end 1 s apart): IN_FLIGHT transfers run at once on the pair, never more, and every output is
+    right."""
+    assert pair.decode.kv_transfers_in_flight == IN_FLIGHT
+    prompts = prompts_of_lengths([9 + i for i in range(IN_FLIGHT + 1)], VOCAB, seed=45)
+    pair.prefill.executor.kv_call("set_send_delay", 1.0)
+
+    async def body():
+        with Transfers(pair.decode) as transfers:
+            outs = await asyncio.gather(*(generate(pair.decode, f"bound-{i}", p, greedy(5)) for i, p in enumerate(prompts)))
+        return outs, transfers
+
+    try:
+        outs, transfers = run(body())
+    finally:
+        pair.prefill.executor.kv_call("set_send_delay", 0.0)
+    # A handoff's prompt may be chunked beside another's: then it moves in pieces too, so more transfers than requests.
+    assert len(transfers.done) > IN_FLIGHT and transfers.most_at_once == IN_FLIGHT
+    for out, want in zip(outs, reference.generate(prompts, greedy(5))):
+        assert out.token_ids == want.token_ids
+    run(settle(pair))
+
+
+def test_a_decode_replica_refuses_a_bad_kv_transfers_in_flight_before_it_starts():
+    from engine.disagg import TRANSFERS_IN_FLIGHT_MAX
+
+    for bad in (0, -1, TRANSFERS_IN_FLIGHT_MAX + 1, 2.5, "4", True):
+        with pytest.raises(ValueError, match=f"kv_transfers_in_flight must be an integer from 1 to {TRANSFERS_IN_FLIGHT_MAX}"):
+            DecodeReplica(None, None, kv_transfers_in_flight=bad)  # refused before the engine is touched
 
 
 @pytest.mark.parametrize("phase", ["piece_in_flight", "pieces_landed", "last_in_flight"])

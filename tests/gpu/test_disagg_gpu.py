@@ -14,12 +14,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.devi
 MODEL = str(Path(__file__).resolve().parents[2] / "models" / "tandem-tiny")
 
 
-# (pieces, transfers in flight per pair (None: the default, engine/disagg.py MAX_TRANSFERS_IN_FLIGHT), dtype)
+# (pieces, transfers in flight per pair (the decode replica's kv_transfers_in_flight; None: its default), dtype)
 CASES = {"whole": (False, None, "bfloat16"), "pieces": (True, None, "bfloat16"), "in-flight-4-fp32": (False, 4, "float32")}
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_prefill_gpu0_to_decode_gpu1_matches_single_gpu(case: str, monkeypatch: pytest.MonkeyPatch):
+def test_prefill_gpu0_to_decode_gpu1_matches_single_gpu(case: str):
     """pieces: the prefill engine takes 32 tokens a step, and the decode replica asks for each step's full blocks as
     they are computed (`kv_push_pieces`, issue 24): the long prompt moves in several transfers, on GPUs its pieces'
     gathers ordered after the engine's stream.
@@ -30,14 +30,11 @@ def test_prefill_gpu0_to_decode_gpu1_matches_single_gpu(case: str, monkeypatch: 
     bf16 tests the handoff only as far as the batches happen to match; float32 moves the same blocks with no near-ties."""
     import ray
 
-    import engine.disagg as disagg
     from engine import LLM, LLMEngine, SamplingParams
     from workers.config import EngineConfig
     from engine.disagg import DecodeReplica, PrefillPiece, PrefillReplica
 
     pieces, in_flight, dtype = CASES[case]
-    if in_flight is not None:
-        monkeypatch.setattr(disagg, "MAX_TRANSFERS_IN_FLIGHT", in_flight)
     ray.init(num_gpus=2, num_cpus=8, include_dashboard=False, ignore_reinit_error=True)
     try:
         kwargs = dict(model=MODEL, device="cuda", dtype=dtype, block_size=16, num_gpu_blocks_override=256,
@@ -53,7 +50,8 @@ def test_prefill_gpu0_to_decode_gpu1_matches_single_gpu(case: str, monkeypatch: 
                     told.append((rid, len(ready.block_ids)))
                 yield ready
 
-        decode = DecodeReplica(decode_engine, client, kv_pieces=pieces)
+        decode = DecodeReplica(decode_engine, client, kv_pieces=pieces,
+                               **({} if in_flight is None else {"kv_transfers_in_flight": in_flight}))
         tok = decode_engine.tokenizer
         prompts = [tok.encode(p) for p in ("def fibonacci(n):", "import os\nimport sys\n", "class Tree:\n    def __init__(self, root):\n" * 4,
                                            "def walk(tree):\n    for node in tree:\n        yield node\n" * 12)]

@@ -182,7 +182,8 @@ def test_numbered_transfers_in_flight_together_land_bit_for_bit_and_a_piece_wait
 
 
 # ---- Many transfers in flight on one pair, as served rank actors run them (issue 24, item 2) ----
-# MAX_TRANSFERS_IN_FLIGHT > 1 failed end to end on 2 x H200 (engine/disagg.py says how). This drives the real agent
+# Several in flight (`kv_transfers_in_flight` > 1) failed end to end once on 2 x H200; this passed on 2 x H100
+# (engine/disagg.py, at TRANSFERS_IN_FLIGHT_DEFAULT, says what is known). This drives the real agent
 # over NCCL the way a served pair does, without an engine: transfers of mixed sizes numbered on the pair, started on a
 # pool of 16 threads (a rank actor's) in another order than their numbers, at most WINDOW at once; the prefill side
 # frees each transfer's blocks the moment its send returns and overwrites them (a freed block reused by the next
