@@ -424,8 +424,9 @@ def _first_logprobs(out: RequestOutput) -> tuple[float, list[tuple[int, float]] 
 # one pair share its one communicator, whose kernels NCCL runs in order on one stream: they overlap the host's work
 # (Ray round trips, the wait for a turn to post, gathers and scatters on the rank threads' own CUDA streams), not the
 # wire. Each waits on a thread of every rank actor of both replicas (16 each, `RayExecutor`) for its turn to post
-# (`_PostOrder`); beyond those 16 the threads, not this bound, limit what runs on a pair, and the ranks' other KV
-# calls (a prefill replica's `sent_among` polls, other pairs' transfers) wait for a thread.
+# (`_PostOrder`), and the transfer whose turn it is must find a thread free: with 16 or more waiting on one pair it
+# might not, and would wait out the transfer timeout. Hence at most 8, which leaves threads for the ranks' other KV
+# calls (a prefill replica's `sent_among` polls, other pairs' transfers).
 # The default is 1 because every served PD measurement so far was made with 1 in flight. Several in flight have
 # passed on GPUs (2 x H100, 2026-11-27): tests/gpu/test_kv_transfer_gpu.py -k in_flight_from_threads (serial, 4 and
 # 8 in flight with a busy GPU: every block bit for bit, none unfinished) and scripts/diagnose_pd_in_flight.py
@@ -434,7 +435,7 @@ def _first_logprobs(out: RequestOutput) -> tuple[float, list[tuple[int, float]] 
 # believed to be a bf16 near-tie (the reference decodes the four prompts at batch 4, the handoff run at other batch
 # sizes) and a cold-start timeout, not the transport: the [in-flight-4-fp32] case tests the handoff without near-ties.
 TRANSFERS_IN_FLIGHT_DEFAULT = 1
-TRANSFERS_IN_FLIGHT_MAX = 64
+TRANSFERS_IN_FLIGHT_MAX = 8
 
 
 def check_transfers_in_flight(n: int) -> int:

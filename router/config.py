@@ -153,8 +153,9 @@ class AppConfig(EngineArgs):
                                  "itself asks the prefill replica for its KV in pieces, one per chunked-prefill step, "
                                  "moved while the later chunks compute; the rest goes with the first token. Prompts "
                                  "the router prefills itself (router_prefill) still move in one piece.")
-    kv_transfers_in_flight: int = Field(default=1, ge=1, le=64, description="Disaggregated: KV transfers a decode "
-                                        "replica keeps in flight at once with one prefill replica (1 to 64). They "
+    kv_transfers_in_flight: int = Field(default=1, ge=1, le=8, description="Disaggregated: KV transfers a decode "
+                                        "replica keeps in flight at once with one prefill replica (1 to 8: each "
+                                        "waits on a rank thread). They "
                                         "share the pair's one NCCL stream, so more overlap the host's work (Ray round "
                                         "trips, gathers, scatters), not the wire. 1: every served PD measurement so "
                                         "far was made with one at a time.")

@@ -167,7 +167,7 @@ def test_serve_layout_flags():
     (["serve", DEFAULT_MODEL, "--model", "/elsewhere"], "give the model once"),
     (["generate", "--max-num-batched-tokens", "-1"], "max_num_batched_tokens"),
     (["serve", "--disaggregated", "--kv-transfers-in-flight", "0"], "kv_transfers_in_flight"),
-    (["serve", "--disaggregated", "--kv-transfers-in-flight", "65"], "kv_transfers_in_flight"),
+    (["serve", "--disaggregated", "--kv-transfers-in-flight", "9"], "kv_transfers_in_flight"),
 ])
 def test_bad_input_is_one_error_line_and_status_2(argv, message, capsys):
     assert cli.main(argv) == 2
@@ -183,7 +183,7 @@ def test_kv_transfers_in_flight_from_flag_and_yaml_reaches_the_decode_replica(mo
 
     assert AppConfig().kv_transfers_in_flight == disagg.TRANSFERS_IN_FLIGHT_DEFAULT == 1
     disagg.check_transfers_in_flight(disagg.TRANSFERS_IN_FLIGHT_MAX)
-    assert AppConfig(kv_transfers_in_flight=disagg.TRANSFERS_IN_FLIGHT_MAX).kv_transfers_in_flight == 64
+    assert AppConfig(kv_transfers_in_flight=disagg.TRANSFERS_IN_FLIGHT_MAX).kv_transfers_in_flight == 8
     for bad in (0, -3, disagg.TRANSFERS_IN_FLIGHT_MAX + 1, 2.5, "many"):
         with pytest.raises(ValidationError, match="kv_transfers_in_flight"):
             AppConfig(kv_transfers_in_flight=bad)
