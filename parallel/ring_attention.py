@@ -422,8 +422,9 @@ class _RingSteps:
     one scratch for the pieces' partials. The first step writes the fp32
     accumulators (its table covers every query row: no zero fill), middle steps merge into them, the last
     merges and writes the output in q's dtype (no separate cast); a ring of one step writes the output
-    directly. Under RingConfig.fuse (three or more steps) the steps after the first only scatter their block
-    into a position-ordered buffer (`_fused_layout`), and the last launches once over it: two launches in all;
+    directly. Under RingConfig.fuse (three or more steps) the steps after the first only hold their block, and
+    the last scatters them all into a position-ordered buffer (`_fused_layout`, `_scatter_all`) and launches once
+    over it: two attention launches in all;
     under RingConfig.gather (two or more) the first step's block is scattered too: one launch in all.
     PyTorch (CPU): zeroed accumulators, `blockwise_attention_with_lse` and `merge_into` per
     sequence, one cast at the end."""
@@ -443,6 +444,7 @@ class _RingSteps:
         self.tables, self.partials, self.key_tokens = plan.tables, plan.partials, plan.key_tokens
         if self.fused:
             self.fused_kv = first_block.new_empty((2, plan.fused_tokens, *first_block.shape[2:]))
+            self.pending = []  # the blocks to scatter, as their steps come (`step`)
         self.out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.acc = None
         if self.n_launch > 1:
@@ -459,10 +461,11 @@ class _RingSteps:
                           self.tiles)
             return
         kernels = _triton_kernels()
-        if self.fused and i >= self.f0:  # into its rows of the position-ordered buffer; the last launches them all
-            _scatter_runs(self.fused_kv, block, *self.dst[i - self.f0])
+        if self.fused and i >= self.f0:  # held; the last step scatters them all into position order and launches
+            self.pending.append(block)
             if i < self.n - 1:
                 return
+            _scatter_all(self.fused_kv, self.pending, self.dst)
             i, block = self.n_launch - 1, self.fused_kv
         k, v = block[0], block[1]
         if self.tma and k.shape[0] and not kernels.tma_ok(k, v):  # a block TMA cannot read (misaligned): plain loads
@@ -615,6 +618,21 @@ def _runs(dst: np.ndarray, total: int, device: torch.device) -> tuple[int, torch
     run = int(np.gcd.reduce(np.concatenate([starts, ends, dst[starts], [len(dst)]])))
     run = run if run and total // run * run >= dst.max() + 1 else 1
     return run, _to_device(dst[::run] // run, device)
+
+
+def _scatter_all(buf: torch.Tensor, blocks: list[torch.Tensor], dst: list[tuple[int, torch.Tensor]]) -> None:
+    """Every block into the fused buffer at once: one launch per three blocks (`scatter_blocks`) where they are
+    contiguous and their runs whole 8-byte words, else one copy per block (`_scatter_runs`). Done at the last
+    step, not as each block arrives: the copies run after the first step's kernel either way (one stream), and
+    the host issues one launch, not one per block, before the fused launch the GPU waits for."""
+    rows = [(b, d) for b, d in zip(blocks, dst) if b.shape[1]]
+    row = buf.shape[2] * buf.shape[3] * buf.element_size()
+    if rows and buf.is_contiguous() and all(b.is_contiguous() and b.dtype == buf.dtype and d[0] * row % 8 == 0
+                                            for b, d in rows):
+        _triton_kernels().scatter_blocks(buf, [b for b, _ in rows], [d for _, d in rows])
+        return
+    for block, (run, index) in zip(blocks, dst):
+        _scatter_runs(buf, block, run, index)
 
 
 def _scatter_runs(buf: torch.Tensor, block: torch.Tensor, run: int, index: torch.Tensor) -> None:

@@ -419,6 +419,37 @@ print("ok", checked)
 '''
 
 
+# The fused step's scatter in one launch per three blocks (`scatter_blocks`) against one copy per block and against
+# the positions themselves (row j of the buffer holds the key at the fused shard's position j): SP=3, 4 and 8 (7
+# blocks: three launches), K and V apart, blocks of different run lengths (a rank whose two layout blocks meet).
+SCATTER_SCRIPT = r'''
+import torch
+from parallel.kernels import ring_attention_triton as rt
+from parallel.ring_attention import TokenShard, _fused_layout, _scatter_runs
+from workers.sp_plan import owned_positions
+
+checked = 0
+for n, sp, bs in ((45, 3, 4), (64, 4, 4), (100, 8, 2)):
+    shards = [TokenShard([owned_positions(0, n, r, sp, bs)]) for r in range(sp)]
+    keys = torch.randn(n, 2, 16)
+    blocks = [torch.stack([keys[s.positions[0]], -keys[s.positions[0]]]) for s in shards]
+    fused, dst = _fused_layout(shards[0], shards[1:], torch.device("cpu"))
+    want, got = torch.zeros(2, fused.num_tokens, 2, 16), torch.full((2, fused.num_tokens, 2, 16), float("nan"))
+    for block, (run, index) in zip(blocks[1:], dst):
+        _scatter_runs(want, block, run, index)
+    rt.scatter_blocks(got, blocks[1:], dst)
+    assert torch.equal(got, want), (n, sp)
+    assert torch.equal(got[0], keys[fused.positions[0]]) and torch.equal(got[1], -keys[fused.positions[0]]), (n, sp)
+    checked += 1
+print("ok", checked)
+'''
+
+
+def test_fused_scatter_in_the_triton_interpreter():
+    out = run_interpreted(SCATTER_SCRIPT)
+    assert out.strip().split()[-2:] == ["ok", "3"], out[-500:]
+
+
 def test_ring_step_kernel_in_the_triton_interpreter():
     out = run_interpreted(SCRIPT)
     assert out.strip().split()[-2:] == ["ok", "76"], out[-500:]

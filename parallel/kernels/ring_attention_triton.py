@@ -448,6 +448,61 @@ def _merge_kernel(merge_ptr, part_o_ptr, part_l_ptr, acc_o_ptr, acc_l_ptr, out_p
                 stride_at, stride_ah, stride_lt, stride_lh, stride_ot, stride_oh, True)
 
 
+SCATTER_SOURCES = 3  # K/V blocks one `scatter_blocks` launch copies (a fused step's at SP=4: the other three ranks')
+SCATTER_BLOCK = 1024  # 8-byte words per program
+
+
+@triton.jit(do_not_specialize=["n0", "n1", "n2", "w0", "w1", "w2", "dst_kv", "kv0", "kv1", "kv2"])
+def _scatter_kernel(dst_ptr, src0, src1, src2, idx0, idx1, idx2, n0, n1, n2, w0, w1, w2, dst_kv, kv0, kv1, kv2,
+                    BLOCK: tl.constexpr):
+    # Program (run i, source * 2 + K/V, slice): run i of that source's K or V (w contiguous 8-byte words: the
+    # source's run length) to run idx[i] of the buffer's. Sources past the caller's count have n 0.
+    i = tl.program_id(0)
+    sk = tl.program_id(1)
+    src_id = sk // 2
+    kv = (sk % 2).to(tl.int64)
+    if src_id == 0:
+        src, idx, n, w, src_kv = src0, idx0, n0, w0, kv0
+    elif src_id == 1:
+        src, idx, n, w, src_kv = src1, idx1, n1, w1, kv1
+    else:
+        src, idx, n, w, src_kv = src2, idx2, n2, w2, kv2
+    if i < n:
+        run = tl.load(idx + i).to(tl.int64)
+        offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < w
+        words = tl.load(src + kv * src_kv + i.to(tl.int64) * w + offs, mask=mask)
+        tl.store(dst_ptr + kv * dst_kv + run * w + offs, words, mask=mask)
+
+
+def scatter_blocks(buf: torch.Tensor, blocks: list[torch.Tensor], runs: list[tuple[int, torch.Tensor]]) -> None:
+    """buf [2, T, Hkv, D] := each block [2, Tk_j, Hkv, D] scattered by its runs (R_j rows per run, the destination
+    run of each source run, in units of R_j rows; parallel/ring_attention.py `_runs`), in one launch per
+    SCATTER_SOURCES blocks (a fused ring step's K/V at once, where a copy per block costs the host a launch each
+    while the GPU waits for the fused launch). Every block and buf contiguous, of one dtype; each run a whole
+    number of 8-byte words."""
+    if not blocks:
+        return
+    row = buf.shape[2] * buf.shape[3] * buf.element_size()
+    if any(run * row % 8 for run, _ in runs) or not buf.is_contiguous() or \
+            any(not b.is_contiguous() or b.dtype != buf.dtype for b in blocks):
+        raise ValueError("scatter_blocks: contiguous blocks of buf's dtype, runs of whole 8-byte words")
+    dst = buf.view(torch.int64)
+    for lo in range(0, len(blocks), SCATTER_SOURCES):
+        part = [(b.view(torch.int64), idx, run * row // 8)
+                for b, (run, idx) in zip(blocks[lo:lo + SCATTER_SOURCES], runs[lo:lo + SCATTER_SOURCES])]
+        counts = [idx.numel() if b.shape[1] else 0 for b, idx, _ in part]
+        if not any(counts):
+            continue
+        while len(part) < SCATTER_SOURCES:  # unused sources: no runs
+            part.append(part[0])
+            counts.append(0)
+        words = [w for _, _, w in part]
+        grid = (max(counts), 2 * SCATTER_SOURCES, triton.cdiv(max(words), SCATTER_BLOCK))
+        _scatter_kernel[grid](dst, *(b for b, _, _ in part), *(idx for _, idx, _ in part), *counts, *words,
+                              dst.stride(0), *(b.stride(0) for b, _, _ in part), BLOCK=SCATTER_BLOCK)
+
+
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the kernel takes these inputs: one float dtype, head dim a power of two in [16, 256],
     Hq a multiple of Hkv, unit stride along D and the KV heads packed (k/v rows [Hkv * D])."""
