@@ -12,6 +12,7 @@ at SP=2, <= 0.3x at SP=4), and each rank's rows are checked against SDPA (max ab
     python scripts/tune_ring_kernel.py                                    # 16K/64K/128K, SP 2 and 4, CANDIDATES
     python scripts/tune_ring_kernel.py --configs "128,128,8,3;128,64,8,3,pack" --lengths 16384
     python scripts/tune_ring_kernel.py --configs "128,128,8,3,pack" --splits 1,2,4,auto   # split-K counts
+    python scripts/tune_ring_kernel.py --configs "default;128,128,8,3,pack,oneloop"      # the kernel's own choice
     python scripts/tune_ring_kernel.py --device cpu --dry-run             # tiny shapes, Triton's interpreter, seconds
 
 Prints a table per (length, SP, config): the slowest rank's ms, the ratio, the error, each ring step's GPU
@@ -20,8 +21,8 @@ the host has issued them all first: the kernels' own time), its tile-table rows 
 pieces), the host ms to issue them and the host ms of the set-up and of each step's call (if the whole is near the
 total, the launches, not the kernel, bound it); per SP size also the prefill kernel over the prompt's first 1/sp
 (one ring step's shape) times sp: the SP=1 kernel's own cost for sp short launches; --sp 1 times the ring kernel
-itself over the whole prompt (one launch) beside the prefill kernel; then every config ranked by its worst ratio / goal over all cells
-(< 1: every goal met). The first config there is the one to put in `CONFIGS` of the kernel module; a config
+itself over the whole prompt (one launch) beside the prefill kernel; then every config ranked by its worst
+ratio / goal over all cells (< 1: every goal met); a config named "default" is the kernel's own choice. The first config there is the one to put in `CONFIGS` of the kernel module; a config
 can also be tried without editing anything through
 TANDEM_RING_KERNEL="BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]" (acc16: the running output between
 steps in bf16, half the merges' traffic; the error column shows what it costs).
@@ -169,7 +170,8 @@ def step_profile(q, blocks, shards, rank: int, scale: float, config,
         events[-1].record()
         torch.cuda._sleep(int(SPIN_MS * 1e-3 * _clock_hz()))
     t0 = time.perf_counter()
-    steps = _RingSteps(q, blocks[rank], shards[rank], [shards[s] for s in srcs], scale, None, True, config)
+    steps = _RingSteps(q, blocks[rank], shards[rank], [shards[s] for s in srcs], scale, None, True,
+                       as_kernel_config(config))
     host = [time.perf_counter()]
     for i, src in enumerate(srcs):
         if cuda and i == 0:
@@ -209,10 +211,19 @@ def _clock_hz() -> float:
 
 
 def config_block_n(config: str) -> int:
-    """BLOCK_N of a config string (the key tile a program's loop steps by)."""
-    from parallel.kernels.ring_attention_triton import RingConfig
+    """BLOCK_N of a config string (the key tile a program's loop steps by); "default": the default's for D 128."""
+    from parallel.kernels.ring_attention_triton import CONFIGS, RingConfig
 
-    return RingConfig.parse(config).block_n
+    return CONFIGS[128][0].block_n if config == DEFAULT else RingConfig.parse(config).block_n
+
+
+# A config named "default" runs the kernel's own choice (`default_config`: CONFIGS, and `fuse` for short chunks).
+DEFAULT = "default"
+
+
+def as_kernel_config(config: str) -> str | None:
+    """The kernel_config argument for a config of the sweep: None for "default"."""
+    return None if config == DEFAULT else config
 
 
 def run_config(qs, blocks, shards, positions, config: str, scale: float, ref: torch.Tensor,
@@ -223,7 +234,8 @@ def run_config(qs, blocks, shards, positions, config: str, scale: float, ref: to
 
     ranks = []
     for r in range(len(shards)):
-        run = lambda: ring_rank_attention(qs[r], blocks, shards, r, scale, "triton", kernel_config=config)  # noqa: E731
+        run = lambda: ring_rank_attention(qs[r], blocks, shards, r, scale, "triton",  # noqa: E731
+                                          kernel_config=as_kernel_config(config))
         seconds, out = timed(run, a.device, a.reps)
         rows = torch.tensor(positions[r], dtype=torch.long, device=ref.device)
         err = (out.float() - ref.index_select(0, rows).float()).abs().max().item() if rows.numel() else 0.0
@@ -325,7 +337,8 @@ def table(results: list[dict], configs: list[str]) -> str:
         lines.append(f"{cell['tokens']:7d}  1 {cell['sp1']['baseline']:<34} {'-':>10} {base:8.3f}{after}; streamed "
                      f"{cell['sp1']['baseline_stream_s'] * 1e3:.3f}")
         for sp, c in cell.get("chunk_prefill", {}).items():
-            lines.append(f"{cell['tokens']:7d} {sp:>2} {'prefill kernel at ' + str(c['tokens']) + ' tokens x ' + sp:<34} "
+            name = f"prefill kernel at {c['tokens']} tokens x {sp}"
+            lines.append(f"{cell['tokens']:7d} {sp:>2} {name:<34} "
                          f"{c['seconds'] * 1e3 * int(sp):10.3f} {base:8.3f} {c['ratio_x_sp']:6.3f} {'':>5} {'':>8} "
                          f"{c['stream_ratio_x_sp']:8.3f}  (one launch {c['seconds'] * 1e3:.3f} ms)")
         for sp, res in cell["sp"].items():
@@ -352,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     from parallel.kernels.ring_attention_triton import CONFIGS, ENV, RingConfig, sm_count
 
     for c in a.configs:
-        RingConfig.parse(c)  # a typo fails here, not after minutes of timing
+        if c != DEFAULT:
+            RingConfig.parse(c)  # a typo fails here, not after minutes of timing
     started = time.perf_counter()
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu (Triton interpreter)"
     sms = sm_count(torch.device(a.device))  # what split=auto measures a step's work against
