@@ -22,8 +22,9 @@ pieces), the host ms to issue them and the host ms of the set-up and of each ste
 total, the launches, not the kernel, bound it); per SP size also the prefill kernel over the prompt's first 1/sp
 (one ring step's shape) times sp: the SP=1 kernel's own cost for sp short launches; --sp 1 times the ring kernel
 itself over the whole prompt (one launch) beside the prefill kernel; then every config ranked by its worst
-ratio / goal over all cells (< 1: every goal met); a config named "default" is the kernel's own choice. The first config there is the one to put in `CONFIGS` of the kernel module; a config
-can also be tried without editing anything through
+ratio / goal over all cells (< 1: every goal met); a config named "default" is the kernel's own choice. The
+first config there is the one to put in `CONFIGS` of the kernel module; a config can also be tried without
+editing anything through
 TANDEM_RING_KERNEL="BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]" (acc16: the running output between
 steps in bf16, half the merges' traffic; the error column shows what it costs).
 --splits crosses every config with split-K counts (1: never split; N: up to N pieces per query tile; auto: the
