@@ -442,7 +442,8 @@ class _RingSteps:
         self.config, self.tma, self.q_hkv, self.fused, self.f0 = plan.config, plan.tma, plan.hkv, plan.fused, plan.f0
         self.dst, self.n_launch, self.q_pos, self.k_pos = plan.dst, plan.n_launch, plan.q_pos, plan.k_pos
         self.tables, self.partials, self.key_tokens = plan.tables, plan.partials, plan.key_tokens
-        if self.fused:
+        self.specs, self.hybrid = plan.specs, plan.hybrid
+        if self.fused or self.hybrid:
             self.fused_kv = first_block.new_empty((2, plan.fused_tokens, *first_block.shape[2:]))
             self.pending = []  # the blocks to scatter, as their steps come (`step`)
         self.out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -460,31 +461,49 @@ class _RingSteps:
             _attend_block(self.q, block, self.q_shard, self.kv_shards[i], self.scale, self.acc_out, self.acc_lse,
                           self.tiles)
             return
-        kernels = _triton_kernels()
+        if self.hybrid:
+            self._hybrid_step(i, block)
+            return
         if self.fused and i >= self.f0:  # held; the last step scatters them all into position order and launches
             self.pending.append(block)
             if i < self.n - 1:
                 return
             _scatter_all(self.fused_kv, self.pending, self.dst)
             i, block = self.n_launch - 1, self.fused_kv
+        self._run(i, block)
+
+    def _hybrid_step(self, i: int, block: torch.Tensor) -> None:
+        """RingConfig.hybrid (SP = 2): step 0 runs the own block for the first head groups; step 1 scatters both
+        blocks into position order, runs the other head groups over every key, then the first ones over the other
+        block (merging into step 0's accumulators)."""
+        self.pending.append(block)
+        if i == 0:
+            self._run(0, block)
+            return
+        _scatter_all(self.fused_kv, self.pending, self.dst)
+        self._run(1, self.fused_kv)
+        self._run(2, block)
+
+    def _run(self, i: int, block: torch.Tensor) -> None:
+        """Launch i over block [2, Tk, Hkv, D] (its plan made once; plain loads for a block TMA cannot read)."""
         k, v = block[0], block[1]
-        if self.tma and k.shape[0] and not kernels.tma_ok(k, v):  # a block TMA cannot read (misaligned): plain loads
-            last = i == self.n_launch - 1
-            tiles, merge, _ = self.tables[i]
-            kernels.ring_step(self.q, k, v, self.scale, tiles, self.q_pos, self.k_pos[i], self.config, self.acc,
-                              load_prev=i > 0, store_acc=not last, out=self.out if last else None, tma=False,
-                              merge=merge, partials=self.partials, chained=not self.fused)
+        if self.tma and k.shape[0] and not _triton_kernels().tma_ok(k, v):  # misaligned: plain loads, planned now
+            self._launch(i, tma=False)(k, v)
             return
         self._launch(i)(k, v)
 
-    def _launch(self, i: int):
-        """Launch i's `StepLaunch` (planned at its first use)."""
-        if self.launches[i] is None:
-            last = i == self.n_launch - 1
-            self.launches[i] = _triton_kernels().StepLaunch(
+    def _launch(self, i: int, tma: bool | None = None):
+        """Launch i's `StepLaunch` (planned at its first use; tma given: a one-off plan with that)."""
+        if self.launches[i] is None or tma is not None:
+            load_prev, store_acc, writes_out, groups = self.specs[i]
+            launch = _triton_kernels().StepLaunch(
                 self.q, self.key_tokens[i], self.q_hkv, self.scale, self.tables[i][0], self.q_pos, self.k_pos[i],
-                self.config, self.acc, i > 0, not last, self.out if last else None, self.tma, self.tables[i][1],
-                self.partials, not self.fused)
+                self.config, self.acc, load_prev, store_acc, self.out if writes_out else None,
+                self.tma if tma is None else tma, self.tables[i][1], self.partials,
+                not (self.fused or self.hybrid), groups)
+            if tma is not None:
+                return launch
+            self.launches[i] = launch
         return self.launches[i]
 
     def result(self) -> torch.Tensor:
@@ -510,6 +529,8 @@ class _RingPlan:
     partials: tuple | None  # split-K scratch, shared by the launches (one stream: they never overlap)
     key_tokens: list  # per launch, its keys
     acc_dtype: torch.dtype
+    specs: list  # per launch (load_prev, store_acc, writes the output, head groups (first, count) or None: all)
+    hybrid: bool  # RingConfig.hybrid (SP = 2): launches [own block, some groups], [all keys, the rest], [other, some]
 
 
 def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, kv_shards: list[TokenShard],
@@ -536,25 +557,35 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
     # rows in position order (`_fused_layout`); the launches' key shards are then [own, fused]. gather: every
     # block so (the own one too), one launch over [fused]. f0: the first step whose block is scattered.
     n = len(kv_shards)
-    gather = config.gather and n >= 2
+    hybrid = config.hybrid and n == 2 and n_groups >= 2
+    gather = config.gather and n >= 2 and not hybrid
     fused = gather or (config.fuse and n >= 3)
     f0 = 0 if gather else 1
     launches, dst, fused_tokens = kv_shards, None, 0
+    specs = [(i > 0, i < n - 1, i == n - 1, None) for i in range(n)]
     if fused:
         fused_shard, dst = _fused_layout(q_shard, kv_shards[f0:], q.device)
         launches = [fused_shard] if gather else [kv_shards[0], fused_shard]
         fused_tokens = fused_shard.num_tokens
+        specs = [(i > 0, i < len(launches) - 1, i == len(launches) - 1, None) for i in range(len(launches))]
+    if hybrid:  # a launch over some head groups is never split: their pieces would share the scratch's rows
+        first = max(1, n_groups // kernels.HYBRID_SHARE)
+        fused_shard, dst = _fused_layout(q_shard, kv_shards, q.device)
+        launches, fused_tokens = [kv_shards[0], fused_shard, kv_shards[1]], fused_shard.num_tokens
+        specs = [(False, True, False, (0, first)), (False, False, True, (first, n_groups - first)),
+                 (True, False, True, (0, first))]
+        split = split[:3] + (1,)
     # Before the first kernel: a host-to-device copy issued later would wait for the kernels queued before it.
     q_pos = q_shard.positions_on(q.device)
     k_pos = [shard.positions_on(q.device) for shard in launches]
-    tables = [_tile_table(q_shard, shard, rows, i in (0, len(launches) - 1), q.device, split)
+    tables = [_tile_table(q_shard, shard, rows, hybrid or i in (0, len(launches) - 1), q.device, split)
               for i, shard in enumerate(launches)]
     slots = max(t[2] for t in tables)
     partials = kernels.partial_buffers(slots, n_groups, config, q.shape[-1], q.device) if slots else None
     # acc16: the running output in q's 16-bit dtype (half the traffic of the steps' merges), LSE fp32.
     acc_dtype = q.dtype if config.acc16 and q.element_size() == 2 else torch.float32
     plan = _RingPlan(config, tma, hkv, fused, f0, dst, fused_tokens, len(launches), q_pos, k_pos, tables, partials,
-                     [shard.num_tokens for shard in launches], acc_dtype)
+                     [shard.num_tokens for shard in launches], acc_dtype, specs, hybrid)
     q_shard._tables[key] = (list(kv_shards), plan)
     return plan
 

@@ -208,6 +208,33 @@ for sp in (2, 3):
             torch.testing.assert_close(steps.result(), ref, rtol=1e-5, atol=1e-5, msg=str((cfg, sp, r)))
             checked += 1
 
+# 2d. hybrid (SP=2): the own block for the first head groups, then both blocks in position order for the others and
+# the other block for the first ones, merged: the ragged batch, and a 45-token prompt with 4 and 8 query heads.
+HYBRID = ["32,16,4,1,pack,hybrid", "16,16,4,1,hybrid,oneloop,early"]
+sp = 2
+q_shards = [TokenShard([owned_positions(lo, n, r, sp, 4) for lo, n in ((0, 30), (21, 40), (0, 3))]) for r in range(sp)]
+kv_shards = [TokenShard([owned_positions(0, n, r, sp, 4) for n in lens]) for r in range(sp)]
+blocks = [torch.stack([torch.cat([x[b][p] for b, p in enumerate(kv.positions)]) for x in (kf, vf)]) for kv in kv_shards]
+for cfg in HYBRID:
+    for r in range(sp):
+        q = torch.cat([qf[b][p] for b, p in enumerate(q_shards[r].positions)])
+        steps = _RingSteps(q, blocks[r], q_shards[r], [kv_shards[(r - s) % sp] for s in range(sp)], S, None, True, cfg)
+        assert steps.hybrid and not steps.fused and len(steps.tables) == 3
+        for s in range(sp):
+            steps.step(s, blocks[(r - s) % sp])
+        ref = torch.cat([want[b][p] for b, p in enumerate(q_shards[r].positions)])
+        torch.testing.assert_close(steps.result(), ref, rtol=1e-5, atol=1e-5, msg=str((cfg, r)))
+        checked += 1
+for hq in (4, 8):
+    q, k, v = torch.randn(45, hq, D), torch.randn(45, 2, D), torch.randn(45, 2, D)
+    positions = [owned_positions(0, 45, r, sp, 4) for r in range(sp)]
+    qs, blocks, shards = split_for_ranks(q, k, v, positions)
+    for cfg in HYBRID:
+        for r in range(sp):
+            out = ring_rank_attention(qs[r], blocks, shards, r, S, backend="triton", kernel_config=cfg)
+            torch.testing.assert_close(out, causal(q, k, v)[positions[r]], rtol=1e-5, atol=1e-5, msg=str((hq, cfg, r)))
+            checked += 1
+
 # 3. A ring of one (Ulysses' attention): the output straight from the kernel, no accumulators.
 q, k, v = torch.randn(37, 4, D), torch.randn(37, 1, D), torch.randn(37, 1, D)
 shard = TokenShard([list(range(37))])
@@ -457,9 +484,9 @@ def test_ring_step_kernel_in_the_triton_interpreter():
 
 def test_ring_launches_in_the_triton_interpreter():
     out = run_interpreted(RING_SCRIPT)
-    configs, fused, fp16, gathered = 9, 3, 6, 2 * (2 + 3)
+    configs, fused, fp16, gathered, hybrid = 9, 3, 6, 2 * (2 + 3), 2 * 2 + 2 * 2 * 2
     assert out.strip().split()[-2:] == ["ok", str(configs * (6 + 4) + configs * 2 + fp16 * (6 + 4) + configs * 2
-                                                  + fused * 3 + gathered + configs + 1 + 3 * 3)], out[-500:]
+                                                  + fused * 3 + gathered + hybrid + configs + 1 + 3 * 3)], out[-500:]
 
 
 def test_split_k_in_the_triton_interpreter():
@@ -576,6 +603,8 @@ def test_launch_configs(monkeypatch):
         ",fuse")
     one = rt.RingConfig.parse("128,128,8,3,oneloop,pack")
     assert one.oneloop and not cfg.oneloop and rt.RingConfig.parse(str(one)) == one and str(one).endswith(",oneloop")
+    hybrid = rt.RingConfig.parse("128,128,8,3,hybrid,pack")
+    assert hybrid.hybrid and not cfg.hybrid and rt.RingConfig.parse(str(hybrid)) == hybrid
     gather = rt.RingConfig.parse("128,128,8,3,gather,pack,fuse")
     assert gather.gather and gather.fuse and not cfg.gather and rt.RingConfig.parse(str(gather)) == gather
     assert rt.parse_config("128,128,8,3,pack,gather") is rt.parse_config("128,128,8,3,pack,gather")  # parsed once

@@ -42,7 +42,7 @@ round trip; `pdl` chains the steps by programmatic dependent launch, so a step's
 previous step's tail frees.
 
 Launch configs: `RingConfig`, the `CONFIGS` table by head dim, the TANDEM_RING_KERNEL environment variable
-("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16][,early][,pdl][,fuse][,gather][,oneloop]");
+("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16][,early][,pdl][,fuse][,gather][,oneloop][,hybrid]");
 scripts/tune_ring_kernel.py times candidates on a GPU.
 Memory: the inputs, the accumulators and output, the tile table and, split, the pieces' partials: O(chunk).
 """
@@ -112,6 +112,12 @@ class RingConfig:
     drain and refill between the two, and the masked tile's K/V loads are prefetched with the others (a short
     program's fixed cost); the unmasked tiles then also compute the row max's -inf guard.
 
+    `hybrid` (read by parallel/ring_attention.py; SP = 2): the first step runs the own block for a quarter of the
+    head groups only (HYBRID_SHARE: enough work to cover the other block's transfer), then both blocks are
+    scattered into position order and one launch takes the other head groups over every key (programs as long as
+    SP=1's), and a last one the first quarter over the other block (merged into the first step's accumulators):
+    three launches, fewer and longer programs than the ring's two steps, the transfer still overlapped.
+
     `gather` (read by parallel/ring_attention.py; SP >= 2): as `fuse`, the rank's own block scattered too, so the
     rank runs ONE launch over every key in position order (programs as long as SP=1's for its query tiles: each
     program's fixed cost paid once per query tile, not once per step), after every block has arrived: nothing
@@ -129,16 +135,17 @@ class RingConfig:
     fuse: bool = False
     gather: bool = False
     oneloop: bool = False
+    hybrid: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "RingConfig":
         """"BLOCK_M,BLOCK_N,warps,stages" then optionally "pack" (or 1/0), "split=N" (or "splitN"; "split=auto"
-        is the default), "acc16", "early", "pdl", "fuse", "gather" and "oneloop": as the env variable, e.g.
+        is the default), "acc16", "early", "pdl", "fuse", "gather", "oneloop" and "hybrid": as the env variable, e.g.
         "128,128,8,3,pack,split=2"."""
         parts = [p.strip().lower() for p in text.replace("x", ",").split(",") if p.strip()]
         pack, splits, flags = None, None, set()
         for flag in parts[4:]:
-            if flag in ("acc16", "early", "pdl", "fuse", "gather", "oneloop") and flag not in flags:
+            if flag in ("acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid") and flag not in flags:
                 flags.add(flag)
             elif flag.startswith("split") and splits is None:
                 n = flag[5:].lstrip("=")
@@ -147,12 +154,12 @@ class RingConfig:
                 pack = flag in ("pack", "1", "true", "p")
             else:
                 raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
-                                 f"[,early][,pdl][,fuse][,gather][,oneloop], not {text!r}")
+                                 f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid], not {text!r}")
         if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]):
             raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
-                             f"[,early][,pdl][,fuse][,gather][,oneloop], not {text!r}")
+                             f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid], not {text!r}")
         cfg = cls(*(int(p) for p in parts[:4]), bool(pack), splits or 0, "acc16" in flags, "early" in flags,
-                  "pdl" in flags, "fuse" in flags, "gather" in flags, "oneloop" in flags)
+                  "pdl" in flags, "fuse" in flags, "gather" in flags, "oneloop" in flags, "hybrid" in flags)
         if cfg.block_m < 16 or cfg.block_n < 16 or cfg.num_warps < 1 or cfg.num_stages < 1 \
                 or cfg.block_m & (cfg.block_m - 1) or cfg.block_n & (cfg.block_n - 1) or not 0 <= cfg.splits <= 64:
             raise ValueError(f"bad ring kernel config {text!r}: tiles powers of two >= 16, warps and stages >= 1, "
@@ -163,7 +170,8 @@ class RingConfig:
         return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}" + (",pack" if self.pack else "") \
             + (f",split={self.splits}" if self.splits else "") + (",acc16" if self.acc16 else "") \
             + (",early" if self.early else "") + (",pdl" if self.pdl else "") + (",fuse" if self.fuse else "") \
-            + (",gather" if self.gather else "") + (",oneloop" if self.oneloop else "")
+            + (",gather" if self.gather else "") + (",oneloop" if self.oneloop else "") \
+            + (",hybrid" if self.hybrid else "")
 
     def heads_per_program(self, gqa: int) -> int:
         """Query heads one program takes: the GQA group when packing (and it fits BLOCK_M with >= 1 row), else 1."""
@@ -202,6 +210,10 @@ def default_config(tq: int, head_dim: int, element_size: int, tma: bool) -> Ring
         config = RingConfig(max(16, min(64, triton.next_power_of_2(max(tq, 1)))), 64, 4, 2)
     return dataclasses.replace(config, fuse=True) if tq <= FUSE_MAX_TOKENS else config
 
+
+# RingConfig.hybrid: the share of head groups the first step (own block only) takes; at 16K tokens SP=2 that is ~0.26 ms
+# of GPU time on an H100, ~3x an NVLink transfer of the other block (32 MiB).
+HYBRID_SHARE = 4
 
 # `fuse` by default up to this many query rows per rank: short chunks, whose per-step fixed costs dominate. On one H100
 # (2026-11-27, docs/benchmarks.md) 16K tokens at SP=4 (4K per rank) ran 0.302x of SP=1 fused (split-K off, as the
@@ -315,9 +327,9 @@ def _finish(out, lse, rows, head, mask_m, offs_d, acc_o_ptr, acc_l_ptr, out_ptr,
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
 
 
-@triton.jit(do_not_specialize=["load_prev", "store_acc", "store_out"])  # one compile for every step
+@triton.jit(do_not_specialize=["hg0", "load_prev", "store_acc", "store_out"])  # one compile for every step
 def _ring_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, qpos_ptr, kpos_ptr, tiles_ptr, acc_o_ptr, acc_l_ptr, out_ptr,
-                 part_o_ptr, part_l_ptr, qk_scale, n_groups, load_prev, store_acc, store_out,
+                 part_o_ptr, part_l_ptr, qk_scale, n_groups, hg0, load_prev, store_acc, store_out,
                  stride_qt, stride_qh, stride_kt, stride_vt, stride_at, stride_ah, stride_lt, stride_lh,
                  stride_ot, stride_oh,
                  GQA: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -329,7 +341,7 @@ def _ring_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, qpos_ptr, kpos_ptr, tiles_
     if PDL:  # the next step may launch now: its programs take the SMs this grid's tail frees
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
-    hg = pid % n_groups  # head group: query heads hg * HP .. hg * HP + HP - 1
+    hg = hg0 + pid % n_groups  # head group: query heads hg * HP .. hg * HP + HP - 1 (this launch's n_groups from hg0)
     row = tiles_ptr + (pid // n_groups) * 7
     q0 = tl.load(row)
     q1 = tl.load(row + 1)
@@ -398,7 +410,7 @@ def _ring_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, qpos_ptr, kpos_ptr, tiles_
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     if SPLIT:  # every row a piece: its partial, in this program's own M x D layout (contiguous), for _merge_kernel
-        p_rows = (slot.to(tl.int64) * n_groups + hg) * BLOCK_M + offs_m
+        p_rows = (slot.to(tl.int64) * n_groups + (hg - hg0)) * BLOCK_M + offs_m
         tl.store(part_o_ptr + p_rows[:, None] * D + offs_d[None, :], out)
         tl.store(part_l_ptr + p_rows, lse)
     else:
@@ -708,7 +720,8 @@ class StepLaunch:
                  q_pos: torch.Tensor | None, k_pos: torch.Tensor | None, config: RingConfig,
                  acc: tuple[torch.Tensor, torch.Tensor] | None, load_prev: bool, store_acc: bool,
                  out: torch.Tensor | None, tma: bool, merge: torch.Tensor | None,
-                 partials: tuple[torch.Tensor, torch.Tensor] | None, chained: bool):
+                 partials: tuple[torch.Tensor, torch.Tensor] | None, chained: bool,
+                 groups: tuple[int, int] | None = None):
         tq, hq, d = q.shape
         self.tk, self.hkv, self.d, self.block_n, self.dtype = tk, hkv, d, config.block_n, q.dtype
         self.empty = tq == 0 or tiles.shape[0] == 0
@@ -731,6 +744,11 @@ class StepLaunch:
         q_pos = tiles if q_pos is None else q_pos  # int32 stand-ins, never read
         k_pos = tiles if k_pos is None else k_pos
         n_groups = hq // hp
+        hg0 = 0
+        if groups is not None:  # only head groups [hg0, hg0 + count) of the n_groups (RingConfig.hybrid), never split
+            hg0, n_groups = groups
+            if split:
+                raise ValueError("ring_step: a launch over some head groups cannot be split")
         flags = (int(load_prev), int(store_acc), int(out is not None))
         strides = (acc_o.stride(0), acc_o.stride(1), acc_l.stride(0), acc_l.stride(1), fin.stride(0), fin.stride(1))
         # PDL: one compile for every step of the ring (a launch without it makes the kernel's PDL calls no-ops);
@@ -739,7 +757,7 @@ class StepLaunch:
         pdl = config.pdl and not split and pdl_ok(q.device)
         # The arguments before and after K/V's five (k, v, their descriptors, and k/v's row strides at the end).
         self.head = (q,)
-        self.mid = (q_pos, k_pos, tiles, acc_o, acc_l, fin, part_o, part_l, scale * _LOG2E, n_groups, *flags,
+        self.mid = (q_pos, k_pos, tiles, acc_o, acc_l, fin, part_o, part_l, scale * _LOG2E, n_groups, hg0, *flags,
                     q.stride(0), q.stride(1))
         self.tail = strides
         self.grid = (n_groups * tiles.shape[0],)

@@ -110,7 +110,8 @@ def _prompt_and_full_attention(seed: int, n: int = 4099, hq: int = 32, hkv: int 
                                     "128,128,8,3,early,pdl,acc16", "128,64,8,3,pack,split=2,early,pdl",
                                     "128,128,8,3,pack,fuse", "128,128,8,3,pack,fuse,early,pdl",
                                     "128,128,8,3,pack,fuse,split=1", "128,128,8,3,pack,gather",
-                                    "128,128,8,3,pack,oneloop", "128,128,8,3,pack,fuse,split=1,oneloop,early"])
+                                    "128,128,8,3,pack,oneloop", "128,128,8,3,pack,fuse,split=1,oneloop,early",
+                                    "128,128,8,3,pack,hybrid", "128,128,8,3,hybrid,oneloop,early"])
 def test_rank_work_matches_full_causal_sdpa(sp: int, config: str | None):
     """Every rank's ring (default launch config, and GQA packing / other tiles / split-K / steps that start from the
     accumulators / steps chained by programmatic dependent launch / the steps after the first fused into one launch
