@@ -612,8 +612,8 @@ def split_counts(tiles: np.ndarray, block_n: int, n_groups: int, sms: int, split
     hold sum(key tiles) * n_groups key tiles of work, about that over `sms` per SM. A program longer than
     cap = max(SPLIT_MIN_TILES, that share / SPLIT_TAIL) key tiles is cut into the fewest pieces no longer
     than cap (at most MAX_SPLITS), except in a grid of SPLIT_WAVES waves or more whose longest program holds at
-    most a share (heaviest first, it ends before the rest: nothing splits). A large grid (e.g. 16K tokens at SP=4 with Llama-8B
-    heads: 1,024 programs of <= 32 key tiles, ~128 per SM) is never split; a small one (few query tiles,
+    most a share (heaviest first, it ends before the rest: nothing splits). A large grid (e.g. 16K tokens at SP=4
+    with Llama-8B heads: 1,024 programs of <= 32 key tiles, ~128 per SM) is never split; a small one (few query tiles,
     long key ranges: short prompts against long context, few heads) is, so the grid fills the GPU and its
     longest program no longer outlasts the rest."""
     key_tiles = -(-(tiles[:, 4].astype(np.int64) - tiles[:, 2]) // block_n)
@@ -708,6 +708,44 @@ def ring_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t
                merge, partials, chained)(k, v)
 
 
+# The ring kernel's constexpr parameters in signature order (upper-case names), after its runtime ones.
+_CONSTEXPRS = ("GQA", "HP", "D", "BLOCK_M", "BLOCK_N", "TMA", "IEEE", "SPLIT", "EARLY", "PDL", "ONELOOP")
+DIRECT_ENV = "TANDEM_RING_DIRECT"  # "0": every launch through Triton's JIT path (its binder and cache lookup)
+_HANDLES: dict = {}
+MAX_HANDLES = 4096
+
+
+def direct_launch_ok(device: torch.device) -> bool:
+    """Whether a ring launch may reuse the compiled kernel's handle: on CUDA, not under the interpreter, unless
+    TANDEM_RING_DIRECT=0."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get(DIRECT_ENV) != "0"
+
+
+class _Handle:
+    """A compiled ring kernel called directly (`CompiledKernel[grid](*args)`): no argument binding, specialisation
+    or cache lookup, which cost 10-25 us of the host per launch on an H100 host (scripts/bench_ring_launch.py:
+    39-57 us through the JIT path, 29 us so, bitwise the same output). Its arguments are the kernel's in signature
+    order with the constexprs, or, where a Triton's launcher wants only the runtime ones, without (`form`, found
+    at the first call: a wrong count is a TypeError before anything launches)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.with_constexprs = kernel, None
+
+    def launch(self, grid: tuple[int], args: tuple, const: tuple) -> None:
+        run = self.kernel[(grid[0], 1, 1)]  # the runner reads grid[0], grid[1] and grid[2]
+        if self.with_constexprs is None:
+            try:
+                run(*args, *const)
+                self.with_constexprs = True
+            except TypeError:
+                run(*args)
+                self.with_constexprs = False
+        elif self.with_constexprs:
+            run(*args, *const)
+        else:
+            run(*args)
+
+
 class StepLaunch:
     """One ring step's launch(es) with everything but its K/V worked out once: the kernel's arguments, constexprs,
     grid and launch options, from what `ring_step` takes (its docstring) less K/V's data: `tk` keys of `hkv` heads,
@@ -766,6 +804,14 @@ class StepLaunch:
                        num_warps=config.num_warps, num_stages=config.num_stages)
         if pdl and load_prev and chained:
             self.kw["launch_pdl"] = True
+        # The compiled kernel's handle (`_HANDLES`), keyed by every value Triton specialises on (or more): dtypes,
+        # the integer arguments themselves, pointer alignments, the constexprs and launch options; K/V's at launch.
+        self.const = tuple(self.kw[name] for name in _CONSTEXPRS)
+        self.static_key = None
+        if direct_launch_ok(q.device):
+            tensors = (*self.head, *self.mid[:8])
+            self.static_key = (q.device.index, tuple(self.kw.items()), tuple(t.dtype for t in tensors),
+                               tuple(t.data_ptr() % 16 == 0 for t in tensors), self.mid[9:], self.tail, tk, hkv, d)
         self.merge_args = None
         if split:  # the split rows' pieces, merged and finished as an unsplit row would have been
             self.merge_grid = (n_groups * merge.shape[0],)
@@ -786,8 +832,20 @@ class StepLaunch:
         if self.tma:  # 2-D views [Tk, Hkv * D] with their row strides: one box is one head's BLOCK_N rows
             k_desc = _TensorDescriptor(k, [self.tk, self.hkv * self.d], [k.stride(0), 1], [self.block_n, self.d])
             v_desc = _TensorDescriptor(v, [self.tk, self.hkv * self.d], [v.stride(0), 1], [self.block_n, self.d])
-        _ring_kernel[self.grid](*self.head, k, v, k_desc, v_desc, *self.mid, k.stride(0), v.stride(0), *self.tail,
-                                **self.kw)
+        args = (*self.head, k, v, k_desc, v_desc, *self.mid, k.stride(0), v.stride(0), *self.tail)
+        key = None
+        if self.static_key is not None:
+            key = (self.static_key, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, k.stride(0), v.stride(0))
+            hit = _HANDLES.get(key)
+            if hit is not None:
+                hit.launch(self.grid, args, self.const)
+                key = None
+        if key is not None or self.static_key is None:
+            kernel = _ring_kernel[self.grid](*args, **self.kw)
+            if key is not None and hasattr(kernel, "run") and hasattr(kernel, "__getitem__"):
+                if len(_HANDLES) >= MAX_HANDLES:  # keys follow the shapes (a server sees many prompt lengths)
+                    _HANDLES.clear()
+                _HANDLES[key] = _Handle(kernel)
         if self.merge_args is not None:
             _merge_kernel[self.merge_grid](*self.merge_args, **self.merge_kw)
 

@@ -127,6 +127,29 @@ def test_rank_work_matches_full_causal_sdpa(sp: int, config: str | None):
                                    rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("config", [None, "128,128,8,3,pack,hybrid", "128,128,8,3,pack,split=2,pdl,early"])
+def test_direct_launches_match_the_jit_path(config, monkeypatch):
+    """A ring's repeated launches go through the compiled kernel's handle (rt._HANDLES, no binding or cache lookup):
+    bitwise the output of launches through Triton's JIT path (TANDEM_RING_DIRECT=0), at SP=2 and 4."""
+    q, k, v, want = _prompt_and_full_attention(11)
+    n, _, d = q.shape
+    for sp in (2, 4):
+        positions = [owned_positions(0, n, r, sp, 16) for r in range(sp)]
+        qs, blocks, shards = split_for_ranks(q, k, v, positions)
+        monkeypatch.setenv(rt.DIRECT_ENV, "0")
+        jit = [ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, "triton", kernel_config=config)
+               for r in range(sp)]
+        monkeypatch.delenv(rt.DIRECT_ENV)
+        rt._HANDLES.clear()
+        for _ in range(2):  # the first call fills the handles, the second launches through them
+            direct = [ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, "triton", kernel_config=config)
+                      for r in range(sp)]
+        assert rt._HANDLES, "no launch went through a handle"
+        for r in range(sp):
+            assert torch.equal(direct[r], jit[r]), (sp, r)
+            torch.testing.assert_close(direct[r].float(), want[positions[r]].float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("case", ["diagonal", "sp2 rank1 x rank0", "fully visible", "non-causal"])
 @pytest.mark.parametrize("config", ["128,128,8,3,pack,split=3", "128,64,8,3,split=2", "64,64,4,2,split=4"])
 @pytest.mark.parametrize("tma", [False, True])
