@@ -422,9 +422,9 @@ class _RingSteps:
     one scratch for the pieces' partials. The first step writes the fp32
     accumulators (its table covers every query row: no zero fill), middle steps merge into them, the last
     merges and writes the output in q's dtype (no separate cast); a ring of one step writes the output
-    directly. Under RingConfig.fuse (three or more steps) the steps after the first only hold their block, and
-    the last scatters them all into a position-ordered buffer (`_fused_layout`, `_scatter_all`) and launches once
-    over it: two attention launches in all;
+    directly. Under RingConfig.fuse (three or more steps) the steps after the first only scatter their block into
+    a position-ordered buffer (`_fused_layout`; under RingConfig.batchcopy they hold it and the last scatters
+    them all in one launch, `_scatter_all`), and the last launches once over it: two attention launches in all;
     under RingConfig.gather (two or more) the first step's block is scattered too: one launch in all.
     PyTorch (CPU): zeroed accumulators, `blockwise_attention_with_lse` and `merge_into` per
     sequence, one cast at the end."""
@@ -464,11 +464,15 @@ class _RingSteps:
         if self.hybrid:
             self._hybrid_step(i, block)
             return
-        if self.fused and i >= self.f0:  # held; the last step scatters them all into position order and launches
-            self.pending.append(block)
+        if self.fused and i >= self.f0:  # into position order (as it arrives, or all at the last step: batchcopy)
+            if self.config.batchcopy:
+                self.pending.append(block)
+            else:
+                _scatter_runs(self.fused_kv, block, *self.dst[i - self.f0])
             if i < self.n - 1:
                 return
-            _scatter_all(self.fused_kv, self.pending, self.dst)
+            if self.config.batchcopy:
+                _scatter_all(self.fused_kv, self.pending, self.dst)
             i, block = self.n_launch - 1, self.fused_kv
         self._run(i, block)
 
@@ -652,10 +656,11 @@ def _runs(dst: np.ndarray, total: int, device: torch.device) -> tuple[int, torch
 
 
 def _scatter_all(buf: torch.Tensor, blocks: list[torch.Tensor], dst: list[tuple[int, torch.Tensor]]) -> None:
-    """Every block into the fused buffer at once: one launch per three blocks (`scatter_blocks`) where they are
-    contiguous and their runs whole 8-byte words, else one copy per block (`_scatter_runs`). Done at the last
-    step, not as each block arrives: the copies run after the first step's kernel either way (one stream), and
-    the host issues one launch, not one per block, before the fused launch the GPU waits for."""
+    """Every block into the fused buffer at once (RingConfig.batchcopy, and hybrid): one launch per three blocks
+    (`scatter_blocks`) where they are contiguous and their runs whole 8-byte words, else one copy per block
+    (`_scatter_runs`). Done at the last step, not as each block arrives: the copies run after the first step's
+    kernel either way (one stream), and the host issues one launch, not one per block, before the fused launch
+    the GPU waits for."""
     rows = [(b, d) for b, d in zip(blocks, dst) if b.shape[1]]
     row = buf.shape[2] * buf.shape[3] * buf.element_size()
     if rows and buf.is_contiguous() and all(b.is_contiguous() and b.dtype == buf.dtype and d[0] * row % 8 == 0

@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}: host us per call, rank 0, {a.tokens} tokens, config "
           f"{a.config or rt.CONFIGS[128][0]} (median of {a.iters}; a spin kernel queued first)")
     for r in rows:
-        print("  " + "  ".join(f"{key} {val:.1f}" if isinstance(val, float) else f"{key} {val}" for key, val in r.items()))
+        print("  " + "  ".join(f"{key} {val:.1f}" if isinstance(val, float) else f"{key} {val}"
+                               for key, val in r.items()))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "tokens": a.tokens, "rows": rows}, indent=2))

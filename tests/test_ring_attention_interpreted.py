@@ -120,9 +120,11 @@ torch.manual_seed(0)
 checked = 0
 # packed: 4 query rows x G=4 heads; 16 x 4. early: each step starts from the accumulators (no merge after).
 # fuse: with 3+ ranks the steps after the first are one launch over the other blocks in position order.
-# oneloop: a program's masked key tiles in its one loop (a branch on the tile), not a second loop.
+# oneloop: a program's masked key tiles in its one loop (a branch on the tile), not a second loop. batchcopy: the
+# fused step's blocks copied into position order in one launch at the last step, not each as it arrives.
 CONFIGS = ["16,16,4,1", "16,16,4,1,pack", "64,32,4,1,pack", "16,16,4,1,early", "32,16,4,1,pack,early",
-           "32,16,4,1,pack,fuse", "16,16,4,1,fuse,early", "32,16,4,1,pack,oneloop", "16,16,4,1,oneloop,early,fuse"]
+           "32,16,4,1,pack,fuse", "16,16,4,1,fuse,early", "32,16,4,1,pack,oneloop",
+           "16,16,4,1,oneloop,early,fuse,batchcopy"]
 FUSED = [c for c in CONFIGS if "fuse" in c]
 
 
@@ -603,6 +605,8 @@ def test_launch_configs(monkeypatch):
         ",fuse")
     one = rt.RingConfig.parse("128,128,8,3,oneloop,pack")
     assert one.oneloop and not cfg.oneloop and rt.RingConfig.parse(str(one)) == one and str(one).endswith(",oneloop")
+    batch = rt.RingConfig.parse("128,128,8,3,fuse,batchcopy,pack")
+    assert batch.batchcopy and not cfg.batchcopy and rt.RingConfig.parse(str(batch)) == batch
     hybrid = rt.RingConfig.parse("128,128,8,3,hybrid,pack")
     assert hybrid.hybrid and not cfg.hybrid and rt.RingConfig.parse(str(hybrid)) == hybrid
     gather = rt.RingConfig.parse("128,128,8,3,gather,pack,fuse")
@@ -679,7 +683,8 @@ def test_split_counts_by_work_per_sm():
     tiles = rt.build_tiles([q], [others], [0], [0], 32, True)
     fused_tiles = -(-(tiles[:, 4] - tiles[:, 2]) // 128)
     share = fused_tiles.sum() * 8 / 132
-    assert len(tiles) == 129 and fused_tiles.max() == 96 and np.ceil(share / rt.SPLIT_TAIL) < 96 <= share  # cap alone: split
+    # The cap alone (share / SPLIT_TAIL) would split the longest rows.
+    assert len(tiles) == 129 and fused_tiles.max() == 96 and np.ceil(share / rt.SPLIT_TAIL) < 96 <= share
     assert (rt.split_counts(tiles, 128, 8, 132) == 1).all()
     # 64 new tokens after 64K tokens of context (one query tile per head group): 8 programs of 512 key tiles.
     tiles = rt.build_tiles([np.arange(65536, 65600)], [np.arange(65600)], [0], [0], 32, True)

@@ -42,7 +42,8 @@ round trip; `pdl` chains the steps by programmatic dependent launch, so a step's
 previous step's tail frees.
 
 Launch configs: `RingConfig`, the `CONFIGS` table by head dim, the TANDEM_RING_KERNEL environment variable
-("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16][,early][,pdl][,fuse][,gather][,oneloop][,hybrid]");
+("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16][,early][,pdl][,fuse][,gather][,oneloop][,hybrid]
+[,batchcopy]");
 scripts/tune_ring_kernel.py times candidates on a GPU.
 Memory: the inputs, the accumulators and output, the tile table and, split, the pieces' partials: O(chunk).
 """
@@ -112,6 +113,11 @@ class RingConfig:
     drain and refill between the two, and the masked tile's K/V loads are prefetched with the others (a short
     program's fixed cost); the unmasked tiles then also compute the row max's -inf guard.
 
+    `batchcopy` (read by parallel/ring_attention.py): under `fuse`, the other ranks' blocks are held as they arrive
+    and scattered into position order at the last step in one launch per three blocks (`scatter_blocks`), not one
+    copy launch per block as it arrives: the copies run after the first step's kernel either way (one stream),
+    and the host issues one launch before the fused launch the GPU waits for (not yet measured on a GPU).
+
     `hybrid` (read by parallel/ring_attention.py; SP = 2): the first step runs the own block for a quarter of the
     head groups only (HYBRID_SHARE: enough work to cover the other block's transfer), then both blocks are
     scattered into position order and one launch takes the other head groups over every key (programs as long as
@@ -136,16 +142,19 @@ class RingConfig:
     gather: bool = False
     oneloop: bool = False
     hybrid: bool = False
+    batchcopy: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "RingConfig":
         """"BLOCK_M,BLOCK_N,warps,stages" then optionally "pack" (or 1/0), "split=N" (or "splitN"; "split=auto"
-        is the default), "acc16", "early", "pdl", "fuse", "gather", "oneloop" and "hybrid": as the env variable, e.g.
+        is the default), "acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid" and "batchcopy": as the env
+        variable, e.g.
         "128,128,8,3,pack,split=2"."""
         parts = [p.strip().lower() for p in text.replace("x", ",").split(",") if p.strip()]
         pack, splits, flags = None, None, set()
         for flag in parts[4:]:
-            if flag in ("acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid") and flag not in flags:
+            if flag in ("acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy") \
+                    and flag not in flags:
                 flags.add(flag)
             elif flag.startswith("split") and splits is None:
                 n = flag[5:].lstrip("=")
@@ -154,12 +163,13 @@ class RingConfig:
                 pack = flag in ("pack", "1", "true", "p")
             else:
                 raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
-                                 f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid], not {text!r}")
+                                 f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy], not {text!r}")
         if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]):
             raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
-                             f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid], not {text!r}")
+                             f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy], not {text!r}")
         cfg = cls(*(int(p) for p in parts[:4]), bool(pack), splits or 0, "acc16" in flags, "early" in flags,
-                  "pdl" in flags, "fuse" in flags, "gather" in flags, "oneloop" in flags, "hybrid" in flags)
+                  "pdl" in flags, "fuse" in flags, "gather" in flags, "oneloop" in flags, "hybrid" in flags,
+                  "batchcopy" in flags)
         if cfg.block_m < 16 or cfg.block_n < 16 or cfg.num_warps < 1 or cfg.num_stages < 1 \
                 or cfg.block_m & (cfg.block_m - 1) or cfg.block_n & (cfg.block_n - 1) or not 0 <= cfg.splits <= 64:
             raise ValueError(f"bad ring kernel config {text!r}: tiles powers of two >= 16, warps and stages >= 1, "
@@ -171,7 +181,7 @@ class RingConfig:
             + (f",split={self.splits}" if self.splits else "") + (",acc16" if self.acc16 else "") \
             + (",early" if self.early else "") + (",pdl" if self.pdl else "") + (",fuse" if self.fuse else "") \
             + (",gather" if self.gather else "") + (",oneloop" if self.oneloop else "") \
-            + (",hybrid" if self.hybrid else "")
+            + (",hybrid" if self.hybrid else "") + (",batchcopy" if self.batchcopy else "")
 
     def heads_per_program(self, gqa: int) -> int:
         """Query heads one program takes: the GQA group when packing (and it fits BLOCK_M with >= 1 row), else 1."""
@@ -216,11 +226,12 @@ def default_config(tq: int, head_dim: int, element_size: int, tma: bool) -> Ring
 HYBRID_SHARE = 4
 
 # `fuse` by default up to this many query rows per rank: short chunks, whose per-step fixed costs dominate. On one H100
-# (2026-11-27, docs/benchmarks.md) 16K tokens at SP=4 (4K per rank) ran 0.302x of SP=1 fused (split-K off, as the
-# automatic rule now leaves it) against 0.343x in four steps, streamed; 64K at SP=4 (16K per rank) 0.249x against
-# 0.263x on one H200. Fused, a rank holds every other rank's K/V block at once (O(sequence) K/V for the layer's
-# attention, not two blocks), so longer chunks keep the plain ring.
-FUSE_MAX_TOKENS = 16384
+# (2026-11-27, docs/benchmarks.md) 16K tokens at SP=4 (4K per rank) ran 0.377x / 0.302x of SP=1 fused (split-K off,
+# as the automatic rule now leaves it; each block copied as it arrives) against 0.391x / 0.343x in four steps (each
+# run alone / runs back to back). 64K at SP=4 (16K per rank) was 0.249x fused against 0.263x on one H200 in an
+# earlier session, not remeasured since: the default stops at the chunk measured here. Fused, a rank holds every
+# other rank's K/V block at once (O(sequence) K/V for the layer's attention, not two blocks).
+FUSE_MAX_TOKENS = 4096
 
 
 @triton.jit
@@ -710,15 +721,16 @@ def ring_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t
 
 # The ring kernel's constexpr parameters in signature order (upper-case names), after its runtime ones.
 _CONSTEXPRS = ("GQA", "HP", "D", "BLOCK_M", "BLOCK_N", "TMA", "IEEE", "SPLIT", "EARLY", "PDL", "ONELOOP")
-DIRECT_ENV = "TANDEM_RING_DIRECT"  # "0": every launch through Triton's JIT path (its binder and cache lookup)
+DIRECT_ENV = "TANDEM_RING_DIRECT"  # "1": repeated launches through the compiled kernel's handle (`_Handle`)
 _HANDLES: dict = {}
 MAX_HANDLES = 4096
 
 
 def direct_launch_ok(device: torch.device) -> bool:
-    """Whether a ring launch may reuse the compiled kernel's handle: on CUDA, not under the interpreter, unless
-    TANDEM_RING_DIRECT=0."""
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get(DIRECT_ENV) != "0"
+    """Whether a ring launch may reuse the compiled kernel's handle: TANDEM_RING_DIRECT=1, on CUDA, not under the
+    interpreter. Off by default: the handle call itself was checked on a GPU (bench_ring_launch.py, bitwise), this
+    use of it from `StepLaunch` not yet."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get(DIRECT_ENV) == "1"
 
 
 class _Handle:

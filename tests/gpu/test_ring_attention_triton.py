@@ -111,7 +111,8 @@ def _prompt_and_full_attention(seed: int, n: int = 4099, hq: int = 32, hkv: int 
                                     "128,128,8,3,pack,fuse", "128,128,8,3,pack,fuse,early,pdl",
                                     "128,128,8,3,pack,fuse,split=1", "128,128,8,3,pack,gather",
                                     "128,128,8,3,pack,oneloop", "128,128,8,3,pack,fuse,split=1,oneloop,early",
-                                    "128,128,8,3,pack,hybrid", "128,128,8,3,hybrid,oneloop,early"])
+                                    "128,128,8,3,pack,hybrid", "128,128,8,3,hybrid,oneloop,early",
+                                    "128,128,8,3,pack,fuse,batchcopy"])
 def test_rank_work_matches_full_causal_sdpa(sp: int, config: str | None):
     """Every rank's ring (default launch config, and GQA packing / other tiles / split-K / steps that start from the
     accumulators / steps chained by programmatic dependent launch / the steps after the first fused into one launch
@@ -129,17 +130,17 @@ def test_rank_work_matches_full_causal_sdpa(sp: int, config: str | None):
 
 @pytest.mark.parametrize("config", [None, "128,128,8,3,pack,hybrid", "128,128,8,3,pack,split=2,pdl,early"])
 def test_direct_launches_match_the_jit_path(config, monkeypatch):
-    """A ring's repeated launches go through the compiled kernel's handle (rt._HANDLES, no binding or cache lookup):
-    bitwise the output of launches through Triton's JIT path (TANDEM_RING_DIRECT=0), at SP=2 and 4."""
+    """With TANDEM_RING_DIRECT=1 a ring's repeated launches go through the compiled kernel's handle (rt._HANDLES, no
+    binding or cache lookup): bitwise the output of launches through Triton's JIT path (the default), SP=2 and 4."""
     q, k, v, want = _prompt_and_full_attention(11)
     n, _, d = q.shape
     for sp in (2, 4):
         positions = [owned_positions(0, n, r, sp, 16) for r in range(sp)]
         qs, blocks, shards = split_for_ranks(q, k, v, positions)
-        monkeypatch.setenv(rt.DIRECT_ENV, "0")
+        monkeypatch.delenv(rt.DIRECT_ENV, raising=False)
         jit = [ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, "triton", kernel_config=config)
                for r in range(sp)]
-        monkeypatch.delenv(rt.DIRECT_ENV)
+        monkeypatch.setenv(rt.DIRECT_ENV, "1")
         rt._HANDLES.clear()
         for _ in range(2):  # the first call fills the handles, the second launches through them
             direct = [ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, "triton", kernel_config=config)
