@@ -147,21 +147,26 @@ def test_pieces_move_while_the_prompt_is_prefilled_and_the_output_is_single_proc
     run(settle(pair))
 
 
+def _handoffs_with_stalled_sends(pair, run, prompts: list[list[int]], delay_s: float, tag: str):
+    """The prompts handed off at once, each prefill send stalled delay_s after gathering: (outputs, Transfers)."""
+    pair.prefill.executor.kv_call("set_send_delay", delay_s)
+
+    async def body():
+        with Transfers(pair.decode) as transfers:
+            outs = await asyncio.gather(*(generate(pair.decode, f"{tag}-{i}", p, greedy(5)) for i, p in enumerate(prompts)))
+        return outs, transfers
+
+    try:
+        return run(body())
+    finally:
+        pair.prefill.executor.kv_call("set_send_delay", 0.0)
+
+
 def test_two_requests_transfers_are_in_flight_together_on_one_pair(pair, run, reference):
     """With the one-transfer lock gone, two handoffs on the pair overlap: the second's transfer is posted while the
     first's is still on its way (each send stalls 0.5 s after gathering), and both outputs are right."""
     prompts = prompts_of_lengths([13, 11], VOCAB, seed=42)
-    pair.prefill.executor.kv_call("set_send_delay", 0.5)
-
-    async def body():
-        with Transfers(pair.decode) as transfers:
-            outs = await asyncio.gather(*(generate(pair.decode, f"two-{i}", p, greedy(5)) for i, p in enumerate(prompts)))
-        return outs, transfers
-
-    try:
-        outs, transfers = run(body())
-    finally:
-        pair.prefill.executor.kv_call("set_send_delay", 0.0)
+    outs, transfers = _handoffs_with_stalled_sends(pair, run, prompts, 0.5, "two")
     assert transfers.most_at_once == 2
     (a, b) = [stats for _, _, stats in transfers.done]
     assert max(a.start, b.start) < min(a.end, b.end)  # in flight together
@@ -176,17 +181,7 @@ def test_kv_transfers_in_flight_bounds_the_transfers_running_at_once_on_a_pair(p
     right."""
     assert pair.decode.kv_transfers_in_flight == IN_FLIGHT
     prompts = prompts_of_lengths([9 + i for i in range(IN_FLIGHT + 1)], VOCAB, seed=45)
-    pair.prefill.executor.kv_call("set_send_delay", 1.0)
-
-    async def body():
-        with Transfers(pair.decode) as transfers:
-            outs = await asyncio.gather(*(generate(pair.decode, f"bound-{i}", p, greedy(5)) for i, p in enumerate(prompts)))
-        return outs, transfers
-
-    try:
-        outs, transfers = run(body())
-    finally:
-        pair.prefill.executor.kv_call("set_send_delay", 0.0)
+    outs, transfers = _handoffs_with_stalled_sends(pair, run, prompts, 1.0, "bound")
     # A handoff's prompt may be chunked beside another's: then it moves in pieces too, so more transfers than requests.
     assert len(transfers.done) > IN_FLIGHT and transfers.most_at_once == IN_FLIGHT
     for out, want in zip(outs, reference.generate(prompts, greedy(5))):
