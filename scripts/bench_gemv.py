@@ -11,6 +11,8 @@ bandwidth. Shapes are the linear layers of the models in scripts/model_shapes.py
     python scripts/bench_gemv.py --fp8 [--sweep]       # FP8 e4m3 weights through the fused quantized GEMV (gemv_quant.py)
                                                        # beside the bf16 GEMV, each with the decoder's fused ops
     python scripts/bench_gemv.py --fp8 --sweep --shapes "llama-3.1-8b gate_up,llama-3.1-8b down" --fp8-chunks 8 --jobs 12
+    python scripts/bench_gemv.py --int4 [--sweep --jobs 12]   # 4-bit codes (tinygemm's layout) through gemv_int4.py,
+                                                       # beside tinygemm's kernel and the bf16 GEMV
 Prints a table; writes JSON (--out). `--fp8 --sweep` also prints the `FP8_TABLE` lines of gemv_quant.py for the
 fastest tiles it found.
 """
@@ -67,15 +69,21 @@ def main() -> None:
     p.add_argument("--rows", default="", help="comma-separated row counts > 1: time the rows kernel instead")
     p.add_argument("--fp8", action="store_true", help="FP8 weights through gemv_quant.qgemv beside bf16 (Llama-3.1-8B "
                    "decoder shapes unless --shapes)")
+    p.add_argument("--int4", action="store_true", help="4-bit weights through gemv_int4.py beside tinygemm and bf16 "
+                   "(Llama-3.1-8B decoder shapes unless --shapes)")
     p.add_argument("--fp8-chunks", default="8,16", help="--fp8 --sweep: BLOCK_C of the RED tiles to time (8, 16; 64 "
                    "adds the 64-byte tiles)")
-    p.add_argument("--jobs", type=int, default=8, help="--fp8 --sweep: processes compiling the tiles before timing")
+    p.add_argument("--jobs", type=int, default=8, help="--fp8 / --int4 --sweep: processes compiling the tiles before timing")
     p.add_argument("--out", default="bench_results/bench_gemv.json")
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gemv needs a CUDA GPU")
     if a.rows:
         return bench_rows(a)
+    if a.int4:
+        from scripts.bench_gemv_int4 import bench_int4
+
+        return bench_int4(a, SHAPES, ROTATE_BYTES, bench)
     if a.fp8:
         from scripts.bench_gemv_fp8 import bench_fp8
 

@@ -158,14 +158,14 @@ def engine_facts(llm: LLM) -> dict:
     if getattr(layer, "tinygemm_skipped", None):
         facts["tinygemm_skipped"] = layer.tinygemm_skipped
     if getattr(layer, "gemv_weight", None) is not None:  # the fused batch-1 GEMV's tiles (fused_gemv.tune)
-        from parallel.quant import fused_gemv
-
         facts["down_proj_gemv_tile"] = layer.gemv_weight.config
-        # Each weight shape's tile times at load (weights out of L2): the GEMV's bandwidth apart from the step.
-        facts["gemv_tuning"] = list(fused_gemv.MEASURED)
-        fused_gemv.MEASURED.clear()
     elif getattr(layer, "gemv_skipped", None):
         facts["gemv_skipped"] = layer.gemv_skipped
+    from parallel.quant import fused_gemv
+
+    if fused_gemv.MEASURED:  # each weight shape's tile times at load (weights out of L2), and 4-bit vs tinygemm
+        facts["gemv_tuning"] = list(fused_gemv.MEASURED)
+        fused_gemv.MEASURED.clear()
     if packed is not None:
         facts["down_proj_plan"] = packed.plan
         if getattr(packed, "kernel", None) == "tinygemm":
@@ -293,6 +293,10 @@ def print_table(report: dict) -> None:
               f"{'yes' if d['fused_decode'] else 'no':>5} {o.get('output_tok_per_s', float('nan')):>13.1f}")
     for v, r in report["results"].items():
         for m in r.get("gemv_tuning", []):
+            if "tinygemm_us" in m:
+                print(f"{v}: fused 4-bit GEMV {m['n']}x{m['k']} ({m['kind']}): {m['ours_us']:.1f} us, tinygemm "
+                      f"{m['tinygemm_us']:.1f} us")
+                continue
             print(f"{v}: fused GEMV {m['format']} {m['n']}x{m['k']} ({m['kind']}): {m['best_us']:.1f} us, "
                   f"{m['best_gb_per_s']:.0f} GB/s; tiles " + ", ".join(
                       f"{t['BLOCK_N']}/{t['KS']}/{t['num_warps']}w {t['us']:.1f}" for t in m["tiles"]))

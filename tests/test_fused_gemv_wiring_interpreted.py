@@ -129,14 +129,48 @@ def test_quantized_gate_up_through_linear_gemv_in_the_triton_interpreter():
     assert "ok" in out, out[-3000:]
 
 
-def test_only_fp8_takes_the_fused_gemv(monkeypatch):
-    """Integer layouts stay on the unfused decoder (tinygemm is faster at batch 1); FP8 takes the fused GEMV;
-    TANDEM_FUSED_QUANT=0 turns it off for FP8 too."""
+def test_fp8_and_int4pack_take_the_fused_gemv(monkeypatch):
+    """FP8 and tinygemm's 4-bit layout take the fused GEMV (the latter through gemv_int4.py where measured faster than
+    tinygemm); the Triton integer layout stays on the unfused decoder; TANDEM_FUSED_QUANT=0 turns all of it off."""
     pytest.importorskip("triton")
     from parallel.kernels import gemv_quant as gq
     from parallel.quant import fused_gemv
 
     monkeypatch.delenv("TANDEM_FUSED_QUANT", raising=False)
-    assert fused_gemv.enabled(gq.FP8) and not fused_gemv.enabled(gq.INT4PACK) and not fused_gemv.enabled(gq.PACKED)
+    assert fused_gemv.enabled(gq.FP8) and fused_gemv.enabled(gq.INT4PACK) and not fused_gemv.enabled(gq.PACKED)
     monkeypatch.setenv("TANDEM_FUSED_QUANT", "0")
     assert not any(fused_gemv.enabled(f) for f in (gq.FP8, gq.INT4PACK, gq.PACKED))
+
+
+def _int4pack_layer(monkeypatch, ours_ms: float, tiny_ms: float):
+    """A gate/up layer holding a 4-bit weight in tinygemm's layout (built on CPU as load builds it on CUDA), prepared
+    by fused_gemv.prepare with the two timings stubbed (the GPU measures them): (layer, what was timed)."""
+    from parallel.kernels import gemv_quant as gq
+    from parallel.linear import MergedColumnParallelLinear
+    from parallel.quant import fused_gemv, tinygemm as tg
+
+    codes = torch.randint(0, 16, (N, K), dtype=torch.int32)
+    sz = tg.scales_and_zeros(torch.rand(N, K // 128) + 0.1, torch.randint(0, 16, (N, K // 128)).float(), 128, 128)
+    packed = tg.Int4PackWeight(tg.int4pack_reference(tg.to_uint8_pairs(codes), 8), sz, 128, 8, N, K)
+    layer = MergedColumnParallelLinear.__new__(MergedColumnParallelLinear)
+    torch.nn.Module.__init__(layer)
+    layer.out_shards, layer.packed = [N // 2, N // 2], packed
+    timed = []
+    stub = iter([ours_ms, tiny_ms])
+    monkeypatch.setenv("TANDEM_QUANT_TUNE", "1")
+    monkeypatch.setattr(fused_gemv, "tune", lambda qw, dtype, kind: gq.candidates(qw, kind == "paired")[0])
+    monkeypatch.setattr(fused_gemv, "_cold_time", lambda fn: timed.append(fn) or next(stub))
+    fused_gemv._VS_TINYGEMM.clear()
+    fused_gemv.prepare(layer, torch.bfloat16)
+    return layer, timed
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_int4pack_takes_the_fused_gemv_only_where_measured_faster_than_tinygemm(monkeypatch, faster):
+    pytest.importorskip("triton")
+    layer, timed = _int4pack_layer(monkeypatch, 0.010, 0.012 if faster else 0.008)
+    assert len(timed) == 2  # ours (the fused call), then tinygemm's product on the same weight
+    if faster:
+        assert layer.gemv_weight.config.get("Q4") and not hasattr(layer, "gemv_skipped")
+    else:
+        assert getattr(layer, "gemv_weight", None) is None and "tinygemm is faster" in layer.gemv_skipped

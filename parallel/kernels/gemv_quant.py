@@ -508,7 +508,16 @@ if os.environ.get("TANDEM_FP8_TABLE"):
     load_fp8_table(os.environ["TANDEM_FP8_TABLE"])
 
 
+# Tiles of the 4-bit kernel on tinygemm's layout (gemv_int4.py; "Q4": True), tried before TILES for INT4PACK weights:
+# (BLOCK_N, KS, num_warps); a step is KS 16-byte chunks of every row (32 KS inputs), one per thread where KS >= 32 x
+# num_warps (K = 4096: one step at KS = 128). Smaller KS for the narrow K of test models. Not yet timed on a GPU.
+Q4_TILES = {False: ((8, 128, 4), (4, 64, 2), (8, 32, 1), (8, 16, 1), (8, 8, 1)),
+            True: ((4, 128, 4), (4, 64, 2), (4, 32, 1), (4, 16, 1), (4, 8, 1))}
+
+
 def _fits(qw: QuantGemvWeight, cfg: dict) -> bool:
+    if cfg.get("Q4"):
+        return qw.fmt == INT4PACK and _q4.fits(qw, cfg)
     per_step = cfg.get("BLOCK_C", qw.chunk()) * qw.pack * cfg["KS"]
     return qw.k % per_step == 0 and (not (cfg.get("RED") or cfg.get("PREFETCH")) or qw.fmt == FP8)
 
@@ -529,12 +538,17 @@ def candidates(qw: QuantGemvWeight, paired: bool = False) -> list[dict]:
     them). FP8 first tries 8- and 16-byte chunks, one per thread, each summed in the thread (FP8_RED_TILES). Measured
     per shape and kind by `parallel/quant/fused_gemv.tune` where FP8_TABLE has no entry."""
     out = []
+    if qw.fmt == INT4PACK:
+        out = [dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, Q4=True) for bn, ks, w in Q4_TILES[paired]]
     if qw.fmt == FP8:
         out = [dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, BLOCK_C=c, RED=True)
                for bn, ks, w, c in FP8_RED_TILES[paired]]
     out += [dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1)
             for bn, ks, w in TILES[(qw.fmt == FP8, paired)] + SMALL_K_TILES]
     return [c for c in out if _fits(qw, c)][:4 if qw.fmt == FP8 else 3]
+
+
+from parallel.kernels import gemv_int4 as _q4  # noqa: E402  (it imports this module's `_xq`)
 
 
 def qgemv(x: torch.Tensor, qw: QuantGemvWeight, bias: torch.Tensor | None = None, config: dict | None = None, *,
@@ -549,6 +563,8 @@ def qgemv(x: torch.Tensor, qw: QuantGemvWeight, bias: torch.Tensor | None = None
     if norm_weight is not None and k > MAX_NORM_K:
         raise ValueError(f"qgemv: the RMSNorm prologue supports K <= {MAX_NORM_K}, got {k}")
     cfg = dict(config or qw.config or default_config(qw, silu or rope is not None))
+    if cfg.get("Q4"):  # 4-bit codes in tinygemm's layout: gemv_int4.py's kernel
+        return _q4.qgemv4(x, qw, bias, cfg, norm_weight=norm_weight, eps=eps, residual=residual, silu=silu, rope=rope)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid_n = n
     if rope is not None:

@@ -9,12 +9,14 @@ when every decoder linear has one. FP8 layers stream their e4m3 weights with bf1
 (W8A16: exact to the dequantized weight up to fp32 summation order), not the W8A8 `_scaled_mm` product that
 larger batches use.
 
-Only FP8 layers take it. On an H100 (2026-11-27, Llama-3.1-8B shapes, batch-1 decode beside bf16 in one run) FP8
-through the fused decoder ran at 1.48-1.55x bf16 and passed its GPU tests. 4-bit GPTQ through it ran at 0.80x bf16:
-its integer GEMV reached 107-504 GB/s, where tinygemm's int4 kernel per linear (the unfused decoder) had given 1.77x
-the day before. Its kernel-level GPU tests passed for every layout (docs/benchmarks.md, "Eleventh session"), but the
-4-bit GPTQ and AWQ models decoding end to end through it failed (8-bit passed; the failure's detail was not kept).
-So integer layouts keep the unfused decoder. TANDEM_FUSED_QUANT=0 leaves FP8 there too (to compare).
+FP8 layers and 4-bit GPTQ / AWQ layers in tinygemm's layout take it. On an H100 (2026-11-27, Llama-3.1-8B shapes,
+batch-1 decode beside bf16 in one run) FP8 through the fused decoder ran at 1.48-1.55x bf16. 4-bit codes first went
+through gemv_quant's integer path at 0.80x bf16 (107-504 GB/s per shape, where tinygemm's kernel per linear on the
+unfused decoder gave 1.77x); they now go through gemv_int4.py's kernel (tiles `Q4_TILES`), and only where it is
+measured at load to beat tinygemm on the same weight (`faster_than_tinygemm`; the fused call with its prologue and
+epilogue against tinygemm's bare product): a layer that loses keeps `gemv_skipped`, so its model keeps the unfused
+decoder and tinygemm. The Triton integer layout (8-bit GPTQ, fp16 activations) keeps the unfused decoder.
+TANDEM_FUSED_QUANT=0 leaves every quantized layer there (to compare).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def enabled(fmt: int | None = None) -> bool:
     """Whether layers stored as `fmt` (a gemv_quant format; None: any) take the fused GEMV (see the module's note)."""
     if _gq is None or os.environ.get(ENV, "1") == "0":
         return False
-    return fmt is None or fmt == _gq.FP8
+    return fmt is None or fmt in (_gq.FP8, _gq.INT4PACK)
 
 
 def view(pw) -> "_gq.QuantGemvWeight | str":
@@ -80,13 +82,8 @@ def tune(qw, dtype: torch.dtype, kind: str) -> dict:
     key = (qw.fmt, qw.n, qw.k, qw.group_size, qw.bits, qw.j, qw.perm is not None, qw.zeros is not None,
            qw.scales.shape[-1] if qw.fmt == _gq.FP8 else 0, dtype, kind, qw.codes.device)
     if key not in _TUNED:
-        dev = qw.codes.device
-        x = torch.randn(1, qw.k, device=dev, dtype=dtype)
-        fused = {}
-        if paired:
-            fused = dict(norm_weight=torch.ones(qw.k, device=dev, dtype=dtype), eps=1e-6, silu=True)
-        elif kind == "residual":
-            fused = dict(residual=torch.randn(1, qw.n, device=dev, dtype=dtype))
+        x = torch.randn(1, qw.k, device=qw.codes.device, dtype=dtype)
+        fused = _fused_args(qw, dtype, kind)
         times = [(_cold_time(lambda: _gq.qgemv(x, qw, config=c, **fused)), i) for i, c in enumerate(cands)]
         _TUNED[key] = cands[min(times)[1]]
         MEASURED.append(_measured(qw, kind, [(cands[i], ms) for ms, i in times], min(times)[0]))
@@ -99,7 +96,7 @@ def _measured(qw, kind: str, times: list[tuple[dict, float]], best_ms: float) ->
     fmt = {_gq.INT4PACK: "int4 (tinygemm layout)", _gq.PACKED: f"int{qw.bits}", _gq.FP8: "fp8"}[qw.fmt]
     return {"format": fmt, "n": qw.n, "k": qw.k, "kind": kind, "weight_mb": nbytes / 1e6, "best_us": best_ms * 1e3,
             "best_gb_per_s": nbytes / best_ms / 1e6,
-            "tiles": [{**{k: c[k] for k in ("BLOCK_N", "KS", "num_warps", "BLOCK_C", "RED") if k in c}, "us": ms * 1e3}
+            "tiles": [{**{k: c[k] for k in ("BLOCK_N", "KS", "num_warps", "BLOCK_C", "RED", "Q4") if k in c}, "us": ms * 1e3}
                       for c, ms in times]}
 
 
@@ -148,7 +145,45 @@ def prepare(layer, dtype: torch.dtype) -> None:
         layer.gemv_skipped = qw
         return
     if not enabled(qw.fmt):
-        layer.gemv_skipped = "integer codes stay on the unfused decoder (tinygemm is faster at batch 1)"
+        layer.gemv_skipped = "codes in the Triton integer layout stay on the unfused decoder"
         return
-    qw.config = tune(qw, dtype, kind_of(layer))
+    kind = kind_of(layer)
+    qw.config = tune(qw, dtype, kind)
+    if qw.fmt == _gq.INT4PACK:
+        why = None if qw.config.get("Q4") else f"no tile of the 4-bit kernel fits (K={qw.k}, inner_k_tiles {2 * qw.j})"
+        why = why or faster_than_tinygemm(qw, layer.packed, dtype, kind)
+        if why is not None:
+            layer.gemv_skipped = why
+            return
     layer.gemv_weight = qw
+
+
+_VS_TINYGEMM: dict[tuple, str | None] = {}
+
+
+def faster_than_tinygemm(qw, pw, dtype: torch.dtype, kind: str) -> str | None:
+    """None if the fused 4-bit GEMV (its tuned tile, with the decoder's prologue / epilogue for `kind`) is at least as
+    fast as tinygemm's bare product on this weight, measured once per shape (TANDEM_QUANT_TUNE=0: assumed); else why
+    not. Conservative for the fused path: the unfused decoder also runs the norm, SiLU / RoPE and residual kernels."""
+    if os.environ.get("TANDEM_QUANT_TUNE", "1") == "0":
+        return None
+    key = (qw.n, qw.k, qw.group_size, qw.perm is not None, dtype, kind, tuple(sorted(qw.config.items())), qw.codes.device)
+    if key not in _VS_TINYGEMM:
+        x = torch.randn(1, qw.k, device=qw.codes.device, dtype=dtype)
+        ours = _cold_time(lambda: _gq.qgemv(x, qw, **_fused_args(qw, dtype, kind)))
+        tiny = _cold_time(lambda: torch.ops.aten._weight_int4pack_mm(x, pw.weight, pw.group_size, pw.scales_and_zeros))
+        _VS_TINYGEMM[key] = None if ours <= tiny else f"tinygemm is faster at batch 1 ({tiny * 1e3:.1f} us, fused " \
+                                                      f"4-bit GEMV {ours * 1e3:.1f} us)"
+        MEASURED.append({"format": "int4 vs tinygemm", "n": qw.n, "k": qw.k, "kind": kind, "ours_us": ours * 1e3,
+                         "tinygemm_us": tiny * 1e3})
+    return _VS_TINYGEMM[key]
+
+
+def _fused_args(qw, dtype: torch.dtype, kind: str) -> dict:
+    """The fused arguments `tune` times a kind of layer with (gate/up's RMSNorm and SiLU; the residual add)."""
+    dev = qw.codes.device
+    if kind == "paired":
+        return dict(norm_weight=torch.ones(qw.k, device=dev, dtype=dtype), eps=1e-6, silu=True)
+    if kind == "residual":
+        return dict(residual=torch.randn(1, qw.n, device=dev, dtype=dtype))
+    return {}
