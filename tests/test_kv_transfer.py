@@ -394,10 +394,12 @@ def test_only_copies_beside_a_message_in_flight_take_the_overlap_cap(monkeypatch
     from workers.kv_transfer import transport
 
     asked: list[tuple[str, int | None]] = []
-    monkeypatch.setattr(transport, "gather_blocks",
-                        lambda *a: asked.append(("gather", a[5])) or torch.zeros(a[2].stop - a[2].start, 2, 3, BS,
-                                                                                 KV_HEADS, HEAD_DIM))
-    monkeypatch.setattr(transport, "scatter_blocks", lambda *a: asked.append(("scatter", a[6])))
+    # The agent's copies (`CacheBlocks.gather(block_ids, layers, heads, index, programs)`, `.scatter(..., buf, index,
+    # programs)`), recorded instead of run.
+    monkeypatch.setattr(transport.CacheBlocks, "gather",
+                        lambda self, *a: asked.append(("gather", a[4])) or torch.zeros(a[1].stop - a[1].start, 2, 3, BS,
+                                                                                       KV_HEADS, HEAD_DIM))
+    monkeypatch.setattr(transport.CacheBlocks, "scatter", lambda self, *a: asked.append(("scatter", a[5])))
     shard = replica_shards(1, 1, LAYERS, KV_HEADS)[0]
     plan = plan_transfers([shard], [shard], range(3))
     spec = PairSpec("p", 1, 1)

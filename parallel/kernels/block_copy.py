@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from parallel.kernels.direct_launch import Handles, int_kind, interpreted
+
 BLOCK = 1024  # words (8 KiB of int64) per program
 
 # At most this many programs per copy (0: one per row slice, the whole GPU). A handoff's gather and scatter run beside
@@ -27,6 +29,12 @@ BLOCK = 1024  # words (8 KiB of int64) per program
 # Capped, each program loops over its share of the row slices. TANDEM_KV_COPY_PROGRAMS sets it; bench_kv_transfer.py
 # --copy-programs compares values in one run.
 MAX_PROGRAMS = int(os.environ.get("TANDEM_KV_COPY_PROGRAMS", "0") or 0)
+# After a kernel's first launch, later launches with the same specialisation go through its compiled handle
+# (parallel/kernels/direct_launch.py): a 1K-token handoff's critical path is host time, one gather launch on the
+# sender and the scatter's on the receiver (docs/benchmarks.md, issue 27). TANDEM_KV_DIRECT=0 keeps the JIT path
+# (bench_kv_transfer.py's d0 variant sets DIRECT to compare both in one run).
+DIRECT = os.environ.get("TANDEM_KV_DIRECT", "1") != "0"
+_HANDLES = Handles()
 
 
 @triton.jit
@@ -102,9 +110,23 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather:
     cap = MAX_PROGRAMS if programs is None else programs
     total = n * layers * kv * chunks
     if 0 < cap < total:
-        _copy_rows_loop_kernel[(cap,)](src, dst, index, row_words, n, chunks, total, *strides, GATHER=gather, BLOCK=BLOCK)
+        _launch(_copy_rows_loop_kernel, (cap,), (src, dst, index, row_words, n, chunks, total, *strides), gather)
     else:
-        _copy_rows_kernel[(n, layers * kv, chunks)](src, dst, index, row_words, *strides, GATHER=gather, BLOCK=BLOCK)
+        _launch(_copy_rows_kernel, (n, layers * kv, chunks), (src, dst, index, row_words, *strides), gather)
+
+
+def _launch(kernel, grid: tuple[int, ...], args: tuple, gather: bool) -> None:
+    """kernel[grid](*args) with its constexprs; through the compiled kernel's handle where one was kept under the key
+    of everything Triton specialises these kernels on: the device it launches on (the current one), the three
+    pointers' dtypes and 16-byte alignment, the integer arguments' types (their range: none is specialised on its
+    value, `do_not_specialize`), and the constexprs."""
+    key = None
+    src, dst, index = args[:3]
+    if DIRECT and src.is_cuda and not interpreted():
+        key = (kernel is _copy_rows_loop_kernel, gather, torch.cuda.current_device(), src.dtype, dst.dtype, index.dtype,
+               src.data_ptr() % 16 == 0, dst.data_ptr() % 16 == 0, index.data_ptr() % 16 == 0,
+               tuple(int_kind(v) for v in args[3:]))
+    _HANDLES.launch(key, lambda: kernel[grid](*args, GATHER=gather, BLOCK=BLOCK), grid, args, (gather, BLOCK))
 
 
 def warm_up(device: torch.device, dtype: torch.dtype = torch.int64) -> None:

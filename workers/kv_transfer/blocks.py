@@ -38,11 +38,18 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# Whether block_index's copy leaves out the wait for it (bench_kv_transfer.py's i0 variant waits, as before).
+INDEX_NON_BLOCKING = True
+
+
 def block_index(block_ids: list[int], device: torch.device | str) -> torch.Tensor:
     """block_ids as the index tensor gather_blocks / scatter_blocks take (made once per transfer, not per message).
     A plain copy from pageable memory: beside an engine thread, it was the faster of the two kinds of small
-    host-to-device copy (scripts/bench_cuda_stall.py); a pinned one waited for a `.tolist()` there."""
-    return torch.tensor(block_ids, dtype=torch.long, device=device)
+    host-to-device copy (scripts/bench_cuda_stall.py); a pinned one waited for a `.tolist()` there. Not waited for:
+    from pageable memory CUDA returns once the ids are staged (the host list may go) and the copy runs in this
+    stream's order, before the gather or scatter that reads it; the wait for the copy to land (~50 us a transfer
+    there) was on a short handoff's critical path, before the sender's gather could even be launched."""
+    return torch.tensor(block_ids, dtype=torch.long).to(device, non_blocking=INDEX_NON_BLOCKING)  # on CPU: itself
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, heads: slice,
@@ -87,6 +94,49 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, 
         # Partial heads: index_copy_ cannot take a head slice, so copy block by block into the view.
         for i, b in enumerate(block_ids):
             target[:, :, b, :, heads, :].copy_(buf[:, :, i])
+
+
+class CacheBlocks:
+    """gather_blocks / scatter_blocks on one cache, for an agent that moves its blocks many times: the cache's wire and
+    word views and whether the GPU row copy takes its whole-head transfers are worked out once, and a transfer of
+    every layer copies from the whole view (no slice). A 1K-token handoff is bound by the host's work before the
+    sender's one message is posted and after the receiver's lands (docs/benchmarks.md, issue 27), and each view op
+    there costs a few microseconds, more on a cold path."""
+
+    def __init__(self, kv_cache: torch.Tensor):
+        self.kv_cache = kv_cache
+        self.wire = _as_wire(kv_cache)
+        self.words = _as_words(self.wire)
+        self.num_layers, self.num_heads = kv_cache.shape[0], kv_cache.shape[4]
+        # Whether whole-head transfers go by the Triton row copy (else both directions call the functions above).
+        self.rows = _by_rows(self.words, slice(None)) if self.words.dim() == 6 and self.num_layers else False
+
+    def _layer_words(self, layers: slice) -> torch.Tensor:
+        whole = layers.start in (0, None) and layers.stop in (None, self.num_layers) and layers.step in (None, 1)
+        return self.words if whole else self.words[layers]
+
+    def gather(self, block_ids: list[int], layers: slice, heads: slice, index: torch.Tensor,
+               programs: int | None = None) -> torch.Tensor:
+        """gather_blocks(self.kv_cache, block_ids, layers, heads, index, programs)."""
+        if not (self.rows and _all_heads(heads, self.num_heads)):
+            return gather_blocks(self.kv_cache, block_ids, layers, heads, index, programs)
+        from parallel.kernels.block_copy import copy_rows
+
+        words = self._layer_words(layers)
+        out = torch.empty(words.shape[:2] + (index.numel(),) + words.shape[3:], dtype=words.dtype, device=words.device)
+        copy_rows(words, out, index, gather=True, programs=programs)
+        return out if out.dtype == self.wire.dtype else out.view(self.wire.dtype)
+
+    def scatter(self, block_ids: list[int], layers: slice, heads: slice, buf: torch.Tensor, index: torch.Tensor,
+                programs: int | None = None) -> None:
+        """scatter_blocks(self.kv_cache, block_ids, layers, heads, buf, index, programs)."""
+        if not (self.rows and _all_heads(heads, self.num_heads) and buf.dtype == self.wire.dtype and buf.is_contiguous()):
+            scatter_blocks(self.kv_cache, block_ids, layers, heads, buf, index, programs)
+            return
+        from parallel.kernels.block_copy import copy_rows
+
+        words = self._layer_words(layers)
+        copy_rows(buf if buf.dtype == words.dtype else buf.view(words.dtype), words, index, gather=False, programs=programs)
 
 
 def _all_heads(heads: slice, num_heads: int) -> bool:

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from workers.kv_layout import pool_ids
-from workers.kv_transfer.blocks import block_index, gather_blocks, scatter_blocks, transfer_shape, warm_kernels, wire_dtype
+from workers.kv_transfer.blocks import (CacheBlocks, block_index, gather_blocks, scatter_blocks, transfer_shape, warm_kernels,
+                                        wire_dtype)
 from workers.kv_transfer.chunk_ends import ChunkEnds
 from workers.kv_transfer.plan import RankShard, Transfer
 
@@ -240,6 +241,7 @@ class KVTransferAgent:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', not {role!r}")
         self.kv_cache = kv_cache  # [L_local, 2, num_blocks, block_size, H_local, D]
+        self._blocks = CacheBlocks(kv_cache)  # its gathers and scatters, with the cache's views made once
         # Transfers run on CUDA streams of their own, one per thread that runs them (several transfers may be in
         # flight at once, each on its own actor thread: `_own_stream`): on the stream the engine computes on, a
         # send's gather queued behind the prefill step running then (tens of ms), and a receive's scatter and final
@@ -490,12 +492,21 @@ class KVTransferAgent:
     def _post_sends(self, spec: PairSpec, group: dist.ProcessGroup, clock: PhaseClock, plan: list[Transfer],
                     dst_shards: dict[int, RankShard], block_table: list[int], seq: int | None) -> tuple[list, int]:
         """Gather and post this rank's messages of the plan: (works with their buffers, bytes)."""
-        works, sent, last, index = [], 0, None, None
-        for tag, t, layers, heads in self._messages(plan, dst_shards, sending=True, seq=seq):
-            if t is not last:  # the transfer's block ids (and their index tensor): once, not per message
-                last, local_ids = t, self._local_ids([block_table[i] for i in t.blocks])
-                index = None
-            if self._same_gpu(spec, dst_shards[t.dst]):
+        messages = list(self._messages(plan, dst_shards, sending=True, seq=seq))
+        clock.mark("setup")  # the turn, the plan's messages: pure Python
+        # Every transfer's block ids and index tensor (once per transfer, not per message) before the first gather is
+        # queued: the index's copy from pageable memory waits for this stream's earlier work, the gathers.
+        ids: dict[int, tuple[list[int], torch.Tensor | None]] = {}
+        for _, t, _, _ in messages:
+            if id(t) not in ids:
+                local_ids = self._local_ids([block_table[i] for i in t.blocks])
+                ids[id(t)] = local_ids, None if self._same_gpu(spec, dst_shards[t.dst]) else \
+                    block_index(local_ids, self.kv_cache.device)
+        clock.mark("index")
+        works, sent = [], 0
+        for tag, t, layers, heads in messages:
+            local_ids, index = ids[id(t)]
+            if index is None:
                 # The decode rank copies these blocks out of this cache itself; wait for its word that it has.
                 done = torch.zeros(1, dtype=torch.uint8)
                 works.append((group.recv([done], spec.num_prefill_ranks + t.dst, tag), done))
@@ -503,10 +514,7 @@ class KVTransferAgent:
                 sent += torch.Size(shape).numel() * wire_dtype(self.kv_cache.dtype).itemsize
                 continue
             # Gathering the next chunk (this agent's stream) overlaps sending this one (NCCL's stream).
-            if index is None:
-                index = block_index(local_ids, self.kv_cache.device)
-                clock.mark("index")
-            buf = gather_blocks(self.kv_cache, local_ids, layers, heads, index, self._copy_programs(overlapped=bool(works)))
+            buf = self._blocks.gather(local_ids, layers, heads, index, self._copy_programs(overlapped=bool(works)))
             if spec.staged:
                 buf = _to_host(buf)
             clock.mark("gather")
@@ -537,7 +545,13 @@ class KVTransferAgent:
             received = self._copy_from_peers(spec, group, local, src_shards, block_table, src_block_table)
         clock.mark("peers")
         nccl = self._nccl(spec)
-        for k, (work, buf, block_ids, index, layers, heads) in enumerate(pending):
+        # Each transfer's index tensor (once, not per message) only now that every receive is posted: the sender's
+        # message can start as soon as it is, and the index is for the scatter after it. All before the first scatter
+        # is queued: the index's copy from pageable memory waits for this stream's earlier work.
+        indices = {id(t): block_index(block_ids, self.kv_cache.device) for _, _, t, block_ids, _, _ in pending}
+        clock.mark("index")
+        for k, (work, buf, t, block_ids, layers, heads) in enumerate(pending):
+            index = indices[id(t)]
             if nccl:
                 # Stream order only (no CPU wait): the scatter below runs on the GPU once this message has
                 # landed, while the later ones are still arriving; the CPU queues every scatter at once.
@@ -547,8 +561,7 @@ class KVTransferAgent:
             clock.mark("wait")
             if spec.staged:
                 buf = buf.to(self.kv_cache.device, non_blocking=True)
-            scatter_blocks(self.kv_cache, block_ids, layers, heads, buf, index,
-                           self._copy_programs(overlapped=k < len(pending) - 1))
+            self._blocks.scatter(block_ids, layers, heads, buf, index, self._copy_programs(overlapped=k < len(pending) - 1))
             clock.mark("scatter")
             received += buf.numel() * buf.element_size()
         posted = time.time()
@@ -566,22 +579,20 @@ class KVTransferAgent:
         """Post this rank's receives of the plan, in the senders' order (NCCL pairs a rank pair's messages by order,
         not by tag); each chunk is then scattered as it lands (`_recv`), overlapping the later ones. Returns the
         posted receives and the messages to copy from a peer on this GPU instead."""
-        pending, local, last, index = [], [], None, None
+        pending, local, last = [], [], None
         for tag, t, layers, heads in self._messages(plan, src_shards, sending=False, seq=seq):
             if self._same_gpu(spec, src_shards[t.src]):
                 local.append((tag, t, layers, heads))
                 continue
-            if t is not last:  # the transfer's block ids and their index tensor: once, not per message
+            if t is not last:  # the transfer's block ids: once, not per message
                 last, block_ids = t, [block_table[i] for i in t.blocks]
-                index = block_index(block_ids, self.kv_cache.device)
-                clock.mark("index")
             shape, wire = transfer_shape(self.kv_cache, len(t.blocks), layers, heads), wire_dtype(self.kv_cache.dtype)
             # Staged: received into pinned host memory, so its copy to the GPU below is asynchronous on this stream
             # (from pageable memory it would wait for the engine's work on the GPU too).
             buf = (torch.empty(shape, dtype=wire, pin_memory=self.kv_cache.is_cuda) if spec.staged
                    else torch.empty(shape, dtype=wire, device=self.kv_cache.device))
             clock.mark("alloc")
-            pending.append((group.recv([buf], t.src, tag), buf, block_ids, index, layers, heads))
+            pending.append((group.recv([buf], t.src, tag), buf, t, block_ids, layers, heads))
             clock.mark("post")
         return pending, local
 
