@@ -28,12 +28,12 @@ GROUP = 128
 
 
 def sweep_configs(k: int, paired: bool) -> list[dict]:
-    """Tiles whose threads own whole 16-byte chunks (KS >= 32 x num_warps), a K step dividing K, and 8-64 words of codes
-    per thread and step (both halves when paired)."""
+    """Tiles whose threads own whole 16-byte chunks (KS >= 32 x num_warps), a K step dividing K, and 16-64 words of
+    codes per thread and step (both halves when paired; fewer leave each x value to too few rows)."""
     out = []
     for bn, ks, w in itertools.product((1, 2, 4, 8, 16), (32, 64, 128, 256), (1, 2, 4, 8)):
         words = bn * (2 if paired else 1) * ks // (32 * w) * 4
-        if ks >= 32 * w and k % (32 * ks) == 0 and 8 <= words <= 64:
+        if ks >= 32 * w and k % (32 * ks) == 0 and 16 <= words <= 64:
             out.append(dict(BLOCK_N=bn, KS=ks, num_warps=w, num_stages=1, Q4=True))
     return out
 
@@ -138,7 +138,7 @@ def _shape_row(name: str, n_k: tuple[int, int], rotate_bytes: int, bench: Callab
                 print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                 continue
             tried.append({"config": cfg, "us": us(tf), "GBps": q4_bytes / us(tf) / 1e3, "plain_us": us(tp)})
-        best = min(tried, key=lambda r: r["us"])
+        best = min(tried, key=lambda r: r["us"]) if tried else {"config": engine, "us": row["q4_us"], "GBps": row["q4_GBps"]}
         row.update(sweep=tried, best_config=best["config"], best_us=best["us"], best_GBps=best["GBps"])
     del qws, tws
     torch.cuda.empty_cache()
