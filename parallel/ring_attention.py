@@ -442,18 +442,19 @@ class _RingSteps:
         self.config, self.tma, self.q_hkv, self.fused, self.f0 = plan.config, plan.tma, plan.hkv, plan.fused, plan.f0
         self.dst, self.n_launch, self.q_pos, self.k_pos = plan.dst, plan.n_launch, plan.q_pos, plan.k_pos
         self.tables, self.partials, self.key_tokens = plan.tables, plan.partials, plan.key_tokens
-        self.specs, self.hybrid = plan.specs, plan.hybrid
+        self.specs, self.hybrid, self.plan = plan.specs, plan.hybrid, plan
+        # Only what the first launch needs is made before it (the accumulators it writes); the fused buffer and the
+        # output when a launch first needs them (`_fused_buffer`, `_run`), while the GPU runs the launches before.
+        self.first_block, self.fused_kv, self.out, self.acc = first_block, None, None, None
         if self.fused or self.hybrid:
-            self.fused_kv = first_block.new_empty((2, plan.fused_tokens, *first_block.shape[2:]))
             self.pending = []  # the blocks to scatter, as their steps come (`step`)
-        self.out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self.acc = None
         if self.n_launch > 1:
             self.acc = (torch.empty(q.shape, dtype=plan.acc_dtype, device=q.device),
                         torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
-        # Each launch's arguments are worked out at its step's first call (`_launch`), so a launch's set-up runs
-        # while the GPU computes the step before it, and the rank's first kernel waits only for its own.
-        self.launches = [None] * self.n_launch
+        # Each launch's `StepLaunch` is made at its first use in the first call with this plan and kept in the plan
+        # (released: it holds no call's tensors), so later calls (every layer of a forward, every forward of these
+        # shards) plan nothing; this call's list, so a caller may swap one in (scripts/bench_ring_launch.py).
+        self.launches = list(plan.launches)
 
     def step(self, i: int, block: torch.Tensor) -> None:
         """Attend over `block` [2, Tk, Hkv, D], the keys of kv_shards[i], and merge."""
@@ -468,11 +469,11 @@ class _RingSteps:
             if self.config.batchcopy:
                 self.pending.append(block)
             else:
-                _scatter_runs(self.fused_kv, block, *self.dst[i - self.f0])
+                _scatter_runs(self._fused_buffer(), block, *self.dst[i - self.f0])
             if i < self.n - 1:
                 return
             if self.config.batchcopy:
-                _scatter_all(self.fused_kv, self.pending, self.dst)
+                _scatter_all(self._fused_buffer(), self.pending, self.dst)
             i, block = self.n_launch - 1, self.fused_kv
         self._run(i, block)
 
@@ -484,35 +485,49 @@ class _RingSteps:
         if i == 0:
             self._run(0, block)
             return
-        _scatter_all(self.fused_kv, self.pending, self.dst)
+        _scatter_all(self._fused_buffer(), self.pending, self.dst)
         self._run(1, self.fused_kv)
         self._run(2, block)
+
+    def _fused_buffer(self) -> torch.Tensor:
+        """The position-ordered K/V buffer of a fused or hybrid ring, made at its first use (after the first launch)."""
+        if self.fused_kv is None:
+            self.fused_kv = self.first_block.new_empty((2, self.plan.fused_tokens, *self.first_block.shape[2:]))
+        return self.fused_kv
 
     def _run(self, i: int, block: torch.Tensor) -> None:
         """Launch i over block [2, Tk, Hkv, D] (its plan made once; plain loads for a block TMA cannot read)."""
         k, v = block[0], block[1]
-        if self.tma and k.shape[0] and not _triton_kernels().tma_ok(k, v):  # misaligned: plain loads, planned now
-            self._launch(i, tma=False)(k, v)
-            return
-        self._launch(i)(k, v)
+        tma = None
+        if self.tma and k.shape[0] and not _triton_kernels().tma_ok_block(block):  # misaligned: plain loads
+            tma = False
+        if self.out is None and self.specs[i][2]:  # the output, made when the first launch that writes it comes
+            self.out = torch.empty(self.q.shape, dtype=self.q.dtype, device=self.q.device)
+        self._launch(i, tma).run(k, v, self.q, self.acc, self.out)
 
     def _launch(self, i: int, tma: bool | None = None):
-        """Launch i's `StepLaunch` (planned at its first use; tma given: a one-off plan with that)."""
+        """Launch i's `StepLaunch` (planned at its first use with this plan; tma given: a one-off plan with that)."""
         if self.launches[i] is None or tma is not None:
             load_prev, store_acc, writes_out, groups = self.specs[i]
+            if writes_out and self.out is None:
+                self.out = torch.empty(self.q.shape, dtype=self.q.dtype, device=self.q.device)
             launch = _triton_kernels().StepLaunch(
                 self.q, self.key_tokens[i], self.q_hkv, self.scale, self.tables[i][0], self.q_pos, self.k_pos[i],
                 self.config, self.acc, load_prev, store_acc, self.out if writes_out else None,
                 self.tma if tma is None else tma, self.tables[i][1], self.partials,
-                not (self.fused or self.hybrid), groups)
+                not (self.fused or self.hybrid), groups).release()
             if tma is not None:
                 return launch
-            self.launches[i] = launch
+            self.launches[i] = self.plan.launches[i] = launch
         return self.launches[i]
 
     def result(self) -> torch.Tensor:
         """[Tq, Hq, D] in q's dtype, once every step ran."""
-        return self.out if self.use_triton else self.acc_out.to(self.q.dtype)
+        if not self.use_triton:
+            return self.acc_out.to(self.q.dtype)
+        if self.out is None:  # no launch wrote it (never after a whole ring: its last launch writes the output)
+            raise RuntimeError("the ring's result was asked for before its last step ran")
+        return self.out
 
 
 @dataclass(frozen=True)
@@ -535,6 +550,7 @@ class _RingPlan:
     acc_dtype: torch.dtype
     specs: list  # per launch (load_prev, store_acc, writes the output, head groups (first, count) or None: all)
     hybrid: bool  # RingConfig.hybrid (SP = 2): launches [own block, some groups], [all keys, the rest], [other, some]
+    launches: list  # per launch its `StepLaunch` (released), made at its first use (`_RingSteps._launch`), or None
 
 
 def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, kv_shards: list[TokenShard],
@@ -543,16 +559,18 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
     TMA-readability and the config (None: `default_config`, which TANDEM_RING_KERNEL may set); cached on q_shard
     like the tile tables, so a layer's ring does one lookup here, not a dozen."""
     kernels = _triton_kernels()
-    tma = kernels.tma_ok(first_block[0], first_block[1])
+    tma = kernels.tma_ok_block(first_block)
     env = os.environ.get(kernels.ENV) if kernel_config is None else None
-    key = ("plan", tuple(id(s) for s in kv_shards), kernel_config, env, q.shape, q.dtype, q.device, first_block.shape,
-           tma)
+    # q's strides too: the plan's launches (`launches`) pass them to the kernel, which specialises on them; and
+    # TANDEM_RING_DIRECT, which they read when they are made.
+    key = ("plan", tuple(id(s) for s in kv_shards), kernel_config, env, os.environ.get(kernels.DIRECT_ENV), q.shape,
+           q.stride(), q.dtype, q.device, first_block.shape, tma)
     hit = q_shard._tables.get(key)
     if hit is not None and len(hit[0]) == len(kv_shards) and all(a is b for a, b in zip(hit[0], kv_shards)):
         return hit[1]
     cfg = kernel_config
     config = kernels.parse_config(cfg) if isinstance(cfg, str) else cfg or kernels.default_config(
-        q.shape[0], q.shape[-1], q.element_size(), tma)
+        q.shape[0], q.shape[-1], q.element_size(), tma, len(kv_shards))
     hkv = first_block.shape[2]
     rows = kernels.rows_per_tile(config, q.shape[1], hkv)
     n_groups = q.shape[1] // config.heads_per_program(q.shape[1] // hkv)
@@ -589,7 +607,7 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
     # acc16: the running output in q's 16-bit dtype (half the traffic of the steps' merges), LSE fp32.
     acc_dtype = q.dtype if config.acc16 and q.element_size() == 2 else torch.float32
     plan = _RingPlan(config, tma, hkv, fused, f0, dst, fused_tokens, len(launches), q_pos, k_pos, tables, partials,
-                     [shard.num_tokens for shard in launches], acc_dtype, specs, hybrid)
+                     [shard.num_tokens for shard in launches], acc_dtype, specs, hybrid, [None] * len(launches))
     q_shard._tables[key] = (list(kv_shards), plan)
     return plan
 

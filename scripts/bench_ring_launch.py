@@ -6,13 +6,15 @@ set the ring up and issued it: that host time is part of the rank's time (tune_r
 waits for the GPU before each run). This script splits it: with a spin kernel queued first (so no launch waits for
 the GPU), the host microseconds of
 
-  setup        `_RingSteps(...)`: config, tile tables (cached), accumulators (setup_plan0: and the first
-               launch's `StepLaunch`, what the first kernel waits for beside its launch)
-  step i       `steps.step(i, block)`: the launch as the ring issues it (a planned `StepLaunch` call)
+  setup        `_RingSteps(...)`: the cached plan, the accumulators (setup_plan0: and the first launch's
+               `StepLaunch`, kept in the plan after the first call)
+  first        `_RingSteps(...)` and `step(0, own block)`: the host time from the call to the first kernel issued
+  step i       `steps.step(i, block)`: the launch as the ring issues it (a planned `StepLaunch` run)
   ring_step    the same launch through `ring_step` (checks and argument set-up on every call, as before plans)
   jit          the bare Triton launch `_ring_kernel[grid](...)` with the step's arguments ready (Triton's own path)
   handle       the compiled kernel's handle (`CompiledKernel[grid](...)`, no binding or cache lookup): the floor
-  whole        `ring_rank_attention(...)`: everything a rank's call costs the host
+  whole        `ring_rank_attention(...)`: everything a rank's call costs the host (whole_jit: with
+               TANDEM_RING_DIRECT=0, every launch through the JIT path)
 
 each the median of --iters calls, for each SP size at the given length (rank 0, the default config or
 --config). The handle launch is checked against the ordinary one (same output, bitwise) before it is timed.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -51,14 +54,10 @@ def host_us(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def handle_args(launch: rt.StepLaunch, k: torch.Tensor, v: torch.Tensor) -> list:
-    """The kernel's arguments in signature order, constexprs included (Triton's `bound_args.values()`)."""
-    desc = (None, None)
-    if launch.tma:
-        desc = tuple(rt._TensorDescriptor(x, [launch.tk, launch.hkv * launch.d], [x.stride(0), 1],
-                                          [launch.block_n, launch.d]) for x in (k, v))
-    values = [*launch.head, k, v, *desc, *launch.mid, k.stride(0), v.stride(0), *launch.tail]
-    return values + [launch.kw[name] for name in CONSTEXPRS]
+def handle_args(launch: rt.StepLaunch, k: torch.Tensor, v: torch.Tensor, steps: _RingSteps) -> list:
+    """The kernel's arguments in signature order for `steps`' tensors, constexprs included (Triton's
+    `bound_args.values()`)."""
+    return [*launch.args(k, v, steps.q, steps.acc, steps.out), *(launch.kw[name] for name in CONSTEXPRS)]
 
 
 # The kernel's constexpr parameters (upper-case names), in signature order, after its runtime ones.
@@ -71,12 +70,16 @@ class HandleLaunch:
     arguments in signature order, constexprs included ("all") or, if this Triton's launcher refuses that, without
     ("runtime"); the kernel from `JITFunction.warmup` (compiled or found in its cache, not launched)."""
 
-    def __init__(self, launch: rt.StepLaunch, kernel=None, form: str | None = None):
-        self.launch, self.kernel, self.form = launch, kernel, form
+    def __init__(self, launch: rt.StepLaunch, steps: _RingSteps, kernel=None, form: str | None = None):
+        self.launch, self.steps, self.kernel, self.form = launch, steps, kernel, form
+
+    def run(self, k: torch.Tensor, v: torch.Tensor, *_call) -> None:
+        """As `StepLaunch.run` (the ring's call; its tensors are `steps`')."""
+        self(k, v)
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> None:
         cl = self.launch
-        args = handle_args(cl, k, v)
+        args = handle_args(cl, k, v, self.steps)
         if self.kernel is None:
             self.kernel = rt._ring_kernel.warmup(*args[:-N_CONST], grid=cl.grid, **cl.kw)
         run = self.kernel[(*cl.grid, 1, 1)]  # the handle's runner reads grid[0], grid[1] and grid[2]
@@ -89,8 +92,18 @@ class HandleLaunch:
                 self.form = "runtime"
         else:
             run(*(args if self.form == "all" else args[:-N_CONST]))
-        if cl.merge_args is not None:
-            rt._merge_kernel[cl.merge_grid](*cl.merge_args, **cl.merge_kw)
+        if cl.merge is not None:
+            acc, out = self.steps.acc, self.steps.out
+            rt._merge_kernel[cl.merge_grid](*cl.merge_parts, *acc, out if cl.writes_out else acc[0], *cl.merge_post,
+                                            **cl.merge_kw)
+
+
+def step_again(steps: _RingSteps, i: int, blocks: list[torch.Tensor], srcs: list[int]) -> None:
+    """`steps.step(i, ...)` once more, the blocks it holds for a later scatter (fused, hybrid) as they were when
+    step i first came (else each repeat would add one)."""
+    if steps.hybrid or steps.fused:
+        steps.pending[:] = [blocks[s] for s in srcs[0 if steps.hybrid else steps.f0:i]]
+    steps.step(i, blocks[srcs[i]])
 
 
 def one_sp(n: int, sp: int, config: str | None, iters: int, q, k, v) -> dict:
@@ -101,36 +114,51 @@ def one_sp(n: int, sp: int, config: str | None, iters: int, q, k, v) -> dict:
     make = lambda: _RingSteps(qs[0], blocks[0], shards[0], [shards[s] for s in srcs], scale, None, True,  # noqa: E731
                               config)
     want = ring_rank_attention(qs[0], blocks, shards, 0, scale, "triton", kernel_config=config)
-    res = {"sp": sp, "setup": host_us(make, iters), "setup_plan0": host_us(lambda: make()._launch(0), iters)}
+    res = {"sp": sp, "setup": host_us(make, iters), "setup_plan0": host_us(lambda: make()._launch(0), iters),
+           "first": host_us(lambda: make().step(0, blocks[0]), iters)}
     steps = make()
     last = steps.n_launch - 1
     for i, src in enumerate(srcs):  # each step's own call, on a ring set up once (its launches repeat)
-        res[f"step{i}"] = host_us(lambda: steps.step(i, blocks[src]), iters)
-    kb = steps.fused_kv if steps.fused else blocks[srcs[-1]]
+        res[f"step{i}"] = host_us(lambda: step_again(steps, i, blocks, srcs), iters)
+    kb = steps.fused_kv if steps.fused or steps.hybrid else blocks[srcs[-1]]
+    if steps.hybrid:  # its last launch is over the other block alone
+        kb = blocks[srcs[-1]]
     launch = steps._launch(last)
     tiles, merge, _ = steps.tables[last]
+    load_prev, store_acc, _, groups = steps.specs[last]
     res["ring_step"] = host_us(lambda: rt.ring_step(
-        steps.q, kb[0], kb[1], scale, tiles, steps.q_pos, steps.k_pos[last], steps.config, steps.acc, last > 0,
-        False, out=steps.out, tma=launch.tma, merge=merge, partials=steps.partials, chained=not steps.fused), iters)
-    args = handle_args(launch, kb[0], kb[1])
+        steps.q, kb[0], kb[1], scale, tiles, steps.q_pos, steps.k_pos[last], steps.config, steps.acc, load_prev,
+        store_acc, out=steps.out, tma=launch.tma, merge=merge, partials=steps.partials, chained=not steps.fused),
+        iters) if groups is None else None
+    args = handle_args(launch, kb[0], kb[1], steps)
     res["jit"] = host_us(lambda: rt._ring_kernel[launch.grid](*args[:-N_CONST], **launch.kw), iters)
     # The handle: the compiled kernel itself, called with every argument; checked first on a whole ring whose last
     # launch goes through it (same output as the ordinary launches, bitwise).
     try:
         check = make()
-        handle = HandleLaunch(check._launch(last))
-        check.launches[last] = handle
+        handle = HandleLaunch(check._launch(last), check)
+        check.launches[last] = handle  # this call's list: the plan keeps its own launch
         for i, src in enumerate(srcs):
             check.step(i, blocks[src])
         torch.cuda.synchronize()
         res["handle_exact"] = bool(torch.equal(check.out, want))
         res["handle_form"] = handle.form
-        timed_handle = HandleLaunch(launch, handle.kernel, handle.form)
+        timed_handle = HandleLaunch(launch, steps, handle.kernel, handle.form)
         res["handle"] = host_us(lambda: timed_handle(kb[0], kb[1]), iters)
     except Exception as e:  # noqa: BLE001 - an API this Triton lacks: recorded, the rest stands
         res["handle_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    res["whole"] = host_us(lambda: ring_rank_attention(qs[0], blocks, shards, 0, scale, "triton",
-                                                       kernel_config=config), iters)
+    whole = lambda: ring_rank_attention(qs[0], blocks, shards, 0, scale, "triton", kernel_config=config)  # noqa: E731
+    res["whole"] = host_us(whole, iters)
+    before = os.environ.get(rt.DIRECT_ENV)
+    os.environ[rt.DIRECT_ENV] = "0"  # a plan of its own (the plan's key holds the variable): the JIT path
+    try:
+        whole()
+        res["whole_jit"] = host_us(whole, iters)
+    finally:
+        if before is None:
+            del os.environ[rt.DIRECT_ENV]
+        else:
+            os.environ[rt.DIRECT_ENV] = before
     return res
 
 

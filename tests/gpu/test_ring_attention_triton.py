@@ -128,19 +128,21 @@ def test_rank_work_matches_full_causal_sdpa(sp: int, config: str | None):
                                    rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("config", [None, "128,128,8,3,pack,hybrid", "128,128,8,3,pack,split=2,pdl,early"])
+@pytest.mark.parametrize("config", [None, "128,128,8,3,pack,hybrid", "128,128,8,3,pack,split=2,pdl,early",
+                                    "128,128,8,3,pack,fuse,batchcopy", "128,128,8,3,pack,hybrid,oneloop"])
 def test_direct_launches_match_the_jit_path(config, monkeypatch):
-    """With TANDEM_RING_DIRECT=1 a ring's repeated launches go through the compiled kernel's handle (rt._HANDLES, no
-    binding or cache lookup): bitwise the output of launches through Triton's JIT path (the default), SP=2 and 4."""
+    """By default (TANDEM_RING_DIRECT unset) a ring's repeated launches go through the compiled kernel's handle
+    (rt._HANDLES, no binding or cache lookup): bitwise the output of launches through Triton's JIT path
+    (TANDEM_RING_DIRECT=0), SP=2 and 4."""
     q, k, v, want = _prompt_and_full_attention(11)
     n, _, d = q.shape
     for sp in (2, 4):
         positions = [owned_positions(0, n, r, sp, 16) for r in range(sp)]
         qs, blocks, shards = split_for_ranks(q, k, v, positions)
-        monkeypatch.delenv(rt.DIRECT_ENV, raising=False)
+        monkeypatch.setenv(rt.DIRECT_ENV, "0")
         jit = [ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, "triton", kernel_config=config)
                for r in range(sp)]
-        monkeypatch.setenv(rt.DIRECT_ENV, "1")
+        monkeypatch.delenv(rt.DIRECT_ENV, raising=False)
         rt._HANDLES.clear()
         for _ in range(2):  # the first call fills the handles, the second launches through them
             direct = [ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, "triton", kernel_config=config)
@@ -149,6 +151,38 @@ def test_direct_launches_match_the_jit_path(config, monkeypatch):
         for r in range(sp):
             assert torch.equal(direct[r], jit[r]), (sp, r)
             torch.testing.assert_close(direct[r].float(), want[positions[r]].float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("config", [None, "128,128,8,3,pack", "128,128,8,3,pack,split=2"])
+def test_a_kept_plan_runs_each_layers_tensors(config):
+    """A ring plan (cached on the query shard) keeps its launches across calls: three "layers" over the same shards,
+    twice round, each call bitwise the ring of a fresh plan (new shards) for that layer, and within bf16 tolerance
+    of SDPA; one layer's q a view of a wider projection output (other strides: a plan of its own) and one 8 bytes
+    off 16-byte alignment (another specialisation of the kernel: through the JIT, then its own handle)."""
+    layers = [_prompt_and_full_attention(20 + i) for i in range(3)]
+    q1 = layers[1][0]
+    wide = torch.zeros(q1.shape[0], q1.shape[1] + 16, q1.shape[2], device=DEV, dtype=q1.dtype)
+    wide[:, :q1.shape[1]] = q1
+    n, hq, d = q1.shape
+    for sp in (2, 4):
+        positions = [owned_positions(0, n, r, sp, 16) for r in range(sp)]
+        shards = split_for_ranks(*layers[0][:3], positions)[2]
+        parts = [split_for_ranks(q, k, v, positions)[:2] for q, k, v, _ in layers]
+        odd = torch.empty(q1.numel() + 4, device=DEV, dtype=q1.dtype)[4:]
+        qs_view = [wide[torch.tensor(p, device=DEV)][:, :hq] for p in positions]  # rows of Hq + 16 heads
+        for _ in range(2):
+            for li, (qs, blocks) in enumerate(parts):
+                for r in range(sp):
+                    q = qs_view[r] if li == 1 else qs[r]
+                    if li == 2:
+                        q = odd[:qs[r].numel()].view(qs[r].shape).copy_(qs[r])
+                        assert q.data_ptr() % 16 != 0
+                    got = ring_rank_attention(q, blocks, shards, r, d ** -0.5, "triton", kernel_config=config)
+                    fresh = split_for_ranks(*layers[0][:3], positions)[2]
+                    want = ring_rank_attention(qs[r], blocks, fresh, r, d ** -0.5, "triton", kernel_config=config)
+                    assert torch.equal(got, want), (sp, li, r)
+                    torch.testing.assert_close(got.float(), layers[li][3][positions[r]].float(), rtol=2e-2,
+                                               atol=2e-2)
 
 
 @pytest.mark.parametrize("case", ["diagonal", "sp2 rank1 x rank0", "fully visible", "non-causal"])

@@ -1,0 +1,194 @@
+"""The ring's host path (parallel/ring_attention.py `_RingSteps`, parallel/kernels/ring_attention_triton.py
+`StepLaunch`): each launch planned once per ring plan and kept there without any call's tensors, later calls run
+with their own queries, accumulators and output; repeated launches through the compiled kernel's handle, keyed by
+what Triton specialises on; the first launch issued before what later launches need is made; the defaults by SP
+size. The kernels run in Triton's interpreter (a subprocess); the handle path, which needs a compiled kernel, runs
+against a stand-in kernel that records its launches."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.interpreter import run_interpreted
+
+REUSE_SCRIPT = r'''
+import gc
+import weakref
+
+import torch
+from parallel.ring_attention import _RingSteps, attention_with_lse, ring_rank_attention, split_for_ranks
+from workers.sp_plan import owned_positions
+
+D = 16
+S = D ** -0.5
+torch.manual_seed(0)
+checked = 0
+
+
+def causal(q, k, v):
+    pos = torch.arange(q.shape[0])
+    return attention_with_lse(q.float(), k.float(), v.float(), S, pos[:, None] >= pos[None, :])[0]
+
+
+# Two "layers" over the same shards (the plan, cached on the query shard, is shared): the second call plans nothing,
+# runs its own q / K/V through the first call's launches and gets its own output; the first call's output is not
+# touched by the second; the kept launches hold none of the first call's tensors (freed once the caller drops them).
+for sp, cfg in ((2, "32,16,4,1,pack"), (2, "16,16,4,1,pack,hybrid,oneloop"), (4, "16,16,4,1,fuse,batchcopy"),
+                (4, "32,16,4,1,pack,fuse"), (3, "16,16,4,1,pack,split=2"), (2, None), (4, None)):
+    n = 45
+    positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
+    layers = [tuple(torch.randn(n, h, D) for h in (4, 2, 2)) for _ in range(2)]
+    parts = [split_for_ranks(q, k, v, positions) for q, k, v in layers]
+    shards = parts[0][2]
+    for r in range(sp):
+        outs, plans = [], []
+        for li, (qs, blocks, _) in enumerate(parts):
+            srcs = [(r - s) % sp for s in range(sp)]
+            steps = _RingSteps(qs[r], blocks[r], shards[r], [shards[s] for s in srcs], S, None, True, cfg)
+            if li == 1:  # planned by the first layer: the same launch objects, released
+                assert steps.plan is plans[0] and all(x is not None for x in steps.launches), (sp, cfg, r)
+                assert [id(x) for x in steps.launches] == [id(x) for x in plans[0].launches]
+            for s, src in enumerate(srcs):
+                steps.step(s, blocks[src])
+            outs.append(steps.result())
+            plans.append(steps.plan)
+            assert all(x.q is None and x.acc is None and x.out is None for x in steps.plan.launches), (sp, cfg)
+        assert outs[0] is not outs[1]
+        for li, (q, k, v) in enumerate(layers):
+            torch.testing.assert_close(outs[li], causal(q, k, v)[positions[r]], rtol=1e-5, atol=1e-5,
+                                       msg=str((sp, cfg, r, li)))
+            checked += 1
+        # The plan keeps no call's tensors: a dropped q is freed.
+        q_probe = parts[1][0][r].clone()
+        ref = weakref.ref(q_probe)
+        srcs = [(r - s) % sp for s in range(sp)]
+        again = ring_rank_attention(q_probe, parts[1][1], shards, r, S, "triton", kernel_config=cfg)
+        torch.testing.assert_close(again, outs[1], rtol=0, atol=0)
+        del q_probe, again
+        gc.collect()
+        assert ref() is None, (sp, cfg, r)
+
+# A ring's first launch comes before its output or fused buffer is made (they are made at the launch that needs
+# them): after step 0 of a two-launch ring, no output yet.
+for sp, cfg in ((2, "32,16,4,1,pack"), (4, "16,16,4,1,fuse,batchcopy"), (2, "16,16,4,1,pack,hybrid")):
+    n = 45
+    positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
+    q, k, v = (torch.randn(n, h, D) for h in (4, 2, 2))
+    qs, blocks, shards = split_for_ranks(q, k, v, positions)
+    srcs = [(1 - s) % sp for s in range(sp)]
+    steps = _RingSteps(qs[1], blocks[1], shards[1], [shards[s] for s in srcs], S, None, True, cfg)
+    assert steps.out is None and steps.fused_kv is None and steps.acc is not None
+    steps.step(0, blocks[srcs[0]])
+    assert steps.out is None and steps.fused_kv is None, (sp, cfg)
+    for s in range(1, sp):
+        steps.step(s, blocks[srcs[s]])
+    torch.testing.assert_close(steps.result(), causal(q, k, v)[positions[1]], rtol=1e-5, atol=1e-5)
+    checked += 1
+print("ok", checked)
+'''
+
+
+def test_launches_planned_once_per_plan_in_the_triton_interpreter():
+    out = run_interpreted(REUSE_SCRIPT)
+    assert out.strip().split()[-2:] == ["ok", str(2 * (2 + 2 + 4 + 4 + 3 + 2 + 4) + 3)], out[-800:]
+
+
+class _Compiled:
+    """A stand-in for Triton's CompiledKernel: `kernel[grid](*args)` records the launch."""
+
+    def __init__(self, log: list, form: str = "all"):
+        self.log, self.form = log, form
+
+    def run(self, *args):  # noqa: D401 - only its presence matters (StepLaunch checks for it)
+        raise AssertionError("not called directly")
+
+    def __getitem__(self, grid):
+        def runner(*args):
+            if self.form == "runtime" and any(isinstance(a, bool) for a in args[-3:]):
+                raise TypeError("this launcher takes the runtime arguments only")
+            self.log.append(("handle", grid, len(args)))
+        return runner
+
+
+class _Jit:
+    """A stand-in for the @triton.jit ring kernel: `kernel[grid](*args, **kw)` records the launch and returns the
+    compiled stand-in, as Triton's JIT returns the CompiledKernel it launched."""
+
+    def __init__(self, form: str = "all"):
+        self.log: list = []
+        self.compiled = _Compiled(self.log, form)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.log.append(("jit", grid, len(args)))
+            return self.compiled
+        return launch
+
+
+def _step(rt, q: torch.Tensor, acc, out):
+    tiles = torch.zeros((3, rt.TILE_FIELDS), dtype=torch.int32)
+    return rt.StepLaunch(q, 8, 2, 0.25, tiles, None, None, rt.RingConfig(16, 16, 4, 1), acc, True, False, out,
+                         False, None, None, True)
+
+
+@pytest.mark.parametrize("form", ["all", "runtime"])
+def test_direct_launches_through_the_kept_kernel(monkeypatch, form: str):
+    """The first launch of a specialisation goes through the JIT and keeps its compiled kernel; later ones (a new
+    plan for the same shapes too) through the kept kernel, with the constexprs where the launcher takes them; a q
+    of another 16-byte alignment (which Triton specialises on) goes through the JIT again; released, a launch runs
+    with each call's own tensors."""
+    rt = pytest.importorskip("parallel.kernels.ring_attention_triton")
+    jit = _Jit(form)
+    monkeypatch.setattr(rt, "_ring_kernel", jit)
+    monkeypatch.setattr(rt, "direct_launch_ok", lambda device: True)
+    monkeypatch.setattr(rt, "_HANDLES", {})
+    q = torch.randn(16, 4, 16)
+    acc = (torch.empty(16, 4, 16), torch.empty(16, 4))
+    out = torch.empty(16, 4, 16)
+    k = v = torch.randn(8, 2, 16)
+    launch = _step(rt, q, acc, out).release()
+    assert launch.q is None and launch.acc is None and launch.out is None
+    with pytest.raises(ValueError):
+        launch(k, v)  # released: only with a call's tensors
+    launch.run(k, v, q, acc, out)
+    launch.run(k, v, torch.randn(16, 4, 16), (torch.empty(16, 4, 16), torch.empty(16, 4)), torch.empty(16, 4, 16))
+    _step(rt, q, acc, out).run(k, v, q, acc, out)  # a new plan, the same specialisation: the kept kernel
+    n_args = jit.log[0][2]
+    handle_args = n_args + (len(rt._CONSTEXPRS) if form == "all" else 0)
+    assert jit.log == [("jit", (12,), n_args), ("handle", (12, 1, 1), handle_args),
+                       ("handle", (12, 1, 1), handle_args)], jit.log  # 3 tile rows x 4 heads
+    assert len(rt._HANDLES) == 1
+    jit.log.clear()
+    shifted = torch.randn(16 * 4 * 16 + 1)[1:].view(16, 4, 16)  # 4 bytes off: another alignment class
+    assert shifted.data_ptr() % 16 != 0
+    launch.run(k, v, shifted, acc, out)
+    launch.run(k, v, shifted, acc, out)
+    assert [e[0] for e in jit.log] == ["jit", "handle"] and len(rt._HANDLES) == 2, jit.log
+
+
+def test_default_configs_by_sp_size(monkeypatch):
+    """What the 16K runs on one H100 (2026-11-27) measured best is the default there: fuse with batchcopy at SP=4
+    (chunks up to FUSE_MAX_TOKENS), hybrid with oneloop at SP=2 (up to HYBRID_MAX_TOKENS); elsewhere as before, and
+    an unknown SP size or TANDEM_RING_KERNEL gets no SP-specific flag."""
+    rt = pytest.importorskip("parallel.kernels.ring_attention_triton")
+    monkeypatch.delenv(rt.ENV, raising=False)
+    base = rt.CONFIGS[128][0]
+    assert rt.default_config(4096, 128, 2, True, 4) == dataclasses.replace(base, fuse=True, batchcopy=True)
+    assert rt.default_config(4096, 128, 2, True, 8) == dataclasses.replace(base, fuse=True)
+    assert rt.default_config(4096, 128, 2, True) == dataclasses.replace(base, fuse=True)
+    assert rt.default_config(rt.HYBRID_MAX_TOKENS, 128, 2, True, 2) == dataclasses.replace(base, hybrid=True,
+                                                                                           oneloop=True)
+    assert rt.default_config(rt.HYBRID_MAX_TOKENS + 1, 128, 2, True, 2) == base
+    assert rt.default_config(16384, 128, 2, True, 4) == base
+    assert rt.default_config(rt.HYBRID_MAX_TOKENS, 128, 2, True, 1) == base
+    monkeypatch.setenv(rt.ENV, "64,64,4,2,pack")
+    assert rt.default_config(4096, 128, 2, True, 2) == rt.RingConfig(64, 64, 4, 2, True)
+
+
+def test_tma_check_of_a_block():
+    """`tma_ok_block` answers as `tma_ok` over the block's K and V (no TMA off CUDA; a strided block falls back)."""
+    rt = pytest.importorskip("parallel.kernels.ring_attention_triton")
+    block = torch.randn(2, 8, 2, 16)
+    assert rt.tma_ok_block(block) is False and rt.tma_ok_block(block[:, ::2]) == rt.tma_ok(block[0, ::2], block[1, ::2])
