@@ -9,6 +9,7 @@ the GPU), the host microseconds of
   setup        `_RingSteps(...)`: the cached plan, the accumulators (setup_plan0: and the first launch's
                `StepLaunch`, kept in the plan after the first call)
   first        `_RingSteps(...)` and `step(0, own block)`: the host time from the call to the first kernel issued
+               (plan: `_ring_plan`'s lookup; alloc: the accumulators; run0: the first launch's `StepLaunch.run`)
   step i       `steps.step(i, block)`: the launch as the ring issues it (a planned `StepLaunch` run)
   ring_step    the same launch through `ring_step` (checks and argument set-up on every call, as before plans)
   jit          the bare Triton launch `_ring_kernel[grid](...)` with the step's arguments ready (Triton's own path)
@@ -37,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from parallel.kernels import ring_attention_triton as rt  # noqa: E402
-from parallel.ring_attention import _RingSteps, ring_rank_attention, split_for_ranks  # noqa: E402
+from parallel.ring_attention import _RingSteps, _ring_plan, ring_rank_attention, split_for_ranks  # noqa: E402
 from workers.sp_plan import owned_positions  # noqa: E402
 
 
@@ -117,6 +118,13 @@ def one_sp(n: int, sp: int, config: str | None, iters: int, q, k, v) -> dict:
     res = {"sp": sp, "setup": host_us(make, iters), "setup_plan0": host_us(lambda: make()._launch(0), iters),
            "first": host_us(lambda: make().step(0, blocks[0]), iters)}
     steps = make()
+    # The first launch's pieces: the plan's lookup, the accumulators' allocation, the launch itself (K/V descriptors,
+    # the handle's key, Triton's launcher).
+    res["plan"] = host_us(lambda: _ring_plan(qs[0], blocks[0], shards[0], [shards[s] for s in srcs], config), iters)
+    res["alloc"] = host_us(lambda: (torch.empty(steps.acc[0].shape, dtype=steps.acc[0].dtype, device="cuda"),
+                                    torch.empty(steps.acc[1].shape, dtype=torch.float32, device="cuda")), iters)
+    k0, v0 = blocks[0][0], blocks[0][1]
+    res["run0"] = host_us(lambda: steps._launch(0).run(k0, v0, steps.q, steps.acc, steps.out), iters)
     last = steps.n_launch - 1
     for i, src in enumerate(srcs):  # each step's own call, on a ring set up once (its launches repeat)
         res[f"step{i}"] = host_us(lambda: step_again(steps, i, blocks, srcs), iters)
@@ -177,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     k, v = (torch.randn(a.tokens, 8, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     rows = [one_sp(a.tokens, int(sp), a.config, a.iters, q, k, v) for sp in a.sp.split(",") if sp]
     print(f"{torch.cuda.get_device_name()}: host us per call, rank 0, {a.tokens} tokens, config "
-          f"{a.config or rt.CONFIGS[128][0]} (median of {a.iters}; a spin kernel queued first)")
+          f"{a.config or 'default (by SP size: default_config)'} (median of {a.iters}; a spin kernel queued first)")
     for r in rows:
         print("  " + "  ".join(f"{key} {val:.1f}" if isinstance(val, float) else f"{key} {val}"
                                for key, val in r.items()))
