@@ -416,8 +416,10 @@ class _RingSteps:
     kv_shards[i] and merges it exactly into the result.
 
     Triton: one launch per step for the whole ragged batch, from tile tables made before the first launch
-    and cached on the shards (every layer of a forward reuses them), each launch's arguments planned once at
-    its first call (`StepLaunch`, while the GPU runs the step before); a step the kernel's split-K rule splits
+    and cached on the shards (every layer of a forward reuses them), each launch's arguments planned once per plan
+    at its first use (`StepLaunch`, kept in the plan; later calls only run it with their tensors) and, for short
+    chunks, the accumulators kept there too (`KEEP_ACC_TOKENS`): the host's time to a call's first kernel is the
+    plan's lookup and that launch; a step the kernel's split-K rule splits
     (`split_counts`, or the config's split=N) adds the launch that merges its pieces, and the steps share
     one scratch for the pieces' partials. The first step writes the fp32
     accumulators (its table covers every query row: no zero fill), middle steps merge into them, the last
@@ -449,8 +451,8 @@ class _RingSteps:
         if self.fused or self.hybrid:
             self.pending = []  # the blocks to scatter, as their steps come (`step`)
         if self.n_launch > 1:
-            self.acc = (torch.empty(q.shape, dtype=plan.acc_dtype, device=q.device),
-                        torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
+            self.acc = plan.acc or (torch.empty(q.shape, dtype=plan.acc_dtype, device=q.device),
+                                    torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
         # Each launch's `StepLaunch` is made at its first use in the first call with this plan and kept in the plan
         # (released: it holds no call's tensors), so later calls (every layer of a forward, every forward of these
         # shards) plan nothing; this call's list, so a caller may swap one in (scripts/bench_ring_launch.py).
@@ -551,6 +553,16 @@ class _RingPlan:
     specs: list  # per launch (load_prev, store_acc, writes the output, head groups (first, count) or None: all)
     hybrid: bool  # RingConfig.hybrid (SP = 2): launches [own block, some groups], [all keys, the rest], [other, some]
     launches: list  # per launch its `StepLaunch` (released), made at its first use (`_RingSteps._launch`), or None
+    acc: tuple | None  # the accumulators every call shares (short chunks, `KEEP_ACC_TOKENS`), else None: per call
+
+
+# Up to this many query rows per rank the plan keeps the ring's accumulators (fp32, 4 x Hq x D bytes a row: 128 MiB at
+# 8K rows of 32 x 128) and every call with it (every layer of a forward) writes them again, as it does the split
+# scratch: at 16K tokens a rank's first launch is ~1 ms of GPU time and the host's time before it counts in full
+# (two allocations of ~5-10 us each on an H100 host). The calls share one stream (a forward's), so one call's steps
+# end before the next call's first step overwrites them. Longer chunks allocate per call: held across a forward,
+# their accumulators (512 MiB at 32K rows) would sit beside every other layer's activations.
+KEEP_ACC_TOKENS = 8192
 
 
 def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, kv_shards: list[TokenShard],
@@ -606,8 +618,12 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
     partials = kernels.partial_buffers(slots, n_groups, config, q.shape[-1], q.device) if slots else None
     # acc16: the running output in q's 16-bit dtype (half the traffic of the steps' merges), LSE fp32.
     acc_dtype = q.dtype if config.acc16 and q.element_size() == 2 else torch.float32
+    acc = None
+    if len(launches) > 1 and q.shape[0] <= KEEP_ACC_TOKENS:
+        acc = (torch.empty(q.shape, dtype=acc_dtype, device=q.device),
+               torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
     plan = _RingPlan(config, tma, hkv, fused, f0, dst, fused_tokens, len(launches), q_pos, k_pos, tables, partials,
-                     [shard.num_tokens for shard in launches], acc_dtype, specs, hybrid, [None] * len(launches))
+                     [shard.num_tokens for shard in launches], acc_dtype, specs, hybrid, [None] * len(launches), acc)
     q_shard._tables[key] = (list(kv_shards), plan)
     return plan
 

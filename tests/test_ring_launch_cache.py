@@ -1,8 +1,8 @@
 """The ring's host path (parallel/ring_attention.py `_RingSteps`, parallel/kernels/ring_attention_triton.py
-`StepLaunch`): each launch planned once per ring plan and kept there without any call's tensors, later calls run
-with their own queries, accumulators and output; repeated launches through the compiled kernel's handle, keyed by
-what Triton specialises on; the first launch issued before what later launches need is made; the defaults by SP
-size. The kernels run in Triton's interpreter (a subprocess); the handle path, which needs a compiled kernel, runs
+`StepLaunch`): each launch planned once per ring plan and kept there without any call's tensors (a short chunk's
+accumulators kept there too), later calls run with their own queries, K/V and output; repeated launches through the
+compiled kernel's handle, keyed by what Triton specialises on; the first launch issued before what later launches
+need is made; the defaults by SP size. The kernels run in Triton's interpreter (a subprocess); the handle path, which needs a compiled kernel, runs
 against a stand-in kernel that records its launches."""
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import gc
 import weakref
 
 import torch
+from parallel import ring_attention as ra
 from parallel.ring_attention import _RingSteps, attention_with_lse, ring_rank_attention, split_for_ranks
 from workers.sp_plan import owned_positions
 
@@ -47,9 +48,10 @@ for sp, cfg in ((2, "32,16,4,1,pack"), (2, "16,16,4,1,pack,hybrid,oneloop"), (4,
         for li, (qs, blocks, _) in enumerate(parts):
             srcs = [(r - s) % sp for s in range(sp)]
             steps = _RingSteps(qs[r], blocks[r], shards[r], [shards[s] for s in srcs], S, None, True, cfg)
-            if li == 1:  # planned by the first layer: the same launch objects, released
+            if li == 1:  # planned by the first layer: the same launch objects, released, and accumulators
                 assert steps.plan is plans[0] and all(x is not None for x in steps.launches), (sp, cfg, r)
                 assert [id(x) for x in steps.launches] == [id(x) for x in plans[0].launches]
+                assert steps.acc is steps.plan.acc is not None  # a short chunk's: kept in the plan
             for s, src in enumerate(srcs):
                 steps.step(s, blocks[src])
             outs.append(steps.result())
@@ -69,6 +71,23 @@ for sp, cfg in ((2, "32,16,4,1,pack"), (2, "16,16,4,1,pack,hybrid,oneloop"), (4,
         del q_probe, again
         gc.collect()
         assert ref() is None, (sp, cfg, r)
+
+# Longer chunks than KEEP_ACC_TOKENS: the accumulators are each call's own (none kept in the plan), results the same.
+ra.KEEP_ACC_TOKENS = 8
+for sp, cfg in ((2, "32,16,4,1,pack"), (4, "16,16,4,1,fuse,batchcopy")):
+    n = 45
+    positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
+    for _ in range(2):
+        q, k, v = (torch.randn(n, h, D) for h in (4, 2, 2))
+        qs, blocks, shards = split_for_ranks(q, k, v, positions)
+        srcs = [(1 - s) % sp for s in range(sp)]
+        steps = _RingSteps(qs[1], blocks[1], shards[1], [shards[s] for s in srcs], S, None, True, cfg)
+        assert steps.plan.acc is None and steps.acc is not None
+        for s, src in enumerate(srcs):
+            steps.step(s, blocks[src])
+        torch.testing.assert_close(steps.result(), causal(q, k, v)[positions[1]], rtol=1e-5, atol=1e-5)
+        checked += 1
+ra.KEEP_ACC_TOKENS = 8192
 
 # A ring's first launch comes before its output or fused buffer is made (they are made at the launch that needs
 # them): after step 0 of a two-launch ring, no output yet.
@@ -92,7 +111,7 @@ print("ok", checked)
 
 def test_launches_planned_once_per_plan_in_the_triton_interpreter():
     out = run_interpreted(REUSE_SCRIPT)
-    assert out.strip().split()[-2:] == ["ok", str(2 * (2 + 2 + 4 + 4 + 3 + 2 + 4) + 3)], out[-800:]
+    assert out.strip().split()[-2:] == ["ok", str(2 * (2 + 2 + 4 + 4 + 3 + 2 + 4) + 2 * 2 + 3)], out[-800:]
 
 
 class _Compiled:
@@ -192,3 +211,30 @@ def test_tma_check_of_a_block():
     rt = pytest.importorskip("parallel.kernels.ring_attention_triton")
     block = torch.randn(2, 8, 2, 16)
     assert rt.tma_ok_block(block) is False and rt.tma_ok_block(block[:, ::2]) == rt.tma_ok(block[0, ::2], block[1, ::2])
+
+
+def test_scatter_launches_through_the_kept_kernel(monkeypatch):
+    """`scatter_blocks` (a fused or hybrid ring's copy between two attention launches): the first launch of a
+    specialisation through the JIT, later ones through the kept kernel with the same arguments and BLOCK; another
+    alignment of a source through the JIT again; TANDEM_RING_DIRECT=0 always the JIT."""
+    rt = pytest.importorskip("parallel.kernels.ring_attention_triton")
+    from parallel.kernels.direct_launch import Handles
+
+    jit = _Jit()
+    monkeypatch.setattr(rt, "_scatter_kernel", jit)
+    monkeypatch.setattr(rt, "direct_launch_ok", lambda device: rt.os.environ.get(rt.DIRECT_ENV) != "0")
+    monkeypatch.setattr(rt, "_SCATTER_HANDLES", Handles())
+    monkeypatch.delenv(rt.DIRECT_ENV, raising=False)
+    buf = torch.zeros(2, 12, 2, 16)
+    blocks = [torch.randn(2, 4, 2, 16) for _ in range(3)]
+    runs = [(1, torch.arange(4) * 3 + j) for j in range(3)]
+    for _ in range(3):
+        rt.scatter_blocks(buf, blocks, runs)
+    n_args = jit.log[0][2]
+    assert jit.log == [("jit", (4, 6, 1), n_args)] + [("handle", (4, 6, 1), n_args + 1)] * 2, jit.log
+    jit.log.clear()
+    odd = torch.randn(2 * 4 * 2 * 16 + 2)[2:].view(2, 4, 2, 16)  # 8 bytes off 16-byte alignment
+    rt.scatter_blocks(buf, [odd] + blocks[1:], runs)
+    monkeypatch.setenv(rt.DIRECT_ENV, "0")
+    rt.scatter_blocks(buf, blocks, runs)
+    assert [e[0] for e in jit.log] == ["jit", "jit"], jit.log

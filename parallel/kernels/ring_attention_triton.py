@@ -59,6 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
+from parallel.kernels.direct_launch import Handles, int_kind
+
 try:  # TMA descriptors (Triton >= 3.4, Hopper and newer)
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
 except ImportError:
@@ -205,10 +207,11 @@ CONFIGS: dict[int, tuple[RingConfig, RingConfig]] = {
 }
 
 
-def default_config(tq: int, head_dim: int, element_size: int, tma: bool) -> RingConfig:
-    """The config for `tq` query rows: TANDEM_RING_KERNEL if set, else `CONFIGS` (16-bit floats, D <= 128,
-    >= 128 rows), else fp32 (two stages: three would not fit in shared memory) or short chunks; `fuse` on where
-    the rank's queries are at most FUSE_MAX_TOKENS (it applies from SP=3 on)."""
+def default_config(tq: int, head_dim: int, element_size: int, tma: bool, ranks: int | None = None) -> RingConfig:
+    """The config for `tq` query rows of a ring over `ranks` blocks (None: not known): TANDEM_RING_KERNEL if set,
+    else `CONFIGS` (16-bit floats, D <= 128, >= 128 rows), else fp32 (two stages: three would not fit in shared
+    memory) or short chunks; `fuse` on where the rank's queries are at most FUSE_MAX_TOKENS (it applies from SP=3 on),
+    with `batchcopy` at SP=4; `hybrid` and `oneloop` at SP=2 up to HYBRID_MAX_TOKENS."""
     env = os.environ.get(ENV)
     if env:
         return parse_config(env)
@@ -218,7 +221,11 @@ def default_config(tq: int, head_dim: int, element_size: int, tma: bool) -> Ring
         config = RingConfig(128, 64, 8, 2)
     else:
         config = RingConfig(max(16, min(64, triton.next_power_of_2(max(tq, 1)))), 64, 4, 2)
-    return dataclasses.replace(config, fuse=True) if tq <= FUSE_MAX_TOKENS else config
+    if tq <= FUSE_MAX_TOKENS:
+        config = dataclasses.replace(config, fuse=True, batchcopy=ranks == 4)
+    if ranks == 2 and tq <= HYBRID_MAX_TOKENS:
+        config = dataclasses.replace(config, hybrid=True, oneloop=True)
+    return config
 
 
 # RingConfig.hybrid: the share of head groups the first step (own block only) takes; at 16K tokens SP=2 that is ~0.26 ms
@@ -232,6 +239,11 @@ HYBRID_SHARE = 4
 # earlier session, not remeasured since: the default stops at the chunk measured here. Fused, a rank holds every
 # other rank's K/V block at once (O(sequence) K/V for the layer's attention, not two blocks).
 FUSE_MAX_TOKENS = 4096
+# `batchcopy` with `fuse` by default at SP=4 only, and `hybrid` with `oneloop` at SP=2 for chunks up to this many query
+# rows: what one H100 measured (2026-11-27, 16K tokens; docs/bench_data/2026-11-27n-h100): each rank's ring timed alone
+# 0.358x of SP=1 fused with batchcopy against 0.390x fused, and 0.573x hybrid,oneloop against 0.609x in two steps
+# (0.539x / 0.572x streamed). 64K at SP=2 (32K per rank) keeps the two steps: hybrid was not measured there.
+HYBRID_MAX_TOKENS = 8192
 
 
 @triton.jit
@@ -522,8 +534,25 @@ def scatter_blocks(buf: torch.Tensor, blocks: list[torch.Tensor], runs: list[tup
             counts.append(0)
         words = [w for _, _, w in part]
         grid = (max(counts), 2 * SCATTER_SOURCES, triton.cdiv(max(words), SCATTER_BLOCK))
-        _scatter_kernel[grid](dst, *(b for b, _, _ in part), *(idx for _, idx, _ in part), *counts, *words,
-                              dst.stride(0), *(b.stride(0) for b, _, _ in part), BLOCK=SCATTER_BLOCK)
+        args = (dst, *(b for b, _, _ in part), *(idx for _, idx, _ in part), *counts, *words, dst.stride(0),
+                *(b.stride(0) for b, _, _ in part))
+        _SCATTER_HANDLES.launch(_scatter_key(args), lambda: _scatter_kernel[grid](*args, BLOCK=SCATTER_BLOCK), grid,
+                                args, (SCATTER_BLOCK,))
+
+
+# `scatter_blocks`' launches after the first of a specialisation go through the compiled kernel (as the ring's steps,
+# `direct_launch_ok`): a fused or hybrid ring issues it between two attention launches, while the GPU runs the first.
+_SCATTER_HANDLES = Handles()
+
+
+def _scatter_key(args: tuple) -> tuple | None:
+    """What Triton specialises `_scatter_kernel` on: the device, the seven pointers' dtypes and 16-byte alignment, and
+    the integers' types (none is specialised on its value: do_not_specialize); None where handles are off."""
+    ptrs = args[:7]
+    if not direct_launch_ok(ptrs[0].device):
+        return None
+    return (ptrs[0].device.index, tuple(t.dtype for t in ptrs), tuple(t.data_ptr() % 16 == 0 for t in ptrs),
+            tuple(int_kind(v) for v in args[7:]))
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -545,6 +574,17 @@ def tma_ok(k: torch.Tensor, v: torch.Tensor) -> bool:
     if _TensorDescriptor is None or not k.is_cuda or _capability(k.device)[0] < 9:
         return False
     return all(x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0 for x in (k, v))
+
+
+def tma_ok_block(block: torch.Tensor) -> bool:
+    """`tma_ok(block[0], block[1])` for a K/V block [2, Tk, Hkv, D] without making the two views where it is
+    contiguous (a ring checks every block it attends): K's and V's row strides are then Hkv * D values and V starts
+    Tk rows after K, so one alignment check of the base and of a row covers both."""
+    if not block.is_contiguous() or block.dim() != 4:
+        return tma_ok(block[0], block[1])
+    if _TensorDescriptor is None or not block.is_cuda or _capability(block.device)[0] < 9:
+        return False
+    return block.data_ptr() % 16 == 0 and block.shape[2] * block.shape[3] * block.element_size() % 16 == 0
 
 
 def pdl_ok(device: torch.device) -> bool:
@@ -721,50 +761,62 @@ def ring_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t
 
 # The ring kernel's constexpr parameters in signature order (upper-case names), after its runtime ones.
 _CONSTEXPRS = ("GQA", "HP", "D", "BLOCK_M", "BLOCK_N", "TMA", "IEEE", "SPLIT", "EARLY", "PDL", "ONELOOP")
-DIRECT_ENV = "TANDEM_RING_DIRECT"  # "1": repeated launches through the compiled kernel's handle (`_Handle`)
-_HANDLES: dict = {}
+DIRECT_ENV = "TANDEM_RING_DIRECT"  # "0": every launch through Triton's JIT path; else repeats through the handle
+_HANDLES: dict = {}  # the compiled kernels (`CompiledKernel`) by everything Triton specialises a launch on, or more
 MAX_HANDLES = 4096
 
 
 def direct_launch_ok(device: torch.device) -> bool:
-    """Whether a ring launch may reuse the compiled kernel's handle: TANDEM_RING_DIRECT=1, on CUDA, not under the
-    interpreter. Off by default: the handle call itself was checked on a GPU (bench_ring_launch.py, bitwise), this
-    use of it from `StepLaunch` not yet."""
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get(DIRECT_ENV) == "1"
+    """Whether a ring launch may reuse the compiled kernel's handle: on CUDA, not under the interpreter, unless
+    TANDEM_RING_DIRECT=0. On by default: on an H100 (2026-11-27) rings launched through handles were bitwise the JIT
+    path's (tests/gpu/test_ring_attention_triton.py, bench_ring_launch.py's handle_exact) and the launch cost the host
+    47 us against 65 us (16K tokens, SP=2)."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get(DIRECT_ENV) != "0"
 
 
-class _Handle:
-    """A compiled ring kernel called directly (`CompiledKernel[grid](*args)`): no argument binding, specialisation
-    or cache lookup, which cost 10-25 us of the host per launch on an H100 host (scripts/bench_ring_launch.py:
-    39-57 us through the JIT path, 29 us so, bitwise the same output). Its arguments are the kernel's in signature
-    order with the constexprs, or, where a Triton's launcher wants only the runtime ones, without (`form`, found
-    at the first call: a wrong count is a TypeError before anything launches)."""
+class _Runner:
+    """A compiled ring kernel's launcher for one grid (`CompiledKernel[grid]`, made once: it reads the current stream
+    at each call, so nothing in it goes stale), and the argument form its Triton wants: the kernel's arguments in
+    signature order with the constexprs, or only the runtime ones (found at the first call: a wrong count is a
+    TypeError before anything launches)."""
 
-    def __init__(self, kernel):
-        self.kernel, self.with_constexprs = kernel, None
+    __slots__ = ("run", "with_constexprs")
 
-    def launch(self, grid: tuple[int], args: tuple, const: tuple) -> None:
-        run = self.kernel[(grid[0], 1, 1)]  # the runner reads grid[0], grid[1] and grid[2]
+    def __init__(self, kernel, grid: tuple[int, ...]):
+        self.run = kernel[(grid[0], 1, 1)]  # the runner reads grid[0], grid[1] and grid[2]
+        self.with_constexprs: bool | None = None
+
+    def __call__(self, args: tuple, const: tuple) -> None:
         if self.with_constexprs is None:
             try:
-                run(*args, *const)
+                self.run(*args, *const)
                 self.with_constexprs = True
             except TypeError:
-                run(*args)
+                self.run(*args)
                 self.with_constexprs = False
         elif self.with_constexprs:
-            run(*args, *const)
+            self.run(*args, *const)
         else:
-            run(*args)
+            self.run(*args)
+
+
+@functools.lru_cache(maxsize=None)
+def _stand_in(device: torch.device) -> torch.Tensor:
+    """A one-value fp32 tensor for pointer arguments a launch never reads nor writes (the split scratch of an unsplit
+    step, the accumulators of a ring of one): a plan kept across calls then holds no call's tensors."""
+    return torch.empty(1, 1, 1, dtype=torch.float32, device=device)
 
 
 class StepLaunch:
-    """One ring step's launch(es) with everything but its K/V worked out once: the kernel's arguments, constexprs,
-    grid and launch options, from what `ring_step` takes (its docstring) less K/V's data: `tk` keys of `hkv` heads,
-    and `tma` (whether K/V are read by TMA; the caller checked `tma_ok`). Calling it with k/v [tk, Hkv, D] (rows
-    of Hkv * D packed values, as `supported` wants) launches: what a ring step costs the host is then the K/V
-    descriptors and Triton's own launch path (`_RingSteps` makes each of its launches' at that launch's first
-    use, while the GPU runs the launch before it)."""
+    """One ring step's launch(es) with everything worked out once but its tensors: the kernel's arguments, constexprs,
+    grid and launch options, from what `ring_step` takes (its docstring): `tk` keys of `hkv` heads, and `tma`
+    (whether K/V are read by TMA; the caller checked `tma_ok`). `run(k, v, q, acc, out)` launches over k/v [tk, Hkv, D]
+    (rows of Hkv * D packed values, as `supported` wants) with this call's queries, accumulators and output, which
+    must have the shapes, strides and dtypes of those it was planned with (`_RingSteps` keeps its launches in the
+    ring's cached plan, `release`d, and allocates the accumulators and output the same way at every call);
+    calling it with k/v alone runs with those it was planned with. On CUDA a launch after the first with the same
+    specialisation goes through the compiled kernel (`_Runner`, `direct_launch_ok`): what a planned step then costs
+    the host is the K/V descriptors and Triton's launcher."""
 
     def __init__(self, q: torch.Tensor, tk: int, hkv: int, scale: float, tiles: torch.Tensor,
                  q_pos: torch.Tensor | None, k_pos: torch.Tensor | None, config: RingConfig,
@@ -774,6 +826,7 @@ class StepLaunch:
                  groups: tuple[int, int] | None = None):
         tq, hq, d = q.shape
         self.tk, self.hkv, self.d, self.block_n, self.dtype = tk, hkv, d, config.block_n, q.dtype
+        self.q, self.acc, self.out = q, acc, out
         self.empty = tq == 0 or tiles.shape[0] == 0
         if self.empty:
             return
@@ -785,12 +838,13 @@ class StepLaunch:
         self.tma = tk > 0 and tma
         hp = config.heads_per_program(hq // hkv)
         self.no_keys = q.new_empty((1, hkv, d)) if tk == 0 else None  # no tile loads any, but pointers of q's dtype
-        if acc is None:  # never read nor written: fp32 stand-ins, so the kernel compiled for the ring serves too
-            dummy = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
-            acc = (dummy.expand(1, 1, 1), dummy.view(1, 1))
-        acc_o, acc_l = acc
+        stand = _stand_in(q.device)
+        # Never read nor written without accumulators: fp32 stand-ins, so the kernel compiled for the ring serves too.
+        self.stand_acc = (stand, stand.view(1, 1))
+        acc_o, acc_l = acc if acc is not None else self.stand_acc
+        self.writes_out = out is not None
         fin = out if out is not None else acc_o
-        part_o, part_l = partials if split else (acc_l, acc_l)  # fp32 stand-ins, never written without a split
+        part_o, part_l = partials if split else (stand.view(1, 1), stand.view(1))  # never written without a split
         q_pos = tiles if q_pos is None else q_pos  # int32 stand-ins, never read
         k_pos = tiles if k_pos is None else k_pos
         n_groups = hq // hp
@@ -801,65 +855,106 @@ class StepLaunch:
                 raise ValueError("ring_step: a launch over some head groups cannot be split")
         flags = (int(load_prev), int(store_acc), int(out is not None))
         strides = (acc_o.stride(0), acc_o.stride(1), acc_l.stride(0), acc_l.stride(1), fin.stride(0), fin.stride(1))
+        self._plan_launch(q, config, split, load_prev, chained, hp, d, hq, hkv)
+        # The arguments around q, K/V's five (k, v, their descriptors; k/v's row strides after `post`) and the
+        # accumulators and output: `args`.
+        self.pre = (q_pos, k_pos, tiles)
+        self.post = (part_o, part_l, scale * _LOG2E, n_groups, hg0, *flags, q.stride(0), q.stride(1))
+        self.tail = strides
+        self.grid = (n_groups * tiles.shape[0],)
+        self.const = tuple(self.kw[name] for name in _CONSTEXPRS)
+        # The compiled kernel's handle (`_HANDLES`), keyed by every value Triton specialises on (or more): dtypes,
+        # the integer arguments themselves, pointer alignments, the constexprs and launch options; q's and K/V's
+        # alignment and K/V's row strides at each launch (`run`). The accumulators' and output's alignment is the
+        # planned one's: `run` takes them from the caller that planned it (`_RingSteps`: torch.empty's, always
+        # 16-byte aligned), while q and K/V may be any views.
+        self.static_key = None
+        self._runners: dict = {}
+        if direct_launch_ok(q.device):
+            tensors = (*self.pre, acc_o, acc_l, fin, part_o, part_l)
+            self.static_key = (q.device.index, tuple(self.kw.items()), q.dtype, tuple(t.dtype for t in tensors),
+                               tuple(t.data_ptr() % 16 == 0 for t in tensors), self.post[2:], self.tail, tk, hkv, d)
+        self.merge = merge if split else None
+        if split:  # the split rows' pieces, merged and finished as an unsplit row would have been
+            self.merge_grid = (n_groups * merge.shape[0],)
+            self.merge_parts = (merge, part_o, part_l)
+            self.merge_post = (n_groups, *flags, *strides)
+            self.merge_kw = dict(HP=hp, D=d, BLOCK_M=config.block_m, SUB=min(config.block_m, max(16, 4096 // d)),
+                                 num_warps=8)
+
+    def _plan_launch(self, q: torch.Tensor, config: RingConfig, split: bool, load_prev: bool, chained: bool, hp: int,
+                     d: int, hq: int, hkv: int) -> None:
+        """The constexprs and launch options (`kw`)."""
         # PDL: one compile for every step of the ring (a launch without it makes the kernel's PDL calls no-ops);
         # only a step that merges (load_prev: its predecessor is this ring's own step) launches programmatically,
         # never a split one (its pieces reuse the scratch its predecessor's merge read).
         pdl = config.pdl and not split and pdl_ok(q.device)
-        # The arguments before and after K/V's five (k, v, their descriptors, and k/v's row strides at the end).
-        self.head = (q,)
-        self.mid = (q_pos, k_pos, tiles, acc_o, acc_l, fin, part_o, part_l, scale * _LOG2E, n_groups, hg0, *flags,
-                    q.stride(0), q.stride(1))
-        self.tail = strides
-        self.grid = (n_groups * tiles.shape[0],)
         self.kw = dict(GQA=hq // hkv, HP=hp, D=d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA=self.tma,
                        IEEE=q.dtype == torch.float32, SPLIT=split, EARLY=config.early, PDL=pdl, ONELOOP=config.oneloop,
                        num_warps=config.num_warps, num_stages=config.num_stages)
         if pdl and load_prev and chained:
             self.kw["launch_pdl"] = True
-        # The compiled kernel's handle (`_HANDLES`), keyed by every value Triton specialises on (or more): dtypes,
-        # the integer arguments themselves, pointer alignments, the constexprs and launch options; K/V's at launch.
-        self.const = tuple(self.kw[name] for name in _CONSTEXPRS)
-        self.static_key = None
-        if direct_launch_ok(q.device):
-            tensors = (*self.head, *self.mid[:8])
-            self.static_key = (q.device.index, tuple(self.kw.items()), tuple(t.dtype for t in tensors),
-                               tuple(t.data_ptr() % 16 == 0 for t in tensors), self.mid[9:], self.tail, tk, hkv, d)
-        self.merge_args = None
-        if split:  # the split rows' pieces, merged and finished as an unsplit row would have been
-            self.merge_grid = (n_groups * merge.shape[0],)
-            self.merge_args = (merge, part_o, part_l, acc_o, acc_l, fin, n_groups, *flags, *strides)
-            self.merge_kw = dict(HP=hp, D=d, BLOCK_M=config.block_m, SUB=min(config.block_m, max(16, 4096 // d)),
-                                 num_warps=8)
+
+    def release(self) -> "StepLaunch":
+        """Forget the tensors it was planned with (kept in a cache across calls, it must not hold a call's memory);
+        `run` still takes a call's own."""
+        self.q = self.acc = self.out = None
+        return self
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.empty:
-            return
-        if k.shape != (self.tk, self.hkv, self.d) or v.shape != k.shape or k.dtype != self.dtype or v.dtype != k.dtype \
-                or k.stride(1) != self.d or v.stride(1) != self.d or k.stride(2) != 1 or v.stride(2) != 1:
-            raise ValueError(f"this step was planned for k/v [{self.tk}, {self.hkv}, {self.d}] {self.dtype} with "
-                             f"packed heads, got {tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}")
-        if self.no_keys is not None:
-            k = v = self.no_keys
+        if not self.empty and self.q is None:
+            raise ValueError("a released StepLaunch runs with a call's tensors: run(k, v, q, acc, out)")
+        self.run(k, v, self.q, self.acc, self.out)
+
+    def args(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
+             acc: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor | None) -> tuple:
+        """The kernel's runtime arguments in signature order for this call's tensors (k/v already checked)."""
+        acc_o, acc_l = acc if acc is not None else self.stand_acc
         k_desc = v_desc = None
         if self.tma:  # 2-D views [Tk, Hkv * D] with their row strides: one box is one head's BLOCK_N rows
             k_desc = _TensorDescriptor(k, [self.tk, self.hkv * self.d], [k.stride(0), 1], [self.block_n, self.d])
             v_desc = _TensorDescriptor(v, [self.tk, self.hkv * self.d], [v.stride(0), 1], [self.block_n, self.d])
-        args = (*self.head, k, v, k_desc, v_desc, *self.mid, k.stride(0), v.stride(0), *self.tail)
-        key = None
-        if self.static_key is not None:
-            key = (self.static_key, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, k.stride(0), v.stride(0))
-            hit = _HANDLES.get(key)
-            if hit is not None:
-                hit.launch(self.grid, args, self.const)
-                key = None
-        if key is not None or self.static_key is None:
-            kernel = _ring_kernel[self.grid](*args, **self.kw)
-            if key is not None and hasattr(kernel, "run") and hasattr(kernel, "__getitem__"):
-                if len(_HANDLES) >= MAX_HANDLES:  # keys follow the shapes (a server sees many prompt lengths)
-                    _HANDLES.clear()
-                _HANDLES[key] = _Handle(kernel)
-        if self.merge_args is not None:
-            _merge_kernel[self.merge_grid](*self.merge_args, **self.merge_kw)
+        return (q, k, v, k_desc, v_desc, *self.pre, acc_o, acc_l, out if self.writes_out else acc_o, *self.post,
+                k.stride(0), v.stride(0), *self.tail)
+
+    def run(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, acc: tuple[torch.Tensor, torch.Tensor] | None,
+            out: torch.Tensor | None) -> None:
+        """Launch over k/v with this call's q, accumulators and output (see the class docstring)."""
+        if self.empty:
+            return
+        if k.shape != (self.tk, self.hkv, self.d) or v.shape != k.shape or k.dtype != self.dtype or v.dtype != k.dtype \
+                or k.stride()[1:] != (self.d, 1) or v.stride()[1:] != (self.d, 1):
+            raise ValueError(f"this step was planned for k/v [{self.tk}, {self.hkv}, {self.d}] {self.dtype} with "
+                             f"packed heads, got {tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}")
+        if self.no_keys is not None:
+            k = v = self.no_keys
+        args = self.args(k, v, q, acc, out)
+        if self.static_key is None:
+            _ring_kernel[self.grid](*args, **self.kw)
+        else:
+            self._direct(args)
+        if self.merge is not None:
+            acc_o, acc_l = acc if acc is not None else self.stand_acc
+            _merge_kernel[self.merge_grid](*self.merge_parts, acc_o, acc_l, out if self.writes_out else acc_o,
+                                           *self.merge_post, **self.merge_kw)
+
+    def _direct(self, args: tuple) -> None:
+        """The launch through the compiled kernel kept for this specialisation, else through the JIT (keeping it)."""
+        q, k, v = args[0], args[1], args[2]
+        dyn = (q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, k.stride(0), v.stride(0))
+        runner = self._runners.get(dyn)
+        if runner is None:
+            key = (self.static_key, dyn)
+            kernel = _HANDLES.get(key)
+            if kernel is None:
+                kernel = _ring_kernel[self.grid](*args, **self.kw)
+                if hasattr(kernel, "run") and hasattr(kernel, "__getitem__"):
+                    if len(_HANDLES) >= MAX_HANDLES:  # keys follow the shapes (a server sees many prompt lengths)
+                        _HANDLES.clear()
+                    _HANDLES[key] = kernel
+                return
+            runner = self._runners[dyn] = _Runner(kernel, self.grid)
+        runner(args, self.const)
 
 
 def _launch(q, k, v, scale, q_pos, k_pos, out, lse, merge: bool, tiles, tma) -> None:
