@@ -95,14 +95,16 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather:
     """gather: dst[:, :, i] = src[:, :, index[i]]; else dst[:, :, index[i]] = src[:, :, i]. src and dst: the same
     dtype, shapes equal except dim 2, each row (dims 3 on) contiguous; index: int64 block ids on their device.
     programs: at most this many programs (None: MAX_PROGRAMS; 0: no cap)."""
-    layers, kv = src.shape[0], src.shape[1]
+    shape, dst_shape = src.shape, dst.shape
+    layers, kv = shape[0], shape[1]
     if kv != 2:
         raise ValueError(f"copy_rows: dim 1 is K and V (2), not {kv}")
-    if src.dtype != dst.dtype or src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:]:
-        raise ValueError(f"copy_rows: {tuple(src.shape)} {src.dtype} and {tuple(dst.shape)} {dst.dtype} do not match")
-    if not (rows_contiguous(src) and rows_contiguous(dst)):
+    if src.dtype != dst.dtype or shape[:2] != dst_shape[:2] or shape[3:] != dst_shape[3:]:
+        raise ValueError(f"copy_rows: {tuple(shape)} {src.dtype} and {tuple(dst_shape)} {dst.dtype} do not match")
+    # A contiguous tensor's rows are (the flag is kept by torch: no stride walk on a handoff's critical path).
+    if not ((src.is_contiguous() or rows_contiguous(src)) and (dst.is_contiguous() or rows_contiguous(dst))):
         raise ValueError("copy_rows: a block's row must be contiguous on both sides")
-    n, row_words = index.numel(), math.prod(src.shape[3:]) if src.shape[2] else 0
+    n, row_words = index.numel(), math.prod(shape[3:]) if shape[2] else 0
     if n == 0 or layers == 0 or row_words == 0:
         return
     chunks = triton.cdiv(row_words, BLOCK)
