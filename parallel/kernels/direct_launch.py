@@ -7,9 +7,9 @@ That launch returns the `CompiledKernel`; calling it again (`kernel[grid](*args)
 The caller keys the handles it keeps by every value Triton specialises on (or a finer key), so a handle is only
 reused where the JIT would have picked the same compiled kernel: `Handles`.
 
-Used by the KV handoff's row copy (parallel/kernels/block_copy.py); the ring's steps keep their own launcher
-(parallel/kernels/ring_attention_triton.py, `_Runner`), whose first form this is. Never under TRITON_INTERPRET
-(there is no compiled kernel).
+Used by the KV handoff's row copy (parallel/kernels/block_copy.py) and the ring's scatter launches
+(parallel/kernels/ring_attention_triton.py; its attention steps keep a launcher of their own, `_Runner`). Never under
+TRITON_INTERPRET (there is no compiled kernel).
 """
 from __future__ import annotations
 
