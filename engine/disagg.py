@@ -305,7 +305,9 @@ class PrefillReplica:
         drives that), or they are abandoned (by the decode replica or the router, `KVTransferAgent.abandon`: a rank
         whose send of them has begun acks only when that send ends), or the lease ends.
         A cancelled call (the client gone while prefilling) frees them at once."""
+        received = time.time()
         ready = await self._run(request_id, prompt_token_ids, params, priority)
+        ready.output.timeline = {**(ready.output.timeline or {}), "prefill_received": received}
         if ready.finished:
             return ready
         try:
@@ -317,6 +319,7 @@ class PrefillReplica:
         task = asyncio.ensure_future(self._hold(request_id, ready.handoff_id))
         self._holding.add(task)
         task.add_done_callback(self._holding.discard)
+        ready.output.timeline["prefill_returned"] = time.time()
         return ready
 
     async def _run(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

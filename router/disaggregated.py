@@ -156,6 +156,7 @@ class DisaggregatedBackend:
             raise
         self._streams[rid] = stream
         decoder = StreamDecoder()
+        stamps: dict[str, float] = {}
         streamed, finished, retry, abandoned = False, False, False, False
         try:
             try:
@@ -167,7 +168,9 @@ class DisaggregatedBackend:
                 abandoned = True
                 raise BackendUnavailable(f"request {rid}: the decode replica died and no other one is left") from e
             if item == RESERVED_ITEM:
+                stamps["router_reserved"] = time.time()
                 ready = await _answer_or_none(ref)
+                stamps["router_answered"] = time.time()
                 if ready is not None and not ready.finished:
                     streamed = True
                     yield streamable(ready.output)  # token 1, straight from the prefill replica
@@ -178,7 +181,7 @@ class DisaggregatedBackend:
                     streamed = True
                     if out.finished:
                         finished = True
-                        out.timeline = {**(out.timeline or {}), "prefill_called": called}
+                        out.timeline = {**(out.timeline or {}), "prefill_called": called, **stamps}
                     yield out
                 try:
                     item = await anext(stream)

@@ -170,8 +170,10 @@ def replica_label() -> str:
 # A finished request's `RequestOutput.timeline` holds wall-clock stamps (time.time()) from every process it
 # crossed: "arrival" and "first_byte" (this front end), "replica_received", "reserved", "prefill_answered",
 # "kv_queued", "kv_push_start", "kv_push_end" (the decode replica), "kv_send_start", "kv_send_end" (its
-# prefill ranks' sends, which the decode replica hears of), "kv_recv_start", "kv_recv_posted", "kv_recv_end" (its ranks'), "prefill_called" (the router, when it
-# calls the prefill pool itself), "queued", "scheduled", "first_token" (the
+# prefill ranks' sends, which the decode replica hears of), "kv_recv_start", "kv_recv_posted", "kv_recv_end" (its ranks'), "prefill_called",
+# "router_reserved", "router_answered" (the router, when it calls the prefill pool itself: its call, the decode
+# replica's reservation and the prefill answer as it sees them), "prefill_received", "prefill_returned" (that
+# call's entry into and return from the prefill replica's method), "queued", "scheduled", "first_token" (the
 # engine that ran the prompt), "decode_started", "first_decode_step" (the engine that decodes). Each stage is
 # the time between two stamps: (name, start stamps (the first present counts), end stamp). A stage whose
 # stamps are missing did not happen on the request's path (a colocated request has no KV push).
@@ -181,6 +183,10 @@ STAGES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     # the call to the prefill pool, until its engine has it: from the router's call (router-driven prefill, sent
     # with the decode call) or else from the decode replica's reservation
     ("prefill_dispatch", ("prefill_called", "reserved"), "queued"),
+    # router-driven prefill only: the Serve hop from the router's call into the prefill replica's method, and
+    # the unary answer's trip from that method's return to the router, which token 1 waits for
+    ("prefill_hop", ("prefill_called",), "prefill_received"),
+    ("prefill_answer", ("prefill_returned",), "router_answered"),
     ("engine_dispatch", ("replica_received", "arrival"), "queued"),  # colocated/local: until the engine has it
     ("queue", ("queued",), "scheduled"),  # waiting for admission on the engine that prefills
     ("prefill", ("scheduled",), "first_token"),  # prefill compute, to the first sampled token

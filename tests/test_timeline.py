@@ -83,6 +83,10 @@ def test_stages_of_each_site_and_skewed_clocks_clamp_to_zero():
     assert metrics.timeline_site(colocated) == "colocated"
     assert set(metrics.stage_seconds(colocated)) == {"engine_dispatch", "queue", "prefill", "first_decode_step",
                                                      "first_byte"}
+    routed = remote | {"prefill_called": 0.5, "prefill_received": 0.75, "prefill_returned": 4.25, "router_answered": 4.5}
+    routed_stages = metrics.stage_seconds(routed)  # router-driven prefill: its two Serve hops on token 1's path
+    assert routed_stages["prefill_hop"] == 0.25 and routed_stages["prefill_answer"] == 0.25
+    assert "prefill_hop" not in stages and "prefill_answer" not in stages
     skewed = {"queued": 10.0, "scheduled": 9.9}  # a prefill host whose clock runs behind
     assert metrics.stage_seconds(skewed) == {"queue": 0.0}
 
