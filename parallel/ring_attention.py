@@ -37,6 +37,7 @@ causal triangle. RoPE is applied by the caller at the global positions before ca
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -317,9 +318,15 @@ class _RingExchange:
             ops.append(dist.P2POp(dist.irecv, self.recv, group.ranks[(me - 1) % n], group.device_group))
         self.works = dist.batch_isend_irecv(ops) if ops else []
 
-    def wait(self) -> torch.Tensor:
-        for w in self.works:
-            w.wait()
+    def wait(self, stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
+        """The received block, ready on `stream` (None: the current stream) once the GPU gets there."""
+        if stream is None:
+            for w in self.works:
+                w.wait()
+            return self.recv
+        with torch.cuda.stream(stream):
+            for w in self.works:
+                w.wait()
         return self.recv
 
 
@@ -350,7 +357,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_shard: T
             exchange = _RingExchange(group, block, kv_shards[(src - 1) % n].num_tokens)
         steps.step(step, block)
         if exchange is not None:
-            block = exchange.wait()
+            block = exchange.wait(steps.recv_stream())
     return steps.result()
 
 
@@ -366,7 +373,7 @@ def _ring_fused(steps: "_RingSteps", group: Group, block: torch.Tensor, kv_shard
         send = exchanges[-1].recv
     steps.step(0, block)
     for step, exchange in enumerate(exchanges, 1):
-        steps.step(step, exchange.wait())
+        steps.step(step, exchange.wait(steps.recv_stream()))
     return steps.result()
 
 
@@ -434,7 +441,7 @@ class _RingSteps:
     def __init__(self, q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, kv_shards: list[TokenShard],
                  scale: float, tiles: tuple[int, int] | None, use_triton: bool, kernel_config=None):
         self.q, self.q_shard, self.kv_shards, self.scale, self.tiles = q, q_shard, kv_shards, scale, tiles
-        self.n, self.use_triton = len(kv_shards), use_triton
+        self.n, self.use_triton, self.side = len(kv_shards), use_triton, None
         if not use_triton:
             self.acc_out, self.acc_lse = _accumulators(q)
             return
@@ -447,7 +454,7 @@ class _RingSteps:
         self.specs, self.hybrid, self.plan = plan.specs, plan.hybrid, plan
         # Only what the first launch needs is made before it (the accumulators it writes); the fused buffer and the
         # output when a launch first needs them (`_fused_buffer`, `_run`), while the GPU runs the launches before.
-        self.first_block, self.fused_kv, self.out, self.acc = first_block, None, None, None
+        self.first_block, self.fused_kv, self.out, self.acc, self.side = first_block, plan.kv, None, None, plan.side
         if self.fused or self.hybrid:
             self.pending = []  # the blocks to scatter, as their steps come (`step`)
         if self.n_launch > 1:
@@ -464,6 +471,8 @@ class _RingSteps:
             _attend_block(self.q, block, self.q_shard, self.kv_shards[i], self.scale, self.acc_out, self.acc_lse,
                           self.tiles)
             return
+        if i == 0 and self.side is not None:  # RingConfig.overlap: what the first launch may run beside starts here
+            self.side[1].record()
         if self.hybrid:
             self._hybrid_step(i, block)
             return
@@ -475,9 +484,30 @@ class _RingSteps:
             if i < self.n - 1:
                 return
             if self.config.batchcopy:
-                _scatter_all(self._fused_buffer(), self.pending, self.dst)
+                self._scatter_pending()
             i, block = self.n_launch - 1, self.fused_kv
         self._run(i, block)
+
+    def recv_stream(self) -> "torch.cuda.Stream | None":
+        """The stream a received block must be ready on before it is passed to `step`: RingConfig.overlap's side
+        stream (its one scatter reads the block there; the launches that read it wait for that scatter), else None
+        (the current stream)."""
+        return self.side[0] if self.side is not None else None
+
+    def _scatter_pending(self) -> None:
+        """The held blocks into the fused buffer in one go (`_scatter_all`); under RingConfig.overlap on the side
+        stream, after the blocks were ready at the ring's start (or received there: `recv_stream`), so the copy runs
+        beside the first launch, and the current stream waits for it before the launch that reads the buffer."""
+        buf = self._fused_buffer()
+        if self.side is None:
+            _scatter_all(buf, self.pending, self.dst)
+            return
+        stream, ready, done = self.side
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            _scatter_all(buf, self.pending, self.dst)
+            done.record(stream)
+        torch.cuda.current_stream(self.q.device).wait_event(done)
 
     def _hybrid_step(self, i: int, block: torch.Tensor) -> None:
         """RingConfig.hybrid (SP = 2): step 0 runs the own block for the first head groups; step 1 scatters both
@@ -487,12 +517,13 @@ class _RingSteps:
         if i == 0:
             self._run(0, block)
             return
-        _scatter_all(self._fused_buffer(), self.pending, self.dst)
+        self._scatter_pending()
         self._run(1, self.fused_kv)
         self._run(2, block)
 
     def _fused_buffer(self) -> torch.Tensor:
-        """The position-ordered K/V buffer of a fused or hybrid ring, made at its first use (after the first launch)."""
+        """The position-ordered K/V buffer of a fused or hybrid ring: the plan's (short chunks), else made at its first
+        use (after the first launch)."""
         if self.fused_kv is None:
             self.fused_kv = self.first_block.new_empty((2, self.plan.fused_tokens, *self.first_block.shape[2:]))
         return self.fused_kv
@@ -501,7 +532,9 @@ class _RingSteps:
         """Launch i over block [2, Tk, Hkv, D] (its plan made once; plain loads for a block TMA cannot read)."""
         k, v = block[0], block[1]
         tma = None
-        if self.tma and k.shape[0] and not _triton_kernels().tma_ok_block(block):  # misaligned: plain loads
+        # The first block's TMA-readability is the plan's (its key); another may be misaligned: plain loads.
+        if self.tma and k.shape[0] and block is not self.first_block and block is not self.plan.kv \
+                and not _triton_kernels().tma_ok_block(block):
             tma = False
         if self.out is None and self.specs[i][2]:  # the output, made when the first launch that writes it comes
             self.out = torch.empty(self.q.shape, dtype=self.q.dtype, device=self.q.device)
@@ -554,6 +587,8 @@ class _RingPlan:
     hybrid: bool  # RingConfig.hybrid (SP = 2): launches [own block, some groups], [all keys, the rest], [other, some]
     launches: list  # per launch its `StepLaunch` (released), made at its first use (`_RingSteps._launch`), or None
     acc: tuple | None  # the accumulators every call shares (short chunks, `KEEP_ACC_TOKENS`), else None: per call
+    kv: torch.Tensor | None  # the fused / hybrid position-ordered K/V buffer every call shares (short chunks), or None
+    side: tuple | None  # RingConfig.overlap: (side stream, event "blocks ready", event "scatter done"), or None
 
 
 # Up to this many query rows per rank the plan keeps the ring's accumulators (fp32, 4 x Hq x D bytes a row: 128 MiB at
@@ -571,15 +606,17 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
     TMA-readability and the config (None: `default_config`, which TANDEM_RING_KERNEL may set); cached on q_shard
     like the tile tables, so a layer's ring does one lookup here, not a dozen."""
     kernels = _triton_kernels()
-    tma = kernels.tma_ok_block(first_block)
     env = os.environ.get(kernels.ENV) if kernel_config is None else None
     # q's strides too: the plan's launches (`launches`) pass them to the kernel, which specialises on them; and
-    # TANDEM_RING_DIRECT, which they read when they are made.
-    key = ("plan", tuple(id(s) for s in kv_shards), kernel_config, env, os.environ.get(kernels.DIRECT_ENV), q.shape,
-           q.stride(), q.dtype, q.device, first_block.shape, tma)
+    # TANDEM_RING_DIRECT, which they read when they are made. The first block's layout and alignment decide TMA
+    # (`tma_ok_block`, worked out on a miss only: this lookup is on the way to the rank's first launch).
+    key = ("plan", tuple(map(id, kv_shards)), kernel_config, env, os.environ.get(kernels.DIRECT_ENV), q.shape,
+           q.stride(), q.dtype, q.get_device(), first_block.shape, first_block.stride(),
+           first_block.data_ptr() % 16 == 0)
     hit = q_shard._tables.get(key)
     if hit is not None and len(hit[0]) == len(kv_shards) and all(a is b for a, b in zip(hit[0], kv_shards)):
         return hit[1]
+    tma = kernels.tma_ok_block(first_block)
     cfg = kernel_config
     config = kernels.parse_config(cfg) if isinstance(cfg, str) else cfg or kernels.default_config(
         q.shape[0], q.shape[-1], q.element_size(), tma, len(kv_shards))
@@ -618,14 +655,27 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
     partials = kernels.partial_buffers(slots, n_groups, config, q.shape[-1], q.device) if slots else None
     # acc16: the running output in q's 16-bit dtype (half the traffic of the steps' merges), LSE fp32.
     acc_dtype = q.dtype if config.acc16 and q.element_size() == 2 else torch.float32
-    acc = None
-    if len(launches) > 1 and q.shape[0] <= KEEP_ACC_TOKENS:
-        acc = (torch.empty(q.shape, dtype=acc_dtype, device=q.device),
-               torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
+    acc = kv = side = None
+    if q.shape[0] <= KEEP_ACC_TOKENS:
+        if len(launches) > 1:
+            acc = (torch.empty(q.shape, dtype=acc_dtype, device=q.device),
+                   torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
+        if fused or hybrid:
+            kv = first_block.new_empty((2, fused_tokens, *first_block.shape[2:]))
+            if config.overlap and (hybrid or config.batchcopy) and q.is_cuda:
+                side = (_side_stream(q.device), torch.cuda.Event(), torch.cuda.Event())
     plan = _RingPlan(config, tma, hkv, fused, f0, dst, fused_tokens, len(launches), q_pos, k_pos, tables, partials,
-                     [shard.num_tokens for shard in launches], acc_dtype, specs, hybrid, [None] * len(launches), acc)
+                     [shard.num_tokens for shard in launches], acc_dtype, specs, hybrid, [None] * len(launches), acc,
+                     kv, side)
     q_shard._tables[key] = (list(kv_shards), plan)
     return plan
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The stream RingConfig.overlap's scatters run on, one per device (they never overlap each other: each call's
+    current stream waits for its scatter before the launch that reads it)."""
+    return torch.cuda.Stream(device=device)
 
 
 def _tile_table(q_shard: TokenShard, kv_shard: TokenShard, rows: int, cover: bool, device: torch.device,
@@ -769,7 +819,7 @@ def _triton_runs(q: torch.Tensor, block: torch.Tensor) -> bool:
     (or CPU tensors under Triton's interpreter, TRITON_INTERPRET=1: the kernel tests)."""
     kernels = _triton_kernels()
     on_device = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return on_device and kernels is not None and kernels.supported(q, block[0], block[1])
+    return on_device and kernels is not None and kernels.supported_block(q, block)
 
 
 def triton_is_default(q: torch.Tensor, block: torch.Tensor) -> bool:

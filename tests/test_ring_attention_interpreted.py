@@ -275,7 +275,8 @@ for r, env in [(r, env) for env in ("16,16,4,1,pack", "16,16,4,1,pack,fuse", "16
             assert self.recv.shape[1] == recv_tokens
             log.append("exchange")
 
-        def wait(self):
+        def wait(self, stream=None):
+            assert stream is None  # RingConfig.overlap's side stream is CUDA's only
             return self.recv
 
     log = []

@@ -37,7 +37,8 @@ def causal(q, k, v):
 # runs its own q / K/V through the first call's launches and gets its own output; the first call's output is not
 # touched by the second; the kept launches hold none of the first call's tensors (freed once the caller drops them).
 for sp, cfg in ((2, "32,16,4,1,pack"), (2, "16,16,4,1,pack,hybrid,oneloop"), (4, "16,16,4,1,fuse,batchcopy"),
-                (4, "32,16,4,1,pack,fuse"), (3, "16,16,4,1,pack,split=2"), (2, None), (4, None)):
+                (4, "32,16,4,1,pack,fuse"), (3, "16,16,4,1,pack,split=2"), (2, None), (4, None),
+                (2, "16,16,4,1,pack,hybrid,overlap"), (4, "16,16,4,1,fuse,batchcopy,overlap")):
     n = 45
     positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
     layers = [tuple(torch.randn(n, h, D) for h in (4, 2, 2)) for _ in range(2)]
@@ -57,6 +58,9 @@ for sp, cfg in ((2, "32,16,4,1,pack"), (2, "16,16,4,1,pack,hybrid,oneloop"), (4,
             outs.append(steps.result())
             plans.append(steps.plan)
             assert all(x.q is None and x.acc is None and x.out is None for x in steps.plan.launches), (sp, cfg)
+            # A short chunk's fused buffer is the plan's too; RingConfig.overlap's side stream is CUDA's only.
+            assert (steps.fused_kv is steps.plan.kv is not None) == (steps.fused or steps.hybrid), (sp, cfg)
+            assert steps.side is None and steps.recv_stream() is None
         assert outs[0] is not outs[1]
         for li, (q, k, v) in enumerate(layers):
             torch.testing.assert_close(outs[li], causal(q, k, v)[positions[r]], rtol=1e-5, atol=1e-5,
@@ -82,15 +86,18 @@ for sp, cfg in ((2, "32,16,4,1,pack"), (4, "16,16,4,1,fuse,batchcopy")):
         qs, blocks, shards = split_for_ranks(q, k, v, positions)
         srcs = [(1 - s) % sp for s in range(sp)]
         steps = _RingSteps(qs[1], blocks[1], shards[1], [shards[s] for s in srcs], S, None, True, cfg)
-        assert steps.plan.acc is None and steps.acc is not None
+        assert steps.plan.acc is None and steps.acc is not None and steps.plan.kv is None
         for s, src in enumerate(srcs):
+            # ... and the fused buffer (not kept either) made at the launch that needs it (batchcopy: the last step's)
+            assert steps.fused_kv is None, (sp, cfg, s)
             steps.step(s, blocks[src])
+        assert (steps.fused_kv is not None) == steps.fused
         torch.testing.assert_close(steps.result(), causal(q, k, v)[positions[1]], rtol=1e-5, atol=1e-5)
         checked += 1
 ra.KEEP_ACC_TOKENS = 8192
 
-# A ring's first launch comes before its output or fused buffer is made (they are made at the launch that needs
-# them): after step 0 of a two-launch ring, no output yet.
+# A ring's first launch comes before its output is made (at the launch that needs it): after step 0 of a two-launch
+# ring, no output yet; a short chunk's fused buffer is the plan's (made with it).
 for sp, cfg in ((2, "32,16,4,1,pack"), (4, "16,16,4,1,fuse,batchcopy"), (2, "16,16,4,1,pack,hybrid")):
     n = 45
     positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
@@ -98,9 +105,10 @@ for sp, cfg in ((2, "32,16,4,1,pack"), (4, "16,16,4,1,fuse,batchcopy"), (2, "16,
     qs, blocks, shards = split_for_ranks(q, k, v, positions)
     srcs = [(1 - s) % sp for s in range(sp)]
     steps = _RingSteps(qs[1], blocks[1], shards[1], [shards[s] for s in srcs], S, None, True, cfg)
-    assert steps.out is None and steps.fused_kv is None and steps.acc is not None
+    assert steps.out is None and steps.acc is not None
+    assert steps.fused_kv is steps.plan.kv and (steps.fused_kv is not None) == (steps.fused or steps.hybrid)
     steps.step(0, blocks[srcs[0]])
-    assert steps.out is None and steps.fused_kv is None, (sp, cfg)
+    assert steps.out is None, (sp, cfg)
     for s in range(1, sp):
         steps.step(s, blocks[srcs[s]])
     torch.testing.assert_close(steps.result(), causal(q, k, v)[positions[1]], rtol=1e-5, atol=1e-5)
@@ -111,7 +119,7 @@ print("ok", checked)
 
 def test_launches_planned_once_per_plan_in_the_triton_interpreter():
     out = run_interpreted(REUSE_SCRIPT)
-    assert out.strip().split()[-2:] == ["ok", str(2 * (2 + 2 + 4 + 4 + 3 + 2 + 4) + 2 * 2 + 3)], out[-800:]
+    assert out.strip().split()[-2:] == ["ok", str(2 * (2 + 2 + 4 + 4 + 3 + 2 + 4 + 2 + 4) + 2 * 2 + 3)], out[-800:]
 
 
 class _Compiled:
@@ -189,8 +197,8 @@ def test_direct_launches_through_the_kept_kernel(monkeypatch, form: str):
 
 def test_default_configs_by_sp_size(monkeypatch):
     """What the 16K runs on one H100 (2026-11-27) measured best is the default there: fuse with batchcopy at SP=4
-    (chunks up to FUSE_MAX_TOKENS), hybrid with oneloop at SP=2 (up to HYBRID_MAX_TOKENS); elsewhere as before, and
-    an unknown SP size or TANDEM_RING_KERNEL gets no SP-specific flag."""
+    (chunks up to FUSE_MAX_TOKENS), hybrid with oneloop and early at SP=2 (up to HYBRID_MAX_TOKENS); elsewhere as
+    before, and an unknown SP size or TANDEM_RING_KERNEL gets no SP-specific flag. `overlap` parses and prints."""
     rt = pytest.importorskip("parallel.kernels.ring_attention_triton")
     monkeypatch.delenv(rt.ENV, raising=False)
     base = rt.CONFIGS[128][0]
@@ -198,12 +206,17 @@ def test_default_configs_by_sp_size(monkeypatch):
     assert rt.default_config(4096, 128, 2, True, 8) == dataclasses.replace(base, fuse=True)
     assert rt.default_config(4096, 128, 2, True) == dataclasses.replace(base, fuse=True)
     assert rt.default_config(rt.HYBRID_MAX_TOKENS, 128, 2, True, 2) == dataclasses.replace(base, hybrid=True,
-                                                                                           oneloop=True)
+                                                                                           oneloop=True, early=True)
     assert rt.default_config(rt.HYBRID_MAX_TOKENS + 1, 128, 2, True, 2) == base
     assert rt.default_config(16384, 128, 2, True, 4) == base
     assert rt.default_config(rt.HYBRID_MAX_TOKENS, 128, 2, True, 1) == base
     monkeypatch.setenv(rt.ENV, "64,64,4,2,pack")
     assert rt.default_config(4096, 128, 2, True, 2) == rt.RingConfig(64, 64, 4, 2, True)
+    over = rt.RingConfig.parse("128,128,8,3,pack,fuse,batchcopy,overlap")
+    assert over.overlap and not base.overlap and str(over).endswith(",batchcopy,overlap")
+    assert rt.RingConfig.parse(str(over)) == over
+    with pytest.raises(ValueError):
+        rt.RingConfig.parse("128,128,8,3,overlap,overlap")
 
 
 def test_tma_check_of_a_block():

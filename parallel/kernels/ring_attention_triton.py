@@ -43,7 +43,7 @@ previous step's tail frees.
 
 Launch configs: `RingConfig`, the `CONFIGS` table by head dim, the TANDEM_RING_KERNEL environment variable
 ("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16][,early][,pdl][,fuse][,gather][,oneloop][,hybrid]
-[,batchcopy]");
+[,batchcopy][,overlap]");
 scripts/tune_ring_kernel.py times candidates on a GPU.
 Memory: the inputs, the accumulators and output, the tile table and, split, the pieces' partials: O(chunk).
 """
@@ -126,6 +126,11 @@ class RingConfig:
     SP=1's), and a last one the first quarter over the other block (merged into the first step's accumulators):
     three launches, fewer and longer programs than the ring's two steps, the transfer still overlapped.
 
+    `overlap` (read by parallel/ring_attention.py): the one scatter of `hybrid` or `batchcopy` runs on a side stream
+    from the ring's start (the blocks it copies are ready then, or on their receive), so the copy overlaps the first
+    launch's compute instead of running between two attention launches; where the ring keeps its fused buffer
+    (short chunks, `KEEP_ACC_TOKENS`), on CUDA.
+
     `gather` (read by parallel/ring_attention.py; SP >= 2): as `fuse`, the rank's own block scattered too, so the
     rank runs ONE launch over every key in position order (programs as long as SP=1's for its query tiles: each
     program's fixed cost paid once per query tile, not once per step), after every block has arrived: nothing
@@ -145,17 +150,18 @@ class RingConfig:
     oneloop: bool = False
     hybrid: bool = False
     batchcopy: bool = False
+    overlap: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "RingConfig":
         """"BLOCK_M,BLOCK_N,warps,stages" then optionally "pack" (or 1/0), "split=N" (or "splitN"; "split=auto"
-        is the default), "acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid" and "batchcopy": as the env
-        variable, e.g.
+        is the default), "acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy" and "overlap":
+        as the env variable, e.g.
         "128,128,8,3,pack,split=2"."""
         parts = [p.strip().lower() for p in text.replace("x", ",").split(",") if p.strip()]
         pack, splits, flags = None, None, set()
         for flag in parts[4:]:
-            if flag in ("acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy") \
+            if flag in ("acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy", "overlap") \
                     and flag not in flags:
                 flags.add(flag)
             elif flag.startswith("split") and splits is None:
@@ -165,13 +171,14 @@ class RingConfig:
                 pack = flag in ("pack", "1", "true", "p")
             else:
                 raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
-                                 f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy], not {text!r}")
+                                 f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy][,overlap], "
+                                 f"not {text!r}")
         if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]):
             raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
-                             f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy], not {text!r}")
+                             f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy][,overlap], not {text!r}")
         cfg = cls(*(int(p) for p in parts[:4]), bool(pack), splits or 0, "acc16" in flags, "early" in flags,
                   "pdl" in flags, "fuse" in flags, "gather" in flags, "oneloop" in flags, "hybrid" in flags,
-                  "batchcopy" in flags)
+                  "batchcopy" in flags, "overlap" in flags)
         if cfg.block_m < 16 or cfg.block_n < 16 or cfg.num_warps < 1 or cfg.num_stages < 1 \
                 or cfg.block_m & (cfg.block_m - 1) or cfg.block_n & (cfg.block_n - 1) or not 0 <= cfg.splits <= 64:
             raise ValueError(f"bad ring kernel config {text!r}: tiles powers of two >= 16, warps and stages >= 1, "
@@ -183,7 +190,8 @@ class RingConfig:
             + (f",split={self.splits}" if self.splits else "") + (",acc16" if self.acc16 else "") \
             + (",early" if self.early else "") + (",pdl" if self.pdl else "") + (",fuse" if self.fuse else "") \
             + (",gather" if self.gather else "") + (",oneloop" if self.oneloop else "") \
-            + (",hybrid" if self.hybrid else "") + (",batchcopy" if self.batchcopy else "")
+            + (",hybrid" if self.hybrid else "") + (",batchcopy" if self.batchcopy else "") \
+            + (",overlap" if self.overlap else "")
 
     def heads_per_program(self, gqa: int) -> int:
         """Query heads one program takes: the GQA group when packing (and it fits BLOCK_M with >= 1 row), else 1."""
@@ -211,7 +219,7 @@ def default_config(tq: int, head_dim: int, element_size: int, tma: bool, ranks: 
     """The config for `tq` query rows of a ring over `ranks` blocks (None: not known): TANDEM_RING_KERNEL if set,
     else `CONFIGS` (16-bit floats, D <= 128, >= 128 rows), else fp32 (two stages: three would not fit in shared
     memory) or short chunks; `fuse` on where the rank's queries are at most FUSE_MAX_TOKENS (it applies from SP=3 on),
-    with `batchcopy` at SP=4; `hybrid` and `oneloop` at SP=2 up to HYBRID_MAX_TOKENS."""
+    with `batchcopy` at SP=4; `hybrid`, `oneloop` and `early` at SP=2 up to HYBRID_MAX_TOKENS."""
     env = os.environ.get(ENV)
     if env:
         return parse_config(env)
@@ -224,7 +232,7 @@ def default_config(tq: int, head_dim: int, element_size: int, tma: bool, ranks: 
     if tq <= FUSE_MAX_TOKENS:
         config = dataclasses.replace(config, fuse=True, batchcopy=ranks == 4)
     if ranks == 2 and tq <= HYBRID_MAX_TOKENS:
-        config = dataclasses.replace(config, hybrid=True, oneloop=True)
+        config = dataclasses.replace(config, hybrid=True, oneloop=True, early=True)
     return config
 
 
@@ -239,10 +247,12 @@ HYBRID_SHARE = 4
 # earlier session, not remeasured since: the default stops at the chunk measured here. Fused, a rank holds every
 # other rank's K/V block at once (O(sequence) K/V for the layer's attention, not two blocks).
 FUSE_MAX_TOKENS = 4096
-# `batchcopy` with `fuse` by default at SP=4 only, and `hybrid` with `oneloop` at SP=2 for chunks up to this many query
-# rows: what one H100 measured (2026-11-27, 16K tokens; docs/bench_data/2026-11-27n-h100): each rank's ring timed alone
-# 0.358x of SP=1 fused with batchcopy against 0.390x fused, and 0.573x hybrid,oneloop against 0.609x in two steps
-# (0.539x / 0.572x streamed). 64K at SP=2 (32K per rank) keeps the two steps: hybrid was not measured there.
+# `batchcopy` with `fuse` by default at SP=4 only, and `hybrid` with `oneloop` and `early` at SP=2 for chunks up to this
+# many query rows: what one H100 measured (2026-11-27, 16K tokens; docs/bench_data/2026-11-27n-h100): each rank's ring
+# timed alone 0.358x of SP=1 fused with batchcopy against 0.390x fused, and 0.573x hybrid,oneloop against 0.609x in two
+# steps (0.539x / 0.572x streamed); with the kept launches (call 3) hybrid,oneloop,early 0.506x (0.502x streamed)
+# against 0.572x (0.539x) without early, and 0.571x in two steps. 64K at SP=2 (32K per rank) keeps the two steps:
+# hybrid was not measured there.
 HYBRID_MAX_TOKENS = 8192
 
 
@@ -562,6 +572,18 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return (q.dtype in DTYPES and k.dtype == v.dtype == q.dtype and 16 <= d <= 256 and d & (d - 1) == 0
             and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0 and q.stride(2) == 1
             and all(x.stride(2) == 1 and x.stride(1) == d for x in (k, v)))
+
+
+def supported_block(q: torch.Tensor, block: torch.Tensor) -> bool:
+    """`supported(q, block[0], block[1])` for a K/V block [2, Tk, Hkv, D] without making the two views (a ring checks
+    its inputs on every call, on the way to its first launch)."""
+    if block.dim() != 4 or block.shape[0] != 2:
+        return False
+    d = q.shape[-1]
+    _, _, s_h, s_d = block.stride()
+    return (q.dtype in DTYPES and block.dtype == q.dtype and 16 <= d <= 256 and d & (d - 1) == 0
+            and block.shape[3] == d and block.shape[2] > 0 and q.shape[1] % block.shape[2] == 0 and q.stride(2) == 1
+            and s_d == 1 and s_h == d)
 
 
 @functools.lru_cache(maxsize=None)
