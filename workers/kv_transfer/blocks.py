@@ -10,6 +10,8 @@ row copy (parallel/kernels/block_copy.py); a head slice (a resharded handoff) an
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -116,14 +118,17 @@ class CacheBlocks:
         return self.words if whole else self.words[layers]
 
     def gather(self, block_ids: list[int], layers: slice, heads: slice, index: torch.Tensor,
-               programs: int | None = None) -> torch.Tensor:
-        """gather_blocks(self.kv_cache, block_ids, layers, heads, index, programs)."""
+               programs: int | None = None, alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
+               ) -> torch.Tensor:
+        """gather_blocks(self.kv_cache, block_ids, layers, heads, index, programs). alloc(shape, dtype): where the row
+        copy writes (a contiguous tensor on the cache's device; None: a new one)."""
         if not (self.rows and _all_heads(heads, self.num_heads)):
             return gather_blocks(self.kv_cache, block_ids, layers, heads, index, programs)
         from parallel.kernels.block_copy import copy_rows
 
         words = self._layer_words(layers)
-        out = torch.empty(words.shape[:2] + (index.numel(),) + words.shape[3:], dtype=words.dtype, device=words.device)
+        shape = words.shape[:2] + (index.numel(),) + words.shape[3:]
+        out = alloc(shape, words.dtype) if alloc is not None else torch.empty(shape, dtype=words.dtype, device=words.device)
         copy_rows(words, out, index, gather=True, programs=programs)
         return out if out.dtype == self.wire.dtype else out.view(self.wire.dtype)
 
