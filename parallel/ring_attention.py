@@ -37,6 +37,7 @@ causal triangle. RoPE is applied by the caller at the global positions before ca
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass, field
@@ -546,9 +547,12 @@ class _RingSteps:
             load_prev, store_acc, writes_out, groups = self.specs[i]
             if writes_out and self.out is None:
                 self.out = torch.empty(self.q.shape, dtype=self.q.dtype, device=self.q.device)
+            config = self.config  # RingConfig.oneloop0: the first launch's programs in one loop
+            if i == 0 and config.oneloop0 and not config.oneloop:
+                config = dataclasses.replace(config, oneloop=True)
             launch = _triton_kernels().StepLaunch(
                 self.q, self.key_tokens[i], self.q_hkv, self.scale, self.tables[i][0], self.q_pos, self.k_pos[i],
-                self.config, self.acc, load_prev, store_acc, self.out if writes_out else None,
+                config, self.acc, load_prev, store_acc, self.out if writes_out else None,
                 self.tma if tma is None else tma, self.tables[i][1], self.partials,
                 not (self.fused or self.hybrid), groups).release()
             if tma is not None:

@@ -38,7 +38,8 @@ def causal(q, k, v):
 # touched by the second; the kept launches hold none of the first call's tensors (freed once the caller drops them).
 for sp, cfg in ((2, "32,16,4,1,pack"), (2, "16,16,4,1,pack,hybrid,oneloop"), (4, "16,16,4,1,fuse,batchcopy"),
                 (4, "32,16,4,1,pack,fuse"), (3, "16,16,4,1,pack,split=2"), (2, None), (4, None),
-                (2, "16,16,4,1,pack,hybrid,overlap"), (4, "16,16,4,1,fuse,batchcopy,overlap")):
+                (2, "16,16,4,1,pack,hybrid,overlap"), (4, "16,16,4,1,fuse,batchcopy,overlap"),
+                (4, "16,16,4,1,fuse,batchcopy,oneloop0")):
     n = 45
     positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
     layers = [tuple(torch.randn(n, h, D) for h in (4, 2, 2)) for _ in range(2)]
@@ -61,6 +62,9 @@ for sp, cfg in ((2, "32,16,4,1,pack"), (2, "16,16,4,1,pack,hybrid,oneloop"), (4,
             # A short chunk's fused buffer is the plan's too; RingConfig.overlap's side stream is CUDA's only.
             assert (steps.fused_kv is steps.plan.kv is not None) == (steps.fused or steps.hybrid), (sp, cfg)
             assert steps.side is None and steps.recv_stream() is None
+            # oneloop0: the first launch's programs in one loop, the others as the config says
+            assert [x.kw["ONELOOP"] for x in steps.plan.launches] == [
+                steps.config.oneloop or (steps.config.oneloop0 and j == 0) for j in range(steps.n_launch)], (sp, cfg)
         assert outs[0] is not outs[1]
         for li, (q, k, v) in enumerate(layers):
             torch.testing.assert_close(outs[li], causal(q, k, v)[positions[r]], rtol=1e-5, atol=1e-5,
@@ -119,7 +123,7 @@ print("ok", checked)
 
 def test_launches_planned_once_per_plan_in_the_triton_interpreter():
     out = run_interpreted(REUSE_SCRIPT)
-    assert out.strip().split()[-2:] == ["ok", str(2 * (2 + 2 + 4 + 4 + 3 + 2 + 4 + 2 + 4) + 2 * 2 + 3)], out[-800:]
+    assert out.strip().split()[-2:] == ["ok", str(2 * (2 + 2 + 4 + 4 + 3 + 2 + 4 + 2 + 4 + 4) + 2 * 2 + 3)], out[-800:]
 
 
 class _Compiled:
@@ -217,6 +221,8 @@ def test_default_configs_by_sp_size(monkeypatch):
     assert rt.RingConfig.parse(str(over)) == over
     with pytest.raises(ValueError):
         rt.RingConfig.parse("128,128,8,3,overlap,overlap")
+    first = rt.RingConfig.parse("128,128,8,3,pack,fuse,oneloop0")
+    assert first.oneloop0 and not first.oneloop and rt.RingConfig.parse(str(first)) == first
 
 
 def test_tma_check_of_a_block():

@@ -43,7 +43,7 @@ previous step's tail frees.
 
 Launch configs: `RingConfig`, the `CONFIGS` table by head dim, the TANDEM_RING_KERNEL environment variable
 ("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16][,early][,pdl][,fuse][,gather][,oneloop][,hybrid]
-[,batchcopy][,overlap]");
+[,batchcopy][,overlap][,oneloop0]");
 scripts/tune_ring_kernel.py times candidates on a GPU.
 Memory: the inputs, the accumulators and output, the tile table and, split, the pieces' partials: O(chunk).
 """
@@ -131,6 +131,10 @@ class RingConfig:
     launch's compute instead of running between two attention launches; where the ring keeps its fused buffer
     (short chunks, `KEEP_ACC_TOKENS`), on CUDA.
 
+    `oneloop0` (read by parallel/ring_attention.py): `oneloop` for the ring's first launch only (the own block: short
+    programs, whose fixed cost the one loop cuts), the other launches as the config says (at 16K tokens SP=4 on an
+    H100, oneloop took the own block's launch from 0.321 to 0.303 ms and the fused launch from 0.810 to 0.834).
+
     `gather` (read by parallel/ring_attention.py; SP >= 2): as `fuse`, the rank's own block scattered too, so the
     rank runs ONE launch over every key in position order (programs as long as SP=1's for its query tiles: each
     program's fixed cost paid once per query tile, not once per step), after every block has arrived: nothing
@@ -151,17 +155,19 @@ class RingConfig:
     hybrid: bool = False
     batchcopy: bool = False
     overlap: bool = False
+    oneloop0: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "RingConfig":
         """"BLOCK_M,BLOCK_N,warps,stages" then optionally "pack" (or 1/0), "split=N" (or "splitN"; "split=auto"
-        is the default), "acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy" and "overlap":
-        as the env variable, e.g.
+        is the default), "acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy", "overlap" and
+        "oneloop0": as the env variable, e.g.
         "128,128,8,3,pack,split=2"."""
         parts = [p.strip().lower() for p in text.replace("x", ",").split(",") if p.strip()]
         pack, splits, flags = None, None, set()
         for flag in parts[4:]:
-            if flag in ("acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy", "overlap") \
+            if flag in ("acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy", "overlap",
+                        "oneloop0") \
                     and flag not in flags:
                 flags.add(flag)
             elif flag.startswith("split") and splits is None:
@@ -171,14 +177,15 @@ class RingConfig:
                 pack = flag in ("pack", "1", "true", "p")
             else:
                 raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
-                                 f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy][,overlap], "
-                                 f"not {text!r}")
+                                 f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy][,overlap]"
+                                 f"[,oneloop0], not {text!r}")
         if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]):
             raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
-                             f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy][,overlap], not {text!r}")
+                             f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy][,overlap][,oneloop0], "
+                             f"not {text!r}")
         cfg = cls(*(int(p) for p in parts[:4]), bool(pack), splits or 0, "acc16" in flags, "early" in flags,
                   "pdl" in flags, "fuse" in flags, "gather" in flags, "oneloop" in flags, "hybrid" in flags,
-                  "batchcopy" in flags, "overlap" in flags)
+                  "batchcopy" in flags, "overlap" in flags, "oneloop0" in flags)
         if cfg.block_m < 16 or cfg.block_n < 16 or cfg.num_warps < 1 or cfg.num_stages < 1 \
                 or cfg.block_m & (cfg.block_m - 1) or cfg.block_n & (cfg.block_n - 1) or not 0 <= cfg.splits <= 64:
             raise ValueError(f"bad ring kernel config {text!r}: tiles powers of two >= 16, warps and stages >= 1, "
@@ -191,7 +198,7 @@ class RingConfig:
             + (",early" if self.early else "") + (",pdl" if self.pdl else "") + (",fuse" if self.fuse else "") \
             + (",gather" if self.gather else "") + (",oneloop" if self.oneloop else "") \
             + (",hybrid" if self.hybrid else "") + (",batchcopy" if self.batchcopy else "") \
-            + (",overlap" if self.overlap else "")
+            + (",overlap" if self.overlap else "") + (",oneloop0" if self.oneloop0 else "")
 
     def heads_per_program(self, gqa: int) -> int:
         """Query heads one program takes: the GQA group when packing (and it fits BLOCK_M with >= 1 row), else 1."""

@@ -113,7 +113,7 @@ def _prompt_and_full_attention(seed: int, n: int = 4099, hq: int = 32, hkv: int 
                                     "128,128,8,3,pack,oneloop", "128,128,8,3,pack,fuse,split=1,oneloop,early",
                                     "128,128,8,3,pack,hybrid", "128,128,8,3,hybrid,oneloop,early",
                                     "128,128,8,3,pack,fuse,batchcopy", "128,128,8,3,pack,hybrid,oneloop,early,overlap",
-                                    "128,128,8,3,pack,fuse,batchcopy,overlap"])
+                                    "128,128,8,3,pack,fuse,batchcopy,overlap", "128,128,8,3,pack,fuse,batchcopy,oneloop0"])
 def test_rank_work_matches_full_causal_sdpa(sp: int, config: str | None):
     """Every rank's ring (default launch config, and GQA packing / other tiles / split-K / steps that start from the
     accumulators / steps chained by programmatic dependent launch / the steps after the first fused into one launch
