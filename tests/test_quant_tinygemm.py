@@ -172,3 +172,16 @@ print("ok")
 
 def test_int4pack_dequantize_kernel_in_the_triton_interpreter():
     assert run_interpreted(SCRIPT, timeout=600).strip().endswith("ok")
+
+
+def test_inner_k_tiles_preference_from_the_environment(monkeypatch):
+    """TANDEM_TINYGEMM_IKT picks the first inner_k_tiles tried (then the others, largest first, where K needs them)."""
+    from parallel.quant import tinygemm as tg
+
+    monkeypatch.delenv(tg.IKT_ENV, raising=False)
+    assert tg.plan_shape(64, 512, 128) == (128, 8) and tg.plan_shape(64, 96, 32) == (32, 2)
+    monkeypatch.setenv(tg.IKT_ENV, "4")
+    assert tg.plan_shape(64, 512, 128) == (128, 4) and tg.plan_shape(64, 96, 32) == (32, 2)
+    monkeypatch.setenv(tg.IKT_ENV, "3")
+    with pytest.raises(ValueError, match="TANDEM_TINYGEMM_IKT"):
+        tg.plan_shape(64, 512, 128)

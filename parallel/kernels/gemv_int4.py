@@ -104,24 +104,29 @@ def _scale_zero(sz_ptr, rows, g, NS, mask):
 
 
 @triton.jit
-def _word(w, k, x_ptr, x32_ptr, nw_ptr, nw32_ptr, perm_ptr, rstd, EXP_E, EXP_O, NORM: tl.constexpr,
-          PERM: tl.constexpr, PAIRS: tl.constexpr):
-    """(sum over the word's 8 codes of c x, per row [BLOCK_N, KS]; sum of its 8 x [KS]) for one word per row and chunk,
-    its nibble 0 at inputs k [KS]. Nibbles i and i + 4 are inputs k + 8 i and k + 8 i + 1."""
-    p = tl.zeros(w.shape, tl.float32)
+def _word(wa, wb, k, x_ptr, x32_ptr, nw_ptr, nw32_ptr, perm_ptr, rstd, EXP_E, EXP_O, NORM: tl.constexpr,
+          PERM: tl.constexpr, PAIRS: tl.constexpr, PAIRED: tl.constexpr):
+    """For one word per row and chunk (wa, and under PAIRED wb: [BLOCK_N, KS]) whose nibble 0 is input k [KS]: the sums
+    over its 8 codes of c x per row (pa, pb) and the sum of its 8 x [KS]. Nibbles i and i + 4 are inputs k + 8 i and
+    k + 8 i + 1; each x serves both tiles (loaded, normed and summed once)."""
+    pa = tl.zeros(wa.shape, tl.float32)
+    pb = tl.zeros(wb.shape, tl.float32)
     se = tl.zeros(k.shape, tl.float32)  # x of the even nibbles (offset 256 x each), then of the odd ones (16 x)
     so = tl.zeros(k.shape, tl.float32)
     for i in tl.static_range(4):
         xl, xh = _x2(x_ptr, x32_ptr, nw_ptr, nw32_ptr, perm_ptr, k + 8 * i, rstd, NORM, PERM, PAIRS)
+        exp = EXP_E if i % 2 == 0 else EXP_O
         if i % 2 == 0:
             se += xl + xh
-            p += _nibble(w, i, EXP_E) * xl[None, :]
-            p += _nibble(w, i + 4, EXP_E) * xh[None, :]
         else:
             so += xl + xh
-            p += _nibble(w, i, EXP_O) * xl[None, :]
-            p += _nibble(w, i + 4, EXP_O) * xh[None, :]
-    return p - (256.0 * se + 16.0 * so)[None, :], se + so
+        pa += _nibble(wa, i, exp) * xl[None, :]
+        pa += _nibble(wa, i + 4, exp) * xh[None, :]
+        if PAIRED:
+            pb += _nibble(wb, i, exp) * xl[None, :]
+            pb += _nibble(wb, i + 4, exp) * xh[None, :]
+    off = (256.0 * se + 16.0 * so)[None, :]
+    return pa - off, pb - off, se + so
 
 
 @triton.jit
@@ -141,43 +146,33 @@ def _apply(acc, p, xs, sz_ptr, rows, g, NS, n_mask):
 
 
 @triton.jit
-def _rows_step(acc, w, k0, x_ptr, x32_ptr, nw_ptr, nw32_ptr, perm_ptr, sz_ptr, rows, n_mask, NS, rstd, EXP_E, EXP_O,
-               GS: tl.constexpr, NORM: tl.constexpr, PERM: tl.constexpr, PAIRS: tl.constexpr):
-    """acc[n, s] += chunk s's 4 words of row n (w [BLOCK_N, KS, 4]) times x; k0 [KS]: each chunk's word 0, nibble 0."""
-    w0, w1, w2, w3 = _split4(w)
-    p0, x0 = _word(w0, k0, x_ptr, x32_ptr, nw_ptr, nw32_ptr, perm_ptr, rstd, EXP_E, EXP_O, NORM, PERM, PAIRS)
-    p1, x1 = _word(w1, k0 + 32, x_ptr, x32_ptr, nw_ptr, nw32_ptr, perm_ptr, rstd, EXP_E, EXP_O, NORM, PERM,
-                       PAIRS)
-    if GS % 128 == 0:  # a chunk lies in one group: sum its words, then scale once
-        p2, x2 = _word(w2, k0 + 64, x_ptr, x32_ptr, nw_ptr, nw32_ptr, perm_ptr, rstd, EXP_E, EXP_O, NORM, PERM,
-                       PAIRS)
-        p3, x3 = _word(w3, k0 + 96, x_ptr, x32_ptr, nw_ptr, nw32_ptr, perm_ptr, rstd, EXP_E, EXP_O, NORM, PERM,
-                       PAIRS)
-        acc = _apply(acc, (p0 + p1) + (p2 + p3), (x0 + x1) + (x2 + x3), sz_ptr, rows, k0 // GS, NS, n_mask)
-    else:  # groups of 32 or 64 inputs: a group per word (GS 64: two)
-        acc = _apply(acc, p0, x0, sz_ptr, rows, k0 // GS, NS, n_mask)
-        acc = _apply(acc, p1, x1, sz_ptr, rows, (k0 + 32) // GS, NS, n_mask)
-        p2, x2 = _word(w2, k0 + 64, x_ptr, x32_ptr, nw_ptr, nw32_ptr, perm_ptr, rstd, EXP_E, EXP_O, NORM, PERM,
-                       PAIRS)
-        acc = _apply(acc, p2, x2, sz_ptr, rows, (k0 + 64) // GS, NS, n_mask)
-        p3, x3 = _word(w3, k0 + 96, x_ptr, x32_ptr, nw_ptr, nw32_ptr, perm_ptr, rstd, EXP_E, EXP_O, NORM, PERM,
-                       PAIRS)
-        acc = _apply(acc, p3, x3, sz_ptr, rows, (k0 + 96) // GS, NS, n_mask)
-    return acc
-
-
-@triton.jit
 def _step(acc, acc_u, wa, wb, t, x_ptr, x32_ptr, nw_ptr, nw32_ptr, perm_ptr, sz_ptr, offs_a, offs_b, n_mask, NS, rstd,
           EXP_E, EXP_O, GS: tl.constexpr, KS: tl.constexpr, NORM: tl.constexpr, PERM: tl.constexpr,
           PAIRED: tl.constexpr, PAIRS: tl.constexpr):
-    """acc[n, s] (acc_u: the paired rows) += step t's chunk s of row n times x."""
+    """acc[n, s] (acc_u: the paired rows) += step t's chunk s (4 words) of row n times x. A chunk lies in one group when
+    GS >= 128: its words are summed, then scaled once; groups of 32 / 64 inputs scale each word."""
     c = t * KS + tl.arange(0, KS)
     k0 = (c // 4) * 128 + 2 * (c % 4)  # [KS]: each chunk's word 0, nibble 0
-    acc = _rows_step(acc, wa, k0, x_ptr, x32_ptr, nw_ptr, nw32_ptr, perm_ptr, sz_ptr, offs_a, n_mask, NS, rstd, EXP_E,
-                     EXP_O, GS, NORM, PERM, PAIRS)
-    if PAIRED:
-        acc_u = _rows_step(acc_u, wb, k0, x_ptr, x32_ptr, nw_ptr, nw32_ptr, perm_ptr, sz_ptr, offs_b, n_mask, NS, rstd,
-                           EXP_E, EXP_O, GS, NORM, PERM, PAIRS)
+    ws_a = _split4(wa)
+    ws_b = _split4(wb) if PAIRED else ws_a
+    pa_sum = tl.zeros(acc.shape, tl.float32)
+    pb_sum = tl.zeros(acc_u.shape, tl.float32)
+    xs_sum = tl.zeros(k0.shape, tl.float32)
+    for j in tl.static_range(4):
+        pa, pb, xs = _word(ws_a[j], ws_b[j], k0 + 32 * j, x_ptr, x32_ptr, nw_ptr, nw32_ptr, perm_ptr, rstd, EXP_E,
+                           EXP_O, NORM, PERM, PAIRS, PAIRED)
+        if GS % 128 == 0:
+            pa_sum += pa
+            pb_sum += pb
+            xs_sum += xs
+        else:
+            acc = _apply(acc, pa, xs, sz_ptr, offs_a, (k0 + 32 * j) // GS, NS, n_mask)
+            if PAIRED:
+                acc_u = _apply(acc_u, pb, xs, sz_ptr, offs_b, (k0 + 32 * j) // GS, NS, n_mask)
+    if GS % 128 == 0:
+        acc = _apply(acc, pa_sum, xs_sum, sz_ptr, offs_a, k0 // GS, NS, n_mask)
+        if PAIRED:
+            acc_u = _apply(acc_u, pb_sum, xs_sum, sz_ptr, offs_b, k0 // GS, NS, n_mask)
     return acc, acc_u
 
 

@@ -56,6 +56,18 @@ def kernel_choice() -> str:
     return v
 
 
+IKT_ENV = "TANDEM_TINYGEMM_IKT"
+
+
+def ikt_order() -> tuple[int, ...]:
+    """inner_k_tiles to try, first that divides K wins: 8, 4, 2 (gpt-fast's default first), or TANDEM_TINYGEMM_IKT=4 /
+    2 to prefer another (scripts/gemv_int4_check.py times tinygemm at batch 1 with each)."""
+    first = int(os.environ.get(IKT_ENV, "8"))
+    if first not in (2, 4, 8):
+        raise ValueError(f"{IKT_ENV}={first}: choose 2, 4 or 8")
+    return (first,) + tuple(t for t in (8, 4, 2) if t != first)
+
+
 def plan_shape(n: int, k: int, group_size: int) -> tuple[int, int] | str:
     """(tinygemm group size, inner_k_tiles) for an [N, K] weight in groups of `group_size` consecutive
     input features, or why the kernel cannot take it."""
@@ -66,7 +78,7 @@ def plan_shape(n: int, k: int, group_size: int) -> tuple[int, int] | str:
         return f"group size {group_size} is not a multiple of 32 (tinygemm takes 32, 64, 128, 256)"
     if k % tg:
         return f"K={k} is not a multiple of the group size {tg}"
-    ikt = next((t for t in (8, 4, 2) if k % (t * 16) == 0), None)
+    ikt = next((t for t in ikt_order() if k % (t * 16) == 0), None)
     if ikt is None:
         return f"K={k} is not a multiple of 32"
     return tg, ikt

@@ -28,9 +28,11 @@ def _first_tile(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _integer_layouts_too(monkeypatch):
-    """The engine gives only FP8 layers the fused GEMV (parallel/quant/fused_gemv.py: tinygemm is faster for the
-    integer ones at batch 1); these tests check the kernel on every layout, so every layout gets its gemv_weight."""
+    """The engine gives FP8 layers the fused GEMV, and 4-bit ones where it measures it faster than tinygemm
+    (parallel/quant/fused_gemv.py); these tests check the kernel on every layout, so every layout gets its gemv_weight."""
     monkeypatch.setattr("parallel.quant.fused_gemv.enabled", lambda fmt=None: True)
+    # and 4-bit layers keep it even where tinygemm measures faster (the engine's choice, tested on CPU)
+    monkeypatch.setattr("parallel.quant.fused_gemv.faster_than_tinygemm", lambda *a: None)
 
 
 CASES = {
