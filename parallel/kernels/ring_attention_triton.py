@@ -940,11 +940,12 @@ class StepLaunch:
         """The kernel's runtime arguments in signature order for this call's tensors (k/v already checked)."""
         acc_o, acc_l = acc if acc is not None else self.stand_acc
         k_desc = v_desc = None
+        ks, vs = k.stride(0), v.stride(0)
         if self.tma:  # 2-D views [Tk, Hkv * D] with their row strides: one box is one head's BLOCK_N rows
-            k_desc = _TensorDescriptor(k, [self.tk, self.hkv * self.d], [k.stride(0), 1], [self.block_n, self.d])
-            v_desc = _TensorDescriptor(v, [self.tk, self.hkv * self.d], [v.stride(0), 1], [self.block_n, self.d])
+            k_desc = _TensorDescriptor(k, [self.tk, self.hkv * self.d], [ks, 1], [self.block_n, self.d])
+            v_desc = _TensorDescriptor(v, [self.tk, self.hkv * self.d], [vs, 1], [self.block_n, self.d])
         return (q, k, v, k_desc, v_desc, *self.pre, acc_o, acc_l, out if self.writes_out else acc_o, *self.post,
-                k.stride(0), v.stride(0), *self.tail)
+                ks, vs, *self.tail)
 
     def run(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, acc: tuple[torch.Tensor, torch.Tensor] | None,
             out: torch.Tensor | None) -> None:
@@ -970,7 +971,8 @@ class StepLaunch:
     def _direct(self, args: tuple) -> None:
         """The launch through the compiled kernel kept for this specialisation, else through the JIT (keeping it)."""
         q, k, v = args[0], args[1], args[2]
-        dyn = (q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, k.stride(0), v.stride(0))
+        # args[-8] and args[-7]: K's and V's row strides (before `tail`'s six)
+        dyn = (q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, args[-8], args[-7])
         runner = self._runners.get(dyn)
         if runner is None:
             key = (self.static_key, dyn)
