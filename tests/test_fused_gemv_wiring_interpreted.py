@@ -129,15 +129,18 @@ def test_quantized_gate_up_through_linear_gemv_in_the_triton_interpreter():
     assert "ok" in out, out[-3000:]
 
 
-def test_fp8_and_int4pack_take_the_fused_gemv(monkeypatch):
-    """FP8 and tinygemm's 4-bit layout take the fused GEMV (the latter through gemv_int4.py where measured faster than
+def test_fp8_takes_the_fused_gemv_and_int4pack_only_when_asked(monkeypatch):
+    """FP8 takes the fused GEMV; tinygemm's 4-bit layout only with TANDEM_FUSED_INT4=1 (then where measured faster than
     tinygemm); the Triton integer layout stays on the unfused decoder; TANDEM_FUSED_QUANT=0 turns all of it off."""
     pytest.importorskip("triton")
     from parallel.kernels import gemv_quant as gq
     from parallel.quant import fused_gemv
 
     monkeypatch.delenv("TANDEM_FUSED_QUANT", raising=False)
-    assert fused_gemv.enabled(gq.FP8) and fused_gemv.enabled(gq.INT4PACK) and not fused_gemv.enabled(gq.PACKED)
+    monkeypatch.delenv("TANDEM_FUSED_INT4", raising=False)
+    assert fused_gemv.enabled(gq.FP8) and not fused_gemv.enabled(gq.INT4PACK) and not fused_gemv.enabled(gq.PACKED)
+    monkeypatch.setenv("TANDEM_FUSED_INT4", "1")
+    assert fused_gemv.enabled(gq.INT4PACK) and not fused_gemv.enabled(gq.PACKED)
     monkeypatch.setenv("TANDEM_FUSED_QUANT", "0")
     assert not any(fused_gemv.enabled(f) for f in (gq.FP8, gq.INT4PACK, gq.PACKED))
 
@@ -158,6 +161,7 @@ def _int4pack_layer(monkeypatch, ours_ms: float, tiny_ms: float):
     timed = []
     stub = iter([ours_ms, tiny_ms])
     monkeypatch.setenv("TANDEM_QUANT_TUNE", "1")
+    monkeypatch.setenv("TANDEM_FUSED_INT4", "1")
     monkeypatch.setattr(fused_gemv, "tune", lambda qw, dtype, kind: gq.candidates(qw, kind == "paired")[0])
     monkeypatch.setattr(fused_gemv, "_cold_time", lambda fn: timed.append(fn) or next(stub))
     fused_gemv._VS_TINYGEMM.clear()
@@ -174,3 +178,14 @@ def test_int4pack_takes_the_fused_gemv_only_where_measured_faster_than_tinygemm(
         assert layer.gemv_weight.config.get("Q4") and not hasattr(layer, "gemv_skipped")
     else:
         assert getattr(layer, "gemv_weight", None) is None and "tinygemm is faster" in layer.gemv_skipped
+
+
+def test_int4pack_keeps_tinygemm_unmeasured(monkeypatch):
+    """TANDEM_QUANT_TUNE=0 measures nothing, so 4-bit layers keep tinygemm (the faster one wherever both were timed)."""
+    pytest.importorskip("triton")
+    from parallel.quant import fused_gemv
+
+    monkeypatch.setenv("TANDEM_FUSED_INT4", "1")
+    monkeypatch.setenv("TANDEM_QUANT_TUNE", "0")
+    fused_gemv._VS_TINYGEMM.clear()
+    assert "not measured" in fused_gemv.faster_than_tinygemm(None, None, torch.bfloat16, "paired")

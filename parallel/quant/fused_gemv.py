@@ -9,13 +9,15 @@ when every decoder linear has one. FP8 layers stream their e4m3 weights with bf1
 (W8A16: exact to the dequantized weight up to fp32 summation order), not the W8A8 `_scaled_mm` product that
 larger batches use.
 
-FP8 layers and 4-bit GPTQ / AWQ layers in tinygemm's layout take it. On an H100 (2026-11-27, Llama-3.1-8B shapes,
-batch-1 decode beside bf16 in one run) FP8 through the fused decoder ran at 1.48-1.55x bf16. 4-bit codes first went
-through gemv_quant's integer path at 0.80x bf16 (107-504 GB/s per shape, where tinygemm's kernel per linear on the
-unfused decoder gave 1.77x); they now go through gemv_int4.py's kernel (tiles `Q4_TILES`), and only where it is
-measured at load to beat tinygemm on the same weight (`faster_than_tinygemm`; the fused call with its prologue and
-epilogue against tinygemm's bare product): a layer that loses keeps `gemv_skipped`, so its model keeps the unfused
-decoder and tinygemm. The Triton integer layout (8-bit GPTQ, fp16 activations) keeps the unfused decoder.
+FP8 layers take it. On an H100 (2026-11-27, Llama-3.1-8B shapes, batch-1 decode beside bf16 in one run) FP8 through the
+fused decoder ran at 1.48-1.55x bf16. 4-bit GPTQ / AWQ layers in tinygemm's layout take it only with
+TANDEM_FUSED_INT4=1, and then only where gemv_int4.py's kernel is measured at load to beat tinygemm on the same weight
+(`faster_than_tinygemm`: the fused call with its prologue and epilogue against tinygemm's bare product; a layer that
+loses keeps `gemv_skipped`, so its model keeps the unfused decoder and tinygemm). Why opt-in: on an H100
+(2026-11-27) that kernel ran at 0.6x tinygemm's speed per shape (600-850 GB/s against ~1,300: CUDA cores spend 4-7
+instructions per 4-bit code, docs in gemv_int4.py), and its fused-op GPU tests failed while the same cases pass in
+Triton's interpreter (scripts/gemv_int4_check.py separates the ops). gemv_quant's older integer path ran at 0.80x
+bf16 end to end (107-504 GB/s). The Triton integer layout (8-bit GPTQ, fp16 activations) keeps the unfused decoder.
 TANDEM_FUSED_QUANT=0 leaves every quantized layer there (to compare).
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import torch
 
 ENV = "TANDEM_FUSED_QUANT"
+INT4_ENV = "TANDEM_FUSED_INT4"  # 1: 4-bit layers may take gemv_int4.py's kernel (where measured faster than tinygemm)
 
 try:
     from parallel.kernels import gemv_quant as _gq
@@ -36,7 +39,9 @@ def enabled(fmt: int | None = None) -> bool:
     """Whether layers stored as `fmt` (a gemv_quant format; None: any) take the fused GEMV (see the module's note)."""
     if _gq is None or os.environ.get(ENV, "1") == "0":
         return False
-    return fmt is None or fmt in (_gq.FP8, _gq.INT4PACK)
+    if fmt == _gq.INT4PACK:
+        return os.environ.get(INT4_ENV, "0") == "1"
+    return fmt is None or fmt == _gq.FP8
 
 
 def view(pw) -> "_gq.QuantGemvWeight | str":
@@ -163,10 +168,11 @@ _VS_TINYGEMM: dict[tuple, str | None] = {}
 
 def faster_than_tinygemm(qw, pw, dtype: torch.dtype, kind: str) -> str | None:
     """None if the fused 4-bit GEMV (its tuned tile, with the decoder's prologue / epilogue for `kind`) is at least as
-    fast as tinygemm's bare product on this weight, measured once per shape (TANDEM_QUANT_TUNE=0: assumed); else why
-    not. Conservative for the fused path: the unfused decoder also runs the norm, SiLU / RoPE and residual kernels."""
+    fast as tinygemm's bare product on this weight, measured once per shape; else why
+    not. Conservative for the fused path: the unfused decoder also runs the norm, SiLU / RoPE and residual kernels.
+    Unmeasured (TANDEM_QUANT_TUNE=0), tinygemm stays: it was the faster one wherever both were timed."""
     if os.environ.get("TANDEM_QUANT_TUNE", "1") == "0":
-        return None
+        return "TANDEM_QUANT_TUNE=0: not measured against tinygemm, which stays"
     key = (qw.n, qw.k, qw.group_size, qw.perm is not None, dtype, kind, tuple(sorted(qw.config.items())), qw.codes.device)
     if key not in _VS_TINYGEMM:
         x = torch.randn(1, qw.k, device=qw.codes.device, dtype=dtype)
