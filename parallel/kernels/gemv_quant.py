@@ -510,7 +510,8 @@ if os.environ.get("TANDEM_FP8_TABLE"):
 
 # Tiles of the 4-bit kernel on tinygemm's layout (gemv_int4.py; "Q4": True), tried before TILES for INT4PACK weights:
 # (BLOCK_N, KS, num_warps); a step is KS 16-byte chunks of every row (32 KS inputs), one per thread where KS >= 32 x
-# num_warps (K = 4096: one step at KS = 128). Smaller KS for the narrow K of test models. Not yet timed on a GPU.
+# num_warps (K = 4096: one step at KS = 128). Smaller KS for the narrow K of test models. Timed on an H100 (2026-11-27,
+# bench_gemv.py --int4 --sweep): every tile slower than tinygemm (gemv_int4.py says why), so no table of them yet.
 Q4_TILES = {False: ((8, 128, 4), (4, 64, 2), (8, 32, 1), (8, 16, 1), (8, 8, 1)),
             True: ((4, 128, 4), (4, 64, 2), (4, 32, 1), (4, 16, 1), (4, 8, 1))}
 
