@@ -103,59 +103,6 @@ def _prompt_and_full_attention(seed: int, n: int = 4099, hq: int = 32, hkv: int 
     return q, k, v, want
 
 
-@pytest.mark.parametrize("sp", [2, 4])
-@pytest.mark.parametrize("config", [None, "128,128,8,3,pack", "64,64,4,2", "128,64,8,2,pack",
-                                    "128,128,8,3,pack,split=2", "128,64,8,3,split=4", "128,128,8,3,pack,acc16",
-                                    "128,128,8,3,pack,early", "128,128,8,3,pack,pdl", "128,128,8,3,pack,early,pdl",
-                                    "128,128,8,3,early,pdl,acc16", "128,64,8,3,pack,split=2,early,pdl",
-                                    "128,128,8,3,pack,fuse", "128,128,8,3,pack,fuse,early,pdl",
-                                    "128,128,8,3,pack,fuse,split=1", "128,128,8,3,pack,gather",
-                                    "128,128,8,3,pack,oneloop", "128,128,8,3,pack,fuse,split=1,oneloop,early",
-                                    "128,128,8,3,pack,hybrid", "128,128,8,3,hybrid,oneloop,early",
-                                    "128,128,8,3,pack,fuse,batchcopy", "128,128,8,3,pack,hybrid,oneloop,early,overlap",
-                                    "128,128,8,3,pack,fuse,batchcopy,overlap", "128,128,8,3,pack,fuse,batchcopy,oneloop0"])
-def test_rank_work_matches_full_causal_sdpa(sp: int, config: str | None):
-    """Every rank's ring (default launch config, and GQA packing / other tiles / split-K / steps that start from the
-    accumulators / steps chained by programmatic dependent launch / the steps after the first fused into one launch
-    over the other blocks in position order) against full causal SDPA."""
-    q, k, v, want = _prompt_and_full_attention(sp)
-    n, _, d = q.shape
-    positions = [owned_positions(0, n, r, sp, 16) for r in range(sp)]
-    qs, blocks, shards = split_for_ranks(q, k, v, positions)
-    for r in range(sp):
-        got = ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, backend="triton", kernel_config=config)
-        torch.testing.assert_close(got.float(), want[positions[r]].float(), rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(got, ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, backend="torch"),
-                                   rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("config", [None, "128,128,8,3,pack,hybrid", "128,128,8,3,pack,split=2,pdl,early",
-                                    "128,128,8,3,pack,fuse,batchcopy", "128,128,8,3,pack,hybrid,oneloop",
-                                    "128,128,8,3,pack,hybrid,oneloop,early,overlap",
-                                    "128,128,8,3,pack,fuse,batchcopy,overlap"])
-def test_direct_launches_match_the_jit_path(config, monkeypatch):
-    """By default (TANDEM_RING_DIRECT unset) a ring's repeated launches go through the compiled kernel's handle
-    (rt._HANDLES, no binding or cache lookup): bitwise the output of launches through Triton's JIT path
-    (TANDEM_RING_DIRECT=0), SP=2 and 4."""
-    q, k, v, want = _prompt_and_full_attention(11)
-    n, _, d = q.shape
-    for sp in (2, 4):
-        positions = [owned_positions(0, n, r, sp, 16) for r in range(sp)]
-        qs, blocks, shards = split_for_ranks(q, k, v, positions)
-        monkeypatch.setenv(rt.DIRECT_ENV, "0")
-        jit = [ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, "triton", kernel_config=config)
-               for r in range(sp)]
-        monkeypatch.delenv(rt.DIRECT_ENV, raising=False)
-        rt._HANDLES.clear()
-        for _ in range(2):  # the first call fills the handles, the second launches through them
-            direct = [ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, "triton", kernel_config=config)
-                      for r in range(sp)]
-        assert rt._HANDLES, "no launch went through a handle"
-        for r in range(sp):
-            assert torch.equal(direct[r], jit[r]), (sp, r)
-            torch.testing.assert_close(direct[r].float(), want[positions[r]].float(), rtol=2e-2, atol=2e-2)
-
-
 @pytest.mark.parametrize("config", [None, "128,128,8,3,pack", "128,128,8,3,pack,split=2",
                                     "128,128,8,3,pack,hybrid,oneloop,early,overlap",
                                     "128,128,8,3,pack,fuse,batchcopy,overlap"])
@@ -188,6 +135,59 @@ def test_a_kept_plan_runs_each_layers_tensors(config):
                     assert torch.equal(got, want), (sp, li, r)
                     torch.testing.assert_close(got.float(), layers[li][3][positions[r]].float(), rtol=2e-2,
                                                atol=2e-2)
+
+
+@pytest.mark.parametrize("config", [None, "128,128,8,3,pack,hybrid", "128,128,8,3,pack,split=2,pdl,early",
+                                    "128,128,8,3,pack,fuse,batchcopy", "128,128,8,3,pack,hybrid,oneloop",
+                                    "128,128,8,3,pack,hybrid,oneloop,early,overlap",
+                                    "128,128,8,3,pack,fuse,batchcopy,overlap"])
+def test_direct_launches_match_the_jit_path(config, monkeypatch):
+    """By default (TANDEM_RING_DIRECT unset) a ring's repeated launches go through the compiled kernel's handle
+    (rt._HANDLES, no binding or cache lookup): bitwise the output of launches through Triton's JIT path
+    (TANDEM_RING_DIRECT=0), SP=2 and 4."""
+    q, k, v, want = _prompt_and_full_attention(11)
+    n, _, d = q.shape
+    for sp in (2, 4):
+        positions = [owned_positions(0, n, r, sp, 16) for r in range(sp)]
+        qs, blocks, shards = split_for_ranks(q, k, v, positions)
+        monkeypatch.setenv(rt.DIRECT_ENV, "0")
+        jit = [ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, "triton", kernel_config=config)
+               for r in range(sp)]
+        monkeypatch.delenv(rt.DIRECT_ENV, raising=False)
+        rt._HANDLES.clear()
+        for _ in range(2):  # the first call fills the handles, the second launches through them
+            direct = [ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, "triton", kernel_config=config)
+                      for r in range(sp)]
+        assert rt._HANDLES, "no launch went through a handle"
+        for r in range(sp):
+            assert torch.equal(direct[r], jit[r]), (sp, r)
+            torch.testing.assert_close(direct[r].float(), want[positions[r]].float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("config", [None, "128,128,8,3,pack", "64,64,4,2", "128,64,8,2,pack",
+                                    "128,128,8,3,pack,split=2", "128,64,8,3,split=4", "128,128,8,3,pack,acc16",
+                                    "128,128,8,3,pack,early", "128,128,8,3,pack,pdl", "128,128,8,3,pack,early,pdl",
+                                    "128,128,8,3,early,pdl,acc16", "128,64,8,3,pack,split=2,early,pdl",
+                                    "128,128,8,3,pack,fuse", "128,128,8,3,pack,fuse,early,pdl",
+                                    "128,128,8,3,pack,fuse,split=1", "128,128,8,3,pack,gather",
+                                    "128,128,8,3,pack,oneloop", "128,128,8,3,pack,fuse,split=1,oneloop,early",
+                                    "128,128,8,3,pack,hybrid", "128,128,8,3,hybrid,oneloop,early",
+                                    "128,128,8,3,pack,fuse,batchcopy", "128,128,8,3,pack,hybrid,oneloop,early,overlap",
+                                    "128,128,8,3,pack,fuse,batchcopy,overlap", "128,128,8,3,pack,fuse,batchcopy,oneloop0"])
+def test_rank_work_matches_full_causal_sdpa(sp: int, config: str | None):
+    """Every rank's ring (default launch config, and GQA packing / other tiles / split-K / steps that start from the
+    accumulators / steps chained by programmatic dependent launch / the steps after the first fused into one launch
+    over the other blocks in position order) against full causal SDPA."""
+    q, k, v, want = _prompt_and_full_attention(sp)
+    n, _, d = q.shape
+    positions = [owned_positions(0, n, r, sp, 16) for r in range(sp)]
+    qs, blocks, shards = split_for_ranks(q, k, v, positions)
+    for r in range(sp):
+        got = ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, backend="triton", kernel_config=config)
+        torch.testing.assert_close(got.float(), want[positions[r]].float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got, ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, backend="torch"),
+                                   rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("case", ["diagonal", "sp2 rank1 x rank0", "fully visible", "non-causal"])
