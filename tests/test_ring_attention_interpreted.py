@@ -292,6 +292,34 @@ for r, env in [(r, env) for env in ("16,16,4,1,pack", "16,16,4,1,pack,fuse", "16
                    else ["exchange", "step"] * 2 + ["step"]), log
     torch.testing.assert_close(out, full[positions[r]], rtol=1e-5, atol=1e-5)
     checked += 1
+
+# SP=2 with the default config (no TANDEM_RING_KERNEL): hybrid, oneloop and early for short chunks, through
+# ring_attention's exchange (the own block's launch, then the received block's scatter and two launches).
+del os_env["TANDEM_RING_KERNEL"]
+sp = 2
+positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
+qs, blocks, shards = split_for_ranks(q, k, v, positions)
+for r in range(sp):
+    class Exchange2:
+        def __init__(self, group, send, recv_tokens):
+            assert torch.equal(send, blocks[r])
+            self.recv = blocks[1 - r]
+
+        def wait(self, stream=None):
+            assert stream is None
+            return self.recv
+
+    ring_mod._RingExchange = Exchange2
+    seen = []
+    run = ring_mod._RingSteps._run
+    ring_mod._RingSteps._run = lambda self, i, block: (seen.append((self.config.hybrid, self.config.early, i)),
+                                                       run(self, i, block))[1]
+    out = ring_mod.ring_attention(qs[r], blocks[r][0], blocks[r][1], shards[r], shards, S,
+                                  types.SimpleNamespace(size=sp, rank=r))
+    ring_mod._RingSteps._run = run
+    assert seen == [(True, True, 0), (True, True, 1), (True, True, 2)], seen
+    torch.testing.assert_close(out, full[positions[r]], rtol=1e-5, atol=1e-5)
+    checked += 1
 print("ok", checked)
 '''
 
@@ -489,7 +517,7 @@ def test_ring_launches_in_the_triton_interpreter():
     out = run_interpreted(RING_SCRIPT)
     configs, fused, fp16, gathered, hybrid = 9, 3, 6, 2 * (2 + 3), 2 * 2 + 2 * 2 * 2
     assert out.strip().split()[-2:] == ["ok", str(configs * (6 + 4) + configs * 2 + fp16 * (6 + 4) + configs * 2
-                                                  + fused * 3 + gathered + hybrid + configs + 1 + 3 * 3)], out[-500:]
+                                                  + fused * 3 + gathered + hybrid + configs + 1 + 3 * 3 + 2)], out[-500:]
 
 
 def test_split_k_in_the_triton_interpreter():
