@@ -499,14 +499,16 @@ class _RingSteps:
         """The held blocks into the fused buffer in one go (`_scatter_all`); under RingConfig.overlap on the side
         stream, after the blocks were ready at the ring's start (or received there: `recv_stream`), so the copy runs
         beside the first launch, and the current stream waits for it before the launch that reads the buffer."""
-        buf = self._fused_buffer()
+        buf, scatter = self._fused_buffer(), self.plan.scatter
         if self.side is None:
-            _scatter_all(buf, self.pending, self.dst)
+            if scatter is None or not scatter(self.pending):
+                _scatter_all(buf, self.pending, self.dst)
             return
         stream, ready, done = self.side
         stream.wait_event(ready)
         with torch.cuda.stream(stream):
-            _scatter_all(buf, self.pending, self.dst)
+            if scatter is None or not scatter(self.pending):
+                _scatter_all(buf, self.pending, self.dst)
             done.record(stream)
         torch.cuda.current_stream(self.q.device).wait_event(done)
 
@@ -531,7 +533,7 @@ class _RingSteps:
 
     def _run(self, i: int, block: torch.Tensor) -> None:
         """Launch i over block [2, Tk, Hkv, D] (its plan made once; plain loads for a block TMA cannot read)."""
-        k, v = block[0], block[1]
+        k, v = self.plan.kv_views if block is self.plan.kv else (block[0], block[1])
         tma = None
         # The first block's TMA-readability is the plan's (its key); another may be misaligned: plain loads.
         if self.tma and k.shape[0] and block is not self.first_block and block is not self.plan.kv \
@@ -593,6 +595,8 @@ class _RingPlan:
     acc: tuple | None  # the accumulators every call shares (short chunks, `KEEP_ACC_TOKENS`), else None: per call
     kv: torch.Tensor | None  # the fused / hybrid position-ordered K/V buffer every call shares (short chunks), or None
     side: tuple | None  # RingConfig.overlap: (side stream, event "blocks ready", event "scatter done"), or None
+    kv_views: tuple | None  # kv's K and V ([Tk, Hkv, D] views), made once
+    scatter: object | None  # the one scatter into kv (hybrid, batchcopy) planned once (`ScatterLaunch`), or None
 
 
 # Up to this many query rows per rank the plan keeps the ring's accumulators (fp32, 4 x Hq x D bytes a row: 128 MiB at
@@ -659,20 +663,35 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
     partials = kernels.partial_buffers(slots, n_groups, config, q.shape[-1], q.device) if slots else None
     # acc16: the running output in q's 16-bit dtype (half the traffic of the steps' merges), LSE fp32.
     acc_dtype = q.dtype if config.acc16 and q.element_size() == 2 else torch.float32
-    acc = kv = side = None
+    acc, kept = None, (None, None, None, None)
     if q.shape[0] <= KEEP_ACC_TOKENS:
         if len(launches) > 1:
             acc = (torch.empty(q.shape, dtype=acc_dtype, device=q.device),
                    torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
         if fused or hybrid:
-            kv = first_block.new_empty((2, fused_tokens, *first_block.shape[2:]))
-            if config.overlap and (hybrid or config.batchcopy) and q.is_cuda:
-                side = (_side_stream(q.device), torch.cuda.Event(), torch.cuda.Event())
+            kept = _kept_buffers(first_block, kv_shards if hybrid else kv_shards[f0:], hybrid, fused_tokens, dst,
+                                 config, q.device)
     plan = _RingPlan(config, tma, hkv, fused, f0, dst, fused_tokens, len(launches), q_pos, k_pos, tables, partials,
                      [shard.num_tokens for shard in launches], acc_dtype, specs, hybrid, [None] * len(launches), acc,
-                     kv, side)
+                     *kept)
     q_shard._tables[key] = (list(kv_shards), plan)
     return plan
+
+
+def _kept_buffers(first_block: torch.Tensor, scattered: list[TokenShard], hybrid: bool, fused_tokens: int,
+                  dst: list, config, device: torch.device) -> tuple:
+    """A fused or hybrid ring's position-ordered K/V buffer kept in its plan (`scattered`: the shards whose blocks go
+    there, in step order, as `dst`), with its K/V views, RingConfig.overlap's stream and events, and its one scatter
+    planned (`ScatterLaunch`: hybrid, batchcopy): (kv, side, kv_views, scatter)."""
+    kv = first_block.new_empty((2, fused_tokens, *first_block.shape[2:]))
+    side = scatter = None
+    if hybrid or config.batchcopy:
+        if config.overlap and kv.is_cuda:
+            side = (_side_stream(device), torch.cuda.Event(), torch.cuda.Event())
+        row = kv.shape[2] * kv.shape[3] * kv.element_size()
+        if all(run * row % 8 == 0 for run, _ in dst):  # else `_scatter_all`'s copy per block
+            scatter = _triton_kernels().ScatterLaunch(kv, dst, [s.num_tokens for s in scattered])
+    return kv, side, (kv[0], kv[1]), scatter
 
 
 @functools.lru_cache(maxsize=None)

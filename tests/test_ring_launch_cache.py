@@ -257,3 +257,67 @@ def test_scatter_launches_through_the_kept_kernel(monkeypatch):
     monkeypatch.setenv(rt.DIRECT_ENV, "0")
     rt.scatter_blocks(buf, blocks, runs)
     assert [e[0] for e in jit.log] == ["jit", "jit"], jit.log
+
+
+SCATTER_PLAN_SCRIPT = r'''
+import torch
+from parallel.kernels import ring_attention_triton as rt
+from parallel.ring_attention import TokenShard, _fused_layout
+from workers.sp_plan import owned_positions
+
+checked = 0
+# A planned scatter (ScatterLaunch) against scatter_blocks, bitwise, twice (new blocks each time): SP=3, 4 and 8 (three
+# launches of up to three blocks), 4- and 2-token runs, and a 6-token prompt at SP=4 whose ranks 2 and 3 hold nothing.
+for n, sp, bs in ((45, 3, 4), (64, 4, 4), (100, 8, 2), (6, 4, 4)):
+    shards = [TokenShard([owned_positions(0, n, r, sp, bs)]) for r in range(sp)]
+    fused, dst = _fused_layout(shards[0], shards[1:], torch.device("cpu"))
+    planned = torch.full((2, fused.num_tokens, 2, 16), float("nan"))
+    scatter = rt.ScatterLaunch(planned, dst, [s.num_tokens for s in shards[1:]])
+    for _ in range(2):
+        keys = torch.randn(n, 2, 16)
+        blocks = [torch.stack([keys[s.positions[0]], -keys[s.positions[0]]]) for s in shards]
+        want = torch.zeros(2, fused.num_tokens, 2, 16)
+        used = [(b, d) for b, d in zip(blocks[1:], dst) if b.shape[1]]
+        rt.scatter_blocks(want, [b for b, _ in used], [d for _, d in used])
+        assert scatter(blocks[1:]) is True
+        assert torch.equal(planned, want), (n, sp)
+        assert torch.equal(planned[0], keys[fused.positions[0]]), (n, sp)
+        checked += 1
+    # Blocks it was not planned for launch nothing: one row too many, or strided (every block of the right size).
+    before = planned.clone()
+    wrong = [torch.randn(2, s.num_tokens + 1, 2, 16) for s in shards[1:]]
+    strided = [torch.randn(2, s.num_tokens, 4, 16)[:, :, ::2] for s in shards[1:]]
+    assert scatter(wrong) is False and scatter(strided[:1] + blocks[2:]) is False, (n, sp)
+    assert torch.equal(planned, before), (n, sp)
+print("ok", checked)
+'''
+
+
+def test_planned_scatter_in_the_triton_interpreter():
+    """`ScatterLaunch` (a fused or hybrid ring's one scatter, planned with its kept buffer) copies what
+    `scatter_blocks` does, bitwise, call after call; blocks of other sizes launch nothing."""
+    out = run_interpreted(SCATTER_PLAN_SCRIPT)
+    assert out.strip().split()[-2:] == ["ok", "8"], out[-800:]
+
+
+def test_planned_scatter_through_the_kept_kernel(monkeypatch):
+    """`ScatterLaunch` on the handle path: the first call through the JIT (keeping the compiled kernel), later ones
+    through a runner for its fixed 3-D grid with BLOCK after the runtime arguments; a source of another 16-byte
+    alignment through the JIT again."""
+    rt = pytest.importorskip("parallel.kernels.ring_attention_triton")
+    jit = _Jit()
+    monkeypatch.setattr(rt, "_scatter_kernel", jit)
+    monkeypatch.setattr(rt, "direct_launch_ok", lambda device: True)
+    monkeypatch.setattr(rt, "_SCATTER_KERNELS", {})
+    buf = torch.zeros(2, 12, 2, 16)
+    runs = [(1, torch.arange(4) * 3 + j) for j in range(3)]
+    scatter = rt.ScatterLaunch(buf, runs, [4, 4, 4])
+    blocks = [torch.randn(2, 4, 2, 16) for _ in range(3)]
+    for _ in range(3):
+        assert scatter(blocks)
+    n_args = jit.log[0][2]
+    assert jit.log == [("jit", (4, 6, 1), n_args)] + [("handle", (4, 6, 1), n_args + 1)] * 2, jit.log
+    jit.log.clear()
+    odd = torch.randn(2 * 4 * 2 * 16 + 2)[2:].view(2, 4, 2, 16)  # 8 bytes off 16-byte alignment
+    assert scatter([odd] + blocks[1:]) and scatter([odd] + blocks[1:])
+    assert [e[0] for e in jit.log] == ["jit", "handle"] and len(rt._SCATTER_KERNELS) == 2, jit.log
