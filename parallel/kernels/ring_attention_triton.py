@@ -129,11 +129,15 @@ class RingConfig:
     `overlap` (read by parallel/ring_attention.py): the one scatter of `hybrid` or `batchcopy` runs on a side stream
     from the ring's start (the blocks it copies are ready then, or on their receive), so the copy overlaps the first
     launch's compute instead of running between two attention launches; where the ring keeps its fused buffer
-    (short chunks, `KEEP_ACC_TOKENS`), on CUDA.
+    (short chunks, `KEEP_ACC_TOKENS`), on CUDA. Off by default: at 16K tokens on an H100 (2026-11-27, two runs) it was
+    no faster, 0.296-0.298x of SP=1 streamed at SP=4 against 0.294x without, 0.512-0.515x at SP=2 against 0.490-0.502x
+    (the first launch's programs fill the SMs; the copy's then wait or slow them).
 
     `oneloop0` (read by parallel/ring_attention.py): `oneloop` for the ring's first launch only (the own block: short
     programs, whose fixed cost the one loop cuts), the other launches as the config says (at 16K tokens SP=4 on an
-    H100, oneloop took the own block's launch from 0.321 to 0.303 ms and the fused launch from 0.810 to 0.834).
+    H100, oneloop took the own block's launch from 0.321 to 0.303 ms and the fused launch from 0.810 to 0.834). Off by
+    default: with fuse,batchcopy it was 0.298x of SP=1 streamed against 0.294x without (first launch 0.297-0.300 ms
+    against 0.321, the rest within noise).
 
     `gather` (read by parallel/ring_attention.py; SP >= 2): as `fuse`, the rank's own block scattered too, so the
     rank runs ONE launch over every key in position order (programs as long as SP=1's for its query tiles: each
