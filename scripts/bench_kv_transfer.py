@@ -197,7 +197,6 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
     everything = slice(None)
     out: dict[int, dict] = {}
     next_seq = [0]  # the numbered transfers' next number on the pair, the same on both ranks (`_in_flight_run`)
-    default_keep = agent.buffers.limit  # the bytes of message buffers the agent keeps (`KVTransferAgent.buffers`)
     for n_tok in tokens:
         src, dst = block_ids(n_tok, shape, cache_blocks, cfg["seed"])
         plan = plan_transfers([shard], [shard], range(len(src)))
@@ -209,11 +208,8 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
         variants = {("agent" if k == 0 else f"agent_m{m}"): m for k, m in enumerate(cfg["min_messages"])}
         pairs = {name: (agent, spec) for name in variants}
         programs = {name: 0 for name in variants}  # the row copy's grid cap (0: none)
-        # d0: the row copy through Triton's JIT path every time (else its compiled kernel's handle after the first);
-        # i0: the block index's copy waited for (else not). Both as before 2026-11-27's issue-27 helper.
+        # d0: the row copy through Triton's JIT path every time (else its compiled kernel's handle after the first)
         direct: dict[str, bool] = {}
-        index_nb: dict[str, bool] = {}
-        keep: dict[str, int] = {}  # b0: the agent keeps no message buffers between transfers (allocates each time)
         if hp is not None:  # "agent_hp": the first min_messages value over the high-priority pair
             variants["agent_hp"], pairs["agent_hp"], programs["agent_hp"] = cfg["min_messages"][0], hp, 0
         for c in cfg["copy_programs"]:  # "agent_c<N>": the first min_messages value, gather and scatter on <= N programs
@@ -226,11 +222,10 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
             name = f"agent_o{c}"
             variants[name], pairs[name], programs[name], overlap[name] = cfg["min_messages"][0], (agent, spec), 0, c
         for spec_text in cfg["variants"]:  # "agent_<spec>": any mix of m<N> o<N> c<N> d<0|1>, e.g. m2o66, d0
-            knobs = {k: int(v) for k, v in re.findall(r"([mocdib])(\d+)", spec_text)}
+            knobs = {k: int(v) for k, v in re.findall(r"([mocd])(\d+)", spec_text)}
             name = f"agent_{spec_text}"
             variants[name], pairs[name], programs[name] = knobs.get("m", cfg["min_messages"][0]), (agent, spec), knobs.get("c", 0)
-            direct[name], index_nb[name] = bool(knobs.get("d", 1)), bool(knobs.get("i", 1))
-            keep[name] = default_keep if knobs.get("b", 1) else 0
+            direct[name] = bool(knobs.get("d", 1))
             overlap[name] = knobs.get("o", default_overlap)
         flights = {f"agent_x{n}": n for n in cfg["in_flight"]}  # "agent_x<N>": N transfers on the pair at once
         times: dict[str, list[float]] = {**{v: [] for v in variants}, **{v: [] for v in flights}, "raw": [], "gather": [],
@@ -247,9 +242,8 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
             for name, m in variants.items():
                 runs[name] = lambda m=m, name=name: (setattr(pairs[name][0], "min_messages", m),
                                                      setattr(pairs[name][0], "overlap_copy_programs", overlap[name]),
-                                                     setattr(pairs[name][0].buffers, "limit", keep.get(name, default_keep)),
-                                                     _copy_programs(programs[name]),
-                                                     _direct(direct.get(name, True), index_nb.get(name, True)), move(name))
+                                                     _copy_programs(programs[name]), _direct(direct.get(name, True)),
+                                                     move(name))
             for name, n in flights.items():
                 runs[name] = _in_flight_run(rank, agent, spec, shard, plan, src, dst, n, next_seq, f"x{n_tok}-{i}")
             # The same order on both ranks, so the barriers pair up; "agent" (the default) last, so what it wrote
@@ -311,12 +305,9 @@ def _copy_programs(n: int) -> None:
         block_copy.MAX_PROGRAMS = n
 
 
-def _direct(on: bool, index_non_blocking: bool) -> None:
+def _direct(on: bool) -> None:
     """Whether the row copy's launches after the first go through the compiled kernel's handle (GPU only; d0 in
-    --variants: the JIT path every time, as before), and whether the block index's copy is waited for (i0)."""
-    from workers.kv_transfer import blocks
-
-    blocks.INDEX_NON_BLOCKING = index_non_blocking
+    --variants: the JIT path every time, as before)."""
     if torch.cuda.is_available():
         from parallel.kernels import block_copy
 
@@ -335,7 +326,7 @@ def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> b
     return bool(torch.equal(mine, theirs))
 
 
-VARIANT = r"agent_(hp|x\d+|(?:[mocdib]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
+VARIANT = r"agent_(hp|x\d+|(?:[mocd]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
 
 
 def summarize(results: list[dict], cfg: dict) -> list[dict]:
@@ -393,8 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "KVTransferAgent.overlap_copy_programs)")
     p.add_argument("--variants", default="", help="comma-separated agent settings to time, each any mix of m<N> "
                    "(min_messages), o<N> (overlap_copy_programs), c<N> (copy programs), d<0|1> (the row copy through "
-                   "its compiled kernel's handle, default 1), i<0|1> (the block index's copy not waited for, default 1), "
-                   "b<0|1> (message buffers kept between transfers, default 1), e.g. m2o66,o32,d0i0,b0 "
+                   "its compiled kernel's handle, default 1), e.g. m2o66,o32,d0 "
                    "(the 'agent_<spec>' rows)")
     p.add_argument("--in-flight", default="", help="comma-separated: also time N transfers of each prompt on the pair "
                    "at once, numbered, as a decode replica runs several handoffs per pair (the 'agent_x<N>' rows: time "

@@ -533,33 +533,3 @@ def test_numbered_transfers_in_flight_pair_up_by_posting_order_as_nccl_does():
         assert results[(seq, "send")].ended - results[(seq, "send")].began < 5
         assert torch.equal(decode.kv_cache[:, :, dst_blocks], prefill.kv_cache[:, :, src_blocks]), seq
 
-
-def test_kept_message_buffers_are_reused_only_whole_or_from_their_start_and_never_past_the_limit():
-    """transport._Buffers: a transfer takes a kept buffer as is where its last view matches (the same tensor), else a
-    large enough one viewed anew from its start (its bytes, no copy); a taken buffer is not handed out again until given
-    back; at most `limit` bytes are kept, the smallest dropped first; limit 0 keeps none."""
-    from workers.kv_transfer.transport import _Buffers
-
-    pool, cpu = _Buffers(limit=1000), torch.device("cpu")
-    first: list = []
-    a = pool.take((2, 50), torch.float32, cpu, first)  # 400 bytes
-    b = pool.take((10,), torch.int64, cpu, first)  # 80 bytes
-    assert [e[1] for e in first] == [a, b]
-    pool.give(first)
-    second: list = []
-    assert pool.take((2, 50), torch.float32, cpu, second) is a  # the same view, no new tensor
-    c = pool.take((3, 4), torch.int16, cpu, second)  # 24 bytes: b's bytes (the smallest that fits), viewed anew
-    assert c.data_ptr() == b.data_ptr() and c.shape == (3, 4) and c.dtype == torch.int16
-    d = pool.take((10,), torch.int64, cpu, second)  # nothing kept is left: a new one
-    assert d.data_ptr() not in (a.data_ptr(), b.data_ptr())
-    big: list = []
-    pool.give(second)  # 400 + 80 + 80 bytes kept
-    e = pool.take((100, 100), torch.uint8, cpu, big)  # 10,000 bytes: larger than anything kept
-    pool.give(big)  # 10,560 > 1,000: the smallest go until it fits, the large one too
-    third: list = []
-    assert pool.take((2, 50), torch.float32, cpu, third) is not e and len(pool._free) == 0
-    none = _Buffers(limit=0)
-    kept: list = []
-    x = none.take((4,), torch.float32, cpu, kept)
-    none.give(kept)
-    assert none.take((4,), torch.float32, cpu, []) is not x

@@ -10,8 +10,6 @@ row copy (parallel/kernels/block_copy.py); a head slice (a resharded handoff) an
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 
@@ -40,18 +38,11 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-# Whether block_index's copy leaves out the wait for it (bench_kv_transfer.py's i0 variant waits, as before).
-INDEX_NON_BLOCKING = True
-
-
 def block_index(block_ids: list[int], device: torch.device | str) -> torch.Tensor:
     """block_ids as the index tensor gather_blocks / scatter_blocks take (made once per transfer, not per message).
     A plain copy from pageable memory: beside an engine thread, it was the faster of the two kinds of small
-    host-to-device copy (scripts/bench_cuda_stall.py); a pinned one waited for a `.tolist()` there. Not waited for:
-    from pageable memory CUDA returns once the ids are staged (the host list may go) and the copy runs in this
-    stream's order, before the gather or scatter that reads it; the wait for the copy to land (~50 us a transfer
-    there) was on a short handoff's critical path, before the sender's gather could even be launched."""
-    return torch.tensor(block_ids, dtype=torch.long).to(device, non_blocking=INDEX_NON_BLOCKING)  # on CPU: itself
+    host-to-device copy (scripts/bench_cuda_stall.py); a pinned one waited for a `.tolist()` there."""
+    return torch.tensor(block_ids, dtype=torch.long, device=device)
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, heads: slice,
@@ -101,9 +92,11 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: slice, 
 class CacheBlocks:
     """gather_blocks / scatter_blocks on one cache, for an agent that moves its blocks many times: the cache's wire and
     word views and whether the GPU row copy takes its whole-head transfers are worked out once, and a transfer of
-    every layer copies from the whole view (no slice). A 1K-token handoff is bound by the host's work before the
-    sender's one message is posted and after the receiver's lands (docs/benchmarks.md, issue 27), and each view op
-    there costs a few microseconds, more on a cold path."""
+    every layer copies from the whole view (no slice): a few view ops fewer a copy. A 1K-token handoff waits for the
+    host's work before the sender's one message can start (docs/benchmarks.md, issue 27). With this and the receiver
+    posting before it builds its index, one 2 x H100 call measured 0.77 ms against the code before's 1.00 (raw 0.41,
+    same call); the next call did not repeat it (0.93-0.97 against 0.84, raw 0.47 / 0.42): the 1K figure swings more
+    from call to call than such changes move it."""
 
     def __init__(self, kv_cache: torch.Tensor):
         self.kv_cache = kv_cache
@@ -118,17 +111,14 @@ class CacheBlocks:
         return self.words if whole else self.words[layers]
 
     def gather(self, block_ids: list[int], layers: slice, heads: slice, index: torch.Tensor,
-               programs: int | None = None, alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
-               ) -> torch.Tensor:
-        """gather_blocks(self.kv_cache, block_ids, layers, heads, index, programs). alloc(shape, dtype): where the row
-        copy writes (a contiguous tensor on the cache's device; None: a new one)."""
+               programs: int | None = None) -> torch.Tensor:
+        """gather_blocks(self.kv_cache, block_ids, layers, heads, index, programs)."""
         if not (self.rows and _all_heads(heads, self.num_heads)):
             return gather_blocks(self.kv_cache, block_ids, layers, heads, index, programs)
         from parallel.kernels.block_copy import copy_rows
 
         words = self._layer_words(layers)
-        shape = words.shape[:2] + (index.numel(),) + words.shape[3:]
-        out = alloc(shape, words.dtype) if alloc is not None else torch.empty(shape, dtype=words.dtype, device=words.device)
+        out = torch.empty(words.shape[:2] + (index.numel(),) + words.shape[3:], dtype=words.dtype, device=words.device)
         copy_rows(words, out, index, gather=True, programs=programs)
         return out if out.dtype == self.wire.dtype else out.view(self.wire.dtype)
 

@@ -21,7 +21,6 @@ import contextlib
 import datetime
 import json
 import logging
-import math
 import os
 import pickle
 import socket
@@ -179,85 +178,6 @@ class _PostOrder:
             self._cond.notify_all()
 
 
-class _Buffers:
-    """Device buffers of messages whose transfer has ended (every message landed or left, this thread's stream
-    synchronised: nothing on the GPU uses them any more), for the next transfers to take instead of allocating. A
-    buffer a message hands to NCCL stays referenced by its work until ProcessGroupNCCL's watchdog collects it, so a
-    freed one does not go back to the caching allocator at once, and a short handoff's allocation sat on its critical
-    path (the sender's before its gather, the receiver's before its first receive is posted). At most `limit` bytes
-    are kept (the smallest go first). A kept buffer is taken as is where its last view has the shape and dtype asked
-    for (no op at all), else viewed anew from its start where it is large enough. Shared by a rank's threads."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._lock = threading.Lock()
-        # Kept buffers, each [its bytes (flat uint8, None until a view of another shape is needed), its last view].
-        self._free: list[list] = []
-
-    @staticmethod
-    def _size(entry: list) -> int:
-        return entry[0].numel() if entry[0] is not None else entry[1].numel() * entry[1].element_size()
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, taken: list[list]) -> torch.Tensor:
-        """A [shape] dtype tensor on device for one message, kept or new; its entry recorded in `taken` (for `give`)."""
-        entry = self._pick(shape, dtype, math.prod(shape) * dtype.itemsize) if self.limit else None
-        if entry is None:
-            entry = [None, torch.empty(shape, dtype=dtype, device=device)]
-        taken.append(entry)
-        return entry[1]
-
-    def _pick(self, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> list | None:
-        with self._lock:
-            fit = None
-            for i, entry in enumerate(self._free):
-                if entry[1].dtype == dtype and entry[1].shape == shape:
-                    return self._free.pop(i)
-                if self._size(entry) >= nbytes and (fit is None or self._size(entry) < self._size(self._free[fit])):
-                    fit = i
-            if fit is None:
-                return None
-            entry = self._free.pop(fit)
-        if entry[0] is None:  # a buffer allocated for one message: its bytes, as flat uint8 (views, no copy)
-            entry[0] = entry[1].view(-1).view(torch.uint8)
-        entry[1] = entry[0][:nbytes].view(dtype).view(shape)
-        return entry
-
-    def give(self, taken: list[list]) -> None:
-        """The buffers of a transfer that has ended (never of one that failed: NCCL may still be writing them)."""
-        if not (self.limit and taken):
-            return
-        with self._lock:
-            self._free.extend(taken)
-            self._free.sort(key=self._size)
-            while self._free and sum(self._size(e) for e in self._free) > self.limit:
-                self._free.pop(0)
-
-
-class _OnStream:
-    """`torch.cuda.stream(stream)` in fewer calls (it sits on every transfer's critical path): the current stream set
-    and restored; where this thread's current device is not the stream's, the torch context manager (which switches
-    the device too)."""
-
-    __slots__ = ("stream", "prev", "ctx")
-
-    def __init__(self, stream: torch.cuda.Stream) -> None:
-        self.stream, self.prev, self.ctx = stream, None, None
-
-    def __enter__(self) -> None:
-        if torch.cuda.current_device() != self.stream.device_index:
-            self.ctx = torch.cuda.stream(self.stream)
-            self.ctx.__enter__()
-            return
-        self.prev = torch.cuda.current_stream()
-        torch.cuda.set_stream(self.stream)
-
-    def __exit__(self, *exc) -> None:
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
-        else:
-            torch.cuda.set_stream(self.prev)
-
-
 class KVTransferError(RuntimeError):
     """A transfer failed or timed out; the pair's group is dropped and rebuilt on next use."""
 
@@ -373,9 +293,6 @@ class KVTransferAgent:
         # and from 77% to 81% on 2 x H200, 32K from 73% to 85% and from 82-83% to 88%, 1K unchanged (four runs,
         # docs/benchmarks.md, twelfth session). 0 caps nothing. TANDEM_KV_OVERLAP_COPY_PROGRAMS overrides it.
         self.overlap_copy_programs = int(os.environ.get("TANDEM_KV_OVERLAP_COPY_PROGRAMS") or OVERLAP_COPY_PROGRAMS)
-        # NCCL messages' device buffers kept between transfers (`_Buffers`), at most this many bytes: one 256 MiB
-        # message (a 2K-token Llama-3.1-8B handoff's, or two 1K ones'). 0 keeps none (allocates every time, as before).
-        self.buffers = _Buffers(MESSAGE_BYTES)
 
     def get_shard(self) -> RankShard:
         return self.shard
@@ -551,7 +468,7 @@ class KVTransferAgent:
         stream = getattr(self._streams, "stream", None)
         if stream is None:
             stream = self._streams.stream = torch.cuda.Stream(self.kv_cache.device)
-        return _OnStream(stream)
+        return torch.cuda.stream(stream)
 
     def _posting(self, pair_id: str, group: dist.ProcessGroup, seq: int | None):
         """The block in which a transfer posts its messages: its turn on the pair (`_PostOrder.turn`), failing as
@@ -563,21 +480,18 @@ class KVTransferAgent:
 
     def _send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_table: list[int],
               seq: int | None = None) -> int:
-        group, clock, taken = self._group(spec.pair_id), PhaseClock(), []
+        group, clock = self._group(spec.pair_id), PhaseClock()
         with self._posting(spec.pair_id, group, seq):
-            works, sent = self._post_sends(spec, group, clock, plan, dst_shards, block_table, seq, taken)
+            works, sent = self._post_sends(spec, group, clock, plan, dst_shards, block_table, seq)
         self._wait(spec.pair_id, group, [w for w, _ in works])
-        self.buffers.give(taken)  # every message has left: their buffers are free for the next transfer
         clock.mark("sent")
         clock.log("send", messages=len(works), bytes=sent)
         self.bytes_sent += sent
         return sent
 
     def _post_sends(self, spec: PairSpec, group: dist.ProcessGroup, clock: PhaseClock, plan: list[Transfer],
-                    dst_shards: dict[int, RankShard], block_table: list[int], seq: int | None,
-                    taken: list) -> tuple[list, int]:
-        """Gather and post this rank's messages of the plan: (works with their buffers, bytes). Over NCCL the gathers
-        write into kept buffers (`_Buffers`), recorded in `taken`."""
+                    dst_shards: dict[int, RankShard], block_table: list[int], seq: int | None) -> tuple[list, int]:
+        """Gather and post this rank's messages of the plan: (works with their buffers, bytes)."""
         messages = list(self._messages(plan, dst_shards, sending=True, seq=seq))
         clock.mark("setup")  # the turn, the plan's messages: pure Python
         # Every transfer's block ids and index tensor (once per transfer, not per message) before the first gather is
@@ -590,8 +504,6 @@ class KVTransferAgent:
                     block_index(local_ids, self.kv_cache.device)
         clock.mark("index")
         works, sent = [], 0
-        device = self.kv_cache.device
-        alloc = (lambda shape, dtype: self.buffers.take(shape, dtype, device, taken)) if self._nccl(spec) else None
         for tag, t, layers, heads in messages:
             local_ids, index = ids[id(t)]
             if index is None:
@@ -602,7 +514,7 @@ class KVTransferAgent:
                 sent += torch.Size(shape).numel() * wire_dtype(self.kv_cache.dtype).itemsize
                 continue
             # Gathering the next chunk (this agent's stream) overlaps sending this one (NCCL's stream).
-            buf = self._blocks.gather(local_ids, layers, heads, index, self._copy_programs(overlapped=bool(works)), alloc)
+            buf = self._blocks.gather(local_ids, layers, heads, index, self._copy_programs(overlapped=bool(works)))
             if spec.staged:
                 buf = _to_host(buf)
             clock.mark("gather")
@@ -626,9 +538,9 @@ class KVTransferAgent:
     def _recv(self, spec: PairSpec, plan: list[Transfer], src_shards: dict[int, RankShard], block_table: list[int],
               src_block_table: list[int] | None, seq: int | None = None) -> tuple[int, float]:
         """(bytes received, when the last receive was posted and the last scatter queued)."""
-        group, clock, taken = self._group(spec.pair_id), PhaseClock(), []
+        group, clock = self._group(spec.pair_id), PhaseClock()
         with self._posting(spec.pair_id, group, seq):
-            pending, local = self._post_recvs(spec, group, clock, plan, src_shards, block_table, seq, taken)
+            pending, local = self._post_recvs(spec, group, clock, plan, src_shards, block_table, seq)
             # The peers' acks are messages too: posted in this transfer's turn.
             received = self._copy_from_peers(spec, group, local, src_shards, block_table, src_block_table)
         clock.mark("peers")
@@ -655,7 +567,6 @@ class KVTransferAgent:
         posted = time.time()
         if nccl:
             self._wait(spec.pair_id, group, [work for work, *_ in pending])  # every message landed, then synchronised
-            self.buffers.give(taken)  # and scattered: their buffers are free for the next transfer
         elif self.kv_cache.is_cuda:
             torch.cuda.current_stream().synchronize()
         clock.mark("landed")
@@ -664,8 +575,7 @@ class KVTransferAgent:
         return received, posted
 
     def _post_recvs(self, spec: PairSpec, group: dist.ProcessGroup, clock: PhaseClock, plan: list[Transfer],
-                    src_shards: dict[int, RankShard], block_table: list[int], seq: int | None,
-                    taken: list) -> tuple[list, list]:
+                    src_shards: dict[int, RankShard], block_table: list[int], seq: int | None) -> tuple[list, list]:
         """Post this rank's receives of the plan, in the senders' order (NCCL pairs a rank pair's messages by order,
         not by tag); each chunk is then scattered as it lands (`_recv`), overlapping the later ones. Returns the
         posted receives and the messages to copy from a peer on this GPU instead."""
@@ -681,9 +591,7 @@ class KVTransferAgent:
             shape, wire = transfer_shape(self.kv_cache, len(t.blocks), layers, heads), wire_dtype(self.kv_cache.dtype)
             # Staged: received into pinned host memory, so its copy to the GPU below is asynchronous on this stream
             # (from pageable memory it would wait for the engine's work on the GPU too).
-            # Over NCCL: a kept buffer (`_Buffers`), recorded in `taken`.
             buf = (torch.empty(shape, dtype=wire, pin_memory=self.kv_cache.is_cuda) if spec.staged
-                   else self.buffers.take(shape, wire, self.kv_cache.device, taken) if self._nccl(spec)
                    else torch.empty(shape, dtype=wire, device=self.kv_cache.device))
             clock.mark("alloc")
             pending.append((group.recv([buf], t.src, tag), buf, t, block_ids, layers, heads))
