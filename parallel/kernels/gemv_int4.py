@@ -22,8 +22,9 @@ order and that cancellation (tests: tests/test_gemv_int4_interpreted.py, tests/g
 
 Measured (one H100, 2026-11-27, `scripts/bench_gemv.py --int4 --sweep`, CUDA graphs, weights past L2): 600-850 GB/s
 of int4 bytes on the qkv / o shapes (best tiles 2x32x1 and 4x64x2), against ~1,300 for tinygemm's bare product and
-~2,530 for the bf16 GEMV; at load, cold, gate/up 84 us (740 GB/s) and down 63-85 us against tinygemm's 43 and 25. So
-it is opt-in (parallel/quant/fused_gemv.py). Compiled for sm_90 it spends 4.2 SASS instructions per code on o
+~2,530 for the bf16 GEMV; gate/up (RMSNorm + SiLU) 54.0 us, 1,156 GB/s, against tinygemm's 33.7 us (1,850) and the
+bf16 GEMV's 84.2 (2,790); down, timed cold at load only, 63-85 us against tinygemm's 25. So it is opt-in
+(parallel/quant/fused_gemv.py). Compiled for sm_90 it spends 4.2 SASS instructions per code on o
 (residual, 8 rows a thread), 5.1-6.8 on gate/up with the RMSNorm prologue; at 3 TB/s of 4-bit codes an H100 has
 about 5 instruction slots per code in all, so this CUDA-core kernel is issue-bound well below HBM speed. The way on
 is tensor cores (what the layout is made for: a word's nibble pairs are mma.m16n8k16 B-fragment registers after one

@@ -14,10 +14,11 @@ fused decoder ran at 1.48-1.55x bf16. 4-bit GPTQ / AWQ layers in tinygemm's layo
 TANDEM_FUSED_INT4=1, and then only where gemv_int4.py's kernel is measured at load to beat tinygemm on the same weight
 (`faster_than_tinygemm`: the fused call with its prologue and epilogue against tinygemm's bare product; a layer that
 loses keeps `gemv_skipped`, so its model keeps the unfused decoder and tinygemm). Why opt-in: on an H100
-(2026-11-27) that kernel ran at 0.6x tinygemm's speed per shape (600-850 GB/s against ~1,300: CUDA cores spend 4-7
-instructions per 4-bit code, docs in gemv_int4.py), and its fused-op GPU tests failed while the same cases pass in
-Triton's interpreter (scripts/gemv_int4_check.py separates the ops). gemv_quant's older integer path ran at 0.80x
-bf16 end to end (107-504 GB/s). The Triton integer layout (8-bit GPTQ, fp16 activations) keeps the unfused decoder.
+(2026-11-27, CUDA graphs, weights past L2) that kernel ran at 0.6x tinygemm's speed per shape (qkv / o 600-850 GB/s
+against ~1,300; gate/up 54.0 us, 1,156 GB/s, against tinygemm's 33.7 us, 1,850 GB/s; bf16 2,790): CUDA cores spend
+4-7 instructions per 4-bit code (gemv_int4.py). On the GPU it agrees with gemv_quant's older integer kernel within
+0.3% on every fused op (scripts/gemv_int4_check.py). gemv_quant's older integer path ran at 0.80x bf16 end to end.
+The Triton integer layout (8-bit GPTQ, fp16 activations) keeps the unfused decoder.
 TANDEM_FUSED_QUANT=0 leaves every quantized layer there (to compare).
 """
 from __future__ import annotations
