@@ -50,7 +50,7 @@ MALFORMED = (b'{"prompt": ', b'{"prompt": "x", "max_tokens": "many"}', b'{"promp
              b'{"messages": [{"role": "robot", "content": "hi"}]}', b'[1, 2, 3]')
 PROMPTS = ("def fibonacci(n):", "The quick brown fox", "Once upon a time, in a land far away,",
            "import numpy as np\n", "Q: What is the capital of France?\nA:")
-FAULTS = ("kill-prefill", "kill-decode", "kill-rank", "kill-router")
+FAULTS = ("kill-prefill", "kill-decode", "kill-rank", "kill-prefill-rank", "kill-decode-rank", "kill-router")
 
 
 @dataclass
@@ -197,24 +197,42 @@ def kill_replica(deployment: str) -> str:
     return f"killed {names[0].split('#')[-1]} of {deployment}"
 
 
-def kill_rank() -> str:
-    """SIGKILL one live rank actor's process (prefill ranks are Ray actors). The actor table comes from the GCS,
-    which needs no dashboard; the process is one this script's own Ray started."""
+def live_ranks(actors: list[dict], pool: str | None = None) -> list[dict]:
+    """The live `RankWorker` entries of a GCS actor table, in table order; with `pool` ("PrefillPool",
+    "DecodePool"), only those a replica of that deployment started: a rank actor's owner is the Serve
+    replica actor that created it, whose address equals the rank's `OwnerAddress`."""
+    def where(addr: dict | None) -> tuple:
+        return ((addr or {}).get("IPAddress"), (addr or {}).get("Port"))
+
+    alive = [a for a in actors if a.get("State") == "ALIVE"]
+    owners = {where(a.get("Address")): a.get("ActorClassName", "") for a in alive}
+    ranks = [a for a in alive if a.get("ActorClassName") == "RankWorker"]
+    if pool is None:
+        return ranks
+    return [a for a in ranks if owners.get(where(a.get("OwnerAddress")), "").endswith(f":{pool}")]
+
+
+def kill_rank(pool: str | None = None) -> str:
+    """SIGKILL one live rank actor's process (pool ranks are Ray actors): any pool's (`kill-rank`, the first
+    in the GCS table, so either pool's), or one of the prefill or decode pool's. The actor table comes from
+    the GCS, which needs no dashboard; the process is one this script's own Ray started."""
     from ray._private import state
 
-    live = _wait_for(lambda: [a for a in state.actors().values()
-                              if a.get("ActorClassName") == "RankWorker" and a.get("State") == "ALIVE"])
+    live = _wait_for(lambda: live_ranks(list(state.actors().values()), pool))
+    of = f" of {pool}" if pool else ""
     if not live:
-        return "no live RankWorker"
+        return f"no live RankWorker{of}"
     pid = int(live[0]["Pid"])
     os.kill(pid, signal.SIGKILL)
-    return f"killed RankWorker pid {pid}"
+    return f"killed RankWorker pid {pid}{of}"
 
 
 FAULT_ACTIONS: dict[str, Callable[[], str]] = {
     "kill-prefill": lambda: kill_replica("PrefillPool"),
     "kill-decode": lambda: kill_replica("DecodePool"),
     "kill-rank": kill_rank,
+    "kill-prefill-rank": lambda: kill_rank("PrefillPool"),
+    "kill-decode-rank": lambda: kill_rank("DecodePool"),
     # The ingress: its in-flight streams end with it (the clients see the connection drop); the other Router
     # replicas (--router-replicas 2 and up) take the new requests while Serve replaces it.
     "kill-router": lambda: kill_replica("Router"),
@@ -359,7 +377,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=4.0, help="Requests per second, open loop (default: 4).")
     p.add_argument("--duration", type=float, default=60.0, help="Seconds of load (default: 60).")
     p.add_argument("--schedule", default="kill-prefill@10,kill-decode@25,kill-rank@40",
-                   help="Faults as FAULT@SECONDS, comma-separated; FAULT: kill-prefill, kill-decode, kill-rank, kill-router.")
+                   help="Faults as FAULT@SECONDS, comma-separated; FAULT: kill-prefill, kill-decode (a replica), kill-rank "
+                        "(any pool's rank actor), kill-prefill-rank, kill-decode-rank (one of that pool's), kill-router.")
     p.add_argument("--deadline", type=float, default=60.0, help="Seconds a request may take before it counts as lost.")
     p.add_argument("--max-tokens", type=int, default=16, help="Tokens per ordinary request (default: 16).")
     p.add_argument("--oversize-bytes", type=int, default=200_000, help="Prompt size of oversized requests.")

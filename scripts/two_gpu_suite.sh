@@ -152,7 +152,7 @@ run_sp_serve() {  # issue 28: an SP=2 prefill pool hands 16K-token prompts' KV t
 run_fault() {
   python scripts/fault_load.py --model models/tandem-tiny --rate 4 --duration 60 \
     --serve-args "--device cuda --disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle --max-request-body-bytes 65536 --request-timeout-s 30" \
-    --schedule "kill-rank@10,kill-prefill@25,kill-decode@40" --out "$RES/fault_load_gpu.json"
+    --schedule "kill-prefill-rank@10,kill-prefill@25,kill-decode@40" --out "$RES/fault_load_gpu.json"
 }
 
 SP_LENGTHS=${SP_LENGTHS:-16384,65536,131056}

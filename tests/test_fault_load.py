@@ -54,6 +54,22 @@ def test_schedule_is_parsed_and_checked():
         fault_load.parse_schedule("kill-proxy@3")
 
 
+def test_rank_kills_pick_the_named_pools_ranks_by_their_owner():
+    import fault_load
+
+    def actor(cls: str, port: int, owner_port: int, state: str = "ALIVE", pid: int = 0) -> dict:
+        return {"ActorClassName": cls, "State": state, "Pid": pid, "Address": {"IPAddress": "10.0.0.1", "Port": port},
+                "OwnerAddress": {"IPAddress": "10.0.0.1", "Port": owner_port}}
+
+    table = [actor("ServeReplica:tandem:DecodePool", 100, 1), actor("ServeReplica:tandem:PrefillPool", 200, 1),
+             actor("RankWorker", 101, 100, pid=11), actor("RankWorker", 201, 200, pid=21),
+             actor("RankWorker", 202, 200, "DEAD", pid=22), actor("RankWorker", 301, 300, pid=31)]
+    assert [a["Pid"] for a in fault_load.live_ranks(table)] == [11, 21, 31]  # any pool's (and an orphan's)
+    assert [a["Pid"] for a in fault_load.live_ranks(table, "PrefillPool")] == [21]  # the dead one is skipped
+    assert [a["Pid"] for a in fault_load.live_ranks(table, "DecodePool")] == [11]
+    assert fault_load.live_ranks(table[2:], "DecodePool") == []  # its replica gone from the table: not guessed
+
+
 @pytest.mark.slow
 def test_short_fault_load_loses_nothing_and_leaks_no_blocks(tmp_path, no_shared_ray):
     """The script starts its app on a private Ray of its own (the kills pick any RankWorker of the Ray
@@ -64,7 +80,7 @@ def test_short_fault_load_loses_nothing_and_leaks_no_blocks(tmp_path, no_shared_
     out = tmp_path / "fault.json"
     # The app's request timeout is 30 s (fault_load.DEFAULT_SERVE_ARGS): a request held for a replacement replica
     # is answered 504 then, so the client waits a little longer than that for the answer to arrive.
-    res = fault_load.main(["--rate", "3", "--duration", "8", "--schedule", "kill-rank@2,kill-prefill@4,kill-decode@6",
+    res = fault_load.main(["--rate", "3", "--duration", "8", "--schedule", "kill-prefill-rank@2,kill-prefill@4,kill-decode@6",
                            "--deadline", "35", "--settle", "20", "--out", str(out)])
     assert json.loads(out.read_text())["sent"] == res["sent"] >= 20
     assert res["lost"] == 0, res["lost_examples"]
