@@ -25,8 +25,6 @@ import torch
 from scripts.bench_gemv_fp8 import DECODER, _fused_args
 
 GROUP = 128
-# gemv_int4_mma.py's tiles timed beside the CUDA-core kernel (rows a program, warps; one 128-input tile a step)
-MMA_CONFIGS = (dict(BLOCK_N=32, num_warps=1, num_stages=1, MMA=True), dict(BLOCK_N=64, num_warps=2, num_stages=1, MMA=True))
 
 
 def sweep_configs(k: int, paired: bool) -> list[dict]:
@@ -128,15 +126,6 @@ def _shape_row(name: str, n_k: tuple[int, int], rotate_bytes: int, bench: Callab
            "bf16_GBps": 2 * n * k / bf16_us / 1e3, "tinygemm_us": us(t_tiny), "tinygemm_GBps": q4_bytes / us(t_tiny) / 1e3,
            "q4_config": engine, "q4_us": us(t_q4), "q4_GBps": q4_bytes / us(t_q4) / 1e3, "q4_plain_us": us(t_plain),
            "q4_plain_GBps": q4_bytes / us(t_plain) / 1e3}
-    mma = []
-    for cfg in MMA_CONFIGS:  # the tensor-core kernel (gemv_int4_mma.py), checked like every tile
-        try:
-            tf, tp = _time_q4(bench, x, qws, cfg, fused, ref, tiny_ref)
-        except Exception as e:  # reported, never picked
-            print(f"  mma {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            continue
-        mma.append({"config": cfg, "us": us(tf), "GBps": q4_bytes / us(tf) / 1e3, "plain_us": us(tp)})
-    row["mma"] = mma
     if sweep:
         cfgs = sweep_configs(k, kind == "paired")
         if jobs > 1:
@@ -169,8 +158,6 @@ def bench_int4(a, shapes: dict, rotate_bytes: int, bench: Callable) -> None:
         with open(a.out, "w") as f:  # after every shape: a run cut short keeps what it measured
             json.dump(report, f, indent=2)
         extra = f"  best {r['best_GBps']:5.0f} GB/s {r['best_us']:6.1f} us {r['best_config']}" if a.sweep else ""
-        extra += "".join(f"  mma {m['config']['BLOCK_N']}/{m['config']['num_warps']}w {m['GBps']:5.0f} GB/s {m['us']:6.1f} us"
-                         f" (plain {m['plain_us']:6.1f})" for m in r["mma"])
         print(f"{name:22} {r['fused']:8} bf16 {r['bf16_GBps']:5.0f} GB/s {r['bf16_us']:6.1f} us | tinygemm "
               f"{r['tinygemm_GBps']:5.0f} {r['tinygemm_us']:6.1f} us | q4 {r['q4_GBps']:5.0f} {r['q4_us']:6.1f} us "
               f"(plain {r['q4_plain_GBps']:5.0f} {r['q4_plain_us']:6.1f}) {r['q4_config']}{extra}", flush=True)

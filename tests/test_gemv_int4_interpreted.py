@@ -5,8 +5,7 @@ Here what that leaves out: bf16 activations with the RMSNorm prologue, where x a
 pairs (`_x2` PAIRS) -- bitwise equal to the per-element path and, for SiLU / RoPE, to the bf16 fused GEMV on the
 dequantized weight within bf16 rounding; many K steps (the next step's codes loaded before the current one is summed);
 ragged N (masked rows); and every group size tinygemm has, with and without act order, against x @ the dequantized
-weight in fp32 (the 256 + c / 16 + c offsets cancel to ~1e-6 of the output). And gemv_int4_mma.py's tensor-core
-kernel (its PTX dequantization replaced by the same values in plain ops) against both. The compiled kernels: tests/gpu/
+weight in fp32 (the 256 + c / 16 + c offsets cancel to ~1e-6 of the output). The compiled kernels: tests/gpu/
 and scripts/bench_gemv.py --int4 (every tile checked against tinygemm there).
 """
 from __future__ import annotations
@@ -86,30 +85,10 @@ for gs in (64, 128):
     got = g4.qgemv4(h, qw, None, dict(BLOCK_N=16, KS=16, num_warps=1), residual=r)
     assert rel(got, gv.gemv(h, deq.bfloat16(), None, residual=r)) < 2e-2, (gs, "residual")
     checked += 5
-from parallel.kernels import gemv_quant as gq
-for gs in (128, -1):  # the tensor-core kernel (gemv_int4_mma.py; its PTX dequantization replaced by plain ops here)
-    qw, deq = layer(3 * HD, gs)
-    xb = torch.randn(1, K).bfloat16()
-    for bn in (16, 32):  # 48 rows: 32 masks the last tile
-        mma = dict(BLOCK_N=bn, num_warps=1, MMA=True)
-        assert rel(gq.qgemv(xb, qw, None, mma), xb.float() @ deq.t()) < 1e-2, (gs, bn)
-        checked += 1
-    q4 = dict(BLOCK_N=4, KS=8, num_warps=1)
-    qw, deq = layer(96, gs)  # RoPE over heads of 32 (16 pairs a program at least, for tl.dot): q, k, then v
-    ang32 = torch.rand(8, 1, 16) * 6
-    cs32 = torch.cat([torch.cat([ang32.cos(), ang32.cos()], -1), torch.cat([ang32.sin(), ang32.sin()], -1)], 1)
-    rope32 = gv.Rope(torch.tensor([5]), cs32.contiguous(), 32, 64)
-    for f in (dict(norm_weight=nw, eps=1e-5, rope=rope32), dict(residual=torch.randn(1, 96).bfloat16())):
-        got = gq.qgemv(h, qw, None, dict(BLOCK_N=16, num_warps=1, MMA=True), **f)
-        assert rel(got, g4.qgemv4(h, qw, None, q4, **f)) < 1e-2, (gs, list(f))
-        checked += 1
-    f = dict(norm_weight=nw, eps=1e-6, silu=True)
-    assert rel(gq.qgemv(h, qw, None, dict(BLOCK_N=16, num_warps=1, MMA=True), **f), g4.qgemv4(h, qw, None, q4, **f)) < 1e-2
-    checked += 1
 print("ok", checked)
 '''
 
 
 def test_int4_gemv_in_the_triton_interpreter():
     out = run_interpreted(SCRIPT, timeout=900).strip()
-    assert out.startswith("ok") and int(out.split()[-1]) == 40, out
+    assert out.startswith("ok") and int(out.split()[-1]) == 30, out

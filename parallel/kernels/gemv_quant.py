@@ -519,8 +519,6 @@ Q4_TILES = {False: ((8, 128, 4), (4, 64, 2), (8, 32, 1), (8, 16, 1), (8, 8, 1)),
 def _fits(qw: QuantGemvWeight, cfg: dict) -> bool:
     if cfg.get("Q4"):
         return qw.fmt == INT4PACK and _q4.fits(qw, cfg)
-    if cfg.get("MMA"):
-        return qw.fmt == INT4PACK and _mma.fits(qw, cfg)
     per_step = cfg.get("BLOCK_C", qw.chunk()) * qw.pack * cfg["KS"]
     return qw.k % per_step == 0 and (not (cfg.get("RED") or cfg.get("PREFETCH")) or qw.fmt == FP8)
 
@@ -552,7 +550,6 @@ def candidates(qw: QuantGemvWeight, paired: bool = False) -> list[dict]:
 
 
 from parallel.kernels import gemv_int4 as _q4  # noqa: E402  (it imports this module's `_xq`)
-from parallel.kernels import gemv_int4_mma as _mma  # noqa: E402
 
 
 def qgemv(x: torch.Tensor, qw: QuantGemvWeight, bias: torch.Tensor | None = None, config: dict | None = None, *,
@@ -569,9 +566,6 @@ def qgemv(x: torch.Tensor, qw: QuantGemvWeight, bias: torch.Tensor | None = None
     cfg = dict(config or qw.config or default_config(qw, silu or rope is not None))
     if cfg.get("Q4"):  # 4-bit codes in tinygemm's layout: gemv_int4.py's kernel
         return _q4.qgemv4(x, qw, bias, cfg, norm_weight=norm_weight, eps=eps, residual=residual, silu=silu, rope=rope)
-    if cfg.get("MMA"):  # the same on tensor cores (gemv_int4_mma.py; bf16 x; not among `candidates` yet)
-        return _mma.qgemv_mma(x, qw, bias, cfg, norm_weight=norm_weight, eps=eps, residual=residual, silu=silu,
-                              rope=rope)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid_n = n
     if rope is not None:
