@@ -295,6 +295,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, con
     n = w.shape[0] // 2 if silu else w.shape[0]
     if norm_weight is not None and k > MAX_NORM_K:
         raise ValueError(f"gemv: the RMSNorm prologue supports K <= {MAX_NORM_K}, got {k}")
+    if w.stride(-1) != 1 or x.stride(-1) != 1:  # the kernel walks rows by stride(0) and reads each row densely
+        raise ValueError(f"gemv: weight and input rows must be contiguous (strides {tuple(w.stride())}, "
+                         f"{tuple(x.stride())}); a transposed view reads other values")
     cfg = dict(config or tile_config(n, k))
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid_n = n
