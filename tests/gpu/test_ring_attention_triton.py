@@ -51,6 +51,18 @@ CASES = {  # q positions, k positions (None, None: no mask)
 }
 
 
+def _case_inputs(case: str, hq: int = 32, hkv: int = 8, d: int = 128, dtype: torch.dtype = torch.bfloat16,
+                 seed_extra: int = 0) -> tuple:
+    """A CASES entry's positions and random q [Tq, hq, d], k and v [Tk, hkv, d] (517 x 1029 tokens when it has no
+    positions), seeded by the token counts: (q_pos, k_pos, q, k, v)."""
+    q_pos, k_pos = CASES[case]()
+    tq, tk = (q_pos.numel(), k_pos.numel()) if q_pos is not None else (517, 1029)
+    g = torch.Generator(device=DEV).manual_seed(tq + tk + seed_extra)
+    q = torch.randn(tq, hq, d, device=DEV, generator=g).to(dtype)
+    k, v = (torch.randn(tk, hkv, d, device=DEV, generator=g).to(dtype) for _ in range(2))
+    return q_pos, k_pos, q, k, v
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (8, 1, 64), (4, 4, 128)])
@@ -58,11 +70,7 @@ CASES = {  # q positions, k positions (None, None: no mask)
 def test_chunk_attention_matches_sdpa(case, dtype, hq, hkv, d, tma):
     if tma and not _tma_supported(torch.empty(16, 16, device=DEV)):  # 2-D: a 16-byte row stride, as k/v have
         pytest.skip("TMA needs Hopper")
-    q_pos, k_pos = CASES[case]()
-    tq, tk = (q_pos.numel(), k_pos.numel()) if q_pos is not None else (517, 1029)
-    g = torch.Generator(device=DEV).manual_seed(tq + tk + hq)
-    q = torch.randn(tq, hq, d, device=DEV, generator=g).to(dtype)
-    k, v = (torch.randn(tk, hkv, d, device=DEV, generator=g).to(dtype) for _ in range(2))
+    q_pos, k_pos, q, k, v = _case_inputs(case, hq, hkv, d, dtype, seed_extra=hq)
     scale = d ** -0.5
     out, lse = rt.chunk_attention(q, k, v, scale, q_pos, k_pos, tma=tma)
     ref_out, ref_lse = sdpa_with_lse(q, k, v, scale, q_pos, k_pos)
@@ -79,11 +87,7 @@ def test_one_loop_chunk_attention_matches_sdpa(case, tma):
     Llama-8B heads packed and not."""
     if tma and not _tma_supported(torch.empty(16, 16, device=DEV)):
         pytest.skip("TMA needs Hopper")
-    q_pos, k_pos = CASES[case]()
-    tq, tk = (q_pos.numel(), k_pos.numel()) if q_pos is not None else (517, 1029)
-    g = torch.Generator(device=DEV).manual_seed(tq + tk)
-    q = torch.randn(tq, 32, 128, device=DEV, generator=g).to(torch.bfloat16)
-    k, v = (torch.randn(tk, 8, 128, device=DEV, generator=g).to(torch.bfloat16) for _ in range(2))
+    q_pos, k_pos, q, k, v = _case_inputs(case)
     ref_out, ref_lse = sdpa_with_lse(q, k, v, 128 ** -0.5, q_pos, k_pos)
     dead = torch.isneginf(ref_lse)
     for config in ("128,128,8,3,pack,oneloop", "128,64,8,3,oneloop"):
@@ -197,13 +201,10 @@ def test_split_chunk_attention_matches_sdpa(case, config, tma):
     """Split-K pieces merged by LSE (bf16, Llama-8B heads) against SDPA, output and LSE; the table must split."""
     if tma and not _tma_supported(torch.empty(16, 16, device=DEV)):
         pytest.skip("TMA needs Hopper")
-    q_pos, k_pos = CASES[case]()
-    tq, tk = (q_pos.numel(), k_pos.numel()) if q_pos is not None else (517, 1029)
-    g = torch.Generator(device=DEV).manual_seed(tq + tk)
-    q = torch.randn(tq, 32, 128, device=DEV, generator=g).to(torch.bfloat16)
-    k, v = (torch.randn(tk, 8, 128, device=DEV, generator=g).to(torch.bfloat16) for _ in range(2))
+    q_pos, k_pos, q, k, v = _case_inputs(case)
     cfg = rt.RingConfig.parse(config)
-    table = rt._device_tiles(None if q_pos is None else q_pos.int(), None if k_pos is None else k_pos.int(), tq, tk,
+    table = rt._device_tiles(None if q_pos is None else q_pos.int(), None if k_pos is None else k_pos.int(),
+                             q.shape[0], k.shape[0],
                              rt.rows_per_tile(cfg, 32, 8), q.device).cpu().numpy()
     assert (rt.split_counts(table, cfg.block_n, 1, 1, cfg.splits) > 1).any()
     out, lse = rt.chunk_attention(q, k, v, 128 ** -0.5, q_pos, k_pos, tiles=cfg, tma=tma)
