@@ -156,77 +156,71 @@ for dtype, tol, hq, hkv, cfgs, lengths in (
 
 # 2. A ragged batch, one launch per step: a fresh 30-token prompt; the last 19 tokens of a 40-token prompt
 # over all 40 keys (queries and keys different token sets); a 3-token prompt of which rank 1 holds nothing.
-lens, hq, hkv, sp = (30, 40, 3), 4, 2, 2
+lens, hq, hkv = (30, 40, 3), 4, 2
 qf, kf, vf = ([torch.randn(n, h, D) for n in lens] for h in (hq, hkv, hkv))
 want = [causal(qf[b], kf[b], vf[b]) for b in range(3)]
-q_shards = [TokenShard([owned_positions(lo, n, r, sp, 4) for lo, n in ((0, 30), (21, 40), (0, 3))]) for r in range(sp)]
-kv_shards = [TokenShard([owned_positions(0, n, r, sp, 4) for n in lens]) for r in range(sp)]
-blocks = [torch.stack([torch.cat([x[b][p] for b, p in enumerate(kv.positions)]) for x in (kf, vf)]) for kv in kv_shards]
-for cfg in CONFIGS:
-    for r in range(sp):
-        q = torch.cat([qf[b][p] for b, p in enumerate(q_shards[r].positions)])
-        steps = _RingSteps(q, blocks[r], q_shards[r], [kv_shards[(r - s) % sp] for s in range(sp)], S, None, True, cfg)
-        for s in range(sp):
-            steps.step(s, blocks[(r - s) % sp])
-        ref = torch.cat([want[b][p] for b, p in enumerate(q_shards[r].positions)])
-        torch.testing.assert_close(steps.result(), ref, rtol=1e-5, atol=1e-5, msg=str((cfg, r)))
-        checked += 1
 
-# 2b. The same ragged batch at SP=3, fused: each sequence's other-rank keys scattered into one position-ordered
-# buffer (a 3-token prompt of which ranks 1 and 2 hold nothing), one launch after the own block's.
-sp = 3
-q_shards = [TokenShard([owned_positions(lo, n, r, sp, 4) for lo, n in ((0, 30), (21, 40), (0, 3))]) for r in range(sp)]
-kv_shards = [TokenShard([owned_positions(0, n, r, sp, 4) for n in lens]) for r in range(sp)]
-blocks = [torch.stack([torch.cat([x[b][p] for b, p in enumerate(kv.positions)]) for x in (kf, vf)]) for kv in kv_shards]
-for cfg in FUSED:
-    for r in range(sp):
-        q = torch.cat([qf[b][p] for b, p in enumerate(q_shards[r].positions)])
-        steps = _RingSteps(q, blocks[r], q_shards[r], [kv_shards[(r - s) % sp] for s in range(sp)], S, None, True, cfg)
-        assert steps.fused and len(steps.tables) == 2
-        for s in range(sp):
-            steps.step(s, blocks[(r - s) % sp])
-        ref = torch.cat([want[b][p] for b, p in enumerate(q_shards[r].positions)])
-        torch.testing.assert_close(steps.result(), ref, rtol=1e-5, atol=1e-5, msg=str((cfg, r)))
-        checked += 1
 
-# 2c. gather: every block, the own one too, scattered into one position-ordered buffer and one launch in all, no
-# accumulators (the same ragged batch at SP=2 and 3; at SP=3 ranks 1 and 2 hold nothing of the 3-token prompt).
-GATHER = ["32,16,4,1,pack,gather", "16,16,4,1,gather,early"]
-for sp in (2, 3):
+def ragged_layout(sp):
+    """The ragged batch's query shards, key shards and K/V blocks of each rank at this SP size."""
     q_shards = [TokenShard([owned_positions(lo, n, r, sp, 4) for lo, n in ((0, 30), (21, 40), (0, 3))])
                 for r in range(sp)]
     kv_shards = [TokenShard([owned_positions(0, n, r, sp, 4) for n in lens]) for r in range(sp)]
     blocks = [torch.stack([torch.cat([x[b][p] for b, p in enumerate(kv.positions)]) for x in (kf, vf)])
               for kv in kv_shards]
+    return q_shards, kv_shards, blocks
+
+
+def ragged_ring(cfg, sp, layout, check=lambda steps: None):
+    """Every rank's ring over the ragged batch with `cfg`, against causal attention per sequence; `check(steps)`
+    asserts on each rank's launch plan before it runs. Returns the number of ranks checked."""
+    q_shards, kv_shards, blocks = layout
+    for r in range(sp):
+        q = torch.cat([qf[b][p] for b, p in enumerate(q_shards[r].positions)])
+        steps = _RingSteps(q, blocks[r], q_shards[r], [kv_shards[(r - s) % sp] for s in range(sp)], S, None, True, cfg)
+        check(steps)
+        for s in range(sp):
+            steps.step(s, blocks[(r - s) % sp])
+        ref = torch.cat([want[b][p] for b, p in enumerate(q_shards[r].positions)])
+        torch.testing.assert_close(steps.result(), ref, rtol=1e-5, atol=1e-5, msg=str((cfg, sp, r)))
+    return sp
+
+
+def check_fused(steps):
+    assert steps.fused and len(steps.tables) == 2
+
+
+def check_gather(steps):
+    assert steps.fused and len(steps.tables) == 1 and steps.acc is None
+
+
+def check_hybrid(steps):
+    assert steps.hybrid and not steps.fused and len(steps.tables) == 3
+
+
+layout2 = ragged_layout(2)
+for cfg in CONFIGS:
+    checked += ragged_ring(cfg, 2, layout2)
+
+# 2b. The same ragged batch at SP=3, fused: each sequence's other-rank keys scattered into one position-ordered
+# buffer (a 3-token prompt of which ranks 1 and 2 hold nothing), one launch after the own block's.
+layout3 = ragged_layout(3)
+for cfg in FUSED:
+    checked += ragged_ring(cfg, 3, layout3, check_fused)
+
+# 2c. gather: every block, the own one too, scattered into one position-ordered buffer and one launch in all, no
+# accumulators (the same ragged batch at SP=2 and 3; at SP=3 ranks 1 and 2 hold nothing of the 3-token prompt).
+GATHER = ["32,16,4,1,pack,gather", "16,16,4,1,gather,early"]
+for sp, layout in ((2, layout2), (3, layout3)):
     for cfg in GATHER:
-        for r in range(sp):
-            q = torch.cat([qf[b][p] for b, p in enumerate(q_shards[r].positions)])
-            steps = _RingSteps(q, blocks[r], q_shards[r], [kv_shards[(r - s) % sp] for s in range(sp)], S, None,
-                               True, cfg)
-            assert steps.fused and len(steps.tables) == 1 and steps.acc is None
-            for s in range(sp):
-                steps.step(s, blocks[(r - s) % sp])
-            ref = torch.cat([want[b][p] for b, p in enumerate(q_shards[r].positions)])
-            torch.testing.assert_close(steps.result(), ref, rtol=1e-5, atol=1e-5, msg=str((cfg, sp, r)))
-            checked += 1
+        checked += ragged_ring(cfg, sp, layout, check_gather)
 
 # 2d. hybrid (SP=2): the own block for the first head groups, then both blocks in position order for the others and
 # the other block for the first ones, merged: the ragged batch, and a 45-token prompt with 4 and 8 query heads.
 HYBRID = ["32,16,4,1,pack,hybrid", "16,16,4,1,hybrid,oneloop,early"]
 sp = 2
-q_shards = [TokenShard([owned_positions(lo, n, r, sp, 4) for lo, n in ((0, 30), (21, 40), (0, 3))]) for r in range(sp)]
-kv_shards = [TokenShard([owned_positions(0, n, r, sp, 4) for n in lens]) for r in range(sp)]
-blocks = [torch.stack([torch.cat([x[b][p] for b, p in enumerate(kv.positions)]) for x in (kf, vf)]) for kv in kv_shards]
 for cfg in HYBRID:
-    for r in range(sp):
-        q = torch.cat([qf[b][p] for b, p in enumerate(q_shards[r].positions)])
-        steps = _RingSteps(q, blocks[r], q_shards[r], [kv_shards[(r - s) % sp] for s in range(sp)], S, None, True, cfg)
-        assert steps.hybrid and not steps.fused and len(steps.tables) == 3
-        for s in range(sp):
-            steps.step(s, blocks[(r - s) % sp])
-        ref = torch.cat([want[b][p] for b, p in enumerate(q_shards[r].positions)])
-        torch.testing.assert_close(steps.result(), ref, rtol=1e-5, atol=1e-5, msg=str((cfg, r)))
-        checked += 1
+    checked += ragged_ring(cfg, 2, layout2, check_hybrid)
 for hq in (4, 8):
     q, k, v = torch.randn(45, hq, D), torch.randn(45, 2, D), torch.randn(45, 2, D)
     positions = [owned_positions(0, 45, r, sp, 4) for r in range(sp)]
