@@ -28,6 +28,11 @@ torch before any layer uses it, and turns the path off with a warning if any of 
 
 TANDEM_W4A16_KERNEL=triton keeps the Triton kernels (to compare); the default `auto` takes tinygemm
 where it fits.
+
+At batch 1 a layer may instead run parallel/kernels/gemv_w4.py's GEMV, which reads this same layout in place (no
+second copy): `choose_w4` times its candidate tiles against tinygemm's product once per weight shape at load (cold,
+weights out of L2, as a forward reads them) and keeps the fastest tile only where it beats tinygemm
+(`Int4PackWeight.w4_config`). TANDEM_W4_GEMV=0 keeps tinygemm at batch 1 (to compare).
 """
 from __future__ import annotations
 
@@ -170,10 +175,12 @@ class Int4PackWeight:
     kernel: str = "tinygemm"
     plan: dict | None = None
     w8a8_scale: torch.Tensor | None = None
+    w4_config: dict | None = None  # batch 1: gemv_w4.py's tile (measured faster than tinygemm at load), or None
 
     def describe(self) -> str:
         tail = f"; dequantize + cuBLAS from {self.dequant_rows} rows" if self.dequant_rows is not None else ""
-        return f"tinygemm int4 (group {self.group_size}, inner_k_tiles {self.inner_k_tiles}{tail})"
+        head = "gemv_w4 at batch 1, " if self.w4_config is not None else ""
+        return f"{head}tinygemm int4 (group {self.group_size}, inner_k_tiles {self.inner_k_tiles}{tail})"
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scales_and_zeros))
@@ -201,6 +208,11 @@ class Int4PackWeight:
             return torch.empty(0, self.out_features, dtype=x.dtype, device=x.device)
         if x.dtype != torch.bfloat16 or (self.dequant_rows is not None and m >= self.dequant_rows):
             return F.linear(x, self.dense(x.dtype), bias)
+        if m == 1 and self.w4_config is not None:
+            from parallel.kernels.gemv_w4 import gemv_w4
+
+            y = gemv_w4(x, self.weight, self.scales_and_zeros, self.group_size, self.out_features, self.w4_config)
+            return y + bias if bias is not None else y
         y = torch.ops.aten._weight_int4pack_mm(x, self.weight, self.group_size, self.scales_and_zeros)
         return y + bias if bias is not None else y
 
@@ -313,4 +325,42 @@ def convert(pw, dtype: torch.dtype) -> Int4PackWeight | str:
     if isinstance(w, str):
         return w
     w.dequant_rows = measure_dequant_rows(w)
+    w.w4_config = choose_w4(w)
     return w
+
+
+W4_ENV = "TANDEM_W4_GEMV"
+_W4_CHOICE: dict[tuple, dict | None] = {}
+W4_MEASURED: list[dict] = []  # what `choose_w4` timed, per weight shape (scripts/bench_quant.py can report it)
+
+
+def choose_w4(w: Int4PackWeight) -> dict | None:
+    """gemv_w4's fastest candidate tile for this weight shape if it beats tinygemm's product at batch 1, else None;
+    measured once per shape (before any CUDA graph). TANDEM_QUANT_TUNE=0: the offline table's tile (measured by
+    scripts/bench_gemv_w4.py), unmeasured here; none for shapes not in it."""
+    if os.environ.get(W4_ENV, "1") == "0":
+        return None
+    try:
+        from parallel.kernels import gemv_w4
+    except ImportError:  # no Triton
+        return None
+    if gemv_w4.fits(w.out_features, w.in_features, w.group_size, w.inner_k_tiles) is not None:
+        return None
+    cands = gemv_w4.candidates(w.out_features, w.in_features)
+    if os.environ.get("TANDEM_QUANT_TUNE", "1") == "0":
+        return gemv_w4.table_config(w.out_features, w.in_features)
+    key = (w.out_features, w.in_features, w.group_size, w.weight.device)
+    if key not in _W4_CHOICE:
+        from parallel.quant.fused_gemv import _cold_time
+
+        x = torch.randn(1, w.in_features, device=w.weight.device, dtype=torch.bfloat16)
+        tiny = _cold_time(lambda: torch.ops.aten._weight_int4pack_mm(x, w.weight, w.group_size, w.scales_and_zeros))
+        times = [(_cold_time(lambda: gemv_w4.gemv_w4(x, w.weight, w.scales_and_zeros, w.group_size, w.out_features,
+                                                      c)), i) for i, c in enumerate(cands)]
+        best_ms, best = min(times)
+        _W4_CHOICE[key] = cands[best] if best_ms < tiny else None
+        W4_MEASURED.append({"n": w.out_features, "k": w.in_features, "tinygemm_us": tiny * 1e3,
+                            "w4_us": [ms * 1e3 for ms, _ in times], "chosen": _W4_CHOICE[key]})
+        log.info("W4A16 %dx%d at batch 1: tinygemm %.1f us, gemv_w4 %s -> %s", w.out_features, w.in_features,
+                 tiny * 1e3, ", ".join(f"{ms * 1e3:.1f}" for ms, _ in times), _W4_CHOICE[key] or "tinygemm")
+    return _W4_CHOICE[key]

@@ -1,0 +1,273 @@
+"""Batch-1 W4A16 GEMV on tinygemm's int4 layout, read in place: y[1, N] = x[1, K] @ W^T for a 4-bit GPTQ / AWQ layer.
+
+Why: at batch 1 a decoder step streams every weight byte once, and tinygemm (`aten._weight_int4pack_mm`, one
+m16n8k16 tile column per block) reached only ~1,300 GB/s on the qkv / o shapes and ~1,850 on gate/up (H100,
+2026-11-27) where the bf16 GEMV (gemv.py) reaches ~2,790. This kernel is shaped like that bf16 GEMV (each program
+owns BLOCK_N rows and streams them over K in steps, many bytes in flight, one reduction at the end) with the
+dequantization done in ~2.5 CUDA-core instructions per code. Larger batches keep tinygemm (and dequantize + cuBLAS)
+on the same stored weight: no second copy, no new layout.
+
+The layout (parallel/quant/tinygemm.py, inner_k_tiles 8):
+    codes int32 [N/8, K/128, 32, 4]: word [nt, ko, t, j], t = 4 (row % 8) + a, nibble b at bits 4b holds the code of
+    row 8 nt + t // 4, input 128 ko + 32 j + 16 i1 + 8 i0 + 2 a + lo, where b = 4 lo + 2 i1 + i0
+    sz bf16 [K/GS, N, 2]: w = (q - 8) * scale + zero
+A *chunk* is the 4 words j = 0..3 of one (row, ko, a): 16 contiguous bytes, 32 codes. Chunk c = 4 ko + a of a row starts
+at word 128 ko + 4 a of its 8-row block (block stride K/128 * 128 words), row % 8 adds 16 words. Nibble b of word j of
+chunk c is input 128 ko + 2 a + 32 j + 8 m + lo with m = b % 4, lo = b // 4: so x is read as bf16 pairs (one int32 at
+pair index 64 ko + a + 16 j + 4 m gives lo = 0 in its low half, lo = 1 in its high half).
+
+Dequantization without I2F: a shift puts nibbles (2s, 2s + 1) at bits 15 and 19 (shifts << 15, << 7, >> 1, >> 9), and
+`(v & mask) | EXP` (one LOP3: EXP is a register argument, a LOP3 takes one immediate) is the float 256 + c (bit 15) or
+256 + 16 c (bit 19), exactly. x of a bit-19 nibble is pre-scaled by 1/16 (exact), so each product is x c + (256 or 16) x;
+per chunk, the row-independent X0 = sum(256 x_even + 16 x_odd) is subtracted once, leaving sum(c x) up to fp32 rounding
+of sums ~32x larger than it (~2^-19 relative). Then per chunk and row (a chunk lies in one group when GS % 128 == 0):
+    y += scale * sum(c x) + (zero - 8 scale) * sum(x)
+which is x @ the dequantized weight up to fp32 summation order and that cancellation.
+
+Tile: a program's step is a [BLOCK_N, C, 4] int32 tile (C chunks of each of BLOCK_N rows); Triton gives each thread
+whole chunks (the 4 contiguous words: one 16-byte load) and, when C >= 32 x num_warps, all BLOCK_N rows of its chunks,
+so each x value a thread loads serves BLOCK_N rows. Steps are pipelined either by hand (PREFETCH: step t + 1's codes
+and scales load before step t is summed) or by Triton's pipeliner (`tl.range(..., num_stages)`: cp.async into shared
+memory, more bytes in flight without registers). SPLIT_K > 1 splits K over a second grid axis and adds fp32 partial
+sums with atomics into a zeroed fp32 buffer, then a tiny cast (for the short-K, few-row shapes whose rows alone leave
+SMs idle). Tiles come from scripts/bench_gemv_w4.py (CUDA graphs, weights past L2).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+EXP = 0x43800000  # 256.0's bits: `(v & mask) | EXP` is 256 + c (bit 15) or 256 + 16 c (bit 19)
+
+
+@triton.jit
+def _load_step(w_ptr, sz_ptr, rowoff, rows, t, NS, NCH, GS_TILES, n_mask, BLOCK_N: tl.constexpr, C: tl.constexpr,
+               EVEN: tl.constexpr):
+    """Step t's codes [BLOCK_N, C, 4] int32 and (scale, zero) pairs [BLOCK_N, C] (int32: scale in the low half)."""
+    c = t * C + tl.arange(0, C)
+    col = (c // 4) * 128 + (c % 4) * 4
+    ptrs = w_ptr + rowoff[:, None, None] + col[None, :, None] + tl.arange(0, 4)[None, None, :]
+    sz_ptrs = sz_ptr + ((c // 4) // GS_TILES).to(tl.int64)[None, :] * NS + rows[:, None]
+    if EVEN:
+        w = tl.load(ptrs)
+        sz = tl.load(sz_ptrs)
+    else:
+        m = n_mask[:, None] & (c < NCH)[None, :]
+        w = tl.load(ptrs, mask=m[:, :, None], other=0)
+        sz = tl.load(sz_ptrs, mask=m, other=0)
+    return w, sz
+
+
+@triton.jit
+def _nib(v, MASK: tl.constexpr, EXPR):
+    """The float 256 + c (MASK at bit 15) or 256 + 16 c (bit 19) of the nibble under MASK."""
+    return ((v & MASK) | EXPR).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _xpairs(x32_ptr, p, NCH, c, EVEN: tl.constexpr):
+    """x at the 8 nibbles of each word whose pair index (m = 0) is p, as fp32 (e_m: lo = 0, o_m: lo = 1), and the
+    row-independent sums per word: xs = sum(x), x0 = sum(256 x_even-nibble + 16 x_odd-nibble)."""
+    if EVEN:
+        q0 = tl.load(x32_ptr + p)
+        q1 = tl.load(x32_ptr + p + 4)
+        q2 = tl.load(x32_ptr + p + 8)
+        q3 = tl.load(x32_ptr + p + 12)
+    else:
+        cm = c < NCH
+        q0 = tl.load(x32_ptr + p, mask=cm, other=0)
+        q1 = tl.load(x32_ptr + p + 4, mask=cm, other=0)
+        q2 = tl.load(x32_ptr + p + 8, mask=cm, other=0)
+        q3 = tl.load(x32_ptr + p + 12, mask=cm, other=0)
+    # bf16 -> fp32 is the 16 bits shifted up: lo = 0 is the low half, lo = 1 the high half
+    e0 = (q0 << 16).to(tl.float32, bitcast=True)
+    e1 = (q1 << 16).to(tl.float32, bitcast=True)
+    e2 = (q2 << 16).to(tl.float32, bitcast=True)
+    e3 = (q3 << 16).to(tl.float32, bitcast=True)
+    o0 = (q0 & -65536).to(tl.float32, bitcast=True)
+    o1 = (q1 & -65536).to(tl.float32, bitcast=True)
+    o2 = (q2 & -65536).to(tl.float32, bitcast=True)
+    o3 = (q3 & -65536).to(tl.float32, bitcast=True)
+    xs = ((e0 + e2) + (o0 + o2)) + ((e1 + e3) + (o1 + o3))
+    x0 = 256.0 * ((e0 + e2) + (o0 + o2)) + 16.0 * ((e1 + e3) + (o1 + o3))
+    return e0, e2, o0, o2, e1 * 0.0625, e3 * 0.0625, o1 * 0.0625, o3 * 0.0625, xs, x0
+
+
+@triton.jit
+def _dot8(w, e0, e2, o0, o2, f1, f3, g1, g3, EXPR):
+    """Per word: sum over its 8 nibbles of (256 + c) x (bit-15 nibbles) and (256 + 16 c) x / 16 (bit-19 ones), as one
+    FFMA chain (nibble b = 2 s + lo4 of shift s pairs with x m = b % 4, lo = b // 4)."""
+    v = w << 15
+    acc = _nib(v, 0x00078000, EXPR) * e0
+    acc += _nib(v, 0x00780000, EXPR) * f1
+    v = w << 7
+    acc += _nib(v, 0x00078000, EXPR) * e2
+    acc += _nib(v, 0x00780000, EXPR) * f3
+    v = w >> 1
+    acc += _nib(v, 0x00078000, EXPR) * o0
+    acc += _nib(v, 0x00780000, EXPR) * g1
+    v = w >> 9
+    acc += _nib(v, 0x00078000, EXPR) * o2
+    acc += _nib(v, 0x00780000, EXPR) * g3
+    return acc
+
+
+@triton.jit
+def _scaled(d, sz, xs):
+    """scale * d + (zero - 8 scale) * xs for (scale, zero) bf16 pairs sz (int32: scale in the low half)."""
+    s = (sz << 16).to(tl.float32, bitcast=True)
+    z = (sz & -65536).to(tl.float32, bitcast=True)
+    return s * d + (z - 8.0 * s) * xs
+
+
+@triton.jit
+def _step_sum(w, sz, x32_ptr, t, NCH, EXPR, C: tl.constexpr, EVEN: tl.constexpr):
+    """VEC tiles: [BLOCK_N, C], each row's sum over each chunk of step t of x * dequantized weight."""
+    c = t * C + tl.arange(0, C)
+    p = (64 * (c // 4) + c % 4)[:, None] + 16 * tl.arange(0, 4)[None, :]  # [C, 4] pair index of word j, m = 0
+    e0, e2, o0, o2, f1, f3, g1, g3, xs, x0 = _xpairs(x32_ptr, p, NCH, c[:, None], EVEN)
+    acc = _dot8(w, e0[None], e2[None], o0[None], o2[None], f1[None], f3[None], g1[None], g3[None], EXPR)
+    d = tl.sum(acc, axis=2) - tl.sum(x0, axis=1)[None, :]  # [BLOCK_N, C]: sum(c x)
+    return _scaled(d, sz, tl.sum(xs, axis=1)[None, :])
+
+
+@triton.jit
+def _flat_load(w_ptr, sz_ptr, rowoff, rows, t, NS, NCH, GS_TILES, n_mask, ONE, C: tl.constexpr, EVEN: tl.constexpr):
+    """FLAT tiles: step t's codes and (scale, zero) pairs, both [BLOCK_N, C, 4] (one per word). Every offset is
+    multiplied by ONE (a runtime 1) so Triton sees no contiguity and gives the codes, x and scale loads one layout (its
+    default: a thread holds one word of each of its (row, chunk) positions), and nothing is exchanged through shared
+    memory (the VEC tiles' 16-byte code loads and x gathers get different layouts, converted every step); the price is
+    a 4-byte load per word and a scale load per (row, word) (the same address for the 4 words of a chunk)."""
+    c = t * C + tl.arange(0, C)
+    j = tl.arange(0, 4)
+    col = (((c // 4) * 128 + (c % 4) * 4)[None, :, None] + j[None, None, :]) * ONE
+    szo = (((c // 4) // GS_TILES)[None, :, None] * NS + rows[:, None, None] + 0 * j[None, None, :]) * ONE
+    if EVEN:
+        w = tl.load(w_ptr + rowoff[:, None, None] + col)
+        sz = tl.load(sz_ptr + szo)
+    else:
+        m = n_mask[:, None, None] & (c < NCH)[None, :, None]
+        w = tl.load(w_ptr + rowoff[:, None, None] + col, mask=m, other=0)
+        sz = tl.load(sz_ptr + szo, mask=m, other=0)
+    return w, sz
+
+
+@triton.jit
+def _flat_sum(acc3, w, sz, x32_ptr, t, NCH, EXPR, ONE, C: tl.constexpr, EVEN: tl.constexpr):
+    """FLAT tiles: acc3 [BLOCK_N, C, 4] plus step t's per-word sums of x * dequantized weight."""
+    c = t * C + tl.arange(0, C)
+    p = ((64 * (c // 4) + c % 4)[None, :, None] + 16 * tl.arange(0, 4)[None, None, :]) * ONE
+    e0, e2, o0, o2, f1, f3, g1, g3, xs, x0 = _xpairs(x32_ptr, p, NCH, c[None, :, None], EVEN)
+    acc = _dot8(w, e0, e2, o0, o2, f1, f3, g1, g3, EXPR)
+    return acc3 + _scaled(acc - x0, sz, xs)
+
+
+@triton.jit(do_not_specialize=["ONE"])  # ONE must stay a runtime value (see `_flat_load`)
+def _w4_kernel(x32_ptr, w_ptr, sz_ptr, y_ptr, yf_ptr, N, NCH, STEPS, BSTRIDE, NS, GS_TILES, EXPR, ONE,
+               BLOCK_N: tl.constexpr, C: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr,
+               PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rows < N
+    rowoff = (rows // 8).to(tl.int64) * BSTRIDE + (rows % 8) * 16
+    t0 = tl.program_id(1) * STEPS  # this split's first step (STEPS: steps per split)
+    if FLAT:
+        acc3 = tl.zeros([BLOCK_N, C, 4], tl.float32)
+        if PREFETCH:
+            w, sz = _flat_load(w_ptr, sz_ptr, rowoff, rows, t0, NS, NCH, GS_TILES, n_mask, ONE, C, EVEN)
+            for t in range(t0 + 1, t0 + STEPS):  # step t loads before step t - 1 is summed: two steps in flight
+                wn, szn = _flat_load(w_ptr, sz_ptr, rowoff, rows, t, NS, NCH, GS_TILES, n_mask, ONE, C, EVEN)
+                acc3 = _flat_sum(acc3, w, sz, x32_ptr, t - 1, NCH, EXPR, ONE, C, EVEN)
+                w, sz = wn, szn
+            acc3 = _flat_sum(acc3, w, sz, x32_ptr, t0 + STEPS - 1, NCH, EXPR, ONE, C, EVEN)
+        else:
+            for t in tl.range(t0, t0 + STEPS, num_stages=NUM_STAGES):
+                w, sz = _flat_load(w_ptr, sz_ptr, rowoff, rows, t, NS, NCH, GS_TILES, n_mask, ONE, C, EVEN)
+                acc3 = _flat_sum(acc3, w, sz, x32_ptr, t, NCH, EXPR, ONE, C, EVEN)
+        y = tl.sum(tl.sum(acc3, axis=2), axis=1)
+    else:
+        acc = tl.zeros([BLOCK_N, C], tl.float32)
+        if PREFETCH:
+            w, sz = _load_step(w_ptr, sz_ptr, rowoff, rows, t0, NS, NCH, GS_TILES, n_mask, BLOCK_N, C, EVEN)
+            for t in range(t0 + 1, t0 + STEPS):
+                wn, szn = _load_step(w_ptr, sz_ptr, rowoff, rows, t, NS, NCH, GS_TILES, n_mask, BLOCK_N, C, EVEN)
+                acc += _step_sum(w, sz, x32_ptr, t - 1, NCH, EXPR, C, EVEN)
+                w, sz = wn, szn
+            acc += _step_sum(w, sz, x32_ptr, t0 + STEPS - 1, NCH, EXPR, C, EVEN)
+        else:
+            for t in tl.range(t0, t0 + STEPS, num_stages=NUM_STAGES):
+                w, sz = _load_step(w_ptr, sz_ptr, rowoff, rows, t, NS, NCH, GS_TILES, n_mask, BLOCK_N, C, EVEN)
+                acc += _step_sum(w, sz, x32_ptr, t, NCH, EXPR, C, EVEN)
+        y = tl.sum(acc, axis=1)
+    if SPLIT_K == 1:
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.atomic_add(yf_ptr + rows, y, mask=n_mask, sem="relaxed")
+
+
+@triton.jit
+def _cast_kernel(yf_ptr, y_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    tl.store(y_ptr + offs, tl.load(yf_ptr + offs, mask=m).to(y_ptr.dtype.element_ty), mask=m)
+
+
+DEFAULT = dict(BLOCK_N=16, C=32, num_warps=1, FLAT=False, PREFETCH=True, NUM_STAGES=1, SPLIT_K=1)
+
+# Tiles timed at load (parallel/quant/tinygemm.py `choose_w4`) for shapes the table lacks: one per family, the ones
+# compiled for sm_90 at <= 3.6 instructions per code in the K loop without spills (scripts/gemv_w4_sass.py).
+CANDIDATES = (DEFAULT, {**DEFAULT, "PREFETCH": False, "NUM_STAGES": 3},
+              dict(BLOCK_N=8, C=128, num_warps=4, FLAT=False, PREFETCH=True, NUM_STAGES=1, SPLIT_K=1),
+              dict(BLOCK_N=8, C=32, num_warps=1, FLAT=True, PREFETCH=True, NUM_STAGES=1, SPLIT_K=1))
+# (N, K) -> the fastest tile scripts/bench_gemv_w4.py found on an H100 (CUDA graphs, weights past L2).
+TABLE: dict[tuple[int, int], dict] = {}
+
+
+def table_config(n: int, k: int) -> dict | None:
+    return TABLE.get((n, k))
+
+
+def candidates(n: int, k: int) -> list[dict]:
+    """The table's tile for this shape first (if any), then CANDIDATES; only tiles whose split K divides the steps."""
+    out = [c for c in ([TABLE[(n, k)]] if (n, k) in TABLE else []) + list(CANDIDATES)]
+    out = [c for i, c in enumerate(out) if c not in out[:i]]
+    return [c for c in out if triton.cdiv(k // 32, c["C"]) % c["SPLIT_K"] == 0]
+
+
+def fits(n: int, k: int, group_size: int, inner_k_tiles: int) -> str | None:
+    """None if a weight of this shape in tinygemm's layout can take the kernel, else why not."""
+    if inner_k_tiles != 8:
+        return f"inner_k_tiles {inner_k_tiles} (the kernel reads 4-word runs: inner_k_tiles 8)"
+    if group_size % 128:
+        return f"group size {group_size} (a 128-input tile must lie in one group)"
+    if k % 128 or n % 8:
+        return f"shape {n}x{k}"
+    return None
+
+
+def gemv_w4(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int, n: int,
+            config: dict | None = None, out_fp32: torch.Tensor | None = None) -> torch.Tensor:
+    """x bf16 [1, K] (contiguous, in the layout's input order) @ the int4 weight (tinygemm layout `packed`, bf16
+    scale/zero pairs `sz` [K/GS, N, 2]) -> bf16 [1, N]. No host sync: graph-capturable. Under SPLIT_K > 1 the fp32
+    sums go to `out_fp32` (zeroed, [N]; a new buffer when None) before their cast (tests read them unrounded)."""
+    cfg = {**DEFAULT, **(config or {})}
+    k = x.shape[-1]
+    nch = k // 32
+    split = cfg["SPLIT_K"]
+    steps_total = triton.cdiv(nch, cfg["C"])
+    if steps_total % split:
+        raise ValueError(f"gemv_w4: SPLIT_K={split} does not divide the {steps_total} K steps of C={cfg['C']}")
+    even = nch % cfg["C"] == 0 and n % cfg["BLOCK_N"] == 0
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    yf = y
+    if split > 1:
+        yf = out_fp32 if out_fp32 is not None else torch.zeros(n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), split)
+    _w4_kernel[grid](x.view(torch.int32), packed, sz.view(torch.int32), y, yf, n, nch, steps_total // split,
+                     (k // 128) * 128, n, group_size // 128, EXP, 1, BLOCK_N=cfg["BLOCK_N"], C=cfg["C"],
+                     EVEN=even, FLAT=cfg["FLAT"], PREFETCH=cfg["PREFETCH"], NUM_STAGES=cfg["NUM_STAGES"], SPLIT_K=split,
+                     num_warps=cfg["num_warps"], num_stages=cfg["NUM_STAGES"])
+    if split > 1:
+        _cast_kernel[(triton.cdiv(n, 1024),)](yf, y, n, BLOCK=1024, num_warps=4)
+    return y

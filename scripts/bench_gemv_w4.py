@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Batch-1 W4A16 GEMV: parallel/kernels/gemv_w4.py against tinygemm and the bf16 GEMV, per Llama-3.1-8B decoder shape.
+
+    python scripts/bench_gemv_w4.py [--out /tmp/r/w4.json] [--jobs 12] [--quick]
+
+Per shape (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336; group 128; random codes, scales and zeros
+in tinygemm's layout, built by `tinygemm.build` as load builds them), each kernel is timed over weight copies that
+together exceed L2, replayed from a CUDA graph (`bench_gemv.bench`), so the figures are HBM streaming rates of the bytes
+each kernel must read (int4 codes + bf16 scale/zero pairs; bf16 weights for the bf16 GEMV):
+  - bf16: `gemv.gemv`, the plain product on a bf16 weight of the same shape;
+  - tinygemm: `aten._weight_int4pack_mm` (what 4-bit layers run at batch 1 today);
+  - w4: `gemv_w4.gemv_w4` for every tile of `sweep` (phase 1), then `phase2`'s variants of each shape's best three.
+Every tile's output is checked against x @ the dequantized weight (fp32) before it is timed; a wrong one is reported and
+never picked. Prints per shape the best tile and the per-layer total against the 2.5x target's ~52 us; writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+GROUP = 128
+ROTATE_BYTES = 400 << 20
+
+
+TILES = ((4, 32, 1), (8, 32, 1), (16, 32, 1), (32, 32, 1), (8, 64, 2), (16, 64, 2), (32, 64, 2), (4, 128, 4), (8, 128, 4),
+         (16, 128, 4))  # (BLOCK_N, C, num_warps): C >= 32 x num_warps, so each thread owns whole chunks of all BLOCK_N rows
+
+
+def sweep(k: int, quick: bool = False) -> list[dict]:
+    """Phase-1 tiles: each of TILES (whose C fits K) with 16-byte code loads (VEC) pipelined by hand (PREFETCH) and by
+    Triton (3 stages of cp.async), and two FLAT tiles (one layout for every load; see gemv_w4._flat_load)."""
+    base = dict(FLAT=False, PREFETCH=True, NUM_STAGES=1, SPLIT_K=1)
+    out = []
+    for bn, c, nw in TILES[::2] if quick else TILES:
+        if k // 32 >= c:
+            out.append(dict(BLOCK_N=bn, C=c, num_warps=nw, **base))
+            out.append(dict(BLOCK_N=bn, C=c, num_warps=nw, **{**base, "PREFETCH": False, "NUM_STAGES": 3}))
+    for bn, c, nw in ((8, 32, 1), (8, 128, 4)):
+        out.append(dict(BLOCK_N=bn, C=c, num_warps=nw, **{**base, "FLAT": True}))
+    return out
+
+
+def phase2(best: list[dict], k: int) -> list[dict]:
+    """Deeper / shallower pipelines and split K (2, 4) of the best phase-1 tiles."""
+    out = []
+    for cfg in best:
+        for ns in (2, 4, 6):
+            if ns != cfg["NUM_STAGES"]:
+                out.append({**cfg, "PREFETCH": False, "NUM_STAGES": ns})
+        steps = -(-(k // 32) // cfg["C"])
+        for s in (2, 4):
+            if steps % s == 0:
+                out.append({**cfg, "SPLIT_K": s})
+    return [c for i, c in enumerate(out) if c not in out[:i] and c not in best]
+
+
+def _weights(n: int, k: int, copies: int) -> list:
+    from parallel.quant import tinygemm
+
+    out = []
+    for _ in range(copies):
+        codes = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int32)
+        scales = torch.rand(n, k // GROUP, device="cuda") * 2e-3 + 1e-3
+        zeros = torch.randint(0, 16, (n, k // GROUP), device="cuda").float()
+        out.append(tinygemm.build(codes, scales, zeros, GROUP))
+    return out
+
+
+def _warm_worker(job: list[tuple[int, int, dict]]) -> int:
+    """In a spawned process: compile (n, k, cfg) tiles (the Triton cache on disk then serves the timing process)."""
+    from parallel.kernels.gemv_w4 import gemv_w4
+
+    done = 0
+    for n, k, cfg in job:
+        try:
+            w = _weights(n, k, 1)[0]
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            gemv_w4(x, w.weight, w.scales_and_zeros, GROUP, n, cfg)
+            torch.cuda.synchronize()
+            done += 1
+        except Exception:  # the timing process reports it
+            pass
+    return done
+
+
+def _warm(jobs_list: list[tuple[int, int, dict]], jobs: int) -> None:
+    import multiprocessing as mp
+
+    if jobs <= 1 or not jobs_list:
+        return
+    t0 = time.time()
+    try:
+        with mp.get_context("spawn").Pool(jobs) as pool:
+            done = sum(pool.map(_warm_worker, [jobs_list[i::jobs] for i in range(jobs)]))
+        print(f"  compiled {done} of {len(jobs_list)} tiles in {jobs} processes, {time.time() - t0:.0f} s", flush=True)
+    except Exception as e:  # the timing loop compiles each tile itself
+        print(f"  compiling in {jobs} processes failed ({type(e).__name__}: {e})", flush=True)
+
+
+def _time_tiles(cfgs: list[dict], x, ws: list, want: torch.Tensor, n: int, nbytes: int, bench) -> list[dict]:
+    from parallel.kernels.gemv_w4 import gemv_w4
+
+    tried = []
+    scale = want.abs().max().item()
+    for cfg in cfgs:
+        try:
+            got = gemv_w4(x, ws[0].weight, ws[0].scales_and_zeros, GROUP, n, cfg).float()
+            # bf16 output: within one bf16 rounding (2^-8 relative) of the fp32 product, plus fp32 noise
+            err = ((got - want).abs() - want.abs() * 2.0**-8).max().item() / scale
+            if not err < 1e-5:
+                raise AssertionError(f"wrong output: excess error {err:.2e} of max |y|")
+            t = bench(lambda: [gemv_w4(x, w.weight, w.scales_and_zeros, GROUP, n, cfg) for w in ws])
+        except Exception as e:  # a tile the compiler rejects, or a wrong result (reported, never picked)
+            print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        us = 1e6 * t / len(ws)
+        tried.append({"config": cfg, "us": us, "GBps": nbytes / us / 1e3})
+    return tried
+
+
+def shape_state(name: str, n: int, k: int, bench) -> dict:
+    """bf16 and tinygemm timings of a shape, and the int4 weight copies and reference output the tiles are timed on."""
+    from parallel.kernels.gemv import gemv
+
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(max(2, ROTATE_BYTES // (2 * n * k)))]
+    bf16_us = 1e6 * bench(lambda: [gemv(x, w) for w in wb]) / len(wb)
+    wb.clear()  # free the bf16 copies before the int4 ones are made
+    q4_bytes = n * k // 2 + 4 * n * (k // GROUP)
+    ws = _weights(n, k, max(2, ROTATE_BYTES // q4_bytes))
+    tiny_us = 1e6 * bench(lambda: [torch.ops.aten._weight_int4pack_mm(x, w.weight, GROUP, w.scales_and_zeros)
+                                   for w in ws]) / len(ws)
+    want = x.float() @ ws[0].dense(torch.float32).t()
+    row = {"shape": name, "n": n, "k": k, "bf16_us": bf16_us, "bf16_GBps": 2 * n * k / bf16_us / 1e3,
+           "tinygemm_us": tiny_us, "tinygemm_GBps": q4_bytes / tiny_us / 1e3, "sweep": []}
+    return {"row": row, "x": x, "ws": ws, "want": want, "bytes": q4_bytes}
+
+
+def _best(st: dict) -> dict:
+    r = st["row"]
+    best = min(r["sweep"], key=lambda t: t["us"])
+    r.update(w4_best_us=best["us"], w4_best_GBps=best["GBps"], w4_best_config=best["config"])
+    return r
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--jobs", type=int, default=12, help="processes compiling the tiles before timing")
+    p.add_argument("--quick", action="store_true", help="every other tile of TILES in phase 1")
+    p.add_argument("--out", default="bench_results/bench_gemv_w4.json")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_gemv_w4 needs a CUDA GPU")
+    from scripts.bench_gemv import bench
+
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    report = {"benchmark": "gemv_w4", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "results": []}
+    print(f"{report['gpu']}: batch-1 GEMV, GB/s of the bytes each kernel reads, us per call", flush=True)
+    names = a.shapes.split(",")
+    _warm([(*SHAPES[nm], cfg) for nm in names for cfg in sweep(SHAPES[nm][1], a.quick)], a.jobs)
+    states = {}
+    for name in names:
+        n, k = SHAPES[name]
+        st = states[name] = shape_state(name, n, k, bench)
+        st["row"]["sweep"] += _time_tiles(sweep(k, a.quick), st["x"], st["ws"], st["want"], n, st["bytes"], bench)
+        report["results"].append(st["row"])
+        _save(report, a.out)
+    p2 = {}
+    for name in names:
+        top = [t["config"] for t in sorted(states[name]["row"]["sweep"], key=lambda t: t["us"])[:3]]
+        p2[name] = phase2(top, SHAPES[name][1])
+    _warm([(*SHAPES[nm], cfg) for nm in names for cfg in p2[nm]], a.jobs)
+    for name in names:
+        st = states[name]
+        n, k = SHAPES[name]
+        st["row"]["sweep"] += _time_tiles(p2[name], st["x"], st["ws"], st["want"], n, st["bytes"], bench)
+        r = _best(st)
+        _save(report, a.out)
+        print(f"{name:8} bf16 {r['bf16_GBps']:5.0f} GB/s {r['bf16_us']:6.1f} us | tinygemm {r['tinygemm_GBps']:5.0f} "
+              f"{r['tinygemm_us']:6.1f} us | w4 best {r['w4_best_GBps']:5.0f} {r['w4_best_us']:6.1f} us "
+              f"{r['w4_best_config']}", flush=True)
+        for t in sorted(r["sweep"], key=lambda t: t["us"])[:6]:
+            print(f"           {t['GBps']:5.0f} GB/s {t['us']:6.1f} us {t['config']}", flush=True)
+        del st["ws"]
+    res = report["results"]
+    if len(res) == len(SHAPES):
+        tot = {key: sum(r[key] for r in res) for key in ("bf16_us", "tinygemm_us", "w4_best_us")}
+        print(f"per layer: bf16 {tot['bf16_us']:.1f} us, tinygemm {tot['tinygemm_us']:.1f} us, w4 {tot['w4_best_us']:.1f} us "
+              f"(target for 2.5x end to end: <= ~52 us)", flush=True)
+        report["per_layer_us"] = tot
+        _save(report, a.out)
+    print(f"wrote {a.out}")
+
+
+def _save(report: dict, path: str) -> None:
+    """After every step: a run cut short keeps what it measured."""
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Compile the batch-1 W4A16 GEMV (parallel/kernels/gemv_w4.py) for sm_90 without a GPU and count what it became.
+
+Per tile: registers a thread, stack (spills), shared memory, and over the whole kernel the instructions per 4-bit code
+of one program's step (the loop body when there is a loop), its global loads by width and its barriers (a BAR in the
+body: a layout exchange through shared memory every step). GPU timings are scripts/bench_gemv_w4.py's.
+
+    python scripts/gemv_w4_sass.py --k 4096 --tiles 8,128,4 16,64,2,1,0,3
+A tile is BLOCK_N,C,num_warps[,FLAT (1, default; 0: VEC),PREFETCH (1, default; 0: Triton's pipeliner)[,NUM_STAGES
+[,SPLIT_K]]]. Needs Triton's
+bundled ptxas and cuobjdump (triton/backends/nvidia/bin), no GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.gemv_fp8_sass import _cuobjdump  # noqa: E402
+
+PTRS = dict(x32_ptr="*i32", w_ptr="*i32", sz_ptr="*i32", y_ptr="*bf16", yf_ptr="*fp32")
+
+
+def compile_tile(tile: tuple[int, ...], k: int, even: bool = True):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from parallel.kernels import gemv_w4 as w4
+
+    bn, c, warps = tile[:3]
+    flat = bool(tile[3]) if len(tile) > 3 else True
+    prefetch = bool(tile[4]) if len(tile) > 4 else True
+    stages = tile[5] if len(tile) > 5 else 1
+    split = tile[6] if len(tile) > 6 else 1
+    consts = dict(BLOCK_N=bn, C=c, EVEN=even, FLAT=flat, PREFETCH=prefetch, NUM_STAGES=stages, SPLIT_K=split)
+    fn = w4._w4_kernel.fn
+    names = list(fn.__code__.co_varnames[:fn.__code__.co_argcount])
+    sig = {n: PTRS.get(n) or ("constexpr" if n in consts else "i32") for n in names}
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+               if n in PTRS or n in ("N", "NCH", "BSTRIDE", "NS", "EXPR")}
+    src = ASTSource(fn=w4._w4_kernel, signature=sig, attrs=aligned,
+                    constexprs={(names.index(n),): v for n, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+def stats(kernel, tile: tuple[int, ...]) -> dict:
+    import os
+    import re
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        res, sass = _cuobjdump("-res-usage", f.name), _cuobjdump("-sass", f.name)
+    finally:
+        os.unlink(f.name)
+    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    ops = [re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", ln).split()[0].rstrip(";") for ln in lines]
+    addr = [int(re.search(r"/\*([0-9a-f]{4})\*/", ln).group(1), 16) for ln in lines]
+    loop = (0, -1)
+    for i, ln in enumerate(lines):  # the longest backward branch: the K loop
+        m = re.search(r"BRA (?:!?P\d, )?0x([0-9a-f]+)", ln)
+        if m and int(m.group(1), 16) < addr[i] and int(m.group(1), 16) in addr:
+            j = addr.index(int(m.group(1), 16))
+            if i - j > loop[1] - loop[0]:
+                loop = (j, i)
+    body = ops[loop[0]:loop[1] + 1]
+    bn, c, warps = tile[:3]
+    codes = bn * c * 32  # one step of one program
+    return {"tile": tile, "registers": int(re.search(r"REG:(\d+)", res).group(1)),
+            "stack": int(re.search(r"STACK:(\d+)", res).group(1)), "shared": kernel.metadata.shared,
+            "instructions": len(ops), "per_code_x_threads": round(len(ops) * 32 * warps / codes, 2),
+            "barriers": sum(o.startswith("BAR") for o in ops), "loop_instructions": len(body),
+            "loop_per_code_x_threads": round(len(body) * 32 * warps / codes, 2),
+            "loop_barriers": sum(o.startswith("BAR") for o in body),
+            "loads": dict(collections.Counter(o for o in ops if o.startswith(("LDG", "LDS", "LDGSTS")))),
+            "top": collections.Counter(o.split(".")[0] for o in ops).most_common(10)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--tiles", nargs="+", default=["8,128,4"])
+    p.add_argument("--ttgir", action="store_true", help="print the TTGIR of each tile too")
+    a = p.parse_args(argv)
+    for spec in a.tiles:
+        tile = tuple(int(v) for v in spec.split(","))
+        kern = compile_tile(tile, a.k)
+        if a.ttgir:
+            print(kern.asm["ttgir"])
+        print(stats(kern, tile), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The batch-1 W4A16 GEMV (parallel/kernels/gemv_w4.py) on CPU through Triton's interpreter.
+
+Weights in tinygemm's layout built with the plain-torch model of `_convert_weight_to_int4pack` (tinygemm.py), random
+codes, scales and zero points; bf16 activations. Checked against x @ the dequantized weight in fp32: through split K
+(fp32 partial sums, no bf16 rounding) within 1e-5 of the output's magnitude (the 256 + c offsets cancel to ~1e-6), and
+the bf16 output within one bf16 step of each value (the interpreter truncates to bf16 where the GPU rounds to nearest).
+Both load layouts (VEC, FLAT), both pipelines (by hand, Triton's loop), masked rows (N not a multiple of BLOCK_N) and
+masked chunks (K not a multiple of the step), group sizes 128 and 256. The kernel uses no inline assembly, so the
+interpreter runs the very code the GPU compiles; compiled runs: tests/gpu/test_gemv_w4.py and scripts/bench_gemv_w4.py.
+"""
+from __future__ import annotations
+
+from tests.interpreter import run_interpreted
+
+SCRIPT = r'''
+import torch
+from parallel.kernels import gemv_w4 as w4
+from parallel.quant import tinygemm as tg
+
+torch.manual_seed(0)
+
+
+def layer(n, k, gs):
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    scales = torch.rand(n, k // gs) * 0.02 + 0.01
+    zeros = torch.randint(0, 16, (n, k // gs)).float()
+    packed = tg.int4pack_reference(tg.to_uint8_pairs(codes), 8)
+    sz = tg.scales_and_zeros(scales, zeros, gs, gs)
+    return packed, sz, tg.dequantize_int4pack_reference(packed, sz, gs)
+
+
+checked = 0
+for n, k, gs, cfg in (
+        (24, 512, 128, dict(BLOCK_N=8, C=4, num_warps=1, FLAT=False)),                       # 4 steps, by hand
+        (40, 640, 128, dict(BLOCK_N=16, C=8, num_warps=1, FLAT=False)),                      # masked rows and chunks
+        (40, 640, 128, dict(BLOCK_N=16, C=8, num_warps=1, FLAT=False, PREFETCH=False, NUM_STAGES=3)),
+        (24, 1024, 256, dict(BLOCK_N=8, C=16, num_warps=1, FLAT=True)),                      # FLAT, group 256
+        (40, 640, 128, dict(BLOCK_N=16, C=8, num_warps=1, FLAT=True)),                       # FLAT masked
+        (24, 512, 128, dict(BLOCK_N=8, C=16, num_warps=1, FLAT=True, PREFETCH=False, NUM_STAGES=2)),
+        (16, 256, 128, dict(BLOCK_N=8, C=8, num_warps=1, FLAT=False))):                      # one step
+    packed, sz, deq = layer(n, k, gs)
+    x = torch.randn(1, k).bfloat16()
+    want = x.float() @ deq.t()
+    scale = want.abs().max()
+    y = w4.gemv_w4(x, packed, sz, gs, n, cfg).float()
+    step = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)  # one bf16 step at each value
+    assert ((y - want).abs() <= step + 1e-5 * scale).all(), (n, k, gs, cfg, (y - want).abs().max())
+    steps = -(-(k // 32) // cfg["C"])
+    for split in (2, 4):
+        if steps % split == 0:
+            yf = torch.zeros(n)
+            w4.gemv_w4(x, packed, sz, gs, n, {**cfg, "SPLIT_K": split}, out_fp32=yf)
+            err = ((yf - want[0]).abs().max() / scale).item()
+            assert err < 1e-5, (n, k, gs, cfg, split, err)
+            checked += 1
+    checked += 1
+# the layer's batch-1 path (Int4PackWeight.apply with a tile chosen at load), act order's permuted inputs included
+packed, sz, deq = layer(32, 512, 128)
+perm = torch.randperm(512)
+lw = tg.Int4PackWeight(packed, sz, 128, 8, 32, 512, perm=perm, w4_config=dict(BLOCK_N=8, C=4, num_warps=1, FLAT=False))
+x = torch.randn(1, 512).bfloat16()
+bias = torch.randn(32).bfloat16()
+want = x.float() @ lw.dequantize().t()  # dequantize() is in the layer's input order
+y = lw.apply(x, bias)
+assert torch.equal(y, w4.gemv_w4(x[:, perm], packed, sz, 128, 32, lw.w4_config) + bias)
+assert ((y.float() - bias.float() - want).abs().max() / want.abs().max()).item() < 2e-2
+checked += 1
+assert w4.fits(4096, 4096, 128, 8) is None and w4.fits(4096, 4096, 64, 8) and w4.fits(4096, 4096, 128, 4)
+print("ok", checked)
+'''
+
+
+def test_w4_gemv_in_the_triton_interpreter():
+    out = run_interpreted(SCRIPT, timeout=900).strip()
+    assert out.startswith("ok") and int(out.split()[-1]) >= 10, out
