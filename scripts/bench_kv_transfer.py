@@ -24,6 +24,7 @@ timed runs the decode blocks are checked against the prefill blocks, bit for bit
     python scripts/bench_kv_transfer.py --copy-programs 32,64         # and with the row copy's grid capped (GPU)
     python scripts/bench_kv_transfer.py --overlap-copy-programs 0,132 # the overlap cap off / at 132 (default 66, GPU)
     python scripts/bench_kv_transfer.py --variants m2o66,o32          # any mix: m<min_messages> o<overlap cap> c<cap>
+    python scripts/bench_kv_transfer.py --variants l0,m2              # l0: lanes off (short transfers' ordinary path)
     python scripts/bench_kv_transfer.py --device cpu --tokens 64 --layers 2   # the same code over gloo, as a check
 Prints a table; writes JSON (--out). Needs 2 CUDA GPUs (or --device cpu).
 """
@@ -210,22 +211,25 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
         programs = {name: 0 for name in variants}  # the row copy's grid cap (0: none)
         # d0: the row copy through Triton's JIT path every time (else its compiled kernel's handle after the first)
         direct: dict[str, bool] = {}
+        lean: dict[str, bool] = {}  # l0: every transfer on the ordinary path (KVTransferAgent.lean; else the agent's default)
         if hp is not None:  # "agent_hp": the first min_messages value over the high-priority pair
             variants["agent_hp"], pairs["agent_hp"], programs["agent_hp"] = cfg["min_messages"][0], hp, 0
         for c in cfg["copy_programs"]:  # "agent_c<N>": the first min_messages value, gather and scatter on <= N programs
             variants[f"agent_c{c}"], pairs[f"agent_c{c}"], programs[f"agent_c{c}"] = cfg["min_messages"][0], (agent, spec), c
         # KVTransferAgent.overlap_copy_programs: the agent's default (66) unless a row sets it (agent_o0: no cap); the
         # agent_c<N> rows cap every copy at N instead
-        default_overlap = agent.overlap_copy_programs
+        default_overlap, default_lean = agent.overlap_copy_programs, agent.lean
         overlap = {name: 0 if name.startswith("agent_c") else default_overlap for name in variants}
         for c in cfg["overlap_copy_programs"]:  # "agent_o<N>": capped at N only where a message is in flight beside it
             name = f"agent_o{c}"
             variants[name], pairs[name], programs[name], overlap[name] = cfg["min_messages"][0], (agent, spec), 0, c
-        for spec_text in cfg["variants"]:  # "agent_<spec>": any mix of m<N> o<N> c<N> d<0|1>, e.g. m2o66, d0
-            knobs = {k: int(v) for k, v in re.findall(r"([mocd])(\d+)", spec_text)}
+        for spec_text in cfg["variants"]:  # "agent_<spec>": any mix of m<N> o<N> c<N> d<0|1> l<0|1>, e.g. m2o66, d0, l0
+            knobs = {k: int(v) for k, v in re.findall(r"([mocdl])(\d+)", spec_text)}
             name = f"agent_{spec_text}"
             variants[name], pairs[name], programs[name] = knobs.get("m", cfg["min_messages"][0]), (agent, spec), knobs.get("c", 0)
             direct[name] = bool(knobs.get("d", 1))
+            if "l" in knobs:
+                lean[name] = bool(knobs["l"])
             overlap[name] = knobs.get("o", default_overlap)
         flights = {f"agent_x{n}": n for n in cfg["in_flight"]}  # "agent_x<N>": N transfers on the pair at once
         times: dict[str, list[float]] = {**{v: [] for v in variants}, **{v: [] for v in flights}, "raw": [], "gather": [],
@@ -242,6 +246,7 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
             for name, m in variants.items():
                 runs[name] = lambda m=m, name=name: (setattr(pairs[name][0], "min_messages", m),
                                                      setattr(pairs[name][0], "overlap_copy_programs", overlap[name]),
+                                                     setattr(pairs[name][0], "lean", lean.get(name, default_lean)),
                                                      _copy_programs(programs[name]), _direct(direct.get(name, True)),
                                                      move(name))
             for name, n in flights.items():
@@ -326,7 +331,7 @@ def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> b
     return bool(torch.equal(mine, theirs))
 
 
-VARIANT = r"agent_(hp|x\d+|(?:[mocd]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
+VARIANT = r"agent_(hp|x\d+|(?:[mocdl]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
 
 
 def summarize(results: list[dict], cfg: dict) -> list[dict]:
@@ -384,7 +389,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "KVTransferAgent.overlap_copy_programs)")
     p.add_argument("--variants", default="", help="comma-separated agent settings to time, each any mix of m<N> "
                    "(min_messages), o<N> (overlap_copy_programs), c<N> (copy programs), d<0|1> (the row copy through "
-                   "its compiled kernel's handle, default 1), e.g. m2o66,o32,d0 "
+                   "its compiled kernel's handle, default 1), l<0|1> (short transfers through the agent's lanes: "
+                   "KVTransferAgent.lean, default TANDEM_KV_LEAN or 1), e.g. m2o66,o32,d0,l0 "
                    "(the 'agent_<spec>' rows)")
     p.add_argument("--in-flight", default="", help="comma-separated: also time N transfers of each prompt on the pair "
                    "at once, numbered, as a decode replica runs several handoffs per pair (the 'agent_x<N>' rows: time "

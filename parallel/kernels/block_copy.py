@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any, Callable
 
 import torch
 import triton
@@ -95,6 +96,31 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather:
     """gather: dst[:, :, i] = src[:, :, index[i]]; else dst[:, :, index[i]] = src[:, :, i]. src and dst: the same
     dtype, shapes equal except dim 2, each row (dims 3 on) contiguous; index: int64 block ids on their device.
     programs: at most this many programs (None: MAX_PROGRAMS; 0: no cap)."""
+    planned = _plan(src, dst, index, gather, programs)
+    if planned is not None:
+        _launch(*planned, gather)
+
+
+def prepare_copy(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather: bool,
+                 programs: int | None = None) -> Callable[[], None]:
+    """copy_rows(src, dst, index, gather, programs) checked and planned once, for tensors the caller keeps (their
+    storage, shapes and the index's values may change between calls; their sizes and strides may not): the returned
+    call launches it again with no shape checks, grid arithmetic or handle key to work out. The KV handoff's lean path
+    (workers/kv_transfer/lanes.py) launches its gathers and scatters so: each torch-level call costs 50-150 us of host
+    time on the 2 x H100 host, and a 1K-token handoff's critical path is that host time (docs/benchmarks.md, issue 27)."""
+    planned = _plan(src, dst, index, gather, programs)
+    if planned is None:
+        return lambda: None
+    kernel, grid, args = planned
+    key = _key(kernel, args, gather)
+    const = (gather, BLOCK)
+    jit = lambda: kernel[grid](*args, GATHER=gather, BLOCK=BLOCK)  # noqa: E731 - the first launch compiles / finds the kernel
+    return lambda: _HANDLES.launch(key, jit, grid, args, const)
+
+
+def _plan(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather: bool,
+          programs: int | None) -> tuple[Any, tuple[int, ...], tuple] | None:
+    """copy_rows' checks, and its (kernel, grid, args); None where there is nothing to copy."""
     shape, dst_shape = src.shape, dst.shape
     layers, kv = shape[0], shape[1]
     if kv != 2:
@@ -106,29 +132,32 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather:
         raise ValueError("copy_rows: a block's row must be contiguous on both sides")
     n, row_words = index.numel(), math.prod(shape[3:]) if shape[2] else 0
     if n == 0 or layers == 0 or row_words == 0:
-        return
+        return None
     chunks = triton.cdiv(row_words, BLOCK)
     strides = (src.stride(0), src.stride(1), src.stride(2), dst.stride(0), dst.stride(1), dst.stride(2))
     cap = MAX_PROGRAMS if programs is None else programs
     total = n * layers * kv * chunks
     if 0 < cap < total:
-        _launch(_copy_rows_loop_kernel, (cap,), (src, dst, index, row_words, n, chunks, total, *strides), gather)
-    else:
-        _launch(_copy_rows_kernel, (n, layers * kv, chunks), (src, dst, index, row_words, *strides), gather)
+        return _copy_rows_loop_kernel, (cap,), (src, dst, index, row_words, n, chunks, total, *strides)
+    return _copy_rows_kernel, (n, layers * kv, chunks), (src, dst, index, row_words, *strides)
 
 
 def _launch(kernel, grid: tuple[int, ...], args: tuple, gather: bool) -> None:
-    """kernel[grid](*args) with its constexprs; through the compiled kernel's handle where one was kept under the key
-    of everything Triton specialises these kernels on: the device it launches on (the current one), the three
-    pointers' dtypes and 16-byte alignment, the integer arguments' types (their range: none is specialised on its
-    value, `do_not_specialize`), and the constexprs."""
-    key = None
+    """kernel[grid](*args) with its constexprs; through the compiled kernel's handle where one was kept (`_key`)."""
+    _HANDLES.launch(_key(kernel, args, gather), lambda: kernel[grid](*args, GATHER=gather, BLOCK=BLOCK), grid, args,
+                    (gather, BLOCK))
+
+
+def _key(kernel, args: tuple, gather: bool) -> tuple | None:
+    """The handle's key: everything Triton specialises these kernels on: the device it launches on (the current one),
+    the three pointers' dtypes and 16-byte alignment, the integer arguments' types (their range: none is specialised
+    on its value, `do_not_specialize`), and the constexprs. None (the JIT path every time) off DIRECT or off a GPU."""
     src, dst, index = args[:3]
-    if DIRECT and src.is_cuda and not interpreted():
-        key = (kernel is _copy_rows_loop_kernel, gather, torch.cuda.current_device(), src.dtype, dst.dtype, index.dtype,
-               src.data_ptr() % 16 == 0, dst.data_ptr() % 16 == 0, index.data_ptr() % 16 == 0,
-               tuple(int_kind(v) for v in args[3:]))
-    _HANDLES.launch(key, lambda: kernel[grid](*args, GATHER=gather, BLOCK=BLOCK), grid, args, (gather, BLOCK))
+    if not (DIRECT and src.is_cuda and not interpreted()):
+        return None
+    return (kernel is _copy_rows_loop_kernel, gather, torch.cuda.current_device(), src.dtype, dst.dtype, index.dtype,
+            src.data_ptr() % 16 == 0, dst.data_ptr() % 16 == 0, index.data_ptr() % 16 == 0,
+            tuple(int_kind(v) for v in args[3:]))
 
 
 def warm_up(device: torch.device, dtype: torch.dtype = torch.int64) -> None:

@@ -10,6 +10,8 @@ row copy (parallel/kernels/block_copy.py); a head slice (a resharded handoff) an
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -132,6 +134,21 @@ class CacheBlocks:
 
         words = self._layer_words(layers)
         copy_rows(buf if buf.dtype == words.dtype else buf.view(words.dtype), words, index, gather=False, programs=programs)
+
+
+    def all_heads(self, heads: slice) -> bool:
+        """Whether heads is every head of the cache (the row copy's case)."""
+        return _all_heads(heads, self.num_heads)
+
+    def prepare(self, layers: slice, buf: torch.Tensor, index: torch.Tensor, gather: bool,
+                programs: int | None = None) -> Callable[[], None]:
+        """The row copy between these layers (every head) and buf, kept by the caller with index, planned once
+        (`block_copy.prepare_copy`): gather (cache -> buf) or scatter (buf -> cache). Only where `rows` holds."""
+        from parallel.kernels.block_copy import prepare_copy
+
+        words = self._layer_words(layers)
+        other = buf if buf.dtype == words.dtype else buf.view(words.dtype)
+        return prepare_copy(words, other, index, True, programs) if gather else prepare_copy(other, words, index, False, programs)
 
 
 def _all_heads(heads: slice, num_heads: int) -> bool:

@@ -36,6 +36,7 @@ from workers.kv_layout import pool_ids
 from workers.kv_transfer.blocks import (CacheBlocks, block_index, gather_blocks, scatter_blocks, transfer_shape, warm_kernels,
                                         wire_dtype)
 from workers.kv_transfer.chunk_ends import ChunkEnds
+from workers.kv_transfer.lanes import LANE_BYTES, Lane, Lanes
 from workers.kv_transfer.plan import RankShard, Transfer
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class PhaseClock:
 # "Eighth session"). On an idle pair the overlap lost to the larger cut is the first gather and the last
 # scatter of 256 MiB: ~0.2 ms each on an H100 (about 5% of a 32K-token handoff).
 MESSAGE_BYTES = 256 << 20
+LANE_MAX_BLOCKS = 4096  # a lane's index holds this many block ids (a transfer of more takes the ordinary path)
 OVERLAP_COPY_PROGRAMS = 66  # KVTransferAgent.overlap_copy_programs' default (see there)
 
 # Waiting for NCCL work: `Work.wait(timeout)` blocks the CPU in a loop that sleeps 1 ms between polls
@@ -293,6 +295,11 @@ class KVTransferAgent:
         # and from 77% to 81% on 2 x H200, 32K from 73% to 85% and from 82-83% to 88%, 1K unchanged (four runs,
         # docs/benchmarks.md, twelfth session). 0 caps nothing. TANDEM_KV_OVERLAP_COPY_PROGRAMS overrides it.
         self.overlap_copy_programs = int(os.environ.get("TANDEM_KV_OVERLAP_COPY_PROGRAMS") or OVERLAP_COPY_PROGRAMS)
+        # Short transfers on a GPU take a lane (workers/kv_transfer/lanes.py): kept index and message buffers, planned
+        # copies, one launch and one NCCL call a message. TANDEM_KV_LEAN=0 (or lean = False) keeps every transfer on
+        # the ordinary path; bench_kv_transfer.py's l0 variant compares both in one run.
+        self.lean = os.environ.get("TANDEM_KV_LEAN", "1") != "0"
+        self._lanes = Lanes(kv_cache.device, LANE_MAX_BLOCKS) if kv_cache.is_cuda else None
 
     def get_shard(self) -> RankShard:
         return self.shard
@@ -481,11 +488,22 @@ class KVTransferAgent:
     def _send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_table: list[int],
               seq: int | None = None) -> int:
         group, clock = self._group(spec.pair_id), PhaseClock()
-        with self._posting(spec.pair_id, group, seq):
-            works, sent = self._post_sends(spec, group, clock, plan, dst_shards, block_table, seq)
-        self._wait(spec.pair_id, group, [w for w, _ in works])
+        lane, messages = self._lane_for(spec, plan, dst_shards, True)
+        try:
+            with self._posting(spec.pair_id, group, seq):
+                if lane is not None:
+                    works, sent = self._post_lane_sends(spec, group, clock, lane, messages, block_table, seq)
+                else:
+                    works, sent = self._post_sends(spec, group, clock, plan, dst_shards, block_table, seq)
+            self._wait(spec.pair_id, group, [w for w, _ in works])
+        except BaseException:
+            if lane is not None:
+                self._lanes.drop(lane)  # its buffers may still be in use on the GPU
+            raise
+        if lane is not None:
+            self._lanes.give(lane)  # the wait synchronised this stream: its copies and sends are done
         clock.mark("sent")
-        clock.log("send", messages=len(works), bytes=sent)
+        clock.log("send", messages=len(works), bytes=sent, lane=lane is not None)
         self.bytes_sent += sent
         return sent
 
@@ -539,6 +557,23 @@ class KVTransferAgent:
               src_block_table: list[int] | None, seq: int | None = None) -> tuple[int, float]:
         """(bytes received, when the last receive was posted and the last scatter queued)."""
         group, clock = self._group(spec.pair_id), PhaseClock()
+        lane, messages = self._lane_for(spec, plan, src_shards, False)
+        if lane is None:
+            return self._recv_ordinary(spec, group, clock, plan, src_shards, block_table, src_block_table, seq)
+        try:
+            with self._posting(spec.pair_id, group, seq):
+                pending = self._post_lane_recvs(group, clock, lane, messages, seq)
+            result = self._scatter_lane(spec, group, clock, lane, pending, block_table)
+        except BaseException:
+            self._lanes.drop(lane)  # its buffers may still be in use on the GPU
+            raise
+        self._lanes.give(lane)  # the wait synchronised this stream: its receives and scatters are done
+        return result
+
+    def _recv_ordinary(self, spec: PairSpec, group: dist.ProcessGroup, clock: PhaseClock, plan: list[Transfer],
+                       src_shards: dict[int, RankShard], block_table: list[int], src_block_table: list[int] | None,
+                       seq: int | None) -> tuple[int, float]:
+        """`_recv` without a lane: buffers from the allocator, the index by `block_index`, copies planned per call."""
         with self._posting(spec.pair_id, group, seq):
             pending, local = self._post_recvs(spec, group, clock, plan, src_shards, block_table, seq)
             # The peers' acks are messages too: posted in this transfer's turn.
@@ -571,6 +606,98 @@ class KVTransferAgent:
             torch.cuda.current_stream().synchronize()
         clock.mark("landed")
         clock.log("recv", messages=len(pending), bytes=received)
+        self.bytes_received += received
+        return received, posted
+
+    def _lane_for(self, spec: PairSpec, plan: list[Transfer], peers: dict[int, RankShard],
+                  sending: bool) -> tuple[Lane | None, list]:
+        """A lane for this transfer (workers/kv_transfer/lanes.py) and this rank's messages of the plan, each
+        (tag within the transfer's range, transfer, layer slice, head slice, buffer shape); (None, []) where the transfer
+        takes the ordinary path: lean off, not a GPU pair over NCCL, a head slice, transfers over different blocks, more
+        than LANE_BYTES or LANE_MAX_BLOCKS, no message for this rank, or every lane busy."""
+        if not (self.lean and self._lanes is not None and self._blocks.rows and self._nccl(spec) and not spec.ipc):
+            return None, []
+        lane = self._lanes.take()
+        if lane is None:
+            return None, []
+        # The messages depend on nothing else (tags are relative: the transfer's number adds its range's start).
+        key = (tuple(plan), tuple(peers.items()), sending, self.message_bytes, self.min_messages)
+        messages = lane.messages.get(key)
+        if messages is None:
+            messages = [(tag, t, layers, heads, transfer_shape(self.kv_cache, len(t.blocks), layers, heads))
+                        for tag, t, layers, heads in self._messages(plan, peers, sending)]
+            lane.remember(key, messages if self._lane_fits(messages) else [])
+            messages = lane.messages[key]
+        if not messages:
+            self._lanes.give(lane)
+            return None, []
+        return lane, messages
+
+    def _lane_fits(self, messages: list) -> bool:
+        """Whether a transfer of these messages takes a lane (see `_lane_for`)."""
+        if not messages or any(not self._blocks.all_heads(heads) for _, _, _, heads, _ in messages):
+            return False
+        blocks = messages[0][1].blocks
+        wire = wire_dtype(self.kv_cache.dtype).itemsize
+        total = sum(torch.Size(shape).numel() * wire for *_, shape in messages)
+        return 0 < len(blocks) <= LANE_MAX_BLOCKS and total <= LANE_BYTES and all(t.blocks == blocks for _, t, *_ in messages)
+
+    def _post_lane_sends(self, spec: PairSpec, group: dist.ProcessGroup, clock: PhaseClock, lane: Lane, messages: list,
+                         block_table: list[int], seq: int | None) -> tuple[list, int]:
+        """`_post_sends` through a lane: the index by one asynchronous copy, each message's gather one planned launch
+        into its kept buffer, then its send."""
+        base = 0 if seq is None else (seq % TAG_SEQS) * TAG_STRIDE
+        ids = self._local_ids([block_table[i] for i in messages[0][1].blocks])
+        index, n, wire = lane.index_of(ids), len(ids), self._blocks.wire.dtype
+        clock.mark("index")
+        works, sent = [], 0
+        for tag, t, layers, heads, shape in messages:
+            buf = lane.buffer((layers.start, layers.stop), shape, wire)
+            programs = self._copy_programs(overlapped=bool(works))
+            lane.copy((layers.start, layers.stop, n, True, programs),
+                      lambda: self._blocks.prepare(layers, buf, index, True, programs))()
+            clock.mark("gather")
+            if self._send_delay_s and not works:
+                time.sleep(self._send_delay_s)
+            works.append((group.send([buf], spec.num_prefill_ranks + t.dst, base + tag), buf))
+            clock.mark("post")
+            sent += buf.numel() * buf.element_size()
+        return works, sent
+
+    def _post_lane_recvs(self, group: dist.ProcessGroup, clock: PhaseClock, lane: Lane, messages: list,
+                         seq: int | None) -> list:
+        """`_post_recvs` through a lane: each message received into its kept buffer. Returns (work, buf, message)."""
+        base = 0 if seq is None else (seq % TAG_SEQS) * TAG_STRIDE
+        clock.mark("setup")
+        wire, pending = self._blocks.wire.dtype, []
+        for message in messages:
+            tag, t, layers, _, shape = message
+            buf = lane.buffer((layers.start, layers.stop), shape, wire)
+            pending.append((group.recv([buf], t.src, base + tag), buf, message))
+        clock.mark("post")
+        return pending
+
+    def _scatter_lane(self, spec: PairSpec, group: dist.ProcessGroup, clock: PhaseClock, lane: Lane, pending: list,
+                      block_table: list[int]) -> tuple[int, float]:
+        """The lane's scatters, each queued behind its message's receive on this stream (no CPU wait), then the wait
+        for all: `_recv_ordinary`'s second half."""
+        index = lane.index_of([block_table[i] for i in pending[0][2][1].blocks])
+        n, received = index.numel(), 0
+        clock.mark("index")
+        for k, (work, buf, (_, _, layers, _, _)) in enumerate(pending):
+            self._check(spec.pair_id, group, work.wait)  # NCCL: stream order only (the CPU waits below)
+            programs = self._copy_programs(overlapped=k < len(pending) - 1)
+            lane.copy((layers.start, layers.stop, n, False, programs),
+                      lambda: self._blocks.prepare(layers, buf, index, False, programs))()
+            clock.mark("scatter")
+            received += buf.numel() * buf.element_size()
+        posted = time.time()
+        if _is_nccl(group):
+            self._wait(spec.pair_id, group, [work for work, *_ in pending])  # every message landed, then synchronised
+        elif self.kv_cache.is_cuda:  # gloo's wait above was the CPU's (a gloo work is waited for once)
+            torch.cuda.current_stream().synchronize()
+        clock.mark("landed")
+        clock.log("recv", messages=len(pending), bytes=received, lane=True)
         self.bytes_received += received
         return received, posted
 
