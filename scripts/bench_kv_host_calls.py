@@ -13,6 +13,7 @@ call one at a time: wall and this thread's CPU microseconds, median and p90 of -
   index_tensor        torch.tensor(ids, device=cuda): the ordinary path's block index (waits for its copy)
   index_lane          Lane.index_of(ids): the lane's pinned buffer and one asynchronous copy
   current_stream      torch.cuda.current_stream()
+  stream_ctx          entering and leaving `with torch.cuda.stream(s)` (the agent's own stream, every transfer)
   gather_ordinary     CacheBlocks.gather: the buffer's empty, the row copy's checks, its handle launch
   gather_lane         the lane's planned launch (block_copy.prepare_copy) into a kept buffer
   nccl_send_1B        ProcessGroupNCCL.send of 1 byte (rank 1 has posted the matching receives)
@@ -126,7 +127,11 @@ def _calls(device: torch.device, cache: torch.Tensor, ids: list[int], msg_bytes:
     index = lane.index_of(ids)
     buf = lane.buffer("diag", (cache.shape[0], 2, len(ids), *cache.shape[3:]), cache.dtype)
     launch = blocks.prepare(everything, buf, index, True, None)
-    stream = torch.cuda.current_stream()
+    stream, side = torch.cuda.current_stream(), torch.cuda.Stream(device)
+
+    def stream_ctx() -> None:
+        with torch.cuda.stream(side):  # KVTransferAgent._own_stream, entered and left around every transfer
+            pass
 
     def slack_sleep() -> None:
         time.sleep(0)
@@ -140,6 +145,7 @@ def _calls(device: torch.device, cache: torch.Tensor, ids: list[int], msg_bytes:
         "index_tensor": lambda: torch.tensor(ids, dtype=torch.long, device=device),
         "index_lane": lambda: lane.index_of(ids),
         "current_stream": torch.cuda.current_stream,
+        "stream_ctx": stream_ctx,
         "gather_ordinary": lambda: blocks.gather(ids, everything, everything, index),
         "gather_lane": launch,
         "stream_sync_idle": stream.synchronize,
