@@ -199,6 +199,10 @@ def main() -> None:
         print(f"per layer: bf16 {tot['bf16_us']:.1f} us, tinygemm {tot['tinygemm_us']:.1f} us, w4 {tot['w4_best_us']:.1f} us "
               f"(target for 2.5x end to end: <= ~52 us)", flush=True)
         report["per_layer_us"] = tot
+        print("TABLE entries (parallel/kernels/gemv_w4.py):")
+        for r in res:
+            print(f"    ({r['n']}, {r['k']}): {r['w4_best_config']!r},  # {r['w4_best_GBps']:.0f} GB/s, "
+                  f"{r['w4_best_us']:.1f} us (tinygemm {r['tinygemm_us']:.1f}), {r['shape']}")
         _save(report, a.out)
     print(f"wrote {a.out}")
 
