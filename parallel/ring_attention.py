@@ -552,11 +552,12 @@ class _RingSteps:
             config = self.config  # RingConfig.oneloop0: the first launch's programs in one loop
             if i == 0 and config.oneloop0 and not config.oneloop:
                 config = dataclasses.replace(config, oneloop=True)
+            # RingConfig.plain0: the first launch by plain loads (no tensor descriptors on the host before it)
+            use_tma = False if i == 0 and config.plain0 else self.tma if tma is None else tma
             launch = _triton_kernels().StepLaunch(
                 self.q, self.key_tokens[i], self.q_hkv, self.scale, self.tables[i][0], self.q_pos, self.k_pos[i],
-                config, self.acc, load_prev, store_acc, self.out if writes_out else None,
-                self.tma if tma is None else tma, self.tables[i][1], self.partials,
-                not (self.fused or self.hybrid), groups).release()
+                config, self.acc, load_prev, store_acc, self.out if writes_out else None, use_tma,
+                self.tables[i][1], self.partials, not (self.fused or self.hybrid), groups).release()
             if tma is not None:
                 return launch
             self.launches[i] = self.plan.launches[i] = launch

@@ -39,7 +39,7 @@ def causal(q, k, v):
 for sp, cfg in ((2, "32,16,4,1,pack"), (2, "16,16,4,1,pack,hybrid,oneloop"), (4, "16,16,4,1,fuse,batchcopy"),
                 (4, "32,16,4,1,pack,fuse"), (3, "16,16,4,1,pack,split=2"), (2, None), (4, None),
                 (2, "16,16,4,1,pack,hybrid,overlap"), (4, "16,16,4,1,fuse,batchcopy,overlap"),
-                (4, "16,16,4,1,fuse,batchcopy,oneloop0")):
+                (4, "16,16,4,1,fuse,batchcopy,oneloop0"), (4, "16,16,4,1,fuse,batchcopy,oneloop0,plain0")):
     n = 45
     positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
     layers = [tuple(torch.randn(n, h, D) for h in (4, 2, 2)) for _ in range(2)]
@@ -123,7 +123,8 @@ print("ok", checked)
 
 def test_launches_planned_once_per_plan_in_the_triton_interpreter():
     out = run_interpreted(REUSE_SCRIPT)
-    assert out.strip().split()[-2:] == ["ok", str(2 * (2 + 2 + 4 + 4 + 3 + 2 + 4 + 2 + 4 + 4) + 2 * 2 + 3)], out[-800:]
+    want = 2 * (2 + 2 + 4 + 4 + 3 + 2 + 4 + 2 + 4 + 4 + 4) + 2 * 2 + 3  # every rank of each case, twice (layers)
+    assert out.strip().split()[-2:] == ["ok", str(want)], out[-800:]
 
 
 class _Compiled:
@@ -206,7 +207,11 @@ def test_default_configs_by_sp_size(monkeypatch):
     rt = pytest.importorskip("parallel.kernels.ring_attention_triton")
     monkeypatch.delenv(rt.ENV, raising=False)
     base = rt.CONFIGS[128][0]
+    assert rt.default_config(4096, 128, 2, True, 4) == dataclasses.replace(base, fuse=True, batchcopy=True,
+                                                                           oneloop0=True, plain0=True)
+    monkeypatch.setattr(rt, "SP4_FIRST", False)  # the SP=4 default before oneloop0 and plain0
     assert rt.default_config(4096, 128, 2, True, 4) == dataclasses.replace(base, fuse=True, batchcopy=True)
+    monkeypatch.setattr(rt, "SP4_FIRST", True)
     assert rt.default_config(4096, 128, 2, True, 8) == dataclasses.replace(base, fuse=True)
     assert rt.default_config(4096, 128, 2, True) == dataclasses.replace(base, fuse=True)
     assert rt.default_config(rt.HYBRID_MAX_TOKENS, 128, 2, True, 2) == dataclasses.replace(base, hybrid=True,
@@ -216,6 +221,8 @@ def test_default_configs_by_sp_size(monkeypatch):
     assert rt.default_config(rt.HYBRID_MAX_TOKENS, 128, 2, True, 1) == base
     monkeypatch.setenv(rt.ENV, "64,64,4,2,pack")
     assert rt.default_config(4096, 128, 2, True, 2) == rt.RingConfig(64, 64, 4, 2, True)
+    plain = rt.RingConfig.parse("128,128,8,3,pack,fuse,batchcopy,oneloop0,plain0")
+    assert plain.plain0 and plain.oneloop0 and not plain.oneloop and rt.RingConfig.parse(str(plain)) == plain
     over = rt.RingConfig.parse("128,128,8,3,pack,fuse,batchcopy,overlap")
     assert over.overlap and not base.overlap and str(over).endswith(",batchcopy,overlap")
     assert rt.RingConfig.parse(str(over)) == over
@@ -223,6 +230,26 @@ def test_default_configs_by_sp_size(monkeypatch):
         rt.RingConfig.parse("128,128,8,3,overlap,overlap")
     first = rt.RingConfig.parse("128,128,8,3,pack,fuse,oneloop0")
     assert first.oneloop0 and not first.oneloop and rt.RingConfig.parse(str(first)) == first
+
+
+def test_plain_loads_for_the_first_launch_only(monkeypatch):
+    """RingConfig.plain0: where K/V can be read by TMA, the ring's first launch is planned with plain loads (no tensor
+    descriptors on the host's way to it) and the later ones with TMA; without plain0 every launch uses TMA."""
+    rt = pytest.importorskip("parallel.kernels.ring_attention_triton")
+    from parallel.ring_attention import _RingSteps, split_for_ranks
+    from workers.sp_plan import owned_positions
+
+    monkeypatch.setattr(rt, "tma_ok_block", lambda block: True)  # as a Hopper GPU would answer (planning only)
+    n, sp = 64, 4
+    positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
+    qs, blocks, shards = split_for_ranks(*(torch.randn(n, h, 16) for h in (4, 2, 2)), positions)
+    srcs = [(1 - s) % sp for s in range(sp)]
+    for cfg, first_tma in (("16,16,4,1,fuse,batchcopy,plain0", False), ("16,16,4,1,fuse,batchcopy", True),
+                           ("16,16,4,1,pack,plain0", False)):
+        steps = _RingSteps(qs[1], blocks[1], shards[1], [shards[s] for s in srcs], 0.25, None, True, cfg)
+        assert steps.tma
+        kinds = [steps._launch(i).kw["TMA"] for i in range(steps.n_launch)]
+        assert kinds == [first_tma] + [True] * (steps.n_launch - 1), (cfg, kinds)
 
 
 def test_tma_check_of_a_block():

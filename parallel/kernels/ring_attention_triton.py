@@ -43,7 +43,7 @@ previous step's tail frees.
 
 Launch configs: `RingConfig`, the `CONFIGS` table by head dim, the TANDEM_RING_KERNEL environment variable
 ("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16][,early][,pdl][,fuse][,gather][,oneloop][,hybrid]
-[,batchcopy][,overlap][,oneloop0]");
+[,batchcopy][,overlap][,oneloop0][,plain0]");
 scripts/tune_ring_kernel.py times candidates on a GPU.
 Memory: the inputs, the accumulators and output, the tile table and, split, the pieces' partials: O(chunk).
 """
@@ -139,6 +139,12 @@ class RingConfig:
     default: with fuse,batchcopy it was 0.298x of SP=1 streamed against 0.294x without (first launch 0.297-0.300 ms
     against 0.321, the rest within noise).
 
+    `plain0` (read by parallel/ring_attention.py): the ring's first launch reads K/V by plain loads, not TMA. A TMA
+    launch costs the host two tensor descriptors (built in Python, then encoded by Triton's launcher on every call),
+    and a rank's first launch is the one the GPU waits for: nothing is queued before it, so its host time is the
+    rank's own (each call timed alone, as scripts/bench_sp_rank.py does; in a forward, the previous layer's kernels
+    hide it). The other launches keep TMA (issued while the first one runs).
+
     `gather` (read by parallel/ring_attention.py; SP >= 2): as `fuse`, the rank's own block scattered too, so the
     rank runs ONE launch over every key in position order (programs as long as SP=1's for its query tiles: each
     program's fixed cost paid once per query tile, not once per step), after every block has arrived: nothing
@@ -160,18 +166,19 @@ class RingConfig:
     batchcopy: bool = False
     overlap: bool = False
     oneloop0: bool = False
+    plain0: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "RingConfig":
         """"BLOCK_M,BLOCK_N,warps,stages" then optionally "pack" (or 1/0), "split=N" (or "splitN"; "split=auto"
-        is the default), "acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy", "overlap" and
-        "oneloop0": as the env variable, e.g.
+        is the default), "acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy", "overlap",
+        "oneloop0" and "plain0": as the env variable, e.g.
         "128,128,8,3,pack,split=2"."""
         parts = [p.strip().lower() for p in text.replace("x", ",").split(",") if p.strip()]
         pack, splits, flags = None, None, set()
         for flag in parts[4:]:
             if flag in ("acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy", "overlap",
-                        "oneloop0") \
+                        "oneloop0", "plain0") \
                     and flag not in flags:
                 flags.add(flag)
             elif flag.startswith("split") and splits is None:
@@ -182,14 +189,15 @@ class RingConfig:
             else:
                 raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
                                  f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy][,overlap]"
-                                 f"[,oneloop0], not {text!r}")
+                                 f"[,oneloop0][,plain0], not {text!r}")
         if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]):
             raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
-                             f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy][,overlap][,oneloop0], "
+                             f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy][,overlap][,oneloop0]"
+                             f"[,plain0], "
                              f"not {text!r}")
         cfg = cls(*(int(p) for p in parts[:4]), bool(pack), splits or 0, "acc16" in flags, "early" in flags,
                   "pdl" in flags, "fuse" in flags, "gather" in flags, "oneloop" in flags, "hybrid" in flags,
-                  "batchcopy" in flags, "overlap" in flags, "oneloop0" in flags)
+                  "batchcopy" in flags, "overlap" in flags, "oneloop0" in flags, "plain0" in flags)
         if cfg.block_m < 16 or cfg.block_n < 16 or cfg.num_warps < 1 or cfg.num_stages < 1 \
                 or cfg.block_m & (cfg.block_m - 1) or cfg.block_n & (cfg.block_n - 1) or not 0 <= cfg.splits <= 64:
             raise ValueError(f"bad ring kernel config {text!r}: tiles powers of two >= 16, warps and stages >= 1, "
@@ -202,7 +210,8 @@ class RingConfig:
             + (",early" if self.early else "") + (",pdl" if self.pdl else "") + (",fuse" if self.fuse else "") \
             + (",gather" if self.gather else "") + (",oneloop" if self.oneloop else "") \
             + (",hybrid" if self.hybrid else "") + (",batchcopy" if self.batchcopy else "") \
-            + (",overlap" if self.overlap else "") + (",oneloop0" if self.oneloop0 else "")
+            + (",overlap" if self.overlap else "") + (",oneloop0" if self.oneloop0 else "") \
+            + (",plain0" if self.plain0 else "")
 
     def heads_per_program(self, gqa: int) -> int:
         """Query heads one program takes: the GQA group when packing (and it fits BLOCK_M with >= 1 row), else 1."""
@@ -230,7 +239,8 @@ def default_config(tq: int, head_dim: int, element_size: int, tma: bool, ranks: 
     """The config for `tq` query rows of a ring over `ranks` blocks (None: not known): TANDEM_RING_KERNEL if set,
     else `CONFIGS` (16-bit floats, D <= 128, >= 128 rows), else fp32 (two stages: three would not fit in shared
     memory) or short chunks; `fuse` on where the rank's queries are at most FUSE_MAX_TOKENS (it applies from SP=3 on),
-    with `batchcopy` at SP=4; `hybrid`, `oneloop` and `early` at SP=2 up to HYBRID_MAX_TOKENS."""
+    with `batchcopy`, `oneloop0` and `plain0` at SP=4 (the last two: SP4_FIRST); `hybrid`, `oneloop` and `early` at
+    SP=2 up to HYBRID_MAX_TOKENS."""
     env = os.environ.get(ENV)
     if env:
         return parse_config(env)
@@ -241,11 +251,19 @@ def default_config(tq: int, head_dim: int, element_size: int, tma: bool, ranks: 
     else:
         config = RingConfig(max(16, min(64, triton.next_power_of_2(max(tq, 1)))), 64, 4, 2)
     if tq <= FUSE_MAX_TOKENS:
-        config = dataclasses.replace(config, fuse=True, batchcopy=ranks == 4)
+        sp4 = ranks == 4  # batchcopy, oneloop0 and plain0: SP4_FIRST
+        config = dataclasses.replace(config, fuse=True, batchcopy=sp4, oneloop0=sp4 and SP4_FIRST,
+                                     plain0=sp4 and SP4_FIRST)
     if ranks == 2 and tq <= HYBRID_MAX_TOKENS:
         config = dataclasses.replace(config, hybrid=True, oneloop=True, early=True)
     return config
 
+
+# `oneloop0` and `plain0` with fuse,batchcopy by default at SP=4: the rank's first launch (its own block, a 4K-token
+# causal triangle at 16K tokens) is its shortest programs' launch and the one its host time is spent before. oneloop0
+# took it from 0.321 to 0.297-0.300 ms on one H100 (2026-11-27); plain0 takes the two tensor descriptors off the host's
+# path to it (not yet measured on a GPU). False (TANDEM_RING_SP4_FIRST=0): fuse,batchcopy alone, the default before.
+SP4_FIRST = os.environ.get("TANDEM_RING_SP4_FIRST", "1") != "0"
 
 # RingConfig.hybrid: the share of head groups the first step (own block only) takes; at 16K tokens SP=2 that is ~0.26 ms
 # of GPU time on an H100, ~3x an NVLink transfer of the other block (32 MiB).
