@@ -5,9 +5,9 @@ Per tile: registers a thread, stack (spills), shared memory, and over the whole 
 of one program's step (the loop body when there is a loop), its global loads by width and its barriers (a BAR in the
 body: a layout exchange through shared memory every step). GPU timings are scripts/bench_gemv_w4.py's.
 
-    python scripts/gemv_w4_sass.py --k 4096 --tiles 8,128,4 16,64,2,1,0,3
-A tile is BLOCK_N,C,num_warps[,FLAT (1, default; 0: VEC),PREFETCH (1, default; 0: Triton's pipeliner)[,NUM_STAGES
-[,SPLIT_K]]]. Needs Triton's
+    python scripts/gemv_w4_sass.py --k 4096 --tiles 8,128,4 8,32,1,2
+A tile is BLOCK_N,C,num_warps[,PREFETCH (steps prefetched by hand: 1 default, 2; 0: Triton's loop)[,NUM_STAGES
+[,SPLIT_K[,MAXNREG]]]]. Needs Triton's
 bundled ptxas and cuobjdump (triton/backends/nvidia/bin), no GPU.
 """
 from __future__ import annotations
@@ -32,11 +32,11 @@ def compile_tile(tile: tuple[int, ...], k: int, even: bool = True):
     from parallel.kernels import gemv_w4 as w4
 
     bn, c, warps = tile[:3]
-    flat = bool(tile[3]) if len(tile) > 3 else True
-    prefetch = bool(tile[4]) if len(tile) > 4 else True
-    stages = tile[5] if len(tile) > 5 else 1
-    split = tile[6] if len(tile) > 6 else 1
-    consts = dict(BLOCK_N=bn, C=c, EVEN=even, FLAT=flat, PREFETCH=prefetch, NUM_STAGES=stages, SPLIT_K=split)
+    prefetch = tile[3] if len(tile) > 3 else 1
+    stages = tile[4] if len(tile) > 4 else 1
+    split = tile[5] if len(tile) > 5 else 1
+    maxnreg = tile[6] if len(tile) > 6 else None
+    consts = dict(BLOCK_N=bn, C=c, EVEN=even, PREFETCH=prefetch, NUM_STAGES=stages, SPLIT_K=split, MEMONLY=False)
     fn = w4._w4_kernel.fn
     names = list(fn.__code__.co_varnames[:fn.__code__.co_argcount])
     sig = {n: PTRS.get(n) or ("constexpr" if n in consts else "i32") for n in names}
@@ -44,7 +44,8 @@ def compile_tile(tile: tuple[int, ...], k: int, even: bool = True):
                if n in PTRS or n in ("N", "NCH", "BSTRIDE", "NS", "EXPR")}
     src = ASTSource(fn=w4._w4_kernel, signature=sig, attrs=aligned,
                     constexprs={(names.index(n),): v for n, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages,
+                                                                                **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 def stats(kernel, tile: tuple[int, ...]) -> dict:

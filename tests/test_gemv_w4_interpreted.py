@@ -4,7 +4,7 @@ Weights in tinygemm's layout built with the plain-torch model of `_convert_weigh
 codes, scales and zero points; bf16 activations. Checked against x @ the dequantized weight in fp32: through split K
 (fp32 partial sums, no bf16 rounding) within 1e-5 of the output's magnitude (the 256 + c offsets cancel to ~1e-6), and
 the bf16 output within one bf16 step of each value (the interpreter truncates to bf16 where the GPU rounds to nearest).
-Both load layouts (VEC, FLAT), both pipelines (by hand, Triton's loop), masked rows (N not a multiple of BLOCK_N) and
+One or two steps prefetched by hand, Triton's pipeline, masked rows (N not a multiple of BLOCK_N) and
 masked chunks (K not a multiple of the step), group sizes 128 and 256. The kernel uses no inline assembly, so the
 interpreter runs the very code the GPU compiles; compiled runs: tests/gpu/test_gemv_w4.py and scripts/bench_gemv_w4.py.
 """
@@ -31,13 +31,13 @@ def layer(n, k, gs):
 
 checked = 0
 for n, k, gs, cfg in (
-        (24, 512, 128, dict(BLOCK_N=8, C=4, num_warps=1, FLAT=False)),                       # 4 steps, by hand
-        (40, 640, 128, dict(BLOCK_N=16, C=8, num_warps=1, FLAT=False)),                      # masked rows and chunks
-        (40, 640, 128, dict(BLOCK_N=16, C=8, num_warps=1, FLAT=False, PREFETCH=False, NUM_STAGES=3)),
-        (24, 1024, 256, dict(BLOCK_N=8, C=16, num_warps=1, FLAT=True)),                      # FLAT, group 256
-        (40, 640, 128, dict(BLOCK_N=16, C=8, num_warps=1, FLAT=True)),                       # FLAT masked
-        (24, 512, 128, dict(BLOCK_N=8, C=16, num_warps=1, FLAT=True, PREFETCH=False, NUM_STAGES=2)),
-        (16, 256, 128, dict(BLOCK_N=8, C=8, num_warps=1, FLAT=False))):                      # one step
+        (24, 512, 128, dict(BLOCK_N=8, C=4, num_warps=1, PREFETCH=1)),                    # 4 steps, one prefetched
+        (40, 640, 128, dict(BLOCK_N=16, C=8, num_warps=1, PREFETCH=1)),                   # masked rows and chunks
+        (40, 640, 128, dict(BLOCK_N=16, C=8, num_warps=1, PREFETCH=2)),                   # two prefetched
+        (24, 1024, 256, dict(BLOCK_N=8, C=16, num_warps=1, PREFETCH=2)),                  # group 256
+        (40, 640, 128, dict(BLOCK_N=16, C=8, num_warps=1, PREFETCH=0, NUM_STAGES=3)),     # Triton's pipeliner
+        (24, 512, 128, dict(BLOCK_N=8, C=16, num_warps=1, PREFETCH=0)),
+        (16, 256, 128, dict(BLOCK_N=8, C=8, num_warps=1, PREFETCH=2))):                   # one step
     packed, sz, deq = layer(n, k, gs)
     x = torch.randn(1, k).bfloat16()
     want = x.float() @ deq.t()
@@ -57,7 +57,7 @@ for n, k, gs, cfg in (
 # the layer's batch-1 path (Int4PackWeight.apply with a tile chosen at load), act order's permuted inputs included
 packed, sz, deq = layer(32, 512, 128)
 perm = torch.randperm(512)
-lw = tg.Int4PackWeight(packed, sz, 128, 8, 32, 512, perm=perm, w4_config=dict(BLOCK_N=8, C=4, num_warps=1, FLAT=False))
+lw = tg.Int4PackWeight(packed, sz, 128, 8, 32, 512, perm=perm, w4_config=dict(BLOCK_N=8, C=4, num_warps=1))
 x = torch.randn(1, 512).bfloat16()
 bias = torch.randn(32).bfloat16()
 want = x.float() @ lw.dequantize().t()  # dequantize() is in the layer's input order

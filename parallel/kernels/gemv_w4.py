@@ -133,73 +133,44 @@ def _step_sum(w, sz, x32_ptr, t, NCH, EXPR, C: tl.constexpr, EVEN: tl.constexpr)
 
 
 @triton.jit
-def _flat_load(w_ptr, sz_ptr, rowoff, rows, t, NS, NCH, GS_TILES, n_mask, ONE, C: tl.constexpr, EVEN: tl.constexpr):
-    """FLAT tiles: step t's codes and (scale, zero) pairs, both [BLOCK_N, C, 4] (one per word). Every offset is
-    multiplied by ONE (a runtime 1) so Triton sees no contiguity and gives the codes, x and scale loads one layout (its
-    default: a thread holds one word of each of its (row, chunk) positions), and nothing is exchanged through shared
-    memory (the VEC tiles' 16-byte code loads and x gathers get different layouts, converted every step); the price is
-    a 4-byte load per word and a scale load per (row, word) (the same address for the 4 words of a chunk)."""
-    c = t * C + tl.arange(0, C)
-    j = tl.arange(0, 4)
-    col = (((c // 4) * 128 + (c % 4) * 4)[None, :, None] + j[None, None, :]) * ONE
-    szo = (((c // 4) // GS_TILES)[None, :, None] * NS + rows[:, None, None] + 0 * j[None, None, :]) * ONE
-    if EVEN:
-        w = tl.load(w_ptr + rowoff[:, None, None] + col)
-        sz = tl.load(sz_ptr + szo)
-    else:
-        m = n_mask[:, None, None] & (c < NCH)[None, :, None]
-        w = tl.load(w_ptr + rowoff[:, None, None] + col, mask=m, other=0)
-        sz = tl.load(sz_ptr + szo, mask=m, other=0)
-    return w, sz
+def _vec_sum(w, sz, x32_ptr, t, NCH, EXPR, C: tl.constexpr, EVEN: tl.constexpr, MEMONLY: tl.constexpr):
+    if MEMONLY:  # diagnostic: the loads without the arithmetic (wrong output; scripts/bench_gemv_w4.py's ceiling)
+        return (tl.sum(w, axis=2) ^ sz).to(tl.float32)
+    return _step_sum(w, sz, x32_ptr, t, NCH, EXPR, C, EVEN)
 
 
 @triton.jit
-def _flat_sum(acc3, w, sz, x32_ptr, t, NCH, EXPR, ONE, C: tl.constexpr, EVEN: tl.constexpr):
-    """FLAT tiles: acc3 [BLOCK_N, C, 4] plus step t's per-word sums of x * dequantized weight."""
-    c = t * C + tl.arange(0, C)
-    p = ((64 * (c // 4) + c % 4)[None, :, None] + 16 * tl.arange(0, 4)[None, None, :]) * ONE
-    e0, e2, o0, o2, f1, f3, g1, g3, xs, x0 = _xpairs(x32_ptr, p, NCH, c[None, :, None], EVEN)
-    acc = _dot8(w, e0, e2, o0, o2, f1, f3, g1, g3, EXPR)
-    return acc3 + _scaled(acc - x0, sz, xs)
-
-
-@triton.jit(do_not_specialize=["ONE"])  # ONE must stay a runtime value (see `_flat_load`)
-def _w4_kernel(x32_ptr, w_ptr, sz_ptr, y_ptr, yf_ptr, N, NCH, STEPS, BSTRIDE, NS, GS_TILES, EXPR, ONE,
-               BLOCK_N: tl.constexpr, C: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr,
-               PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr):
+def _w4_kernel(x32_ptr, w_ptr, sz_ptr, y_ptr, yf_ptr, N, NCH, STEPS, BSTRIDE, NS, GS_TILES, EXPR,
+               BLOCK_N: tl.constexpr, C: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
+               NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, MEMONLY: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rows < N
     rowoff = (rows // 8).to(tl.int64) * BSTRIDE + (rows % 8) * 16
     t0 = tl.program_id(1) * STEPS  # this split's first step (STEPS: steps per split)
-    if FLAT:
-        acc3 = tl.zeros([BLOCK_N, C, 4], tl.float32)
-        if PREFETCH:
-            w, sz = _flat_load(w_ptr, sz_ptr, rowoff, rows, t0, NS, NCH, GS_TILES, n_mask, ONE, C, EVEN)
-            for t in range(t0 + 1, t0 + STEPS):  # step t loads before step t - 1 is summed: two steps in flight
-                wn, szn = _flat_load(w_ptr, sz_ptr, rowoff, rows, t, NS, NCH, GS_TILES, n_mask, ONE, C, EVEN)
-                acc3 = _flat_sum(acc3, w, sz, x32_ptr, t - 1, NCH, EXPR, ONE, C, EVEN)
-                w, sz = wn, szn
-            acc3 = _flat_sum(acc3, w, sz, x32_ptr, t0 + STEPS - 1, NCH, EXPR, ONE, C, EVEN)
-        else:
-            for t in tl.range(t0, t0 + STEPS, num_stages=NUM_STAGES):
-                w, sz = _flat_load(w_ptr, sz_ptr, rowoff, rows, t, NS, NCH, GS_TILES, n_mask, ONE, C, EVEN)
-                acc3 = _flat_sum(acc3, w, sz, x32_ptr, t, NCH, EXPR, ONE, C, EVEN)
-        y = tl.sum(tl.sum(acc3, axis=2), axis=1)
-    else:
-        acc = tl.zeros([BLOCK_N, C], tl.float32)
-        if PREFETCH:
-            w, sz = _load_step(w_ptr, sz_ptr, rowoff, rows, t0, NS, NCH, GS_TILES, n_mask, BLOCK_N, C, EVEN)
-            for t in range(t0 + 1, t0 + STEPS):
-                wn, szn = _load_step(w_ptr, sz_ptr, rowoff, rows, t, NS, NCH, GS_TILES, n_mask, BLOCK_N, C, EVEN)
-                acc += _step_sum(w, sz, x32_ptr, t - 1, NCH, EXPR, C, EVEN)
-                w, sz = wn, szn
-            acc += _step_sum(w, sz, x32_ptr, t0 + STEPS - 1, NCH, EXPR, C, EVEN)
-        else:
-            for t in tl.range(t0, t0 + STEPS, num_stages=NUM_STAGES):
-                w, sz = _load_step(w_ptr, sz_ptr, rowoff, rows, t, NS, NCH, GS_TILES, n_mask, BLOCK_N, C, EVEN)
-                acc += _step_sum(w, sz, x32_ptr, t, NCH, EXPR, C, EVEN)
-        y = tl.sum(acc, axis=1)
+    last = t0 + STEPS - 1
+    acc = tl.zeros([BLOCK_N, C], tl.float32)
+    if PREFETCH == 0:  # Triton's pipeliner (cp.async through shared memory) when NUM_STAGES > 1
+        for t in tl.range(t0, t0 + STEPS, num_stages=NUM_STAGES):
+            w, sz = _load_step(w_ptr, sz_ptr, rowoff, rows, t, NS, NCH, GS_TILES, n_mask, BLOCK_N, C, EVEN)
+            acc += _vec_sum(w, sz, x32_ptr, t, NCH, EXPR, C, EVEN, MEMONLY)
+    elif PREFETCH == 1:  # step t + 1 loads before step t is summed (past the last step: the last again, cached)
+        w, sz = _load_step(w_ptr, sz_ptr, rowoff, rows, t0, NS, NCH, GS_TILES, n_mask, BLOCK_N, C, EVEN)
+        for t in range(t0, t0 + STEPS):
+            wn, szn = _load_step(w_ptr, sz_ptr, rowoff, rows, tl.minimum(t + 1, last), NS, NCH, GS_TILES, n_mask,
+                                 BLOCK_N, C, EVEN)
+            acc += _vec_sum(w, sz, x32_ptr, t, NCH, EXPR, C, EVEN, MEMONLY)
+            w, sz = wn, szn
+    else:  # three steps in flight: t + 2 loads before step t is summed
+        w, sz = _load_step(w_ptr, sz_ptr, rowoff, rows, t0, NS, NCH, GS_TILES, n_mask, BLOCK_N, C, EVEN)
+        wb, szb = _load_step(w_ptr, sz_ptr, rowoff, rows, tl.minimum(t0 + 1, last), NS, NCH, GS_TILES, n_mask,
+                             BLOCK_N, C, EVEN)
+        for t in range(t0, t0 + STEPS):
+            wc, szc = _load_step(w_ptr, sz_ptr, rowoff, rows, tl.minimum(t + 2, last), NS, NCH, GS_TILES, n_mask,
+                                 BLOCK_N, C, EVEN)
+            acc += _vec_sum(w, sz, x32_ptr, t, NCH, EXPR, C, EVEN, MEMONLY)
+            w, sz, wb, szb = wb, szb, wc, szc
+    y = tl.sum(acc, axis=1)
     if SPLIT_K == 1:
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=n_mask)
     else:
@@ -213,26 +184,15 @@ def _cast_kernel(yf_ptr, y_ptr, N, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, tl.load(yf_ptr + offs, mask=m).to(y_ptr.dtype.element_ty), mask=m)
 
 
-DEFAULT = dict(BLOCK_N=16, C=32, num_warps=1, FLAT=False, PREFETCH=True, NUM_STAGES=1, SPLIT_K=1)
-
-# Tiles timed at load (parallel/quant/tinygemm.py `choose_w4`) for shapes the table lacks: one per family, the ones
-# compiled for sm_90 at <= 3.6 instructions per code in the K loop without spills (scripts/gemv_w4_sass.py).
-CANDIDATES = (DEFAULT, {**DEFAULT, "PREFETCH": False, "NUM_STAGES": 3},
-              dict(BLOCK_N=8, C=128, num_warps=4, FLAT=False, PREFETCH=True, NUM_STAGES=1, SPLIT_K=1),
-              dict(BLOCK_N=8, C=32, num_warps=1, FLAT=True, PREFETCH=True, NUM_STAGES=1, SPLIT_K=1))
-# (N, K) -> the fastest tile scripts/bench_gemv_w4.py found on an H100 (CUDA graphs, weights past L2).
+DEFAULT = dict(BLOCK_N=8, C=32, num_warps=1, PREFETCH=1, NUM_STAGES=1, SPLIT_K=1, MEMONLY=False, MAXNREG=None)
+# (N, K) -> the fastest tile scripts/bench_gemv_w4.py found on an H100 (CUDA graphs, weights past L2) where it beat
+# tinygemm; none did on 2026-11-27 (round 1: 0.65-0.71x of tinygemm's speed on every Llama-3.1-8B shape), so it is empty
+# and 4-bit layers keep tinygemm at batch 1 unless TANDEM_W4_GEMV=1.
 TABLE: dict[tuple[int, int], dict] = {}
 
 
 def table_config(n: int, k: int) -> dict | None:
     return TABLE.get((n, k))
-
-
-def candidates(n: int, k: int) -> list[dict]:
-    """The table's tile for this shape first (if any), then CANDIDATES; only tiles whose split K divides the steps."""
-    out = [c for c in ([TABLE[(n, k)]] if (n, k) in TABLE else []) + list(CANDIDATES)]
-    out = [c for i, c in enumerate(out) if c not in out[:i]]
-    return [c for c in out if triton.cdiv(k // 32, c["C"]) % c["SPLIT_K"] == 0]
 
 
 def fits(n: int, k: int, group_size: int, inner_k_tiles: int) -> str | None:
@@ -265,9 +225,10 @@ def gemv_w4(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size:
         yf = out_fp32 if out_fp32 is not None else torch.zeros(n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), split)
     _w4_kernel[grid](x.view(torch.int32), packed, sz.view(torch.int32), y, yf, n, nch, steps_total // split,
-                     (k // 128) * 128, n, group_size // 128, EXP, 1, BLOCK_N=cfg["BLOCK_N"], C=cfg["C"],
-                     EVEN=even, FLAT=cfg["FLAT"], PREFETCH=cfg["PREFETCH"], NUM_STAGES=cfg["NUM_STAGES"], SPLIT_K=split,
-                     num_warps=cfg["num_warps"], num_stages=cfg["NUM_STAGES"])
+                     (k // 128) * 128, n, group_size // 128, EXP, BLOCK_N=cfg["BLOCK_N"], C=cfg["C"], EVEN=even,
+                     PREFETCH=int(cfg["PREFETCH"]), NUM_STAGES=cfg["NUM_STAGES"], SPLIT_K=split,
+                     MEMONLY=cfg["MEMONLY"], num_warps=cfg["num_warps"], num_stages=cfg["NUM_STAGES"],
+                     **({"maxnreg": cfg["MAXNREG"]} if cfg["MAXNREG"] else {}))
     if split > 1:
         _cast_kernel[(triton.cdiv(n, 1024),)](yf, y, n, BLOCK=1024, num_warps=4)
     return y

@@ -30,9 +30,8 @@ TANDEM_W4A16_KERNEL=triton keeps the Triton kernels (to compare); the default `a
 where it fits.
 
 At batch 1 a layer may instead run parallel/kernels/gemv_w4.py's GEMV, which reads this same layout in place (no
-second copy): `choose_w4` times its candidate tiles against tinygemm's product once per weight shape at load (cold,
-weights out of L2, as a forward reads them) and keeps the fastest tile only where it beats tinygemm
-(`Int4PackWeight.w4_config`). TANDEM_W4_GEMV=0 keeps tinygemm at batch 1 (to compare).
+second copy), where `choose_w4` finds it faster than tinygemm (`Int4PackWeight.w4_config`; TANDEM_W4_GEMV=0 never,
+=1 always, to compare). So far it is slower on every Llama-3.1-8B shape, so tinygemm stays (gemv_w4.py's TABLE).
 """
 from __future__ import annotations
 
@@ -330,15 +329,20 @@ def convert(pw, dtype: torch.dtype) -> Int4PackWeight | str:
 
 
 W4_ENV = "TANDEM_W4_GEMV"
+W4_MARGIN = 0.95  # gemv_w4 must measure at most this fraction of tinygemm's time at load (single cold calls are noisy)
 _W4_CHOICE: dict[tuple, dict | None] = {}
-W4_MEASURED: list[dict] = []  # what `choose_w4` timed, per weight shape (scripts/bench_quant.py can report it)
+W4_MEASURED: list[dict] = []  # what `choose_w4` timed, per weight shape (scripts/bench_quant.py reports it)
 
 
 def choose_w4(w: Int4PackWeight) -> dict | None:
-    """gemv_w4's fastest candidate tile for this weight shape if it beats tinygemm's product at batch 1, else None;
-    measured once per shape (before any CUDA graph). TANDEM_QUANT_TUNE=0: the offline table's tile (measured by
-    scripts/bench_gemv_w4.py), unmeasured here; none for shapes not in it."""
-    if os.environ.get(W4_ENV, "1") == "0":
+    """gemv_w4's tile for this weight at batch 1, or None (tinygemm). TANDEM_W4_GEMV: `auto` (default) takes the
+    offline table's tile (gemv_w4.TABLE: measured faster than tinygemm by scripts/bench_gemv_w4.py in CUDA graphs) if
+    it also measures faster here at load by W4_MARGIN, once per shape; `1` takes the table's tile or gemv_w4.DEFAULT
+    unmeasured (to compare end to end); `0` never. On 2026-11-27 (H100, round 1 of scripts/bench_gemv_w4.py) a single
+    cold call per candidate picked a tile 1.4x slower than tinygemm in the decode graph (22 us against 23 us cold, 14
+    against 9.9 us in a graph), hence the table and the margin."""
+    choice = os.environ.get(W4_ENV, "auto").strip().lower() or "auto"
+    if choice == "0":
         return None
     try:
         from parallel.kernels import gemv_w4
@@ -346,21 +350,25 @@ def choose_w4(w: Int4PackWeight) -> dict | None:
         return None
     if gemv_w4.fits(w.out_features, w.in_features, w.group_size, w.inner_k_tiles) is not None:
         return None
-    cands = gemv_w4.candidates(w.out_features, w.in_features)
+    table = gemv_w4.table_config(w.out_features, w.in_features)
+    if choice == "1":
+        return table or dict(gemv_w4.DEFAULT)
+    if table is None:
+        return None
     if os.environ.get("TANDEM_QUANT_TUNE", "1") == "0":
-        return gemv_w4.table_config(w.out_features, w.in_features)
+        return table
     key = (w.out_features, w.in_features, w.group_size, w.weight.device)
     if key not in _W4_CHOICE:
         from parallel.quant.fused_gemv import _cold_time
 
         x = torch.randn(1, w.in_features, device=w.weight.device, dtype=torch.bfloat16)
-        tiny = _cold_time(lambda: torch.ops.aten._weight_int4pack_mm(x, w.weight, w.group_size, w.scales_and_zeros))
-        times = [(_cold_time(lambda: gemv_w4.gemv_w4(x, w.weight, w.scales_and_zeros, w.group_size, w.out_features,
-                                                      c)), i) for i, c in enumerate(cands)]
-        best_ms, best = min(times)
-        _W4_CHOICE[key] = cands[best] if best_ms < tiny else None
-        W4_MEASURED.append({"n": w.out_features, "k": w.in_features, "tinygemm_us": tiny * 1e3,
-                            "w4_us": [ms * 1e3 for ms, _ in times], "chosen": _W4_CHOICE[key]})
-        log.info("W4A16 %dx%d at batch 1: tinygemm %.1f us, gemv_w4 %s -> %s", w.out_features, w.in_features,
-                 tiny * 1e3, ", ".join(f"{ms * 1e3:.1f}" for ms, _ in times), _W4_CHOICE[key] or "tinygemm")
+        tiny = _cold_time(lambda: torch.ops.aten._weight_int4pack_mm(x, w.weight, w.group_size, w.scales_and_zeros),
+                          iters=20)
+        ours = _cold_time(lambda: gemv_w4.gemv_w4(x, w.weight, w.scales_and_zeros, w.group_size, w.out_features, table),
+                          iters=20)
+        _W4_CHOICE[key] = table if ours <= W4_MARGIN * tiny else None
+        W4_MEASURED.append({"n": w.out_features, "k": w.in_features, "tinygemm_us": tiny * 1e3, "w4_us": ours * 1e3,
+                            "tile": table, "chosen": _W4_CHOICE[key] is not None})
+        log.info("W4A16 %dx%d at batch 1: tinygemm %.1f us, gemv_w4 %.1f us -> %s", w.out_features, w.in_features,
+                 tiny * 1e3, ours * 1e3, "gemv_w4" if _W4_CHOICE[key] else "tinygemm")
     return _W4_CHOICE[key]

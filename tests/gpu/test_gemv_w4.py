@@ -1,6 +1,6 @@
 """The batch-1 W4A16 GEMV (parallel/kernels/gemv_w4.py) compiled on CUDA.
 
-* Every tile family (VEC / FLAT loads, hand / Triton pipelines, split K) on Llama-3.1-8B-like shapes (K 4096 and
+* Every tile family (one or two steps prefetched by hand, Triton's pipeline, split K) on Llama-3.1-8B-like shapes (K 4096 and
   14336; N not a multiple of BLOCK_N) equals x @ the dequantized weight (tinygemm layout built by `_convert_weight_to_
   int4pack` itself, as load builds it): within one bf16 rounding of each value (the GPU rounds to nearest), and through
   split K's fp32 sums within 1e-5 of the output's magnitude; and it agrees with tinygemm's own product.
@@ -15,10 +15,9 @@ import torch
 from parallel.kernels import gemv_w4 as w4
 from parallel.quant import tinygemm as tg
 
-TILES = [dict(BLOCK_N=16, C=32, num_warps=1, FLAT=False), dict(BLOCK_N=8, C=128, num_warps=4, FLAT=False),
-         dict(BLOCK_N=16, C=32, num_warps=1, FLAT=False, PREFETCH=False, NUM_STAGES=3),
-         dict(BLOCK_N=8, C=32, num_warps=1, FLAT=True), dict(BLOCK_N=8, C=64, num_warps=2, FLAT=True, PREFETCH=False,
-                                                               NUM_STAGES=4)]
+TILES = [dict(BLOCK_N=8, C=32, num_warps=1, PREFETCH=1), dict(BLOCK_N=4, C=32, num_warps=1, PREFETCH=2),
+         dict(BLOCK_N=8, C=128, num_warps=4, PREFETCH=1), dict(BLOCK_N=16, C=32, num_warps=1, PREFETCH=0, NUM_STAGES=3),
+         dict(BLOCK_N=8, C=64, num_warps=2, PREFETCH=2)]
 
 
 def _layer(n: int, k: int, gs: int = 128) -> tg.Int4PackWeight:
@@ -58,7 +57,7 @@ def test_tiles_equal_the_dequantized_product(n: int, k: int, tile: int) -> None:
 def test_graph_replay(split: int) -> None:
     w = _layer(4096, 4096)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    cfg = dict(BLOCK_N=16, C=32, num_warps=1, FLAT=False, SPLIT_K=split)
+    cfg = dict(BLOCK_N=8, C=32, num_warps=1, PREFETCH=2, SPLIT_K=split)
     eager = w4.gemv_w4(x, w.weight, w.scales_and_zeros, w.group_size, 4096, cfg)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -76,7 +75,7 @@ def test_graph_replay(split: int) -> None:
 
 def test_apply_takes_it_at_batch_1_only() -> None:
     w = _layer(1024, 4096)
-    w.w4_config = dict(BLOCK_N=16, C=32, num_warps=1, FLAT=False)
+    w.w4_config = dict(BLOCK_N=8, C=32, num_warps=1, PREFETCH=1)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(w.apply(x, None), w4.gemv_w4(x, w.weight, w.scales_and_zeros, w.group_size, 1024, w.w4_config))
     x2 = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
