@@ -500,15 +500,17 @@ class _RingSteps:
         stream, after the blocks were ready at the ring's start (or received there: `recv_stream`), so the copy runs
         beside the first launch, and the current stream waits for it before the launch that reads the buffer."""
         buf, scatter = self._fused_buffer(), self.plan.scatter
+        # trim0: the own block's first rows are the scatter's last source
+        blocks = self.pending + [self.first_block] if self.plan.trim else self.pending
         if self.side is None:
-            if scatter is None or not scatter(self.pending):
-                _scatter_all(buf, self.pending, self.dst)
+            if scatter is None or not scatter(blocks):
+                _scatter_all(buf, blocks, self.dst)
             return
         stream, ready, done = self.side
         stream.wait_event(ready)
         with torch.cuda.stream(stream):
-            if scatter is None or not scatter(self.pending):
-                _scatter_all(buf, self.pending, self.dst)
+            if scatter is None or not scatter(blocks):
+                _scatter_all(buf, blocks, self.dst)
             done.record(stream)
         torch.cuda.current_stream(self.q.device).wait_event(done)
 
@@ -598,6 +600,7 @@ class _RingPlan:
     side: tuple | None  # RingConfig.overlap: (side stream, event "blocks ready", event "scatter done"), or None
     kv_views: tuple | None  # kv's K and V ([Tk, Hkv, D] views), made once
     scatter: object | None  # the one scatter into kv (hybrid, batchcopy) planned once (`ScatterLaunch`), or None
+    trim: int = 0  # RingConfig.trim0: the own block's rows [0, trim) go to the fused launch (its last scattered source)
 
 
 # Up to this many query rows per rank the plan keeps the ring's accumulators (fp32, 4 x Hq x D bytes a row: 128 MiB at
@@ -643,8 +646,10 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
     f0 = 0 if gather else 1
     launches, dst, fused_tokens = kv_shards, None, 0
     specs = [(i > 0, i < n - 1, i == n - 1, None) for i in range(n)]
+    trim = _trim_rows(config, fused and not gather, q, q_shard, kv_shards[0], rows)
+    scattered = kv_shards[f0:] + ([_prefix_shard(q_shard, kv_shards[0], trim)] if trim else [])
     if fused:
-        fused_shard, dst = _fused_layout(q_shard, kv_shards[f0:], q.device)
+        fused_shard, dst = _fused_layout(q_shard, scattered, q.device)
         launches = [fused_shard] if gather else [kv_shards[0], fused_shard]
         fused_tokens = fused_shard.num_tokens
         specs = [(i > 0, i < len(launches) - 1, i == len(launches) - 1, None) for i in range(len(launches))]
@@ -658,8 +663,9 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
     # Before the first kernel: a host-to-device copy issued later would wait for the kernels queued before it.
     q_pos = q_shard.positions_on(q.device)
     k_pos = [shard.positions_on(q.device) for shard in launches]
-    tables = [_tile_table(q_shard, shard, rows, hybrid or i in (0, len(launches) - 1), q.device, split)
-              for i, shard in enumerate(launches)]
+    # trim0: the first launch's table from the own block's row `trim` on, covering only the queries that see those keys
+    tables = [_tile_table(q_shard, shard, rows, hybrid or i == len(launches) - 1 or (i == 0 and not trim), q.device,
+                          split, trim if i == 0 else 0) for i, shard in enumerate(launches)]
     slots = max(t[2] for t in tables)
     partials = kernels.partial_buffers(slots, n_groups, config, q.shape[-1], q.device) if slots else None
     # acc16: the running output in q's 16-bit dtype (half the traffic of the steps' merges), LSE fp32.
@@ -669,21 +675,23 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
         if len(launches) > 1:
             acc = (torch.empty(q.shape, dtype=acc_dtype, device=q.device),
                    torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
-        if fused or hybrid:
-            kept = _kept_buffers(first_block, kv_shards if hybrid else kv_shards[f0:], hybrid, fused_tokens, dst,
-                                 config, q.device)
+            _unseen_rows(acc, q_shard, kv_shards[0], trim)
+        if fused or hybrid:  # trim0: the own block is the scatter's last source (its first rows)
+            tokens = [s.num_tokens for s in (kv_shards if hybrid else scattered)]
+            tokens[-1] = kv_shards[0].num_tokens if trim else tokens[-1]
+            kept = _kept_buffers(first_block, tokens, hybrid, fused_tokens, dst, config, q.device)
     plan = _RingPlan(config, tma, hkv, fused, f0, dst, fused_tokens, len(launches), q_pos, k_pos, tables, partials,
                      [shard.num_tokens for shard in launches], acc_dtype, specs, hybrid, [None] * len(launches), acc,
-                     *kept)
+                     *kept, trim)
     q_shard._tables[key] = (list(kv_shards), plan)
     return plan
 
 
-def _kept_buffers(first_block: torch.Tensor, scattered: list[TokenShard], hybrid: bool, fused_tokens: int,
+def _kept_buffers(first_block: torch.Tensor, tokens: list[int], hybrid: bool, fused_tokens: int,
                   dst: list, config, device: torch.device) -> tuple:
-    """A fused or hybrid ring's position-ordered K/V buffer kept in its plan (`scattered`: the shards whose blocks go
-    there, in step order, as `dst`), with its K/V views, RingConfig.overlap's stream and events, and its one scatter
-    planned (`ScatterLaunch`: hybrid, batchcopy): (kv, side, kv_views, scatter)."""
+    """A fused or hybrid ring's position-ordered K/V buffer kept in its plan (`tokens`: the rows of the blocks whose
+    rows go there, in the order of `dst`), with its K/V views, RingConfig.overlap's stream and events, and its one
+    scatter planned (`ScatterLaunch`: hybrid, batchcopy): (kv, side, kv_views, scatter)."""
     kv = first_block.new_empty((2, fused_tokens, *first_block.shape[2:]))
     side = scatter = None
     if hybrid or config.batchcopy:
@@ -691,8 +699,42 @@ def _kept_buffers(first_block: torch.Tensor, scattered: list[TokenShard], hybrid
             side = (_side_stream(device), torch.cuda.Event(), torch.cuda.Event())
         row = kv.shape[2] * kv.shape[3] * kv.element_size()
         if all(run * row % 8 == 0 for run, _ in dst):  # else `_scatter_all`'s copy per block
-            scatter = _triton_kernels().ScatterLaunch(kv, dst, [s.num_tokens for s in scattered])
+            scatter = _triton_kernels().ScatterLaunch(kv, dst, tokens)
     return kv, side, (kv[0], kv[1]), scatter
+
+
+def _trim_rows(config, fused: bool, q: torch.Tensor, q_shard: TokenShard, own: TokenShard, rows: int) -> int:
+    """RingConfig.trim0's R: the own block's rows that go to the fused launch instead of the first one (1 /
+    TRIM0_SHARE of them, whole query tiles of `rows`), or 0 where it does not apply: no fuse with batchcopy (the own
+    block joins the one scatter), more than one sequence (its first rows would not be one run of the block), or
+    accumulators not kept (the rows the first launch leaves are set once, in the kept ones: `_unseen_rows`)."""
+    if not (config.trim0 and fused and config.batchcopy) or q_shard.num_seqs != 1 or own.num_seqs != 1 \
+            or q.shape[0] > KEEP_ACC_TOKENS:
+        return 0
+    return own.num_tokens // _triton_kernels().TRIM0_SHARE // rows * rows
+
+
+def _prefix_shard(q_shard: TokenShard, own: TokenShard, trim: int) -> TokenShard:
+    """The own shard's first `trim` keys as a shard (one sequence), made once (cached on q_shard: the fused layout and
+    its tables are keyed by the shards' identity)."""
+    key = ("prefix", id(own), trim)
+    hit = q_shard._tables.get(key)
+    if hit is not None and hit[0] is own:
+        return hit[1]
+    prefix = TokenShard([own.positions[0][:trim]])
+    q_shard._tables[key] = (own, prefix)
+    return prefix
+
+
+def _unseen_rows(acc: tuple[torch.Tensor, torch.Tensor], q_shard: TokenShard, own: TokenShard, trim: int) -> None:
+    """Under RingConfig.trim0, the kept accumulators' rows of the queries before the first key the first launch reads
+    (no program of it writes them): output 0, LSE -inf (nothing seen), set once when the plan is made. The fused
+    launch merges into them as into any row; nothing else writes them, so they stay so call after call."""
+    if not trim:
+        return
+    rows = int(np.searchsorted(q_shard.positions_np()[0], own.positions[0][trim], side="left"))
+    acc[0][:rows].zero_()
+    acc[1][:rows].fill_(NEG_INF)
 
 
 @functools.lru_cache(maxsize=None)
@@ -703,17 +745,20 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
 
 
 def _tile_table(q_shard: TokenShard, kv_shard: TokenShard, rows: int, cover: bool, device: torch.device,
-                split: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+                split: tuple[int, int, int, int], start: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """The Triton kernel's tile table of q_shard's queries over kv_shard's keys (`build_tiles`), split-K applied
     (`split_counts` / `split_tiles` with split = (BLOCK_N, head groups, SMs, the config's splits)), int32 on
-    `device`: (tiles, merge table or None, slots), cached on q_shard (every layer of a step uses the same shards)."""
-    key = (id(kv_shard), rows, cover, str(device), split)
+    `device`: (tiles, merge table or None, slots), cached on q_shard (every layer of a step uses the same shards).
+    start > 0 (RingConfig.trim0, a shard of one sequence): only its keys from row `start` on (rows as in the block)."""
+    key = (id(kv_shard), rows, cover, str(device), split, start)
     hit = q_shard._tables.get(key)
     if hit is not None and hit[0] is kv_shard:
         return hit[1]
     kernels = _triton_kernels()
-    table = kernels.build_tiles(q_shard.positions_np(), kv_shard.positions_np(), q_shard.offsets[:-1],
-                                kv_shard.offsets[:-1], rows, cover)
+    k_pos, k_off = kv_shard.positions_np(), kv_shard.offsets[:-1]
+    if start:
+        k_pos, k_off = [k_pos[0][start:]], [start]
+    table = kernels.build_tiles(q_shard.positions_np(), k_pos, q_shard.offsets[:-1], k_off, rows, cover)
     block_n, n_groups, sms, splits = split
     table, merge = kernels.split_tiles(table, kernels.split_counts(table, block_n, n_groups, sms, splits), block_n)
     slots = int((merge[:, 2] + merge[:, 3]).max()) if len(merge) else 0
@@ -775,8 +820,8 @@ def _scatter_all(buf: torch.Tensor, blocks: list[torch.Tensor], dst: list[tuple[
                                             for b, d in rows):
         _triton_kernels().scatter_blocks(buf, [b for b, _ in rows], [d for _, d in rows])
         return
-    for block, (run, index) in zip(blocks, dst):
-        _scatter_runs(buf, block, run, index)
+    for block, (run, index) in zip(blocks, dst):  # the rows its runs read (trim0: the own block's first ones)
+        _scatter_runs(buf, block[:, :index.numel() * run] if block.shape[1] else block, run, index)
 
 
 def _scatter_runs(buf: torch.Tensor, block: torch.Tensor, run: int, index: torch.Tensor) -> None:

@@ -208,8 +208,8 @@ def test_default_configs_by_sp_size(monkeypatch):
     monkeypatch.delenv(rt.ENV, raising=False)
     base = rt.CONFIGS[128][0]
     assert rt.default_config(4096, 128, 2, True, 4) == dataclasses.replace(base, fuse=True, batchcopy=True,
-                                                                           oneloop0=True, plain0=True)
-    monkeypatch.setattr(rt, "SP4_FIRST", False)  # the SP=4 default before oneloop0 and plain0
+                                                                           oneloop0=True, plain0=True, trim0=True)
+    monkeypatch.setattr(rt, "SP4_FIRST", False)  # the SP=4 default before oneloop0, plain0 and trim0
     assert rt.default_config(4096, 128, 2, True, 4) == dataclasses.replace(base, fuse=True, batchcopy=True)
     monkeypatch.setattr(rt, "SP4_FIRST", True)
     assert rt.default_config(4096, 128, 2, True, 8) == dataclasses.replace(base, fuse=True)
@@ -230,6 +230,81 @@ def test_default_configs_by_sp_size(monkeypatch):
         rt.RingConfig.parse("128,128,8,3,overlap,overlap")
     first = rt.RingConfig.parse("128,128,8,3,pack,fuse,oneloop0")
     assert first.oneloop0 and not first.oneloop and rt.RingConfig.parse(str(first)) == first
+
+
+TRIM_SCRIPT = r'''
+import torch
+from parallel import ring_attention as ra
+from parallel.kernels import ring_attention_triton as rt
+from parallel.ring_attention import TokenShard, _RingSteps, attention_with_lse, ring_rank_attention, split_for_ranks
+from workers.sp_plan import owned_positions
+
+D = 16
+S = D ** -0.5
+torch.manual_seed(0)
+checked = 0
+
+
+def causal(q, k, v, qp, kp):
+    return attention_with_lse(q.float(), k.float(), v.float(), S, qp[:, None] >= kp[None, :])[0]
+
+
+# RingConfig.trim0: the first launch over the own keys from row R on, the own block's first R rows scattered with the
+# other ranks' blocks into the fused launch's buffer; every rank exact against dense causal attention, call after call
+# (a second "layer" through the kept plan), the rows no first-launch program writes set once (LSE -inf, output 0).
+for sp, n, cfg in ((4, 256, "16,16,4,1,fuse,batchcopy,trim0"), (3, 257, "16,16,4,1,fuse,batchcopy,trim0"),
+                   (4, 300, "32,16,4,1,pack,fuse,batchcopy,oneloop0,plain0,trim0"),
+                   (4, 264, "16,16,4,1,fuse,batchcopy,overlap,trim0")):
+    positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
+    layers = [tuple(torch.randn(n, h, D) for h in (4, 2, 2)) for _ in range(2)]
+    parts = [split_for_ranks(q, k, v, positions) for q, k, v in layers]
+    shards = parts[0][2]
+    for r in range(sp):
+        srcs = [(r - s) % sp for s in range(sp)]
+        for li, (qs, blocks, _) in enumerate(parts):
+            steps = _RingSteps(qs[r], blocks[r], shards[r], [shards[s] for s in srcs], S, None, True, cfg)
+            rows = rt.rows_per_tile(steps.config, 4, 2)
+            trim = steps.plan.trim
+            assert trim == shards[r].num_tokens // rt.TRIM0_SHARE // rows * rows and trim > 0, (sp, cfg, r, trim)
+            assert steps.plan.fused_tokens == n - shards[r].num_tokens + trim
+            first_key = shards[r].positions[0][trim]
+            unseen = sum(p < first_key for p in shards[r].positions[0])
+            assert unseen > 0 and int(steps.tables[0][0][:, 0].min()) == unseen, (sp, cfg, r)
+            for s, src in enumerate(srcs):
+                steps.step(s, blocks[src])
+            got = steps.result()
+            assert torch.isneginf(steps.acc[1][:unseen]).all() and (steps.acc[0][:unseen] == 0).all()
+            q, k, v = layers[li]
+            pos = torch.arange(n)
+            want = causal(q, k, v, pos, pos)[positions[r]]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str((sp, cfg, r, li)))
+            again = ring_rank_attention(qs[r], blocks, shards, r, S, "triton", kernel_config=cfg)
+            torch.testing.assert_close(again, got, rtol=0, atol=0)
+            checked += 1
+        # The planned scatter (ScatterLaunch, the own block its last source) and the per-call fallback agree bitwise.
+        buf = torch.empty_like(steps.plan.kv)
+        ra._scatter_all(buf, [blocks[s] for s in srcs[1:]] + [blocks[r]], steps.plan.dst)
+        assert torch.equal(buf, steps.plan.kv), (sp, cfg, r)
+
+# Where trim0 does not apply: no batchcopy, two sequences on the rank, or a chunk too short for a whole query tile.
+for cfg, seqs, n in (("16,16,4,1,fuse,trim0", 1, 256), ("16,16,4,1,fuse,batchcopy,trim0", 2, 128),
+                     ("16,16,4,1,fuse,batchcopy,trim0", 1, 100)):
+    sp = 4
+    pos = [[p for b in range(seqs) for p in owned_positions(0, n, r, sp, 4)] for r in range(sp)]
+    shards = [TokenShard([owned_positions(0, n, r, sp, 4)] * seqs) for r in range(sp)]
+    rows = sum(len(x) for x in shards[0].positions)
+    q = torch.randn(rows, 4, D)
+    block = torch.randn(2, rows, 2, D)
+    steps = _RingSteps(q, block, shards[0], [shards[s] for s in (0, 3, 2, 1)], S, None, True, cfg)
+    assert steps.plan.trim == 0, (cfg, seqs, n)
+    checked += 1
+print("ok", checked)
+'''
+
+
+def test_trimmed_first_launch_in_the_triton_interpreter():
+    out = run_interpreted(TRIM_SCRIPT)
+    assert out.strip().split()[-2:] == ["ok", str(2 * (4 + 3 + 4 + 4) + 3)], out[-800:]
 
 
 def test_plain_loads_for_the_first_launch_only(monkeypatch):
@@ -277,7 +352,8 @@ def test_scatter_launches_through_the_kept_kernel(monkeypatch):
     for _ in range(3):
         rt.scatter_blocks(buf, blocks, runs)
     n_args = jit.log[0][2]
-    assert jit.log == [("jit", (4, 6, 1), n_args)] + [("handle", (4, 6, 1), n_args + 1)] * 2, jit.log
+    grid = (4, 2 * rt.SCATTER_SOURCES, 1)
+    assert jit.log == [("jit", grid, n_args)] + [("handle", grid, n_args + 1)] * 2, jit.log
     jit.log.clear()
     odd = torch.randn(2 * 4 * 2 * 16 + 2)[2:].view(2, 4, 2, 16)  # 8 bytes off 16-byte alignment
     rt.scatter_blocks(buf, [odd] + blocks[1:], runs)
@@ -343,7 +419,8 @@ def test_planned_scatter_through_the_kept_kernel(monkeypatch):
     for _ in range(3):
         assert scatter(blocks)
     n_args = jit.log[0][2]
-    assert jit.log == [("jit", (4, 6, 1), n_args)] + [("handle", (4, 6, 1), n_args + 1)] * 2, jit.log
+    grid = (4, 2 * rt.SCATTER_SOURCES, 1)
+    assert jit.log == [("jit", grid, n_args)] + [("handle", grid, n_args + 1)] * 2, jit.log
     jit.log.clear()
     odd = torch.randn(2 * 4 * 2 * 16 + 2)[2:].view(2, 4, 2, 16)  # 8 bytes off 16-byte alignment
     assert scatter([odd] + blocks[1:]) and scatter([odd] + blocks[1:])

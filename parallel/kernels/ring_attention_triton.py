@@ -43,7 +43,7 @@ previous step's tail frees.
 
 Launch configs: `RingConfig`, the `CONFIGS` table by head dim, the TANDEM_RING_KERNEL environment variable
 ("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16][,early][,pdl][,fuse][,gather][,oneloop][,hybrid]
-[,batchcopy][,overlap][,oneloop0][,plain0]");
+[,batchcopy][,overlap][,oneloop0][,plain0][,trim0]");
 scripts/tune_ring_kernel.py times candidates on a GPU.
 Memory: the inputs, the accumulators and output, the tile table and, split, the pieces' partials: O(chunk).
 """
@@ -145,6 +145,17 @@ class RingConfig:
     rank's own (each call timed alone, as scripts/bench_sp_rank.py does; in a forward, the previous layer's kernels
     hide it). The other launches keep TMA (issued while the first one runs).
 
+    `trim0` (read by parallel/ring_attention.py; with `fuse` and `batchcopy`, a rank holding one sequence): the first
+    launch takes the rank's own keys from row R on (R: 1 / TRIM0_SHARE of them, whole query tiles) and the queries
+    that see them, a smaller causal triangle; the own block's rows before R join the other ranks' blocks in the fused
+    launch's position-ordered buffer (one more source of its one scatter). Every query still meets every key once.
+    Why: the own block's causal triangle is the rank's shortest programs (at 16K tokens SP=4, 1,024 programs of 1-32
+    key tiles), each paying a program's fixed cost; trimmed, the first launch has a quarter fewer programs, and the
+    keys it gives up add key tiles to the fused launch's programs, which exist anyway. The first launch keeps (1 -
+    1 / TRIM0_SHARE)^2 of the triangle's work, still more than the other blocks' transfers it overlaps in the ring.
+    The rows no first-launch program writes are set once in the plan's kept accumulators (LSE -inf), so it needs them
+    kept (short chunks, `KEEP_ACC_TOKENS`).
+
     `gather` (read by parallel/ring_attention.py; SP >= 2): as `fuse`, the rank's own block scattered too, so the
     rank runs ONE launch over every key in position order (programs as long as SP=1's for its query tiles: each
     program's fixed cost paid once per query tile, not once per step), after every block has arrived: nothing
@@ -167,18 +178,19 @@ class RingConfig:
     overlap: bool = False
     oneloop0: bool = False
     plain0: bool = False
+    trim0: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "RingConfig":
         """"BLOCK_M,BLOCK_N,warps,stages" then optionally "pack" (or 1/0), "split=N" (or "splitN"; "split=auto"
         is the default), "acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy", "overlap",
-        "oneloop0" and "plain0": as the env variable, e.g.
+        "oneloop0", "plain0" and "trim0": as the env variable, e.g.
         "128,128,8,3,pack,split=2"."""
         parts = [p.strip().lower() for p in text.replace("x", ",").split(",") if p.strip()]
         pack, splits, flags = None, None, set()
         for flag in parts[4:]:
             if flag in ("acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy", "overlap",
-                        "oneloop0", "plain0") \
+                        "oneloop0", "plain0", "trim0") \
                     and flag not in flags:
                 flags.add(flag)
             elif flag.startswith("split") and splits is None:
@@ -189,15 +201,16 @@ class RingConfig:
             else:
                 raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
                                  f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy][,overlap]"
-                                 f"[,oneloop0][,plain0], not {text!r}")
+                                 f"[,oneloop0][,plain0][,trim0], not {text!r}")
         if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]):
             raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
                              f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy][,overlap][,oneloop0]"
-                             f"[,plain0], "
+                             f"[,plain0][,trim0], "
                              f"not {text!r}")
         cfg = cls(*(int(p) for p in parts[:4]), bool(pack), splits or 0, "acc16" in flags, "early" in flags,
                   "pdl" in flags, "fuse" in flags, "gather" in flags, "oneloop" in flags, "hybrid" in flags,
-                  "batchcopy" in flags, "overlap" in flags, "oneloop0" in flags, "plain0" in flags)
+                  "batchcopy" in flags, "overlap" in flags, "oneloop0" in flags, "plain0" in flags,
+                  "trim0" in flags)
         if cfg.block_m < 16 or cfg.block_n < 16 or cfg.num_warps < 1 or cfg.num_stages < 1 \
                 or cfg.block_m & (cfg.block_m - 1) or cfg.block_n & (cfg.block_n - 1) or not 0 <= cfg.splits <= 64:
             raise ValueError(f"bad ring kernel config {text!r}: tiles powers of two >= 16, warps and stages >= 1, "
@@ -211,7 +224,7 @@ class RingConfig:
             + (",gather" if self.gather else "") + (",oneloop" if self.oneloop else "") \
             + (",hybrid" if self.hybrid else "") + (",batchcopy" if self.batchcopy else "") \
             + (",overlap" if self.overlap else "") + (",oneloop0" if self.oneloop0 else "") \
-            + (",plain0" if self.plain0 else "")
+            + (",plain0" if self.plain0 else "") + (",trim0" if self.trim0 else "")
 
     def heads_per_program(self, gqa: int) -> int:
         """Query heads one program takes: the GQA group when packing (and it fits BLOCK_M with >= 1 row), else 1."""
@@ -239,8 +252,8 @@ def default_config(tq: int, head_dim: int, element_size: int, tma: bool, ranks: 
     """The config for `tq` query rows of a ring over `ranks` blocks (None: not known): TANDEM_RING_KERNEL if set,
     else `CONFIGS` (16-bit floats, D <= 128, >= 128 rows), else fp32 (two stages: three would not fit in shared
     memory) or short chunks; `fuse` on where the rank's queries are at most FUSE_MAX_TOKENS (it applies from SP=3 on),
-    with `batchcopy`, `oneloop0` and `plain0` at SP=4 (the last two: SP4_FIRST); `hybrid`, `oneloop` and `early` at
-    SP=2 up to HYBRID_MAX_TOKENS."""
+    with `batchcopy`, `oneloop0`, `plain0` and `trim0` at SP=4 (the last three: SP4_FIRST); `hybrid`, `oneloop` and
+    `early` at SP=2 up to HYBRID_MAX_TOKENS."""
     env = os.environ.get(ENV)
     if env:
         return parse_config(env)
@@ -251,9 +264,9 @@ def default_config(tq: int, head_dim: int, element_size: int, tma: bool, ranks: 
     else:
         config = RingConfig(max(16, min(64, triton.next_power_of_2(max(tq, 1)))), 64, 4, 2)
     if tq <= FUSE_MAX_TOKENS:
-        sp4 = ranks == 4  # batchcopy, oneloop0 and plain0: SP4_FIRST
+        sp4 = ranks == 4  # batchcopy, and oneloop0, plain0 and trim0: SP4_FIRST
         config = dataclasses.replace(config, fuse=True, batchcopy=sp4, oneloop0=sp4 and SP4_FIRST,
-                                     plain0=sp4 and SP4_FIRST)
+                                     plain0=sp4 and SP4_FIRST, trim0=sp4 and SP4_FIRST)
     if ranks == 2 and tq <= HYBRID_MAX_TOKENS:
         config = dataclasses.replace(config, hybrid=True, oneloop=True, early=True)
     return config
@@ -262,8 +275,13 @@ def default_config(tq: int, head_dim: int, element_size: int, tma: bool, ranks: 
 # `oneloop0` and `plain0` with fuse,batchcopy by default at SP=4: the rank's first launch (its own block, a 4K-token
 # causal triangle at 16K tokens) is its shortest programs' launch and the one its host time is spent before. oneloop0
 # took it from 0.321 to 0.297-0.300 ms on one H100 (2026-11-27); plain0 takes the two tensor descriptors off the host's
-# path to it (not yet measured on a GPU). False (TANDEM_RING_SP4_FIRST=0): fuse,batchcopy alone, the default before.
+# path to it; trim0 gives a quarter of its keys to the fused launch (not yet measured on a GPU). False
+# (TANDEM_RING_SP4_FIRST=0): fuse,batchcopy alone, the default before.
 SP4_FIRST = os.environ.get("TANDEM_RING_SP4_FIRST", "1") != "0"
+# RingConfig.trim0: the own block's first 1 / TRIM0_SHARE rows go to the fused launch. At 16K tokens SP=4 the first
+# launch then keeps 9/16 of the own triangle's work (~0.18 ms on an H100), more than the ~3 x 45 us the other three
+# 16 MiB blocks take to arrive one after another over NVLink (~370 GB/s).
+TRIM0_SHARE = 4
 
 # RingConfig.hybrid: the share of head groups the first step (own block only) takes; at 16K tokens SP=2 that is ~0.26 ms
 # of GPU time on an H100, ~3x an NVLink transfer of the other block (32 MiB).
@@ -522,13 +540,14 @@ def _merge_kernel(merge_ptr, part_o_ptr, part_l_ptr, acc_o_ptr, acc_l_ptr, out_p
                 stride_at, stride_ah, stride_lt, stride_lh, stride_ot, stride_oh, True)
 
 
-SCATTER_SOURCES = 3  # K/V blocks one `scatter_blocks` launch copies (a fused step's at SP=4: the other three ranks')
+SCATTER_SOURCES = 4  # K/V blocks one `scatter_blocks` launch copies (a fused step's at SP=4: the other three ranks',
+# and under RingConfig.trim0 the first rows of the rank's own block)
 SCATTER_BLOCK = 1024  # 8-byte words per program
 
 
-@triton.jit(do_not_specialize=["n0", "n1", "n2", "w0", "w1", "w2", "dst_kv", "kv0", "kv1", "kv2"])
-def _scatter_kernel(dst_ptr, src0, src1, src2, idx0, idx1, idx2, n0, n1, n2, w0, w1, w2, dst_kv, kv0, kv1, kv2,
-                    BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["n0", "n1", "n2", "n3", "w0", "w1", "w2", "w3", "dst_kv", "kv0", "kv1", "kv2", "kv3"])
+def _scatter_kernel(dst_ptr, src0, src1, src2, src3, idx0, idx1, idx2, idx3, n0, n1, n2, n3, w0, w1, w2, w3, dst_kv,
+                    kv0, kv1, kv2, kv3, BLOCK: tl.constexpr):
     # Program (run i, source * 2 + K/V, slice): run i of that source's K or V (w contiguous 8-byte words: the
     # source's run length) to run idx[i] of the buffer's. Sources past the caller's count have n 0.
     i = tl.program_id(0)
@@ -539,8 +558,10 @@ def _scatter_kernel(dst_ptr, src0, src1, src2, idx0, idx1, idx2, n0, n1, n2, w0,
         src, idx, n, w, src_kv = src0, idx0, n0, w0, kv0
     elif src_id == 1:
         src, idx, n, w, src_kv = src1, idx1, n1, w1, kv1
-    else:
+    elif src_id == 2:
         src, idx, n, w, src_kv = src2, idx2, n2, w2, kv2
+    else:
+        src, idx, n, w, src_kv = src3, idx3, n3, w3, kv3
     if i < n:
         run = tl.load(idx + i).to(tl.int64)
         offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -591,7 +612,8 @@ class ScatterLaunch:
     first launch of a specialisation, a runner per launch for its fixed grid), where scatter_blocks works out the
     groups, counts, words, strides and grid and checks the runs every time. On a loaded host that work sat between a
     fused ring's first launch and its fused launch (16K tokens at SP=4 on an H100: 143 us of host time against the first
-    launch's 320 us of GPU time). tokens[j]: block j's rows (a block of none takes no part, as in `_scatter_all`).
+    launch's 320 us of GPU time). tokens[j]: block j's rows (a block of none takes no part, as in `_scatter_all`); its
+    runs may read its first rows only (RingConfig.trim0: the first rows of the rank's own block).
     Calling it with blocks of other sizes, dtype or layout launches nothing and returns False."""
 
     def __init__(self, buf: torch.Tensor, runs: list[tuple[int, torch.Tensor]], tokens: list[int]):
@@ -622,7 +644,7 @@ class ScatterLaunch:
             if not self.direct:
                 _scatter_kernel[grid](*args, BLOCK=SCATTER_BLOCK)
                 continue
-            dyn = (args[1].data_ptr() % 16 == 0, args[2].data_ptr() % 16 == 0, args[3].data_ptr() % 16 == 0)
+            dyn = tuple(a.data_ptr() % 16 == 0 for a in args[1:1 + SCATTER_SOURCES])
             runner = runners.get(dyn)
             if runner is None:
                 key = _scatter_key(args)
@@ -640,13 +662,15 @@ class ScatterLaunch:
 
 
 def _scatter_key(args: tuple) -> tuple | None:
-    """What Triton specialises `_scatter_kernel` on: the device, the seven pointers' dtypes and 16-byte alignment, and
-    the integers' types (none is specialised on its value: do_not_specialize); None where handles are off."""
-    ptrs = args[:7]
+    """What Triton specialises `_scatter_kernel` on: the device, the pointers' (buffer, sources, indices) dtypes and
+    16-byte alignment, and the integers' types (none is specialised on its value: do_not_specialize); None where
+    handles are off."""
+    n_ptr = 1 + 2 * SCATTER_SOURCES
+    ptrs = args[:n_ptr]
     if not direct_launch_ok(ptrs[0].device):
         return None
     return (ptrs[0].device.index, tuple(t.dtype for t in ptrs), tuple(t.data_ptr() % 16 == 0 for t in ptrs),
-            tuple(int_kind(v) for v in args[7:]))
+            tuple(int_kind(v) for v in args[n_ptr:]))
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
