@@ -24,7 +24,8 @@ timed runs the decode blocks are checked against the prefill blocks, bit for bit
     python scripts/bench_kv_transfer.py --copy-programs 32,64         # and with the row copy's grid capped (GPU)
     python scripts/bench_kv_transfer.py --overlap-copy-programs 0,132 # the overlap cap off / at 132 (default 66, GPU)
     python scripts/bench_kv_transfer.py --variants m2o66,o32          # any mix: m<min_messages> o<overlap cap> c<cap>
-    python scripts/bench_kv_transfer.py --variants l0,m2              # l0: lanes off (short transfers' ordinary path)
+    python scripts/bench_kv_transfer.py --variants l0s0,s0            # the old path; lanes without the 2-message split
+    python scripts/bench_kv_transfer.py --pair-groups 2 --variants g2s0  # messages over 2 communicators in turn
     python scripts/bench_kv_transfer.py --device cpu --tokens 64 --layers 2   # the same code over gloo, as a check
 Prints a table; writes JSON (--out). Needs 2 CUDA GPUs (or --device cpu).
 """
@@ -141,11 +142,14 @@ def run_pair(fn: Callable[[int, Any], Any], args: Any, device_type: str = "cuda"
 
 
 def connect_agents(rank: int, kv_cache: torch.Tensor, shard: RankShard, timeout_s: float = 120.0,
-                   pair_id: str = "bench-prefill->bench-decode", high_priority: bool = False) -> tuple[KVTransferAgent, PairSpec]:
-    """Inside run_pair: rank 0 gets a prefill agent, rank 1 a decode agent, joined in one pair group (its NCCL
-    kernels on high-priority streams with high_priority)."""
+                   pair_id: str = "bench-prefill->bench-decode", high_priority: bool = False,
+                   groups: int | None = None) -> tuple[KVTransferAgent, PairSpec]:
+    """Inside run_pair: rank 0 gets a prefill agent, rank 1 a decode agent, joined in one pair (its NCCL kernels on
+    high-priority streams with high_priority; `groups` process groups, KVTransferAgent.pair_groups, else its default)."""
     agent = KVTransferAgent(kv_cache, shard, "prefill" if rank == 0 else "decode", timeout_s)
     agent.nccl_high_priority = high_priority
+    if groups is not None:
+        agent.pair_groups = groups
     spec = PairSpec(pair_id, 1, 1)
     address = [agent.open_store(pair_id) if rank == 0 else None]
     dist.broadcast_object_list(address, src=0)  # the store's address, over the default group
@@ -195,7 +199,11 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
     # --nccl-high-priority: a second pair on the same caches whose NCCL kernels run on high-priority streams.
     hp = connect_agents(rank, cache, shard, cfg["timeout_s"], "bench-hp-prefill->bench-hp-decode", True) \
         if cfg["nccl_high_priority"] else None
+    # --pair-groups N: a pair of N process groups on the same caches, its messages over them in turn (the g<N> rows)
+    spread = {n: connect_agents(rank, cache, shard, cfg["timeout_s"], f"bench-g{n}-prefill->bench-g{n}-decode", groups=n)
+              for n in cfg["pair_groups"]}
     everything = slice(None)
+    defaults = {k: getattr(agent, k) for k in AGENT_KNOBS.values()}  # before any variant sets them
     out: dict[int, dict] = {}
     next_seq = [0]  # the numbered transfers' next number on the pair, the same on both ranks (`_in_flight_run`)
     for n_tok in tokens:
@@ -204,33 +212,7 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
         nbytes = len(src) * shape.bytes_per_block
         raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
         staged = gather_blocks(cache, dst, everything, everything) if rank == 1 else None  # the scatter's input
-        # The agent once per --min-messages value (the first is "agent"; later ones "agent_m<N>"), each cutting
-        # its transfers into messages of at most ceil(layers / N) layers.
-        variants = {("agent" if k == 0 else f"agent_m{m}"): m for k, m in enumerate(cfg["min_messages"])}
-        pairs = {name: (agent, spec) for name in variants}
-        programs = {name: 0 for name in variants}  # the row copy's grid cap (0: none)
-        # d0: the row copy through Triton's JIT path every time (else its compiled kernel's handle after the first)
-        direct: dict[str, bool] = {}
-        lean: dict[str, bool] = {}  # l0: every transfer on the ordinary path (KVTransferAgent.lean; else the agent's default)
-        if hp is not None:  # "agent_hp": the first min_messages value over the high-priority pair
-            variants["agent_hp"], pairs["agent_hp"], programs["agent_hp"] = cfg["min_messages"][0], hp, 0
-        for c in cfg["copy_programs"]:  # "agent_c<N>": the first min_messages value, gather and scatter on <= N programs
-            variants[f"agent_c{c}"], pairs[f"agent_c{c}"], programs[f"agent_c{c}"] = cfg["min_messages"][0], (agent, spec), c
-        # KVTransferAgent.overlap_copy_programs: the agent's default (66) unless a row sets it (agent_o0: no cap); the
-        # agent_c<N> rows cap every copy at N instead
-        default_overlap, default_lean = agent.overlap_copy_programs, agent.lean
-        overlap = {name: 0 if name.startswith("agent_c") else default_overlap for name in variants}
-        for c in cfg["overlap_copy_programs"]:  # "agent_o<N>": capped at N only where a message is in flight beside it
-            name = f"agent_o{c}"
-            variants[name], pairs[name], programs[name], overlap[name] = cfg["min_messages"][0], (agent, spec), 0, c
-        for spec_text in cfg["variants"]:  # "agent_<spec>": any mix of m<N> o<N> c<N> d<0|1> l<0|1>, e.g. m2o66, d0, l0
-            knobs = {k: int(v) for k, v in re.findall(r"([mocdl])(\d+)", spec_text)}
-            name = f"agent_{spec_text}"
-            variants[name], pairs[name], programs[name] = knobs.get("m", cfg["min_messages"][0]), (agent, spec), knobs.get("c", 0)
-            direct[name] = bool(knobs.get("d", 1))
-            if "l" in knobs:
-                lean[name] = bool(knobs["l"])
-            overlap[name] = knobs.get("o", default_overlap)
+        variants = _variants(cfg, (agent, spec), hp, spread, defaults)
         flights = {f"agent_x{n}": n for n in cfg["in_flight"]}  # "agent_x<N>": N transfers on the pair at once
         times: dict[str, list[float]] = {**{v: [] for v in variants}, **{v: [] for v in flights}, "raw": [], "gather": [],
                                          "scatter": []}
@@ -238,23 +220,21 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
             if rank == 0:
                 runs = {"raw": lambda: dist.send(raw, dst=1),
                         "gather": lambda: gather_blocks(cache, src, everything, everything)}
-                move = lambda name: pairs[name][0].send(pairs[name][1], plan, {0: shard}, src, f"r{n_tok}-{i}-{name}")
+                move = lambda name: variants[name][0][0].send(variants[name][0][1], plan, {0: shard}, src, f"r{n_tok}-{i}-{name}")
             else:
                 runs = {"raw": lambda: dist.recv(raw, src=0),
                         "scatter": lambda: scatter_blocks(cache, dst, everything, everything, staged)}
-                move = lambda name: pairs[name][0].recv(pairs[name][1], plan, {0: shard}, dst)
-            for name, m in variants.items():
-                runs[name] = lambda m=m, name=name: (setattr(pairs[name][0], "min_messages", m),
-                                                     setattr(pairs[name][0], "overlap_copy_programs", overlap[name]),
-                                                     setattr(pairs[name][0], "lean", lean.get(name, default_lean)),
-                                                     _copy_programs(programs[name]), _direct(direct.get(name, True)),
-                                                     move(name))
+                move = lambda name: variants[name][0][0].recv(variants[name][0][1], plan, {0: shard}, dst)
+            for name in variants:
+                runs[name] = lambda name=name: move(name)
             for name, n in flights.items():
                 runs[name] = _in_flight_run(rank, agent, spec, shard, plan, src, dst, n, next_seq, f"x{n_tok}-{i}")
             # The same order on both ranks, so the barriers pair up; "agent" (the default) last, so what it wrote
             # is what gets verified.
             for name in ("gather", "scatter", "raw", *flights, *reversed(variants)):
                 fn = runs.get(name, lambda: None)
+                if name in variants:  # the variant's settings, before its timed run (they are not the handoff's work)
+                    _configure(*variants[name])
                 seconds = _timed(rank, fn)
                 if i >= cfg["warmup"] and name in runs:
                     times[name].append(seconds / flights.get(name, 1))  # in flight together: the time per transfer
@@ -262,6 +242,57 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
         out[n_tok] = {"bytes": nbytes, "blocks": len(src), "verified": _verify(rank, cache, src, dst),
                       **{f"{k}_s": statistics.median(v) for k, v in times.items() if v}}
     return out
+
+
+# A --variants knob's letter -> the KVTransferAgent attribute it sets (the others: c, the row copy's grid cap for every
+# copy; d, its launches through the compiled kernel's handle).
+AGENT_KNOBS = {"m": "min_messages", "o": "overlap_copy_programs", "l": "lean", "s": "split_bytes"}
+
+
+def _variants(cfg: dict, pair: tuple, hp: tuple | None, spread: dict[int, tuple],
+              defaults: dict) -> dict[str, tuple[tuple, dict]]:
+    """Each agent row's (agent, spec) pair and settings: the agent attributes of AGENT_KNOBS (s in MiB), plus "programs"
+    (the row copy's grid cap for every copy, 0: none) and "direct" (its compiled kernel's handle, else the JIT path).
+    g<N> picks the pair of N process groups (--pair-groups)."""
+    first = cfg["min_messages"][0]
+
+    def row(agent_pair: tuple, **knobs) -> tuple[tuple, dict]:
+        settings = {**defaults, "programs": 0, "direct": True}
+        settings.update(knobs)
+        return agent_pair, settings
+
+    # The agent once per --min-messages value (the first is "agent"; later ones "agent_m<N>"), each cutting its
+    # transfers into messages of at most ceil(layers / N) layers.
+    rows = {("agent" if k == 0 else f"agent_m{m}"): row(pair, min_messages=m) for k, m in enumerate(cfg["min_messages"])}
+    if hp is not None:  # "agent_hp": the first min_messages value over the high-priority pair
+        rows["agent_hp"] = row(hp, min_messages=first)
+    for c in cfg["copy_programs"]:  # "agent_c<N>": every gather and scatter on <= N programs (no overlap-only cap)
+        rows[f"agent_c{c}"] = row(pair, min_messages=first, programs=c, overlap_copy_programs=0)
+    for c in cfg["overlap_copy_programs"]:  # "agent_o<N>": capped at N only where a message is in flight beside it
+        rows[f"agent_o{c}"] = row(pair, min_messages=first, overlap_copy_programs=c)
+    for n in spread:  # "agent_g<N>": the defaults over the pair of N groups
+        rows[f"agent_g{n}"] = row(spread[n], min_messages=first)
+    for spec_text in cfg["variants"]:  # "agent_<spec>": any mix of m<N> o<N> c<N> d<0|1> l<0|1> s<MiB> g<N>, e.g. l0s0
+        knobs = {k: int(v) for k, v in re.findall(r"([mocdlsg])(\d+)", spec_text)}
+        if knobs.get("g", 1) > 1 and knobs["g"] not in spread:
+            raise SystemExit(f"variant {spec_text}: no pair of {knobs['g']} groups (--pair-groups {knobs['g']})")
+        settings = {AGENT_KNOBS[k]: v for k, v in knobs.items() if k in AGENT_KNOBS}
+        if "l" in knobs:
+            settings["lean"] = bool(knobs["l"])
+        if "s" in knobs:
+            settings["split_bytes"] = knobs["s"] << 20
+        rows[f"agent_{spec_text}"] = row(spread.get(knobs.get("g", 1), pair),
+                                         **{"min_messages": first, **settings, "programs": knobs.get("c", 0),
+                                                  "direct": bool(knobs.get("d", 1))})
+    return rows
+
+
+def _configure(pair: tuple, settings: dict) -> None:
+    """A row's settings on its agent and on the row copy's module (`_variants`)."""
+    for attr in AGENT_KNOBS.values():
+        setattr(pair[0], attr, settings[attr])
+    _copy_programs(settings["programs"])
+    _direct(settings["direct"])
 
 
 def _in_flight_run(rank: int, agent: KVTransferAgent, spec: PairSpec, shard: RankShard, plan: list, src: list[int],
@@ -331,7 +362,7 @@ def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> b
     return bool(torch.equal(mine, theirs))
 
 
-VARIANT = r"agent_(hp|x\d+|(?:[mocdl]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
+VARIANT = r"agent_(hp|x\d+|(?:[mocdlsg]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
 
 
 def summarize(results: list[dict], cfg: dict) -> list[dict]:
@@ -390,8 +421,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--variants", default="", help="comma-separated agent settings to time, each any mix of m<N> "
                    "(min_messages), o<N> (overlap_copy_programs), c<N> (copy programs), d<0|1> (the row copy through "
                    "its compiled kernel's handle, default 1), l<0|1> (short transfers through the agent's lanes: "
-                   "KVTransferAgent.lean, default TANDEM_KV_LEAN or 1), e.g. m2o66,o32,d0,l0 "
+                   "KVTransferAgent.lean, default TANDEM_KV_LEAN or 1), s<MiB> (KVTransferAgent.split_bytes: a transfer "
+                   "of at least this many MiB that fits one message goes as two; s0: never), e.g. m2o66,o32,d0,l0s0 "
                    "(the 'agent_<spec>' rows)")
+    p.add_argument("--pair-groups", default="", help="comma-separated N > 1: also time the agent over a pair of N process "
+                   "groups whose messages take them in turn (the 'agent_g<N>' rows; KVTransferAgent.pair_groups); g<N> "
+                   "in --variants picks that pair for a row")
     p.add_argument("--in-flight", default="", help="comma-separated: also time N transfers of each prompt on the pair "
                    "at once, numbered, as a decode replica runs several handoffs per pair (the 'agent_x<N>' rows: time "
                    "per transfer, so agent_x4_ms below agent_ms is what overlapping them gains)")
@@ -409,7 +444,8 @@ def main(argv: list[str] | None = None) -> dict:
            "copy_programs": [int(c) for c in args.copy_programs.split(",") if c],
            "overlap_copy_programs": [int(c) for c in args.overlap_copy_programs.split(",") if c],
            "variants": [v for v in args.variants.split(",") if v],
-           "in_flight": [int(n) for n in args.in_flight.split(",") if n]}
+           "in_flight": [int(n) for n in args.in_flight.split(",") if n],
+           "pair_groups": [int(n) for n in args.pair_groups.split(",") if n and int(n) > 1]}
     rows = summarize(run_pair(_bench_rank, cfg, args.device), cfg)
     print_table(rows)
     report = {

@@ -127,13 +127,14 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: torch.dtype = torch.float32,
                    device: str = "cpu", staged: bool = False, gpus: tuple[str, str] = ("", ""),
-                   message_bytes: int | None = None, busy_cycles: int = 0) -> None:
+                   message_bytes: int | None = None, busy_cycles: int = 0, pair_groups: int = 1) -> None:
     """One rank of a prefill -> decode handoff; every rank checks what it holds afterwards. device "cuda":
     every rank on the same GPU (pools sharing it), which only a `staged` pair can do; `gpus`: the GPU ids
     the prefill and the decode ranks report (equal: they copy by CUDA IPC; different: through host memory).
     message_bytes: the agents' message size (every rank the same), to cut transfers into several messages.
     busy_cycles (CUDA): each rank first queues a kernel that spins this many GPU cycles on its default stream,
-    as a running engine step does; the handoff must not wait for it."""
+    as a running engine step does; the handoff must not wait for it. pair_groups: the pair's process groups (each
+    rank the same), which its messages take in turn."""
     import dataclasses
 
     tp, sp = prefill
@@ -156,6 +157,7 @@ def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: t
     agent = KVTransferAgent(cache, shard, "prefill" if is_prefill else "decode", timeout_s=60.0)
     if message_bytes is not None:
         agent.message_bytes = message_bytes
+    agent.pair_groups = pair_groups
     spec = PairSpec("p->d", len(src), len(dst), staged=staged, ipc=staged and gpus[0] == gpus[1] != "")
     address = [agent.open_store(spec.pair_id) if rank == 0 else None]
     dist.broadcast_object_list(address, src=0)
@@ -202,6 +204,13 @@ def test_transfers_cut_into_several_messages_arrive_whole(message_bytes):
     run_ranks(_transfer_rank, 3, (2, 1), 1, torch.float32, "cpu", False, ("", ""), message_bytes)
 
 
+@pytest.mark.slow
+def test_messages_over_two_pair_groups_in_turn_arrive_whole():
+    """With pair_groups 2 each transfer's messages (one layer each here) alternate between the pair's two process
+    groups, by their place in the transfer on both sides: every block lands where it belongs."""
+    run_ranks(_transfer_rank, 3, (2, 1), 1, torch.float32, "cpu", False, ("", ""), 1, 0, 2)
+
+
 def test_messages_hold_as_many_whole_layers_as_fit():
     shard = replica_shards(1, 1, LAYERS, KV_HEADS)[0]
     agent = KVTransferAgent(torch.zeros(LAYERS, 2, 8, BS, KV_HEADS, HEAD_DIM), shard, "decode")
@@ -216,6 +225,14 @@ def test_messages_hold_as_many_whole_layers_as_fit():
     for min_messages, layers in [(1, [6]), (2, [3, 3]), (4, [2, 2, 2]), (6, [1] * 6), (50, [1] * 6)]:
         agent.min_messages = min_messages  # at most ceil(6 / min_messages) layers a message
         assert [m[2].stop - m[2].start for m in agent._messages(plan, {0: shard}, sending=False)] == layers
+    agent.min_messages = 1
+    for split_bytes, layers in [(0, [6]), (6 * per_layer + 1, [6]), (6 * per_layer, [3, 3]), (1, [3, 3])]:
+        agent.split_bytes = split_bytes  # a transfer of at least split_bytes that fits one message goes as two
+        assert [m[2].stop - m[2].start for m in agent._messages(plan, {0: shard}, sending=False)] == layers
+    agent.message_bytes = 4 * per_layer + 1  # two messages by their bytes: cut in halves instead
+    assert [m[2].stop - m[2].start for m in agent._messages(plan, {0: shard}, sending=False)] == [3, 3]
+    agent.message_bytes = 2 * per_layer  # three by their bytes: the split changes nothing
+    assert [m[2].stop - m[2].start for m in agent._messages(plan, {0: shard}, sending=False)] == [2, 2, 2]
 
 
 @pytest.mark.slow

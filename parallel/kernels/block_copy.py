@@ -23,7 +23,11 @@ import triton.language as tl
 
 from parallel.kernels.direct_launch import Handles, int_kind, interpreted
 
-BLOCK = 1024  # words (8 KiB of int64) per program
+# Words (8 KiB of int64) per program, and warps per program. A 1K-token handoff's copies move 128 MiB at ~2.55 TB/s of
+# HBM traffic, 8K and 32K at 2.8-2.9 (scripts/bench_kv_gather.py): TANDEM_KV_COPY_BLOCK / TANDEM_KV_COPY_WARPS set
+# others, for that script to compare in separate processes (a handle's key holds neither: one value per process).
+BLOCK = int(os.environ.get("TANDEM_KV_COPY_BLOCK") or 1024)
+NUM_WARPS = int(os.environ.get("TANDEM_KV_COPY_WARPS") or 4)
 
 # At most this many programs per copy (0: one per row slice, the whole GPU). A handoff's gather and scatter run beside
 # NCCL's send/recv kernels of the previous/next message; a grid that fills every SM makes those kernels wait for SMs.
@@ -114,7 +118,7 @@ def prepare_copy(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gath
     kernel, grid, args = planned
     key = _key(kernel, args, gather)
     const = (gather, BLOCK)
-    jit = lambda: kernel[grid](*args, GATHER=gather, BLOCK=BLOCK)  # noqa: E731 - the first launch compiles / finds the kernel
+    jit = lambda: kernel[grid](*args, GATHER=gather, BLOCK=BLOCK, num_warps=NUM_WARPS)  # noqa: E731 - the first launch compiles
     return lambda: _HANDLES.launch(key, jit, grid, args, const)
 
 
@@ -144,8 +148,8 @@ def _plan(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather: boo
 
 def _launch(kernel, grid: tuple[int, ...], args: tuple, gather: bool) -> None:
     """kernel[grid](*args) with its constexprs; through the compiled kernel's handle where one was kept (`_key`)."""
-    _HANDLES.launch(_key(kernel, args, gather), lambda: kernel[grid](*args, GATHER=gather, BLOCK=BLOCK), grid, args,
-                    (gather, BLOCK))
+    _HANDLES.launch(_key(kernel, args, gather), lambda: kernel[grid](*args, GATHER=gather, BLOCK=BLOCK, num_warps=NUM_WARPS),
+                    grid, args, (gather, BLOCK))
 
 
 def _key(kernel, args: tuple, gather: bool) -> tuple | None:

@@ -90,24 +90,28 @@ def test_received_blocks_equal_sent_blocks(name: str):
     assert receiver["equal"], f"blocks that differ from what was sent (or were written outside the slice): {receiver['mismatched_blocks']}"
 
 
-# (prompt blocks, min_messages, lean): the lane path (workers/kv_transfer/lanes.py) over prompts of several lengths (its
-# buffers' storage grows, then is viewed smaller), cut into two messages, repeated (kept buffers and planned copies
-# reused), and the ordinary path between them on the same caches.
-LANE_RUNS = [(7, 1, True), (3, 1, True), (12, 1, True), (7, 1, True), (12, 2, True), (5, 2, True), (12, 1, False),
-             (7, 1, True)]
+# (prompt blocks, min_messages, lean, split): the lane path (workers/kv_transfer/lanes.py) over prompts of several
+# lengths (its buffers' storage grows, then is viewed smaller), cut into two messages by min_messages or by split_bytes
+# (split: every transfer of at least one byte goes as two), repeated (kept buffers and planned copies reused), and the
+# ordinary path between them on the same caches.
+LANE_RUNS = [(7, 1, True, False), (3, 1, True, False), (12, 1, True, False), (7, 1, True, False), (12, 2, True, False),
+             (5, 2, True, False), (12, 1, False, False), (7, 1, True, True), (12, 1, True, True), (12, 1, False, True),
+             (7, 1, True, False)]
 
 
-def _lane_runs(rank: int, device_type: str) -> dict:
-    """Each LANE_RUNS transfer of fresh random blocks, checked on the receiver against the sender's blocks."""
+def _lane_runs(rank: int, args: tuple[str, int]) -> dict:
+    """Each LANE_RUNS transfer of fresh random blocks over a pair of `groups` process groups, checked on the receiver
+    against the sender's blocks."""
+    device_type, groups = args
     device = bench.rank_device(rank, device_type)
     shard = RankShard(0, range(LAYERS), range(HEADS))
     full = _source_kv().to(device)
     cache = full.clone() if rank == 0 else torch.full_like(full, SENTINEL)
-    agent, spec = bench.connect_agents(rank, cache, shard, timeout_s=60.0)
+    agent, spec = bench.connect_agents(rank, cache, shard, timeout_s=60.0, groups=groups)
     rng, results = random.Random(1), []
-    for k, (n, min_messages, lean) in enumerate(LANE_RUNS):
+    for k, (n, min_messages, lean, split) in enumerate(LANE_RUNS):
         src, dst = rng.sample(range(NUM_BLOCKS), n), rng.sample(range(NUM_BLOCKS), n)
-        agent.min_messages, agent.lean = min_messages, lean
+        agent.min_messages, agent.lean, agent.split_bytes = min_messages, lean, 1 if split else 0
         plan = plan_transfers([shard], [shard], range(n))
         if rank == 0:
             agent.send(spec, plan, {0: shard}, src, f"req-{k}")
@@ -122,8 +126,10 @@ def _lane_runs(rank: int, device_type: str) -> dict:
     return {"equal": results, "lanes": lanes._count, "free": len(lanes._free)}
 
 
-def test_lane_transfers_land_bit_for_bit():
-    sender, receiver = bench.run_pair(_lane_runs, "cuda", timeout_s=300.0)
+@pytest.mark.parametrize("groups", [1, 2])
+def test_lane_transfers_land_bit_for_bit(groups: int):
+    """groups 2: each transfer's messages over the pair's two communicators in turn (KVTransferAgent.pair_groups)."""
+    sender, receiver = bench.run_pair(_lane_runs, ("cuda", groups), timeout_s=300.0)
     assert receiver["equal"] == [True] * len(LANE_RUNS)
     for side in (sender, receiver):  # one lane made and given back after every transfer (none dropped)
         assert side["lanes"] == 1 and side["free"] == 1

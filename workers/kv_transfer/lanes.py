@@ -27,7 +27,7 @@ from typing import Callable, Hashable
 import torch
 
 LANE_BYTES = 256 << 20  # a transfer of at most this many bytes takes a lane (MESSAGE_BYTES: one message by default)
-MAX_LANES = 2  # lanes per agent: each may keep LANE_BYTES of buffers on the GPU
+MAX_LANES = 2  # lanes per agent: each keeps at most LANE_BYTES of buffers on the GPU between transfers
 MAX_PLANS = 64  # plans' message lists kept per lane (a served replica's plans differ in their block indices)
 
 
@@ -122,7 +122,7 @@ class Lanes:
             raise
 
     def give(self, lane: Lane) -> None:
-        lane.trim(2 * LANE_BYTES)
+        lane.trim(LANE_BYTES)  # so the agent keeps at most MAX_LANES x LANE_BYTES of buffers between transfers
         with self._lock:
             self._free.append(lane)
 

@@ -18,12 +18,15 @@ GPU tensor transport (RDT): it is alpha, and its NCCL path needs CuPy, which our
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
+import functools
 import json
 import logging
 import os
 import pickle
 import socket
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -96,6 +99,7 @@ class PhaseClock:
 # "Eighth session"). On an idle pair the overlap lost to the larger cut is the first gather and the last
 # scatter of 256 MiB: ~0.2 ms each on an H100 (about 5% of a 32K-token handoff).
 MESSAGE_BYTES = 256 << 20
+SPLIT_BYTES = 64 << 20  # KVTransferAgent.split_bytes' default (see there)
 LANE_MAX_BLOCKS = 4096  # a lane's index holds this many block ids (a transfer of more takes the ordinary path)
 OVERLAP_COPY_PROGRAMS = 66  # KVTransferAgent.overlap_copy_programs' default (see there)
 
@@ -108,6 +112,12 @@ OVERLAP_COPY_PROGRAMS = 66  # KVTransferAgent.overlap_copy_programs' default (se
 # transfer was noticed done ~55 us late on average, 6% of its 0.9 ms (scripts/profile_kv_transfer.py).
 WAIT_POLL_FAST_S, WAIT_POLL_FAST_FOR_S, WAIT_POLL_SLOW_S = 5e-5, 0.02, 1e-3
 WAIT_SPIN_S = 2e-3
+# Linux stretches every short sleep of a thread by its timer slack (50 us by default): on the 2 x H100 host `sleep(0)`
+# took 58 us, and 7.5 us with the thread's slack at 1 us (scripts/bench_kv_host_calls.py, 2026-11-27), so a poll noticed
+# a finished transfer up to ~58 us late. A thread that polls sets its slack to this for the poll (`_fine_sleeps`); a
+# second Python thread polling so did not slow the first one's torch calls there (the same script's poller_slack).
+WAIT_TIMER_SLACK_NS = 1000
+_PR_SET_TIMERSLACK, _PR_GET_TIMERSLACK = 29, 30
 
 
 # The tag of `warm`'s messages (gloo pairs messages by tag; NCCL by order): none of a plan's, which count from 0.
@@ -262,6 +272,7 @@ class KVTransferAgent:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._stores: dict[str, dist.TCPStore] = {}
         self._groups: dict[str, dist.ProcessGroup] = {}
+        self._spread: dict[str, list[dist.ProcessGroup]] = {}  # pair id -> its groups, the first `_groups`' (`join`)
         self._peer_caches: dict[tuple[str, int], torch.Tensor] = {}  # (pair, prefill rank) -> its KV cache, mapped by IPC
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -282,6 +293,19 @@ class KVTransferAgent:
         # scatter are smaller and overlap the sends more (bench_kv_transfer.py --min-messages measures it against 1,
         # the default, beside raw NCCL).
         self.min_messages = 1
+        # A transfer of at least split_bytes that would fit one message goes as two (one that would be two goes as two
+        # halves; longer ones are cut by message_bytes alone). Part of the cut: both sides the same; 0: never. The
+        # second half's gather overlaps the first half's send, and the first half's scatter the second half's receive,
+        # where one message waits for its whole gather and leaves its whole scatter after the wire. On 2 x H100 a
+        # 1K-token (128 MiB) handoff through a lane took 0.72 ms in two messages against 0.75 in one (raw NCCL 0.44,
+        # same run, 2026-11-27, bench_kv_transfer.py m2).
+        self.split_bytes = SPLIT_BYTES
+        # Pairs joined after this is set get this many process groups (communicators, NCCL streams), and a transfer's
+        # messages take them in turn (`_via`: both sides by the message's tag), so the next message's NCCL kernel starts
+        # beside the one before instead of after it (each pays its own start-up). Must be the same on both sides of a
+        # pair. 1 (the default) until a GPU run has compared it: TANDEM_KV_PAIR_GROUPS sets it, and
+        # bench_kv_transfer.py --pair-groups 2 times it (the g2 rows) beside the default in one run.
+        self.pair_groups = int(os.environ.get("TANDEM_KV_PAIR_GROUPS") or 1)
         # Pair groups made after this is set run their NCCL kernels on a high-priority stream, so the block
         # scheduler would start them before queued gather/scatter blocks. A lead, not a finding: bench_kv_transfer.py's
         # 4- and 16-message runs did not overlap sends with gathers as intended, and SMs filled by those kernels
@@ -327,15 +351,27 @@ class KVTransferAgent:
         prefixed = dist.PrefixStore(spec.pair_id, store)
         if spec.ipc and self.kv_cache.is_cuda and self.role == "prefill":
             prefixed.set(f"ipc/{self.shard.rank}", _export_cache(self.kv_cache))  # for decode ranks on this GPU
+        # The pair's groups: the first carries every message unless pair_groups > 1 (`_via`); the others' stores
+        # are prefixed apart, so each is a communicator of its own.
+        groups = [self._new_group(spec, dist.PrefixStore(f"g{k}", prefixed) if k else prefixed, pair_rank)
+                  for k in range(max(1, self.pair_groups))]
+        self._orders[spec.pair_id] = _PostOrder()
+        self._spread[spec.pair_id] = groups
+        self._groups[spec.pair_id] = groups[0]
+
+    def _new_group(self, spec: PairSpec, store, pair_rank: int) -> dist.ProcessGroup:
+        """One process group of the pair over store: NCCL (high-priority streams with nccl_high_priority), else gloo."""
         if self._nccl(spec):
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
             opts.is_high_priority_stream = self.nccl_high_priority
-            group = dist.ProcessGroupNCCL(prefixed, pair_rank, spec.size, opts)
-        else:
-            group = dist.ProcessGroupGloo(prefixed, pair_rank, spec.size, self.timeout)
-        self._orders[spec.pair_id] = _PostOrder()
-        self._groups[spec.pair_id] = group
+            return dist.ProcessGroupNCCL(store, pair_rank, spec.size, opts)
+        return dist.ProcessGroupGloo(store, pair_rank, spec.size, self.timeout)
+
+    def _groups_of(self, pair_id: str, group: dist.ProcessGroup) -> list[dist.ProcessGroup]:
+        """The pair's groups, `group` (its first) first: [group] where only one was made (or set by hand, tests)."""
+        groups = self._spread.get(pair_id)
+        return groups if groups and groups[0] is group else [group]
 
     def warm(self, spec: PairSpec) -> None:
         """Exchange one byte with every rank of the other replica over the pair's group, so that its communicator
@@ -345,13 +381,12 @@ class KVTransferAgent:
         rank pair, so the transfers' messages after them stay paired."""
         group = self._group(spec.pair_id)
         device = self.kv_cache.device if self._nccl(spec) else torch.device("cpu")
+        peers = range(spec.num_prefill_ranks, spec.size) if self.role == "prefill" else range(spec.num_prefill_ranks)
         with self._own_stream():
-            if self.role == "prefill":
-                peers, op = range(spec.num_prefill_ranks, spec.size), group.send
-            else:
-                peers, op = range(spec.num_prefill_ranks), group.recv
-            bufs = [torch.ones(1, dtype=torch.uint8, device=device) for _ in peers]
-            works = [op([buf], peer, WARM_TAG) for buf, peer in zip(bufs, peers)]
+            works = []
+            for g in self._groups_of(spec.pair_id, group):  # each of the pair's communicators
+                op = g.send if self.role == "prefill" else g.recv
+                works += [op([torch.ones(1, dtype=torch.uint8, device=device)], peer, WARM_TAG) for peer in peers]
             self._wait(spec.pair_id, group, works)
             warm_kernels(self.kv_cache)  # and the gather / scatter kernels compiled
 
@@ -364,6 +399,7 @@ class KVTransferAgent:
 
     def drop(self, pair_id: str) -> None:
         self._groups.pop(pair_id, None)
+        self._spread.pop(pair_id, None)
         self._stores.pop(pair_id, None)
         order = self._orders.pop(pair_id, None)
         if order is not None:
@@ -510,7 +546,7 @@ class KVTransferAgent:
     def _post_sends(self, spec: PairSpec, group: dist.ProcessGroup, clock: PhaseClock, plan: list[Transfer],
                     dst_shards: dict[int, RankShard], block_table: list[int], seq: int | None) -> tuple[list, int]:
         """Gather and post this rank's messages of the plan: (works with their buffers, bytes)."""
-        messages = list(self._messages(plan, dst_shards, sending=True, seq=seq))
+        messages, groups = list(self._messages(plan, dst_shards, sending=True, seq=seq)), self._groups_of(spec.pair_id, group)
         clock.mark("setup")  # the turn, the plan's messages: pure Python
         # Every transfer's block ids and index tensor (once per transfer, not per message) before the first gather is
         # queued: the index's copy from pageable memory waits for this stream's earlier work, the gathers.
@@ -527,7 +563,7 @@ class KVTransferAgent:
             if index is None:
                 # The decode rank copies these blocks out of this cache itself; wait for its word that it has.
                 done = torch.zeros(1, dtype=torch.uint8)
-                works.append((group.recv([done], spec.num_prefill_ranks + t.dst, tag), done))
+                works.append((group.recv([done], spec.num_prefill_ranks + t.dst, tag), done))  # acks: the first group
                 shape = transfer_shape(self.kv_cache, len(local_ids), layers, heads)
                 sent += torch.Size(shape).numel() * wire_dtype(self.kv_cache.dtype).itemsize
                 continue
@@ -538,7 +574,7 @@ class KVTransferAgent:
             clock.mark("gather")
             if self._send_delay_s and not works:
                 time.sleep(self._send_delay_s)
-            works.append((group.send([buf], spec.num_prefill_ranks + t.dst, tag), buf))
+            works.append((_via(groups, tag).send([buf], spec.num_prefill_ranks + t.dst, tag), buf))
             clock.mark("post")
             sent += buf.numel() * buf.element_size()
         return works, sent
@@ -562,7 +598,7 @@ class KVTransferAgent:
             return self._recv_ordinary(spec, group, clock, plan, src_shards, block_table, src_block_table, seq)
         try:
             with self._posting(spec.pair_id, group, seq):
-                pending = self._post_lane_recvs(group, clock, lane, messages, seq)
+                pending = self._post_lane_recvs(self._groups_of(spec.pair_id, group), clock, lane, messages, seq)
             result = self._scatter_lane(spec, group, clock, lane, pending, block_table)
         except BaseException:
             self._lanes.drop(lane)  # its buffers may still be in use on the GPU
@@ -621,7 +657,7 @@ class KVTransferAgent:
         if lane is None:
             return None, []
         # The messages depend on nothing else (tags are relative: the transfer's number adds its range's start).
-        key = (tuple(plan), tuple(peers.items()), sending, self.message_bytes, self.min_messages)
+        key = (tuple(plan), tuple(peers.items()), sending, self.message_bytes, self.min_messages, self.split_bytes)
         messages = lane.messages.get(key)
         if messages is None:
             messages = [(tag, t, layers, heads, transfer_shape(self.kv_cache, len(t.blocks), layers, heads))
@@ -646,7 +682,7 @@ class KVTransferAgent:
                          block_table: list[int], seq: int | None) -> tuple[list, int]:
         """`_post_sends` through a lane: the index by one asynchronous copy, each message's gather one planned launch
         into its kept buffer, then its send."""
-        base = 0 if seq is None else (seq % TAG_SEQS) * TAG_STRIDE
+        base, groups = 0 if seq is None else (seq % TAG_SEQS) * TAG_STRIDE, self._groups_of(spec.pair_id, group)
         ids = self._local_ids([block_table[i] for i in messages[0][1].blocks])
         index, n, wire = lane.index_of(ids), len(ids), self._blocks.wire.dtype
         clock.mark("index")
@@ -659,12 +695,12 @@ class KVTransferAgent:
             clock.mark("gather")
             if self._send_delay_s and not works:
                 time.sleep(self._send_delay_s)
-            works.append((group.send([buf], spec.num_prefill_ranks + t.dst, base + tag), buf))
+            works.append((_via(groups, tag).send([buf], spec.num_prefill_ranks + t.dst, base + tag), buf))
             clock.mark("post")
             sent += buf.numel() * buf.element_size()
         return works, sent
 
-    def _post_lane_recvs(self, group: dist.ProcessGroup, clock: PhaseClock, lane: Lane, messages: list,
+    def _post_lane_recvs(self, groups: list[dist.ProcessGroup], clock: PhaseClock, lane: Lane, messages: list,
                          seq: int | None) -> list:
         """`_post_recvs` through a lane: each message received into its kept buffer. Returns (work, buf, message)."""
         base = 0 if seq is None else (seq % TAG_SEQS) * TAG_STRIDE
@@ -673,7 +709,7 @@ class KVTransferAgent:
         for message in messages:
             tag, t, layers, _, shape = message
             buf = lane.buffer((layers.start, layers.stop), shape, wire)
-            pending.append((group.recv([buf], t.src, base + tag), buf, message))
+            pending.append((_via(groups, tag).recv([buf], t.src, base + tag), buf, message))
         clock.mark("post")
         return pending
 
@@ -706,7 +742,7 @@ class KVTransferAgent:
         """Post this rank's receives of the plan, in the senders' order (NCCL pairs a rank pair's messages by order,
         not by tag); each chunk is then scattered as it lands (`_recv`), overlapping the later ones. Returns the
         posted receives and the messages to copy from a peer on this GPU instead."""
-        pending, local, last = [], [], None
+        pending, local, last, groups = [], [], None, self._groups_of(spec.pair_id, group)
         messages = list(self._messages(plan, src_shards, sending=False, seq=seq))
         clock.mark("setup")  # the turn, the plan's messages: pure Python
         for tag, t, layers, heads in messages:
@@ -721,7 +757,7 @@ class KVTransferAgent:
             buf = (torch.empty(shape, dtype=wire, pin_memory=self.kv_cache.is_cuda) if spec.staged
                    else torch.empty(shape, dtype=wire, device=self.kv_cache.device))
             clock.mark("alloc")
-            pending.append((group.recv([buf], t.src, tag), buf, t, block_ids, layers, heads))
+            pending.append((_via(groups, tag).recv([buf], t.src, tag), buf, t, block_ids, layers, heads))
             clock.mark("post")
         return pending, local
 
@@ -790,12 +826,13 @@ class KVTransferAgent:
 
     def _layers_per_message(self, t: Transfer) -> int:
         """How many of t's layers one message carries: as many as fit in message_bytes, at most
-        ceil(layers / min_messages), at least one. From what both sides share (the plan, block size, head dim, wire
+        ceil(layers / min_messages) (or half of them for a transfer of split_bytes or more), at least one. From what both sides share (the plan, block size, head dim, wire
         dtype, the two settings), so both cut t the same way."""
         _, _, _, block_size, _, head_dim = self.kv_cache.shape
         per_layer = 2 * len(t.blocks) * block_size * len(t.heads) * head_dim * wire_dtype(self.kv_cache.dtype).itemsize
         n = len(t.layers)
-        return max(1, min(n, self.message_bytes // max(1, per_layer), -(-n // max(1, self.min_messages))))
+        want = max(self.min_messages, 2) if self.split_bytes and per_layer * n >= self.split_bytes else self.min_messages
+        return max(1, min(n, self.message_bytes // max(1, per_layer), -(-n // max(1, want))))
 
     def _order(self, pair_id: str) -> _PostOrder:
         """The pair's post order, shared by its sends' posting turns and their acks: `join` makes it; a group set by
@@ -827,13 +864,19 @@ class KVTransferAgent:
 
     def _wait_nccl(self, works: list) -> None:
         """NCCL works: polled (see WAIT_POLL_FAST_S), not `wait(timeout)` with its 1 ms sleeps."""
+        pending = [w for w in works if not w.is_completed()]  # done, or failed (raised by wait below)
+        if pending:
+            with _fine_sleeps():
+                self._poll_nccl(pending)
+        for w in works:
+            w.wait()  # raises a failed work's error; else only orders this thread's stream after it
+        torch.cuda.current_stream().synchronize()
+
+    def _poll_nccl(self, pending: list) -> None:
+        """Until every pending work is done (or failed), polling; past the transfer timeout, abort and raise."""
         start = time.monotonic()
         deadline = start + self.timeout.total_seconds()
-        pending = list(works)
         while pending:
-            pending = [w for w in pending if not w.is_completed()]  # done, or failed (raised by wait below)
-            if not pending:
-                break
             now = time.monotonic()
             if now >= deadline:
                 # Late: the timed wait aborts the communicator (so no kernel is left spinning on the GPU)
@@ -843,9 +886,7 @@ class KVTransferAgent:
                 raise TimeoutError(f"{len(pending)} NCCL operations not done after {self.timeout.total_seconds():.0f}s")
             waited = now - start
             time.sleep(0.0 if waited < WAIT_SPIN_S else WAIT_POLL_FAST_S if waited < WAIT_POLL_FAST_FOR_S else WAIT_POLL_SLOW_S)
-        for w in works:
-            w.wait()  # raises a failed work's error; else only orders this thread's stream after it
-        torch.cuda.current_stream().synchronize()
+            pending = [w for w in pending if not w.is_completed()]
 
     def _check(self, pair_id: str, group: dist.ProcessGroup, fn, *args) -> None:
         """fn(*args); any failure drops the pair's group and raises KVTransferError."""
@@ -872,6 +913,31 @@ def _checked(agent: KVTransferAgent, pair_id: str, group: dist.ProcessGroup, inn
         raise KVTransferError(f"KV transfer on {pair_id} failed ({agent.role} rank {agent.shard.rank}): {e}") from e
 
 
+@functools.lru_cache(maxsize=1)
+def _libc():
+    """The C library, for prctl (None off Linux or where it cannot be loaded)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def _fine_sleeps():
+    """This thread's timer slack at WAIT_TIMER_SLACK_NS inside the block, restored after (no-op off Linux)."""
+    libc = _libc()
+    old = libc.prctl(_PR_GET_TIMERSLACK, 0, 0, 0, 0) if libc is not None else -1
+    if old > 0:
+        libc.prctl(_PR_SET_TIMERSLACK, WAIT_TIMER_SLACK_NS, 0, 0, 0)
+    try:
+        yield
+    finally:
+        if old > 0:
+            libc.prctl(_PR_SET_TIMERSLACK, old, 0, 0, 0)
+
+
 def _to_host(buf: torch.Tensor) -> torch.Tensor:
     """A staged send's buffer in host memory. From a GPU: into pinned memory on this thread's stream, waiting for that
     stream only; `.cpu()` copies into pageable memory, which blocks in the CUDA driver until the GPU's other work (the
@@ -883,6 +949,12 @@ def _to_host(buf: torch.Tensor) -> torch.Tensor:
     host.copy_(buf, non_blocking=True)
     torch.cuda.current_stream().synchronize()
     return host
+
+
+def _via(groups: list[dist.ProcessGroup], tag: int) -> dist.ProcessGroup:
+    """The pair group that carries the message tagged `tag`: the groups in turn by its place in its transfer (the same
+    on both sides of the pair, whatever the transfer's number)."""
+    return groups[(tag % TAG_STRIDE) % len(groups)] if len(groups) > 1 else groups[0]
 
 
 def _remember(decided: OrderedDict[str, None], handoff_id: str) -> None:
@@ -907,7 +979,7 @@ def _local_ids(kv_cache: torch.Tensor, shard: RankShard, block_ids: list[int]) -
         # the plan and the block manager disagree on ownership: never send another pool's bytes
         foreign = [b for b in block_ids if b not in ids]
         raise ValueError(f"blocks {foreign} are not in SP rank {shard.sp_rank}'s pool of {pool_size}")
-    return [b - ids.start for b in block_ids]
+    return block_ids if ids.start == 0 else [b - ids.start for b in block_ids]
 
 
 def _export_cache(kv_cache: torch.Tensor) -> bytes:
