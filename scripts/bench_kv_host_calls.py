@@ -26,6 +26,8 @@ under each condition (--conditions):
   poller        a second Python thread loops on time.sleep(0), as `_wait_nccl` does while another transfer waits
   poller_slack  the same with its timer slack at 1 us (it asks for the GIL every few us)
   busy          a second Python thread runs pure Python (an engine thread): the GIL's 5 ms switch interval
+  cold          nothing else, but each call comes right after a wait in the CUDA driver (as after the bench's barrier),
+                not after the same call (the phase logs see 2-3x the warm calls' times: are the calls cold?)
 
 If bare is as slow as the phase logs, the host is (CPU, CUDA driver), not GIL hand-offs; if poller is much slower
 than bare, it is the GIL. The process's facts come too: CPU model and MHz, clocksource, a pure-Python loop's speed,
@@ -60,7 +62,7 @@ from workers.kv_transfer.blocks import CacheBlocks  # noqa: E402
 from workers.kv_transfer.lanes import Lane  # noqa: E402
 
 PR_SET_TIMERSLACK, PR_GET_TIMERSLACK = 29, 30
-CONDITIONS = ("bare", "poller", "poller_slack", "busy")
+CONDITIONS = ("bare", "poller", "poller_slack", "busy", "cold")
 SEND_CALLS = ("nccl_send_1B", "nccl_send_msg")  # each needs a receive posted by rank 1
 
 
@@ -75,12 +77,16 @@ def set_timer_slack(ns: int) -> int:
         return -1
 
 
-def time_call(fn: Callable[[], object], reps: int, warmup: int = 10) -> dict:
-    """fn's wall and thread-CPU microseconds per call: median and p90 over reps single calls."""
+def time_call(fn: Callable[[], object], reps: int, warmup: int = 10, cold: bool = False) -> dict:
+    """fn's wall and thread-CPU microseconds per call: median and p90 over reps single calls. cold: each call right
+    after this thread waited in the CUDA driver for a GPU sleep (as a transfer starts after the bench's barrier)."""
     for _ in range(warmup):
         fn()
     wall, cpu = [], []
     for _ in range(reps):
+        if cold:
+            torch.cuda._sleep(200_000)  # ~0.1 ms of GPU time, waited for by spinning in the driver
+            torch.cuda.synchronize()
         w0, c0 = time.perf_counter(), time.thread_time()
         fn()
         c1, w1 = time.thread_time(), time.perf_counter()
@@ -97,7 +103,7 @@ class Background:
 
     def __init__(self, condition: str):
         self.condition, self._stop = condition, threading.Event()
-        self._thread = None if condition == "bare" else threading.Thread(target=self._run, daemon=True)
+        self._thread = None if condition in ("bare", "cold") else threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         if self.condition == "poller_slack":
@@ -167,14 +173,14 @@ def _condition(rank: int, condition: str, calls: dict, sends: dict, reps: int) -
         for name, fn in calls.items():
             if name == "sleep0_slack1us":
                 old = set_timer_slack(1000)
-                out[name] = time_call(fn, reps)
+                out[name] = time_call(fn, reps, cold=condition == "cold")
                 set_timer_slack(old if old > 0 else 50_000)
             else:
-                out[name] = time_call(fn, reps)
+                out[name] = time_call(fn, reps, cold=condition == "cold")
             torch.cuda.synchronize()  # the GPU work the calls queued, out of the next call's way
         works = []
         for name in SEND_CALLS:
-            out[name] = time_call(lambda name=name: works.append(pg.send([sends[name]], 1, 0)), reps)
+            out[name] = time_call(lambda name=name: works.append(pg.send([sends[name]], 1, 0)), reps, cold=condition == "cold")
         done = works[-1]
         done.wait()
         torch.cuda.synchronize()
