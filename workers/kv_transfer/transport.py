@@ -660,8 +660,12 @@ class KVTransferAgent:
         key = (tuple(plan), tuple(peers.items()), sending, self.message_bytes, self.min_messages, self.split_bytes)
         messages = lane.messages.get(key)
         if messages is None:
-            messages = [(tag, t, layers, heads, transfer_shape(self.kv_cache, len(t.blocks), layers, heads))
-                        for tag, t, layers, heads in self._messages(plan, peers, sending)]
+            try:
+                messages = [(tag, t, layers, heads, transfer_shape(self.kv_cache, len(t.blocks), layers, heads))
+                            for tag, t, layers, heads in self._messages(plan, peers, sending)]
+            except Exception:  # noqa: BLE001 - a plan the cut refuses: the ordinary path raises it in its place
+                self._lanes.give(lane)
+                return None, []
             lane.remember(key, messages if self._lane_fits(messages) else [])
             messages = lane.messages[key]
         if not messages:
