@@ -395,8 +395,9 @@ def ring_rank_attention(q: torch.Tensor, blocks: list[torch.Tensor], shards: lis
         raise ValueError(f"need one K/V block per shard and 0 <= rank < {n}; got {len(blocks)} blocks, rank {rank}")
     if backend not in (None, "triton", "torch"):
         raise ValueError(f"backend must be 'triton', 'torch' or None, not {backend!r}")
+    # One support check either way (on the way to the rank's first launch): the default asks it, "triton" needs it.
     use_triton = triton_is_default(q, blocks[rank]) if backend is None else backend == "triton"
-    if use_triton and not _triton_runs(q, blocks[rank]):
+    if backend == "triton" and not _triton_runs(q, blocks[rank]):
         raise ValueError("the Triton ring kernel needs Triton and CUDA tensors it supports (or TRITON_INTERPRET=1), "
                          "see ring_attention_triton.supported")
     srcs = [(rank - step) % n for step in range(n)]
@@ -543,7 +544,9 @@ class _RingSteps:
             tma = False
         if self.out is None and self.specs[i][2]:  # the output, made when the first launch that writes it comes
             self.out = torch.empty(self.q.shape, dtype=self.q.dtype, device=self.q.device)
-        self._launch(i, tma).run(k, v, self.q, self.acc, self.out)
+        # The own block's layout is the plan's key (and checked when the plan was made), the fused buffer the plan's.
+        self._launch(i, tma).run(k, v, self.q, self.acc, self.out,
+                                 (i == 0 and block is self.first_block) or block is self.plan.kv)
 
     def _launch(self, i: int, tma: bool | None = None):
         """Launch i's `StepLaunch` (planned at its first use with this plan; tma given: a one-off plan with that)."""
@@ -623,11 +626,16 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
     # TANDEM_RING_DIRECT, which they read when they are made. The first block's layout and alignment decide TMA
     # (`tma_ok_block`, worked out on a miss only: this lookup is on the way to the rank's first launch).
     key = ("plan", tuple(map(id, kv_shards)), kernel_config, env, os.environ.get(kernels.DIRECT_ENV), q.shape,
-           q.stride(), q.dtype, q.get_device(), first_block.shape, first_block.stride(),
+           q.stride(), q.dtype, q.get_device(), first_block.shape, first_block.stride(), first_block.dtype,
            first_block.data_ptr() % 16 == 0)
     hit = q_shard._tables.get(key)
     if hit is not None:  # the key's ids are those shards': the entry holds them, so no other object has those ids
         return hit[1]
+    # What the first launch then takes unchecked (`StepLaunch.run`'s checked): the own block's layout, fixed by the key.
+    if first_block.dtype != q.dtype or first_block.shape[1] != kv_shards[0].num_tokens \
+            or first_block.stride()[2:] != (first_block.shape[3], 1):
+        raise ValueError(f"the own K/V block must be [2, {kv_shards[0].num_tokens}, Hkv, D] in q's dtype with packed "
+                         f"heads, got {tuple(first_block.shape)} {first_block.dtype} strides {first_block.stride()}")
     tma = kernels.tma_ok_block(first_block)
     cfg = kernel_config
     config = kernels.parse_config(cfg) if isinstance(cfg, str) else cfg or kernels.default_config(

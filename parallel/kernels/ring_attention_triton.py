@@ -281,7 +281,7 @@ SP4_FIRST = os.environ.get("TANDEM_RING_SP4_FIRST", "1") != "0"
 # RingConfig.trim0: the own block's first 1 / TRIM0_SHARE rows go to the fused launch. At 16K tokens SP=4 the first
 # launch then keeps 9/16 of the own triangle's work (~0.18 ms on an H100), more than the ~3 x 45 us the other three
 # 16 MiB blocks take to arrive one after another over NVLink (~370 GB/s).
-TRIM0_SHARE = 4
+TRIM0_SHARE = max(2, int(os.environ.get("TANDEM_RING_TRIM0_SHARE", "4")))  # read once: plans cached by process
 
 # RingConfig.hybrid: the share of head groups the first step (own block only) takes; at 16K tokens SP=2 that is ~0.26 ms
 # of GPU time on an H100, ~3x an NVLink transfer of the other block (32 MiB).
@@ -1049,12 +1049,14 @@ class StepLaunch:
                 ks, vs, *self.tail)
 
     def run(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, acc: tuple[torch.Tensor, torch.Tensor] | None,
-            out: torch.Tensor | None) -> None:
-        """Launch over k/v with this call's q, accumulators and output (see the class docstring)."""
+            out: torch.Tensor | None, checked: bool = False) -> None:
+        """Launch over k/v with this call's q, accumulators and output (see the class docstring). checked: the caller
+        vouches for k/v's shape, dtype and head strides (the ring's own block, whose layout its cached plan is keyed
+        by and checked against, or the plan's own buffer): their checks are skipped on the way to the first launch."""
         if self.empty:
             return
-        if k.shape != (self.tk, self.hkv, self.d) or v.shape != k.shape or k.dtype != self.dtype or v.dtype != k.dtype \
-                or k.stride()[1:] != (self.d, 1) or v.stride()[1:] != (self.d, 1):
+        if not checked and (k.shape != (self.tk, self.hkv, self.d) or v.shape != k.shape or k.dtype != self.dtype
+                            or v.dtype != k.dtype or k.stride()[1:] != (self.d, 1) or v.stride()[1:] != (self.d, 1)):
             raise ValueError(f"this step was planned for k/v [{self.tk}, {self.hkv}, {self.d}] {self.dtype} with "
                              f"packed heads, got {tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}")
         if self.no_keys is not None:
