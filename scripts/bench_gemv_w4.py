@@ -43,9 +43,9 @@ def sweep(k: int, quick: bool = False) -> list[dict]:
     base = dict(C=32, num_warps=1, NUM_STAGES=1, MEMONLY=False, MAXNREG=None)
     out = []
     for split in (1, 2, 4):
-        for bn in (2, 4, 8):
+        for bn in (4, 8):
             for pf in (1, 2):
-                if steps % split == 0 and not (quick and bn == 2):
+                if steps % split == 0 and not (quick and split == 2):
                     out.append(dict(BLOCK_N=bn, PREFETCH=pf, SPLIT_K=split, **base))
     out.append(dict(BLOCK_N=16, PREFETCH=0, SPLIT_K=1, **base))
     for bn in (4, 8):
@@ -54,6 +54,17 @@ def sweep(k: int, quick: bool = False) -> list[dict]:
         out.append(dict(BLOCK_N=bn, PREFETCH=pf, SPLIT_K=1, **{**base, "MAXNREG": reg}))
     for bn, pf in ((4, 2), (8, 1), (8, 2)):
         out.append(dict(BLOCK_N=bn, PREFETCH=pf, SPLIT_K=1, **{**base, "MEMONLY": True}))
+    return out + mma_sweep(k)
+
+
+def mma_sweep(k: int) -> list[dict]:
+    """Tensor-core tiles (`gemv_w4._mma_kernel`): BLOCK_N rows x G 128-input tiles a step, Triton's cp.async pipeline
+    of NUM_STAGES, split K where it divides the steps (64-row tiles leave 64-448 programs for these shapes)."""
+    out = []
+    for bn, nw, g, ns in ((64, 4, 2, 4), (64, 4, 4, 3), (128, 4, 2, 3), (64, 4, 2, 2), (32, 2, 4, 3)):
+        for split in (1, 2, 4):
+            if (k // (128 * g)) % split == 0:
+                out.append(dict(MMA=True, BLOCK_N=bn, G=g, num_warps=nw, NUM_STAGES=ns, SPLIT_K=split, MEMONLY=False))
     return out
 
 
@@ -142,8 +153,12 @@ def shape_state(name: str, n: int, k: int, bench) -> dict:
 def _best(st: dict) -> dict:
     """The fastest tile that computes (MEMONLY tiles are the loads' ceiling, reported beside it)."""
     r = st["row"]
-    best = min((t for t in r["sweep"] if not t["config"]["MEMONLY"]), key=lambda t: t["us"])
-    mem = [t for t in r["sweep"] if t["config"]["MEMONLY"]]
+    best = min((t for t in r["sweep"] if not t["config"].get("MEMONLY")), key=lambda t: t["us"])
+    mem = [t for t in r["sweep"] if t["config"].get("MEMONLY")]
+    mma = [t for t in r["sweep"] if t["config"].get("MMA")]
+    if mma:
+        top = max(mma, key=lambda t: t["GBps"])
+        r["mma_best_GBps"], r["mma_best_config"] = top["GBps"], top["config"]
     if mem:
         r["memonly_best_GBps"] = max(t["GBps"] for t in mem)
     r.update(w4_best_us=best["us"], w4_best_GBps=best["GBps"], w4_best_config=best["config"])
@@ -154,7 +169,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--jobs", type=int, default=12, help="processes compiling the tiles before timing")
-    p.add_argument("--quick", action="store_true", help="leave out the BLOCK_N 2 tiles")
+    p.add_argument("--quick", action="store_true", help="leave out the split-K-2 CUDA-core tiles")
     p.add_argument("--out", default="bench_results/bench_gemv_w4.json")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -180,7 +195,8 @@ def main() -> None:
         _save(report, a.out)
         print(f"{name:8} bf16 {r['bf16_GBps']:5.0f} GB/s {r['bf16_us']:6.1f} us | tinygemm {r['tinygemm_GBps']:5.0f} "
               f"{r['tinygemm_us']:6.1f} us | w4 best {r['w4_best_GBps']:5.0f} {r['w4_best_us']:6.1f} us "
-              f"{r['w4_best_config']} | loads only {r.get('memonly_best_GBps', 0):5.0f} GB/s", flush=True)
+              f"{r['w4_best_config']} | loads only {r.get('memonly_best_GBps', 0):5.0f} GB/s | best MMA "
+              f"{r.get('mma_best_GBps', 0):5.0f} GB/s", flush=True)
         for t in sorted(r["sweep"], key=lambda t: t["us"])[:8]:
             print(f"           {t['GBps']:5.0f} GB/s {t['us']:6.1f} us {t['config']}", flush=True)
         del st["ws"]

@@ -5,8 +5,10 @@ codes, scales and zero points; bf16 activations. Checked against x @ the dequant
 (fp32 partial sums, no bf16 rounding) within 1e-5 of the output's magnitude (the 256 + c offsets cancel to ~1e-6), and
 the bf16 output within one bf16 step of each value (the interpreter truncates to bf16 where the GPU rounds to nearest).
 One or two steps prefetched by hand, Triton's pipeline, masked rows (N not a multiple of BLOCK_N) and
-masked chunks (K not a multiple of the step), group sizes 128 and 256. The kernel uses no inline assembly, so the
-interpreter runs the very code the GPU compiles; compiled runs: tests/gpu/test_gemv_w4.py and scripts/bench_gemv_w4.py.
+masked chunks (K not a multiple of the step), group sizes 128 and 256; the tensor-core kernel (MMA) too. No inline
+assembly, so the interpreter runs the code the GPU compiles, except that the tensor-core kernel's dot takes fp32
+operands there (Triton's interpreter multiplies bf16 dot operands as raw bits; the values, 128 + q and bf16 x, are the
+same); compiled runs: tests/gpu/test_gemv_w4.py and scripts/bench_gemv_w4.py.
 """
 from __future__ import annotations
 
@@ -37,7 +39,9 @@ for n, k, gs, cfg in (
         (24, 1024, 256, dict(BLOCK_N=8, C=16, num_warps=1, PREFETCH=2)),                  # group 256
         (40, 640, 128, dict(BLOCK_N=16, C=8, num_warps=1, PREFETCH=0, NUM_STAGES=3)),     # Triton's pipeliner
         (24, 512, 128, dict(BLOCK_N=8, C=16, num_warps=1, PREFETCH=0)),
-        (16, 256, 128, dict(BLOCK_N=8, C=8, num_warps=1, PREFETCH=2))):                   # one step
+        (16, 256, 128, dict(BLOCK_N=8, C=8, num_warps=1, PREFETCH=2)),                    # one step
+        (64, 512, 128, dict(MMA=True, BLOCK_N=64, G=2, num_warps=4, NUM_STAGES=2)),       # tensor cores, 2 steps
+        (32, 1024, 256, dict(MMA=True, BLOCK_N=16, G=4, num_warps=1, NUM_STAGES=1))):     # tensor cores, group 256
     packed, sz, deq = layer(n, k, gs)
     x = torch.randn(1, k).bfloat16()
     want = x.float() @ deq.t()
@@ -45,7 +49,7 @@ for n, k, gs, cfg in (
     y = w4.gemv_w4(x, packed, sz, gs, n, cfg).float()
     step = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)  # one bf16 step at each value
     assert ((y - want).abs() <= step + 1e-5 * scale).all(), (n, k, gs, cfg, (y - want).abs().max())
-    steps = -(-(k // 32) // cfg["C"])
+    steps = k // (128 * cfg["G"]) if cfg.get("MMA") else -(-(k // 32) // cfg["C"])
     for split in (2, 4):
         if steps % split == 0:
             yf = torch.zeros(n)

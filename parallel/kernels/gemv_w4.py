@@ -34,6 +34,8 @@ SMs idle). Tiles come from scripts/bench_gemv_w4.py (CUDA graphs, weights past L
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -178,6 +180,59 @@ def _w4_kernel(x32_ptr, w_ptr, sz_ptr, y_ptr, yf_ptr, N, NCH, STEPS, BSTRIDE, NS
 
 
 @triton.jit
+def _bf16_pair(w, SH: tl.constexpr):
+    """Nibbles b = SH / 4 and b + 4 of each word as the bf16 values 128 + q (exact): one LOP3 makes both halves."""
+    v = ((w >> SH) & 0x000F000F) | 0x43004300
+    return v.to(tl.int16).to(tl.bfloat16, bitcast=True), (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _mma_kernel(x_ptr, w_ptr, sz_ptr, y_ptr, yf_ptr, STEPS, BSTRIDE, NS, GS_TILES, BLOCK_N: tl.constexpr,
+                G: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Tensor cores: per step, G 128-input tiles of BLOCK_N rows unpacked to bf16 128 + q (column 8 word + 4 e1 + 2 e2 +
+    e3 holds nibble b = e1 + 2 e2 + 4 e3 of the word) and multiplied by X [128 G, 16], whose column g holds x at tile g's
+    inputs (zero elsewhere): d[n, g] = sum over tile g of (128 + q) x, fp32. Per group of row n:
+    sum(w x) = scale * d + (zero - 136 scale) * sum(x), since w = (q - 8) scale + zero (GS % 128 == 0)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rowoff = (rows // 8).to(tl.int64) * BSTRIDE + (rows % 8) * 16
+    wi = tl.arange(0, G * 16)
+    wcol = (wi // 16) * 128 + wi % 16  # a row's 16 words of a tile are contiguous; tiles 128 words apart
+    q = tl.arange(0, G * 128)
+    e = q % 8
+    wl = (q // 8) % 16  # the word in its tile: 4 a + j
+    kin = 128 * (q // 128) + 32 * (wl % 4) + 16 * ((e // 2) % 2) + 8 * (e % 2) + 2 * (wl // 4) + e // 4
+    col = tl.arange(0, 16)
+    acc = tl.zeros([BLOCK_N, 16], tl.float32)
+    t0 = tl.program_id(1) * STEPS
+    for t in tl.range(t0, t0 + STEPS, num_stages=NUM_STAGES):
+        w = tl.load(w_ptr + rowoff[:, None] + t * (G * 128) + wcol[None, :])  # [BLOCK_N, 16 G] int32
+        n0, n4 = _bf16_pair(w, 0)
+        n1, n5 = _bf16_pair(w, 4)
+        n2, n6 = _bf16_pair(w, 8)
+        n3, n7 = _bf16_pair(w, 12)
+        wj = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+        xv = tl.load(x_ptr + t * (G * 128) + kin)
+        xg = tl.where(col[None, :] == (q // 128)[:, None], xv[:, None], 0.0).to(tl.bfloat16)  # [128 G, 16]
+        wt = tl.reshape(wj, [BLOCK_N, G * 128])
+        if INTERPRETED:  # Triton's interpreter multiplies bf16 dot operands as raw bits: fp32 there (CPU tests only)
+            d = tl.dot(wt.to(tl.float32), xg.to(tl.float32))
+        else:
+            d = tl.dot(wt, xg)
+        xs = tl.sum(xg.to(tl.float32), axis=0)
+        sz = tl.load(sz_ptr + ((t * G + col) // GS_TILES)[None, :] * NS + rows[:, None], mask=(col < G)[None, :],
+                     other=0)
+        s = (sz << 16).to(tl.float32, bitcast=True)
+        z = (sz & -65536).to(tl.float32, bitcast=True)
+        acc += s * d + (z - 136.0 * s) * xs[None, :]
+    y = tl.sum(acc, axis=1)
+    if SPLIT_K == 1:
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
+    else:
+        tl.atomic_add(yf_ptr + rows, y, sem="relaxed")
+
+
+@triton.jit
 def _cast_kernel(yf_ptr, y_ptr, N, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
@@ -212,6 +267,8 @@ def gemv_w4(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size:
     scale/zero pairs `sz` [K/GS, N, 2]) -> bf16 [1, N]. No host sync: graph-capturable. Under SPLIT_K > 1 the fp32
     sums go to `out_fp32` (zeroed, [N]; a new buffer when None) before their cast (tests read them unrounded)."""
     cfg = {**DEFAULT, **(config or {})}
+    if cfg.get("MMA"):
+        return _gemv_mma(x, packed, sz, group_size, n, cfg, out_fp32)
     k = x.shape[-1]
     nch = k // 32
     split = cfg["SPLIT_K"]
@@ -229,6 +286,25 @@ def gemv_w4(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size:
                      PREFETCH=int(cfg["PREFETCH"]), NUM_STAGES=cfg["NUM_STAGES"], SPLIT_K=split,
                      MEMONLY=cfg["MEMONLY"], num_warps=cfg["num_warps"], num_stages=cfg["NUM_STAGES"],
                      **({"maxnreg": cfg["MAXNREG"]} if cfg["MAXNREG"] else {}))
+    if split > 1:
+        _cast_kernel[(triton.cdiv(n, 1024),)](yf, y, n, BLOCK=1024, num_warps=4)
+    return y
+
+
+def _gemv_mma(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int, n: int, cfg: dict,
+              out_fp32: torch.Tensor | None) -> torch.Tensor:
+    """`gemv_w4` through `_mma_kernel` (cfg MMA: BLOCK_N, G tiles a step, num_warps, NUM_STAGES, SPLIT_K)."""
+    k = x.shape[-1]
+    bn, g, split = cfg["BLOCK_N"], cfg["G"], cfg["SPLIT_K"]
+    if n % bn or k % (128 * g) or (k // (128 * g)) % split:
+        raise ValueError(f"gemv_w4 (MMA): tile {cfg} does not divide {n}x{k}")
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    yf = y
+    if split > 1:
+        yf = out_fp32 if out_fp32 is not None else torch.zeros(n, dtype=torch.float32, device=x.device)
+    _mma_kernel[(n // bn, split)](x, packed, sz.view(torch.int32), y, yf, k // (128 * g) // split, (k // 128) * 128, n,
+                                  group_size // 128, BLOCK_N=bn, G=g, NUM_STAGES=cfg["NUM_STAGES"], SPLIT_K=split,
+                                  INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=cfg["num_warps"], num_stages=cfg["NUM_STAGES"])
     if split > 1:
         _cast_kernel[(triton.cdiv(n, 1024),)](yf, y, n, BLOCK=1024, num_warps=4)
     return y

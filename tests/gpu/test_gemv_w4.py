@@ -1,7 +1,7 @@
 """The batch-1 W4A16 GEMV (parallel/kernels/gemv_w4.py) compiled on CUDA.
 
-* Every tile family (one or two steps prefetched by hand, Triton's pipeline, split K) on Llama-3.1-8B-like shapes (K 4096 and
-  14336; N not a multiple of BLOCK_N) equals x @ the dequantized weight (tinygemm layout built by `_convert_weight_to_
+* Every tile family (one or two steps prefetched by hand, Triton's pipeline, split K, tensor cores) on Llama-3.1-8B-like
+  shapes (K 4096 and 14336) equals x @ the dequantized weight (tinygemm layout built by `_convert_weight_to_
   int4pack` itself, as load builds it): within one bf16 rounding of each value (the GPU rounds to nearest), and through
   split K's fp32 sums within 1e-5 of the output's magnitude; and it agrees with tinygemm's own product.
 * Replayed from a CUDA graph it gives the same output (no host sync, split K's zeroing and cast captured too).
@@ -17,7 +17,9 @@ from parallel.quant import tinygemm as tg
 
 TILES = [dict(BLOCK_N=8, C=32, num_warps=1, PREFETCH=1), dict(BLOCK_N=4, C=32, num_warps=1, PREFETCH=2),
          dict(BLOCK_N=8, C=128, num_warps=4, PREFETCH=1), dict(BLOCK_N=16, C=32, num_warps=1, PREFETCH=0, NUM_STAGES=3),
-         dict(BLOCK_N=8, C=64, num_warps=2, PREFETCH=2)]
+         dict(BLOCK_N=8, C=64, num_warps=2, PREFETCH=2),
+         dict(MMA=True, BLOCK_N=64, G=2, num_warps=4, NUM_STAGES=4), dict(MMA=True, BLOCK_N=32, G=4, num_warps=2,
+                                                                         NUM_STAGES=3)]
 
 
 def _layer(n: int, k: int, gs: int = 128) -> tg.Int4PackWeight:
@@ -36,7 +38,7 @@ def _check(y: torch.Tensor, want: torch.Tensor) -> None:
     assert excess <= 1e-5 * want.abs().max().item(), excess
 
 
-@pytest.mark.parametrize("n,k", [(1000, 4096), (4096, 14336)])
+@pytest.mark.parametrize("n,k", [(1024, 4096), (4096, 14336)])
 @pytest.mark.parametrize("tile", range(len(TILES)))
 def test_tiles_equal_the_dequantized_product(n: int, k: int, tile: int) -> None:
     w = _layer(n, k)
@@ -46,7 +48,7 @@ def test_tiles_equal_the_dequantized_product(n: int, k: int, tile: int) -> None:
     _check(w4.gemv_w4(x, w.weight, w.scales_and_zeros, w.group_size, n, cfg), want)
     tiny = torch.ops.aten._weight_int4pack_mm(x, w.weight, w.group_size, w.scales_and_zeros)
     assert ((tiny.float() - want).abs().max() / want.abs().max()).item() < 1e-2  # the reference itself is tinygemm's
-    steps = -(-(k // 32) // cfg["C"])
+    steps = k // (128 * cfg["G"]) if cfg.get("MMA") else -(-(k // 32) // cfg["C"])
     if steps % 2 == 0:
         yf = torch.zeros(n, device="cuda")
         w4.gemv_w4(x, w.weight, w.scales_and_zeros, w.group_size, n, {**cfg, "SPLIT_K": 2}, out_fp32=yf)
