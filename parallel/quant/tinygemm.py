@@ -329,7 +329,7 @@ def convert(pw, dtype: torch.dtype) -> Int4PackWeight | str:
 
 
 W4_ENV = "TANDEM_W4_GEMV"
-W4_MARGIN = 0.95  # gemv_w4 must measure at most this fraction of tinygemm's time at load (single cold calls are noisy)
+W4_MARGIN = 0.95  # gemv_w4 must measure at most this fraction of tinygemm's time at load
 _W4_CHOICE: dict[tuple, dict | None] = {}
 W4_MEASURED: list[dict] = []  # what `choose_w4` timed, per weight shape (scripts/bench_quant.py reports it)
 
@@ -337,10 +337,8 @@ W4_MEASURED: list[dict] = []  # what `choose_w4` timed, per weight shape (script
 def choose_w4(w: Int4PackWeight) -> dict | None:
     """gemv_w4's tile for this weight at batch 1, or None (tinygemm). TANDEM_W4_GEMV: `auto` (default) takes the
     offline table's tile (gemv_w4.TABLE: measured faster than tinygemm by scripts/bench_gemv_w4.py in CUDA graphs) if
-    it also measures faster here at load by W4_MARGIN, once per shape; `1` takes the table's tile or gemv_w4.DEFAULT
-    unmeasured (to compare end to end); `0` never. On 2026-11-27 (H100, round 1 of scripts/bench_gemv_w4.py) a single
-    cold call per candidate picked a tile 1.4x slower than tinygemm in the decode graph (22 us against 23 us cold, 14
-    against 9.9 us in a graph), hence the table and the margin."""
+    it also measures faster here at load by W4_MARGIN (`graph_time`: as the decode graph runs it), once per shape; `1` takes the table's tile or gemv_w4.DEFAULT
+    unmeasured (to compare end to end); `0` never."""
     choice = os.environ.get(W4_ENV, "auto").strip().lower() or "auto"
     if choice == "0":
         return None
@@ -359,16 +357,46 @@ def choose_w4(w: Int4PackWeight) -> dict | None:
         return table
     key = (w.out_features, w.in_features, w.group_size, w.weight.device)
     if key not in _W4_CHOICE:
-        from parallel.quant.fused_gemv import _cold_time
-
         x = torch.randn(1, w.in_features, device=w.weight.device, dtype=torch.bfloat16)
-        tiny = _cold_time(lambda: torch.ops.aten._weight_int4pack_mm(x, w.weight, w.group_size, w.scales_and_zeros),
-                          iters=20)
-        ours = _cold_time(lambda: gemv_w4.gemv_w4(x, w.weight, w.scales_and_zeros, w.group_size, w.out_features, table),
-                          iters=20)
+        tiny = graph_time(lambda: torch.ops.aten._weight_int4pack_mm(x, w.weight, w.group_size, w.scales_and_zeros))
+        ours = graph_time(lambda: gemv_w4.gemv_w4(x, w.weight, w.scales_and_zeros, w.group_size, w.out_features, table))
         _W4_CHOICE[key] = table if ours <= W4_MARGIN * tiny else None
         W4_MEASURED.append({"n": w.out_features, "k": w.in_features, "tinygemm_us": tiny * 1e3, "w4_us": ours * 1e3,
                             "tile": table, "chosen": _W4_CHOICE[key] is not None})
         log.info("W4A16 %dx%d at batch 1: tinygemm %.1f us, gemv_w4 %.1f us -> %s", w.out_features, w.in_features,
                  tiny * 1e3, ours * 1e3, "gemv_w4" if _W4_CHOICE[key] else "tinygemm")
     return _W4_CHOICE[key]
+
+
+def graph_time(fn, reps: int = 16) -> float:
+    """Milliseconds per call of `fn` as a decode step runs it: replayed from a CUDA graph with its weight out of L2 (a
+    64 MB write before each call, timed alone in a second graph and subtracted). Eager single calls mislead here: on
+    2026-11-27 (H100) they timed gemv_w4 faster than tinygemm on qkv (21.9 against 23.2 us) where the decode graph ran it
+    1.4x slower (14.0 against 9.9 us)."""
+    dev = torch.cuda.current_device()
+    flush = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # compiles, warms the allocator
+    torch.cuda.current_stream().wait_stream(s)
+    graphs = []
+    for with_fn in (True, False):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graphs.append(g)
+    times = []
+    for g in graphs:
+        g.replay()  # warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 3)
+    return max(times[0] - times[1], 1e-6) / reps
