@@ -11,7 +11,8 @@ shared with scripts/quantize.py):
     w4a16-unfused / fp8-unfused  the same weights with the batch-1 graph on the unfused decoder
               (TANDEM_FUSED_QUANT=0: tinygemm / the W8A16 GEMV per linear), to compare
     w4a16-triton  the same weights on the Triton W4A16 GEMV / GEMM (TANDEM_W4A16_KERNEL=triton), to compare
-    w4a16-tinygemm  w4a16 with tinygemm at batch 1 too (TANDEM_W4_GEMV=0: no gemv_w4.py GEMV), to compare
+    w4a16-gemv  w4a16 with parallel/kernels/gemv_w4.py's GEMV at batch 1 for every 4-bit linear (TANDEM_W4_GEMV=1;
+              by default it only serves shapes its TABLE measured faster than tinygemm: none so far), to compare
     w4a16-awq quantization="awq": 4-bit AWQ GEMM packing, same kernels after repacking
     fp8       quantization="fp8": online FP8, per-channel weight scales, dynamic per-token activations
               (W8A8 torch._scaled_mm above 4 rows; W8A16 Triton GEMV at 2-4 rows; batch 1: the fused
@@ -57,7 +58,7 @@ VARIANTS: dict[str, dict] = {
     "bf16": {},
     "w4a16": {"quantization": "gptq"},
     "w4a16-triton": {"quantization": "gptq"},
-    "w4a16-tinygemm": {"quantization": "gptq"},
+    "w4a16-gemv": {"quantization": "gptq"},
     "w4a16-awq": {"quantization": "awq"},
     "fp8": {"quantization": "fp8"},
     "w4a16-unfused": {"quantization": "gptq"},
@@ -70,7 +71,7 @@ VARIANTS: dict[str, dict] = {
 
 # Environment a variant is built under (read at load).
 VARIANT_ENV: dict[str, dict[str, str]] = {"w4a16-triton": {"TANDEM_W4A16_KERNEL": "triton"},
-                                          "w4a16-tinygemm": {"TANDEM_W4_GEMV": "0"},
+                                          "w4a16-gemv": {"TANDEM_W4_GEMV": "1"},
                                           "w4a16-unfused": {"TANDEM_FUSED_QUANT": "0"},
                                           "fp8-unfused": {"TANDEM_FUSED_QUANT": "0"},
                                           "fp8-actq": {"TANDEM_FP8_FUSED_ACT": "0"},

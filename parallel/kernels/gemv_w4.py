@@ -240,14 +240,24 @@ def _cast_kernel(yf_ptr, y_ptr, N, BLOCK: tl.constexpr):
 
 
 DEFAULT = dict(BLOCK_N=8, C=32, num_warps=1, PREFETCH=1, NUM_STAGES=1, SPLIT_K=1, MEMONLY=False, MAXNREG=None)
-# (N, K) -> the fastest tile scripts/bench_gemv_w4.py found on an H100 (CUDA graphs, weights past L2) where it beat
-# tinygemm; none did on 2026-11-27 (round 1: 0.65-0.71x of tinygemm's speed on every Llama-3.1-8B shape), so it is empty
-# and 4-bit layers keep tinygemm at batch 1 unless TANDEM_W4_GEMV=1.
-TABLE: dict[tuple[int, int], dict] = {}
+# (N, K) -> (the fastest tile scripts/bench_gemv_w4.py found, its us, tinygemm's us), one H100, 2026-11-27 17:17 UTC
+# (round 2: CUDA graphs, weights past L2). None beats tinygemm, so `table_config` gives none of them to the engine by
+# default (parallel/quant/tinygemm.py `choose_w4`); TANDEM_W4_GEMV=1 takes them anyway, to compare end to end.
+_T = dict(C=32, num_warps=1, NUM_STAGES=1, MEMONLY=False, MAXNREG=None)
+TABLE: dict[tuple[int, int], tuple[dict, float, float]] = {
+    (6144, 4096): (dict(BLOCK_N=8, PREFETCH=1, SPLIT_K=1, **_T), 13.7, 9.9),  # qkv: 972 GB/s, tinygemm 1,356
+    (4096, 4096): (dict(BLOCK_N=4, PREFETCH=1, SPLIT_K=1, **_T), 10.1, 6.7),  # o: 884, tinygemm 1,332
+    (28672, 4096): (dict(BLOCK_N=8, PREFETCH=1, SPLIT_K=4, **_T), 53.4, 33.7),  # gate_up: 1,168, tinygemm 1,852
+    (4096, 14336): (dict(BLOCK_N=8, PREFETCH=1, SPLIT_K=2, **_T), 28.2, 18.6),  # down: 1,105, tinygemm 1,677
+}
 
 
-def table_config(n: int, k: int) -> dict | None:
-    return TABLE.get((n, k))
+def table_config(n: int, k: int, faster_only: bool = True) -> dict | None:
+    """The table's tile for an [n, k] weight: only where it measured faster than tinygemm unless not faster_only."""
+    if (n, k) not in TABLE:
+        return None
+    tile, us, tiny_us = TABLE[(n, k)]
+    return dict(tile) if us < tiny_us or not faster_only else None
 
 
 def fits(n: int, k: int, group_size: int, inner_k_tiles: int) -> str | None:

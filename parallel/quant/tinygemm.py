@@ -336,9 +336,9 @@ W4_MEASURED: list[dict] = []  # what `choose_w4` timed, per weight shape (script
 
 def choose_w4(w: Int4PackWeight) -> dict | None:
     """gemv_w4's tile for this weight at batch 1, or None (tinygemm). TANDEM_W4_GEMV: `auto` (default) takes the
-    offline table's tile (gemv_w4.TABLE: measured faster than tinygemm by scripts/bench_gemv_w4.py in CUDA graphs) if
-    it also measures faster here at load by W4_MARGIN (`graph_time`: as the decode graph runs it), once per shape; `1` takes the table's tile or gemv_w4.DEFAULT
-    unmeasured (to compare end to end); `0` never."""
+    offline table's tile where it measured faster than tinygemm (gemv_w4.TABLE, scripts/bench_gemv_w4.py) if
+    it also measures faster here at load by W4_MARGIN (`graph_time`: as the decode graph runs it), once per shape; `1` takes the table's tile (faster or not) or
+    gemv_w4.DEFAULT, unmeasured (to compare end to end); `0` never."""
     choice = os.environ.get(W4_ENV, "auto").strip().lower() or "auto"
     if choice == "0":
         return None
@@ -348,9 +348,9 @@ def choose_w4(w: Int4PackWeight) -> dict | None:
         return None
     if gemv_w4.fits(w.out_features, w.in_features, w.group_size, w.inner_k_tiles) is not None:
         return None
-    table = gemv_w4.table_config(w.out_features, w.in_features)
     if choice == "1":
-        return table or dict(gemv_w4.DEFAULT)
+        return gemv_w4.table_config(w.out_features, w.in_features, faster_only=False) or dict(gemv_w4.DEFAULT)
+    table = gemv_w4.table_config(w.out_features, w.in_features)
     if table is None:
         return None
     if os.environ.get("TANDEM_QUANT_TUNE", "1") == "0":
