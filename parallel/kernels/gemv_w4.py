@@ -1,11 +1,28 @@
 """Batch-1 W4A16 GEMV on tinygemm's int4 layout, read in place: y[1, N] = x[1, K] @ W^T for a 4-bit GPTQ / AWQ layer.
 
-Why: at batch 1 a decoder step streams every weight byte once, and tinygemm (`aten._weight_int4pack_mm`, one
-m16n8k16 tile column per block) reached only ~1,300 GB/s on the qkv / o shapes and ~1,850 on gate/up (H100,
-2026-11-27) where the bf16 GEMV (gemv.py) reaches ~2,790. This kernel is shaped like that bf16 GEMV (each program
-owns BLOCK_N rows and streams them over K in steps, many bytes in flight, one reduction at the end) with the
-dequantization done in ~2.5 CUDA-core instructions per code. Larger batches keep tinygemm (and dequantize + cuBLAS)
-on the same stored weight: no second copy, no new layout.
+Status (measured on one H100, 2026-11-27, scripts/bench_gemv_w4.py: CUDA graphs, weights past L2, GB/s of int4 codes +
+bf16 scale/zero pairs): SLOWER THAN TINYGEMM ON EVERY LLAMA-3.1-8B SHAPE, so the engine does not use it by default
+(TABLE below; parallel/quant/tinygemm.py `choose_w4`; TANDEM_W4_GEMV=1 forces it, to compare).
+
+    shape (N x K)          bf16 GEMV      tinygemm       this, best tile          its loads alone (MEMONLY)
+    qkv 6144 x 4096        2,721  18.5 us  1,356   9.9 us    972  13.7 us (8,32,1)   1,895   7.1 us
+    o 4096 x 4096          2,573  13.0      1,332   6.7       884  10.1    (4,32,1)   1,595   5.6
+    gate_up 28672 x 4096   2,955  79.5      1,852  33.7     1,168  53.4    (8,32,1)/4 2,592  24.1
+    down 4096 x 14336      2,825  41.6      1,677  18.6     1,105  28.2    (8,32,1)/2 2,165  14.4
+    per decoder layer              152.6 us         68.8 us          105.5 us                  51.2 us
+(tile: BLOCK_N, C, num_warps / split K.) The issue's 2.5x end to end needs ~52 us a layer or less; tinygemm gives 68.8.
+What was learned:
+  - the CUDA-core loop (below) costs 3.5-4.3 SASS instructions per code in its K loop (scripts/gemv_w4_sass.py) and
+    ptxas gives the prefetching tiles 164-255 registers (8-12 warps an SM): it runs at half of its own loads-only time.
+    Every winner is a one-warp tile with C = 32 chunks and BLOCK_N 4-8; BLOCK_N >= 16 spills (40-470 GB/s); Triton's
+    cp.async pipeline (PREFETCH=0, NUM_STAGES 2-6) ran at a half to a fifth of the hand prefetch; register caps
+    (MAXNREG) spill; split K helps gate_up / down by 2-7%.
+  - the tensor-core variant (`_mma_kernel`: tl.dot of the unpacked bf16 tile against x spread over one column per
+    group) reached only 519-831 GB/s: Triton moves the unpacked tile into the MMA operand layout through shared memory
+    (PRMT / STS / LDSM: ~4 instructions per code in all, no fewer than the CUDA-core loop).
+  - the loads-only ceiling of this access pattern is ~51 us a layer: even a free dequantization would only just reach
+    the target, so the remaining gap to 2.5x is as much launch / ramp (PDL, fusion) as arithmetic.
+Larger batches keep tinygemm (and dequantize + cuBLAS) on the same stored weight: no second copy, no new layout.
 
 The layout (parallel/quant/tinygemm.py, inner_k_tiles 8):
     codes int32 [N/8, K/128, 32, 4]: word [nt, ko, t, j], t = 4 (row % 8) + a, nibble b at bits 4b holds the code of
@@ -16,21 +33,21 @@ at word 128 ko + 4 a of its 8-row block (block stride K/128 * 128 words), row % 
 chunk c is input 128 ko + 2 a + 32 j + 8 m + lo with m = b % 4, lo = b // 4: so x is read as bf16 pairs (one int32 at
 pair index 64 ko + a + 16 j + 4 m gives lo = 0 in its low half, lo = 1 in its high half).
 
-Dequantization without I2F: a shift puts nibbles (2s, 2s + 1) at bits 15 and 19 (shifts << 15, << 7, >> 1, >> 9), and
-`(v & mask) | EXP` (one LOP3: EXP is a register argument, a LOP3 takes one immediate) is the float 256 + c (bit 15) or
-256 + 16 c (bit 19), exactly. x of a bit-19 nibble is pre-scaled by 1/16 (exact), so each product is x c + (256 or 16) x;
-per chunk, the row-independent X0 = sum(256 x_even + 16 x_odd) is subtracted once, leaving sum(c x) up to fp32 rounding
-of sums ~32x larger than it (~2^-19 relative). Then per chunk and row (a chunk lies in one group when GS % 128 == 0):
+CUDA-core kernel (`_w4_kernel`). Dequantization without I2F: a shift puts nibbles (2s, 2s + 1) at bits 15 and 19
+(shifts << 15, << 7, >> 1, >> 9), and `(v & mask) | EXP` (one LOP3: EXP is a register argument, a LOP3 takes one
+immediate) is the float 256 + c (bit 15) or 256 + 16 c (bit 19), exactly. x of a bit-19 nibble is pre-scaled by 1/16
+(exact), so each product is x c + (256 or 16) x; per chunk, the row-independent X0 = sum(256 x_even + 16 x_odd) is
+subtracted once, leaving sum(c x) up to fp32 rounding of sums ~32x larger than it (~2^-19 relative). Then per chunk
+and row (a chunk lies in one group when GS % 128 == 0):
     y += scale * sum(c x) + (zero - 8 scale) * sum(x)
 which is x @ the dequantized weight up to fp32 summation order and that cancellation.
-
 Tile: a program's step is a [BLOCK_N, C, 4] int32 tile (C chunks of each of BLOCK_N rows); Triton gives each thread
 whole chunks (the 4 contiguous words: one 16-byte load) and, when C >= 32 x num_warps, all BLOCK_N rows of its chunks,
-so each x value a thread loads serves BLOCK_N rows. Steps are pipelined either by hand (PREFETCH: step t + 1's codes
-and scales load before step t is summed) or by Triton's pipeliner (`tl.range(..., num_stages)`: cp.async into shared
-memory, more bytes in flight without registers). SPLIT_K > 1 splits K over a second grid axis and adds fp32 partial
-sums with atomics into a zeroed fp32 buffer, then a tiny cast (for the short-K, few-row shapes whose rows alone leave
-SMs idle). Tiles come from scripts/bench_gemv_w4.py (CUDA graphs, weights past L2).
+so each x value a thread loads serves BLOCK_N rows (the x gathers reach that layout through shared memory each step).
+Steps are prefetched by hand (PREFETCH 1 or 2 steps ahead) or left to Triton's pipeliner (PREFETCH 0, NUM_STAGES).
+SPLIT_K > 1 splits K over a second grid axis and adds fp32 partial sums with atomics into a zeroed fp32 buffer, then a
+tiny cast. MEMONLY tiles do the loads without the arithmetic (wrong output): the access pattern's ceiling.
+Tensor-core kernel (`_mma_kernel`, MMA tiles): see its docstring.
 """
 from __future__ import annotations
 
