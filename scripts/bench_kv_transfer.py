@@ -246,7 +246,7 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
 
 # A --variants knob's letter -> the KVTransferAgent attribute it sets (the others: c, the row copy's grid cap for every
 # copy; d, its launches through the compiled kernel's handle).
-AGENT_KNOBS = {"m": "min_messages", "o": "overlap_copy_programs", "l": "lean", "s": "split_bytes"}
+AGENT_KNOBS = {"m": "min_messages", "o": "overlap_copy_programs", "l": "lean", "s": "split_bytes", "b": "message_bytes"}
 
 
 def _variants(cfg: dict, pair: tuple, hp: tuple | None, spread: dict[int, tuple],
@@ -272,15 +272,16 @@ def _variants(cfg: dict, pair: tuple, hp: tuple | None, spread: dict[int, tuple]
         rows[f"agent_o{c}"] = row(pair, min_messages=first, overlap_copy_programs=c)
     for n in spread:  # "agent_g<N>": the defaults over the pair of N groups
         rows[f"agent_g{n}"] = row(spread[n], min_messages=first)
-    for spec_text in cfg["variants"]:  # "agent_<spec>": any mix of m<N> o<N> c<N> d<0|1> l<0|1> s<MiB> g<N>, e.g. l0s0
-        knobs = {k: int(v) for k, v in re.findall(r"([mocdlsg])(\d+)", spec_text)}
+    for spec_text in cfg["variants"]:  # "agent_<spec>": any mix of m<N> o<N> c<N> d<0|1> l<0|1> s<MiB> g<N> b<MiB>
+        knobs = {k: int(v) for k, v in re.findall(r"([mocdlsgb])(\d+)", spec_text)}
         if knobs.get("g", 1) > 1 and knobs["g"] not in spread:
             raise SystemExit(f"variant {spec_text}: no pair of {knobs['g']} groups (--pair-groups {knobs['g']})")
         settings = {AGENT_KNOBS[k]: v for k, v in knobs.items() if k in AGENT_KNOBS}
         if "l" in knobs:
             settings["lean"] = bool(knobs["l"])
-        if "s" in knobs:
-            settings["split_bytes"] = knobs["s"] << 20
+        for k in ("s", "b"):  # in MiB
+            if k in knobs:
+                settings[AGENT_KNOBS[k]] = knobs[k] << 20
         rows[f"agent_{spec_text}"] = row(spread.get(knobs.get("g", 1), pair),
                                          **{"min_messages": first, **settings, "programs": knobs.get("c", 0),
                                                   "direct": bool(knobs.get("d", 1))})
@@ -362,7 +363,7 @@ def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> b
     return bool(torch.equal(mine, theirs))
 
 
-VARIANT = r"agent_(hp|x\d+|(?:[mocdlsg]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
+VARIANT = r"agent_(hp|x\d+|(?:[mocdlsgb]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
 
 
 def summarize(results: list[dict], cfg: dict) -> list[dict]:
@@ -422,7 +423,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "(min_messages), o<N> (overlap_copy_programs), c<N> (copy programs), d<0|1> (the row copy through "
                    "its compiled kernel's handle, default 1), l<0|1> (short transfers through the agent's lanes: "
                    "KVTransferAgent.lean, default TANDEM_KV_LEAN or 1), s<MiB> (KVTransferAgent.split_bytes: a transfer "
-                   "of at least this many MiB that fits one message goes as two; s0: never), e.g. m2o66,o32,d0,l0s0 "
+                   "of at least this many MiB that fits one message goes as two; s0: never), b<MiB> (KVTransferAgent.message_bytes), "
+                   "g<N> (the pair of N groups, --pair-groups), e.g. m2o66,o32,d0,l0s0,g2b128 "
                    "(the 'agent_<spec>' rows)")
     p.add_argument("--pair-groups", default="", help="comma-separated N > 1: also time the agent over a pair of N process "
                    "groups whose messages take them in turn (the 'agent_g<N>' rows; KVTransferAgent.pair_groups); g<N> "
