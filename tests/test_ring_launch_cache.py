@@ -39,7 +39,8 @@ def causal(q, k, v):
 for sp, cfg in ((2, "32,16,4,1,pack"), (2, "16,16,4,1,pack,hybrid,oneloop"), (4, "16,16,4,1,fuse,batchcopy"),
                 (4, "32,16,4,1,pack,fuse"), (3, "16,16,4,1,pack,split=2"), (2, None), (4, None),
                 (2, "16,16,4,1,pack,hybrid,overlap"), (4, "16,16,4,1,fuse,batchcopy,overlap"),
-                (4, "16,16,4,1,fuse,batchcopy,oneloop0"), (4, "16,16,4,1,fuse,batchcopy,oneloop0,plain0")):
+                (4, "16,16,4,1,fuse,batchcopy,oneloop0"), (4, "16,16,4,1,fuse,batchcopy,oneloop0,plain0"),
+                (4, "16,16,4,1,pack,fuse,batchcopy,hband=1"), (3, "16,16,4,1,hband=1,split=2")):
     n = 45
     positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
     layers = [tuple(torch.randn(n, h, D) for h in (4, 2, 2)) for _ in range(2)]
@@ -65,6 +66,11 @@ for sp, cfg in ((2, "32,16,4,1,pack"), (2, "16,16,4,1,pack,hybrid,oneloop"), (4,
             # oneloop0: the first launch's programs in one loop, the others as the config says
             assert [x.kw["ONELOOP"] for x in steps.plan.launches] == [
                 steps.config.oneloop or (steps.config.oneloop0 and j == 0) for j in range(steps.n_launch)], (sp, cfg)
+            # hband: the programs' order by head-group bands where it divides a launch's groups (none here is hybrid
+            # with bands, so every launch has all groups: 4 query heads, or 2 KV heads packed)
+            groups, band = 4 // steps.config.heads_per_program(2), steps.config.hband
+            assert all(x.kw["HBAND"] == (band if 0 < band < groups and groups % band == 0 else 0)
+                       for x in steps.plan.launches if not x.empty), (sp, cfg)
         assert outs[0] is not outs[1]
         for li, (q, k, v) in enumerate(layers):
             torch.testing.assert_close(outs[li], causal(q, k, v)[positions[r]], rtol=1e-5, atol=1e-5,
@@ -123,7 +129,7 @@ print("ok", checked)
 
 def test_launches_planned_once_per_plan_in_the_triton_interpreter():
     out = run_interpreted(REUSE_SCRIPT)
-    want = 2 * (2 + 2 + 4 + 4 + 3 + 2 + 4 + 2 + 4 + 4 + 4) + 2 * 2 + 3  # every rank of each case, twice (layers)
+    want = 2 * (2 + 2 + 4 + 4 + 3 + 2 + 4 + 2 + 4 + 4 + 4 + 4 + 3) + 2 * 2 + 3  # every rank of each case, twice
     assert out.strip().split()[-2:] == ["ok", str(want)], out[-800:]
 
 
@@ -208,8 +214,8 @@ def test_default_configs_by_sp_size(monkeypatch):
     monkeypatch.delenv(rt.ENV, raising=False)
     base = rt.CONFIGS[128][0]
     assert rt.default_config(4096, 128, 2, True, 4) == dataclasses.replace(base, fuse=True, batchcopy=True,
-                                                                           oneloop0=True, plain0=True, trim0=True)
-    monkeypatch.setattr(rt, "SP4_FIRST", False)  # the SP=4 default before oneloop0, plain0 and trim0
+                                                                           hband=rt.SP4_HBAND)
+    monkeypatch.setattr(rt, "SP4_FIRST", False)  # the SP=4 default before hband
     assert rt.default_config(4096, 128, 2, True, 4) == dataclasses.replace(base, fuse=True, batchcopy=True)
     monkeypatch.setattr(rt, "SP4_FIRST", True)
     assert rt.default_config(4096, 128, 2, True, 8) == dataclasses.replace(base, fuse=True)
@@ -221,6 +227,10 @@ def test_default_configs_by_sp_size(monkeypatch):
     assert rt.default_config(rt.HYBRID_MAX_TOKENS, 128, 2, True, 1) == base
     monkeypatch.setenv(rt.ENV, "64,64,4,2,pack")
     assert rt.default_config(4096, 128, 2, True, 2) == rt.RingConfig(64, 64, 4, 2, True)
+    band = rt.RingConfig.parse("128,128,8,3,pack,fuse,batchcopy,hband=2")
+    assert band.hband == 2 and str(band).endswith(",hband=2") and rt.RingConfig.parse(str(band)) == band
+    with pytest.raises(ValueError):
+        rt.RingConfig.parse("128,128,8,3,hband=x")
     plain = rt.RingConfig.parse("128,128,8,3,pack,fuse,batchcopy,oneloop0,plain0")
     assert plain.plain0 and plain.oneloop0 and not plain.oneloop and rt.RingConfig.parse(str(plain)) == plain
     over = rt.RingConfig.parse("128,128,8,3,pack,fuse,batchcopy,overlap")

@@ -43,7 +43,7 @@ previous step's tail frees.
 
 Launch configs: `RingConfig`, the `CONFIGS` table by head dim, the TANDEM_RING_KERNEL environment variable
 ("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16][,early][,pdl][,fuse][,gather][,oneloop][,hybrid]
-[,batchcopy][,overlap][,oneloop0][,plain0][,trim0]");
+[,batchcopy][,overlap][,oneloop0][,plain0][,trim0][,hband=N]");
 scripts/tune_ring_kernel.py times candidates on a GPU.
 Memory: the inputs, the accumulators and output, the tile table and, split, the pieces' partials: O(chunk).
 """
@@ -143,7 +143,8 @@ class RingConfig:
     launch costs the host two tensor descriptors (built in Python, then encoded by Triton's launcher on every call),
     and a rank's first launch is the one the GPU waits for: nothing is queued before it, so its host time is the
     rank's own (each call timed alone, as scripts/bench_sp_rank.py does; in a forward, the previous layer's kernels
-    hide it). The other launches keep TMA (issued while the first one runs).
+    hide it). The other launches keep TMA (issued while the first one runs). Opt-in: on one H100 at 16K tokens SP=4
+    (2026-11-27) the first launch took 0.37 ms by plain loads against 0.32 by TMA, more than the host time it saves.
 
     `trim0` (read by parallel/ring_attention.py; with `fuse` and `batchcopy`, a rank holding one sequence): the first
     launch takes the rank's own keys from row R on (R: 1 / TRIM0_SHARE of them, whole query tiles) and the queries
@@ -154,7 +155,16 @@ class RingConfig:
     keys it gives up add key tiles to the fused launch's programs, which exist anyway. The first launch keeps (1 -
     1 / TRIM0_SHARE)^2 of the triangle's work, still more than the other blocks' transfers it overlaps in the ring.
     The rows no first-launch program writes are set once in the plan's kept accumulators (LSE -inf), so it needs them
-    kept (short chunks, `KEEP_ACC_TOKENS`).
+    kept (short chunks, `KEEP_ACC_TOKENS`). Opt-in: on one H100 at 16K tokens SP=4 (2026-11-27) the first launch went
+    from 0.32 to 0.21 ms and the fused one (with the scatter) from 0.80 to 0.95 ms: no faster in all.
+
+    `hband` (N >= 1): the program order takes the head groups N at a time: every tile of groups [0, N), heaviest
+    first and the N groups fastest, then groups [N, 2N), ...; 0 (default): all groups fastest. With GQA packing a head
+    group is one KV head, so programs of different groups share no K/V: running all of them at once, the launch's whole
+    K/V (48 MiB for a fused launch at 16K tokens SP=4, an H100's L2 is 50 MB) is what the running programs read, at
+    staggered positions; in bands, only N heads' share. The last band's heaviest programs start 1 - N / groups of the
+    way through, so a band must hold more work than the longest program (N >= groups / 4 at 16K). Ignored where N does
+    not divide a launch's groups.
 
     `gather` (read by parallel/ring_attention.py; SP >= 2): as `fuse`, the rank's own block scattered too, so the
     rank runs ONE launch over every key in position order (programs as long as SP=1's for its query tiles: each
@@ -179,20 +189,24 @@ class RingConfig:
     oneloop0: bool = False
     plain0: bool = False
     trim0: bool = False
+    hband: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "RingConfig":
         """"BLOCK_M,BLOCK_N,warps,stages" then optionally "pack" (or 1/0), "split=N" (or "splitN"; "split=auto"
         is the default), "acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy", "overlap",
-        "oneloop0", "plain0" and "trim0": as the env variable, e.g.
+        "oneloop0", "plain0", "trim0" and "hband=N": as the env variable, e.g.
         "128,128,8,3,pack,split=2"."""
         parts = [p.strip().lower() for p in text.replace("x", ",").split(",") if p.strip()]
-        pack, splits, flags = None, None, set()
+        pack, splits, hband, flags = None, None, None, set()
         for flag in parts[4:]:
             if flag in ("acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy", "overlap",
                         "oneloop0", "plain0", "trim0") \
                     and flag not in flags:
                 flags.add(flag)
+            elif flag.startswith("hband") and hband is None:
+                n = flag[5:].lstrip("=")
+                hband = int(n) if n.isdigit() else -1
             elif flag.startswith("split") and splits is None:
                 n = flag[5:].lstrip("=")
                 splits = 0 if n == "auto" else int(n) if n.isdigit() else -1
@@ -201,18 +215,19 @@ class RingConfig:
             else:
                 raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
                                  f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy][,overlap]"
-                                 f"[,oneloop0][,plain0][,trim0], not {text!r}")
+                                 f"[,oneloop0][,plain0][,trim0][,hband=N], not {text!r}")
         if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]):
             raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
                              f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy][,overlap][,oneloop0]"
-                             f"[,plain0][,trim0], "
+                             f"[,plain0][,trim0][,hband=N], "
                              f"not {text!r}")
         cfg = cls(*(int(p) for p in parts[:4]), bool(pack), splits or 0, "acc16" in flags, "early" in flags,
                   "pdl" in flags, "fuse" in flags, "gather" in flags, "oneloop" in flags, "hybrid" in flags,
                   "batchcopy" in flags, "overlap" in flags, "oneloop0" in flags, "plain0" in flags,
-                  "trim0" in flags)
+                  "trim0" in flags, hband or 0)
         if cfg.block_m < 16 or cfg.block_n < 16 or cfg.num_warps < 1 or cfg.num_stages < 1 \
-                or cfg.block_m & (cfg.block_m - 1) or cfg.block_n & (cfg.block_n - 1) or not 0 <= cfg.splits <= 64:
+                or cfg.block_m & (cfg.block_m - 1) or cfg.block_n & (cfg.block_n - 1) or not 0 <= cfg.splits <= 64 \
+                or not 0 <= cfg.hband <= 64:
             raise ValueError(f"bad ring kernel config {text!r}: tiles powers of two >= 16, warps and stages >= 1, "
                              f"split auto or 1..64")
         return cfg
@@ -224,7 +239,8 @@ class RingConfig:
             + (",gather" if self.gather else "") + (",oneloop" if self.oneloop else "") \
             + (",hybrid" if self.hybrid else "") + (",batchcopy" if self.batchcopy else "") \
             + (",overlap" if self.overlap else "") + (",oneloop0" if self.oneloop0 else "") \
-            + (",plain0" if self.plain0 else "") + (",trim0" if self.trim0 else "")
+            + (",plain0" if self.plain0 else "") + (",trim0" if self.trim0 else "") \
+            + (f",hband={self.hband}" if self.hband else "")
 
     def heads_per_program(self, gqa: int) -> int:
         """Query heads one program takes: the GQA group when packing (and it fits BLOCK_M with >= 1 row), else 1."""
@@ -252,8 +268,8 @@ def default_config(tq: int, head_dim: int, element_size: int, tma: bool, ranks: 
     """The config for `tq` query rows of a ring over `ranks` blocks (None: not known): TANDEM_RING_KERNEL if set,
     else `CONFIGS` (16-bit floats, D <= 128, >= 128 rows), else fp32 (two stages: three would not fit in shared
     memory) or short chunks; `fuse` on where the rank's queries are at most FUSE_MAX_TOKENS (it applies from SP=3 on),
-    with `batchcopy`, `oneloop0`, `plain0` and `trim0` at SP=4 (the last three: SP4_FIRST); `hybrid`, `oneloop` and
-    `early` at SP=2 up to HYBRID_MAX_TOKENS."""
+    with `batchcopy` and `hband` (SP4_HBAND; SP4_FIRST) at SP=4; `hybrid`, `oneloop` and `early` at SP=2 up to
+    HYBRID_MAX_TOKENS."""
     env = os.environ.get(ENV)
     if env:
         return parse_config(env)
@@ -264,24 +280,26 @@ def default_config(tq: int, head_dim: int, element_size: int, tma: bool, ranks: 
     else:
         config = RingConfig(max(16, min(64, triton.next_power_of_2(max(tq, 1)))), 64, 4, 2)
     if tq <= FUSE_MAX_TOKENS:
-        sp4 = ranks == 4  # batchcopy, and oneloop0, plain0 and trim0: SP4_FIRST
-        config = dataclasses.replace(config, fuse=True, batchcopy=sp4, oneloop0=sp4 and SP4_FIRST,
-                                     plain0=sp4 and SP4_FIRST, trim0=sp4 and SP4_FIRST)
+        sp4 = ranks == 4  # batchcopy, and the head groups in bands (SP4_HBAND, unless SP4_FIRST is off)
+        config = dataclasses.replace(config, fuse=True, batchcopy=sp4, hband=SP4_HBAND if sp4 and SP4_FIRST else 0)
     if ranks == 2 and tq <= HYBRID_MAX_TOKENS:
         config = dataclasses.replace(config, hybrid=True, oneloop=True, early=True)
     return config
 
 
-# `oneloop0` and `plain0` with fuse,batchcopy by default at SP=4: the rank's first launch (its own block, a 4K-token
-# causal triangle at 16K tokens) is its shortest programs' launch and the one its host time is spent before. oneloop0
-# took it from 0.321 to 0.297-0.300 ms on one H100 (2026-11-27); plain0 takes the two tensor descriptors off the host's
-# path to it; trim0 gives a quarter of its keys to the fused launch (not yet measured on a GPU). False
-# (TANDEM_RING_SP4_FIRST=0): fuse,batchcopy alone, the default before.
+# `hband` with fuse,batchcopy by default at SP=4 (SP4_HBAND head groups at a time): the fused launch's K/V (48 MiB, 16K
+# tokens) is about an H100's L2, and with every group's programs running at once all of it is being read (not yet
+# measured on a GPU). oneloop0, plain0 and trim0 stay opt-in: on one H100 (2026-11-27, round 1 of this helper) none was
+# faster at 16K SP=4 (timed alone 0.320 / 0.345 / 0.327 against fuse,batchcopy's 0.332 in the same run; streamed
+# 0.282 / 0.295 / 0.289 against 0.284): plain loads slow the first launch (0.37 ms against 0.32), and trim0's keys cost
+# the fused launch what they saved the first (0.21 + 0.95 ms against 0.32 + 0.80). False (TANDEM_RING_SP4_FIRST=0):
+# fuse,batchcopy alone, the default before.
 SP4_FIRST = os.environ.get("TANDEM_RING_SP4_FIRST", "1") != "0"
 # RingConfig.trim0: the own block's first 1 / TRIM0_SHARE rows go to the fused launch. At 16K tokens SP=4 the first
 # launch then keeps 9/16 of the own triangle's work (~0.18 ms on an H100), more than the ~3 x 45 us the other three
 # 16 MiB blocks take to arrive one after another over NVLink (~370 GB/s).
 TRIM0_SHARE = max(2, int(os.environ.get("TANDEM_RING_TRIM0_SHARE", "4")))  # read once: plans cached by process
+SP4_HBAND = 4
 
 # RingConfig.hybrid: the share of head groups the first step (own block only) takes; at 16K tokens SP=2 that is ~0.26 ms
 # of GPU time on an H100, ~3x an NVLink transfer of the other block (32 MiB).
@@ -414,15 +432,20 @@ def _ring_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, qpos_ptr, kpos_ptr, tiles_
                  stride_ot, stride_oh,
                  GQA: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-                 EARLY: tl.constexpr, PDL: tl.constexpr, ONELOOP: tl.constexpr = False):
+                 EARLY: tl.constexpr, PDL: tl.constexpr, ONELOOP: tl.constexpr = False, HBAND: tl.constexpr = 0):
     # Heads vary fastest: the programs of one tile (same keys) run side by side. SPLIT: the table has split-K
     # pieces (a compile of its own, so the unsplit kernel's registers are as before). EARLY: start from the
     # accumulators (RingConfig.early; pieces never do: their merge kernel merges). PDL: RingConfig.pdl.
     if PDL:  # the next step may launch now: its programs take the SMs this grid's tail frees
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
-    hg = hg0 + pid % n_groups  # head group: query heads hg * HP .. hg * HP + HP - 1 (this launch's n_groups from hg0)
-    row = tiles_ptr + (pid // n_groups) * 7
+    if HBAND > 0:  # RingConfig.hband: HBAND groups at a time, each band's tiles heaviest first, its groups fastest
+        per_band = (tl.num_programs(0) // n_groups) * HBAND
+        hg = hg0 + (pid // per_band) * HBAND + pid % HBAND
+        row = tiles_ptr + ((pid % per_band) // HBAND) * 7
+    else:
+        hg = hg0 + pid % n_groups  # head group: query heads hg * HP .. hg * HP + HP - 1 (this launch's from hg0)
+        row = tiles_ptr + (pid // n_groups) * 7
     q0 = tl.load(row)
     q1 = tl.load(row + 1)
     k0 = tl.load(row + 2)
@@ -890,7 +913,7 @@ def ring_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, t
 
 
 # The ring kernel's constexpr parameters in signature order (upper-case names), after its runtime ones.
-_CONSTEXPRS = ("GQA", "HP", "D", "BLOCK_M", "BLOCK_N", "TMA", "IEEE", "SPLIT", "EARLY", "PDL", "ONELOOP")
+_CONSTEXPRS = ("GQA", "HP", "D", "BLOCK_M", "BLOCK_N", "TMA", "IEEE", "SPLIT", "EARLY", "PDL", "ONELOOP", "HBAND")
 DIRECT_ENV = "TANDEM_RING_DIRECT"  # "0": every launch through Triton's JIT path; else repeats through the handle
 _HANDLES: dict = {}  # the compiled kernels (`CompiledKernel`) by everything Triton specialises a launch on, or more
 MAX_HANDLES = 4096
@@ -986,6 +1009,8 @@ class StepLaunch:
         flags = (int(load_prev), int(store_acc), int(out is not None))
         strides = (acc_o.stride(0), acc_o.stride(1), acc_l.stride(0), acc_l.stride(1), fin.stride(0), fin.stride(1))
         self._plan_launch(q, config, split, load_prev, chained, hp, d, hq, hkv)
+        # RingConfig.hband where it divides this launch's groups (and leaves more than one band)
+        self.kw["HBAND"] = config.hband if 0 < config.hband < n_groups and n_groups % config.hband == 0 else 0
         # The arguments around q, K/V's five (k, v, their descriptors; k/v's row strides after `post`) and the
         # accumulators and output: `args`.
         self.pre = (q_pos, k_pos, tiles)

@@ -146,7 +146,8 @@ def test_a_kept_plan_runs_each_layers_tensors(config):
 @pytest.mark.parametrize("config", [None, "128,128,8,3,pack,hybrid", "128,128,8,3,pack,split=2,pdl,early",
                                     "128,128,8,3,pack,fuse,batchcopy", "128,128,8,3,pack,hybrid,oneloop",
                                     "128,128,8,3,pack,hybrid,oneloop,early,overlap",
-                                    "128,128,8,3,pack,fuse,batchcopy,overlap", "128,128,8,3,pack,fuse,batchcopy,trim0"])
+                                    "128,128,8,3,pack,fuse,batchcopy,overlap", "128,128,8,3,pack,fuse,batchcopy,trim0",
+                                    "128,128,8,3,pack,fuse,batchcopy,hband=2"])
 def test_direct_launches_match_the_jit_path(config, monkeypatch):
     """By default (TANDEM_RING_DIRECT unset) a ring's repeated launches go through the compiled kernel's handle
     (rt._HANDLES, no binding or cache lookup): bitwise the output of launches through Triton's JIT path
@@ -183,7 +184,9 @@ def test_direct_launches_match_the_jit_path(config, monkeypatch):
                                     "128,128,8,3,pack,fuse,batchcopy,overlap", "128,128,8,3,pack,fuse,batchcopy,oneloop0",
                                     "128,128,8,3,pack,fuse,batchcopy,oneloop0,plain0", "128,128,8,3,pack,plain0",
                                     "128,128,8,3,pack,fuse,batchcopy,trim0",
-                                    "128,128,8,3,pack,fuse,batchcopy,oneloop0,plain0,trim0"])
+                                    "128,128,8,3,pack,fuse,batchcopy,oneloop0,plain0,trim0",
+                                    "128,128,8,3,pack,fuse,batchcopy,hband=2", "128,128,8,3,pack,hband=4",
+                                    "128,128,8,3,pack,hybrid,oneloop,early,hband=2", "128,128,8,3,hband=8,split=2"])
 def test_rank_work_matches_full_causal_sdpa(sp: int, config: str | None):
     """Every rank's ring (default launch config, and GQA packing / other tiles / split-K / steps that start from the
     accumulators / steps chained by programmatic dependent launch / the steps after the first fused into one launch
