@@ -213,11 +213,7 @@ def test_default_configs_by_sp_size(monkeypatch):
     rt = pytest.importorskip("parallel.kernels.ring_attention_triton")
     monkeypatch.delenv(rt.ENV, raising=False)
     base = rt.CONFIGS[128][0]
-    assert rt.default_config(4096, 128, 2, True, 4) == dataclasses.replace(base, fuse=True, batchcopy=True,
-                                                                           hband=rt.SP4_HBAND)
-    monkeypatch.setattr(rt, "SP4_FIRST", False)  # the SP=4 default before hband
     assert rt.default_config(4096, 128, 2, True, 4) == dataclasses.replace(base, fuse=True, batchcopy=True)
-    monkeypatch.setattr(rt, "SP4_FIRST", True)
     assert rt.default_config(4096, 128, 2, True, 8) == dataclasses.replace(base, fuse=True)
     assert rt.default_config(4096, 128, 2, True) == dataclasses.replace(base, fuse=True)
     assert rt.default_config(rt.HYBRID_MAX_TOKENS, 128, 2, True, 2) == dataclasses.replace(base, hybrid=True,

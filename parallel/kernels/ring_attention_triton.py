@@ -164,7 +164,8 @@ class RingConfig:
     K/V (48 MiB for a fused launch at 16K tokens SP=4, an H100's L2 is 50 MB) is what the running programs read, at
     staggered positions; in bands, only N heads' share. The last band's heaviest programs start 1 - N / groups of the
     way through, so a band must hold more work than the longest program (N >= groups / 4 at 16K). Ignored where N does
-    not divide a launch's groups.
+    not divide a launch's groups. Opt-in: on one H100 (2026-11-27) the kernels took the same time with N = 1, 2, 4 as
+    without, at 16K tokens SP=2 and 4 and at 64K SP=2 and 4 (within 2%), so L2 is not what limits them.
 
     `gather` (read by parallel/ring_attention.py; SP >= 2): as `fuse`, the rank's own block scattered too, so the
     rank runs ONE launch over every key in position order (programs as long as SP=1's for its query tiles: each
@@ -268,8 +269,7 @@ def default_config(tq: int, head_dim: int, element_size: int, tma: bool, ranks: 
     """The config for `tq` query rows of a ring over `ranks` blocks (None: not known): TANDEM_RING_KERNEL if set,
     else `CONFIGS` (16-bit floats, D <= 128, >= 128 rows), else fp32 (two stages: three would not fit in shared
     memory) or short chunks; `fuse` on where the rank's queries are at most FUSE_MAX_TOKENS (it applies from SP=3 on),
-    with `batchcopy` and `hband` (SP4_HBAND; SP4_FIRST) at SP=4; `hybrid`, `oneloop` and `early` at SP=2 up to
-    HYBRID_MAX_TOKENS."""
+    with `batchcopy` at SP=4; `hybrid`, `oneloop` and `early` at SP=2 up to HYBRID_MAX_TOKENS."""
     env = os.environ.get(ENV)
     if env:
         return parse_config(env)
@@ -280,26 +280,22 @@ def default_config(tq: int, head_dim: int, element_size: int, tma: bool, ranks: 
     else:
         config = RingConfig(max(16, min(64, triton.next_power_of_2(max(tq, 1)))), 64, 4, 2)
     if tq <= FUSE_MAX_TOKENS:
-        sp4 = ranks == 4  # batchcopy, and the head groups in bands (SP4_HBAND, unless SP4_FIRST is off)
-        config = dataclasses.replace(config, fuse=True, batchcopy=sp4, hband=SP4_HBAND if sp4 and SP4_FIRST else 0)
+        config = dataclasses.replace(config, fuse=True, batchcopy=ranks == 4)
     if ranks == 2 and tq <= HYBRID_MAX_TOKENS:
         config = dataclasses.replace(config, hybrid=True, oneloop=True, early=True)
     return config
 
 
-# `hband` with fuse,batchcopy by default at SP=4 (SP4_HBAND head groups at a time): the fused launch's K/V (48 MiB, 16K
-# tokens) is about an H100's L2, and with every group's programs running at once all of it is being read (not yet
-# measured on a GPU). oneloop0, plain0 and trim0 stay opt-in: on one H100 (2026-11-27, round 1 of this helper) none was
-# faster at 16K SP=4 (timed alone 0.320 / 0.345 / 0.327 against fuse,batchcopy's 0.332 in the same run; streamed
-# 0.282 / 0.295 / 0.289 against 0.284): plain loads slow the first launch (0.37 ms against 0.32), and trim0's keys cost
-# the fused launch what they saved the first (0.21 + 0.95 ms against 0.32 + 0.80). False (TANDEM_RING_SP4_FIRST=0):
-# fuse,batchcopy alone, the default before.
-SP4_FIRST = os.environ.get("TANDEM_RING_SP4_FIRST", "1") != "0"
+# Tried as SP=4 defaults beside fuse,batchcopy on one H100 (2026-11-27, 16K tokens) and left opt-in, none measured
+# faster in the same call: oneloop0, plain0 and trim0 (timed alone 0.320 / 0.345 / 0.327 against 0.332; streamed
+# 0.282 / 0.295 / 0.289 against 0.284: plain loads slowed the first launch 0.32 -> 0.37 ms, trim0's keys cost the fused
+# launch what they saved the first, 0.21 + 0.95 ms against 0.32 + 0.80); hband=4 (timed alone 0.300 / 0.328 against
+# 0.332 / 0.322 in bench_sp_rank, kernels 0.306 + 0.761 ms against 0.312 + 0.745) and hband=1 / 2 (0.319 / 0.308
+# against 0.322 in the sweep, the same kernel times within 2%).
 # RingConfig.trim0: the own block's first 1 / TRIM0_SHARE rows go to the fused launch. At 16K tokens SP=4 the first
 # launch then keeps 9/16 of the own triangle's work (~0.18 ms on an H100), more than the ~3 x 45 us the other three
 # 16 MiB blocks take to arrive one after another over NVLink (~370 GB/s).
 TRIM0_SHARE = max(2, int(os.environ.get("TANDEM_RING_TRIM0_SHARE", "4")))  # read once: plans cached by process
-SP4_HBAND = 4
 
 # RingConfig.hybrid: the share of head groups the first step (own block only) takes; at 16K tokens SP=2 that is ~0.26 ms
 # of GPU time on an H100, ~3x an NVLink transfer of the other block (32 MiB).
