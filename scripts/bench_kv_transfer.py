@@ -229,15 +229,20 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
                 runs[name] = lambda name=name: move(name)
             for name, n in flights.items():
                 runs[name] = _in_flight_run(rank, agent, spec, shard, plan, src, dst, n, next_seq, f"x{n_tok}-{i}")
-            # The same order on both ranks, so the barriers pair up; "agent" (the default) last, so what it wrote
-            # is what gets verified.
-            for name in ("gather", "scatter", "raw", *flights, *reversed(variants)):
+            # The same order on both ranks, so the barriers pair up; the agent rows rotate by one each iteration, so
+            # that none always runs after the same other (a row's time depends on the one before it by up to ~0.1 ms
+            # at 1K tokens).
+            rows = list(variants)
+            rows = rows[i % len(rows):] + rows[:i % len(rows)]
+            for name in ("gather", "scatter", "raw", *flights, *rows):
                 fn = runs.get(name, lambda: None)
                 if name in variants:  # the variant's settings, before its timed run (they are not the handoff's work)
                     _configure(*variants[name])
                 seconds = _timed(rank, fn)
                 if i >= cfg["warmup"] and name in runs:
                     times[name].append(seconds / flights.get(name, 1))  # in flight together: the time per transfer
+        _configure(*variants["agent"])  # the default writes last, untimed: what it wrote is what gets verified
+        _timed(rank, lambda: move("agent"))
         del raw, staged
         out[n_tok] = {"bytes": nbytes, "blocks": len(src), "verified": _verify(rank, cache, src, dst),
                       **{f"{k}_s": statistics.median(v) for k, v in times.items() if v}}
@@ -246,7 +251,8 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
 
 # A --variants knob's letter -> the KVTransferAgent attribute it sets (the others: c, the row copy's grid cap for every
 # copy; d, its launches through the compiled kernel's handle).
-AGENT_KNOBS = {"m": "min_messages", "o": "overlap_copy_programs", "l": "lean", "s": "split_bytes", "b": "message_bytes"}
+AGENT_KNOBS = {"m": "min_messages", "o": "overlap_copy_programs", "l": "lean", "s": "split_bytes", "b": "message_bytes",
+               "n": "target_messages"}
 
 
 def _variants(cfg: dict, pair: tuple, hp: tuple | None, spread: dict[int, tuple],
@@ -273,8 +279,8 @@ def _variants(cfg: dict, pair: tuple, hp: tuple | None, spread: dict[int, tuple]
     for n in spread:  # "agent_g<N>": the defaults over the pair of N groups
         rows[f"agent_g{n}"] = row(spread[n], min_messages=first)
     for spec_text in cfg["variants"]:  # "agent_<spec>": any mix of m<N> o<N> c<N> d<0|1> l<0|1> s<MiB> g<N> b<MiB>
-        knobs = {k: int(v) for k, v in re.findall(r"([mocdlsgb])(\d+)", spec_text)}
-        if knobs.get("g", 1) > 1 and knobs["g"] not in spread:
+        knobs = {k: int(v) for k, v in re.findall(r"([mocdlsgbn])(\d+)", spec_text)}
+        if "g" in knobs and knobs["g"] not in spread:
             raise SystemExit(f"variant {spec_text}: no pair of {knobs['g']} groups (--pair-groups {knobs['g']})")
         settings = {AGENT_KNOBS[k]: v for k, v in knobs.items() if k in AGENT_KNOBS}
         if "l" in knobs:
@@ -282,7 +288,7 @@ def _variants(cfg: dict, pair: tuple, hp: tuple | None, spread: dict[int, tuple]
         for k in ("s", "b"):  # in MiB
             if k in knobs:
                 settings[AGENT_KNOBS[k]] = knobs[k] << 20
-        rows[f"agent_{spec_text}"] = row(spread.get(knobs.get("g", 1), pair),
+        rows[f"agent_{spec_text}"] = row(spread[knobs["g"]] if "g" in knobs else pair,
                                          **{"min_messages": first, **settings, "programs": knobs.get("c", 0),
                                                   "direct": bool(knobs.get("d", 1))})
     return rows
@@ -363,7 +369,7 @@ def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> b
     return bool(torch.equal(mine, theirs))
 
 
-VARIANT = r"agent_(hp|x\d+|(?:[mocdlsgb]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
+VARIANT = r"agent_(hp|x\d+|(?:[mocdlsgbn]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
 
 
 def summarize(results: list[dict], cfg: dict) -> list[dict]:
@@ -424,11 +430,12 @@ def main(argv: list[str] | None = None) -> dict:
                    "its compiled kernel's handle, default 1), l<0|1> (short transfers through the agent's lanes: "
                    "KVTransferAgent.lean, default TANDEM_KV_LEAN or 1), s<MiB> (KVTransferAgent.split_bytes: a transfer "
                    "of at least this many MiB that fits one message goes as two; s0: never), b<MiB> (KVTransferAgent.message_bytes), "
-                   "g<N> (the pair of N groups, --pair-groups), e.g. m2o66,o32,d0,l0s0,g2b128 "
+                   "n<N> (KVTransferAgent.target_messages, n0: off), g<N> (the pair of N groups, --pair-groups), "
+                   "e.g. m2o66,o32,d0,g1n0l0s0 "
                    "(the 'agent_<spec>' rows)")
-    p.add_argument("--pair-groups", default="", help="comma-separated N > 1: also time the agent over a pair of N process "
-                   "groups whose messages take them in turn (the 'agent_g<N>' rows; KVTransferAgent.pair_groups); g<N> "
-                   "in --variants picks that pair for a row")
+    p.add_argument("--pair-groups", default="", help="comma-separated N: also time the agent over a pair of N process "
+                   "groups (the 'agent_g<N>' rows; KVTransferAgent.pair_groups, default 2, whose turns carry the messages "
+                   "of a transfer over 256 MiB); g<N> in --variants picks that pair for a row")
     p.add_argument("--in-flight", default="", help="comma-separated: also time N transfers of each prompt on the pair "
                    "at once, numbered, as a decode replica runs several handoffs per pair (the 'agent_x<N>' rows: time "
                    "per transfer, so agent_x4_ms below agent_ms is what overlapping them gains)")
@@ -447,7 +454,7 @@ def main(argv: list[str] | None = None) -> dict:
            "overlap_copy_programs": [int(c) for c in args.overlap_copy_programs.split(",") if c],
            "variants": [v for v in args.variants.split(",") if v],
            "in_flight": [int(n) for n in args.in_flight.split(",") if n],
-           "pair_groups": [int(n) for n in args.pair_groups.split(",") if n and int(n) > 1]}
+           "pair_groups": [int(n) for n in args.pair_groups.split(",") if n and int(n) >= 1]}
     rows = summarize(run_pair(_bench_rank, cfg, args.device), cfg)
     print_table(rows)
     report = {

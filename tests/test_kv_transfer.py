@@ -158,6 +158,8 @@ def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: t
     if message_bytes is not None:
         agent.message_bytes = message_bytes
     agent.pair_groups = pair_groups
+    if pair_groups > 1:
+        agent.long_bytes = 0  # every transfer long: its messages take the groups in turn (and about target_messages)
     spec = PairSpec("p->d", len(src), len(dst), staged=staged, ipc=staged and gpus[0] == gpus[1] != "")
     address = [agent.open_store(spec.pair_id) if rank == 0 else None]
     dist.broadcast_object_list(address, src=0)

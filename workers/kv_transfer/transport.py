@@ -100,6 +100,11 @@ class PhaseClock:
 # scatter of 256 MiB: ~0.2 ms each on an H100 (about 5% of a 32K-token handoff).
 MESSAGE_BYTES = 256 << 20
 SPLIT_BYTES = 64 << 20  # KVTransferAgent.split_bytes' default (see there)
+# KVTransferAgent.pair_groups' and target_messages' defaults. On 2 x H100 (2026-11-27, one run, 30 iterations each,
+# raw NCCL 3.00 / 11.60 ms): 8K-token handoffs took 3.90 ms as 4 messages of 256 MiB over one group, 4.06 over two, and
+# 3.77 as 8 of 128 MiB over two (3.90 over one); 32K took 13.77 ms as 16 messages over one group and 13.10 over two, and
+# 15.3-15.4 as 32 of 128 MiB either way. A 2K handoff (two messages) was slower over two groups (1.30 against 1.20 ms).
+PAIR_GROUPS, TARGET_MESSAGES, TARGET_MESSAGE_FLOOR = 2, 8, 128 << 20
 LANE_MAX_BLOCKS = 4096  # a lane's index holds this many block ids (a transfer of more takes the ordinary path)
 OVERLAP_COPY_PROGRAMS = 66  # KVTransferAgent.overlap_copy_programs' default (see there)
 
@@ -287,25 +292,7 @@ class KVTransferAgent:
         self._claimed: OrderedDict[str, None] = OrderedDict()
         self._abandoned: OrderedDict[str, None] = OrderedDict()
         self._send_delay_s = 0.0  # failpoint, see set_send_delay
-        self.message_bytes = MESSAGE_BYTES  # must be the same on both sides of a pair (tests lower it)
-        # And a message holds at most ceil(layers / min_messages) of a transfer's layers (both sides the same), so a
-        # transfer that fits one message still goes as about min_messages: cut finer, the first gather and the last
-        # scatter are smaller and overlap the sends more (bench_kv_transfer.py --min-messages measures it against 1,
-        # the default, beside raw NCCL).
-        self.min_messages = 1
-        # A transfer of at least split_bytes that would fit one message goes as two (one that would be two goes as two
-        # halves; longer ones are cut by message_bytes alone). Part of the cut: both sides the same; 0: never. The
-        # second half's gather overlaps the first half's send, and the first half's scatter the second half's receive,
-        # where one message waits for its whole gather and leaves its whole scatter after the wire. On 2 x H100 a
-        # 1K-token (128 MiB) handoff through a lane took 0.72 ms in two messages against 0.75 in one (raw NCCL 0.44,
-        # same run, 2026-11-27, bench_kv_transfer.py m2).
-        self.split_bytes = SPLIT_BYTES
-        # Pairs joined after this is set get this many process groups (communicators, NCCL streams), and a transfer's
-        # messages take them in turn (`_via`: both sides by the message's tag), so the next message's NCCL kernel starts
-        # beside the one before instead of after it (each pays its own start-up). Must be the same on both sides of a
-        # pair. 1 (the default) until a GPU run has compared it: TANDEM_KV_PAIR_GROUPS sets it, and
-        # bench_kv_transfer.py --pair-groups 2 times it (the g2 rows) beside the default in one run.
-        self.pair_groups = int(os.environ.get("TANDEM_KV_PAIR_GROUPS") or 1)
+        self._set_cut(kv_cache)
         # Pair groups made after this is set run their NCCL kernels on a high-priority stream, so the block
         # scheduler would start them before queued gather/scatter blocks. A lead, not a finding: bench_kv_transfer.py's
         # 4- and 16-message runs did not overlap sends with gathers as intended, and SMs filled by those kernels
@@ -324,6 +311,35 @@ class KVTransferAgent:
         # the ordinary path; bench_kv_transfer.py's l0 variant compares both in one run.
         self.lean = os.environ.get("TANDEM_KV_LEAN", "1") != "0"
         self._lanes = Lanes(kv_cache.device, LANE_MAX_BLOCKS) if kv_cache.is_cuda else None
+
+    def _set_cut(self, kv_cache: torch.Tensor) -> None:
+        """The settings that cut a transfer into messages and spread them over the pair's groups (`_messages`,
+        `_carrier`): each must be the same on both sides of a pair."""
+        self.message_bytes = MESSAGE_BYTES  # must be the same on both sides of a pair (tests lower it)
+        # And a message holds at most ceil(layers / min_messages) of a transfer's layers (both sides the same), so a
+        # transfer that fits one message still goes as about min_messages: cut finer, the first gather and the last
+        # scatter are smaller and overlap the sends more (bench_kv_transfer.py --min-messages measures it against 1,
+        # the default, beside raw NCCL).
+        self.min_messages = 1
+        # A transfer of at least split_bytes that would fit one message goes as two (one that would be two goes as two
+        # halves; longer ones are cut by message_bytes alone). Part of the cut: both sides the same; 0: never. The
+        # second half's gather overlaps the first half's send, and the first half's scatter the second half's receive,
+        # where one message waits for its whole gather and leaves its whole scatter after the wire. On 2 x H100 a
+        # 1K-token (128 MiB) handoff through a lane took 0.72 ms in two messages against 0.75 in one (raw NCCL 0.44,
+        # same run, 2026-11-27, bench_kv_transfer.py m2).
+        self.split_bytes = SPLIT_BYTES
+        # Pairs joined after this is set get this many process groups (communicators, NCCL streams), and a transfer
+        # over long_bytes sends its messages over them in turn (`_carrier`: both sides by the message's tag), so one
+        # message's NCCL kernel runs beside the one before instead of after it. Must be the same on both sides of a pair
+        # (both read TANDEM_KV_PAIR_GROUPS); each group is a communicator of its own, warmed with the pair.
+        # bench_kv_transfer.py --pair-groups 1 with g1 rows times one group beside the default in one run.
+        # (CPU agents: one group unless set.)
+        self.pair_groups = int(os.environ.get("TANDEM_KV_PAIR_GROUPS") or (PAIR_GROUPS if kv_cache.is_cuda else 1))
+        # A transfer over long_bytes is cut into about target_messages messages (none under TARGET_MESSAGE_FLOOR nor
+        # over message_bytes): an 8K-token handoff as 8 of 128 MiB, not 4 of 256 (32K stays 16 of 256); and its
+        # messages take the pair's groups in turn. Part of the cut: both sides the same; target_messages 0: message_bytes
+        # alone. Tests lower long_bytes.
+        self.target_messages, self.long_bytes = TARGET_MESSAGES, LANE_BYTES
 
     def get_shard(self) -> RankShard:
         return self.shard
@@ -351,7 +367,7 @@ class KVTransferAgent:
         prefixed = dist.PrefixStore(spec.pair_id, store)
         if spec.ipc and self.kv_cache.is_cuda and self.role == "prefill":
             prefixed.set(f"ipc/{self.shard.rank}", _export_cache(self.kv_cache))  # for decode ranks on this GPU
-        # The pair's groups: the first carries every message unless pair_groups > 1 (`_via`); the others' stores
+        # The pair's groups: the first carries every message unless pair_groups > 1 (`_carrier`); the others' stores
         # are prefixed apart, so each is a communicator of its own.
         groups = [self._new_group(spec, dist.PrefixStore(f"g{k}", prefixed) if k else prefixed, pair_rank)
                   for k in range(max(1, self.pair_groups))]
@@ -574,7 +590,7 @@ class KVTransferAgent:
             clock.mark("gather")
             if self._send_delay_s and not works:
                 time.sleep(self._send_delay_s)
-            works.append((_via(groups, tag).send([buf], spec.num_prefill_ranks + t.dst, tag), buf))
+            works.append((self._carrier(groups, tag, t).send([buf], spec.num_prefill_ranks + t.dst, tag), buf))
             clock.mark("post")
             sent += buf.numel() * buf.element_size()
         return works, sent
@@ -657,7 +673,8 @@ class KVTransferAgent:
         if lane is None:
             return None, []
         # The messages depend on nothing else (tags are relative: the transfer's number adds its range's start).
-        key = (tuple(plan), tuple(peers.items()), sending, self.message_bytes, self.min_messages, self.split_bytes)
+        key = (tuple(plan), tuple(peers.items()), sending, self.message_bytes, self.min_messages, self.split_bytes,
+               self.target_messages, self.long_bytes)
         messages = lane.messages.get(key)
         if messages is None:
             try:
@@ -699,7 +716,7 @@ class KVTransferAgent:
             clock.mark("gather")
             if self._send_delay_s and not works:
                 time.sleep(self._send_delay_s)
-            works.append((_via(groups, tag).send([buf], spec.num_prefill_ranks + t.dst, base + tag), buf))
+            works.append((self._carrier(groups, tag, t).send([buf], spec.num_prefill_ranks + t.dst, base + tag), buf))
             clock.mark("post")
             sent += buf.numel() * buf.element_size()
         return works, sent
@@ -713,7 +730,7 @@ class KVTransferAgent:
         for message in messages:
             tag, t, layers, _, shape = message
             buf = lane.buffer((layers.start, layers.stop), shape, wire)
-            pending.append((_via(groups, tag).recv([buf], t.src, base + tag), buf, message))
+            pending.append((self._carrier(groups, tag, t).recv([buf], t.src, base + tag), buf, message))
         clock.mark("post")
         return pending
 
@@ -761,7 +778,7 @@ class KVTransferAgent:
             buf = (torch.empty(shape, dtype=wire, pin_memory=self.kv_cache.is_cuda) if spec.staged
                    else torch.empty(shape, dtype=wire, device=self.kv_cache.device))
             clock.mark("alloc")
-            pending.append((_via(groups, tag).recv([buf], t.src, tag), buf, t, block_ids, layers, heads))
+            pending.append((self._carrier(groups, tag, t).recv([buf], t.src, tag), buf, t, block_ids, layers, heads))
             clock.mark("post")
         return pending, local
 
@@ -829,14 +846,29 @@ class KVTransferAgent:
         return self.overlap_copy_programs if overlapped and self.overlap_copy_programs else None
 
     def _layers_per_message(self, t: Transfer) -> int:
-        """How many of t's layers one message carries: as many as fit in message_bytes, at most
-        ceil(layers / min_messages) (or half of them for a transfer of split_bytes or more), at least one. From what both sides share (the plan, block size, head dim, wire
-        dtype, the two settings), so both cut t the same way."""
+        """How many of t's layers one message carries: as many as fit in message_bytes (for a transfer over long_bytes,
+        in its total / target_messages, but at least TARGET_MESSAGE_FLOOR), at most ceil(layers / min_messages) (or
+        half of them for a transfer of split_bytes or more), at least one. From what both sides share (the plan, block
+        size, head dim, wire dtype, these settings), so both cut t the same way."""
+        per_layer, n = self._layer_bytes(t), len(t.layers)
+        total, limit = per_layer * n, self.message_bytes
+        if self.target_messages and total > self.long_bytes:
+            limit = min(limit, max(TARGET_MESSAGE_FLOOR, total // self.target_messages))
+        want = max(self.min_messages, 2) if self.split_bytes and total >= self.split_bytes else self.min_messages
+        return max(1, min(n, limit // max(1, per_layer), -(-n // max(1, want))))
+
+    def _layer_bytes(self, t: Transfer) -> int:
+        """The bytes of one of t's layers on the wire (both sides compute the same)."""
         _, _, _, block_size, _, head_dim = self.kv_cache.shape
-        per_layer = 2 * len(t.blocks) * block_size * len(t.heads) * head_dim * wire_dtype(self.kv_cache.dtype).itemsize
-        n = len(t.layers)
-        want = max(self.min_messages, 2) if self.split_bytes and per_layer * n >= self.split_bytes else self.min_messages
-        return max(1, min(n, self.message_bytes // max(1, per_layer), -(-n // max(1, want))))
+        return 2 * len(t.blocks) * block_size * len(t.heads) * head_dim * wire_dtype(self.kv_cache.dtype).itemsize
+
+    def _carrier(self, groups: list[dist.ProcessGroup], tag: int, t: Transfer) -> dist.ProcessGroup:
+        """The pair group that carries t's message tagged `tag`: for a transfer over long_bytes the pair's groups in
+        turn, by the message's place in its transfer (the same on both sides, whatever the transfer's number); else
+        the first (a one- or two-message transfer went no faster over two: `pair_groups`)."""
+        if len(groups) == 1 or self._layer_bytes(t) * len(t.layers) <= self.long_bytes:
+            return groups[0]
+        return groups[(tag % TAG_STRIDE) % len(groups)]
 
     def _order(self, pair_id: str) -> _PostOrder:
         """The pair's post order, shared by its sends' posting turns and their acks: `join` makes it; a group set by
@@ -953,12 +985,6 @@ def _to_host(buf: torch.Tensor) -> torch.Tensor:
     host.copy_(buf, non_blocking=True)
     torch.cuda.current_stream().synchronize()
     return host
-
-
-def _via(groups: list[dist.ProcessGroup], tag: int) -> dist.ProcessGroup:
-    """The pair group that carries the message tagged `tag`: the groups in turn by its place in its transfer (the same
-    on both sides of the pair, whatever the transfer's number)."""
-    return groups[(tag % TAG_STRIDE) % len(groups)] if len(groups) > 1 else groups[0]
 
 
 def _remember(decided: OrderedDict[str, None], handoff_id: str) -> None:
