@@ -252,7 +252,7 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
 # A --variants knob's letter -> the KVTransferAgent attribute it sets (the others: c, the row copy's grid cap for every
 # copy; d, its launches through the compiled kernel's handle).
 AGENT_KNOBS = {"m": "min_messages", "o": "overlap_copy_programs", "l": "lean", "s": "split_bytes", "b": "message_bytes",
-               "n": "target_messages"}
+               "n": "target_messages", "k": "long_bytes"}
 
 
 def _variants(cfg: dict, pair: tuple, hp: tuple | None, spread: dict[int, tuple],
@@ -279,13 +279,13 @@ def _variants(cfg: dict, pair: tuple, hp: tuple | None, spread: dict[int, tuple]
     for n in spread:  # "agent_g<N>": the defaults over the pair of N groups
         rows[f"agent_g{n}"] = row(spread[n], min_messages=first)
     for spec_text in cfg["variants"]:  # "agent_<spec>": any mix of m<N> o<N> c<N> d<0|1> l<0|1> s<MiB> g<N> b<MiB>
-        knobs = {k: int(v) for k, v in re.findall(r"([mocdlsgbn])(\d+)", spec_text)}
+        knobs = {k: int(v) for k, v in re.findall(r"([mocdlsgbnk])(\d+)", spec_text)}
         if "g" in knobs and knobs["g"] not in spread:
             raise SystemExit(f"variant {spec_text}: no pair of {knobs['g']} groups (--pair-groups {knobs['g']})")
         settings = {AGENT_KNOBS[k]: v for k, v in knobs.items() if k in AGENT_KNOBS}
         if "l" in knobs:
             settings["lean"] = bool(knobs["l"])
-        for k in ("s", "b"):  # in MiB
+        for k in ("s", "b", "k"):  # in MiB
             if k in knobs:
                 settings[AGENT_KNOBS[k]] = knobs[k] << 20
         rows[f"agent_{spec_text}"] = row(spread[knobs["g"]] if "g" in knobs else pair,
@@ -369,7 +369,7 @@ def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> b
     return bool(torch.equal(mine, theirs))
 
 
-VARIANT = r"agent_(hp|x\d+|(?:[mocdlsgbn]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
+VARIANT = r"agent_(hp|x\d+|(?:[mocdlsgbnk]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
 
 
 def summarize(results: list[dict], cfg: dict) -> list[dict]:
@@ -430,7 +430,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "its compiled kernel's handle, default 1), l<0|1> (short transfers through the agent's lanes: "
                    "KVTransferAgent.lean, default TANDEM_KV_LEAN or 1), s<MiB> (KVTransferAgent.split_bytes: a transfer "
                    "of at least this many MiB that fits one message goes as two; s0: never), b<MiB> (KVTransferAgent.message_bytes), "
-                   "n<N> (KVTransferAgent.target_messages, n0: off), g<N> (the pair of N groups, --pair-groups), "
+                   "n<N> (KVTransferAgent.target_messages, n0: off), k<MiB> (KVTransferAgent.long_bytes: longer transfers "
+                   "are cut by n and spread over the groups), g<N> (the pair of N groups, --pair-groups), "
                    "e.g. m2o66,o32,d0,g1n0l0s0 "
                    "(the 'agent_<spec>' rows)")
     p.add_argument("--pair-groups", default="", help="comma-separated N: also time the agent over a pair of N process "
