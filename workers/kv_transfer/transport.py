@@ -104,6 +104,8 @@ SPLIT_BYTES = 64 << 20  # KVTransferAgent.split_bytes' default (see there)
 # raw NCCL 3.00 / 11.60 ms): 8K-token handoffs took 3.90 ms as 4 messages of 256 MiB over one group, 4.06 over two, and
 # 3.77 as 8 of 128 MiB over two (3.90 over one); 32K took 13.77 ms as 16 messages over one group and 13.10 over two, and
 # 15.3-15.4 as 32 of 128 MiB either way. A 2K handoff (two messages) was slower over two groups (1.30 against 1.20 ms).
+# With these defaults, two later runs (17:49-17:51 UTC, rows rotating each iteration): 8K 3.72 / 3.72 ms against the
+# old path's 3.91 / 4.00 (raw 3.00 / 2.99), 32K 13.26 / 13.15 against 13.77 / 13.59 (raw 11.59 / 11.62).
 PAIR_GROUPS, TARGET_MESSAGES, TARGET_MESSAGE_FLOOR = 2, 8, 128 << 20
 LANE_MAX_BLOCKS = 4096  # a lane's index holds this many block ids (a transfer of more takes the ordinary path)
 OVERLAP_COPY_PROGRAMS = 66  # KVTransferAgent.overlap_copy_programs' default (see there)
