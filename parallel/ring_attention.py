@@ -557,6 +557,9 @@ class _RingSteps:
             config = self.config  # RingConfig.oneloop0: the first launch's programs in one loop
             if i == 0 and config.oneloop0 and not config.oneloop:
                 config = dataclasses.replace(config, oneloop=True)
+            if i == 0 and config.first and (self.tables[0][1] is None or config.block_n % config.first[0] == 0):
+                n0, w0, s0 = config.first  # RingConfig.first: the first launch's BLOCK_N, warps and stages
+                config = dataclasses.replace(config, block_n=n0, num_warps=w0, num_stages=s0)
             # RingConfig.plain0: the first launch by plain loads (no tensor descriptors on the host before it)
             use_tma = False if i == 0 and config.plain0 else self.tma if tma is None else tma
             launch = _triton_kernels().StepLaunch(

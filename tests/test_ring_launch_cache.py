@@ -40,7 +40,8 @@ for sp, cfg in ((2, "32,16,4,1,pack"), (2, "16,16,4,1,pack,hybrid,oneloop"), (4,
                 (4, "32,16,4,1,pack,fuse"), (3, "16,16,4,1,pack,split=2"), (2, None), (4, None),
                 (2, "16,16,4,1,pack,hybrid,overlap"), (4, "16,16,4,1,fuse,batchcopy,overlap"),
                 (4, "16,16,4,1,fuse,batchcopy,oneloop0"), (4, "16,16,4,1,fuse,batchcopy,oneloop0,plain0"),
-                (4, "16,16,4,1,pack,fuse,batchcopy,hband=1"), (3, "16,16,4,1,hband=1,split=2")):
+                (4, "16,16,4,1,pack,fuse,batchcopy,hband=1"), (3, "16,16,4,1,hband=1,split=2"),
+                (4, "32,32,4,1,pack,fuse,batchcopy,first=16/2/2")):
     n = 45
     positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
     layers = [tuple(torch.randn(n, h, D) for h in (4, 2, 2)) for _ in range(2)]
@@ -68,6 +69,10 @@ for sp, cfg in ((2, "32,16,4,1,pack"), (2, "16,16,4,1,pack,hybrid,oneloop"), (4,
                 steps.config.oneloop or (steps.config.oneloop0 and j == 0) for j in range(steps.n_launch)], (sp, cfg)
             # hband: the programs' order by head-group bands where it divides a launch's groups (none here is hybrid
             # with bands, so every launch has all groups: 4 query heads, or 2 KV heads packed)
+            # first: the first launch's BLOCK_N / warps / stages, the others the config's
+            tiles0 = [(x.kw["BLOCK_N"], x.kw["num_warps"], x.kw["num_stages"]) for x in steps.plan.launches]
+            cfg_tiles = (steps.config.block_n, steps.config.num_warps, steps.config.num_stages)
+            assert tiles0 == [steps.config.first or cfg_tiles] + [cfg_tiles] * (steps.n_launch - 1), (sp, cfg, tiles0)
             groups, band = 4 // steps.config.heads_per_program(2), steps.config.hband
             assert all(x.kw["HBAND"] == (band if 0 < band < groups and groups % band == 0 else 0)
                        for x in steps.plan.launches if not x.empty), (sp, cfg)
@@ -129,7 +134,7 @@ print("ok", checked)
 
 def test_launches_planned_once_per_plan_in_the_triton_interpreter():
     out = run_interpreted(REUSE_SCRIPT)
-    want = 2 * (2 + 2 + 4 + 4 + 3 + 2 + 4 + 2 + 4 + 4 + 4 + 4 + 3) + 2 * 2 + 3  # every rank of each case, twice
+    want = 2 * (2 + 2 + 4 + 4 + 3 + 2 + 4 + 2 + 4 + 4 + 4 + 4 + 3 + 4) + 2 * 2 + 3  # every rank of each case, twice
     assert out.strip().split()[-2:] == ["ok", str(want)], out[-800:]
 
 
@@ -223,6 +228,11 @@ def test_default_configs_by_sp_size(monkeypatch):
     assert rt.default_config(rt.HYBRID_MAX_TOKENS, 128, 2, True, 1) == base
     monkeypatch.setenv(rt.ENV, "64,64,4,2,pack")
     assert rt.default_config(4096, 128, 2, True, 2) == rt.RingConfig(64, 64, 4, 2, True)
+    first = rt.RingConfig.parse("128,128,8,3,pack,fuse,batchcopy,first=64/8/4")
+    assert first.first == (64, 8, 4) and rt.RingConfig.parse(str(first)) == first
+    for bad in ("128,128,8,3,first=48/8/3", "128,128,8,3,first=64/8"):
+        with pytest.raises(ValueError):
+            rt.RingConfig.parse(bad)
     band = rt.RingConfig.parse("128,128,8,3,pack,fuse,batchcopy,hband=2")
     assert band.hband == 2 and str(band).endswith(",hband=2") and rt.RingConfig.parse(str(band)) == band
     with pytest.raises(ValueError):

@@ -43,7 +43,7 @@ previous step's tail frees.
 
 Launch configs: `RingConfig`, the `CONFIGS` table by head dim, the TANDEM_RING_KERNEL environment variable
 ("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16][,early][,pdl][,fuse][,gather][,oneloop][,hybrid]
-[,batchcopy][,overlap][,oneloop0][,plain0][,trim0][,hband=N]");
+[,batchcopy][,overlap][,oneloop0][,plain0][,trim0][,hband=N][,first=N/W/S]");
 scripts/tune_ring_kernel.py times candidates on a GPU.
 Memory: the inputs, the accumulators and output, the tile table and, split, the pieces' partials: O(chunk).
 """
@@ -167,6 +167,11 @@ class RingConfig:
     not divide a launch's groups. Opt-in: on one H100 (2026-11-27) the kernels took the same time with N = 1, 2, 4 as
     without, at 16K tokens SP=2 and 4 and at 64K SP=2 and 4 (within 2%), so L2 is not what limits them.
 
+    `first` (BLOCK_N, warps, stages; read by parallel/ring_attention.py): the ring's first launch with these instead of
+    the config's (its BLOCK_M and so its tile table unchanged). The first launch is the rank's own block, a causal
+    triangle of short programs (at 16K tokens SP=4 ~450 TFLOPS on an H100 against ~540 for the fused launch), which
+    other tiles may suit better. A BLOCK_N that does not divide the config's, on a split table, is not applied.
+
     `gather` (read by parallel/ring_attention.py; SP >= 2): as `fuse`, the rank's own block scattered too, so the
     rank runs ONE launch over every key in position order (programs as long as SP=1's for its query tiles: each
     program's fixed cost paid once per query tile, not once per step), after every block has arrived: nothing
@@ -191,15 +196,16 @@ class RingConfig:
     plain0: bool = False
     trim0: bool = False
     hband: int = 0
+    first: tuple = ()
 
     @classmethod
     def parse(cls, text: str) -> "RingConfig":
         """"BLOCK_M,BLOCK_N,warps,stages" then optionally "pack" (or 1/0), "split=N" (or "splitN"; "split=auto"
         is the default), "acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy", "overlap",
-        "oneloop0", "plain0", "trim0" and "hband=N": as the env variable, e.g.
+        "oneloop0", "plain0", "trim0", "hband=N" and "first=BLOCK_N/warps/stages": as the env variable, e.g.
         "128,128,8,3,pack,split=2"."""
         parts = [p.strip().lower() for p in text.replace("x", ",").split(",") if p.strip()]
-        pack, splits, hband, flags = None, None, None, set()
+        pack, splits, hband, first, flags = None, None, None, None, set()
         for flag in parts[4:]:
             if flag in ("acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy", "overlap",
                         "oneloop0", "plain0", "trim0") \
@@ -208,6 +214,8 @@ class RingConfig:
             elif flag.startswith("hband") and hband is None:
                 n = flag[5:].lstrip("=")
                 hband = int(n) if n.isdigit() else -1
+            elif flag.startswith("first=") and first is None:
+                first = tuple(int(x) if x.isdigit() else -1 for x in flag[6:].split("/"))
             elif flag.startswith("split") and splits is None:
                 n = flag[5:].lstrip("=")
                 splits = 0 if n == "auto" else int(n) if n.isdigit() else -1
@@ -216,21 +224,22 @@ class RingConfig:
             else:
                 raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
                                  f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy][,overlap]"
-                                 f"[,oneloop0][,plain0][,trim0][,hband=N], not {text!r}")
+                                 f"[,oneloop0][,plain0][,trim0][,hband=N][,first=N/W/S], not {text!r}")
         if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]):
             raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
                              f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy][,overlap][,oneloop0]"
-                             f"[,plain0][,trim0][,hband=N], "
+                             f"[,plain0][,trim0][,hband=N][,first=N/W/S], "
                              f"not {text!r}")
         cfg = cls(*(int(p) for p in parts[:4]), bool(pack), splits or 0, "acc16" in flags, "early" in flags,
                   "pdl" in flags, "fuse" in flags, "gather" in flags, "oneloop" in flags, "hybrid" in flags,
                   "batchcopy" in flags, "overlap" in flags, "oneloop0" in flags, "plain0" in flags,
-                  "trim0" in flags, hband or 0)
+                  "trim0" in flags, hband or 0, first or ())
         if cfg.block_m < 16 or cfg.block_n < 16 or cfg.num_warps < 1 or cfg.num_stages < 1 \
                 or cfg.block_m & (cfg.block_m - 1) or cfg.block_n & (cfg.block_n - 1) or not 0 <= cfg.splits <= 64 \
-                or not 0 <= cfg.hband <= 64:
+                or not 0 <= cfg.hband <= 64 or (first is not None and (
+                    len(first) != 3 or min(first) < 1 or first[0] < 16 or first[0] & (first[0] - 1))):
             raise ValueError(f"bad ring kernel config {text!r}: tiles powers of two >= 16, warps and stages >= 1, "
-                             f"split auto or 1..64")
+                             f"split auto or 1..64, first=BLOCK_N/warps/stages")
         return cfg
 
     def __str__(self) -> str:
@@ -241,7 +250,8 @@ class RingConfig:
             + (",hybrid" if self.hybrid else "") + (",batchcopy" if self.batchcopy else "") \
             + (",overlap" if self.overlap else "") + (",oneloop0" if self.oneloop0 else "") \
             + (",plain0" if self.plain0 else "") + (",trim0" if self.trim0 else "") \
-            + (f",hband={self.hband}" if self.hband else "")
+            + (f",hband={self.hband}" if self.hband else "") \
+            + (",first=" + "/".join(map(str, self.first)) if self.first else "")
 
     def heads_per_program(self, gqa: int) -> int:
         """Query heads one program takes: the GQA group when packing (and it fits BLOCK_M with >= 1 row), else 1."""
