@@ -1,7 +1,8 @@
 """Point-to-point KV transport between the ranks of a prefill replica and a decode replica.
 
-Each pair of replicas gets its own standalone process group (not the replica's TP/PP groups):
-prefill ranks are pair-ranks 0..p-1, decode ranks p..p+d-1. It is built when the decode side first asks
+Each pair of replicas gets its own standalone process group (not the replica's TP/PP groups; on GPUs two, whose
+turns carry a long transfer's messages: `pair_groups`): prefill ranks are pair-ranks 0..p-1, decode ranks p..p+d-1.
+It is built when the decode side first asks
 (a warm-up, `warm`, or the pair's first transfer), through a TCPStore that prefill rank 0 hosts on a port the
 OS picks (the address travels through Ray, so no fixed ports), and cached until a transfer fails, after which
 it is rebuilt.
