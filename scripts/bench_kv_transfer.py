@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--variants", default="", help="comma-separated agent settings to time, each any mix of m<N> "
                    "(min_messages), o<N> (overlap_copy_programs), c<N> (copy programs), d<0|1> (the row copy through "
                    "its compiled kernel's handle, default 1), l<0|1> (short transfers through the agent's lanes: "
-                   "KVTransferAgent.lean, default TANDEM_KV_LEAN or 1), s<MiB> (KVTransferAgent.split_bytes: a transfer "
+                   "KVTransferAgent.lean, default TANDEM_KV_LEAN=1 or off), s<MiB> (KVTransferAgent.split_bytes: a transfer "
                    "of at least this many MiB that fits one message goes as two; s0: never), b<MiB> (KVTransferAgent.message_bytes), "
                    "n<N> (KVTransferAgent.target_messages, n0: off), k<MiB> (KVTransferAgent.long_bytes: longer transfers "
                    "are cut by n and spread over the groups), g<N> (the pair of N groups, --pair-groups), "
