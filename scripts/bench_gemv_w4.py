@@ -69,15 +69,11 @@ def mma_sweep(k: int) -> list[dict]:
 
 
 def _weights(n: int, k: int, copies: int) -> list:
-    from parallel.quant import tinygemm
+    """`copies` random 4-bit layers in tinygemm's layout, group GROUP (bench_gemv_int4's, the same group size)."""
+    from scripts.bench_gemv_int4 import GROUP as INT4_GROUP, _weights as int4_weights
 
-    out = []
-    for _ in range(copies):
-        codes = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int32)
-        scales = torch.rand(n, k // GROUP, device="cuda") * 2e-3 + 1e-3
-        zeros = torch.randint(0, 16, (n, k // GROUP), device="cuda").float()
-        out.append(tinygemm.build(codes, scales, zeros, GROUP))
-    return out
+    assert INT4_GROUP == GROUP
+    return int4_weights(n, k, copies)
 
 
 def _warm_worker(job: list[tuple[int, int, dict]]) -> int:

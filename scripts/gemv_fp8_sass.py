@@ -60,8 +60,9 @@ def _cuobjdump(*args: str) -> str:
     return subprocess.run([str(tool), *args], capture_output=True, text=True, check=True).stdout
 
 
-def stats(cubin: bytes) -> dict:
-    """Registers, stack, and the K loop's instruction mix of a compiled kernel."""
+def sass_ops(cubin: bytes) -> tuple[str, list[str], list[str]]:
+    """A compiled kernel's resource usage (cuobjdump's text), every instruction's opcode, and the K loop's opcodes (the
+    body of the longest backward branch)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
@@ -78,7 +79,12 @@ def stats(cubin: bytes) -> dict:
             j = addr.index(int(m.group(1), 16))
             if i - j > loop[1] - loop[0]:
                 loop = (j, i)
-    body = ops[loop[0]:loop[1] + 1]
+    return res, ops, ops[loop[0]:loop[1] + 1]
+
+
+def stats(cubin: bytes) -> dict:
+    """Registers, stack, and the K loop's instruction mix of a compiled kernel."""
+    res, ops, body = sass_ops(cubin)
     return {"registers": int(re.search(r"REG:(\d+)", res).group(1)), "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
             "loop_instructions": len(body), "loop_barriers": sum(o.startswith("BAR") for o in body),
             "loop_loads": [o for o in body if o.startswith("LDG")],

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.gemv_fp8_sass import _cuobjdump  # noqa: E402
+from scripts.gemv_fp8_sass import sass_ops  # noqa: E402
 
 PTRS = dict(x32_ptr="*i32", w_ptr="*i32", sz_ptr="*i32", y_ptr="*bf16", yf_ptr="*fp32")
 
@@ -49,27 +50,7 @@ def compile_tile(tile: tuple[int, ...], k: int, even: bool = True):
 
 
 def stats(kernel, tile: tuple[int, ...]) -> dict:
-    import os
-    import re
-    import tempfile
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        res, sass = _cuobjdump("-res-usage", f.name), _cuobjdump("-sass", f.name)
-    finally:
-        os.unlink(f.name)
-    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
-    ops = [re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", ln).split()[0].rstrip(";") for ln in lines]
-    addr = [int(re.search(r"/\*([0-9a-f]{4})\*/", ln).group(1), 16) for ln in lines]
-    loop = (0, -1)
-    for i, ln in enumerate(lines):  # the longest backward branch: the K loop
-        m = re.search(r"BRA (?:!?P\d, )?0x([0-9a-f]+)", ln)
-        if m and int(m.group(1), 16) < addr[i] and int(m.group(1), 16) in addr:
-            j = addr.index(int(m.group(1), 16))
-            if i - j > loop[1] - loop[0]:
-                loop = (j, i)
-    body = ops[loop[0]:loop[1] + 1]
+    res, ops, body = sass_ops(kernel.asm["cubin"])
     bn, c, warps = tile[:3]
     codes = bn * c * 32  # one step of one program
     return {"tile": tile, "registers": int(re.search(r"REG:(\d+)", res).group(1)),
