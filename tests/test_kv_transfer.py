@@ -164,6 +164,9 @@ def _transfer_rank(rank: int, prefill: tuple[int, int], decode_tp: int, dtype: t
     address = [agent.open_store(spec.pair_id) if rank == 0 else None]
     dist.broadcast_object_list(address, src=0)
     agent.join(spec, *address[0])
+    if pair_groups > 1:  # a gloo pair makes one group (`join`): the others by hand, over the world's ranks (= pair ranks)
+        extra = [dist.new_group(list(range(len(src) + len(dst))), backend="gloo") for _ in range(pair_groups - 1)]
+        agent._spread[spec.pair_id] = [agent._groups[spec.pair_id], *extra]
 
     plan = plan_transfers(src, dst, range(HITS, NUM_SEQ_BLOCKS))
     if busy_cycles:

@@ -339,7 +339,7 @@ class KVTransferAgent:
         # message's NCCL kernel runs beside the one before instead of after it. Must be the same on both sides of a pair
         # (both read TANDEM_KV_PAIR_GROUPS); each group is a communicator of its own, warmed with the pair.
         # bench_kv_transfer.py --pair-groups 1 with g1 rows times one group beside the default in one run.
-        # (CPU agents: one group unless set.)
+        # (CPU agents: one group unless set; gloo pairs make one whatever it says, `join`.)
         self.pair_groups = int(os.environ.get("TANDEM_KV_PAIR_GROUPS") or (PAIR_GROUPS if kv_cache.is_cuda else 1))
         # A transfer over long_bytes is cut into about target_messages messages (none under TARGET_MESSAGE_FLOOR nor
         # over message_bytes): an 8K-token handoff as 8 of 128 MiB, not 4 of 256 (32K stays 16 of 256); and its
@@ -375,8 +375,11 @@ class KVTransferAgent:
             prefixed.set(f"ipc/{self.shard.rank}", _export_cache(self.kv_cache))  # for decode ranks on this GPU
         # The pair's groups: the first carries every message unless pair_groups > 1 (`_carrier`); the others' stores
         # are prefixed apart, so each is a communicator of its own.
+        # Gloo pairs keep one group: made right after the first, a second gloo group's full-mesh connect failed on one
+        # rank ("Connection closed by peer") in about 1 CPU test run in 5, and the groups pay only on GPUs.
+        count = max(1, self.pair_groups) if self._nccl(spec) else 1
         groups = [self._new_group(spec, dist.PrefixStore(f"g{k}", prefixed) if k else prefixed, pair_rank)
-                  for k in range(max(1, self.pair_groups))]
+                  for k in range(count)]
         self._orders[spec.pair_id] = _PostOrder()
         self._spread[spec.pair_id] = groups
         self._groups[spec.pair_id] = groups[0]
