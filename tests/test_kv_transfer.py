@@ -555,3 +555,29 @@ def test_numbered_transfers_in_flight_pair_up_by_posting_order_as_nccl_does():
         assert results[(seq, "send")].ended - results[(seq, "send")].began < 5
         assert torch.equal(decode.kv_cache[:, :, dst_blocks], prefill.kv_cache[:, :, src_blocks]), seq
 
+
+
+def test_a_long_transfer_is_cut_into_about_target_messages(monkeypatch):
+    """A transfer over long_bytes goes as about target_messages messages (here with the 128 MiB floor lowered to one
+    byte: 6 layers, target 3 -> 2 layers a message), never below the floor, and one at most long_bytes keeps the
+    message_bytes cut (one message)."""
+    import workers.kv_transfer.transport as transport
+
+    shard = replica_shards(1, 1, LAYERS, KV_HEADS)[0]
+    agent = KVTransferAgent(torch.zeros(LAYERS, 2, 8, BS, KV_HEADS, HEAD_DIM), shard, "decode")
+    plan = plan_transfers([shard], [shard], range(5))  # one transfer: 6 layers x 2 heads x 5 blocks
+    per_layer = 2 * 5 * BS * KV_HEADS * HEAD_DIM * 4
+    agent.message_bytes, agent.min_messages, agent.split_bytes, agent.target_messages = 10 * per_layer, 1, 0, 3
+
+    def cut() -> list[int]:
+        return [m[2].stop - m[2].start for m in agent._messages(plan, {0: shard}, sending=False)]
+
+    monkeypatch.setattr(transport, "TARGET_MESSAGE_FLOOR", 1)
+    agent.long_bytes = 6 * per_layer  # not over it: the message_bytes cut alone
+    assert cut() == [6]
+    agent.long_bytes = 6 * per_layer - 1
+    assert cut() == [2, 2, 2]
+    monkeypatch.setattr(transport, "TARGET_MESSAGE_FLOOR", 3 * per_layer)  # the floor wins over total / target
+    assert cut() == [3, 3]
+    agent.target_messages = 0  # off: message_bytes alone
+    assert cut() == [6]
