@@ -309,13 +309,12 @@ class KVTransferAgent:
         # and from 77% to 81% on 2 x H200, 32K from 73% to 85% and from 82-83% to 88%, 1K unchanged (four runs,
         # docs/benchmarks.md, twelfth session). 0 caps nothing. TANDEM_KV_OVERLAP_COPY_PROGRAMS overrides it.
         self.overlap_copy_programs = int(os.environ.get("TANDEM_KV_OVERLAP_COPY_PROGRAMS") or OVERLAP_COPY_PROGRAMS)
-        # Short transfers on a GPU may take a lane (workers/kv_transfer/lanes.py): kept index and message buffers,
-        # planned copies, one launch and one NCCL call a message. Opt-in (TANDEM_KV_LEAN=1, or lean = True): with lanes
-        # on, tests/gpu/test_disagg_gpu.py[pieces] failed once on 2 x H100 (2026-11-27, its message cut off by the
-        # call's limit) while the bit-for-bit lane tests of tests/gpu/test_kv_transfer_gpu.py passed; until a GPU run
-        # tells a real fault from a near-tie flip, the default keeps the ordinary path. bench_kv_transfer.py's l1 / l0
-        # variants compare both in one run.
-        self.lean = os.environ.get("TANDEM_KV_LEAN", "0") == "1"
+        # Short transfers on a GPU take a lane (workers/kv_transfer/lanes.py): kept index and message buffers, planned
+        # copies, one launch and one NCCL call a message (TANDEM_KV_LEAN=0, or lean = False: the ordinary path).
+        # tests/gpu/test_disagg_gpu.py[pieces] parted from its reference at the same token with lanes on and off on
+        # 2 x H100 (2026-11-27, sixteenth session), so lanes were not its cause; bench_kv_transfer.py's l1 / l0
+        # variants compare both paths in one run.
+        self.lean = os.environ.get("TANDEM_KV_LEAN", "1") == "1"
         self._lanes = Lanes(kv_cache.device, LANE_MAX_BLOCKS) if kv_cache.is_cuda else None
 
     def _set_cut(self, kv_cache: torch.Tensor) -> None:
