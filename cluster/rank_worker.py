@@ -96,9 +96,13 @@ class RankWorker:
         self.decoder = StepDecoder()
         self._waiting: tuple[float, SchedulerOutput] | None = None  # a step sent ahead, until its fill
         # The only rank of its replica fills a step sent ahead itself, from its last answer's tokens (no fill
-        # frame, no round trip through the driver); with more ranks, those without the tokens need the fill.
-        self._keep_sampled = self.runner.config.parallel.world_size == 1
-        self._last_result: ModelRunnerOutput | None = None  # the last step's answer (kept only then)
+        # frame, no round trip through the driver). So does every rank of a TP-only replica after an all plain
+        # greedy step, whose tokens each learns itself (`ModelRunner.greedy_everywhere`), when the driver says
+        # `own`: on 2 x H100 (8B, ~98 sequences) a TP=2 decode step waited ~1 ms for the fill's round trip
+        # rank 0 -> driver -> ranks, and rank 1, later, started its graph ~1.7 ms behind rank 0. Ranks without
+        # the tokens (PP, SP, a step that sampled otherwise) take the fill.
+        self._keep_sampled = self.runner.config.parallel.world_size == 1 or self.runner.greedy_everywhere
+        self._last_result: ModelRunnerOutput | None = None  # the last step's result on this rank (kept only then)
         # The last step's tokens, one per sequence in its order, where its answer is that (every sequence sampled,
         # in step order: a decode step's): the next step's plain decodes take theirs by row (StepDecoder.decode).
         self._last_tokens: list[int] | None = None
@@ -111,8 +115,9 @@ class RankWorker:
         kind = message[0]
         if kind == "step":  # ("step", payload, placeholders, own): with placeholders it waits for its "fill"
             start = time.perf_counter()
-            if len(message) > 3 and message[2] and message[3]:  # the only rank: the tokens are its own last answer's
-                return self._step(start, decode_own(self.decoder, message[1], self._last_result, self._last_tokens))
+            if len(message) > 3 and message[2] and message[3]:  # the tokens are this rank's own last result's
+                return self._step(start, decode_own(self.decoder, message[1], self._last_result, self._last_tokens,
+                                                    f"rank {self.rank}"))
             out = self.decoder.decode(message[1])
             if len(message) > 2 and message[2]:
                 self._waiting = (start, out)
@@ -128,19 +133,20 @@ class RankWorker:
             if message[1] == "start":
                 self.profile = RankProfile(self.rank, message[2])
                 return None
-            return self.profile.summary() if self.profile is not None else {}
+            return self.profile.summary(starts=True) if self.profile is not None else {}
         raise ValueError(f"unknown step-channel message {kind!r}")
 
     def _step(self, start: float, out: SchedulerOutput):
         if self.profile is None:
-            result = self.execute(out)
+            result = self.runner.execute(out)
         else:
             kind = step_kind(out, self.runner.cuda_graphs)
             result = self.profile.step(kind, start - self._answered_at, time.perf_counter() - start,
-                                       lambda: self.execute(out), out.num_tokens, len(out.seqs))
-        if self._keep_sampled and result is not None:  # a step sent ahead fills its placeholders from these
+                                       lambda: self.runner.execute(out), out.num_tokens, len(out.seqs))
+        if self._keep_sampled:  # a step sent ahead fills its placeholders from these (empty: it has none)
             self._last_result, self._last_tokens = result, tokens_by_row(result, out)
-        packed = pack_output(result, out)
+        # Only the output rank's answer is read: the others send nothing back, whatever they hold.
+        packed = pack_output(result if self.runner.is_output_rank else None, out)
         self._answered_at = time.perf_counter()
         return packed
 

@@ -9,7 +9,10 @@ A step goes through the step channel (cluster/step_channel.py), not a Ray task: 
 last step (workers/step_delta.py) are pickled once and sent to every rank's loop over its own TCP
 connection; every rank answers, the output rank (last pipeline stage, first TP rank) with the sampled
 tokens. `submit` returns once the step is sent, so the engine's text work for one step runs while the
-ranks compute the next (LLMEngine.step).
+ranks compute the next (LLMEngine.step). A step sent ahead (asynchronous scheduling) waits on the ranks for
+the tokens of the step before, which the driver forwards in a small "fill" message, unless every rank has them
+itself: the only rank of a replica, or every rank of a TP-only replica after an all plain greedy step
+(`tp_ranks_fill_own`); then the step goes `own` and no fill follows.
 
 Failure: every wait has a deadline, and results are collected as they arrive, so a rank that dies
 or raises is noticed at once even while the others sit in a collective waiting for it. The executor
@@ -30,10 +33,11 @@ from cluster.ray_runtime import ensure_ray, rank_runtime_env
 from cluster.rendezvous import node_address
 from cluster.step_channel import RankFailure, StepChannel
 from parallel.state import rank_grid
+from parallel.config import ParallelConfig
 from workers.config import EngineConfig
 from workers.executor import Executor, ExecutorError, PendingStep
 from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput, num_placeholders
-from workers.step_delta import StepEncoder, unpack_output
+from workers.step_delta import StepEncoder, sampled_on_every_tp_rank, tp_own_fill_enabled, unpack_output
 
 PLACEMENT_TIMEOUT_S = 300.0  # resources exist but are held by others: wait this long for them
 INIT_TIMEOUT_S = 900.0  # process start, weight loading
@@ -47,6 +51,14 @@ DRIVER_SPIN_S = 0.02
 RANK_SPIN_S = 0.05
 
 
+def tp_ranks_fill_own(parallel: ParallelConfig, step_groups: int) -> bool:
+    """Whether every rank may fill a step sent ahead itself after an all plain greedy step: a TP-only replica
+    (PP's later stages and SP's other ranks never see the tokens), one step out at a time (the placeholders are
+    the last step sent's), unless TANDEM_TP_OWN_FILL=0. Must agree with `ModelRunner.greedy_everywhere`."""
+    return (parallel.tensor_parallel_size > 1 and parallel.pipeline_parallel_size == 1
+            and parallel.sequence_parallel_size == 1 and step_groups == 1 and tp_own_fill_enabled())
+
+
 class RayExecutor(Executor):
     overlaps_host_work = True  # the ranks compute while the engine's thread does its text work
     supports_ahead = True  # a step may be sent while the one before is out (asynchronous scheduling)
@@ -56,7 +68,13 @@ class RayExecutor(Executor):
         self.parallel = config.parallel
         self.step_timeout_s = step_timeout_s
         self.world_size = self.parallel.world_size
-        self.needs_fill = self.world_size > 1  # one rank fills a step sent ahead from its own answer
+        # A TP-only replica's ranks each learn an all plain greedy step's tokens (`ModelRunner.greedy_everywhere`):
+        # the step sent ahead after one is sent `own`, and filled by every rank itself, without the fill's round
+        # trip rank 0 -> driver -> ranks that cost a TP=2 decode step ~1 ms on 2 x H100 (8B, ~98 sequences; issue 26).
+        self._tp_own = tp_ranks_fill_own(self.parallel, config.step_groups)
+        self._last_known_everywhere = False  # the last step sent: every rank will know its tokens (`_tp_own` only)
+        self._own_ahead = False  # the step sent ahead is filled by the ranks themselves: `fill` sends nothing
+        self.own_fills = 0  # steps sent ahead that the ranks filled themselves (tests, diagnosis)
         self._error: str | None = None
         self._coords = {r: (p, s, t) for p, stage in enumerate(rank_grid(self.parallel))
                         for s, row in enumerate(stage) for t, r in enumerate(row)}
@@ -108,6 +126,12 @@ class RayExecutor(Executor):
             self._fail(f"step loop start: {e}", e)
         self._collect(refs, timeout_s, "step loop start")
 
+    @property
+    def needs_fill(self) -> bool:  # type: ignore[override]
+        """Whether the step sent last needs `fill`: not at world size 1, nor one sent `own` (the engine then does not
+        build the token list at all)."""
+        return self.world_size > 1 and not self._own_ahead
+
     def describe(self, rank: int) -> str:
         p, s, t = self._coords[rank]
         return f"rank {rank} (pp={p}, sp={s}, tp={t})"
@@ -145,12 +169,18 @@ class RayExecutor(Executor):
             self._settle()
         to_fill = num_placeholders(out)
         payload = self.encoder.encode(out)
-        own = self.world_size == 1  # the only rank has the tokens itself: it fills the step without a `fill`
+        # The ranks have the tokens themselves (the only rank; TP-only ranks after an all plain greedy step): they fill
+        # the step without a `fill`. Its placeholders are the last step sent's tokens (one step out: `_tp_own`).
+        own = self.world_size == 1 or (self._tp_own and self._last_known_everywhere and ahead)
+        if self._tp_own:
+            self._last_known_everywhere = sampled_on_every_tp_rank(out)
         try:
             self.channel.broadcast(("step", payload, to_fill, own))
         except RankFailure as e:
             self._step_failed("step", e)
         self._to_fill = 0 if own else to_fill
+        self._own_ahead = bool(own and to_fill)
+        self.own_fills += self._own_ahead and self.world_size > 1
         self._steps_out += 1
 
         def collect() -> ModelRunnerOutput:
@@ -166,8 +196,9 @@ class RayExecutor(Executor):
         return pending
 
     def fill(self, tokens: list[int]) -> None:
-        if self.world_size == 1:
-            return  # the rank filled the step itself, from the answer these tokens came in
+        if self.world_size == 1 or self._own_ahead:
+            self._own_ahead = False
+            return  # the ranks filled the step themselves, from the result these tokens came in
         if len(tokens) != self._to_fill:
             raise ExecutorError(f"the step sent ahead has {self._to_fill} placeholders, {len(tokens)} tokens came")
         if not tokens:

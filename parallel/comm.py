@@ -62,6 +62,17 @@ def gather_to_first(x: torch.Tensor, group: Group) -> list[torch.Tensor] | None:
     return parts
 
 
+def gather_to_all(x: torch.Tensor, group: Group) -> list[torch.Tensor]:
+    """Every rank's x (same shape on all) to every rank of the group, in rank order: the same tensors on all,
+    so a choice made from them (an argmax) is bitwise the same on every rank."""
+    if group.size == 1:
+        return [x]
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    dist.all_gather(parts, x, group=group.device_group)
+    return parts
+
+
 def gather_last_dim_to_first(x: torch.Tensor, group: Group) -> torch.Tensor | None:
     """Column-parallel slices concatenated on the group's first rank only; None on the others."""
     parts = gather_to_first(x, group)

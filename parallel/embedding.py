@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.comm import gather_last_dim_to_first, gather_to_first, reduce_partial_sums
+from parallel.comm import gather_last_dim_to_first, gather_to_all, gather_to_first, reduce_partial_sums
 from parallel.linear import set_weight_loader
 from parallel.matmul import linear
 from parallel.state import Group, tp_group
@@ -54,7 +54,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     Only one rank samples (the TP group's first), so logits are gathered there alone. Greedy rows
     need even less: each rank reduces its vocabulary slice to (max logit, its token id, log-sum-exp)
-    and only those three numbers per row travel, instead of vocab_size / tp logits.
+    and only those three numbers per row travel, instead of vocab_size / tp logits; few enough to send
+    to every rank where each wants the tokens (`greedy_tokens(everywhere=True)`).
     """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -74,9 +75,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits[:, real:] = float("-inf")
         return logits
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def greedy_tokens(self, hidden: torch.Tensor, everywhere: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """hidden [n, d] -> (argmax token ids [n] int64, their log-probabilities [n] fp32) on the
-        group's first rank; None on the others.
+        group's first rank; None on the others, unless `everywhere`: then every rank gets the same
+        [n, 3] from an all-gather and picks bitwise the same tokens (so each can fill the next step's
+        placeholders itself, with no round trip through the driver: cluster/rank_worker.py).
 
         Ties go to the lowest token id, as a full-vocabulary argmax would: slices are in ascending id
         order and both argmaxes below return the first maximum.
@@ -87,7 +90,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         lse = torch.logsumexp(logits, dim=-1)
         # float64 holds any token id exactly, so one message carries all three numbers.
         packed = torch.stack([values.double(), (index + self.vocab_start).double(), lse.double()], dim=-1)  # [n, 3]
-        parts = gather_to_first(packed, self.group)
+        parts = gather_to_all(packed, self.group) if everywhere else gather_to_first(packed, self.group)
         if parts is None:
             return None
         per_rank = torch.stack(parts, dim=1)  # [n, tp, 3]

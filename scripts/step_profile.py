@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from workers.rank_profile import step_kind
+from workers.rank_profile import start_lags, step_kind
 
 
 class StepProfile:
@@ -79,7 +79,12 @@ class StepProfile:
                           "ms_schedule": 1e3 * sum(r["schedule"] for r in rs) / n,
                           "ms_execute": 1e3 * sum(r["execute"] for r in rs) / n,
                           "ms_after_execute": 1e3 * sum(r["step"] - r["schedule"] - r["execute"] for r in rs) / n}
-        return {"host": host, "ranks": self.engine.executor.profile("report")}
+        ranks = self.engine.executor.profile("report")
+        lags = start_lags(ranks)  # before the raw start times are dropped: only the lags go into the JSON
+        for by_kind in ranks:
+            for d in by_kind.values():
+                d.pop("execute_starts", None)
+        return {"host": host, "ranks": ranks, "start_lag": lags}
 
     def table(self) -> str:
         summary = self.summary()
@@ -95,8 +100,22 @@ class StepProfile:
             for kind, d in sorted(by_kind.items()):
                 lines.append(f"{rank:4d} {kind:13} {d['steps']:6d} {d['ms_idle']:7.3f} {d['ms_decode']:8.3f} "
                              f"{d['ms_execute']:8.3f} {d.get('ms_gpu_kernels', nan):8.3f} {d.get('ms_comm', nan):7.3f}")
+        lines += lag_lines(summary["start_lag"])
         lines += top_lines(summary["ranks"])
         return "\n".join(lines)
+
+
+def lag_lines(lags: dict[str, dict]) -> list[str]:
+    """Each rank's execute start behind the earliest rank's for the same step: a rank that starts late makes the
+    others wait in the step's first collective (their comm time grows by it)."""
+    if not lags:
+        return []
+    lines = ["execute start behind the earliest rank, same step (ms; mean / p50 per rank)",
+             f"{'kind':13} {'steps':>6}  per rank"]
+    for kind, d in sorted(lags.items()):
+        per_rank = "  ".join(f"r{r} {m:6.3f}/{p:6.3f}" for r, (m, p) in enumerate(zip(d["ms_mean"], d["ms_p50"])))
+        lines.append(f"{kind:13} {d['steps']:6d}  {per_rank}")
+    return lines
 
 
 def top_lines(ranks: list[dict]) -> list[str]:

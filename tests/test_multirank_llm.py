@@ -100,10 +100,14 @@ def test_layout_matches_one_rank_and_hf(name: str, layout: str, references):
         assert llm.llm_engine.executor.num_blocks == blocks
         assert _rank_cache_blocks(llm) == [blocks] * llm.config.parallel.world_size
         greedy = llm.generate(PROMPTS, GREEDY)
+        own_fills = llm.llm_engine.executor.own_fills
         full = llm.generate(PROMPTS, FULL_LOGITS)
     finally:
         llm.shutdown()
     assert _placement_groups_alive() == 0
+    # TP alone: every rank fills the greedy batch's steps sent ahead itself (tests/test_tp_own_fill.py); with PP the
+    # first stage never sees the tokens, so the driver's fill stays.
+    assert (own_fills > 0) == (layout == "tp2"), own_fills
     # Greedy batches take the sharded (max, id, lse) path under TP: same tokens, same logprobs.
     assert [o.token_ids for o in greedy] == ref["hf"]
     assert [o.token_ids for o in greedy] == [o.token_ids for o in ref["greedy"]]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from parallel.embedding import ParallelLMHead, VocabParallelEmbedding, pad_vocab
@@ -134,16 +135,24 @@ def _check_vocab(rank: int, vocab: int) -> None:
     result = head.greedy_tokens(h_tie)
     if rank == 0:
         assert result[0].tolist() == [lo, lo]
+    assert head.greedy_tokens(h_tie, everywhere=True)[0].tolist() == [lo, lo]  # on every rank alike
 
 
 def _check_greedy(head: ParallelLMHead, h: torch.Tensor, full_logits: torch.Tensor, rank: int) -> None:
     result = head.greedy_tokens(h)
     if rank != 0:
         assert result is None
-        return
-    ids, logprobs = result
+    else:
+        ids, logprobs = result
+        assert ids.tolist() == full_logits.argmax(-1).tolist()
+        _close(logprobs, torch.log_softmax(full_logits, -1).max(-1).values)
+    # All-gathered (a TP-only replica's ranks fill their next step themselves): every rank the same tokens.
+    ids, logprobs = head.greedy_tokens(h, everywhere=True)
     assert ids.tolist() == full_logits.argmax(-1).tolist()
     _close(logprobs, torch.log_softmax(full_logits, -1).max(-1).values)
+    everyone = [torch.empty_like(ids) for _ in range(tp_group().size)]
+    dist.all_gather(everyone, ids, group=tp_group().device_group)
+    assert all(torch.equal(e, ids) for e in everyone)
 
 
 def _vocab_checks(rank: int) -> None:

@@ -316,6 +316,29 @@ def test_channel_names_a_dead_rank_at_once_and_a_silent_one_at_the_deadline(spin
         channel.close()
 
 
+def test_start_lags_match_steps_by_order_across_ranks():
+    from workers.rank_profile import RankProfile, start_lags
+
+    profiles = [RankProfile(r) for r in range(3)]
+    for p in profiles:
+        for kind in ("mixed", "decode", "decode", "decode"):
+            p.step(kind, 0.0, 0.0, lambda: None)
+    # Rewrite the recorded starts: rank 1 starts every decode 2 ms after rank 0, rank 2 the first decode 6 ms early.
+    for p, shifts in zip(profiles, ([0, 0, 0, 0], [1e-3, 2e-3, 2e-3, 2e-3], [0, -6e-3, 0, 0])):
+        for row, n, shift in zip(p.rows, range(4), shifts):
+            row["start"] = 100.0 + n + shift
+    ranks = [p.summary(starts=True) for p in profiles]
+    assert ranks[0]["decode"]["execute_starts"] == [[1, 101.0], [2, 102.0], [3, 103.0]]
+    assert "execute_starts" not in profiles[0].summary()  # the logged windows leave them out
+    lags = start_lags(ranks)
+    assert lags["mixed"] == {"steps": 1, "ms_mean": [0.0, pytest.approx(1.0), 0.0], "ms_p50": [0.0, pytest.approx(1.0), 0.0]}
+    d = lags["decode"]
+    assert d["steps"] == 3
+    assert d["ms_mean"] == pytest.approx([2.0, 4.0, 0.0])  # step 1: 6, 8, 0 ms; steps 2 and 3: 0, 2, 0
+    assert d["ms_p50"] == pytest.approx([0.0, 2.0, 0.0])
+    assert start_lags(ranks[:1]) == {}
+
+
 @pytest.fixture(scope="module")
 def private_ray(shared_ray):
     return shared_ray  # the session's local Ray (tests/conftest.py), which the executor joins
@@ -354,6 +377,18 @@ def test_every_rank_profiles_its_steps(layout, private_ray, tmp_path, monkeypatc
         assert 0 < len(top) <= 8 and any("linear" in name or "mm" in name for name in top), top
     assert summary["host"]["decode"]["steps"] == 5
     assert "rank kind" in table
+    # Each rank's execute start behind the earliest rank's, per step (matched by order number): with 5 decode
+    # steps one rank is earliest in at least 3, so its median lag is 0; the raw start times stay out of the JSON.
+    lags = summary["start_lag"]
+    if len(ranks) > 1:
+        assert lags["decode"]["steps"] == 5 and lags["mixed"]["steps"] == 1
+        for d in lags.values():
+            assert len(d["ms_mean"]) == len(d["ms_p50"]) == 2 and min(d["ms_p50"]) == 0
+            assert all(0 <= m < 5000 for m in d["ms_mean"])
+        assert "execute start behind the earliest rank" in table
+    else:
+        assert lags == {}
+    assert not any("execute_starts" in d for by_kind in ranks for d in by_kind.values())
     # chrome traces: two per rank and step kind at most (one mixed step here), Python frames included
     traces = sorted(p.name for p in tmp_path.iterdir())
     want = [f"rank{r}-{kind}-step{i}-{n}tok.json.gz" for r in range(len(ranks))

@@ -56,8 +56,9 @@ class Executor(ABC):
     # True where a step may be sent while the one before it is still out (asynchronous scheduling): the
     # step carries placeholders for the tokens the step before samples, sent after it with `fill`.
     supports_ahead: bool = False
-    # False where the ranks fill a step sent ahead themselves (one rank, which sampled the tokens): then the engine
-    # does not build the token list for `fill` at all.
+    # False where the ranks fill a step sent ahead themselves (one rank, which sampled the tokens; read after each
+    # submit, as the TP ranks of cluster/ray_executor.py do after an all plain greedy step): then the engine does not
+    # build the token list for `fill` at all.
     needs_fill: bool = True
     # How many steps over disjoint sequences may be out at once (pipelined steps, EngineConfig.step_groups: one
     # per pipeline stage); 1 where steps run one at a time.

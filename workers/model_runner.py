@@ -31,6 +31,7 @@ from workers.structured_output import apply_token_bitmask, is_constrained
 from workers.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from parallel.ulysses import choose_ulysses
 from workers.sp_plan import gather_sample_hidden, plan_sp_step, sample_owner
+from workers.step_delta import tp_own_fill_enabled
 from workers.step_memory import NewPeakRelease, graph_pool_bytes, kv_budget_bytes
 from workers.spec_decode.verify import verify, verify_greedy
 
@@ -66,6 +67,10 @@ class ModelRunner:
                                                            a.num_kv_heads, self.sp.size)
         self.sampler = Sampler(eos_token_ids)
         self.pp = pp_group()
+        # A TP-only replica's ranks all learn a plain greedy step's tokens (an all-gather of three numbers a row, not a
+        # gather to the first rank), so each fills the next step sent ahead itself (cluster/rank_worker.py).
+        self.greedy_everywhere = (tp_group().size > 1 and self.pp.size == 1 and self.sp.size == 1
+                                  and tp_own_fill_enabled())
         self._pp_seq_no = 0  # micro-batches sent/received so far: every stage counts the same
         # Micro-batches per step. Pipelined steps (EngineConfig.step_groups) keep the stages busy with other groups'
         # steps instead: a step runs whole, since each micro-batch of a decode step reads the weights again.
@@ -312,7 +317,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on this rank. Only `is_output_rank` returns the sampled tokens (and the prompt
-        logprobs of the prefill chunks that asked for them); other ranks return an empty output."""
+        logprobs of the prefill chunks that asked for them); other ranks return an empty output, except that
+        with `greedy_everywhere` every TP rank returns an all plain greedy step's tokens too."""
         self._prompt_logprobs = {}  # filled per micro-batch by _run_step (workers/prompt_logprobs.py)
         result = self._run_step(out)
         if self.chunk_ends is not None:  # a prefill rank on a GPU: where its prompts' chunks end (KV in pieces)
@@ -418,7 +424,7 @@ class ModelRunner:
         if any(s.spec_token_ids for s in seqs):  # speculative decoding: verify the drafts
             return self._verify(hidden, seqs, mask)
         if head.group.size > 1 and all(Sampler.is_plain_greedy(s) for s in seqs) and not is_constrained(seqs, mask):
-            result = head.greedy_tokens(hidden)
+            result = head.greedy_tokens(hidden, everywhere=self.greedy_everywhere)
             if result is None:
                 return ModelRunnerOutput({})
             ids, logprobs = result

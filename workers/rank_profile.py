@@ -78,6 +78,10 @@ class RankProfile:
         # prefill, allocator growth) would otherwise be in every sample.
         sampled = self.gpu_every > 0 and len(self.rows) % self.gpu_every == self.gpu_every // 2
         t = time.perf_counter()
+        # When execute began, on the host's monotonic clock (CLOCK_MONOTONIC on Linux: comparable between the
+        # ranks' processes on one host): a rank that starts a step later than its peers makes them wait in the
+        # step's first collective (`start_lags`).
+        row["start"], row["n"] = t, len(self.rows)  # n: the step's order number since the profile started
         if sampled:
             from torch.profiler import ProfilerActivity, profile
 
@@ -112,7 +116,9 @@ class RankProfile:
         os.remove(path)
         self.traces[kind] += 1
 
-    def summary(self) -> dict[str, dict]:
+    def summary(self, starts: bool = False) -> dict[str, dict]:
+        """Per step kind; `starts`: with each step's (order number, execute start) in `execute_starts`, for
+        `start_lags` across ranks (left out of the logged windows, where they would only bloat the line)."""
         by: dict[str, list[dict]] = defaultdict(list)
         for r in self.rows:
             by[r["kind"]].append(r)
@@ -135,8 +141,35 @@ class RankProfile:
                 for key in ("top_host", "top_gpu"):
                     if any(key in r for r in sampled):
                         d[f"ms_{key}"] = _mean_top([r.get(key, {}) for r in sampled])
+            if starts:
+                d["execute_starts"] = [[r["n"], r["start"]] for r in rows]
             out[kind] = d
         return out
+
+
+def start_lags(ranks: list[dict[str, dict]]) -> dict[str, dict]:
+    """Per step kind, how far each rank's execute start lags the earliest rank's for the same step (steps matched
+    by their order number: every rank runs every step, and a profile starts on all at once): {kind: {"ms_mean":
+    [per rank], "ms_p50": [per rank], "steps": n}}, over the steps every rank recorded. From the summaries'
+    `execute_starts` (`RankProfile.summary(starts=True)`); kinds without them on every rank are left out."""
+    out: dict[str, dict] = {}
+    kinds = set().union(*(r.keys() for r in ranks)) if ranks else set()
+    for kind in sorted(kinds):
+        per_rank = [dict(map(tuple, r.get(kind, {}).get("execute_starts") or [])) for r in ranks]
+        if len(ranks) < 2 or not all(per_rank):
+            continue
+        common = sorted(set.intersection(*(set(s) for s in per_rank)))
+        if not common:
+            continue
+        lags = [[] for _ in ranks]  # seconds behind the earliest rank, per rank
+        for n in common:
+            first = min(s[n] for s in per_rank)
+            for lag, s in zip(lags, per_rank):
+                lag.append(s[n] - first)
+        out[kind] = {"steps": len(common),
+                     "ms_mean": [1e3 * sum(v) / len(v) for v in lags],
+                     "ms_p50": [1e3 * sorted(v)[len(v) // 2] for v in lags]}
+    return out
 
 
 def _mean_top(tops: list[dict[str, float]]) -> dict[str, float]:

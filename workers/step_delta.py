@@ -24,10 +24,13 @@ pickles it once and the same bytes go to every rank.
 """
 from __future__ import annotations
 
+import os
 import pickle
 from dataclasses import dataclass
 from operator import itemgetter
 
+from workers.prompt_logprobs import wants_prompt_logprobs
+from workers.sampler import Sampler
 from workers.scheduler_output import (PLACEHOLDER_TOKEN, ModelRunnerOutput, PlainDecodes, SampledToken, ScheduledSeq,
                                       SchedulerOutput, fill_placeholders, placeholder_seqs)
 
@@ -279,15 +282,49 @@ def tokens_by_row(result: ModelRunnerOutput, out: SchedulerOutput) -> list[int] 
     return columns[1]
 
 
-def decode_own(decoder: StepDecoder, payload: bytes, last: ModelRunnerOutput,
-               last_tokens: list[int] | None) -> SchedulerOutput:
-    """A step sent ahead to the only rank of its replica, with its placeholders filled from that rank's own
-    answer to the step before (`last`; `last_tokens`: `tokens_by_row` of it): the plain decodes by row in
-    the decoder, the few others by id."""
+# TANDEM_TP_OWN_FILL=0: every rank of a TP-only replica waits for the driver's fill after a plain greedy step, as
+# before own fills (the A/B switch for a GPU run; default on). Read by the driver and, forwarded, by the ranks.
+OWN_FILL_ENV = "TANDEM_TP_OWN_FILL"
+
+
+def tp_own_fill_enabled(environ: dict[str, str] | None = None) -> bool:
+    return (os.environ if environ is None else environ).get(OWN_FILL_ENV, "1").strip() != "0"
+
+
+def sampled_on_every_tp_rank(out: SchedulerOutput) -> bool:
+    """Whether each TP rank of a TP-only replica learns this step's tokens itself (`ModelRunner.sample` takes the
+    all-gathered greedy path, `ParallelLMHead.greedy_tokens(everywhere=True)`): every sampled sequence plain greedy
+    (`Sampler.is_plain_greedy`), no grammar, no drafts, no prompt logprobs (those stay on the output rank's
+    answer and keep the fill path). The rank checks for itself too: told wrongly, it fails (`decode_own`)."""
+    if out.token_bitmask is not None:
+        return False
+    greedy = Sampler.is_plain_greedy
+    for s in out.seqs:  # on the driver's path every step (~80 us for 256 sequences here): the cheap tests first
+        if s.spec_token_ids:
+            return False
+        if s.sample:
+            if not greedy(s):  # which also refuses prompt logprobs (`SamplingParams.needs_token_history`)
+                return False
+        elif s.sampling_params.prompt_logprobs is not None and wants_prompt_logprobs(s):  # a prefill chunk's
+            return False
+    return True
+
+
+def decode_own(decoder: StepDecoder, payload: bytes, last: ModelRunnerOutput | None,
+               last_tokens: list[int] | None, who: str = "the rank") -> SchedulerOutput:
+    """A step sent ahead to a rank that holds the tokens the step before sampled (the only rank of its replica,
+    or any TP rank of a TP-only replica after an all-greedy step), its placeholders filled from its own result
+    of that step (`last`; `last_tokens`: `tokens_by_row` of it): the plain decodes by row in the decoder, the few
+    others by id. A token it lacks is an error, never a guess: the driver's `own` and the rank's sampling disagree."""
     out = decoder.decode(payload, last_tokens)
     holders = placeholder_seqs(decoder.unfilled)
     if holders:
-        sampled = last.token_ids_by_seq()
+        sampled = {} if last is None else last.token_ids_by_seq()
+        missing = [s.seq_id for s in holders if s.seq_id not in sampled]
+        if missing:
+            raise RuntimeError(f"{who} was told to fill a step sent ahead from its own tokens, but lacks the step "
+                               f"before's token of {len(missing)} of its {len(holders)} placeholder sequences "
+                               f"(first: {missing[0]!r}); the driver must send a fill for such a step")
         fill_placeholders(holders, [sampled[s.seq_id] for s in holders])
     return out
 
