@@ -390,6 +390,24 @@ def test_the_nccl_stream_priority_comes_from_the_environment(monkeypatch):
     assert rank_runtime_env()["env_vars"]["TANDEM_KV_NCCL_HIGH_PRIORITY"] == "1"
 
 
+def test_the_lanes_and_pair_groups_switches_reach_the_ranks(monkeypatch):
+    """TANDEM_KV_LEAN and TANDEM_KV_PAIR_GROUPS are read by the agents in the rank actors, and both sides of a pair
+    must agree on the groups: the driver forwards them. Lanes are on unless the switch says 0."""
+    from cluster.ray_runtime import rank_runtime_env
+    from workers.kv_transfer.plan import RankShard
+    from workers.kv_transfer.transport import KVTransferAgent
+
+    cache = torch.zeros(1, 2, 4, 2, 1, 4)
+    shard = RankShard(0, range(1), range(1))
+    monkeypatch.delenv("TANDEM_KV_LEAN", raising=False)
+    assert KVTransferAgent(cache, shard, "prefill").lean
+    monkeypatch.setenv("TANDEM_KV_LEAN", "0")
+    monkeypatch.setenv("TANDEM_KV_PAIR_GROUPS", "1")
+    assert not KVTransferAgent(cache, shard, "prefill").lean
+    env = rank_runtime_env()["env_vars"]
+    assert env["TANDEM_KV_LEAN"] == "0" and env["TANDEM_KV_PAIR_GROUPS"] == "1"
+
+
 class _Posted:
     """A message the fake pair group below 'delivered' at once."""
 

@@ -171,8 +171,9 @@ class RingConfig:
     the config's (its BLOCK_M and so its tile table unchanged). The first launch is the rank's own block, a causal
     triangle of short programs (at 16K tokens SP=4 ~450 TFLOPS on an H100 against ~540 for the fused launch), which
     other tiles may suit better. A BLOCK_N that does not divide the config's, on a split table, is not applied.
-    Opt-in and never run on a GPU yet (2026-11-27: tested in Triton's interpreter only; the session's device time ran
-    out before its sweep).
+    Opt-in: on one H100 (2026-11-27, sixteenth session) the first launch took 0.31 ms with 64/8/3 against 0.32-0.33 by
+    default at 16K tokens SP=4 (ratios within each other's noise, 0.300-0.318 against 0.307-0.313 timed alone), and
+    69.7 against 71.0 ms at 128K SP=2 in one run whose SP=1 drifted 6%: not enough to make it the default.
 
     `gather` (read by parallel/ring_attention.py; SP >= 2): as `fuse`, the rank's own block scattered too, so the
     rank runs ONE launch over every key in position order (programs as long as SP=1's for its query tiles: each

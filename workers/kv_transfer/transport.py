@@ -314,7 +314,7 @@ class KVTransferAgent:
         # tests/gpu/test_disagg_gpu.py[pieces] parted from its reference at the same token with lanes on and off on
         # 2 x H100 (2026-11-27, sixteenth session), so lanes were not its cause; bench_kv_transfer.py's l1 / l0
         # variants compare both paths in one run.
-        self.lean = os.environ.get("TANDEM_KV_LEAN", "1") == "1"
+        self.lean = os.environ.get("TANDEM_KV_LEAN", "1") != "0"
         self._lanes = Lanes(kv_cache.device, LANE_MAX_BLOCKS) if kv_cache.is_cuda else None
 
     def _set_cut(self, kv_cache: torch.Tensor) -> None:
