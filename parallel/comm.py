@@ -35,9 +35,7 @@ def gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Each rank holds a slice of the last dim (column-parallel output): concatenate the slices."""
     if group.size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(group.size)]
-    dist.all_gather(parts, x.contiguous(), group=group.device_group)
-    return torch.cat(parts, dim=-1)
+    return torch.cat(gather_to_all(x, group), dim=-1)
 
 
 def gather_first_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
