@@ -189,10 +189,11 @@ def test_a_paced_decode_stream_sends_several_tokens_an_item_and_loses_none(clien
     # Chunk 0 is the router's token 1, chunk 1 the decode replica's first item (never held), the last is never
     # held either: the gaps between the others are the pace's.
     held = [b - a for a, b in zip(times[1:-1], times[2:-1])]
-    # The replica's gaps are ≥ 20 ms; the client sees them through two more hops, whose jitter can shave a few ms
-    # off one (a 17 ms gap in a CI run), so: none far below, and ~20 ms on average (unpaced: 1-3 ms).
+    # The replica's gaps are ≥ 20 ms; the client sees them through two more hops, whose jitter moves time from one
+    # gap to the next (a late item shortens the gap after it: 17 ms and 9.96 ms gaps in CI runs), so: no gap at the
+    # unpaced 1-3 ms, and ~20 ms on average.
     shown = (held, [len(p) for p in pieces], [round(t - times[0], 3) for t in times])
-    assert held and min(held) >= 0.01 and sum(held) / len(held) >= 0.018, shown
+    assert held and min(held) >= 0.005 and sum(held) / len(held) >= 0.018, shown
     assert len(pieces) < 48, len(pieces)
 
 
