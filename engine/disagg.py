@@ -239,6 +239,23 @@ def _ray_executor(engine: LLMEngine):
 SENT_POLL_S = 0.05  # longest a round of the send watcher waits for news (a request added meanwhile waits this)
 
 
+# A router-driven prefill started early over the router's lane (router/prefill_lane.py) waits this long for its
+# Serve call (`prefill_first`) to take it over; one not taken by then is given up and its blocks freed. The call
+# normally comes within milliseconds; it comes later only when Serve held it back (the replica at its
+# max_ongoing_requests), or never (it went to another replica, or the client left before it was sent).
+FIRST_CLAIM_S = 10.0
+
+
+@dataclass
+class _FirstRun:
+    """One router-driven prefill on this replica: started by its Serve call or, earlier, by the router's lane."""
+    task: asyncio.Task  # `_run`: the prompt and token 1 (a PrefillReady)
+    received: float  # time.time() of the first of the lane's start and the Serve call
+    claimed: bool = False  # the Serve call has taken it: it owns the blocks from here on
+    on_claim: list[Callable[[], None]] = field(default_factory=list)  # the lane's notices, told when claimed
+    expiry: asyncio.TimerHandle | None = None  # FIRST_CLAIM_S, while not claimed
+
+
 @dataclass
 class _AwaitingSend:
     future: asyncio.Future  # True once every rank sent the handoff's KV (or it was abandoned); False at the lease
@@ -261,6 +278,7 @@ class PrefillReplica:
         self._awaiting_send: dict[str, _AwaitingSend] = {}  # by handoff id
         self._watcher: asyncio.Task | None = None
         self._handoffs = itertools.count()  # numbers this replica's prefills (`PrefillReady.handoff_id`)
+        self._first_runs: dict[str, _FirstRun] = {}  # router-driven prefills in progress, by request id
 
     @property
     def alive(self) -> bool:
@@ -305,9 +323,17 @@ class PrefillReplica:
         drives that), or they are abandoned (by the decode replica or the router, `KVTransferAgent.abandon`: a rank
         whose send of them has begun acks only when that send ends), or the lease ends.
         A cancelled call (the client gone while prefilling) frees them at once."""
-        received = time.time()
-        ready = await self._run(request_id, prompt_token_ids, params, priority)
-        ready.output.timeline = {**(ready.output.timeline or {}), "prefill_received": received}
+        run = self._first_runs.get(request_id)
+        if run is None or run.claimed:  # not started by the lane (or a second call under the same id: its own run)
+            run = self._first_runs[request_id] = _FirstRun(
+                asyncio.ensure_future(self._run(request_id, prompt_token_ids, params, priority)), time.time())
+        self._claim(run)
+        try:
+            ready = await run.task  # cancelled (the client gone): the run is too, and frees its blocks
+        finally:
+            if self._first_runs.get(request_id) is run:
+                del self._first_runs[request_id]
+        ready.output.timeline = {**(ready.output.timeline or {}), "prefill_received": run.received}
         if ready.finished:
             return ready
         try:
@@ -321,6 +347,55 @@ class PrefillReplica:
         task.add_done_callback(self._holding.discard)
         ready.output.timeline["prefill_returned"] = time.time()
         return ready
+
+    def start_first(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+                    on_claim: Callable[[], None] | None = None) -> asyncio.Task:
+        """The router's lane starts a router-driven prefill before its Serve call (`prefill_first`) arrives, which
+        then takes the run over. The run's task (its PrefillReady) is returned; `on_claim` is called once the Serve
+        call has taken it, from when on the answer that call returns is the one the decode replica gets. A run not
+        taken within FIRST_CLAIM_S, or dropped by the router (`drop_first`), is given up and its blocks freed."""
+        run = self._first_runs.get(request_id)
+        if run is None:
+            run = self._first_runs[request_id] = _FirstRun(
+                asyncio.ensure_future(self._run(request_id, prompt_token_ids, params, priority)), time.time())
+            run.expiry = asyncio.get_running_loop().call_later(FIRST_CLAIM_S, self.drop_first, request_id)
+        if on_claim is not None:
+            if run.claimed:
+                on_claim()
+            else:
+                run.on_claim.append(on_claim)
+        return run.task
+
+    @property
+    def unclaimed_first_runs(self) -> int:
+        return sum(not run.claimed for run in self._first_runs.values())
+
+    def drop_first(self, request_id: str) -> None:
+        """Give up a lane-started run that no Serve call has taken: cancelled if still running (the engine aborts
+        the request), its blocks freed if it has answered. A run already taken belongs to its call: untouched."""
+        run = self._first_runs.get(request_id)
+        if run is None or run.claimed:
+            return
+        del self._first_runs[request_id]
+        if run.expiry is not None:
+            run.expiry.cancel()
+        if not run.task.done():
+            run.task.cancel()
+        elif not run.task.cancelled() and run.task.exception() is None and not run.task.result().finished:
+            task = asyncio.ensure_future(self.async_engine.cleanup(self.llm_engine.release, request_id))
+            self._holding.add(task)
+            task.add_done_callback(self._holding.discard)
+
+    def _claim(self, run: _FirstRun) -> None:
+        run.claimed = True
+        if run.expiry is not None:
+            run.expiry.cancel()
+        for notify in run.on_claim:
+            try:
+                notify()
+            except Exception:  # noqa: BLE001 - a lane gone meanwhile: the router takes token 1 from the answer
+                log.debug("telling the lane of a claim failed", exc_info=True)
+        run.on_claim.clear()
 
     async def _run(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                    priority: int) -> PrefillReady:

@@ -144,6 +144,11 @@ class AppConfig(EngineArgs):
                                  "is likely idle), the router calls the prefill pool itself, "
                                  "concurrently with the decode replica's reservation, and streams token 1 from the "
                                  "prefill replica's answer: two Serve hops before the first token instead of four.")
+    prefill_lane: bool = Field(default=True, description="Disaggregated, with router_prefill: the router starts "
+                               "its prefills and takes their token 1 over a direct TCP connection to the prefill "
+                               "replica (a 'lane', router/prefill_lane.py) beside the Serve call, which still owns "
+                               "the request: the Serve call's two hops leave the first token's path. False: Serve "
+                               "calls only (no port opened on prefill replicas).")
     router_replicas: int | None = Field(default=None, ge=1, description="Disaggregated: replicas of the router, "
                                         "the deployment that takes every request and streams its tokens to the client. "
                                         "Default: with GPUs, 4 per decode replica, autoscaled with the decode pool "

@@ -11,8 +11,10 @@ callers already queue `max_queued_requests` for it (`AppConfig.backpressure_opti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from ray import serve
@@ -29,9 +31,11 @@ from router.grpc_api import InferenceServicer
 from router.guards import RequestLimits
 from router.openai_api import create_openai_app
 from router.pools import DecodePool, PrefillPool
+from router.prefill_lane import LaneClient
 from router.protocol import BackendUnavailable, GenerateRequest
 from router.replica_metrics import start_publishing
-from router.routing import REPLICAS_POLL_S, ReplicasGone, first_unless_replicas_gone, live_replicas, pool_busy
+from router.routing import (REPLICAS_POLL_S, ReplicasGone, first_unless_replicas_gone, lane_for_prefill, live_replicas,
+                            pool_busy)
 from router.stream_wire import RESERVED_ITEM, StreamDecoder
 from engine.disagg import PrefillReady, abandon_prefill, streamable
 from engine.llm_engine import RequestOutput
@@ -45,6 +49,10 @@ READY_WAIT_S = 60.0  # a request that arrives before the pools answered waits th
 
 class DisaggregatedBackend:
     """`router.protocol.Backend` over the decode pool's Serve handle."""
+
+    lanes: LaneClient | None = None  # router-driven prefills' lanes to the prefill replicas (router/prefill_lane.py)
+    lane_firsts = 0  # requests whose token 1 came over a lane (for tests)
+    block_size = 16
 
     def __init__(self, config: AppConfig, decode: DeploymentHandle, prefill: DeploymentHandle | None = None,
                  ready_wait_s: float = READY_WAIT_S):
@@ -69,6 +77,8 @@ class DisaggregatedBackend:
         self.local_prefill_max_tokens = config.local_prefill_max_tokens
         self.local_prefill_idle_tokens = decode_args.max_num_batched_tokens if config.local_prefill_when_idle else 0
         self.router_prefills = 0  # requests that took it (for tests)
+        self.lanes = LaneClient() if self.router_prefill and config.prefill_lane else None
+        self.block_size = config.block_size
         self._info_task: asyncio.Task | None = None
         self._ready = False
 
@@ -134,7 +144,10 @@ class DisaggregatedBackend:
         (`RESERVED_ITEM`), then takes the same answer and moves the KV as before. Token 1 goes to the client once
         both the answer and the reservation are in, so a full decode replica still refuses (429) before any token.
         Any prefill failure is the decode replica's to handle (a re-prefill, or the whole request on its own
-        engine): the router then streams nothing of its own, and token 1 comes from the decode stream."""
+        engine): the router then streams nothing of its own, and token 1 comes from the decode stream.
+        With a prefill lane (router/prefill_lane.py) the run starts at the lane's message, before the Serve call
+        arrives, and token 1 comes back on the lane once that call has taken the run over: neither Serve hop
+        is on the first token's path."""
         if not await self.ready():
             raise BackendUnavailable("the decode pool is not ready yet")
         rid = req.request_id
@@ -142,7 +155,32 @@ class DisaggregatedBackend:
         # fail it at once, as a call made now would (first_unless_replicas_gone), not wait for a replacement.
         decode_was_live = bool(live_replicas(self.decode))
         called = time.time()
-        response, ref = await self._call_prefill(req)
+        lane = await self._start_on_lane(req)
+        try:
+            async with contextlib.aclosing(self._routed_from(req, called, lane, decode_was_live)) as outs:
+                async for out in outs:
+                    yield out
+        finally:
+            if lane is not None:
+                self.lanes.drop(lane.address, rid)
+
+    async def _start_on_lane(self, req: GenerateRequest) -> _LaneStart | None:
+        """A router-driven prefill started on the lane of the prefill replica that the prefill pool's router will
+        prefer (router/prefill_lane.py); None where there is none to use."""
+        if self.lanes is None:
+            return None
+        chosen = lane_for_prefill(self.prefill, req.prompt_token_ids, self.block_size)
+        if chosen is None:
+            return None
+        key, address, token = chosen
+        first = await self.lanes.start(address, token, req.request_id, req.prompt_token_ids, req.sampling_params,
+                                       req.priority)
+        return None if first is None else _LaneStart(address, key, first)
+
+    async def _routed_from(self, req: GenerateRequest, called: float, lane: _LaneStart | None,
+                           decode_was_live: bool) -> AsyncIterator[RequestOutput]:
+        rid = req.request_id
+        response, ref = await self._call_prefill(req, None if lane is None else lane.replica)
         if ref is None:  # no prefill replica to take it now: the decode replica copes (prefills it itself)
             async for _, out in self._decode_call("generate", req, [rid], lambda item: item[1].finished):
                 yield out
@@ -169,9 +207,18 @@ class DisaggregatedBackend:
                 raise BackendUnavailable(f"request {rid}: the decode replica died and no other one is left") from e
             if item == RESERVED_ITEM:
                 stamps["router_reserved"] = time.time()
-                ready = await _answer_or_none(ref)
+                answer = asyncio.ensure_future(_answer_or_none(ref))
+                first = await _lane_first(lane, answer)
+                if first is not None:  # token 1 over the lane, of the run the Serve call has taken over
+                    stamps["router_lane_first"] = time.time()
+                    self.lane_firsts += 1
+                    streamed = True
+                    yield first
+                ready = await answer
                 stamps["router_answered"] = time.time()
-                if ready is not None and not ready.finished:
+                if first is not None:
+                    _check_lane_first(rid, first, ready)
+                elif ready is not None and not ready.finished:
                     streamed = True
                     yield streamable(ready.output)  # token 1, straight from the prefill replica
                 item = None
@@ -203,11 +250,13 @@ class DisaggregatedBackend:
             async for _, out in self._decode_call("generate", req, [rid], lambda item: item[1].finished, retried=True):
                 yield out
 
-    async def _call_prefill(self, req: GenerateRequest) -> tuple[Any, Any]:
+    async def _call_prefill(self, req: GenerateRequest, lane_replica: str | None = None) -> tuple[Any, Any]:
         """The prefill call (`PrefillPool.prefill_first`) and, once Serve has given it a replica, its ObjectRef;
-        None for the ref (the call cancelled) when the prefill pool has no live replica now."""
+        None for the ref (the call cancelled) when the prefill pool has no live replica now. `lane_replica`: the
+        replica whose lane started the run, which the prefill pool's router then prefers."""
+        pin = {} if lane_replica is None else {"lane_replica": lane_replica}
         response = self.prefill.prefill_first.remote(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                                     req.priority)
+                                                     req.priority, **pin)
         try:
             ref = await self._assigned(response)
         except BaseException:
@@ -320,6 +369,30 @@ async def _answer_or_none(ref) -> PrefillReady | None:
         return await ref
     except Exception:  # noqa: BLE001
         return None
+
+
+@dataclass
+class _LaneStart:
+    address: str  # the prefill replica's lane
+    replica: str  # its key, which the Serve call names so that the prefill pool's router prefers it
+    first: asyncio.Future  # token 1 once the Serve call has claimed the run (`LaneClient.start`)
+
+
+async def _lane_first(lane: _LaneStart | None, answer: asyncio.Future) -> RequestOutput | None:
+    """Token 1 from the lane, if it comes (claimed) before the Serve call's answer; else None (that answer's)."""
+    if lane is None:
+        return None
+    done, _ = await asyncio.wait({lane.first, answer}, return_when=asyncio.FIRST_COMPLETED)
+    return lane.first.result() if lane.first in done else None
+
+
+def _check_lane_first(request_id: str, first: RequestOutput, ready: PrefillReady | None) -> None:
+    """After token 1 went out from the lane: the Serve answer is of the same run (its call claimed it), so the
+    decode replica goes on from that token. An answer that failed (the prefill replica died after token 1) leaves
+    the decode replica to prefill again, from a token 1 of its own: the request ends, 503, as when a decode
+    replica dies mid-stream."""
+    if ready is None or ready.finished or ready.first is None or ready.first.token_id != first.token_ids[0]:
+        raise BackendUnavailable(f"request {request_id}: the prefill replica failed after the first token")
 
 
 def _let_go(stream, response, ref, request_id: str, abandoned: bool) -> None:

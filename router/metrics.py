@@ -172,8 +172,9 @@ def replica_label() -> str:
 # "kv_queued", "kv_push_start", "kv_push_end" (the decode replica), "kv_send_start", "kv_send_end" (its
 # prefill ranks' sends, which the decode replica hears of), "kv_recv_start", "kv_recv_posted", "kv_recv_end" (its ranks'), "prefill_called",
 # "router_reserved", "router_answered" (the router, when it calls the prefill pool itself: its call, the decode
-# replica's reservation and the prefill answer as it sees them), "prefill_received", "prefill_returned" (that
-# call's entry into and return from the prefill replica's method), "queued", "scheduled", "first_token" (the
+# replica's reservation and the prefill answer as it sees them), "router_lane_first" (token 1 in from the prefill
+# lane, router/prefill_lane.py), "prefill_received", "prefill_returned" (the run's start on the prefill replica,
+# at its lane's message or its Serve call's entry, whichever came first, and that call's return), "queued", "scheduled", "first_token" (the
 # engine that ran the prompt), "decode_started", "first_decode_step" (the engine that decodes). Each stage is
 # the time between two stamps: (name, start stamps (the first present counts), end stamp). A stage whose
 # stamps are missing did not happen on the request's path (a colocated request has no KV push).
@@ -187,6 +188,7 @@ STAGES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     # the unary answer's trip from that method's return to the router, which token 1 waits for
     ("prefill_hop", ("prefill_called",), "prefill_received"),
     ("prefill_answer", ("prefill_returned",), "router_answered"),
+    ("lane_first", ("first_token",), "router_lane_first"),  # with a prefill lane: token 1's trip to the router on it
     ("engine_dispatch", ("replica_received", "arrival"), "queued"),  # colocated/local: until the engine has it
     ("queue", ("queued",), "scheduled"),  # waiting for admission on the engine that prefills
     ("prefill", ("scheduled",), "first_token"),  # prefill compute, to the first sampled token

@@ -12,12 +12,14 @@ import contextlib
 import logging
 from typing import Any, AsyncIterator
 
+import ray
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
 
 from router import kv_peers, metrics, replica_metrics, routing
 from router.config import AppConfig
+from router.prefill_lane import LaneServer
 from router.protocol import GenerateRequest
 from router.serve_context import in_own_serve_request
 from router.stream_wire import RESERVED_ITEM, StreamEncoder
@@ -84,6 +86,36 @@ class PrefillPool(_PoolMethods):
         if self._app is not None:
             kv_peers.announce(kv_peers.peers_kv(), self._app, self.replica.replica_id, list(self.replica.executor.workers),
                               self.replica.shards)
+        # The router's lane to this replica (router/prefill_lane.py), opened on the replica's event loop by the
+        # first `stats` or health check, and announced in the routing stats.
+        limit = self.config.max_ongoing_requests("prefill")
+        self.lane = LaneServer(self.replica, lambda: self._load() < limit) if self.config.prefill_lane else None
+
+    def _load(self) -> int:
+        scheduler = self.replica.llm_engine.scheduler
+        return len(scheduler.running) + len(scheduler.waiting)  # held KV awaiting its send is no Serve call
+
+    async def _open_lane(self) -> None:
+        if self.lane is not None and self.lane.address is None:
+            try:
+                await self.lane.start(ray.util.get_node_ip_address())
+            except OSError:  # the replica serves through Serve alone
+                log.warning("the prefill lane could not listen", exc_info=True)
+                self.lane = None
+
+    async def stats(self) -> dict:
+        await self._open_lane()
+        return await super().stats()
+
+    async def check_health(self) -> None:
+        await self._open_lane()
+        await super().check_health()
+
+    def record_routing_stats(self) -> dict:
+        stats = super().record_routing_stats()
+        if self.lane is not None and self.lane.address is not None:
+            stats["lane"], stats["lane_token"] = self.lane.address, self.lane.token
+        return stats
 
     def __del__(self) -> None:
         """Serve's graceful shutdown: take this replica's KV peer entry away (a killed one's is deleted by the
@@ -100,9 +132,11 @@ class PrefillPool(_PoolMethods):
             yield ready
 
     async def prefill_first(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                            priority: int) -> PrefillReady:
+                            priority: int, lane_replica: str | None = None) -> PrefillReady:
         """The router's own prefill call (router-driven prefill): a unary answer, which the router streams token
-        1 from and passes to the decode replica as an ObjectRef; the blocks stay held until sent or abandoned."""
+        1 from and passes to the decode replica as an ObjectRef; the blocks stay held until sent or abandoned.
+        A run the router's lane started here is taken over (`lane_replica` names the replica the router's lane
+        chose, for router/routing.py's choice: not read here)."""
         return await self.replica.prefill_first(request_id, prompt_token_ids, params, priority)
 
 

@@ -54,6 +54,30 @@ def rank_for_prefill(prompt_token_ids: Sequence[int], replicas: Sequence[_Replic
     return [[r] for r in by_affinity]
 
 
+def pinned_first(ranked: list[list[_Replica]], pin: str | None) -> list[list[_Replica]]:
+    """`ranked` with the replica whose key is `pin` (the one the router's prefill lane chose) first."""
+    if pin is None:
+        return ranked
+    front = [rank for rank in ranked if any(_replica_key(r) == pin for r in rank)]
+    return front + [rank for rank in ranked if rank not in front]
+
+
+def lane_for_prefill(handle: Any, prompt_token_ids: Sequence[int], block_size: int
+                     ) -> tuple[str, str, str] | None:
+    """(replica key, lane address, lane token) of the prefill replica the prefill pool's router would choose
+    first for a prompt (the same ranking over the same stats), if it has announced a lane
+    (router/prefill_lane.py); None if not, or where the handle's replicas are not known yet."""
+    _, replicas = _known_replicas(handle)
+    if not replicas:
+        return None
+    ranked = rank_for_prefill(prompt_token_ids, list(replicas.values() if isinstance(replicas, dict) else replicas),
+                              block_size)
+    stats = getattr(ranked[0][0], "routing_stats", None) or {}
+    if not stats.get("lane") or not stats.get("lane_token"):
+        return None
+    return _replica_key(ranked[0][0]), str(stats["lane"]), str(stats["lane_token"])
+
+
 def rank_for_decode(replicas: Sequence[_Replica]) -> list[list[_Replica]]:
     """Most free KV blocks first, then the smaller running batch; replicas without stats yet last."""
     def key(r: _Replica) -> tuple[int, int]:
@@ -171,7 +195,9 @@ class PrefillAffinityRouter(RequestRouter):
         prompt = _prefill_prompt(pending_request)
         if prompt is None:  # health probes and other calls: any replica
             return [candidate_replicas]
-        return rank_for_prefill(prompt, candidate_replicas, self.block_size, self.imbalance)
+        ranked = rank_for_prefill(prompt, candidate_replicas, self.block_size, self.imbalance)
+        pin = (getattr(pending_request, "kwargs", None) or {}).get("lane_replica")
+        return pinned_first(ranked, pin if isinstance(pin, str) else None)
 
 
 class DecodeCapacityRouter(RequestRouter):

@@ -26,7 +26,7 @@ from workers.config import ENGINE_FIELDS, SECTIONS, EngineArgs
 SECTION_TITLES = {"model": "model", "parallel": "parallelism (per replica)", "cache": "KV cache",
                   "scheduler": "batching and queues", "speculative": "speculative decoding"}
 SERVED_FIELDS = ("served_model_name", "api_keys", "api_keys_env", "request_timeout_s", "local_prefill_max_tokens",
-                 "local_prefill_when_idle", "router_prefill", "kv_push_pieces", "kv_transfers_in_flight", "router_replicas", "stream_items_per_s", "max_request_body_bytes", "max_prompt_chars", "trace_requests",
+                 "local_prefill_when_idle", "router_prefill", "prefill_lane", "kv_push_pieces", "kv_transfers_in_flight", "router_replicas", "stream_items_per_s", "max_request_body_bytes", "max_prompt_chars", "trace_requests",
                  "sse_keepalive_s", "tool_call_parser", "max_queued_requests")
 
 

@@ -310,6 +310,22 @@ def test_kv_transfer_metric_shows_the_prompts_moving_between_pools(cluster):
     assert moved % block_bytes == 0  # whole blocks move
 
 
+def test_token_1_comes_over_the_prefill_lane(cluster, client):
+    """Every request here is router-driven (local_prefill_max_tokens=0): its prefill starts on the prefill replica's
+    lane (router/prefill_lane.py) and token 1 comes back on it, which the request's `lane_first` stage counts.
+    The lane is announced in the replica's routing stats, polled every second: requests before that take Serve."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def lane_firsts() -> float:
+        client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=3, temperature=0)
+        text = urllib.request.urlopen(f"{cluster['http']}/metrics", timeout=30).read().decode()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        return sum(s.value for s in families["tandem_request_stage_seconds"].samples
+                   if s.name == "tandem_request_stage_seconds_count" and s.labels.get("stage") == "lane_first")
+
+    assert _wait(lane_firsts, 60, "no request's token 1 came over the prefill lane", interval=2.0) > 0
+
+
 def test_api_port_metrics_cover_every_replica(cluster, client):
     """GET /metrics on the app's own port (no Ray metrics port) shows the pools' engine metrics beside the
     Router's: every replica publishes its page to Ray's KV, the answering Router replica merges them
