@@ -147,7 +147,7 @@ class LaneClient:
                     priority: int) -> asyncio.Future | None:
         """Send `start`; the future gives token 1 once the replica has it and its Serve call has claimed the
         run, or None when it will not (refused, finished at token 1, failed, the lane closed). None instead of a
-        future when the lane cannot be reached now."""
+        future when the lane is not open now (the first request to a replica opens it for the next ones)."""
         conn = await self._connection(address, token)
         if conn is None:
             return None
@@ -175,16 +175,17 @@ class LaneClient:
             log.debug("dropping %s on the lane failed", request_id, exc_info=True)
 
     async def _connection(self, address: str, token: str) -> _Connection | None:
+        """The open connection to `address`; None while there is none, which starts one in the background (no
+        request waits for a connect: a lane being opened, or unreachable, is Serve calls only meanwhile)."""
         conn = self._connections.get(address)
         if conn is not None:
             return conn
         if time.monotonic() - self._failed_at.get(address, -RETRY_AFTER_S) < RETRY_AFTER_S:
             return None
-        pending = self._connecting.get(address)
-        if pending is None:
+        if address not in self._connecting:
             pending = self._connecting[address] = asyncio.ensure_future(self._connect(address, token))
             pending.add_done_callback(lambda _: self._connecting.pop(address, None))
-        return await asyncio.shield(pending)
+        return None
 
     async def _connect(self, address: str, token: str) -> _Connection | None:
         host, port = address.rsplit(":", 1)
