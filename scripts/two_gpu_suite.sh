@@ -76,9 +76,10 @@ run_pd_small() {  # issue 27: in 256 / out 64 at 32 req/s, PD goodput >= 0.95x c
     --out "$RES/pd_small"
 }
 run_pd_c1() {  # issue 27: concurrency-1 TTFT (<= 1.10x) and TPOT (<= 1.05x), fixed 2048 in / 128 out, PD vs colocated;
-  # pd = router-driven prefill (the default), pd-decode-driven = the earlier flow (--no-router-prefill), same call;
+  # pd = router-driven prefill with its prefill lane (the defaults), pd-nolane = Serve calls only (--no-prefill-lane),
+  # pd-decode-driven = the earlier flow (--no-router-prefill), same call;
   # PD_C1_DEPLOYMENTS="colocated;pd" runs only those of them
-  local PD_C1_ALL="colocated=--replicas 2;pd=--disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle;pd-decode-driven=--disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle --no-router-prefill"
+  local PD_C1_ALL="colocated=--replicas 2;pd=--disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle;pd-nolane=--disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle --no-prefill-lane;pd-decode-driven=--disaggregated --local-prefill-max-tokens 0 --no-local-prefill-when-idle --no-router-prefill"
   if [ -n "${PD_C1_DEPLOYMENTS:-}" ]; then  # names -> their definitions
     PD_C1_DEPLOYMENTS=$(tr ';' '\n' <<<"$PD_C1_ALL" | grep -E "^($(tr ';' '|' <<<"$PD_C1_DEPLOYMENTS"))=" | paste -sd ';')
   fi
