@@ -27,6 +27,7 @@ frees no block that one of its ranks has begun sending (`KVTransferAgent.abandon
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import itertools
@@ -279,6 +280,7 @@ class PrefillReplica:
         self._watcher: asyncio.Task | None = None
         self._handoffs = itertools.count()  # numbers this replica's prefills (`PrefillReady.handoff_id`)
         self._first_runs: dict[str, _FirstRun] = {}  # router-driven prefills in progress, by request id
+        self._first_taken: collections.deque[str] = collections.deque(maxlen=1024)  # the newest runs calls took
 
     @property
     def alive(self) -> bool:
@@ -327,7 +329,7 @@ class PrefillReplica:
         if run is None or run.claimed:  # not started by the lane (or a second call under the same id: its own run)
             run = self._first_runs[request_id] = _FirstRun(
                 asyncio.ensure_future(self._run(request_id, prompt_token_ids, params, priority)), time.time())
-        self._claim(run)
+        self._claim(request_id, run)
         try:
             ready = await run.task  # cancelled (the client gone): the run is too, and frees its blocks
         finally:
@@ -349,13 +351,17 @@ class PrefillReplica:
         return ready
 
     def start_first(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-                    on_claim: Callable[[], None] | None = None) -> asyncio.Task:
+                    on_claim: Callable[[], None] | None = None) -> asyncio.Task | None:
         """The router's lane starts a router-driven prefill before its Serve call (`prefill_first`) arrives, which
         then takes the run over. The run's task (its PrefillReady) is returned; `on_claim` is called once the Serve
         call has taken it, from when on the answer that call returns is the one the decode replica gets. A run not
-        taken within FIRST_CLAIM_S, or dropped by the router (`drop_first`), is given up and its blocks freed."""
+        taken within FIRST_CLAIM_S, or dropped by the router (`drop_first`), is given up and its blocks freed.
+        None for a request whose Serve call has already taken a run here (a start that came late) or whose id the
+        engine has now: a second run under one id would be refused, and its clean-up could abort the first's."""
         run = self._first_runs.get(request_id)
         if run is None:
+            if request_id in self._first_taken or request_id in self.llm_engine.requests:
+                return None  # a start that came after its Serve call's run (or under an id in use): never a second
             run = self._first_runs[request_id] = _FirstRun(
                 asyncio.ensure_future(self._run(request_id, prompt_token_ids, params, priority)), time.time())
             run.expiry = asyncio.get_running_loop().call_later(FIRST_CLAIM_S, self.drop_first, request_id)
@@ -386,8 +392,9 @@ class PrefillReplica:
             self._holding.add(task)
             task.add_done_callback(self._holding.discard)
 
-    def _claim(self, run: _FirstRun) -> None:
+    def _claim(self, request_id: str, run: _FirstRun) -> None:
         run.claimed = True
+        self._first_taken.append(request_id)
         if run.expiry is not None:
             run.expiry.cancel()
         for notify in run.on_claim:

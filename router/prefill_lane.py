@@ -107,10 +107,13 @@ class LaneServer:
         if self.replica.unclaimed_first_runs >= MAX_UNCLAIMED or not self.admit():
             send(("first", request_id, None))  # the Serve call runs it, as without a lane
             return
-        self.started += 1
-        mine.add(request_id)
         task = self.replica.start_first(request_id, prompt, params, priority,
                                         on_claim=lambda: send(("claimed", request_id)))
+        if task is None:
+            send(("first", request_id, None))
+            return
+        self.started += 1
+        mine.add(request_id)
 
         def done(task: asyncio.Task) -> None:
             mine.discard(request_id)

@@ -6,6 +6,7 @@ engine's run replaced by a timed fake; the served path end to end is in tests/te
 from __future__ import annotations
 
 import asyncio
+import collections
 from types import SimpleNamespace
 
 import pytest
@@ -29,9 +30,10 @@ class _Replica(PrefillReplica):
 
     def __init__(self, run_s: float = 0.05, finished: bool = False):
         self._first_runs, self._holding, self._handoffs = {}, set(), iter(range(100))
+        self._first_taken = collections.deque(maxlen=1024)
         self.run_s, self.finished, self.runs, self.released, self.cancelled = run_s, finished, [], [], []
         self.shards, self.executor = [], SimpleNamespace(workers=[])
-        self.llm_engine = SimpleNamespace(release=lambda rid: self.released.append(rid))
+        self.llm_engine = SimpleNamespace(release=lambda rid: self.released.append(rid), requests={})
 
         async def cleanup(fn, rid):
             fn(rid)
@@ -122,6 +124,21 @@ def test_a_serve_call_before_the_lane_start_runs_once_and_the_lane_still_gets_to
 
     replica, out = asyncio.run(body())
     assert replica.runs == ["r1"] and out.token_ids == [7]
+
+
+def test_a_start_after_its_serve_call_s_run_or_under_an_id_in_use_starts_nothing():
+    """A second run under one id would be refused by the engine, and its clean-up could abort the first's."""
+    async def body():
+        replica = _Replica()
+        server, client = await _lane(replica)
+        await replica.prefill_first("late", PROMPT, SamplingParams(max_tokens=4), 0)
+        replica.llm_engine.requests["busy"] = object()
+        outs = [await asyncio.wait_for(await _start(server, client, rid), 2) for rid in ("late", "busy")]
+        client.close()
+        return replica, server, outs
+
+    replica, server, outs = asyncio.run(body())
+    assert outs == [None, None] and replica.runs == ["late"] and server.started == 0
 
 
 @pytest.mark.parametrize("when", ["running", "answered"])
