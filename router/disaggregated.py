@@ -195,6 +195,7 @@ class DisaggregatedBackend:
         self._streams[rid] = stream
         decoder = StreamDecoder()
         stamps: dict[str, float] = {}
+        lane_token: RequestOutput | None = None  # token 1 as the lane gave it, until the decode stream's first item
         streamed, finished, retry, abandoned = False, False, False, False
         try:
             try:
@@ -208,23 +209,25 @@ class DisaggregatedBackend:
             if item == RESERVED_ITEM:
                 stamps["router_reserved"] = time.time()
                 answer = asyncio.ensure_future(_answer_or_none(ref))
-                first = await _lane_first(lane, answer)
-                if first is not None:  # token 1 over the lane, of the run the Serve call has taken over
+                lane_token = await _lane_first(lane, answer)
+                if lane_token is not None:  # token 1 over the lane, of the run the Serve call has taken over
                     stamps["router_lane_first"] = time.time()
                     self.lane_firsts += 1
                     streamed = True
-                    yield first
-                ready = await answer
-                stamps["router_answered"] = time.time()
-                if first is not None:
-                    _check_lane_first(rid, first, ready)
-                elif ready is not None and not ready.finished:
-                    streamed = True
-                    yield streamable(ready.output)  # token 1, straight from the prefill replica
+                    yield lane_token
+                else:
+                    ready = await answer
+                    stamps["router_answered"] = time.time()
+                    if ready is not None and not ready.finished:
+                        streamed = True
+                        yield streamable(ready.output)  # token 1, straight from the prefill replica
                 item = None
             while True:
                 if item is not None:
                     _, out = decoder.decode(item)
+                    if lane_token is not None:
+                        _check_lane_first(rid, lane_token, out)
+                        lane_token = None
                     streamed = True
                     if out.finished:
                         finished = True
@@ -386,12 +389,13 @@ async def _lane_first(lane: _LaneStart | None, answer: asyncio.Future) -> Reques
     return lane.first.result() if lane.first in done else None
 
 
-def _check_lane_first(request_id: str, first: RequestOutput, ready: PrefillReady | None) -> None:
-    """After token 1 went out from the lane: the Serve answer is of the same run (its call claimed it), so the
-    decode replica goes on from that token. An answer that failed (the prefill replica died after token 1) leaves
-    the decode replica to prefill again, from a token 1 of its own: the request ends, 503, as when a decode
-    replica dies mid-stream."""
-    if ready is None or ready.finished or ready.first is None or ready.first.token_id != first.token_ids[0]:
+def _check_lane_first(request_id: str, first: RequestOutput, out: RequestOutput) -> None:
+    """The decode stream's first output after token 1 went out from the lane: the Serve answer the decode replica
+    went on from is of the same run (its call claimed it), so its tokens start with that token. An answer that
+    failed (the prefill replica died after token 1) has the decode replica prefill again, maybe to another token 1
+    (sampling): then the request ends, 503, as when a decode replica dies mid-stream. Read from the stream, the
+    check costs the stream nothing (waiting for the Serve answer first held the decode stream's first items back)."""
+    if out.token_ids and out.token_ids[0] != first.token_ids[0]:
         raise BackendUnavailable(f"request {request_id}: the prefill replica failed after the first token")
 
 

@@ -253,13 +253,12 @@ def test_an_unreachable_lane_is_skipped_then_retried_later(monkeypatch):
     assert not tried_again and retried
 
 
-def test_the_router_ends_a_request_whose_answer_is_not_the_lane_s_token_1():
-    out = RequestOutput("r1", [], token_ids=[7])
-    ok = PrefillReady("p", RequestOutput("r1", PROMPT, token_ids=[7], finish_reason="handoff"), SampledToken(7, 0.0))
-    _check_lane_first("r1", out, ok)
-    for bad in (None, PrefillReady("p", RequestOutput("r1", PROMPT, [8], finish_reason="handoff"), SampledToken(8, 0.0))):
-        with pytest.raises(BackendUnavailable, match="failed after the first token"):
-            _check_lane_first("r1", out, bad)
+def test_the_router_ends_a_request_whose_decode_stream_did_not_go_on_from_the_lane_s_token_1():
+    first = RequestOutput("r1", [], token_ids=[7])
+    for same in ([7, 3], [7], []):  # went on from it (also a re-prefill that sampled it again), or no token at all
+        _check_lane_first("r1", first, RequestOutput("r1", PROMPT, token_ids=same))
+    with pytest.raises(BackendUnavailable, match="failed after the first token"):
+        _check_lane_first("r1", first, RequestOutput("r1", PROMPT, token_ids=[8, 3]))
 
 
 def _stats_replica(key: str, lane: str | None, running: int = 0):

@@ -174,6 +174,7 @@ def test_a_paced_decode_stream_sends_several_tokens_an_item_and_loses_none(clien
     at most; unpaced, this CPU streams a token every 1-3 ms): the chunks after the router's token 1 come at least
     ~20 ms apart, each with several tokens' text,
     and together they are the non-streamed text."""
+    import statistics
     import time
 
     prompt = PROMPTS[0]
@@ -190,10 +191,10 @@ def test_a_paced_decode_stream_sends_several_tokens_an_item_and_loses_none(clien
     # held either: the gaps between the others are the pace's.
     held = [b - a for a, b in zip(times[1:-1], times[2:-1])]
     # The replica's gaps are ≥ 20 ms; the client sees them through two more hops, whose jitter moves time from one
-    # gap to the next (a late item shortens the gap after it: 17 ms and 9.96 ms gaps in CI runs), so: no gap at the
-    # unpaced 1-3 ms, and ~20 ms on average.
+    # gap to the next (a late item shortens the ones after it: 17, 9.96 and once 52-7-2 ms gaps on the 2-core box),
+    # so the typical gap, not the shortest: median ≥ 15 ms and mean ≥ 18 ms (unpaced, both 1-3 ms).
     shown = (held, [len(p) for p in pieces], [round(t - times[0], 3) for t in times])
-    assert held and min(held) >= 0.005 and sum(held) / len(held) >= 0.018, shown
+    assert held and statistics.median(held) >= 0.015 and sum(held) / len(held) >= 0.018, shown
     assert len(pieces) < 48, len(pieces)
 
 
