@@ -46,10 +46,11 @@ run_latency() {  # TP=1, TP=2 with the NCCL-only all-reduce, TP=2 with the P2P o
       --out "$RES/latency_$2.json" ${3:-} || return $?
   done
 }
-run_pd() {  # issue 27's goodput curve: each rate sends 15 s of Poisson arrivals (rate x 15 requests), so it reaches its steady state
+run_pd() {  # issue 27's goodput curve: each rate sends 15 s of Poisson arrivals (rate x 15 requests), so it reaches its steady state;
+  # PD_DEPLOYMENTS="name=flags;..." replaces the two deployments (the first stays the baseline)
   python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
     --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16" \
-    --deployments "colocated=--replicas 2;pd=--disaggregated" \
+    --deployments "${PD_DEPLOYMENTS:-colocated=--replicas 2;pd=--disaggregated}" \
     --bench-args "--input-len 2048 --output-len 256 --request-rates $PD_RATES --arrival-seconds 15 --num-prompts 400 --max-token-id 100000 --ttft-slo 1 --tpot-slo 0.05 --extra-tpot-slos 0.02 --save-requests" \
     --out "$RES/pd_vs_colocated"
 }
