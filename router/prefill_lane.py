@@ -91,8 +91,10 @@ class LaneServer:
                 elif message[0] == "drop":
                     mine.discard(message[1])
                     self.replica.drop_first(message[1])
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError, pickle.UnpicklingError):
-            pass
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
+            pass  # the router went away (or never said hello)
+        except Exception:  # noqa: BLE001 - a frame this replica cannot read: the connection ends, the replica serves on
+            log.warning("prefill lane: closing a connection after a bad frame", exc_info=True)
         finally:
             for request_id in mine:
                 self.replica.drop_first(request_id)
