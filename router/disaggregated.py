@@ -51,7 +51,6 @@ class DisaggregatedBackend:
     """`router.protocol.Backend` over the decode pool's Serve handle."""
 
     lanes: LaneClient | None = None  # router-driven prefills' lanes to the prefill replicas (router/prefill_lane.py)
-    lane_firsts = 0  # requests whose token 1 came over a lane (for tests)
     block_size = 16
 
     def __init__(self, config: AppConfig, decode: DeploymentHandle, prefill: DeploymentHandle | None = None,
@@ -212,7 +211,6 @@ class DisaggregatedBackend:
                 lane_token = await _lane_first(lane, answer)
                 if lane_token is not None:  # token 1 over the lane, of the run the Serve call has taken over
                     stamps["router_lane_first"] = time.time()
-                    self.lane_firsts += 1
                     streamed = True
                     yield lane_token
                 else:

@@ -279,3 +279,19 @@ def test_the_router_picks_the_lane_of_the_replica_the_prefill_router_ranks_first
         ranked = pinned_first(rank_for_prefill(prompt, replicas, 16), "b")
         assert ranked[0][0].replica_id.unique_id == "b" and len(ranked) == 3
     assert lane_for_prefill(SimpleNamespace(), [1] * 20, 16) is None  # no replicas known yet
+
+
+def test_the_prefill_pool_s_router_tries_the_replica_the_lane_chose_first():
+    """The Serve call names the lane's replica (`lane_replica`); without the name, the prompt's own ranking."""
+    from router.routing import PrefillAffinityRouter, rank_for_prefill
+
+    replicas = [_stats_replica(k, None) for k in ("a", "b", "c")]
+    router = object.__new__(PrefillAffinityRouter)  # only what choose_replicas reads
+    router.block_size, router.imbalance = 16, 8
+    prompt = [1] * 20
+    natural = [r.replica_id.unique_id for [r] in rank_for_prefill(prompt, replicas, 16)]
+    pin = natural[-1]  # the replica the ranking puts last
+    for kwargs, want_first in (({}, natural[0]), ({"lane_replica": pin}, pin)):
+        pending = SimpleNamespace(args=("r1", prompt, None, 0), kwargs=kwargs)
+        ranked = asyncio.run(router.choose_replicas(replicas, pending))
+        assert ranked[0][0].replica_id.unique_id == want_first and len(ranked) == 3
