@@ -182,7 +182,8 @@ class AppConfig(EngineArgs):
                                         "or message (gRPC) accepted; larger: 413 / RESOURCE_EXHAUSTED, before parsing.")
     trace_requests: bool = Field(default=False, description="Log one JSON line per finished request (logger "
                                  "`tandem.trace`) with its stage timestamps relative to arrival: queue, prefill, KV "
-                                 "push, decode admission, first decode step, first byte.")
+                                 "push, decode admission, first decode step, first byte. `tandem serve` then sets "
+                                 "RAY_DEDUP_LOGS=0 (unless set), so Ray does not fold the lines together.")
     sse_keepalive_s: float = Field(default=5.0, gt=0, description="A stream still queued after this many seconds "
                                    "starts with SSE comment lines (`: keep-alive`), repeated at this period until its "
                                    "first tokens, so that proxies' and clients' idle timeouts do not fire.")

@@ -21,7 +21,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log to RES/N
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
   echo "$(date -u +%H:%M:%S) start $name" >>"$RES/progress.txt"
-  timeout --kill-after=20 "$limit" bash -c "$*" 2>&1 | tr '\r' '\n' | grep -v -e 'it/s' -e 's/it' >"$RES/$name.log"
+  timeout --kill-after=20 "$limit" bash -c "$*" 2>&1 | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v -e 'it/s' -e 's/it' >"$RES/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "$(date -u +%H:%M:%S) done $name rc=$rc in $(( $(date +%s) - t0 )) s" >>"$RES/progress.txt"
   ray stop --force >/dev/null 2>&1 || true  # a step killed by its limit may leave a Ray session behind

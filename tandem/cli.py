@@ -137,6 +137,27 @@ def _layout(ns: argparse.Namespace) -> dict[str, Any]:
     return {"colocated": True, "decode": {**(decode_args or {}), "num_replicas": ns.replicas or 1}}
 
 
+def _asks_for_traces(ns: argparse.Namespace) -> bool:
+    """Whether `--trace-requests` or the --config file's app args turn `trace_requests` on. Read without
+    validating (serve_spec does that): an unreadable file is serve_spec's error to report."""
+    if getattr(ns, "trace_requests", None) is not None:
+        return bool(ns.trace_requests)
+    if not ns.config:
+        return False
+    import yaml
+
+    try:
+        with open(ns.config) as f:
+            loaded = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return False
+    if not isinstance(loaded, dict):
+        return False
+    apps = loaded.get("applications")
+    arg_sets = [a.get("args") for a in apps if isinstance(a, dict)] if isinstance(apps, list) else [loaded]
+    return any(isinstance(args, dict) and args.get("trace_requests") is True for args in arg_sets)
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     """Run the served app in the foreground on the current (or a new local) Ray cluster until Ctrl-C."""
     import signal
@@ -144,6 +165,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     from tandem.serving import check_ports_free, exposure_warnings, ready_line, start, stop as stop_serve, wait_ready
 
+    if _asks_for_traces(ns):
+        # Ray folds log lines that differ only in their ids and numbers ("[repeated 6x across cluster]"),
+        # which drops most per-request trace lines on their way to this terminal. Its switch is read once,
+        # when Ray is imported (serve_spec imports it), so it is set first; a value the user set stays.
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     spec, config = serve_spec(ns)
     if not os.environ.get("RAY_ADDRESS"):
         check_ports_free(spec)  # this machine runs the proxies; on a cluster they may run elsewhere

@@ -141,6 +141,41 @@ def test_serve_spec_from_a_serve_config_keeps_its_options_and_every_application(
     assert config.colocated and config.decode.num_replicas == 2 and config.engine_args("decode").max_num_seqs == 32
 
 
+def test_serve_turns_rays_log_folding_off_before_ray_loads_when_traces_are_asked_for(tmp_path, monkeypatch):
+    """Ray folds log lines that differ only in ids and numbers, which drops most `tandem.trace` lines; its
+    switch is read when Ray is imported, which serve_spec does, so cmd_serve must set it before."""
+    parse = cli.build_parser().parse_args
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({"applications": [{"name": "tandem", "import_path": "router.app:build_app",
+                                                         "args": {"trace_requests": True}}]}))
+    flat = tmp_path / "args.yaml"
+    flat.write_text(yaml.safe_dump({"trace_requests": True}))
+    assert cli._asks_for_traces(parse(["serve", "--trace-requests"]))
+    assert cli._asks_for_traces(parse(["serve", "--config", str(config)]))
+    assert cli._asks_for_traces(parse(["serve", "--config", str(flat)]))
+    assert not cli._asks_for_traces(parse(["serve", "--config", str(config), "--no-trace-requests"]))
+    assert not cli._asks_for_traces(parse(["serve"]))
+    assert not cli._asks_for_traces(parse(["serve", "--config", str(ROOT / "deploy/serve_config.yaml")]))
+    assert not cli._asks_for_traces(parse(["serve", "--config", str(tmp_path / "missing.yaml")]))
+
+    seen = []
+
+    def spec_seen(ns):
+        seen.append(os.environ.get("RAY_DEDUP_LOGS"))
+        raise cli.CommandError("stop here")
+
+    monkeypatch.setattr(cli, "serve_spec", spec_seen)
+    for argv, wanted in ((["serve"], None), (["serve", "--trace-requests"], "0")):
+        monkeypatch.delenv("RAY_DEDUP_LOGS", raising=False)
+        with pytest.raises(cli.CommandError):
+            cli.cmd_serve(parse(argv))
+        assert seen.pop() == wanted
+    monkeypatch.setenv("RAY_DEDUP_LOGS", "1")  # the user's own setting stays
+    with pytest.raises(cli.CommandError):
+        cli.cmd_serve(parse(["serve", "--trace-requests"]))
+    assert seen.pop() == "1"
+
+
 def test_serve_layout_flags():
     parse = cli.build_parser().parse_args
     _, config = cli.serve_spec(parse(["serve", DEFAULT_MODEL]))
