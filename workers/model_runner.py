@@ -97,6 +97,20 @@ class ModelRunner:
         self.cuda_graphs = self._capture_cuda_graphs() if tp_group().size == 1 else None
         self.piecewise_graphs = self._capture_piecewise_graphs() if tp_group().size == 1 else None
         self.verify_graphs = self._capture_verify_graphs()
+        if tp_group().size == 1:
+            self._watch_compiles(True)
+
+    def _watch_compiles(self, on: bool) -> None:
+        """On: start-up's compiles are over, so log each later one with its kernel and time (a step waits for it;
+        parallel/kernels/compile_watch.py). Off while the KV cache is resized: that captures graphs again."""
+        if self.device.type != "cuda":
+            return
+        from parallel.kernels import compile_watch
+
+        if not on:
+            compile_watch.disarm()
+        elif compile_watch.install():
+            compile_watch.arm()
 
     def _warm_up_kernels(self) -> None:
         """Compile the Triton kernels for every prefill tile size (16, 32, 64, 128 tokens; 512 for the
@@ -191,6 +205,7 @@ class ModelRunner:
         unchanged: that is when TP ranks capture their decode graphs, all together."""
         if num_blocks > self.num_blocks:
             raise ValueError(f"cannot grow the KV cache from {self.num_blocks} to {num_blocks} blocks")
+        self._watch_compiles(False)
         if num_blocks < self.num_blocks:
             for layer in self.attn_layers:
                 layer.kv_cache = None
@@ -206,6 +221,7 @@ class ModelRunner:
             self.verify_graphs = self._capture_verify_graphs()
         if self.piecewise_graphs is None:
             self.piecewise_graphs = self._capture_piecewise_graphs()
+        self._watch_compiles(True)
 
     def kv_bytes_per_block(self) -> int:
         a = self.attn_layers[0]
