@@ -6,7 +6,7 @@
 #     RES=/tmp/res bash scripts/two_gpu_suite.sh [step ...]     # default: every step, in this order
 #
 # LIMITS="sp=200 sp_serve=380" overrides steps' time limits; SP_LENGTHS the sp step's prompt lengths, PD_RATES the
-# pd step's request rates, KV_MIN_MESSAGES the kv step's message counts, KV_COPY_PROGRAMS and KV_OVERLAP_COPY_PROGRAMS its row-copy grid caps.
+# pd step's request rates (PD_ARRIVAL_S: seconds of arrivals a rate, 15), KV_MIN_MESSAGES the kv step's message counts, KV_COPY_PROGRAMS and KV_OVERLAP_COPY_PROGRAMS its row-copy grid caps.
 # Steps: tests offline latency pd kv sp ep fault (the default), and pp allreduce pd_small pd_c1 sp_serve tp_serve
 # pd_trace pd_profile.
 set -u
@@ -51,7 +51,7 @@ run_pd() {  # issue 27's goodput curve: each rate sends 15 s of Poisson arrivals
   python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
     --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16" \
     --deployments "${PD_DEPLOYMENTS:-colocated=--replicas 2;pd=--disaggregated}" \
-    --bench-args "--input-len 2048 --output-len 256 --request-rates $PD_RATES --arrival-seconds 15 --num-prompts 400 --max-token-id 100000 --ttft-slo 1 --tpot-slo 0.05 --extra-tpot-slos 0.02 --save-requests" \
+    --bench-args "--input-len 2048 --output-len 256 --request-rates $PD_RATES --arrival-seconds ${PD_ARRIVAL_S:-15} --num-prompts 400 --max-token-id 100000 --ttft-slo 1 --tpot-slo 0.05 --extra-tpot-slos 0.02 --save-requests" \
     --out "$RES/pd_vs_colocated"
 }
 run_kv() {  # the agent as is, cut into more messages a transfer (min_messages, KV_MIN_MESSAGES), over a pair with
