@@ -277,7 +277,10 @@ for sp, n, cfg in ((4, 256, "16,16,4,1,fuse,batchcopy,trim0"), (3, 257, "16,16,4
     shards = parts[0][2]
     for r in range(sp):
         srcs = [(r - s) % sp for s in range(sp)]
-        for li, (qs, blocks, _) in enumerate(parts):
+        for li, part in enumerate(parts):
+            if li and r:  # the second "layer" through the kept plan: rank 0 of each config (the interpreter is slow)
+                continue
+            qs, blocks, _ = part
             steps = _RingSteps(qs[r], blocks[r], shards[r], [shards[s] for s in srcs], S, None, True, cfg)
             rows = rt.rows_per_tile(steps.config, 4, 2)
             trim = steps.plan.trim
@@ -294,8 +297,9 @@ for sp, n, cfg in ((4, 256, "16,16,4,1,fuse,batchcopy,trim0"), (3, 257, "16,16,4
             pos = torch.arange(n)
             want = causal(q, k, v, pos, pos)[positions[r]]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str((sp, cfg, r, li)))
-            again = ring_rank_attention(qs[r], blocks, shards, r, S, "triton", kernel_config=cfg)
-            torch.testing.assert_close(again, got, rtol=0, atol=0)
+            if not (li or r):  # the public entry point, bitwise the same: once per config
+                again = ring_rank_attention(qs[r], blocks, shards, r, S, "triton", kernel_config=cfg)
+                torch.testing.assert_close(again, got, rtol=0, atol=0)
             checked += 1
         # The planned scatter (ScatterLaunch, the own block its last source) and the per-call fallback agree bitwise.
         buf = torch.empty_like(steps.plan.kv)
@@ -320,7 +324,7 @@ print("ok", checked)
 
 def test_trimmed_first_launch_in_the_triton_interpreter():
     out = run_interpreted(TRIM_SCRIPT)
-    assert out.strip().split()[-2:] == ["ok", str(2 * (4 + 3 + 4 + 4) + 3)], out[-800:]
+    assert out.strip().split()[-2:] == ["ok", str((4 + 3 + 4 + 4) + 4 + 3)], out[-800:]
 
 
 def test_plain_loads_for_the_first_launch_only(monkeypatch):
