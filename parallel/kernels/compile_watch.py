@@ -47,7 +47,7 @@ def _hook_slots() -> tuple[Any, str, str] | None:
 
 
 def install() -> bool:
-    """Put the watch in front of whatever hooks are set (they still run, and their answer stands).
+    """Chain the watch after whatever hooks are set (they still run first, and their answer stands).
     Idempotent; False where this Triton has no hooks to attach to."""
     global _installed
     with _lock:
