@@ -63,6 +63,7 @@ class ModelRunner:
             if self.device.index is None:  # the current device: a rank that sees its node's GPUs has chosen its own
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+        self._watch_compiles(False)  # this runner's start-up compiles (a draft model's, after the target's start)
         if self.device.type == "cuda" and tp_group().size > 1 and not config.parallel.disable_p2p_all_reduce:
             enable_p2p_all_reduce(tp_group(), self.device, self.dtype)
         self.model = load_model(hf_config, config.model.model, self.dtype, self.device, max_model_len,
