@@ -138,7 +138,8 @@ class AppConfig(EngineArgs):
                                           "this many tokens not already cached on its decode replica is prefilled "
                                           "there, with no KV handoff; 0 = hand every prompt off.")
     local_prefill_when_idle: bool = Field(default=True, description="Disaggregated: a decode replica with nothing "
-                                          "running or queued prefills a prompt itself when one step holds it.")
+                                          "running or queued prefills a prompt itself when one step holds it. With prefill_lane on, the router "
+                                          "prefills such prompts over the lane instead, as quick for token 1.")
     router_prefill: bool = Field(default=True, description="Disaggregated: for a prompt that its decode replica "
                                  "would hand off whatever its state (or, fitting one step, while no decode replica "
                                  "is likely idle), the router calls the prefill pool itself, "

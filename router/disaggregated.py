@@ -131,10 +131,15 @@ class DisaggregatedBackend:
         anyway, and the decode-driven path puts two more Serve hops and a reservation before the prefill (on
         2 x H100 at 4-16 req/s, 2K-token prompts reached the prefill engine 22.5 ms after arrival, p50, where a
         colocated replica's engine had them at 5.3 ms). Stale stats (a second at most) only choose the slower
-        of two correct paths."""
+        of two correct paths.
+        With a prefill lane every such prompt is routed, idle decode replicas or not: over the lane token 1 comes as
+        fast as from a local prefill (2 x H100, rate 1: the router's stats had a decode replica at one request, not
+        busy, when it had begun another; 27 of 60 prompts then took the decode-driven path, 10-15 ms more before the
+        prefill and 3-6 ms more after it, and PD's TTFT p50 was 1.11-1.22x colocated, against 1.08x at one client
+        with every prompt over the lane)."""
         if not self.router_prefill or prompt_len <= self.local_prefill_max_tokens:
             return False
-        return prompt_len > self.local_prefill_idle_tokens or pool_busy(self.decode)
+        return prompt_len > self.local_prefill_idle_tokens or self.lanes is not None or pool_busy(self.decode)
 
     async def _generate_routed(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Router-driven prefill: token 1 takes two Serve hops (router -> prefill replica -> router), not four.

@@ -52,7 +52,7 @@ run_pd() {  # issue 27's goodput curve: each rate sends 15 s of Poisson arrivals
     --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16" \
     --deployments "${PD_DEPLOYMENTS:-colocated=--replicas 2;pd=--disaggregated}" \
     --bench-args "--input-len 2048 --output-len 256 --request-rates $PD_RATES --arrival-seconds ${PD_ARRIVAL_S:-15} --num-prompts 400 --max-token-id 100000 --ttft-slo 1 --tpot-slo 0.05 --extra-tpot-slos 0.02 --save-requests" \
-    --out "$RES/pd_vs_colocated"
+    --log-dir "$RES/pd_logs" --out "$RES/pd_vs_colocated"
 }
 run_kv() {  # the agent as is, cut into more messages a transfer (min_messages, KV_MIN_MESSAGES), over a pair with
   # high-priority NCCL streams, and with its gather/scatter grid capped (KV_COPY_PROGRAMS), each beside raw NCCL

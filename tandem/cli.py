@@ -163,13 +163,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from tandem.serving import check_ports_free, exposure_warnings, ready_line, start, stop as stop_serve, wait_ready
-
     if _asks_for_traces(ns):
         # Ray folds log lines that differ only in their ids and numbers ("[repeated 6x across cluster]"),
         # which drops most per-request trace lines on their way to this terminal. Its switch is read once,
-        # when Ray is imported (serve_spec imports it), so it is set first; a value the user set stays.
+        # when Ray is imported, so `main` sets it before building the parser (which imports Ray); here for
+        # callers of cmd_serve alone, where Ray is not imported yet. A value the user set stays.
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+    from tandem.serving import check_ports_free, exposure_warnings, ready_line, start, stop as stop_serve, wait_ready
     spec, config = serve_spec(ns)
     if not os.environ.get("RAY_ADDRESS"):
         check_ports_free(spec)  # this machine runs the proxies; on a cluster they may run elsewhere
@@ -287,8 +288,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unfold_traces_early(argv: list[str]) -> None:
+    """`tandem serve` with traces on: RAY_DEDUP_LOGS=0 before the parser is built, since building it imports Ray
+    (router/config.py validates Serve's own config types), which reads the switch once (see cmd_serve)."""
+    if not argv or argv[0] != "serve":
+        return
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--trace-requests", action=argparse.BooleanOptionalAction, default=None)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv[1:])
+    if _asks_for_traces(known):
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _unfold_traces_early(sys.argv[1:] if argv is None else argv)
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)

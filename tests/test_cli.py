@@ -176,6 +176,25 @@ def test_serve_turns_rays_log_folding_off_before_ray_loads_when_traces_are_asked
     assert seen.pop() == "1"
 
 
+def test_serve_turns_ray_log_folding_off_before_ray_is_imported():
+    """Ray reads RAY_DEDUP_LOGS once, at import: a fresh `tandem serve --trace-requests` must set it before
+    anything imports Ray, the parser included (on 2 x H100 an import ahead of it left 18 of 60 trace lines)."""
+    code = (
+        "import sys\n"
+        "import tandem.cli as cli\n"
+        "def spec(ns):\n"
+        "    import ray._private.ray_constants as c\n"
+        "    print('folding', c.RAY_DEDUP_LOGS)\n"
+        "    raise cli.CommandError('stop here')\n"
+        "cli.serve_spec = spec\n"
+        "cli.main(sys.argv[1:])\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_DEDUP_LOGS"}
+    for flag, wanted in (("--trace-requests", "folding False"), ("--no-trace-requests", "folding True")):
+        out = subprocess.run([sys.executable, "-c", code, "serve", flag], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert wanted in out.stdout, out.stdout + out.stderr
+
+
 def test_serve_layout_flags():
     parse = cli.build_parser().parse_args
     _, config = cli.serve_spec(parse(["serve", DEFAULT_MODEL]))

@@ -66,3 +66,17 @@ def test_hooks_set_before_still_run_and_may_skip_the_compile(watch):
     assert calls == [("before", ("k",)), ("after", ("k",)), ("before", ("cached elsewhere",))]
     assert compile_watch.compiles_while_armed() == 1
     assert not compile_watch._started
+
+def test_a_paused_set_up_compiles_unlogged_and_leaves_the_watch_as_it_was(watch):
+    assert compile_watch.install()
+    compile_watch.arm()
+    with compile_watch.paused():  # a KV transfer agent's copy kernels, compiled once its replica joins
+        _triton_compiles(*watch, key=("kv set-up",))
+    assert compile_watch.compiles_while_armed() == 0
+    _triton_compiles(*watch, key=("serving",))
+    assert compile_watch.compiles_while_armed() == 1  # armed again after
+    compile_watch.disarm()
+    with compile_watch.paused():
+        pass
+    _triton_compiles(*watch, key=("still start-up",))
+    assert compile_watch.compiles_while_armed() == 1  # not armed by the pause where it was not before

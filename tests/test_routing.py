@@ -76,11 +76,12 @@ def test_a_pool_is_busy_only_when_every_replica_reported_work():
     assert not pool_busy(object())  # not a Serve 2.60 handle: not known
 
 
-def test_the_router_prefills_a_prompt_an_idle_decode_replica_would_take_only_when_none_is_idle():
+def test_the_router_prefills_a_prompt_an_idle_decode_replica_would_take_only_when_none_is_idle_or_over_a_lane():
     from router.disaggregated import DisaggregatedBackend
 
     backend = object.__new__(DisaggregatedBackend)  # only what routes_prefill reads
     backend.router_prefill, backend.local_prefill_max_tokens, backend.local_prefill_idle_tokens = True, 256, 8192
+    backend.lanes = None  # Serve calls only
     busy, idle = {"running": 5, "waiting": 1}, {"running": 0, "waiting": 0}
     backend.decode = _handle(busy, busy)
     assert backend.routes_prefill(2048) and backend.routes_prefill(9000)
@@ -88,5 +89,7 @@ def test_the_router_prefills_a_prompt_an_idle_decode_replica_would_take_only_whe
     backend.decode = _handle(busy, idle)
     assert not backend.routes_prefill(2048)  # the idle replica may take it: its decode replica decides
     assert backend.routes_prefill(9000)  # above one step: every decode replica hands it off
+    backend.lanes = object()  # with a prefill lane, token 1 comes as fast from the prefill pool: routed anyway
+    assert backend.routes_prefill(2048) and not backend.routes_prefill(200)
     backend.router_prefill = False
     assert not backend.routes_prefill(9000)

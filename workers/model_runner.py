@@ -139,8 +139,26 @@ class ModelRunner:
             decode = ScheduledSeq("warm-up-decode", [0], ctx, blocks(0, ctx + 1), True, _GREEDY, 1)
             chunk = ScheduledSeq("warm-up-chunk", [0] * 40, 16, blocks(chunk_blocks, 56), True, _GREEDY, 0)
             self.execute(SchedulerOutput([decode, chunk]))
+        self._warm_up_split_counts(blocks)
         torch.cuda.synchronize()
         log.info("Triton kernels warmed up in %.1f s", time.perf_counter() - t0)
+
+    def _warm_up_split_counts(self, blocks) -> None:
+        """A decode row's context, and that of a sequence running 2..16 new tokens (the split-context kernel of
+        parallel/kernels/verify_attention.py), is cut into 1..64 slices by its length (`num_decode_splits`), and
+        each count is a variant of the merge kernel. The decode graphs compile the counts their batch sizes take;
+        an eager step meets others: one long decode beside a prefill chunk, or a prompt's last few tokens. On
+        2 x H100 such a first use stalled its step 1.06-1.34 s (issues 26, 27). One step per count compiles them:
+        a decode at a context of 64 x 2^k tokens beside 8 new tokens after as many."""
+        few = 8
+        longest = self.max_model_len - few  # its count too: 1,000 tokens are cut in 16, not 8
+        for ctx in sorted({min(64 << k, longest) for k in range(7)}):
+            if ctx < 16 or 2 * len(blocks(0, ctx + few)) > self.num_blocks:
+                break
+            second = len(blocks(0, ctx + 1))
+            decode = ScheduledSeq("warm-up-decode", [0], ctx, blocks(0, ctx + 1), True, _GREEDY, 1)
+            tail = ScheduledSeq("warm-up-tail", [0] * few, ctx, blocks(second, ctx + few), True, _GREEDY, 0)
+            self.execute(SchedulerOutput([decode, tail]))
 
     def _capture_cuda_graphs(self):
         """Decode CUDA graphs (workers/cuda_graphs.py) on CUDA, alone or under TP; None where they don't

@@ -15,10 +15,11 @@ receive the same `key`. Older Triton versions have the two as `JITFunction.cache
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,18 @@ def arm() -> None:
 def disarm() -> None:
     global _armed
     _armed = False
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Set-up that compiles after the runner armed the watch (a KV transfer agent's copy kernels, made once its
+    replica joins a pool): not a compile while serving. Armed again after, if it was."""
+    global _armed
+    was, _armed = _armed, False
+    try:
+        yield
+    finally:
+        _armed = was or _armed
 
 
 def compiles_while_armed() -> int:

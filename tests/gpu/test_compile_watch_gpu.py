@@ -31,3 +31,26 @@ def test_a_new_specialisation_after_arming_is_counted_once():
         assert out[:32].tolist() == [float(i) for i in range(32)]
     finally:
         compile_watch.disarm()
+
+
+def test_served_step_shapes_compile_nothing_after_start_up():
+    """The start-up warm-up leaves no Triton variant for serving to compile: one long decode beside a prompt's
+    last few tokens (the split-context kernel and every count of context slices its merge takes), a prompt of a
+    few tokens alone, and a long prompt's prefill. On 2 x H100 the first such step stalled 1.06-1.34 s."""
+    from tandem import LLM, SamplingParams
+    from workers.scheduler_output import ScheduledSeq, SchedulerOutput
+
+    llm = LLM("models/tandem-tiny", device="cuda", dtype="bfloat16", max_model_len=1024)
+    runner = llm.llm_engine.executor.runner
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    before = compile_watch.compiles_while_armed()
+    bs = runner.block_size
+    for ctx in (40, 100, 300, 700, 1000):
+        n = -(-(ctx + 9) // bs)
+        decode = ScheduledSeq("d", [1], ctx, list(range(n)), True, greedy, 1)
+        tail = ScheduledSeq("t", [2] * 9, ctx, list(range(n, 2 * n)), True, greedy, 0)
+        runner.execute(SchedulerOutput([decode, tail]))
+        runner.execute(SchedulerOutput([tail]))
+    llm.generate([[3] * 5, [4] * 900], SamplingParams(max_tokens=4, temperature=0.0))
+    torch.cuda.synchronize()
+    assert compile_watch.compiles_while_armed() == before

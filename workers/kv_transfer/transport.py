@@ -262,6 +262,7 @@ class KVTransferAgent:
             raise ValueError(f"role must be 'prefill' or 'decode', not {role!r}")
         self.kv_cache = kv_cache  # [L_local, 2, num_blocks, block_size, H_local, D]
         self._blocks = CacheBlocks(kv_cache)  # its gathers and scatters, with the cache's views made once
+        warm_kernels(kv_cache)  # compiled now, at set-up, not on a pair's first join while serving
         # Transfers run on CUDA streams of their own, one per thread that runs them (several transfers may be in
         # flight at once, each on its own actor thread: `_own_stream`): on the stream the engine computes on, a
         # send's gather queued behind the prefill step running then (tens of ms), and a receive's scatter and final
