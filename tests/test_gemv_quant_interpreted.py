@@ -90,10 +90,11 @@ for name, pw, deq in cases(48):  # plain product, with and without bias, every c
     assert not isinstance(qw, str), (name, qw)
     assert torch.allclose(deq, pw.dequantize(), atol=1e-6), name
     x, b = torch.randn(1, K), torch.randn(48)
+    check(gq.qgemv(x, qw, None), x @ deq.t(), TOL, (name, "no bias"))  # the bias is a branch, not a tile matter
+    checked += 1
     for cfg in gq.candidates(qw)[:2] + [dict(BLOCK_N=32, KS=1, num_warps=1, num_stages=1)]:  # 48 rows: one tile masked
         check(gq.qgemv(x, qw, b, cfg), x @ deq.t() + b, TOL, (name, cfg))
-        check(gq.qgemv(x, qw, None, cfg), x @ deq.t(), TOL, (name, cfg))
-        checked += 2
+        checked += 1
     xb = x.bfloat16()
     check(gq.qgemv(xb, qw, b.bfloat16()), xb.float() @ deq.t() + b.bfloat16().float(), 1e-2, (name, "bf16"))
     checked += 1
@@ -128,4 +129,4 @@ print("ok", checked)
 
 def test_quantized_fused_gemv_in_the_triton_interpreter():
     out = run_interpreted(SCRIPT, timeout=900).strip()
-    assert out.startswith("ok") and int(out.split()[-1]) == 99, out
+    assert out.startswith("ok") and int(out.split()[-1]) == 81, out

@@ -86,18 +86,21 @@ cases = [  # (hq, hkv, q_lens, ctx_lens)
     (8, 1, [8, 4, 7], [5, 190, 61]),
     (4, 1, [16, 1, 11], [128, 3, 66]),
 ]
+# Every case with every split count, and with the kernel writing the k/v and not (both at the default count);
+# fp16 (rounding, not indexing, is what it adds) at two of them: all 20 pairs on every case took ~60 s in CI.
+SPLITS_FUSE = {torch.float32: ((None, False), (None, True), (1, True), (2, False), (3, True), (4, False)),
+               torch.float16: ((None, True), (3, False))}
 for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 3e-3)):
     for hq, hkv, q_lens, ctx_lens in cases:
         q, k, v, cache, meta = batch(q_lens, ctx_lens, hq, hkv, dtype)
         ref = reference(q, k, v, cache, meta)
         want_cache = written(cache, k, v, meta)
-        for splits in (None, 1, 2, 3, 4):
-            for fuse in (False, True):
-                out, c = kernel(q, k, v, cache, meta, splits, fuse)
-                err = (out.float() - ref).abs().max().item()
-                assert err < tol, (dtype, hq, hkv, q_lens, ctx_lens, splits, fuse, err)
-                assert torch.equal(c, want_cache), (dtype, hq, hkv, q_lens, ctx_lens, splits, fuse)
-                checked += 1
+        for splits, fuse in SPLITS_FUSE[dtype]:
+            out, c = kernel(q, k, v, cache, meta, splits, fuse)
+            err = (out.float() - ref).abs().max().item()
+            assert err < tol, (dtype, hq, hkv, q_lens, ctx_lens, splits, fuse, err)
+            assert torch.equal(c, want_cache), (dtype, hq, hkv, q_lens, ctx_lens, splits, fuse)
+            checked += 1
 
 # The backend's routing: short queries take this kernel (same result), 17 tokens the prefill kernel.
 for q_lens, expect_verify in (([6, 2], True), ([17, 3], False)):
@@ -143,4 +146,4 @@ print("ok", checked)
 
 def test_verify_attention_in_the_triton_interpreter():
     out = run_interpreted(SCRIPT, timeout=900).strip()
-    assert out.startswith("ok") and int(out.split()[-1]) == 104, out
+    assert out.startswith("ok") and int(out.split()[-1]) == 44, out
