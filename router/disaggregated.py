@@ -134,8 +134,8 @@ class DisaggregatedBackend:
         of two correct paths.
         With a prefill lane every such prompt is routed, idle decode replicas or not: over the lane token 1 comes as
         fast as from a local prefill (2 x H100, rate 1: the router's stats had a decode replica at one request, not
-        busy, when it had begun another; 27 of 60 prompts then took the decode-driven path, 10-15 ms more before the
-        prefill and 3-6 ms more after it, and PD's TTFT p50 was 1.11-1.22x colocated, against 1.08x at one client
+        busy, when it had begun another; 6 of the 18 timelines the log kept took the decode-driven path, 10-15 ms more
+        before the prefill and 3-6 ms more after it, and PD's TTFT p50 was 1.11-1.22x colocated, against 1.08x at one client
         with every prompt over the lane)."""
         if not self.router_prefill or prompt_len <= self.local_prefill_max_tokens:
             return False

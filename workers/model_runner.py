@@ -148,7 +148,7 @@ class ModelRunner:
         parallel/kernels/verify_attention.py), is cut into 1..64 slices by its length (`num_decode_splits`), and
         each count is a variant of the merge kernel. The decode graphs compile the counts their batch sizes take;
         an eager step meets others: one long decode beside a prefill chunk, or a prompt's last few tokens. On
-        2 x H100 such a first use stalled its step 1.06-1.34 s (issues 26, 27). One step per count compiles them:
+        2 x H100 such a first use stalled its step 1.06 s (the compile watch's log; issues 26, 27). One step per count compiles them:
         a decode at a context of 64 x 2^k tokens beside 8 new tokens after as many."""
         few = 8
         longest = self.max_model_len - few  # its count too: 1,000 tokens are cut in 16, not 8

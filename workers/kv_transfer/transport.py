@@ -413,7 +413,6 @@ class KVTransferAgent:
                 op = g.send if self.role == "prefill" else g.recv
                 works += [op([torch.ones(1, dtype=torch.uint8, device=device)], peer, WARM_TAG) for peer in peers]
             self._wait(spec.pair_id, group, works)
-            warm_kernels(self.kv_cache)  # and the gather / scatter kernels compiled
 
     def _nccl(self, spec: PairSpec) -> bool:
         """Whether the pair's group is NCCL (else gloo)."""
