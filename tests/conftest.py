@@ -70,6 +70,18 @@ def no_shared_ray():
     stop_ray()
 
 
+def pytest_collection_finish(session) -> None:
+    """Run the selected `@pytest.mark.interpreted(SCRIPT, timeout=...)` tests' scripts ahead, on the CPU the
+    other tests leave idle (tests/interpreter.py)."""
+    from tests.interpreter import run_ahead
+
+    run_ahead([(m.args[0], m.kwargs.get("timeout", 900)) for item in session.items
+               for m in item.iter_markers("interpreted")])
+
+
 def pytest_sessionfinish(session, exitstatus):
+    from tests.interpreter import stop_run_ahead
+
+    stop_run_ahead()
     if _shared:
         stop_ray()

@@ -4,6 +4,8 @@ shapes: every shape reports bf16 and FP8 rates, the sweep's tiles are run and ch
 takes back for those shapes. The GPU timing itself is the script's job on a GPU."""
 from __future__ import annotations
 
+import pytest
+
 from tests.interpreter import run_interpreted
 
 SCRIPT = r'''
@@ -55,6 +57,7 @@ print("ok", len(lines), sum(len(r["sweep"]) for r in rep["results"]))
 '''
 
 
+@pytest.mark.interpreted(SCRIPT, timeout=900)
 def test_fp8_sweep_script_in_the_triton_interpreter():
     out = run_interpreted(SCRIPT, timeout=900).strip()
     assert out.startswith("ok 4"), out

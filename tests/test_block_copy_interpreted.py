@@ -44,6 +44,7 @@ print("ok", checks)
 '''
 
 
+@pytest.mark.interpreted(SCRIPT, timeout=600)
 def test_row_copy_gathers_and_scatters_whole_blocks_like_pytorchs_index_ops():
     assert run_interpreted(SCRIPT, timeout=600).strip().endswith("ok 5")
 

@@ -42,9 +42,13 @@ def _main() -> None:
     print("ok")
 
 
+TP2_SCRIPT = "from tests.test_fused_decode_tp_interpreted import _main; _main()"
+
+
+@pytest.mark.interpreted(TP2_SCRIPT, timeout=600)
 def test_row_parallel_gemv_under_tp2_in_the_triton_interpreter():
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("the compiled kernels are tested on the GPU (tests/gpu/test_fused_decode.py)")
-    out = run_interpreted("from tests.test_fused_decode_tp_interpreted import _main; _main()", timeout=600)
+    out = run_interpreted(TP2_SCRIPT, timeout=600)
     assert "ok" in out, out[-3000:]

@@ -114,17 +114,25 @@ def test_layer_kinds():
     assert fused_gemv.kind_of(RowParallelLinear(64, 64, group=one)) == "residual"
 
 
+TP2_SCRIPT = "from tests.test_fused_gemv_wiring_interpreted import _main_tp2; _main_tp2()"
+
+
+@pytest.mark.interpreted(TP2_SCRIPT, timeout=600)
 def test_quantized_row_parallel_gemv_under_tp2_in_the_triton_interpreter():
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("the compiled kernels are tested on the GPU (tests/gpu/test_gemv_quant.py)")
-    out = run_interpreted("from tests.test_fused_gemv_wiring_interpreted import _main_tp2; _main_tp2()", timeout=600)
+    out = run_interpreted(TP2_SCRIPT, timeout=600)
     assert "ok" in out, out[-3000:]
 
 
+GATE_UP_SCRIPT = "from tests.test_fused_gemv_wiring_interpreted import _main_gate_up; _main_gate_up()"
+
+
+@pytest.mark.interpreted(GATE_UP_SCRIPT, timeout=600)
 def test_quantized_gate_up_through_linear_gemv_in_the_triton_interpreter():
     pytest.importorskip("triton")
-    out = run_interpreted("from tests.test_fused_gemv_wiring_interpreted import _main_gate_up; _main_gate_up()",
+    out = run_interpreted(GATE_UP_SCRIPT,
                           timeout=600)
     assert "ok" in out, out[-3000:]
 

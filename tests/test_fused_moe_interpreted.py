@@ -4,6 +4,8 @@ experts with block-wise (K blocks smaller than the kernel's K tile) and per-row 
 expert loop of workers/models/moe.py on the same weights. Some pairs go to experts of another EP rank."""
 from __future__ import annotations
 
+import pytest
+
 from tests.interpreter import run_interpreted
 
 SCRIPT = r'''
@@ -37,5 +39,6 @@ print("ok", checked)
 '''
 
 
+@pytest.mark.interpreted(SCRIPT, timeout=600)
 def test_fused_moe_plain_and_fp8_in_the_triton_interpreter():
     assert run_interpreted(SCRIPT, timeout=600).strip().endswith("ok 8")

@@ -6,6 +6,8 @@ during the current one (PREFETCH). Also
 `FP8_TABLE`: an entry for a shape is what `fused_gemv.tune` returns for it, and one that does not fit K is not."""
 from __future__ import annotations
 
+import pytest
+
 from tests.interpreter import run_interpreted
 
 SCRIPT = r'''
@@ -74,6 +76,7 @@ print("ok", checked)
 '''
 
 
+@pytest.mark.interpreted(SCRIPT, timeout=900)
 def test_fp8_red_tiles_in_the_triton_interpreter():
     out = run_interpreted(SCRIPT, timeout=900).strip()
     assert out == "ok 72", out

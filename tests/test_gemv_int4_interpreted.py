@@ -10,6 +10,8 @@ and scripts/bench_gemv.py --int4 (every tile checked against tinygemm there).
 """
 from __future__ import annotations
 
+import pytest
+
 from tests.interpreter import run_interpreted
 
 SCRIPT = r'''
@@ -89,6 +91,7 @@ print("ok", checked)
 '''
 
 
+@pytest.mark.interpreted(SCRIPT, timeout=900)
 def test_int4_gemv_in_the_triton_interpreter():
     out = run_interpreted(SCRIPT, timeout=900).strip()
     assert out.startswith("ok") and int(out.split()[-1]) == 30, out

@@ -12,6 +12,8 @@ bf16 for the plain product. Also the default tiles of every format, and ragged N
 compiled kernel is tested in tests/gpu/test_gemv_quant.py."""
 from __future__ import annotations
 
+import pytest
+
 from tests.interpreter import run_interpreted
 
 SCRIPT = r'''
@@ -127,6 +129,7 @@ print("ok", checked)
 '''
 
 
+@pytest.mark.interpreted(SCRIPT, timeout=900)
 def test_quantized_fused_gemv_in_the_triton_interpreter():
     out = run_interpreted(SCRIPT, timeout=900).strip()
     assert out.startswith("ok") and int(out.split()[-1]) == 81, out

@@ -8,6 +8,8 @@ in bf16 and under CUDA-graph capture through `parallel.matmul.linear`, is tested
 tests/gpu/test_gemv_rows.py."""
 from __future__ import annotations
 
+import pytest
+
 from tests.interpreter import run_interpreted
 
 SCRIPT = r'''
@@ -52,6 +54,7 @@ print("ok", checked)
 '''
 
 
+@pytest.mark.interpreted(SCRIPT, timeout=600)
 def test_rows_gemv_in_the_triton_interpreter():
     out = run_interpreted(SCRIPT, timeout=600).strip()
     assert out.startswith("ok") and int(out.split()[-1]) >= 90, out

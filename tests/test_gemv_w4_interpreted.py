@@ -12,6 +12,8 @@ same); compiled runs: tests/gpu/test_gemv_w4.py and scripts/bench_gemv_w4.py.
 """
 from __future__ import annotations
 
+import pytest
+
 from tests.interpreter import run_interpreted
 
 SCRIPT = r'''
@@ -74,6 +76,7 @@ print("ok", checked)
 '''
 
 
+@pytest.mark.interpreted(SCRIPT, timeout=900)
 def test_w4_gemv_in_the_triton_interpreter():
     out = run_interpreted(SCRIPT, timeout=900).strip()
     assert out.startswith("ok") and int(out.split()[-1]) >= 10, out

@@ -5,6 +5,8 @@ per channel), with bias, equal to x @ the reference dequantized weight. The same
 compiled in tests/gpu/test_quant_kernels.py."""
 from __future__ import annotations
 
+import pytest
+
 from tests.interpreter import run_interpreted
 
 SCRIPT = r'''
@@ -50,5 +52,6 @@ print("ok", len(cases))
 '''
 
 
+@pytest.mark.interpreted(SCRIPT, timeout=600)
 def test_quantized_gemms_in_the_triton_interpreter():
     assert run_interpreted(SCRIPT, timeout=600).strip().endswith("ok 6")

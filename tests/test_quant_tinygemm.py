@@ -170,6 +170,7 @@ print("ok")
 '''
 
 
+@pytest.mark.interpreted(SCRIPT, timeout=600)
 def test_int4pack_dequantize_kernel_in_the_triton_interpreter():
     assert run_interpreted(SCRIPT, timeout=600).strip().endswith("ok")
 

@@ -497,16 +497,19 @@ print("ok", checked)
 '''
 
 
+@pytest.mark.interpreted(SCATTER_SCRIPT, timeout=900)
 def test_fused_scatter_in_the_triton_interpreter():
     out = run_interpreted(SCATTER_SCRIPT)
     assert out.strip().split()[-2:] == ["ok", "3"], out[-500:]
 
 
+@pytest.mark.interpreted(SCRIPT, timeout=900)
 def test_ring_step_kernel_in_the_triton_interpreter():
     out = run_interpreted(SCRIPT)
     assert out.strip().split()[-2:] == ["ok", "76"], out[-500:]
 
 
+@pytest.mark.interpreted(RING_SCRIPT, timeout=900)
 def test_ring_launches_in_the_triton_interpreter():
     out = run_interpreted(RING_SCRIPT)
     configs, fused, fp16, gathered, hybrid = 9, 3, 6, 2 * (2 + 3), 2 * 2 + 2 * 2 * 2
@@ -514,6 +517,7 @@ def test_ring_launches_in_the_triton_interpreter():
                                                   + fused * 3 + gathered + hybrid + configs + 1 + 3 * 3 + 2)], out[-500:]
 
 
+@pytest.mark.interpreted(SPLIT_SCRIPT, timeout=900)
 def test_split_k_in_the_triton_interpreter():
     out = run_interpreted(SPLIT_SCRIPT)
     assert out.strip().split()[-2:] == ["ok", str(5 * 3 + 1 + 1 + 2 * 4 * (2 + 4) + (2 + 4) + 1 + 2 + 3 * 4)], out[-500:]

@@ -132,6 +132,7 @@ print("ok", checked)
 '''
 
 
+@pytest.mark.interpreted(REUSE_SCRIPT, timeout=900)
 def test_launches_planned_once_per_plan_in_the_triton_interpreter():
     out = run_interpreted(REUSE_SCRIPT)
     want = 2 * (2 + 2 + 4 + 4 + 3 + 2 + 4 + 2 + 4 + 4 + 4 + 4 + 3 + 4) + 2 * 2 + 3  # every rank of each case, twice
@@ -322,6 +323,7 @@ print("ok", checked)
 '''
 
 
+@pytest.mark.interpreted(TRIM_SCRIPT, timeout=900)
 def test_trimmed_first_launch_in_the_triton_interpreter():
     out = run_interpreted(TRIM_SCRIPT)
     assert out.strip().split()[-2:] == ["ok", str((4 + 3 + 4 + 4) + 4 + 3)], out[-800:]
@@ -416,6 +418,7 @@ print("ok", checked)
 '''
 
 
+@pytest.mark.interpreted(SCATTER_PLAN_SCRIPT, timeout=900)
 def test_planned_scatter_in_the_triton_interpreter():
     """`ScatterLaunch` (a fused or hybrid ring's one scatter, planned with its kept buffer) copies what
     `scatter_blocks` does, bitwise, call after call; blocks of other sizes launch nothing."""

@@ -6,6 +6,8 @@ decode and alone: greedy output token-identical to the same engine without specu
 backend, with the split-context kernel actually run. The graphed path is tests/gpu/test_spec_decode_gpu.py."""
 from __future__ import annotations
 
+import pytest
+
 from tests.interpreter import run_interpreted
 
 SCRIPT = r'''
@@ -40,6 +42,7 @@ print("ok", len(calls), stats["spec_decode_num_accepted_tokens"])
 '''
 
 
+@pytest.mark.interpreted(SCRIPT, timeout=900)
 def test_ngram_greedy_through_the_triton_attention_path_is_token_identical():
     out = run_interpreted(SCRIPT, timeout=900).strip()
     assert out.startswith("ok"), out

@@ -156,6 +156,7 @@ print("ok")
 '''
 
 
+@pytest.mark.interpreted(INTERPRETED, timeout=600)
 def test_whole_prompts_through_the_prefill_kernel_in_the_triton_interpreter():
     """Ulysses' fresh prompts run the engine's causal prefill kernel (on CPU through Triton's interpreter,
     in a process of its own: TRITON_INTERPRET must be set before the kernels are defined; tests/interpreter.py)."""

@@ -10,6 +10,8 @@ after the real ones, a padding sequence), whose real rows must equal the unpadde
 cache are left to tests/gpu/test_verify_attention.py: the interpreter's tl.dot mis-reads bf16."""
 from __future__ import annotations
 
+import pytest
+
 from tests.interpreter import run_interpreted
 
 SCRIPT = r'''
@@ -144,6 +146,7 @@ print("ok", checked)
 '''
 
 
+@pytest.mark.interpreted(SCRIPT, timeout=900)
 def test_verify_attention_in_the_triton_interpreter():
     out = run_interpreted(SCRIPT, timeout=900).strip()
     assert out.startswith("ok") and int(out.split()[-1]) == 44, out
