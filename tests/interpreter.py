@@ -10,11 +10,11 @@ from any other script (the server itself runs no kernel, and every child starts 
 Running ahead on the idle core: CI has 2 cores, and the rest of the suite (Ray actors, servers, engines that wait
 on each other) leaves about one of them idle (vmstat during a run: 40-55% idle), while an interpreted script keeps
 one core busy for 10-70 s. A test marked `@pytest.mark.interpreted(SCRIPT, timeout=...)` has its script run
-ahead, from the end of collection, by a second server at the lowest CPU priority (nice 19), so it only takes CPU
-the other tests leave. When the test comes, `run_interpreted` takes that run's result (waiting if it is under way),
-or, if its turn has not come, runs the script itself as before; a run ahead that timed out or lost its server is
-run again by the test. Only the selected tests' scripts run ahead (`-k`, paths). TANDEM_TEST_RUN_AHEAD=0 turns
-it off.
+ahead, from the end of collection and last test first, by a second server at the lowest CPU priority (nice 19),
+so it only takes CPU the other tests leave. When the test comes, `run_interpreted` takes that run's result
+(waiting if it is under way), or, if its turn has not come, runs the script itself as before; a run ahead that
+timed out or lost its server is run again by the test. Only the selected tests' scripts run ahead (`-k`, paths).
+TANDEM_TEST_RUN_AHEAD=0 turns it off.
 """
 from __future__ import annotations
 
@@ -166,8 +166,9 @@ class RunAhead:
         self.thread.start()
 
     def _next(self) -> _Ahead | None:
+        """The queued job whose test comes last: the first ones' tests come soon and run them themselves."""
         with self.lock:
-            for job in self.jobs.values():
+            for job in reversed(self.jobs.values()):
                 if job.state == "queued" and not self.stopped:
                     job.state = "running"
                     return job

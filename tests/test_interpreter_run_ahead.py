@@ -31,7 +31,7 @@ def _alive(pid: int) -> bool:
 
 def test_a_script_run_ahead_at_low_priority_gives_its_result_to_its_test():
     failing = "import sys; sys.exit(3)"
-    ahead = RunAhead([(NICE, 60), (failing, 60)], preload=())
+    ahead = RunAhead([(failing, 60), (NICE, 60)], preload=())  # the last test's script first
     try:
         _wait(lambda: _started(ahead, NICE))
         status, out, _ = ahead.take(NICE)  # waits for the run under way
@@ -43,14 +43,14 @@ def test_a_script_run_ahead_at_low_priority_gives_its_result_to_its_test():
 
 
 def test_a_test_that_comes_first_runs_its_script_itself_and_it_is_not_run_again():
-    slow, later = "import time; time.sleep(1.5); print('slow')", "print('later')"
-    ahead = RunAhead([(slow, 60), (later, 60)], preload=())
+    slow, sooner = "import time; time.sleep(1.5); print('slow')", "print('sooner')"
+    ahead = RunAhead([(sooner, 60), (slow, 60)], preload=())  # `slow`'s test comes last: its script runs first
     try:
-        assert ahead.take(later) is None  # still queued behind `slow`: the caller runs it
+        assert ahead.take(sooner) is None  # still queued behind `slow`: the caller runs it
         _wait(lambda: _started(ahead, slow))
         assert ahead.take(slow)[1].strip() == "slow"
         ahead.thread.join(30)
-        assert not ahead.thread.is_alive() and ahead.jobs[later].state == "taken" and ahead.jobs[later].result is None
+        assert not ahead.thread.is_alive() and ahead.jobs[sooner].state == "taken" and ahead.jobs[sooner].result is None
         assert ahead.take("print('never queued')") is None
     finally:
         ahead.close()
