@@ -10,17 +10,16 @@ from any other script (the server itself runs no kernel, and every child starts 
 Running ahead on the idle core: CI has 2 cores, and the rest of the suite (Ray actors, servers, engines that wait
 on each other) leaves about one of them idle (vmstat during a run: 40-55% idle), while an interpreted script keeps
 one core busy for 10-70 s. A test marked `@pytest.mark.interpreted(SCRIPT, timeout=...)` has its script run
-ahead, from the end of collection and last test first, by a second server at the lowest CPU priority (nice 19
-and Linux's idle scheduling class), so it only takes CPU the other tests leave. When the test comes,
-`run_interpreted` takes that run's result (waiting if it is under way), or, if its turn has not come, runs the
-script itself as before; a run ahead that timed out or lost its server is run again by the test. Only the
-selected tests' scripts run ahead (`-k`, paths). TANDEM_TEST_RUN_AHEAD=0 turns it off.
+ahead, from the end of collection and last test first, by a second server at the lowest CPU priority (nice 19),
+so it only takes CPU the other tests leave. When the test comes, `run_interpreted` takes that run's result
+(waiting if it is under way), or, if its turn has not come, runs the script itself as before; a run ahead that
+timed out or lost its server is run again by the test. Only the selected tests' scripts run ahead (`-k`, paths).
+TANDEM_TEST_RUN_AHEAD=0 turns it off.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import importlib.util
 import json
 import os
@@ -86,22 +85,12 @@ for line in sys.stdin:
 '''
 
 
-def _lower_priority(nice: int) -> None:
-    """In the server before it starts (children inherit both): `nice`, and on Linux the idle scheduling class, which
-    runs only when no other process wants the CPU. Nice alone is not enough: Ray's workers run at nice 15, only
-    2.4x the CPU weight of nice 19."""
-    os.nice(nice)
-    if hasattr(os, "SCHED_IDLE"):
-        with contextlib.suppress(OSError):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-
-
 class _Server:
     def __init__(self, nice: int = 0, preload: tuple[str, ...] = PRELOAD) -> None:
         env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, ",".join(preload)], env=env, cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
-                                     preexec_fn=functools.partial(_lower_priority, nice) if nice else None)
+                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
         self.pending = b""
         self.child: int | None = None  # the script's process while one runs
         atexit.register(self.close)
