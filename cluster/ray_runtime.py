@@ -20,7 +20,7 @@ _NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "
 # producers, fast FP8 accumulation, tinygemm's inner_k_tiles: parallel/kernels/gemv_quant.py, parallel/quant/fused_gemv.py,
 # fp8_act.py, packed.py, tinygemm.py).
 _FORWARDED_ENV = ("TANDEM_PROFILE_TRACE_DIR", "TANDEM_RANK_PROFILE", "TANDEM_KV_PHASES", "TANDEM_KV_NCCL_HIGH_PRIORITY",
-                  "TANDEM_KV_OVERLAP_COPY_PROGRAMS", "TANDEM_KV_COPY_PROGRAMS", "TANDEM_KV_LEAN", "TANDEM_KV_PAIR_GROUPS",
+                  "TANDEM_KV_OVERLAP_COPY_PROGRAMS", "TANDEM_KV_COPY_PROGRAMS", "TANDEM_KV_LEAN", "TANDEM_KV_PAIR_GROUPS", "TANDEM_KV_PEER_IPC",
                   "TANDEM_FP8_TABLE", "TANDEM_FUSED_QUANT", "TANDEM_FP8_FUSED_ACT", "TANDEM_FP8_FAST_ACCUM",
                   "TANDEM_FUSED_INT4", "TANDEM_TINYGEMM_IKT", "TANDEM_TP_OWN_FILL")
 # Where a user or operator may have given Ray a token already: theirs wins.

@@ -986,7 +986,7 @@ class DecodeReplica:
             sends = [h.kv.remote("send", spec, plan, dst_by_rank, peer.block_ids, handoff_id, seq, piece, piece_end)
                      for h in peer.rank_handles]
             received: list[RecvResult] = self.executor.kv_call("recv", spec, plan, src_by_rank, res.block_ids,
-                                                                peer.block_ids, seq)
+                                                                peer.block_ids, seq, piece)
             sent: list[SendResult] = ray.get(sends, timeout=self.transfer_timeout_s)
         except Exception as e:
             self._drop_pair(spec.pair_id, peer.rank_handles, state)

@@ -203,6 +203,7 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
     spread = {n: connect_agents(rank, cache, shard, cfg["timeout_s"], f"bench-g{n}-prefill->bench-g{n}-decode", groups=n)
               for n in cfg["pair_groups"]}
     everything = slice(None)
+    peer_words = _map_peer_cache(rank, cache) if cache.is_cuda else None  # the other rank's cache, mapped here
     defaults = {k: getattr(agent, k) for k in AGENT_KNOBS.values()}  # before any variant sets them
     out: dict[int, dict] = {}
     next_seq = [0]  # the numbered transfers' next number on the pair, the same on both ranks (`_in_flight_run`)
@@ -215,7 +216,8 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
         variants = _variants(cfg, (agent, spec), hp, spread, defaults)
         flights = {f"agent_x{n}": n for n in cfg["in_flight"]}  # "agent_x<N>": N transfers on the pair at once
         times: dict[str, list[float]] = {**{v: [] for v in variants}, **{v: [] for v in flights}, "raw": [], "gather": [],
-                                         "scatter": []}
+                                         "scatter": [], "pull": [], "push": []}
+        copies = _peer_copies(rank, cache, peer_words, src, dst)
         for i in range(cfg["warmup"] + cfg["iters"]):
             if rank == 0:
                 runs = {"raw": lambda: dist.send(raw, dst=1),
@@ -224,7 +226,7 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
             else:
                 runs = {"raw": lambda: dist.recv(raw, src=0),
                         "scatter": lambda: scatter_blocks(cache, dst, everything, everything, staged)}
-                move = lambda name: variants[name][0][0].recv(variants[name][0][1], plan, {0: shard}, dst)
+                move = lambda name: variants[name][0][0].recv(variants[name][0][1], plan, {0: shard}, dst, src)
             for name in variants:
                 runs[name] = lambda name=name: move(name)
             for name, n in flights.items():
@@ -234,7 +236,8 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
             # at 1K tokens).
             rows = list(variants)
             rows = rows[i % len(rows):] + rows[:i % len(rows)]
-            for name in ("gather", "scatter", "raw", *flights, *rows):
+            runs.update(copies)
+            for name in ("gather", "scatter", "pull", "push", "raw", *flights, *rows):
                 fn = runs.get(name, lambda: None)
                 if name in variants:  # the variant's settings, before its timed run (they are not the handoff's work)
                     _configure(*variants[name])
@@ -249,10 +252,41 @@ def _bench_rank(rank: int, cfg: dict) -> dict:
     return out
 
 
+def _map_peer_cache(rank: int, cache: torch.Tensor) -> torch.Tensor | None:
+    """The other rank's cache mapped into this process by CUDA IPC, as 8-byte words (workers/kv_transfer/peer_ipc.py),
+    for the pull and push rows; None where it cannot be mapped."""
+    from workers.kv_transfer.blocks import _as_wire, _as_words
+    from workers.kv_transfer.peer_ipc import export_cache, import_cache
+
+    handles: list = [None, None]
+    dist.all_gather_object(handles, export_cache(cache))
+    try:
+        return _as_words(_as_wire(import_cache(handles[1 - rank], cache.device)))
+    except Exception as e:  # noqa: BLE001 - no peer access between these GPUs: no such rows
+        print(f"rank {rank}: the other cache cannot be mapped here ({type(e).__name__}: {e})", flush=True)
+        return None
+
+
+def _peer_copies(rank: int, cache: torch.Tensor, peer_words: torch.Tensor | None, src: list[int],
+                 dst: list[int]) -> dict[str, Callable[[], None]]:
+    """The block-to-block copy alone (`block_copy.copy_blocks`, no messages): "pull" on the decode rank, reading the
+    prefill cache over the link (what the agent's peer copy runs), "push" on the prefill rank, writing the decode cache."""
+    if peer_words is None:
+        return {}
+    from parallel.kernels.block_copy import copy_blocks
+    from workers.kv_transfer.blocks import _as_wire, _as_words
+
+    mine = _as_words(_as_wire(cache))
+    src_index, dst_index = (torch.tensor(ids, dtype=torch.long, device=cache.device) for ids in (src, dst))
+    if rank == 1:
+        return {"pull": lambda: copy_blocks(peer_words, mine, src_index, dst_index)}
+    return {"push": lambda: copy_blocks(mine, peer_words, src_index, dst_index)}
+
+
 # A --variants knob's letter -> the KVTransferAgent attribute it sets (the others: c, the row copy's grid cap for every
 # copy; d, its launches through the compiled kernel's handle).
 AGENT_KNOBS = {"m": "min_messages", "o": "overlap_copy_programs", "l": "lean", "s": "split_bytes", "b": "message_bytes",
-               "n": "target_messages", "k": "long_bytes"}
+               "n": "target_messages", "k": "long_bytes", "p": "peer_ipc"}
 
 
 def _variants(cfg: dict, pair: tuple, hp: tuple | None, spread: dict[int, tuple],
@@ -279,12 +313,13 @@ def _variants(cfg: dict, pair: tuple, hp: tuple | None, spread: dict[int, tuple]
     for n in spread:  # "agent_g<N>": the defaults over the pair of N groups
         rows[f"agent_g{n}"] = row(spread[n], min_messages=first)
     for spec_text in cfg["variants"]:  # "agent_<spec>": any mix of m<N> o<N> c<N> d<0|1> l<0|1> s<MiB> g<N> b<MiB>
-        knobs = {k: int(v) for k, v in re.findall(r"([mocdlsgbnk])(\d+)", spec_text)}
+        knobs = {k: int(v) for k, v in re.findall(r"([mocdlsgbnkp])(\d+)", spec_text)}
         if "g" in knobs and knobs["g"] not in spread:
             raise SystemExit(f"variant {spec_text}: no pair of {knobs['g']} groups (--pair-groups {knobs['g']})")
         settings = {AGENT_KNOBS[k]: v for k, v in knobs.items() if k in AGENT_KNOBS}
-        if "l" in knobs:
-            settings["lean"] = bool(knobs["l"])
+        for k in ("l", "p"):  # on / off
+            if k in knobs:
+                settings[AGENT_KNOBS[k]] = bool(knobs[k])
         for k in ("s", "b", "k"):  # in MiB
             if k in knobs:
                 settings[AGENT_KNOBS[k]] = knobs[k] << 20
@@ -317,7 +352,7 @@ def _in_flight_run(rank: int, agent: KVTransferAgent, spec: PairSpec, shard: Ran
             if rank == 0:
                 agent.send(spec, plan, {0: shard}, src, f"{key}-{seq}", seq)
             else:
-                agent.recv(spec, plan, {0: shard}, dst, None, seq)
+                agent.recv(spec, plan, {0: shard}, dst, src, seq)
 
         for done in [_rank_threads().submit(one, base + k) for k in reversed(range(n))]:
             done.result()  # the first failure raises here
@@ -369,7 +404,7 @@ def _verify(rank: int, cache: torch.Tensor, src: list[int], dst: list[int]) -> b
     return bool(torch.equal(mine, theirs))
 
 
-VARIANT = r"agent_(hp|x\d+|(?:[mocdlsgbnk]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
+VARIANT = r"agent_(hp|x\d+|(?:[mocdlsgbnkp]\d+)+)"  # the agent beside the first: other --min-messages, high-priority NCCL, capped copies, mixes
 
 
 def summarize(results: list[dict], cfg: dict) -> list[dict]:
@@ -384,6 +419,7 @@ def summarize(results: list[dict], cfg: dict) -> list[dict]:
             "raw_ms": 1e3 * r["raw_s"], "raw_gbps": gb / r["raw_s"],
             "gather_ms": 1e3 * s["gather_s"], "scatter_ms": 1e3 * r["scatter_s"],
             "agent_over_raw": r["agent_s"] / r["raw_s"], "min_messages": cfg["min_messages"][0],
+            **({"pull_ms": 1e3 * r["pull_s"]} if "pull_s" in r else {}), **({"push_ms": 1e3 * s["push_s"]} if "push_s" in s else {}),
             **{f"{k.removesuffix('_s')}_ms": 1e3 * v for k, v in r.items() if re.fullmatch(VARIANT + "_s", k)},
             **{f"{k.removesuffix('_s')}_over_raw": v / r["raw_s"] for k, v in r.items() if re.fullmatch(VARIANT + "_s", k)},
         })
@@ -398,6 +434,9 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['tokens']:>7} {r['blocks']:>6} {r['bytes'] / 2**20:>8.1f} {r['agent_ms']:>9.2f} {r['agent_gbps']:>10.1f} "
               f"{r['raw_ms']:>8.2f} {r['raw_gbps']:>9.1f} {r['gather_ms']:>9.2f} {r['scatter_ms']:>10.2f} "
               f"{r['agent_over_raw']:>9.2f} {'yes' if r['verified'] else 'NO':>3}")
+        if "pull_ms" in r or "push_ms" in r:
+            print(f"{'':>7} {'copy alone':>15}: pull {r.get('pull_ms', float('nan')):.2f} ms, "
+                  f"push {r.get('push_ms', float('nan')):.2f} ms")
         for key in (k for k in r if re.fullmatch(VARIANT + "_ms", k)):
             name = key.removesuffix("_ms")
             print(f"{'':>7} {name:>15}: {r[key]:.2f} ms, {r[name + '_over_raw']:.2f}x raw")
@@ -431,8 +470,9 @@ def main(argv: list[str] | None = None) -> dict:
                    "KVTransferAgent.lean, default TANDEM_KV_LEAN=1 or off), s<MiB> (KVTransferAgent.split_bytes: a transfer "
                    "of at least this many MiB that fits one message goes as two; s0: never), b<MiB> (KVTransferAgent.message_bytes), "
                    "n<N> (KVTransferAgent.target_messages, n0: off), k<MiB> (KVTransferAgent.long_bytes: longer transfers "
-                   "are cut by n and spread over the groups), g<N> (the pair of N groups, --pair-groups), "
-                   "e.g. m2o66,o32,d0,g1n0l0s0 "
+                   "are cut by n and spread over the groups), g<N> (the pair of N groups, --pair-groups), p<0|1> (same-node "
+                   "pairs copy out of the mapped prefill cache: KVTransferAgent.peer_ipc, default TANDEM_KV_PEER_IPC=1; p0: "
+                   "NCCL messages), e.g. m2o66,o32,d0,g1n0l0s0,p0 "
                    "(the 'agent_<spec>' rows)")
     p.add_argument("--pair-groups", default="", help="comma-separated N: also time the agent over a pair of N process "
                    "groups (the 'agent_g<N>' rows; KVTransferAgent.pair_groups, default 2, whose turns carry the messages "

@@ -42,7 +42,7 @@ def _profile_rank(rank: int, cfg: dict) -> dict:
     if rank == 0:
         move = lambda i: agent.send(spec, plan, {0: shard}, src, f"p{i}")
     else:
-        move = lambda i: agent.recv(spec, plan, {0: shard}, dst)
+        move = lambda i: agent.recv(spec, plan, {0: shard}, dst, src)
     for i in range(cfg["warmup"]):
         sync_start(rank)
         move(-1 - i)

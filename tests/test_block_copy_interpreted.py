@@ -1,7 +1,7 @@
 """The KV handoff's Triton row copy (parallel/kernels/block_copy.py) on CPU, through Triton's interpreter, against
 PyTorch's index_select / index_copy_: gather and scatter, a layer slice of the cache (strided outer dims), rows
 shorter and longer than a program's BLOCK, 8-byte words and bf16 elements, blocks listed out of order; nothing
-outside the listed blocks changes. tests/gpu/test_block_copy_gpu.py runs the same on a GPU through
+outside the listed blocks changes; and `copy_blocks`, block to block between two caches. tests/gpu/test_block_copy_gpu.py runs the same on a GPU through
 `gather_blocks` / `scatter_blocks`."""
 from __future__ import annotations
 
@@ -37,6 +37,22 @@ try:
 except ValueError as e:
     assert "do not match" in str(e)
     checks += 1
+from parallel.kernels.block_copy import copy_blocks
+for row in ((4, 2, 2), (2, 3, BLOCK + 300)):  # block to block between two caches (the same-node handoff's copy)
+    src = torch.randint(-2**40, 2**40, (4, 2, 9) + row)
+    dst = torch.randint(-2**40, 2**40, (3, 2, 6) + row)
+    src_ids, dst_ids = torch.tensor([7, 2, 5, 0]), torch.tensor([1, 4, 0, 3])
+    want = dst.clone()
+    want[1:3].index_copy_(2, dst_ids, src[2:4].index_select(2, src_ids))
+    copy_blocks(src[2:4], dst[1:3], src_ids, dst_ids)  # layer slices on both sides, different block counts
+    assert torch.equal(dst, want), row
+    checks += 1
+for bad in ((src, dst[:, :1], src_ids, dst_ids), (src[:3], dst, src_ids, dst_ids[:2])):
+    try:
+        copy_blocks(*bad)
+        raise AssertionError("accepted")
+    except ValueError:
+        checks += 1
 from parallel.kernels.block_copy import warm_up
 warm_up(torch.device("cpu"))  # both directions on scratch tensors
 checks += 1
@@ -46,7 +62,7 @@ print("ok", checks)
 
 @pytest.mark.interpreted(SCRIPT, timeout=600)
 def test_row_copy_gathers_and_scatters_whole_blocks_like_pytorchs_index_ops():
-    assert run_interpreted(SCRIPT, timeout=600).strip().endswith("ok 5")
+    assert run_interpreted(SCRIPT, timeout=600).strip().endswith("ok 9")
 
 
 def test_the_handoff_uses_pytorchs_index_ops_off_the_gpu():

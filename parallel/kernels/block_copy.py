@@ -82,6 +82,24 @@ def _copy_rows_loop_kernel(src_ptr, dst_ptr, ids_ptr, row_words, n_ids, chunks, 
                   src_s0, src_s1, src_s2, dst_s0, dst_s1, dst_s2, GATHER, BLOCK)
 
 
+# Block to block, between two caches: the same-node KV handoff's one copy (workers/kv_transfer/transport.py, peer IPC),
+# which reads the prefill GPU's cache over NVLink (mapped by CUDA IPC) and writes the decode GPU's, with no buffer
+# between: row (listed block i, layer * 2 + K/V) of src block src_ids[i] goes to dst block dst_ids[i]. The full grid:
+# remote reads are slow to answer, so as many programs as there are row slices keep the most loads in flight.
+@triton.jit(do_not_specialize=["row_words", "src_s0", "src_s1", "src_s2", "dst_s0", "dst_s1", "dst_s2"])
+def _copy_blocks_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, row_words,
+                        src_s0, src_s1, src_s2, dst_s0, dst_s1, dst_s2, BLOCK: tl.constexpr):
+    i, lk, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    src_block = tl.load(src_ids_ptr + i).to(tl.int64)
+    dst_block = tl.load(dst_ids_ptr + i).to(tl.int64)
+    layer, kv = (lk // 2).to(tl.int64), (lk % 2).to(tl.int64)  # 64-bit offsets: a cache holds more than 2^31 words
+    src_row = layer * src_s0 + kv * src_s1 + src_block * src_s2
+    dst_row = layer * dst_s0 + kv * dst_s1 + dst_block * dst_s2
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < row_words
+    tl.store(dst_ptr + dst_row + offs, tl.load(src_ptr + src_row + offs, mask=mask), mask=mask)
+
+
 def rows_contiguous(t: torch.Tensor) -> bool:
     """Whether each [l, kv, block] row of the 4-D-or-more view t is one contiguous run (what the kernel copies).
     From the shape and strides alone: indexing out a row to ask it cost ~10 us a call, three calls a copy, on the
@@ -103,6 +121,30 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather:
     planned = _plan(src, dst, index, gather, programs)
     if planned is not None:
         _launch(*planned, gather)
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_index: torch.Tensor, dst_index: torch.Tensor) -> None:
+    """dst[:, :, dst_index[i]] = src[:, :, src_index[i]] for each i: src and dst are two caches' word views
+    [layers, 2, blocks, row...] (the same dtype, layer count and row shape; each row contiguous), the indices int64
+    block ids of equal length on the launching device. src may be another GPU's memory mapped here (CUDA IPC)."""
+    shape, dst_shape = src.shape, dst.shape
+    if src.dtype != dst.dtype or shape[:2] != dst_shape[:2] or shape[3:] != dst_shape[3:] or shape[1] != 2:
+        raise ValueError(f"copy_blocks: {tuple(shape)} {src.dtype} and {tuple(dst_shape)} {dst.dtype} do not match")
+    if not (rows_contiguous(src) and rows_contiguous(dst)):
+        raise ValueError("copy_blocks: a block's row must be contiguous on both sides")
+    if src_index.numel() != dst_index.numel():
+        raise ValueError(f"copy_blocks: {src_index.numel()} source blocks for {dst_index.numel()} destinations")
+    n, row_words = src_index.numel(), math.prod(shape[3:])
+    if n == 0 or shape[0] == 0 or row_words == 0:
+        return
+    grid = (n, shape[0] * 2, triton.cdiv(row_words, BLOCK))
+    args = (src, dst, src_index, dst_index, row_words, src.stride(0), src.stride(1), src.stride(2),
+            dst.stride(0), dst.stride(1), dst.stride(2))
+    key = None
+    if DIRECT and src.is_cuda and not interpreted():  # as `_key`: what Triton specialises the kernel on
+        key = ("blocks", torch.cuda.current_device(), src.dtype, *(t.data_ptr() % 16 == 0 for t in args[:4]),
+               src_index.dtype, dst_index.dtype, tuple(int_kind(v) for v in args[4:]))
+    _HANDLES.launch(key, lambda: _copy_blocks_kernel[grid](*args, BLOCK=BLOCK, num_warps=NUM_WARPS), grid, args, (BLOCK,))
 
 
 def prepare_copy(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather: bool,
@@ -173,3 +215,4 @@ def warm_up(device: torch.device, dtype: torch.dtype = torch.int64) -> None:
     for programs in (0, 1):  # the full grid, and the capped grid's loop (2 row slices over 1 program)
         copy_rows(cache, buf, index, gather=True, programs=programs)
         copy_rows(buf, cache, index, gather=False, programs=programs)
+    copy_blocks(cache, cache, index, index + 1)

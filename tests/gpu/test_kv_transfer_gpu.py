@@ -53,9 +53,11 @@ def _heads(r: range, base: range) -> slice:
     return slice(r.start - base.start, r.stop - base.start)
 
 
-def _transfer_case(rank: int, args: tuple[str, str]) -> dict:
-    """Runs in each GPU process: rank 0 sends the case's heads of SRC_BLOCKS, rank 1 receives them into DST_BLOCKS."""
-    name, device_type = args
+def _transfer_case(rank: int, args: tuple) -> dict:
+    """Runs in each GPU process: rank 0 sends the case's heads of SRC_BLOCKS, rank 1 receives them into DST_BLOCKS;
+    `peer`: the pair may copy out of the mapped prefill cache (KVTransferAgent.peer_ipc), else NCCL messages."""
+    name, device_type, *rest = args
+    peer = rest[0] if rest else True
     src_heads, dst_heads, sent = CASES[name]
     device = bench.rank_device(rank, device_type)
     src, dst = RankShard(0, range(LAYERS), src_heads), RankShard(0, range(LAYERS), dst_heads)
@@ -66,25 +68,31 @@ def _transfer_case(rank: int, args: tuple[str, str]) -> dict:
     else:
         cache = torch.full((LAYERS, 2, NUM_BLOCKS, BLOCK, len(dst_heads), HEAD_DIM), SENTINEL, dtype=torch.bfloat16, device=device)
     agent, spec = bench.connect_agents(rank, cache, src if rank == 0 else dst, timeout_s=60.0)
+    agent.peer_ipc = peer
+    copied = agent._peer_copy(spec, plan[0], src, dst)  # the path this transfer takes
     if rank == 0:
-        return {"bytes": agent.send(spec, plan, {0: dst}, SRC_BLOCKS, "req-0").bytes}
-    received = agent.recv(spec, plan, {0: src}, DST_BLOCKS).bytes
+        return {"bytes": agent.send(spec, plan, {0: dst}, SRC_BLOCKS, "req-0").bytes, "peer_copy": copied}
+    received = agent.recv(spec, plan, {0: src}, DST_BLOCKS, SRC_BLOCKS).bytes
     bench.synchronize()
     expected = torch.full_like(cache, SENTINEL, device="cpu")
     for s, d in zip(SRC_BLOCKS, DST_BLOCKS, strict=True):
         expected[:, :, d, :, _heads(sent, dst_heads)] = full[:, :, s, :, _heads(sent, range(HEADS))]
     got = cache.cpu()
-    return {"bytes": received, "equal": torch.equal(got, expected),
+    return {"bytes": received, "equal": torch.equal(got, expected), "peer_copy": copied,
             "mismatched_blocks": sorted({int(b) for b in (got != expected).nonzero()[:, 2].tolist()})}
 
 
+@pytest.mark.parametrize("peer", [True, False], ids=["peer-ipc", "nccl"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_received_blocks_equal_sent_blocks(name: str):
+def test_received_blocks_equal_sent_blocks(name: str, peer: bool):
+    """peer-ipc: one process a GPU, each seeing both (as the benchmark's and a TP group's rank actors do), so a
+    transfer of whole heads is copied out of the mapped prefill cache; a head slice keeps NCCL messages."""
     src_heads, dst_heads, sent = CASES[name]
     if name != "scatter-head-slice":  # there, the other heads would come from the TP group's other prefill rank
         assert plan_transfers([RankShard(0, range(LAYERS), src_heads)], [RankShard(0, range(LAYERS), dst_heads)], range(len(SRC_BLOCKS))) == \
             [Transfer(0, 0, range(LAYERS), sent, tuple(range(len(SRC_BLOCKS))))]
-    sender, receiver = bench.run_pair(_transfer_case, (name, "cuda"), timeout_s=300.0)
+    sender, receiver = bench.run_pair(_transfer_case, (name, "cuda", peer), timeout_s=300.0)
+    assert sender["peer_copy"] == receiver["peer_copy"] == (peer and name == "tp1->tp1")
     nbytes = len(SRC_BLOCKS) * LAYERS * 2 * BLOCK * len(sent) * HEAD_DIM * 2
     assert sender["bytes"] == receiver["bytes"] == nbytes
     assert receiver["equal"], f"blocks that differ from what was sent (or were written outside the slice): {receiver['mismatched_blocks']}"
@@ -109,6 +117,7 @@ def _lane_runs(rank: int, args: tuple[str, int]) -> dict:
     cache = full.clone() if rank == 0 else torch.full_like(full, SENTINEL)
     agent, spec = bench.connect_agents(rank, cache, shard, timeout_s=60.0, groups=groups)
     agent.long_bytes = 0 if groups > 1 else agent.long_bytes  # two groups: every transfer's messages take them in turn
+    agent.peer_ipc = False  # lanes carry NCCL messages; a peer-copied pair takes none
     rng, results = random.Random(1), []
     for k, (n, min_messages, lean, split) in enumerate(LANE_RUNS):
         src, dst = rng.sample(range(NUM_BLOCKS), n), rng.sample(range(NUM_BLOCKS), n)
@@ -118,7 +127,7 @@ def _lane_runs(rank: int, args: tuple[str, int]) -> dict:
             agent.send(spec, plan, {0: shard}, src, f"req-{k}")
             continue
         cache.fill_(SENTINEL)
-        agent.recv(spec, plan, {0: shard}, dst)
+        agent.recv(spec, plan, {0: shard}, dst, src)
         bench.synchronize()
         expected = torch.full_like(cache, SENTINEL)
         expected[:, :, dst] = full[:, :, src]
@@ -190,7 +199,8 @@ def _in_flight_case(rank: int, device_type: str) -> dict:
                 results[seq] = agent.send(spec, plan, {0: shard}, [SRC_BLOCKS[i] for i in idx], f"h{seq}", seq,
                                           seq == PIECE_SEQ, ("piece-req", 64) if seq == PIECE_SEQ else None).bytes
             else:
-                results[seq] = agent.recv(spec, plan, {0: shard}, [DST_BLOCKS[i] for i in idx], None, seq).bytes
+                results[seq] = agent.recv(spec, plan, {0: shard}, [DST_BLOCKS[i] for i in idx], [SRC_BLOCKS[i] for i in idx],
+                                          seq, seq == PIECE_SEQ).bytes
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(repr(e))
 
@@ -379,7 +389,7 @@ class _StressRank:
             if self.rank == 0:
                 self.agent.send(self.spec, plan, {0: self.shard}, ids, f"h{seq}", seq)
             else:
-                self.agent.recv(self.spec, plan, {0: self.shard}, ids, None, seq)
+                self.agent.recv(self.spec, plan, {0: self.shard}, ids, ids, seq)
                 report["bad"] += _stress_bad_blocks(self.shape, self.cache, ids, seq)
             self.cache.view(torch.int16)[:, :, ids] = POISON_WORD if self.rank == 0 else FRESH_WORD
             self._sync()

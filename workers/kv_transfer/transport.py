@@ -25,7 +25,6 @@ import functools
 import json
 import logging
 import os
-import pickle
 import socket
 import sys
 import threading
@@ -41,6 +40,7 @@ from workers.kv_transfer.blocks import (CacheBlocks, block_index, gather_blocks,
                                         wire_dtype)
 from workers.kv_transfer.chunk_ends import ChunkEnds
 from workers.kv_transfer.lanes import LANE_BYTES, Lane, Lanes
+from workers.kv_transfer.peer_ipc import PEER_IPC, PeerCaches, export_cache, import_cache, whole_heads
 from workers.kv_transfer.plan import RankShard, Transfer
 
 log = logging.getLogger(__name__)
@@ -317,6 +317,13 @@ class KVTransferAgent:
         # variants compare both paths in one run.
         self.lean = os.environ.get("TANDEM_KV_LEAN", "1") != "0"
         self._lanes = Lanes(kv_cache.device, LANE_MAX_BLOCKS) if kv_cache.is_cuda else None
+        # GPU pairs in one node: the decode rank copies the blocks straight out of the prefill rank's cache, mapped by
+        # CUDA IPC, where every decode rank of the pair could map every prefill rank's (workers/kv_transfer/peer_ipc.py).
+        # Must be the same on both sides of a pair (TANDEM_KV_PEER_IPC=0: off); bench_kv_transfer.py's p0 rows time
+        # the NCCL path beside it.
+        self.peer_ipc = PEER_IPC
+        self._peers = PeerCaches()
+        self._one = torch.ones(1, dtype=torch.uint8, device=kv_cache.device) if kv_cache.is_cuda else None  # acks
 
     def _set_cut(self, kv_cache: torch.Tensor) -> None:
         """The settings that cut a transfer into messages and spread them over the pair's groups (`_messages`,
@@ -372,7 +379,7 @@ class KVTransferAgent:
         self._stores[spec.pair_id] = store
         prefixed = dist.PrefixStore(spec.pair_id, store)
         if spec.ipc and self.kv_cache.is_cuda and self.role == "prefill":
-            prefixed.set(f"ipc/{self.shard.rank}", _export_cache(self.kv_cache))  # for decode ranks on this GPU
+            prefixed.set(f"ipc/{self.shard.rank}", export_cache(self.kv_cache))  # for decode ranks on this GPU
         # The pair's groups: the first carries every message unless pair_groups > 1 (`_carrier`); the others' stores
         # are prefixed apart, so each is a communicator of its own.
         # Gloo pairs keep one group: made right after the first, a second gloo group's full-mesh connect failed on one
@@ -380,6 +387,9 @@ class KVTransferAgent:
         count = max(1, self.pair_groups) if self._nccl(spec) else 1
         groups = [self._new_group(spec, dist.PrefixStore(f"g{k}", prefixed) if k else prefixed, pair_rank)
                   for k in range(count)]
+        if self._nccl(spec):  # after the groups: every rank of the pair is here, so the store's waits are short
+            self._peers.join(prefixed, spec.pair_id, self.role, self.shard.rank, spec.num_prefill_ranks,
+                             spec.num_decode_ranks, self.kv_cache, self.peer_ipc)
         self._orders[spec.pair_id] = _PostOrder()
         self._spread[spec.pair_id] = groups
         self._groups[spec.pair_id] = groups[0]
@@ -430,6 +440,7 @@ class KVTransferAgent:
             order.close()  # transfers waiting for their turn on the dropped group fail now, not at their timeout
         for key in [k for k in self._peer_caches if k[0] == pair_id]:
             del self._peer_caches[key]
+        self._peers.drop(pair_id)
 
     # ---- one handoff ----
     def send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_table: list[int],
@@ -452,7 +463,7 @@ class KVTransferAgent:
             with self._own_stream():
                 if piece and self.kv_cache.is_cuda:
                     self._after_chunk(piece_end)
-                sent = self._send(spec, plan, dst_shards, block_table, seq)
+                sent = self._send(spec, plan, dst_shards, block_table, seq, piece)
         finally:
             order.end(seq)
             if claimed and not piece:  # an abandoned handoff was acked by its abandon
@@ -546,7 +557,7 @@ class KVTransferAgent:
         return _checked(self, pair_id, group, order.turn(seq, self.timeout.total_seconds()))
 
     def _send(self, spec: PairSpec, plan: list[Transfer], dst_shards: dict[int, RankShard], block_table: list[int],
-              seq: int | None = None) -> int:
+              seq: int | None = None, piece: bool = False) -> int:
         group, clock = self._group(spec.pair_id), PhaseClock()
         lane, messages = self._lane_for(spec, plan, dst_shards, True)
         try:
@@ -554,7 +565,7 @@ class KVTransferAgent:
                 if lane is not None:
                     works, sent = self._post_lane_sends(spec, group, clock, lane, messages, block_table, seq)
                 else:
-                    works, sent = self._post_sends(spec, group, clock, plan, dst_shards, block_table, seq)
+                    works, sent = self._post_sends(spec, group, clock, plan, dst_shards, block_table, seq, piece)
             self._wait(spec.pair_id, group, [w for w, _ in works])
         except BaseException:
             if lane is not None:
@@ -568,8 +579,10 @@ class KVTransferAgent:
         return sent
 
     def _post_sends(self, spec: PairSpec, group: dist.ProcessGroup, clock: PhaseClock, plan: list[Transfer],
-                    dst_shards: dict[int, RankShard], block_table: list[int], seq: int | None) -> tuple[list, int]:
-        """Gather and post this rank's messages of the plan: (works with their buffers, bytes)."""
+                    dst_shards: dict[int, RankShard], block_table: list[int], seq: int | None,
+                    piece: bool = False) -> tuple[list, int]:
+        """Gather and post this rank's messages of the plan: (works with their buffers, bytes). piece: as `send`'s (a
+        peer-copied piece sends its block ids, which the decode rank's copy waits for)."""
         messages, groups = list(self._messages(plan, dst_shards, sending=True, seq=seq)), self._groups_of(spec.pair_id, group)
         clock.mark("setup")  # the turn, the plan's messages: pure Python
         # Every transfer's block ids and index tensor (once per transfer, not per message) before the first gather is
@@ -578,12 +591,19 @@ class KVTransferAgent:
         for _, t, _, _ in messages:
             if id(t) not in ids:
                 local_ids = self._local_ids([block_table[i] for i in t.blocks])
-                ids[id(t)] = local_ids, None if self._same_gpu(spec, dst_shards[t.dst]) else \
+                peer = self._peer_copy(spec, t, self.shard, dst_shards[t.dst])
+                ids[id(t)] = local_ids, None if self._same_gpu(spec, dst_shards[t.dst]) or (peer and not piece) else \
                     block_index(local_ids, self.kv_cache.device)
         clock.mark("index")
-        works, sent = [], 0
+        works, sent, peer_copied = [], 0, set()
         for tag, t, layers, heads in messages:
             local_ids, index = ids[id(t)]
+            if self._peer_copy(spec, t, self.shard, dst_shards[t.dst]):
+                if id(t) not in peer_copied:  # the whole transfer, at its first message
+                    peer_copied.add(id(t))
+                    works += self._post_peer_send(spec, group, t, index, tag)
+                    sent += self._layer_bytes(t) * len(t.layers)
+                continue
             if index is None:
                 # The decode rank copies these blocks out of this cache itself; wait for its word that it has.
                 done = torch.zeros(1, dtype=torch.uint8)
@@ -603,23 +623,31 @@ class KVTransferAgent:
             sent += buf.numel() * buf.element_size()
         return works, sent
 
+    def _post_peer_send(self, spec: PairSpec, group: dist.ProcessGroup, t: Transfer, index: torch.Tensor | None,
+                        tag: int) -> list:
+        """A peer-copied transfer's messages (workers/kv_transfer/peer_ipc.py), as (work, tensor): for a piece (index
+        given) its blocks' ids in this cache out, on this stream, after the chunk it waits for; then the ack in."""
+        dst, ack = spec.num_prefill_ranks + t.dst, torch.empty(1, dtype=torch.uint8, device=self.kv_cache.device)
+        ids = [] if index is None else [(group.send([index], dst, tag), index)]
+        return ids + [(group.recv([ack], dst, tag), ack)]
+
     def recv(self, spec: PairSpec, plan: list[Transfer], src_shards: dict[int, RankShard], block_table: list[int],
-             src_block_table: list[int] | None = None, seq: int | None = None) -> RecvResult:
+             src_block_table: list[int] | None = None, seq: int | None = None, piece: bool = False) -> RecvResult:
         """Decode side: receive this rank's part of the plan into the request's blocks (block_table, indexed
-        by the plan's block indices). src_block_table: the prefill side's, needed where a prefill rank
-        shares this rank's GPU (the blocks are copied out of its cache). seq: as `send`'s."""
+        by the plan's block indices). src_block_table: the prefill side's, needed where the blocks are copied out of a
+        prefill rank's cache (one sharing this rank's GPU, or mapped by peer IPC). seq, piece: as the `send`'s."""
         began = time.time()
         with self._own_stream():
-            received, posted = self._recv(spec, plan, src_shards, block_table, src_block_table, seq)
+            received, posted = self._recv(spec, plan, src_shards, block_table, src_block_table, seq, piece)
         return RecvResult(received, began, posted, time.time())
 
     def _recv(self, spec: PairSpec, plan: list[Transfer], src_shards: dict[int, RankShard], block_table: list[int],
-              src_block_table: list[int] | None, seq: int | None = None) -> tuple[int, float]:
+              src_block_table: list[int] | None, seq: int | None = None, piece: bool = False) -> tuple[int, float]:
         """(bytes received, when the last receive was posted and the last scatter queued)."""
         group, clock = self._group(spec.pair_id), PhaseClock()
         lane, messages = self._lane_for(spec, plan, src_shards, False)
         if lane is None:
-            return self._recv_ordinary(spec, group, clock, plan, src_shards, block_table, src_block_table, seq)
+            return self._recv_ordinary(spec, group, clock, plan, src_shards, block_table, src_block_table, seq, piece)
         try:
             with self._posting(spec.pair_id, group, seq):
                 pending = self._post_lane_recvs(self._groups_of(spec.pair_id, group), clock, lane, messages, seq)
@@ -632,12 +660,13 @@ class KVTransferAgent:
 
     def _recv_ordinary(self, spec: PairSpec, group: dist.ProcessGroup, clock: PhaseClock, plan: list[Transfer],
                        src_shards: dict[int, RankShard], block_table: list[int], src_block_table: list[int] | None,
-                       seq: int | None) -> tuple[int, float]:
+                       seq: int | None, piece: bool = False) -> tuple[int, float]:
         """`_recv` without a lane: buffers from the allocator, the index by `block_index`, copies planned per call."""
         with self._posting(spec.pair_id, group, seq):
-            pending, local = self._post_recvs(spec, group, clock, plan, src_shards, block_table, seq)
+            pending, local, mapped = self._post_recvs(spec, group, clock, plan, src_shards, block_table, seq, piece)
             # The peers' acks are messages too: posted in this transfer's turn.
             received = self._copy_from_peers(spec, group, local, src_shards, block_table, src_block_table)
+            received += self._copy_from_mapped(spec, group, mapped, src_shards, block_table, src_block_table)
         clock.mark("peers")
         nccl = self._nccl(spec)
         # Each transfer's index tensor (once, not per message) only now that every receive is posted: the sender's
@@ -675,7 +704,8 @@ class KVTransferAgent:
         (tag within the transfer's range, transfer, layer slice, head slice, buffer shape); (None, []) where the transfer
         takes the ordinary path: lean off, not a GPU pair over NCCL, a head slice, transfers over different blocks, more
         than LANE_BYTES or LANE_MAX_BLOCKS, no message for this rank, or every lane busy."""
-        if not (self.lean and self._lanes is not None and self._blocks.rows and self._nccl(spec) and not spec.ipc):
+        if not (self.lean and self._lanes is not None and self._blocks.rows and self._nccl(spec) and not spec.ipc) \
+                or (self.peer_ipc and self._peers.on(spec.pair_id)):  # peer copies take no buffers
             return None, []
         lane = self._lanes.take()
         if lane is None:
@@ -767,14 +797,21 @@ class KVTransferAgent:
         return received, posted
 
     def _post_recvs(self, spec: PairSpec, group: dist.ProcessGroup, clock: PhaseClock, plan: list[Transfer],
-                    src_shards: dict[int, RankShard], block_table: list[int], seq: int | None) -> tuple[list, list]:
+                    src_shards: dict[int, RankShard], block_table: list[int], seq: int | None,
+                    piece: bool = False) -> tuple[list, list, list]:
         """Post this rank's receives of the plan, in the senders' order (NCCL pairs a rank pair's messages by order,
         not by tag); each chunk is then scattered as it lands (`_recv`), overlapping the later ones. Returns the
-        posted receives and the messages to copy from a peer on this GPU instead."""
-        pending, local, last, groups = [], [], None, self._groups_of(spec.pair_id, group)
+        posted receives, the messages to copy from a peer on this GPU instead, and the transfers copied out of a mapped
+        prefill cache (`_copy_from_mapped`), each with the receive of its block ids."""
+        pending, local, mapped, last, groups = [], [], [], None, self._groups_of(spec.pair_id, group)
         messages = list(self._messages(plan, src_shards, sending=False, seq=seq))
         clock.mark("setup")  # the turn, the plan's messages: pure Python
         for tag, t, layers, heads in messages:
+            if self._peer_copy(spec, t, src_shards[t.src], self.shard):
+                if not mapped or mapped[-1][2] is not t:  # the whole transfer, at its first message; a piece's ids come
+                    ids = torch.empty(len(t.blocks), dtype=torch.long, device=self.kv_cache.device) if piece else None
+                    mapped.append((group.recv([ids], t.src, tag) if piece else None, ids, t, tag))
+                continue
             if self._same_gpu(spec, src_shards[t.src]):
                 local.append((tag, t, layers, heads))
                 continue
@@ -788,7 +825,7 @@ class KVTransferAgent:
             clock.mark("alloc")
             pending.append((self._carrier(groups, tag, t).recv([buf], t.src, tag), buf, t, block_ids, layers, heads))
             clock.mark("post")
-        return pending, local
+        return pending, local, mapped
 
     def _copy_from_peers(self, spec: PairSpec, group: dist.ProcessGroup, messages: list, src_shards: dict[int, RankShard],
                          block_table: list[int], src_block_table: list[int] | None) -> int:
@@ -815,6 +852,44 @@ class KVTransferAgent:
                                          for tag, t, _, _ in messages])
         return copied
 
+    def _copy_from_mapped(self, spec: PairSpec, group: dist.ProcessGroup, mapped: list, src_shards: dict[int, RankShard],
+                          block_table: list[int], src_block_table: list[int] | None) -> int:
+        """The peer-copied transfers (workers/kv_transfer/peer_ipc.py): each copied block to block out of its prefill
+        rank's cache, mapped here; once all are copied, each sender is acked (it frees the blocks then). A transfer's
+        blocks were written before the decode side asked for them (its prefill's first token had reached the host),
+        so the copy starts at once, except a piece's: it runs in stream order behind the receive of the blocks' ids,
+        which the prefill rank sends once the chunk that wrote them is done."""
+        if not mapped:
+            return 0
+        if src_block_table is None:
+            raise KVTransferError(f"{spec.pair_id}: the blocks are copied out of the prefill cache, and recv() was not "
+                                  "given its block table")
+        from parallel.kernels.block_copy import copy_blocks
+
+        # Every index before the first wait, in one copy: a copy from pageable memory waits for this stream's work.
+        ids = [(_local_ids(self._peers.words[(spec.pair_id, t.src)], src_shards[t.src], [src_block_table[i] for i in t.blocks]),
+                self._local_ids([block_table[i] for i in t.blocks])) for _, _, t, _ in mapped]
+        flat = block_index([b for src, dst in ids for b in (*src, *dst)], self.kv_cache.device)
+        copied, at = 0, 0
+        for (work, piece_ids, t, _), (src, dst) in zip(mapped, ids):
+            src_ids, dst_ids = flat[at:at + len(src)], flat[at + len(src):at + len(src) + len(dst)]
+            at += len(src) + len(dst)
+            src_layers, _, dst_layers, _ = t.local_slices(src_shards[t.src], self.shard)
+            if work is not None:  # a piece: stream order only, the copy starts once its ids have landed
+                self._check(spec.pair_id, group, work.wait)
+                src_ids = piece_ids
+            self._check(spec.pair_id, group, copy_blocks, self._peers.words[(spec.pair_id, t.src)][src_layers],
+                        self._blocks.words[dst_layers], src_ids, dst_ids)
+            copied += self._layer_bytes(t) * len(t.layers)
+        self._check(spec.pair_id, group, torch.cuda.current_stream().synchronize)  # copied before any sender frees
+        self._wait(spec.pair_id, group, [group.send([self._one], t.src, tag) for _, _, t, tag in mapped])
+        return copied
+
+    def _peer_copy(self, spec: PairSpec, t: Transfer, src: RankShard, dst: RankShard) -> bool:
+        """Whether transfer t goes by the decode rank's copy out of the mapped prefill cache (peer_ipc.py): the pair
+        copies so, and t moves whole rows (both ranks compute the same)."""
+        return self.peer_ipc and self._peers.on(spec.pair_id) and self._blocks.rows and whole_heads(t, src, dst)
+
     def _same_gpu(self, spec: PairSpec, peer: RankShard) -> bool:
         """Whether this message goes by CUDA IPC: the pair uses it, and the peer is on this rank's GPU."""
         return spec.ipc and self.kv_cache.is_cuda and bool(peer.device) and peer.device == self.shard.device
@@ -824,7 +899,7 @@ class KVTransferAgent:
         key = (pair_id, rank)
         if key not in self._peer_caches:
             store = dist.PrefixStore(pair_id, self._stores[pair_id])
-            self._peer_caches[key] = _import_cache(store.get(f"ipc/{rank}"), self.kv_cache.device)
+            self._peer_caches[key] = import_cache(store.get(f"ipc/{rank}"), self.kv_cache.device)
         return self._peer_caches[key]
 
     def _messages(self, plan: list[Transfer], peers: dict[int, RankShard], sending: bool, seq: int | None = None):
@@ -1018,21 +1093,3 @@ def _local_ids(kv_cache: torch.Tensor, shard: RankShard, block_ids: list[int]) -
         foreign = [b for b in block_ids if b not in ids]
         raise ValueError(f"blocks {foreign} are not in SP rank {shard.sp_rank}'s pool of {pool_size}")
     return block_ids if ids.start == 0 else [b - ids.start for b in block_ids]
-
-
-def _export_cache(kv_cache: torch.Tensor) -> bytes:
-    """A CUDA IPC handle of the whole cache (torch's own tensor sharing), for a rank on the same GPU."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    _, args = reduce_tensor(kv_cache)
-    return pickle.dumps(args)
-
-
-def _import_cache(handle: bytes, device: torch.device) -> torch.Tensor:
-    """The exporting rank's cache, mapped here. Its device index is the exporter's numbering; this process
-    may number the same GPU differently (CUDA_VISIBLE_DEVICES), so it is replaced by our own."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    args = list(pickle.loads(handle))
-    args[6] = device.index  # storage_device
-    return rebuild_cuda_tensor(*args)

@@ -1,0 +1,73 @@
+"""The same-node KV handoff's decisions (workers/kv_transfer/peer_ipc.py), on CPU: which transfers a peer copy takes,
+and how a pair agrees at join. The copy itself runs on GPUs only: tests/gpu/test_kv_transfer_gpu.py moves blocks both
+ways (peer copy and NCCL) and checks them bit for bit, and tests/test_block_copy_interpreted.py checks the kernel."""
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from workers.kv_transfer.peer_ipc import PeerCaches, whole_heads
+from workers.kv_transfer.plan import RankShard, Transfer, plan_transfers
+
+
+def test_only_transfers_of_every_head_both_ranks_hold_take_the_copy():
+    whole, left, right = RankShard(0, range(4), range(0, 8)), RankShard(0, range(4), range(0, 4)), RankShard(1, range(4), range(4, 8))
+    t = Transfer(0, 0, range(4), range(0, 8), (0, 1))
+    assert whole_heads(t, whole, whole)
+    for src, dst in (([whole], [left, right]), ([left, right], [whole])):  # a reshard: a head slice on one side
+        planned = plan_transfers(src, dst, range(2))
+        assert planned and not any(whole_heads(p, src[p.src], dst[p.dst]) for p in planned)
+    tp2 = plan_transfers([left, right], [left, right], range(2))  # the same TP on both sides: every transfer whole
+    assert tp2 and all(whole_heads(p, [left, right][p.src], [left, right][p.dst]) for p in tp2)
+
+
+def _join_all(peers_off: set[str], num_prefill: int = 2, num_decode: int = 2) -> dict[str, bool]:
+    """Every rank of a pair joins at once through a real TCPStore (a client each), as `KVTransferAgent.join` calls it; CPU caches
+    cannot be mapped, so a decode rank answers no when its prefill ranks publish handles, and so does one whose
+    prefill ranks publish none (peer IPC off there)."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    cache = torch.zeros(2, 2, 4, 16, 2, 8)
+    answers: dict[str, bool] = {}
+    ranks = [("prefill", r) for r in range(num_prefill)] + [("decode", r) for r in range(num_decode)]
+
+    def join(role: str, rank: int) -> None:
+        name = f"{role}{rank}"
+        store = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=20))  # a rank's own
+        if role == "prefill" and name in peers_off:  # publishes an empty handle, as a rank with peer IPC off
+            store.set(f"peer/{rank}", b"")
+            answers[name] = all(store.get(f"peer_ok/{d}") == b"1" for d in range(num_decode))
+            return
+        peers = PeerCaches()
+        if role == "prefill":  # a CPU cache has no IPC handle: publish a placeholder the decode side cannot map
+            store.set(f"peer/{rank}", b"not a handle")
+            answers[name] = all(store.get(f"peer_ok/{d}") == b"1" for d in range(num_decode))
+            return
+        answers[name] = peers.join(store, "p->d", role, rank, num_prefill, num_decode, cache, name not in peers_off)
+        assert peers.on("p->d") == answers[name] and not peers.words
+
+    threads = [threading.Thread(target=join, args=r) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return answers
+
+
+@pytest.mark.parametrize("off", [set(), {"prefill1"}, {"decode0"}])
+def test_a_pair_copies_only_where_every_decode_rank_mapped_every_prefill_cache(off: set[str]):
+    answers = _join_all(off)
+    assert len(answers) == 4 and set(answers.values()) == {False}  # every rank agrees: NCCL
+
+
+def test_a_pair_that_agrees_on_the_copy_says_so_and_forgets_it_when_dropped():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    store.set("peer_ok/0", b"1")  # the decode rank's answer
+    peers = PeerCaches()
+    assert peers.join(store, "p->d", "prefill", 0, 1, 1, torch.zeros(1, 2, 2, 16, 1, 8), True)
+    assert peers.on("p->d") and not peers.on("other")
+    peers.drop("p->d")
+    assert not peers.on("p->d")
