@@ -257,6 +257,7 @@ class StressShape:
     cache_blocks: int = 1024  # 2 GiB a cache
     sizes: tuple[int, ...] = (1, 2, 3, 5, 8, 16, 33, 64, 100, 160)  # blocks a transfer (160: two messages of 16 layers)
     device: str = "cuda"  # "cpu": the same run over gloo, a check of the harness itself
+    peer: bool = True  # KVTransferAgent.peer_ipc: the decode rank copies out of the mapped prefill cache; False: NCCL
 
 
 S_PHASES = (("serial", 1, False), ("in-flight-4", 4, False), ("in-flight-8-busy", 8, True))  # (name, window, busy GPU)
@@ -264,8 +265,8 @@ S_TRANSFERS = 96  # a phase
 # A transfer stuck this long fails (and drops the pair); a run stuck this long has its stacks dumped, then is killed.
 S_AGENT_TIMEOUT_S, S_DUMP_STACKS_S, S_KILL_S = 15.0, 50.0, 60.0
 # The two-GPU handoff test's model (models/tandem-tiny: 16 KiB blocks, prompts of 1-12 blocks), and Llama-3.1-8B's.
-STRESS_SHAPES = {"tiny": StressShape(layers=4, heads=2, dim=32, cache_blocks=256, sizes=(1, 2, 3, 4, 5, 8, 12)),
-                 "llama8b": StressShape()}
+_TINY = dict(layers=4, heads=2, dim=32, cache_blocks=256, sizes=(1, 2, 3, 4, 5, 8, 12))
+STRESS_SHAPES = {"tiny": StressShape(**_TINY), "tiny-nccl": StressShape(**_TINY, peer=False), "llama8b": StressShape()}
 POISON_WORD, FRESH_WORD = -21846, 21845  # 0xAAAA: a prefill block freed after its send; 0x5555: a decode block unwritten
 
 
@@ -341,6 +342,8 @@ class _StressRank:
         self.cache.view(torch.int16).fill_(POISON_WORD if rank == 0 else FRESH_WORD)
         self.shard = RankShard(0, range(shape.layers), range(shape.heads))
         self.agent, self.spec = bench.connect_agents(rank, self.cache, self.shard, timeout_s=S_AGENT_TIMEOUT_S)
+        self.agent.peer_ipc = shape.peer
+        self._stores = threading.local()  # a store client per thread: a blocking get holds its client
         self.agent.warm(self.spec)  # the communicator and the copy kernels, as a served pair's warm-up
         self.threads = ThreadPoolExecutor(max_workers=16)
 
@@ -387,9 +390,11 @@ class _StressRank:
             plan = [Transfer(0, 0, range(self.shape.layers), range(self.shape.heads), tuple(range(len(ids))))]
             self.note(f"transfer {seq} ({len(ids)} blocks) starts")
             if self.rank == 0:
+                self._ids_store().set(str(seq), json.dumps(ids))  # the decode side learns the block table, as served
                 self.agent.send(self.spec, plan, {0: self.shard}, ids, f"h{seq}", seq)
             else:
-                self.agent.recv(self.spec, plan, {0: self.shard}, ids, ids, seq)
+                src_ids = json.loads(self._ids_store().get(str(seq)))
+                self.agent.recv(self.spec, plan, {0: self.shard}, ids, src_ids, seq)
                 report["bad"] += _stress_bad_blocks(self.shape, self.cache, ids, seq)
             self.cache.view(torch.int16)[:, :, ids] = POISON_WORD if self.rank == 0 else FRESH_WORD
             self._sync()
@@ -400,6 +405,19 @@ class _StressRank:
         finally:
             pool.give(ids)
             slots.release()
+
+    def _ids_store(self):
+        """This thread's client of the pair's store, under a prefix of its own: the sender's block ids by transfer (a
+        served decode replica has the prefill replica's block table from its answer)."""
+        store = getattr(self._stores, "store", None)
+        if store is None:
+            import torch.distributed as dist
+            from datetime import timedelta
+
+            pair = self.agent._stores[self.spec.pair_id]
+            client = dist.TCPStore(pair.host, pair.port, is_master=False, timeout=timedelta(seconds=3 * S_AGENT_TIMEOUT_S))
+            store = self._stores.store = dist.PrefixStore("stress-ids", client)
+        return store
 
     def _sync(self) -> None:
         """This thread's default stream done (what a freed block waits for before the engine may reuse it)."""
