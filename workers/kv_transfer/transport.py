@@ -855,10 +855,10 @@ class KVTransferAgent:
     def _copy_from_mapped(self, spec: PairSpec, group: dist.ProcessGroup, mapped: list, src_shards: dict[int, RankShard],
                           block_table: list[int], src_block_table: list[int] | None) -> int:
         """The peer-copied transfers (workers/kv_transfer/peer_ipc.py): each copied block to block out of its prefill
-        rank's cache, mapped here; once all are copied, each sender is acked (it frees the blocks then). A transfer's
-        blocks were written before the decode side asked for them (its prefill's first token had reached the host),
-        so the copy starts at once, except a piece's: it runs in stream order behind the receive of the blocks' ids,
-        which the prefill rank sends once the chunk that wrote them is done."""
+        rank's cache, mapped here; once all are copied (in stream order), each sender is acked: it frees the blocks
+        then. A transfer's blocks were written before the decode side asked for them (its prefill's first token had
+        reached the host), so the copy starts at once, except a piece's: it runs in stream order behind the receive of
+        the blocks' ids, which the prefill rank sends once the chunk that wrote them is done."""
         if not mapped:
             return 0
         if src_block_table is None:
@@ -866,13 +866,17 @@ class KVTransferAgent:
                                   "given its block table")
         from parallel.kernels.block_copy import copy_blocks
 
-        # Every index before the first wait, in one copy: a copy from pageable memory waits for this stream's work.
-        ids = [(_local_ids(self._peers.words[(spec.pair_id, t.src)], src_shards[t.src], [src_block_table[i] for i in t.blocks]),
-                self._local_ids([block_table[i] for i in t.blocks])) for _, _, t, _ in mapped]
+        # Every index before the first wait, in one copy: a copy from pageable memory waits for this stream's work. Each
+        # list padded to an even length, so every slice of `flat` starts 16-byte aligned, as the kernel was compiled
+        # for (`block_copy.warm_up`): an odd offset is another specialisation, compiled while serving.
+        even = lambda ids: ids + [0] * (len(ids) % 2)  # noqa: E731
+        ids = [(even(_local_ids(self._peers.words[(spec.pair_id, t.src)], src_shards[t.src], [src_block_table[i] for i in t.blocks])),
+                even(self._local_ids([block_table[i] for i in t.blocks]))) for _, _, t, _ in mapped]
         flat = block_index([b for src, dst in ids for b in (*src, *dst)], self.kv_cache.device)
         copied, at = 0, 0
         for (work, piece_ids, t, _), (src, dst) in zip(mapped, ids):
-            src_ids, dst_ids = flat[at:at + len(src)], flat[at + len(src):at + len(src) + len(dst)]
+            n = len(t.blocks)
+            src_ids, dst_ids = flat[at:at + n], flat[at + len(src):at + len(src) + n]
             at += len(src) + len(dst)
             src_layers, _, dst_layers, _ = t.local_slices(src_shards[t.src], self.shard)
             if work is not None:  # a piece: stream order only, the copy starts once its ids have landed
@@ -881,7 +885,8 @@ class KVTransferAgent:
             self._check(spec.pair_id, group, copy_blocks, self._peers.words[(spec.pair_id, t.src)][src_layers],
                         self._blocks.words[dst_layers], src_ids, dst_ids)
             copied += self._layer_bytes(t) * len(t.layers)
-        self._check(spec.pair_id, group, torch.cuda.current_stream().synchronize)  # copied before any sender frees
+        # The acks in stream order behind the copies (NCCL's stream waits for this one), so each leaves the moment the
+        # copies are done on the GPU, with no host sync and launch between: a sender frees nothing still being read.
         self._wait(spec.pair_id, group, [group.send([self._one], t.src, tag) for _, _, t, tag in mapped])
         return copied
 
