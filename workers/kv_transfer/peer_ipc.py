@@ -76,15 +76,16 @@ class PeerCaches:
                 return False
             try:
                 cache = import_cache(handle, kv_cache.device)
-                torch.cuda.current_stream().synchronize()  # the IPC event's wait, before any copy reads it
+                if cache.dtype != kv_cache.dtype or cache.shape[3:] != kv_cache.shape[3:]:
+                    log.info("KV pair %s: prefill rank %d's cache %s %s does not match this one's rows", pair_id, r,
+                             cache.dtype, tuple(cache.shape))
+                    return False
+                words = _as_words(_as_wire(cache))
+                _touch(words)  # and the IPC event's wait (on this stream) is over before any copy reads the cache
             except Exception as e:  # noqa: BLE001 - GPU not visible here, no peer access, ...: the pair keeps NCCL
                 log.info("KV pair %s: prefill rank %d's cache cannot be mapped here: %s: %s", pair_id, r, type(e).__name__, e)
                 return False
-            if cache.dtype != kv_cache.dtype or cache.shape[3:] != kv_cache.shape[3:]:
-                log.info("KV pair %s: prefill rank %d's cache %s %s does not match this one's rows", pair_id, r,
-                         cache.dtype, tuple(cache.shape))
-                return False
-            self.words[(pair_id, r)] = _as_words(_as_wire(cache))
+            self.words[(pair_id, r)] = words
         return True
 
     def on(self, pair_id: str) -> bool:
@@ -94,6 +95,20 @@ class PeerCaches:
         self.pairs.pop(pair_id, None)
         for key in [k for k in self.words if k[0] == pair_id]:
             del self.words[key]
+
+
+def _touch(words: torch.Tensor) -> None:
+    """Copy one row out of a freshly mapped cache, at join: whatever the driver does on a mapping's first use is paid
+    here, not by the pair's first handoff. (The first peer-copied handoff of a served 2 x H200 run took 86 ms, the
+    next ones 1-3 ms: docs/benchmarks.md, twenty-first session. Whether this one-row copy takes that cost away was
+    not measured.)"""
+    from parallel.kernels.block_copy import copy_blocks
+
+    if words.shape[0] and words.shape[2]:
+        scratch = torch.empty((1, 2, 1) + tuple(words.shape[3:]), dtype=words.dtype, device=words.device)
+        first = torch.zeros(1, dtype=torch.long, device=words.device)
+        copy_blocks(words[:1], scratch, first, first)
+    torch.cuda.current_stream().synchronize()
 
 
 def export_cache(kv_cache: torch.Tensor) -> bytes:
