@@ -71,3 +71,18 @@ def test_a_pair_that_agrees_on_the_copy_says_so_and_forgets_it_when_dropped():
     assert peers.on("p->d") and not peers.on("other")
     peers.drop("p->d")
     assert not peers.on("p->d")
+
+
+def test_a_prefill_cache_that_cannot_be_shared_publishes_no_handle(monkeypatch):
+    """An export that raises (an allocator whose segments torch cannot share so): the prefill rank publishes b"", and
+    its pair keeps NCCL rather than failing to join."""
+    import workers.kv_transfer.peer_ipc as peer_ipc
+
+    def refuse(kv_cache):
+        raise RuntimeError("cannot share this allocation")
+
+    monkeypatch.setattr(peer_ipc, "export_cache", refuse)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+    store.set("peer_ok/0", b"0")
+    assert not PeerCaches().join(store, "p->d", "prefill", 0, 1, 1, torch.zeros(1, 2, 2, 16, 1, 8), True)
+    assert store.get("peer/0") == b""

@@ -58,7 +58,7 @@ class PeerCaches:
         their handles (empty where `on` is False), the decode ranks map them and publish whether they could; all
         then read the decode ranks' answers. Returns (and keeps) whether the pair copies so."""
         if role == "prefill":
-            store.set(f"peer/{rank}", export_cache(kv_cache) if on else b"")
+            store.set(f"peer/{rank}", self._export(pair_id, kv_cache) if on else b"")
         else:
             mapped = self._map(store, pair_id, num_prefill, kv_cache, on)
             store.set(f"peer_ok/{rank}", b"1" if mapped else b"0")
@@ -67,6 +67,17 @@ class PeerCaches:
         log.info("KV pair %s: %s", pair_id, "decode ranks copy from the mapped prefill caches (peer IPC)" if agreed
                  else "NCCL messages (a decode rank could not map a prefill cache, or peer IPC is off)")
         return agreed
+
+    @staticmethod
+    def _export(pair_id: str, kv_cache: torch.Tensor) -> bytes:
+        """This prefill rank's handle, or b"" (the pair keeps NCCL) where the cache cannot be shared: an allocator
+        whose segments torch cannot export this way (PYTORCH_CUDA_ALLOC_CONF's expandable segments, say)."""
+        try:
+            return export_cache(kv_cache)
+        except Exception as e:  # noqa: BLE001 - the pair keeps NCCL
+            log.info("KV pair %s: this prefill rank's cache cannot be shared by CUDA IPC: %s: %s", pair_id,
+                     type(e).__name__, e)
+            return b""
 
     def _map(self, store, pair_id: str, num_prefill: int, kv_cache: torch.Tensor, on: bool) -> bool:
         """Map every prefill rank's cache into this decode rank (`words`); False at the first that cannot be."""
