@@ -36,7 +36,7 @@ from parallel.state import rank_grid
 from parallel.config import ParallelConfig
 from workers.config import EngineConfig
 from workers.executor import Executor, ExecutorError, PendingStep
-from workers.kv_transfer.peer_ipc import PEER_IPC
+from workers.kv_transfer.peer_ipc import peer_ipc_enabled
 from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput, num_placeholders
 from workers.step_delta import StepEncoder, sampled_on_every_tp_rank, tp_own_fill_enabled, unpack_output
 
@@ -58,6 +58,13 @@ def tp_ranks_fill_own(parallel: ParallelConfig, step_groups: int) -> bool:
     the last step sent's), unless TANDEM_TP_OWN_FILL=0. Must agree with `ModelRunner.greedy_everywhere`."""
     return (parallel.tensor_parallel_size > 1 and parallel.pipeline_parallel_size == 1
             and parallel.sequence_parallel_size == 1 and step_groups == 1 and tp_own_fill_enabled())
+
+
+def ranks_see_node_gpus(parallel: ParallelConfig, use_cuda: bool) -> bool:
+    """Whether the rank actors on GPUs see every GPU of their node (else each sees its own): a TP group's for its P2P
+    all-reduce, and any rank (a pool replica's) so that a decode rank can map a prefill rank's KV cache on the same
+    node (workers/kv_transfer/peer_ipc.py; TANDEM_KV_PEER_IPC=0 turns that off)."""
+    return use_cuda and (peer_ipc_enabled() or parallel.tensor_parallel_size > 1 and not parallel.disable_p2p_all_reduce)
 
 
 class RayExecutor(Executor):
@@ -96,11 +103,7 @@ class RayExecutor(Executor):
             actor = ray.remote(RankWorker)
             resources = {"num_gpus": self.parallel.gpus_per_rank, "num_cpus": 0} if use_cuda else {"num_cpus": 1}
             resources["resources"] = dict(self.parallel.rank_resources)
-            # Ranks on GPUs see their node's GPUs: a TP group's for its P2P all-reduce, and any rank (a pool replica's)
-            # so that a decode rank can map a prefill rank's KV cache on the same node (workers/kv_transfer/peer_ipc.py).
-            # Else (TANDEM_KV_PEER_IPC=0, no TP) each sees its own only.
-            see_node_gpus = use_cuda and (PEER_IPC or self.parallel.tensor_parallel_size > 1
-                                          and not self.parallel.disable_p2p_all_reduce)
+            see_node_gpus = ranks_see_node_gpus(self.parallel, use_cuda)
             self.workers = [
                 actor.options(**resources, scheduling_strategy=self.placement.strategy(r), runtime_env=rank_runtime_env(see_node_gpus),
                               max_restarts=0, max_concurrency=16).remote(r)

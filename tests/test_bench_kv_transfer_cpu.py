@@ -16,7 +16,7 @@ import bench_kv_transfer as bench  # noqa: E402
 def test_the_agent_with_each_min_messages_is_timed_and_verified(tmp_path):
     out = tmp_path / "kv.json"
     bench.main(["--device", "cpu", "--tokens", "32", "--layers", "4", "--kv-heads", "2", "--head-dim", "16",
-                "--min-messages", "1,4", "--nccl-high-priority", "--copy-programs", "8", "--overlap-copy-programs", "8", "--variants", "m2o8", "--in-flight", "3", "--iters", "1", "--warmup", "0", "--out", str(out)])
+                "--min-messages", "1,4", "--nccl-high-priority", "--copy-programs", "8", "--overlap-copy-programs", "8", "--variants", "m2o8,p0", "--in-flight", "3", "--iters", "1", "--warmup", "0", "--out", str(out)])
     (row,) = json.loads(out.read_text())["results"]
     assert row["verified"] and row["min_messages"] == 1
     assert row["agent_ms"] > 0 and row["agent_m4_ms"] > 0 and row["raw_ms"] > 0
@@ -27,6 +27,7 @@ def test_the_agent_with_each_min_messages_is_timed_and_verified(tmp_path):
     assert row["agent_c8_ms"] > 0 and row["agent_c8_over_raw"] == pytest.approx(row["agent_c8_ms"] / row["raw_ms"])
     assert row["agent_o8_ms"] > 0  # and one capped only beside a message in flight
     assert row["agent_m2o8_ms"] > 0 and row["agent_m2o8_over_raw"] > 0  # and a mix given by --variants
+    assert row["agent_p0_ms"] > 0  # and the peer copy's switch (gloo pairs never copy so: the same transfer)
     assert row["agent_x3_ms"] > 0 and row["agent_x3_over_raw"] > 0  # and three numbered transfers in flight at once
 
 

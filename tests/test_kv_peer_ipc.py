@@ -86,3 +86,23 @@ def test_a_prefill_cache_that_cannot_be_shared_publishes_no_handle(monkeypatch):
     store.set("peer_ok/0", b"0")
     assert not PeerCaches().join(store, "p->d", "prefill", 0, 1, 1, torch.zeros(1, 2, 2, 16, 1, 8), True)
     assert store.get("peer/0") == b""
+
+
+def test_the_switch_reaches_the_agents_and_the_rank_actors(monkeypatch):
+    """TANDEM_KV_PEER_IPC: on unless 0, read by each agent; the driver forwards it to the rank actors, and with it on
+    every rank actor on GPUs sees its node's GPUs (to map a peer's cache), else only TP groups with the P2P all-reduce."""
+    from cluster.ray_executor import ranks_see_node_gpus
+    from cluster.ray_runtime import rank_runtime_env
+    from parallel.config import ParallelConfig
+    from workers.kv_transfer.transport import KVTransferAgent
+
+    cache, shard = torch.zeros(1, 2, 4, 2, 1, 4), RankShard(0, range(1), range(1))
+    tp1, tp2 = ParallelConfig(), ParallelConfig(tensor_parallel_size=2)
+    tp2_nccl = ParallelConfig(tensor_parallel_size=2, disable_p2p_all_reduce=True)
+    monkeypatch.delenv("TANDEM_KV_PEER_IPC", raising=False)
+    assert KVTransferAgent(cache, shard, "decode").peer_ipc
+    assert ranks_see_node_gpus(tp1, True) and not ranks_see_node_gpus(tp1, False)
+    monkeypatch.setenv("TANDEM_KV_PEER_IPC", "0")
+    assert not KVTransferAgent(cache, shard, "decode").peer_ipc
+    assert rank_runtime_env()["env_vars"]["TANDEM_KV_PEER_IPC"] == "0"
+    assert not ranks_see_node_gpus(tp1, True) and ranks_see_node_gpus(tp2, True) and not ranks_see_node_gpus(tp2_nccl, True)

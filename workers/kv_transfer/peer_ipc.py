@@ -35,7 +35,11 @@ from workers.kv_transfer.plan import RankShard, Transfer
 
 log = logging.getLogger(__name__)
 
-PEER_IPC = os.environ.get("TANDEM_KV_PEER_IPC", "1") != "0"
+
+def peer_ipc_enabled() -> bool:
+    """TANDEM_KV_PEER_IPC: on unless it says 0. Read by each agent (both sides of a pair must agree) and by the driver
+    that starts the rank actors (they see their node's GPUs for it), which forwards it to them."""
+    return os.environ.get("TANDEM_KV_PEER_IPC", "1") != "0"
 
 
 def whole_heads(t: Transfer, src: RankShard, dst: RankShard) -> bool:

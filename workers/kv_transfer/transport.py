@@ -40,7 +40,7 @@ from workers.kv_transfer.blocks import (CacheBlocks, block_index, gather_blocks,
                                         wire_dtype)
 from workers.kv_transfer.chunk_ends import ChunkEnds
 from workers.kv_transfer.lanes import LANE_BYTES, Lane, Lanes
-from workers.kv_transfer.peer_ipc import PEER_IPC, PeerCaches, export_cache, import_cache, whole_heads
+from workers.kv_transfer.peer_ipc import PeerCaches, export_cache, import_cache, peer_ipc_enabled, whole_heads
 from workers.kv_transfer.plan import RankShard, Transfer
 
 log = logging.getLogger(__name__)
@@ -321,7 +321,7 @@ class KVTransferAgent:
         # CUDA IPC, where every decode rank of the pair could map every prefill rank's (workers/kv_transfer/peer_ipc.py).
         # Must be the same on both sides of a pair (TANDEM_KV_PEER_IPC=0: off); bench_kv_transfer.py's p0 rows time
         # the NCCL path beside it.
-        self.peer_ipc = PEER_IPC
+        self.peer_ipc = peer_ipc_enabled()
         self._peers = PeerCaches()
         self._one = torch.ones(1, dtype=torch.uint8, device=kv_cache.device) if kv_cache.is_cuda else None  # acks
 
@@ -587,18 +587,18 @@ class KVTransferAgent:
         clock.mark("setup")  # the turn, the plan's messages: pure Python
         # Every transfer's block ids and index tensor (once per transfer, not per message) before the first gather is
         # queued: the index's copy from pageable memory waits for this stream's earlier work, the gathers.
-        ids: dict[int, tuple[list[int], torch.Tensor | None]] = {}
+        ids: dict[int, tuple[list[int], torch.Tensor | None, bool]] = {}  # transfer -> (ids, index, peer-copied)
         for _, t, _, _ in messages:
             if id(t) not in ids:
                 local_ids = self._local_ids([block_table[i] for i in t.blocks])
                 peer = self._peer_copy(spec, t, self.shard, dst_shards[t.dst])
                 ids[id(t)] = local_ids, None if self._same_gpu(spec, dst_shards[t.dst]) or (peer and not piece) else \
-                    block_index(local_ids, self.kv_cache.device)
+                    block_index(local_ids, self.kv_cache.device), peer
         clock.mark("index")
         works, sent, peer_copied = [], 0, set()
         for tag, t, layers, heads in messages:
-            local_ids, index = ids[id(t)]
-            if self._peer_copy(spec, t, self.shard, dst_shards[t.dst]):
+            local_ids, index, peer = ids[id(t)]
+            if peer:
                 if id(t) not in peer_copied:  # the whole transfer, at its first message
                     peer_copied.add(id(t))
                     works += self._post_peer_send(spec, group, t, index, tag)
