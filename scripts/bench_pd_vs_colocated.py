@@ -75,29 +75,53 @@ def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
 
 
 def ratios(points: list[dict], base: list[dict]) -> list[dict]:
-    """Per sweep point: throughput, TTFT p50 and TPOT p50 over the first deployment's at the same point."""
+    """Per sweep point: throughput, goodput, TTFT p50 and TPOT p50 over the first deployment's at the same point (the
+    same label)."""
+    by_label = {b["label"]: b for b in base}
     out = []
-    for p, b in zip(points, base):
-        s, t = p["summary"], b["summary"]
+    for p in points:
+        s, t = p["summary"], by_label.get(p["label"], {}).get("summary")
 
         def r(a, c):
             return a / c if a is not None and c else None
 
+        if t is None:
+            out.append({"label": p["label"], "request_throughput": None, "goodput": None, "ttft_p50": None, "tpot_p50": None})
+            continue
         out.append({"label": p["label"], "request_throughput": r(s["request_throughput"], t["request_throughput"]),
+                    "goodput": r(s.get("goodput"), t.get("goodput")),
                     "ttft_p50": r(s["ttft_s"]["p50"], t["ttft_s"]["p50"]), "tpot_p50": r(s["tpot_s"]["p50"], t["tpot_s"]["p50"])})
     return out
 
 
 def table(results: dict[str, dict]) -> str:
-    lines = [f"{'deployment':12} {'point':>8} {'req/s':>7} {'TTFT p50':>9} {'TPOT p50':>9} {'x req/s':>8} {'x TTFT':>7} {'x TPOT':>7}"]
+    lines = [f"{'deployment':12} {'point':>8} {'req/s':>7} {'goodput':>8} {'TTFT p50':>9} {'TPOT p50':>9} {'x req/s':>8} "
+             f"{'x good':>7} {'x TTFT':>7} {'x TPOT':>7}"]
     fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
     for name, res in results.items():
         for p, r in zip(res["points"], res["vs_first"]):
             s = p["summary"]
-            lines.append(f"{name:12} {p['label']:>8} {s['request_throughput']:7.2f} {fmt(s['ttft_s']['p50'] and 1e3 * s['ttft_s']['p50'], '8.1f')}m "
+            lines.append(f"{name:12} {p['label']:>8} {s['request_throughput']:7.2f} {fmt(s.get('goodput'), '8.2f')} "
+                         f"{fmt(s['ttft_s']['p50'] and 1e3 * s['ttft_s']['p50'], '8.1f')}m "
                          f"{fmt(s['tpot_s']['p50'] and 1e3 * s['tpot_s']['p50'], '8.2f')}m {fmt(r['request_throughput'], '8.2f')} "
-                         f"{fmt(r['ttft_p50'], '7.2f')} {fmt(r['tpot_p50'], '7.2f')}")
+                         f"{fmt(r.get('goodput'), '7.2f')} {fmt(r['ttft_p50'], '7.2f')} {fmt(r['tpot_p50'], '7.2f')}")
     return "\n".join(lines)
+
+
+def merge_runs(saved: list[dict]) -> dict[str, dict]:
+    """Several saved runs (this script's JSONs) as one sweep: each deployment's points from every run, in rate order,
+    and the ratios against the first deployment's point of the same label. Runs of one sweep split over calls (rates
+    2-8 in one, 16-24 in the next) plot as one curve; each point is still compared within its own run."""
+    results: dict[str, dict] = {}
+    for run in saved:
+        for name, res in run["deployments"].items():
+            results.setdefault(name, {"flags": res["flags"], "points": []})["points"] += res["points"]
+    for res in results.values():
+        res["points"].sort(key=lambda p: (p.get("rate") is None, p.get("rate") or 0))
+    base = next(iter(results.values()))["points"]
+    for res in results.values():
+        res["vs_first"] = ratios(res["points"], base)
+    return results
 
 
 def plot(results: dict[str, dict], path: Path) -> bool:
@@ -114,7 +138,11 @@ def plot(results: dict[str, dict], path: Path) -> bool:
         for ax, key in zip(axes, ("ttft_s", "tpot_s")):
             ax.plot(x, [p["summary"][key]["p50"] for p in res["points"]], "o-", label=name)
         rated = [p for p in res["points"] if p.get("rate") not in (None, float("inf"))]  # Poisson sweep points only
-        axes[2].plot([p["rate"] for p in rated], [p["summary"]["goodput"] for p in rated], "o-", label=name)
+        line, = axes[2].plot([p["rate"] for p in rated], [p["summary"]["goodput"] for p in rated], "o-", label=name)
+        for limit in sorted({k for p in rated for k in p["summary"].get("goodput_by_tpot_ms", {})}, key=float):
+            # the same requests counted under each tighter TPOT limit (--extra-tpot-slos), dashed in the same colour
+            axes[2].plot([p["rate"] for p in rated], [p["summary"]["goodput_by_tpot_ms"].get(limit) for p in rated],
+                         "s--", color=line.get_color(), alpha=0.7, label=f"{name}, TPOT <= {limit} ms")
     for ax, title in zip(axes, ("TTFT p50", "TPOT p50")):
         ax.set_title(title)
         ax.set_xlabel("requests/s")
@@ -151,10 +179,12 @@ def main(argv=None) -> int:
     p.add_argument("--log-dir", help="keep each deployment's `tandem serve` log here (default: deleted with the run)")
     p.add_argument("--out", default="bench_results/pd_vs_colocated",
                    help="writes OUT.json and OUT.png (a trailing .json or .png on OUT is dropped first; other dots stay)")
-    p.add_argument("--replot", metavar="JSON", help="only redraw OUT.png (and print the table) from a JSON this script wrote")
+    p.add_argument("--replot", metavar="JSON", nargs="+",
+                   help="only redraw OUT.png (and print the table) from JSONs this script wrote; several runs' points "
+                        "are drawn as one sweep (`merge_runs`)")
     args = p.parse_args(argv)
     if args.replot:
-        results = json.loads(Path(args.replot).read_text())["deployments"]
+        results = merge_runs([json.loads(Path(f).read_text()) for f in args.replot])
         print(table(results))
         return 0 if plot(results, output_path(args.out, ".png")) else 1
     deployments = parse_deployments(args.deployments)

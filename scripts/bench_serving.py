@@ -45,6 +45,7 @@ class Result:
     e2e: float = math.nan
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0  # generated, from the usage chunk
+    sent_s: float = math.nan  # when it was sent, seconds after its point started
 
     @property
     def tpot(self) -> float:
@@ -131,19 +132,26 @@ async def run_point(args, workload, rate: float | None, concurrency: int | None,
 
     async with aiohttp.ClientSession(timeout=timeout, headers=headers, connector=connector) as session:
         async def one(item):
+            sent = time.perf_counter() - start
             r = await send(session, args, *item)
+            r.sent_s = sent
             results.append(r)
             bar.update(1)
 
         start = time.perf_counter()
         tasks: list[asyncio.Task] = []
         if rate is not None:
+            # Arrivals at fixed offsets from the start (their gaps drawn up front), not one sleep after another: a
+            # sleep ends late by however long the event loop was busy with the streams, so with chained sleeps a
+            # deployment that streams more events would be offered a lower rate than another one with the same seed.
+            due = 0.0
             for item in workload:
                 if time.perf_counter() >= deadline:
                     break
                 tasks.append(asyncio.create_task(one(item)))
                 if math.isfinite(rate):
-                    await asyncio.sleep(rng.exponential(1.0 / rate))
+                    due += rng.exponential(1.0 / rate)
+                    await asyncio.sleep(max(0.0, start + due - time.perf_counter()))
         else:
             queue = list(workload)
 

@@ -94,3 +94,26 @@ def test_arrival_seconds_sizes_each_rate_and_extra_tpot_limits_count(bench, serv
         s = p["summary"]
         assert s["goodput_by_tpot_ms"] == {"5000": s["goodput"], "0.001": 0.0}
         assert s["goodput"] > 0
+
+
+def test_rate_arrivals_keep_their_schedule_when_the_loop_is_busy(bench, monkeypatch):
+    # Each request blocks the event loop for 25 ms (a client busy with other streams' events): the arrivals stay at
+    # their drawn offsets (a sleep that ends late shortens the next one) instead of each gap adding the lateness.
+    import asyncio
+    import time
+
+    import numpy as np
+
+    async def busy_send(session, args, prompt, max_tokens):
+        time.sleep(0.025)
+        return bench.Result(len(prompt), max_tokens, ok=True, ttft=0.0, e2e=0.025, output_tokens=1)
+
+    monkeypatch.setattr(bench, "send", busy_send)
+    args = bench.parse_args(["--base-url", "http://127.0.0.1:9", "--request-rates", "40"])
+    workload = [([1, 2, 3], 4)] * 30
+    results, _ = asyncio.run(bench.run_point(args, workload, 40.0, None, np.random.default_rng(7)))
+    due = np.concatenate([[0.0], np.cumsum(np.random.default_rng(7).exponential(1 / 40.0, 29))])
+    sent = np.sort([r.sent_s for r in results])
+    assert len(sent) == 30
+    late = sent - due
+    assert late.max() < 0.1, late  # chained sleeps: about 25 ms later with each request, ~0.7 s by the last

@@ -149,4 +149,4 @@ def test_pd_vs_colocated_script_reads_deployments_and_ratios():
     point = lambda rps, ttft, tpot: {"label": "c1", "summary": {"request_throughput": rps, "ttft_s": {"p50": ttft},  # noqa: E731
                                                                   "tpot_s": {"p50": tpot}}}
     assert ratios([point(5.0, 0.2, None)], [point(10.0, 0.1, 0.01)]) == [
-        {"label": "c1", "request_throughput": 0.5, "ttft_p50": 2.0, "tpot_p50": None}]
+        {"label": "c1", "request_throughput": 0.5, "goodput": None, "ttft_p50": 2.0, "tpot_p50": None}]

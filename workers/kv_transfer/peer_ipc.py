@@ -114,9 +114,9 @@ class PeerCaches:
 
 def _touch(words: torch.Tensor) -> None:
     """Copy one row out of a freshly mapped cache, at join: whatever the driver does on a mapping's first use is paid
-    here, not by the pair's first handoff. (The first peer-copied handoff of a served 2 x H200 run took 86 ms, the
-    next ones 1-3 ms: docs/benchmarks.md, twenty-first session. Whether this one-row copy takes that cost away was
-    not measured.)"""
+    here, not by the pair's first handoff. (The first peer-copied handoff of a served 2 x H200 run took 86-105 ms; its
+    phases showed that cost in the first ack's NCCL connection, not in the copy, and `KVTransferAgent.warm` now makes
+    that connection: docs/benchmarks.md, twenty-second session.)"""
     from parallel.kernels.block_copy import copy_blocks
 
     if words.shape[0] and words.shape[2]:

@@ -417,11 +417,17 @@ class KVTransferAgent:
         group = self._group(spec.pair_id)
         device = self.kv_cache.device if self._nccl(spec) else torch.device("cpu")
         peers = range(spec.num_prefill_ranks, spec.size) if self.role == "prefill" else range(spec.num_prefill_ranks)
+        # A pair that copies by peer IPC also sends the other way: each decode rank's acks (`_copy_from_mapped`). NCCL
+        # connects each direction of a rank pair on its first message, ~100 ms of CPU on 2 x H200, which the first
+        # handoff's ack paid (docs/benchmarks.md, twenty-second session); so that direction is warmed too, after the
+        # first (every rank posts in the same order: no rank waits on one still connecting the other way).
+        directions = (True, False) if self._peers.on(spec.pair_id) else (True,)
         with self._own_stream():
             works = []
-            for g in self._groups_of(spec.pair_id, group):  # each of the pair's communicators
-                op = g.send if self.role == "prefill" else g.recv
-                works += [op([torch.ones(1, dtype=torch.uint8, device=device)], peer, WARM_TAG) for peer in peers]
+            for forward in directions:
+                for g in self._groups_of(spec.pair_id, group):  # each of the pair's communicators
+                    op = g.send if (self.role == "prefill") == forward else g.recv
+                    works += [op([torch.ones(1, dtype=torch.uint8, device=device)], peer, WARM_TAG) for peer in peers]
             self._wait(spec.pair_id, group, works)
 
     def _nccl(self, spec: PairSpec) -> bool:
@@ -666,7 +672,7 @@ class KVTransferAgent:
             pending, local, mapped = self._post_recvs(spec, group, clock, plan, src_shards, block_table, seq, piece)
             # The peers' acks are messages too: posted in this transfer's turn.
             received = self._copy_from_peers(spec, group, local, src_shards, block_table, src_block_table)
-            received += self._copy_from_mapped(spec, group, mapped, src_shards, block_table, src_block_table)
+            received += self._copy_from_mapped(spec, group, clock, mapped, src_shards, block_table, src_block_table)
         clock.mark("peers")
         nccl = self._nccl(spec)
         # Each transfer's index tensor (once, not per message) only now that every receive is posted: the sender's
@@ -852,8 +858,8 @@ class KVTransferAgent:
                                          for tag, t, _, _ in messages])
         return copied
 
-    def _copy_from_mapped(self, spec: PairSpec, group: dist.ProcessGroup, mapped: list, src_shards: dict[int, RankShard],
-                          block_table: list[int], src_block_table: list[int] | None) -> int:
+    def _copy_from_mapped(self, spec: PairSpec, group: dist.ProcessGroup, clock: PhaseClock, mapped: list,
+                          src_shards: dict[int, RankShard], block_table: list[int], src_block_table: list[int] | None) -> int:
         """The peer-copied transfers (workers/kv_transfer/peer_ipc.py): each copied block to block out of its prefill
         rank's cache, mapped here; once all are copied (in stream order), each sender is acked: it frees the blocks
         then. A transfer's blocks were written before the decode side asked for them (its prefill's first token had
@@ -873,6 +879,7 @@ class KVTransferAgent:
         ids = [(even(_local_ids(self._peers.words[(spec.pair_id, t.src)], src_shards[t.src], [src_block_table[i] for i in t.blocks])),
                 even(self._local_ids([block_table[i] for i in t.blocks]))) for _, _, t, _ in mapped]
         flat = block_index([b for src, dst in ids for b in (*src, *dst)], self.kv_cache.device)
+        clock.mark("peer_index")
         copied, at = 0, 0
         for (work, piece_ids, t, _), (src, dst) in zip(mapped, ids):
             n = len(t.blocks)
@@ -885,9 +892,11 @@ class KVTransferAgent:
             self._check(spec.pair_id, group, copy_blocks, self._peers.words[(spec.pair_id, t.src)][src_layers],
                         self._blocks.words[dst_layers], src_ids, dst_ids)
             copied += self._layer_bytes(t) * len(t.layers)
+        clock.mark("peer_copy")  # the kernels queued (a piece's: behind its ids' receive)
         # The acks in stream order behind the copies (NCCL's stream waits for this one), so each leaves the moment the
         # copies are done on the GPU, with no host sync and launch between: a sender frees nothing still being read.
         self._wait(spec.pair_id, group, [group.send([self._one], t.src, tag) for _, _, t, tag in mapped])
+        clock.mark("peer_ack")  # the copies done on the GPU and the acks sent
         return copied
 
     def _peer_copy(self, spec: PairSpec, t: Transfer, src: RankShard, dst: RankShard) -> bool:
