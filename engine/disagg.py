@@ -731,7 +731,7 @@ class DecodeReplica:
                     # Its prefill replica is gone: this engine runs the whole request now, rather than the pool
                     # holding it until Serve has noticed the death and started a replacement (seconds). On the
                     # last attempt too: a routed prefill that failed, then a re-prefill that found no replica.
-                    log.warning("request %s: %s; prefilling on this decode replica", request_id, e)
+                    log.warning("%s; prefilling on this decode replica", e)  # e names the request
                     self.prefill_fallbacks += 1
                     async for out in self._local(request_id, prompt_token_ids, params, priority, timeline):
                         yield out

@@ -33,6 +33,42 @@ async def _one(item):
     yield item
 
 
+class _ServeLikeStream:
+    """Like Serve's DeploymentResponseGenerator: its cancellation surfaces as an exception of its own."""
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise RuntimeError("request was cancelled") from None
+
+
+def test_a_given_up_first_item_leaves_no_unretrieved_exception():
+    """Seen in a fault run on GPUs: every call given up on a dead pool left a task whose RequestCancelledError asyncio
+    logged with a traceback at garbage collection ("Task exception was never retrieved")."""
+    import gc
+
+    async def body():
+        unretrieved = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unretrieved.append(ctx))
+        handle = _Handle(1)
+        waiting = asyncio.ensure_future(first_unless_replicas_gone(_ServeLikeStream(), handle, already_empty_fails=False))
+        await asyncio.sleep(0.1)
+        handle.set(0)
+        with pytest.raises(ReplicasGone):
+            await waiting
+        del waiting
+        await asyncio.sleep(0.05)  # the cancelled task finishes with its RuntimeError
+        gc.collect()
+        await asyncio.sleep(0)
+        assert not unretrieved, [c.get("message") for c in unretrieved]
+
+    asyncio.run(body())
+
+
 def test_live_replicas_reads_the_handle_and_is_none_when_unknown():
     assert live_replicas(_Handle(None)) is None
     assert live_replicas(object()) is None
