@@ -207,9 +207,14 @@ _server: _Server | None = None
 _ahead: RunAhead | None = None
 
 
+# script -> the timeout its test's marker gives (`run_ahead`): `run_interpreted` takes it from here, so a test states it once.
+_MARKED_TIMEOUTS: dict[str, float] = {}
+
+
 def run_ahead(jobs: list[tuple[str, float]]) -> None:
     """Start running these (script, timeout) pairs ahead (tests/conftest.py, after collection); see the top."""
     global _ahead
+    _MARKED_TIMEOUTS.update(jobs)
     if jobs and _ahead is None and os.environ.get("TANDEM_TEST_RUN_AHEAD", "1") != "0":
         if importlib.util.find_spec("triton") is None:  # every interpreted test skips
             return
@@ -221,11 +226,14 @@ def stop_run_ahead() -> None:
         _ahead.close()
 
 
-def run_interpreted(script: str, timeout: float = 900) -> str:
+def run_interpreted(script: str, timeout: float | None = None) -> str:
     """Run `script` (Python source) with TRITON_INTERPRET=1 from the repository root; its stdout. A failure
     fails the calling test with the script's stderr; without Triton the test is skipped. A script run ahead
-    (see the top) gives that run's result."""
+    (see the top) gives that run's result. timeout: by default the one its test's `interpreted` marker gives
+    (else 900 s)."""
     global _server
+    if timeout is None:
+        timeout = _MARKED_TIMEOUTS.get(script, 900)
     pytest.importorskip("triton")
     result = _ahead.take(script) if _ahead is not None else None
     if result is None:

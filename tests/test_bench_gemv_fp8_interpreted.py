@@ -59,5 +59,5 @@ print("ok", len(lines), sum(len(r["sweep"]) for r in rep["results"]))
 
 @pytest.mark.interpreted(SCRIPT, timeout=900)
 def test_fp8_sweep_script_in_the_triton_interpreter():
-    out = run_interpreted(SCRIPT, timeout=900).strip()
+    out = run_interpreted(SCRIPT).strip()
     assert out.startswith("ok 4"), out

@@ -62,7 +62,7 @@ print("ok", checks)
 
 @pytest.mark.interpreted(SCRIPT, timeout=600)
 def test_row_copy_gathers_and_scatters_whole_blocks_like_pytorchs_index_ops():
-    assert run_interpreted(SCRIPT, timeout=600).strip().endswith("ok 9")
+    assert run_interpreted(SCRIPT).strip().endswith("ok 9")
 
 
 def test_the_handoff_uses_pytorchs_index_ops_off_the_gpu():

@@ -87,7 +87,7 @@ print("ok", checked)
 
 @pytest.mark.interpreted(SCRIPT, timeout=900)
 def test_fp8_activations_from_their_producers_in_the_triton_interpreter():
-    out = run_interpreted(SCRIPT, timeout=900).strip()
+    out = run_interpreted(SCRIPT).strip()
     assert out == "ok 20", out
 
 

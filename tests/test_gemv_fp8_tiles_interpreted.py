@@ -78,5 +78,5 @@ print("ok", checked)
 
 @pytest.mark.interpreted(SCRIPT, timeout=900)
 def test_fp8_red_tiles_in_the_triton_interpreter():
-    out = run_interpreted(SCRIPT, timeout=900).strip()
+    out = run_interpreted(SCRIPT).strip()
     assert out == "ok 72", out

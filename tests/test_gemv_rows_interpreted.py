@@ -56,5 +56,5 @@ print("ok", checked)
 
 @pytest.mark.interpreted(SCRIPT, timeout=600)
 def test_rows_gemv_in_the_triton_interpreter():
-    out = run_interpreted(SCRIPT, timeout=600).strip()
+    out = run_interpreted(SCRIPT).strip()
     assert out.startswith("ok") and int(out.split()[-1]) >= 90, out

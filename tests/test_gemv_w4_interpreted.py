@@ -78,5 +78,5 @@ print("ok", checked)
 
 @pytest.mark.interpreted(SCRIPT, timeout=900)
 def test_w4_gemv_in_the_triton_interpreter():
-    out = run_interpreted(SCRIPT, timeout=900).strip()
+    out = run_interpreted(SCRIPT).strip()
     assert out.startswith("ok") and int(out.split()[-1]) >= 10, out

@@ -76,3 +76,31 @@ def test_closing_kills_a_script_still_running_ahead():
     ahead.close()
     _wait(lambda: server.poll() is not None, 20)  # the server reaped its killed child and left
     assert not _alive(child)
+
+
+def test_a_script_takes_the_timeout_its_marker_gives(monkeypatch):
+    """`@pytest.mark.interpreted(SCRIPT, timeout=...)` states the timeout once: `run_interpreted(SCRIPT)` uses it."""
+    import pytest
+
+    from tests import interpreter
+
+    pytest.importorskip("triton")
+    seen = []
+
+    class _Recording:
+        def alive(self) -> bool:
+            return True
+
+        def run(self, script: str, timeout: float):
+            seen.append(timeout)
+            return 0, "ok", ""
+
+    monkeypatch.setenv("TANDEM_TEST_RUN_AHEAD", "0")  # registers the timeouts, runs nothing ahead
+    monkeypatch.setattr(interpreter, "_ahead", None)
+    monkeypatch.setattr(interpreter, "_server", _Recording())
+    monkeypatch.setattr(interpreter, "_MARKED_TIMEOUTS", {})
+    interpreter.run_ahead([("print('marked')", 123)])
+    assert interpreter.run_interpreted("print('marked')") == "ok"
+    assert interpreter.run_interpreted("print('unmarked')") == "ok"
+    assert interpreter.run_interpreted("print('marked')", timeout=7) == "ok"
+    assert seen == [123, 900, 7]

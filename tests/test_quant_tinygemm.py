@@ -172,7 +172,7 @@ print("ok")
 
 @pytest.mark.interpreted(SCRIPT, timeout=600)
 def test_int4pack_dequantize_kernel_in_the_triton_interpreter():
-    assert run_interpreted(SCRIPT, timeout=600).strip().endswith("ok")
+    assert run_interpreted(SCRIPT).strip().endswith("ok")
 
 
 def test_inner_k_tiles_preference_from_the_environment(monkeypatch):

@@ -44,5 +44,5 @@ print("ok", len(calls), stats["spec_decode_num_accepted_tokens"])
 
 @pytest.mark.interpreted(SCRIPT, timeout=900)
 def test_ngram_greedy_through_the_triton_attention_path_is_token_identical():
-    out = run_interpreted(SCRIPT, timeout=900).strip()
+    out = run_interpreted(SCRIPT).strip()
     assert out.startswith("ok"), out

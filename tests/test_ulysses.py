@@ -162,5 +162,5 @@ def test_whole_prompts_through_the_prefill_kernel_in_the_triton_interpreter():
     in a process of its own: TRITON_INTERPRET must be set before the kernels are defined; tests/interpreter.py)."""
     from tests.interpreter import run_interpreted
 
-    out = run_interpreted(INTERPRETED, timeout=600)
+    out = run_interpreted(INTERPRETED)
     assert out.strip().endswith("ok"), out[-500:]
