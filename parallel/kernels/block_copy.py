@@ -127,24 +127,18 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_index: torch.Tensor, d
     """dst[:, :, dst_index[i]] = src[:, :, src_index[i]] for each i: src and dst are two caches' word views
     [layers, 2, blocks, row...] (the same dtype, layer count and row shape; each row contiguous), the indices int64
     block ids of equal length on the launching device. src may be another GPU's memory mapped here (CUDA IPC)."""
-    shape, dst_shape = src.shape, dst.shape
-    if src.dtype != dst.dtype or shape[:2] != dst_shape[:2] or shape[3:] != dst_shape[3:] or shape[1] != 2:
-        raise ValueError(f"copy_blocks: {tuple(shape)} {src.dtype} and {tuple(dst_shape)} {dst.dtype} do not match")
-    if not (rows_contiguous(src) and rows_contiguous(dst)):
-        raise ValueError("copy_blocks: a block's row must be contiguous on both sides")
+    _check_caches("copy_blocks", src, dst)
     if src_index.numel() != dst_index.numel():
         raise ValueError(f"copy_blocks: {src_index.numel()} source blocks for {dst_index.numel()} destinations")
+    shape = src.shape
     n, row_words = src_index.numel(), math.prod(shape[3:])
     if n == 0 or shape[0] == 0 or row_words == 0:
         return
     grid = (n, shape[0] * 2, triton.cdiv(row_words, BLOCK))
     args = (src, dst, src_index, dst_index, row_words, src.stride(0), src.stride(1), src.stride(2),
             dst.stride(0), dst.stride(1), dst.stride(2))
-    key = None
-    if DIRECT and src.is_cuda and not interpreted():  # as `_key`: what Triton specialises the kernel on
-        key = ("blocks", torch.cuda.current_device(), src.dtype, *(t.data_ptr() % 16 == 0 for t in args[:4]),
-               src_index.dtype, dst_index.dtype, tuple(int_kind(v) for v in args[4:]))
-    _HANDLES.launch(key, lambda: _copy_blocks_kernel[grid](*args, BLOCK=BLOCK, num_warps=NUM_WARPS), grid, args, (BLOCK,))
+    _HANDLES.launch(_key("blocks", args, 4, (BLOCK,)), lambda: _copy_blocks_kernel[grid](*args, BLOCK=BLOCK, num_warps=NUM_WARPS),
+                    grid, args, (BLOCK,))
 
 
 def prepare_copy(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather: bool,
@@ -158,7 +152,7 @@ def prepare_copy(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gath
     if planned is None:
         return lambda: None
     kernel, grid, args = planned
-    key = _key(kernel, args, gather)
+    key = _rows_key(kernel, args, gather)
     const = (gather, BLOCK)
     jit = lambda: kernel[grid](*args, GATHER=gather, BLOCK=BLOCK, num_warps=NUM_WARPS)  # noqa: E731 - the first launch compiles
     return lambda: _HANDLES.launch(key, jit, grid, args, const)
@@ -167,15 +161,9 @@ def prepare_copy(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gath
 def _plan(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather: bool,
           programs: int | None) -> tuple[Any, tuple[int, ...], tuple] | None:
     """copy_rows' checks, and its (kernel, grid, args); None where there is nothing to copy."""
-    shape, dst_shape = src.shape, dst.shape
+    _check_caches("copy_rows", src, dst)
+    shape = src.shape
     layers, kv = shape[0], shape[1]
-    if kv != 2:
-        raise ValueError(f"copy_rows: dim 1 is K and V (2), not {kv}")
-    if src.dtype != dst.dtype or shape[:2] != dst_shape[:2] or shape[3:] != dst_shape[3:]:
-        raise ValueError(f"copy_rows: {tuple(shape)} {src.dtype} and {tuple(dst_shape)} {dst.dtype} do not match")
-    # A contiguous tensor's rows are (the flag is kept by torch: no stride walk on a handoff's critical path).
-    if not ((src.is_contiguous() or rows_contiguous(src)) and (dst.is_contiguous() or rows_contiguous(dst))):
-        raise ValueError("copy_rows: a block's row must be contiguous on both sides")
     n, row_words = index.numel(), math.prod(shape[3:]) if shape[2] else 0
     if n == 0 or layers == 0 or row_words == 0:
         return None
@@ -188,22 +176,40 @@ def _plan(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, gather: boo
     return _copy_rows_kernel, (n, layers * kv, chunks), (src, dst, index, row_words, *strides)
 
 
+def _check_caches(what: str, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Both copies' checks: [layers, 2 (K and V), blocks, row...] views of the same dtype, layer count and row shape
+    (block counts may differ), each row contiguous."""
+    shape, dst_shape = src.shape, dst.shape
+    if shape[1] != 2:
+        raise ValueError(f"{what}: dim 1 is K and V (2), not {shape[1]}")
+    if src.dtype != dst.dtype or shape[:2] != dst_shape[:2] or shape[3:] != dst_shape[3:]:
+        raise ValueError(f"{what}: {tuple(shape)} {src.dtype} and {tuple(dst_shape)} {dst.dtype} do not match")
+    # A contiguous tensor's rows are (the flag is kept by torch: no stride walk on a handoff's critical path).
+    if not ((src.is_contiguous() or rows_contiguous(src)) and (dst.is_contiguous() or rows_contiguous(dst))):
+        raise ValueError(f"{what}: a block's row must be contiguous on both sides")
+
+
 def _launch(kernel, grid: tuple[int, ...], args: tuple, gather: bool) -> None:
     """kernel[grid](*args) with its constexprs; through the compiled kernel's handle where one was kept (`_key`)."""
-    _HANDLES.launch(_key(kernel, args, gather), lambda: kernel[grid](*args, GATHER=gather, BLOCK=BLOCK, num_warps=NUM_WARPS),
+    _HANDLES.launch(_rows_key(kernel, args, gather), lambda: kernel[grid](*args, GATHER=gather, BLOCK=BLOCK, num_warps=NUM_WARPS),
                     grid, args, (gather, BLOCK))
 
 
-def _key(kernel, args: tuple, gather: bool) -> tuple | None:
-    """The handle's key: everything Triton specialises these kernels on: the device it launches on (the current one),
-    the three pointers' dtypes and 16-byte alignment, the integer arguments' types (their range: none is specialised
-    on its value, `do_not_specialize`), and the constexprs. None (the JIT path every time) off DIRECT or off a GPU."""
-    src, dst, index = args[:3]
-    if not (DIRECT and src.is_cuda and not interpreted()):
+def _rows_key(kernel, args: tuple, gather: bool) -> tuple | None:
+    """copy_rows' handle key (`_key`): its kernel (full grid or loop) and direction; three tensor arguments."""
+    return _key((kernel is _copy_rows_loop_kernel, gather), args, 3, (BLOCK,))
+
+
+def _key(kind: object, args: tuple, tensors: int, const: tuple) -> tuple | None:
+    """A compiled kernel's handle key: everything Triton specialises these kernels on: the device it launches on (the
+    current one), the first `tensors` arguments' dtypes and 16-byte alignment, the integer arguments' types (their
+    range: none is specialised on its value, `do_not_specialize`), and the constexprs. None (the JIT path every time)
+    off DIRECT or off a GPU."""
+    if not (DIRECT and args[0].is_cuda and not interpreted()):
         return None
-    return (kernel is _copy_rows_loop_kernel, gather, torch.cuda.current_device(), src.dtype, dst.dtype, index.dtype,
-            src.data_ptr() % 16 == 0, dst.data_ptr() % 16 == 0, index.data_ptr() % 16 == 0,
-            tuple(int_kind(v) for v in args[3:]))
+    pointers = args[:tensors]
+    return (kind, torch.cuda.current_device(), *(t.dtype for t in pointers), *(t.data_ptr() % 16 == 0 for t in pointers),
+            tuple(int_kind(v) for v in args[tensors:]), const)
 
 
 def warm_up(device: torch.device, dtype: torch.dtype = torch.int64) -> None:
