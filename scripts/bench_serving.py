@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Online serving benchmark against Tandem's OpenAI endpoint: latency vs throughput.
 
-For each point of a sweep (request rates with Poisson arrivals, or fixed concurrencies) it sends
+For each point of a sweep (request rates with Poisson arrivals at offsets drawn from --seed, the same schedule
+for every deployment it is run against; or fixed concurrencies) it sends
 synthetic streamed /v1/completions requests (token-id prompts, `ignore_eos`, so every request has
 exactly its drawn input and output length) and measures per request TTFT, TPOT, inter-token latency
 (gaps between streamed chunks) and end-to-end latency; it reports p50/p90/p99, request and token
