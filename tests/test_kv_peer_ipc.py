@@ -106,3 +106,48 @@ def test_the_switch_reaches_the_agents_and_the_rank_actors(monkeypatch):
     assert not KVTransferAgent(cache, shard, "decode").peer_ipc
     assert rank_runtime_env()["env_vars"]["TANDEM_KV_PEER_IPC"] == "0"
     assert not ranks_see_node_gpus(tp1, True) and ranks_see_node_gpus(tp2, True) and not ranks_see_node_gpus(tp2_nccl, True)
+
+
+class _Recorded:
+    """A work that is already done."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+class _RecordingGroup:
+    """Records each point-to-point op a rank posts, in order."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[str, int]] = []
+
+    def send(self, tensors, peer: int, tag: int) -> _Recorded:
+        self.ops.append(("send", peer))
+        return _Recorded()
+
+    def recv(self, tensors, peer: int, tag: int) -> _Recorded:
+        self.ops.append(("recv", peer))
+        return _Recorded()
+
+
+@pytest.mark.parametrize("copies", [True, False], ids=["peer-copy", "nccl-messages"])
+def test_warm_connects_the_ack_direction_of_a_peer_copy_pair(copies):
+    """A peer-copy pair's decode ranks ack each copy back to the prefill rank: the warm-up sends that way too (the first
+    ack otherwise paid NCCL's ~100 ms connection, docs/benchmarks.md, twenty-second session), after the forward
+    messages and in the same order on both sides. A pair that moves KV by messages only sends prefill to decode."""
+    from workers.kv_transfer.transport import KVTransferAgent, PairSpec
+
+    spec = PairSpec("p->d", num_prefill_ranks=1, num_decode_ranks=2)
+    cache = torch.zeros(1, 2, 4, 2, 1, 4)
+    ops = {}
+    for role, shard in (("prefill", RankShard(0, range(1), range(1))), ("decode", RankShard(1, range(1), range(1)))):
+        agent = KVTransferAgent(cache, shard, role)
+        group = _RecordingGroup()
+        agent._groups[spec.pair_id], agent._spread[spec.pair_id] = group, [group]
+        agent._peers.pairs[spec.pair_id] = copies
+        agent.warm(spec)
+        ops[role] = group.ops
+    forward = {"prefill": [("send", 1), ("send", 2)], "decode": [("recv", 0)]}
+    back = {"prefill": [("recv", 1), ("recv", 2)], "decode": [("send", 0)]}
+    for role in ("prefill", "decode"):
+        assert ops[role] == forward[role] + (back[role] if copies else []), role

@@ -113,10 +113,10 @@ class PeerCaches:
 
 
 def _touch(words: torch.Tensor) -> None:
-    """Copy one row out of a freshly mapped cache, at join: whatever the driver does on a mapping's first use is paid
-    here, not by the pair's first handoff. (The first peer-copied handoff of a served 2 x H200 run took 86-105 ms; its
-    phases showed that cost in the first ack's NCCL connection, not in the copy, and `KVTransferAgent.warm` now makes
-    that connection: docs/benchmarks.md, twenty-second session.)"""
+    """Copy one row out of a freshly mapped cache, at join, and wait for it: a mapping this GPU cannot read fails here
+    (the pair keeps NCCL) rather than in a handoff, and the IPC event's wait is over before any copy reads the cache.
+    (It was also meant to take the first handoff's 86-105 ms away; it did not: that was the first ack's NCCL
+    connection, which `KVTransferAgent.warm` now makes. docs/benchmarks.md, twenty-second session.)"""
     from parallel.kernels.block_copy import copy_blocks
 
     if words.shape[0] and words.shape[2]:
