@@ -82,3 +82,70 @@ class Handles:
 
     def __len__(self) -> int:
         return len(self._handles)
+
+
+# ---- a step's launches, recorded in one layer and repeated in the others ----
+
+_recording: list["Recorded"] | None = None  # set by `record_launches` while one layer's kernels launch
+_COMPILE_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl", "launch_cooperative_grid"})
+
+
+class Recorded:
+    """One launch kept to be repeated: its compiled kernel, grid, runtime arguments and constexprs (in signature
+    order), and `swaps`: (argument index, which value of `launch(values)` goes there) for the arguments that differ
+    from one repetition to the next. Every other argument, integers and their alignment included, is the recorded
+    one, so the compiled kernel is the one the JIT would pick whenever the swapped tensors keep the recorded ones'
+    dtype and 16-byte alignment (the caller checks that)."""
+
+    _handles: dict[int, Handle] = {}  # by id(kernel), each holding its kernel (so the id stays its own)
+
+    def __init__(self, kernel, grid: tuple[int, ...], args: tuple, const: tuple,
+                 relaunch: Callable[[tuple], Any] | None = None):
+        handle = None
+        if relaunch is None:
+            handle = Recorded._handles.get(id(kernel))
+            if handle is None:  # one per compiled kernel: it learns once whether the launcher takes the constexprs
+                handle = Recorded._handles[id(kernel)] = Handle(kernel)
+        self.handle, self.grid, self.args, self.const, self.relaunch = handle, grid, args, const, relaunch
+        self.swaps: list[tuple[int, int]] = []
+
+    def launch(self, values: tuple) -> None:
+        args = list(self.args)
+        for i, which in self.swaps:
+            args[i] = values[which]
+        if self.relaunch is not None:  # under TRITON_INTERPRET: through the JIT again (what CPU tests check)
+            self.relaunch(tuple(args))
+        else:
+            self.handle.launch(self.grid, tuple(args), self.const)
+
+
+def launch(jit_fn, grid: tuple[int, ...], *args, **kwargs):
+    """`jit_fn[grid](*args, **kwargs)` (runtime arguments positional, constexprs and compile options by keyword),
+    and, inside `record_launches`, the launch kept for repeating. Returns what the JIT returns."""
+    kernel = jit_fn[grid](*args, **kwargs)
+    if _recording is not None:
+        const = {k: v for k, v in kwargs.items() if k not in _COMPILE_OPTIONS}
+        names = getattr(jit_fn, "arg_names", None)
+        if (names is None or len(args) + len(const) != len(names) or any(n not in const for n in names[len(args):])
+                or not (interpreted() or hasattr(kernel, "__getitem__"))):
+            _recording.append(None)  # cannot be repeated through its handle: the caller drops the whole record
+        else:
+            relaunch = (lambda a: jit_fn[grid](*a, **kwargs)) if interpreted() else None
+            _recording.append(Recorded(kernel, grid, args, tuple(const[n] for n in names[len(args):]), relaunch))
+    return kernel
+
+
+class record_launches:
+    """`with record_launches() as launches:` every `launch` inside is appended to `launches` (None for one that
+    cannot be repeated). Not reentrant: one layer records at a time, on the thread that runs the step."""
+
+    def __enter__(self) -> list:
+        global _recording
+        if _recording is not None:
+            raise RuntimeError("record_launches is already recording")
+        _recording = []
+        return _recording
+
+    def __exit__(self, *exc) -> None:
+        global _recording
+        _recording = None

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from parallel.kernels.direct_launch import launch
 from parallel.kernels.gemv import pdl_enabled as _pdl_enabled
 
 try:  # TMA descriptors (Triton >= 3.4, Hopper and newer)
@@ -80,10 +81,10 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         return
     kc, vc = kv_cache[0], kv_cache[1]
     assert k.stride(2) == 1 and v.stride(2) == 1 and kc.stride(3) == 1 and kc.stride(2) == d
-    _write_kv_kernel[(t,)](k, v, kc, vc, slot_mapping,
-                           k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           kc.stride(0), kc.stride(1), kc.stride(2), kv_scale,
-                           H=h, D=d, PAGE=kc.shape[1], BLOCK=triton.next_power_of_2(h * d), FP8=_is_fp8(kc), num_warps=4)
+    launch(_write_kv_kernel, (t,), k, v, kc, vc, slot_mapping,
+           k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+           kc.stride(0), kc.stride(1), kc.stride(2), kv_scale,
+           H=h, D=d, PAGE=kc.shape[1], BLOCK=triton.next_power_of_2(h * d), FP8=_is_fp8(kc), num_warps=4)
 
 
 def _is_fp8(cache: torch.Tensor) -> bool:
@@ -271,23 +272,24 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     # Batch-1 graphs chain GEMV -> split -> reduce -> GEMV with programmatic dependent launches
     # (parallel/kernels/gemv.py): each kernel is resident before its predecessor ends.
     pdl = b == 1 and torch.cuda.is_current_stream_capturing() and _pdl_enabled()
-    launch = dict(launch_pdl=True) if pdl else {}
+    pdl_kw = dict(launch_pdl=True) if pdl else {}
     fuse = k_new is not None
     if fuse:
         assert k_new.stride(2) == 1 and v_new.stride(2) == 1 and slot_mapping is not None
     else:
         k_new = v_new = q
         slot_mapping = seq_lens
-    _decode_split_kernel[(b, hkv, s)](
+    launch(
+        _decode_split_kernel, (b, hkv, s),
         q, kc, vc, block_tables, seq_lens, out, part_o, part_lse, k_new, v_new, slot_mapping, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), kv_scale,
         GQA=gqa, G_PAD=g_pad, D=d, PAGE=kc.shape[1], BLOCK_N=block_n, SPLIT=s > 1, FUSE_WRITE=fuse,
-        USE_PDL=pdl, FP8=_is_fp8(kc), num_warps=4, num_stages=2, **launch)
+        USE_PDL=pdl, FP8=_is_fp8(kc), num_warps=4, num_stages=2, **pdl_kw)
     if s > 1:
-        _decode_reduce_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), HQ=hq, D=d,
-                                       NUM_SPLITS=s, S_PAD=triton.next_power_of_2(s), USE_PDL=pdl, num_warps=4, **launch)
+        launch(_decode_reduce_kernel, (b, hq), part_o, part_lse, out, out.stride(0), out.stride(1), HQ=hq, D=d,
+               NUM_SPLITS=s, S_PAD=triton.next_power_of_2(s), USE_PDL=pdl, num_warps=4, **pdl_kw)
     return out
 
 
@@ -440,9 +442,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
         k_desc = _TensorDescriptor(k, [t, hkv * d], [k.stride(0), 1], [block_n, d])
         v_desc = _TensorDescriptor(v, [t, hkv * d], [v.stride(0), 1], [block_n, d])
     grid = (hq, b, triton.cdiv(max_query_len, block_m))
-    _prefill_kernel[grid](q, k, v, k_desc, v_desc, kc, vc, block_tables, seq_lens, query_start_loc, out,
-                          scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                          out.stride(0), out.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
-                          kv_scale, GQA=hq // hkv, D=d, PAGE=kc.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, TMA=use_tma,
-                          FP8=_is_fp8(kc), num_warps=warps, num_stages=stages)
+    launch(_prefill_kernel, grid, q, k, v, k_desc, v_desc, kc, vc, block_tables, seq_lens, query_start_loc, out,
+           scale * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+           out.stride(0), out.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
+           kv_scale, GQA=hq // hkv, D=d, PAGE=kc.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, TMA=use_tma,
+           FP8=_is_fp8(kc), num_warps=warps, num_stages=stages)
     return out

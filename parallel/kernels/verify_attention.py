@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from parallel.kernels.direct_launch import launch
 from parallel.kernels.paged_attention import (_LOG2E, _decode_reduce_kernel, _from_cache, _is_fp8, _sm_count,
                                               _to_cache, decode_block_n, num_decode_splits)
 
@@ -197,7 +198,8 @@ def verify_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     else:
         k_new = v_new = q  # unread
         slot_mapping = seq_lens
-    _verify_split_kernel[(b, hkv, s)](
+    launch(
+        _verify_split_kernel, (b, hkv, s),
         q, kc, vc, block_tables, seq_lens, query_start_loc, out, part_o, part_lse, k_new, v_new, slot_mapping,
         scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
@@ -205,6 +207,6 @@ def verify_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         HQ=hq, GQA=gqa, M_PAD=m_pad, D=d, PAGE=kc.shape[1], BLOCK_N=decode_block_n(kc.shape[1]), Q_PAD=MAX_QUERY,
         FP8=_is_fp8(kc), FUSE_WRITE=fuse, num_warps=4, num_stages=2)
     if s > 1:
-        _decode_reduce_kernel[(t, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), HQ=hq, D=d,
-                                       NUM_SPLITS=s, S_PAD=triton.next_power_of_2(s), USE_PDL=False, num_warps=4)
+        launch(_decode_reduce_kernel, (t, hq), part_o, part_lse, out, out.stride(0), out.stride(1), HQ=hq, D=d,
+               NUM_SPLITS=s, S_PAD=triton.next_power_of_2(s), USE_PDL=False, num_warps=4)
     return out

@@ -41,3 +41,27 @@ def test_piecewise_graphs_match_eager(arch, overrides):
     graphed, replays = _run(path, 160, prompts)
     assert none == -1 and replays > 0
     assert graphed == eager
+
+
+def test_repeated_attention_launches_match_fresh_ones(monkeypatch):
+    """A step's attention launches recorded in its first layer and repeated by the others (the piecewise graphs'
+    default, `TANDEM_ATTN_REPEAT`) give the tokens of launching every layer afresh, bf16 and the FP8 cache too."""
+    from workers.attention.triton_backend import LayerRepeat
+
+    path = tiny_model("llama", max_position_embeddings=1024, **ARCHS[0][1])
+    prompts = prompts_of_lengths([5, 40, 130, 300, 17, 64, 1, 220, 3, 90], TOKENIZER_VOCAB_SIZE)
+    prompts += [prompts[3][:250] + [7, 8, 9]]
+    for extra in ({"dtype": "bfloat16"}, {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}):
+        runs = []
+        for repeat in ("0", "1"):
+            monkeypatch.setenv("TANDEM_ATTN_REPEAT", repeat)
+            before = LayerRepeat.repeated
+            llm = LLM(path, device="cuda", cuda_graph_max_tokens=160, max_num_batched_tokens=160, max_num_seqs=8,
+                      show_progress=False, **extra)
+            try:
+                outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+            finally:
+                llm.llm_engine.shutdown()
+            runs.append([o.token_ids for o in outs])
+            assert (LayerRepeat.repeated > before) == (repeat == "1"), extra
+        assert runs[0] == runs[1], extra
