@@ -89,6 +89,7 @@ import torch
 import workers.attention.triton_backend as tb
 from workers.attention.backend import AttentionMetadata
 from workers.attention.triton_backend import LayerRepeat, TritonAttention
+from tests.paged_steps import paged_metadata
 
 tb._on_gpu = lambda q: True  # the interpreter's tensors are on the CPU; the repeat is for GPUs
 tb._capturing = lambda: False
@@ -97,23 +98,8 @@ g = torch.Generator().manual_seed(0)
 
 
 def step(q_lens, ctx_lens, num_decodes):
-    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    nblocks = sum(-(-s // PAGE) for s in seq_lens) + 2
-    perm = torch.randperm(nblocks, generator=g).tolist()
-    tables, i = [], 0
-    for s in seq_lens:
-        tables.append(perm[i:i + -(-s // PAGE)])
-        i += len(tables[-1])
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    slots = [t[p // PAGE] * PAGE + p % PAGE for t, c, q in zip(tables, ctx_lens, q_lens) for p in range(c, c + q)]
-    qsl = [0]
-    for x in q_lens:
-        qsl.append(qsl[-1] + x)
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=bt,
-                             query_lens_cpu=list(q_lens), seq_lens_cpu=seq_lens, max_query_len=max(q_lens),
-                             max_seq_len=max(seq_lens), num_decodes=num_decodes)
+    meta, nblocks = paged_metadata(q_lens, ctx_lens, PAGE, g)
+    meta.num_decodes = num_decodes
     n = sum(q_lens)
     layers = [tuple(torch.randn(n, h, D, generator=g) for h in (HQ, HKV, HKV)) for _ in range(LAYERS)]
     caches = torch.randn(LAYERS, 2, nblocks, PAGE, HKV, D, generator=g)

@@ -21,6 +21,7 @@ from parallel.kernels import verify_attention as va
 from workers.attention.backend import AttentionMetadata
 from workers.attention.torch_backend import TorchAttention
 from workers.attention.triton_backend import TritonAttention
+from tests.paged_steps import paged_metadata
 
 D, PAGE = 16, 16
 SCALE = D ** -0.5
@@ -30,32 +31,12 @@ g = torch.Generator().manual_seed(0)
 def batch(q_lens, ctx_lens, hq, hkv, dtype, pad_slots=()):
     """q/k/v of the step, a random cache, shuffled block tables with holes, and the step's metadata.
     pad_slots: token indices whose slot is -1 (CUDA-graph padding: their k/v are never written)."""
-    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    need = sum(-(-s // PAGE) for s in seq_lens)
-    nblocks = 2 * need + 3
-    perm = torch.randperm(nblocks, generator=g).tolist()
-    perm = perm[::2] + perm[1::2]
-    tables, i = [], 0
-    for s in seq_lens:
-        tables.append(perm[i:i + -(-s // PAGE)])
-        i += len(tables[-1])
-    width = max(len(t) for t in tables) + 2
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    slots = [t[p // PAGE] * PAGE + p % PAGE for t, c, q in zip(tables, ctx_lens, q_lens) for p in range(c, c + q)]
-    for j in pad_slots:
-        slots[j] = -1
+    meta, nblocks = paged_metadata(q_lens, ctx_lens, PAGE, g, holes=True, spare=3, extra_width=2, pad_slots=pad_slots)
     n = sum(q_lens)
     q = torch.randn(n, hq, D, generator=g).to(dtype)
     k = torch.randn(n, hkv, D, generator=g).to(dtype)
     v = torch.randn(n, hkv, D, generator=g).to(dtype)
     cache = torch.randn(2, nblocks, PAGE, hkv, D, generator=g).to(dtype)
-    qsl = [0]
-    for x in q_lens:
-        qsl.append(qsl[-1] + x)
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=bt,
-                             query_lens_cpu=list(q_lens), seq_lens_cpu=seq_lens, max_query_len=max(q_lens),
-                             max_seq_len=max(seq_lens))
     return q, k, v, cache, meta
 
 
