@@ -70,16 +70,6 @@ def no_shared_ray():
     stop_ray()
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    """Modules with interpreted tests run last, in their order, each module whole (its fixtures are set up once).
-    Their scripts run ahead from the end of collection, last first, at the lowest CPU priority
-    (tests/interpreter.py); placed among the others, the first of them came before their run ahead had, and ran
-    inline on CI's 2 cores for 30-70 s each (`--durations`). At the end of the session they find their results."""
-    interpreted = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("interpreted")}
-    items[:] = ([i for i in items if i.nodeid.split("::")[0] not in interpreted]
-                + [i for i in items if i.nodeid.split("::")[0] in interpreted])
-
-
 def pytest_collection_finish(session) -> None:
     """Run the selected `@pytest.mark.interpreted(SCRIPT, timeout=...)` tests' scripts ahead, on the CPU the
     other tests leave idle (tests/interpreter.py)."""
