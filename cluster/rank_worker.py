@@ -13,6 +13,7 @@ from cluster.step_channel import NO_REPLY, run_rank_loop
 from parallel.net import free_port
 from parallel.state import init_groups
 from workers.config import EngineConfig
+from workers.gc_freeze import freeze_startup_objects
 from workers.gil import shorten_switch_interval
 from workers.model_runner import ModelRunner
 from workers.rank_profile import RankProfile, logged_profile, step_kind
@@ -107,6 +108,8 @@ class RankWorker:
         # in step order: a decode step's): the next step's plain decodes take theirs by row (StepDecoder.decode).
         self._last_tokens: list[int] | None = None
         self.profile: RankProfile | None = logged_profile(self.rank)
+        # Start-up is over (weights, KV cache, graphs): its objects leave the collector's walks (workers/gc_freeze.py).
+        freeze_startup_objects()
         self._answered_at = time.perf_counter()
         run_rank_loop((address, port), self.rank, self._on_message, spin_s, local_path)
 
@@ -131,6 +134,8 @@ class RankWorker:
             return self._step(start, out)
         if kind == "profile":  # ("profile", "start", gpu_every) or ("profile", "report")
             if message[1] == "start":
+                if self.profile is not None:
+                    self.profile.gc.remove()
                 self.profile = RankProfile(self.rank, message[2])
                 return None
             return self.profile.summary(starts=True) if self.profile is not None else {}

@@ -26,6 +26,7 @@ from workers.executor import Executor, PendingStep
 from workers.sampling_params import SamplingParams, model_default_fields
 from engine.scheduler import Scheduler
 from engine.spec_decode import SpecDecoder, empty_metrics
+from workers.gc_freeze import freeze_startup_objects
 from workers.scheduler_output import SampledToken, SchedulerOutput, placeholder_seqs
 from engine.sequence import Sequence
 
@@ -134,6 +135,9 @@ class LLMEngine:
         self.vocab_size = self.hf_config.vocab_size
         # Structured output: grammars compiled off the step loop, one matcher per constrained request.
         self.grammars = GrammarManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        # The step sent ahead of `_inflight` at the end of the last `step()`, before its text work (`_collect`).
+        self._next: tuple[SchedulerOutput, PendingStep] | None = None
+        freeze_startup_objects()  # the model, tokenizer and Ray's state leave the collector's walks (workers/gc_freeze.py)
 
     def _check_sp_attention(self) -> None:
         """An impossible `sequence_parallel_attention` fails here, before any rank starts."""
@@ -335,18 +339,27 @@ class LLMEngine:
     def _collect(self, sched_out: SchedulerOutput, pending: PendingStep, group: int | None = None):
         """Wait for a step's answer and apply it; with async scheduling the next step (of the same group, where steps
         are pipelined) is planned and sent first, and its placeholders filled as soon as the answer is in. Returns
-        (requests with their tokens, their verdicts, the step sent ahead or None)."""
+        (requests with their tokens, their verdicts, the step sent ahead or None).
+
+        Without groups, the step after that one is then planned and sent too, ahead of it (`_next`), before the
+        caller's text work: the ranks run the step sent ahead meanwhile, and the next `step()` finds its successor
+        out already. So the ranks wait for the driver only when its update, schedule and encoding of one step
+        outlast a step; the detokenizing and the caller's handling of the outputs are off that path."""
         try:
-            ahead = self._submit(ahead_of=sched_out, group=group) if self._can_schedule_ahead(sched_out) else None
+            ahead, self._next = self._next, None
+            if ahead is None and self._can_schedule_ahead(sched_out):
+                ahead = self._submit(ahead_of=sched_out, group=group)
             result = pending.result()
             self.scheduler.step_done()
             if ahead is not None and self.executor.needs_fill:  # the ranks wait for these before the step sent ahead
                 self.executor.fill([result.sampled[s.seq_id].token_id for s in placeholder_seqs(ahead[0].seqs)])
+            got, verdicts = self._apply(sched_out, result)
+            if ahead is not None and group is None and self._can_schedule_ahead(ahead[0]):
+                self._next = self._submit(ahead_of=ahead[0])
         except BaseException:
             if not self.executor.alive:  # the ranks are gone: nothing writes any block any more
                 self.scheduler.steps_lost()
             raise
-        got, verdicts = self._apply(sched_out, result)
         return got, verdicts, ahead
 
     def _prefill_pieces(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
@@ -606,13 +619,16 @@ class LLMEngine:
         `LLM` calls this after each `generate`, so the engine is at rest in between)."""
         if self.requests:
             return
-        out = [self._inflight] if self._inflight is not None else []
+        after = self._next  # sent ahead of `_inflight` (`_collect`): it waits for that step's tokens
+        out = [step for step in (self._inflight, after) if step is not None]
         out += [(sched_out, pending) for sched_out, pending, _ in self._pipeline]
-        self._inflight = None
+        self._inflight = self._next = None
         self._pipeline.clear()
         for sched_out, pending in out:  # oldest first: the order the answers come back in
             try:
                 result = pending.result()
+                if after is not None and sched_out is not after[0] and self.executor.needs_fill:
+                    self.executor.fill([result.sampled[s.seq_id].token_id for s in placeholder_seqs(after[0].seqs)])
             except BaseException:
                 if not self.executor.alive:
                     self.scheduler.steps_lost()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+from workers.gc_freeze import GcPauses
 from workers.rank_profile import start_lags, step_kind
 
 
@@ -22,6 +23,7 @@ class StepProfile:
         self.rows: list[dict] = []
         self._cur: dict = {}
         sched, submit, step = engine.scheduler.schedule, engine.executor.submit, engine.step
+        self.gc = GcPauses().install()  # the driver's collector pauses (the ranks report theirs)
         engine.executor.profile("start", gpu_every)
         runner = getattr(engine.executor, "runner", None)
         kinds: list[tuple] = []  # (kind, seqs, tokens) of the steps sent and not yet collected
@@ -80,11 +82,12 @@ class StepProfile:
                           "ms_execute": 1e3 * sum(r["execute"] for r in rs) / n,
                           "ms_after_execute": 1e3 * sum(r["step"] - r["schedule"] - r["execute"] for r in rs) / n}
         ranks = self.engine.executor.profile("report")
+        gc = {"driver": self.gc.summary(), "ranks": [r.pop("gc", None) for r in ranks]}
         lags = start_lags(ranks)  # before the raw start times are dropped: only the lags go into the JSON
         for by_kind in ranks:
             for d in by_kind.values():
                 d.pop("execute_starts", None)
-        return {"host": host, "ranks": ranks, "start_lag": lags}
+        return {"host": host, "ranks": ranks, "start_lag": lags, "gc": gc}
 
     def table(self) -> str:
         summary = self.summary()
@@ -101,6 +104,7 @@ class StepProfile:
                 lines.append(f"{rank:4d} {kind:13} {d['steps']:6d} {d['ms_idle']:7.3f} {d['ms_decode']:8.3f} "
                              f"{d['ms_execute']:8.3f} {d.get('ms_gpu_kernels', nan):8.3f} {d.get('ms_comm', nan):7.3f}")
         lines += lag_lines(summary["start_lag"])
+        lines += gc_lines(summary["gc"])
         lines += top_lines(summary["ranks"])
         return "\n".join(lines)
 
@@ -116,6 +120,13 @@ def lag_lines(lags: dict[str, dict]) -> list[str]:
         per_rank = "  ".join(f"r{r} {m:6.3f}/{p:6.3f}" for r, (m, p) in enumerate(zip(d["ms_mean"], d["ms_p50"])))
         lines.append(f"{kind:13} {d['steps']:6d}  {per_rank}")
     return lines
+
+
+def gc_lines(gc: dict) -> list[str]:
+    """The collector's pauses over the profile, in the driver and each rank (a rank's stall is its peers' wait)."""
+    who = [("driver", gc["driver"])] + [(f"rank {r}", d) for r, d in enumerate(gc["ranks"]) if d]
+    return ["garbage collector pauses (collections, full ones, ms total, ms longest)"] + [
+        f"{name:8} {d['collections']:6d} {d['full']:4d} {d['ms_total']:9.1f} {d['ms_max']:8.2f}" for name, d in who]
 
 
 def top_lines(ranks: list[dict]) -> list[str]:

@@ -94,9 +94,17 @@ def test_an_abort_mid_flight_frees_once_that_step_has_answered(ray_llm):
     assert engine.abort("mid-1").finish_reason == "abort"
     assert engine.block_manager.num_used_blocks == used, "the abort freed blocks a step out may still write"
     assert engine.scheduler.num_parked_blocks == len(held)
-    outs = engine.step()  # collects the step out at the abort; mid-1 gets no more tokens
-    assert "mid-1" not in engine.scheduler.seqs and all(o.request_id != "mid-1" for o in outs)
-    assert engine.scheduler.num_parked_blocks == 0
+    # Two steps are out with asynchronous scheduling: the one sent ahead, and the one after it (`_next`), both
+    # planned before the abort. The blocks stay parked until the last of them has answered, and no longer.
+    sched = engine.scheduler
+    last_out = sched.steps_sent
+    assert last_out - sched.steps_done == 2 and engine._next is not None
+    outs = engine.step()  # collects the first; mid-1 gets no more tokens
+    assert "mid-1" not in sched.seqs and all(o.request_id != "mid-1" for o in outs)
+    assert sched.steps_done < last_out and sched.num_parked_blocks == len(held)
+    outs = engine.step()  # collects the second
+    assert all(o.request_id != "mid-1" for o in outs)
+    assert sched.steps_done >= last_out and sched.num_parked_blocks == 0
     assert all(engine.block_manager.blocks[b].ref_count == 0 for b in held)
     while engine.has_unfinished_requests():
         engine.step()

@@ -85,7 +85,7 @@ class Executor(ABC):
     def profile(self, action: str, gpu_every: int = 0) -> list[dict]:
         """Per-rank step profiles (workers/rank_profile.py): "start" begins recording on every rank
         (every gpu_every-th step also under torch.profiler); "report" returns each rank's summary by
-        step kind, in rank order."""
+        step kind, and its process's collector pauses under "gc" (workers/gc_freeze.py), in rank order."""
 
     # ---- KV transfer between pools (workers/kv_transfer) ----
     @abstractmethod
@@ -120,6 +120,8 @@ class UniprocExecutor(Executor):
 
     def profile(self, action: str, gpu_every: int = 0) -> list[dict]:
         if action == "start":
+            if self.profiled is not None:
+                self.profiled.profile.gc.remove()
             self.profiled = ProfiledRunner(self.runner, gpu_every)
             return []
         return [self.profiled.profile.summary() if self.profiled is not None else {}]

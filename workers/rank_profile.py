@@ -21,6 +21,7 @@ from typing import Callable, TypeVar
 import torch
 from torch.autograd import DeviceType
 
+from workers.gc_freeze import GcPauses
 from workers.scheduler_output import SchedulerOutput
 
 T = TypeVar("T")
@@ -71,6 +72,8 @@ class RankProfile:
         self.rows: list[dict] = []
         self.trace_dir = os.environ.get("TANDEM_PROFILE_TRACE_DIR") or None
         self.traces: dict[str, int] = defaultdict(int)  # written per step kind
+        # This process's collector pauses since the profile started (`summary`'s "gc"): a rank's stall is its peers' wait.
+        self.gc = GcPauses().install()
 
     def step(self, kind: str, idle_s: float, decode_s: float, run: Callable[[], T], tokens: int = 0, seqs: int = 0) -> T:
         row = {"kind": kind, "idle": idle_s, "decode": decode_s, "tokens": tokens, "seqs": seqs}
@@ -144,6 +147,8 @@ class RankProfile:
             if starts:
                 d["execute_starts"] = [[r["n"], r["start"]] for r in rows]
             out[kind] = d
+        if self.rows:
+            out["gc"] = self.gc.summary()
         return out
 
 
