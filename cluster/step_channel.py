@@ -218,6 +218,21 @@ def _spin_until_readable(sock: socket.socket, spin_s: float) -> None:
 NO_REPLY = object()
 
 
+class _DriverGone(Exception):
+    """The connection broke while a handler looked for the next message (`Later`)."""
+
+
+class Later:
+    """What a handler returns for a message whose answer is still being computed (a step launched on the GPU,
+    cluster/rank_worker.py). The loop calls `run(peek)`, which returns (answer, then): the answer is sent, and
+    `then`, unless None, is called for what comes next (it returns what a handler returns). `peek(done)` gives the
+    next message once it has come, or None once `done()` is true and none has: a message it gives is the
+    `run`'s to handle (its answers follow this one's)."""
+
+    def __init__(self, run: Callable[[Callable[[Callable[[], bool]], tuple | None]], tuple[Any, Callable[[], Any] | None]]):
+        self.run = run
+
+
 def _connect(address: tuple[str, int], local_path: str | None) -> socket.socket:
     """The driver's local socket when it is on this node (its abstract name exists only here), else TCP."""
     if local_path is not None:
@@ -233,8 +248,8 @@ def _connect(address: tuple[str, int], local_path: str | None) -> socket.socket:
 def run_rank_loop(address: tuple[str, int], rank: int, handle: Callable[[tuple], Any],
                   spin_s: float = 0.0, local_path: str | None = None) -> threading.Thread:
     """Rank side: connect to the driver and serve its messages on a daemon thread until it hangs up.
-    `handle(message)` returns the answer (or NO_REPLY); an exception is sent back as an error and the loop
-    goes on (the driver decides: a failed step makes it stop every rank). After each message the loop
+    `handle(message)` returns the answer (or NO_REPLY, or a `Later` that computes it and may take the next
+    message meanwhile); an exception is sent back as an error and the loop goes on (the driver decides: a failed step makes it stop every rank). After each message the loop
     polls for the next one for up to `spin_s` before blocking. `local_path`: the driver's
     `StepChannel.local_path`, tried first."""
     _HANDLERS.append(handle)
@@ -243,26 +258,41 @@ def run_rank_loop(address: tuple[str, int], rank: int, handle: Callable[[tuple],
     _configure(sock)
     sock.sendall(struct.pack("<I", rank))
 
+    def peek(done: Callable[[], bool]) -> tuple | None:
+        try:
+            while not select.select([sock], [], [], 0.0)[0]:
+                if done():
+                    return None
+            return pickle.loads(recv_frame(sock))
+        except (ChannelClosed, OSError) as e:
+            raise _DriverGone() from e
+
+    def serve(message: tuple) -> None:
+        """Handle one message and send its answers: one, none (NO_REPLY), or a chain of them (`Later`)."""
+        step: Callable[[], Any] | None = lambda: handle(message)  # noqa: E731
+        while step is not None:
+            try:
+                answer, step = step(), None
+                if isinstance(answer, Later):
+                    answer, step = answer.run(peek)
+                if answer is NO_REPLY:
+                    continue
+                reply = ("ok", answer)
+            except _DriverGone:
+                raise
+            except BaseException as e:  # noqa: BLE001 - reported to the driver, which stops the replica
+                reply, step = ("error", f"{e!r}\n{traceback.format_exc(limit=8)}"), None
+            send_frame(sock, pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+
     def loop() -> None:
         with sock:
             while True:
                 if spin_s > 0:
                     _spin_until_readable(sock, spin_s)
                 try:
-                    message = pickle.loads(recv_frame(sock))
-                except (ChannelClosed, OSError):
+                    serve(pickle.loads(recv_frame(sock)))
+                except (ChannelClosed, OSError, _DriverGone):
                     return  # the driver shut down or died: nothing left to serve
-                try:
-                    answer = handle(message)
-                    if answer is NO_REPLY:
-                        continue
-                    reply = ("ok", answer)
-                except BaseException as e:  # noqa: BLE001 - reported to the driver, which stops the replica
-                    reply = ("error", f"{e!r}\n{traceback.format_exc(limit=8)}")
-                try:
-                    send_frame(sock, pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
-                except OSError:
-                    return
 
     thread = threading.Thread(target=loop, name=f"tandem-rank{rank}-steps", daemon=True)
     thread.start()

@@ -24,6 +24,7 @@ from workers.loader import load_model
 from workers.microbatch import split_by_sequence
 from workers.models.layers import PagedAttention
 from workers.host_fetch import host_lists
+from workers.launched_step import LaunchedStep
 from workers.sampler import Sampler, no_top_logprobs
 from workers.sampling_params import SamplingParams
 from workers.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput, TokenBitmask
@@ -376,6 +377,38 @@ class ModelRunner:
             result.prompt_logprobs = self._prompt_logprobs
         return result
 
+    @torch.inference_mode()
+    def launch_decode(self, out: SchedulerOutput, token_ids: torch.Tensor | None = None) -> LaunchedStep | None:
+        """Queue a plain greedy decode step on the device and return without waiting for its tokens
+        (workers/launched_step.py); None where `out` is not one, or this rank would not hold its tokens (then
+        `execute` runs it). token_ids: its input tokens [len(out.seqs)] on the device, e.g. a launched step's
+        `next_ids`, when the sequences' own are placeholders still. Returns this rank's tokens on every rank
+        that holds them: the only rank, or every rank of a TP-only replica (`greedy_everywhere`)."""
+        seqs = out.seqs
+        if (not seqs or self.pp.size > 1 or self.sp.size > 1 or self.chunk_ends is not None
+                or self.config.speculative.spec is not None or not (tp_group().size == 1 or self.greedy_everywhere)
+                or not all(len(s.token_ids) == 1 and s.sample for s in seqs) or not self._all_greedy(out)):
+            return None
+        graphs = getattr(self, "cuda_graphs", None)
+        if graphs is not None and graphs.can_run(out):
+            if graphs.with_head:
+                packed = graphs.run(out, token_ids)[1].t()  # [2, B]
+            else:
+                packed = self._greedy_everywhere(graphs.run(out, token_ids)[0])
+        else:
+            self.new_peak_release.before_step(len(seqs))
+            own_ids, positions, meta, _ = self._prepare_flat(seqs)
+            hidden, _, _ = self._forward(own_ids if token_ids is None else token_ids, positions, meta, None, None)
+            if tp_group().size == 1:
+                packed = Sampler.greedy_pack(self.model.lm_head.compute_logits(hidden)).t()
+            else:
+                packed = self._greedy_everywhere(hidden)
+        return LaunchedStep([s.seq_id for s in seqs], packed, no_top_logprobs([s.sampling_params for s in seqs]))
+
+    def _greedy_everywhere(self, hidden: torch.Tensor) -> torch.Tensor:
+        ids, logprobs = self.model.lm_head.greedy_tokens(hidden, everywhere=True)
+        return torch.stack([ids.double(), logprobs.double()])
+
     def _run_step(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if out.is_empty:
             return ModelRunnerOutput({})
@@ -417,7 +450,7 @@ class ModelRunner:
                     hidden, residual = hidden.clone(), residual.clone()
                 sends.append(send_to_next_stage([hidden, residual], self._pp_seq_no, self.pp))
             elif sample_rows or self.sp.size > 1:
-                sample_hidden.append(hidden.index_select(0, self._on_device(sample_rows)))
+                sample_hidden.append(hidden.index_select(0, self.on_device(sample_rows)))
             self._pp_seq_no += 1
         if self.pp_micro_batches > 1:
             for pending in sends:
@@ -435,7 +468,7 @@ class ModelRunner:
                 return ModelRunnerOutput({})
         return self.sample(hidden, to_sample, out.token_bitmask)
 
-    def _on_device(self, rows: list[int]) -> torch.Tensor:
+    def on_device(self, rows: list[int]) -> torch.Tensor:
         """Row indices as a tensor on this runner's device, copied without a wait. Indexing a CUDA tensor with a
         Python list copies the list with a blocking copy, which waits for the whole forward queued before it: on
         2 x H200 a TP=2 rank's mixed step then sat 1.8-5.1 ms in `cudaStreamSynchronize` and left its GPU idle

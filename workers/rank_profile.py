@@ -79,7 +79,7 @@ class RankProfile:
         row = {"kind": kind, "idle": idle_s, "decode": decode_s, "tokens": tokens, "seqs": seqs}
         # Every gpu_every-th step, from the middle of the first period: the very first step (the largest
         # prefill, allocator growth) would otherwise be in every sample.
-        sampled = self.gpu_every > 0 and len(self.rows) % self.gpu_every == self.gpu_every // 2
+        sampled = self.samples_next()
         t = time.perf_counter()
         # When execute began, on the host's monotonic clock (CLOCK_MONOTONIC on Linux: comparable between the
         # ranks' processes on one host): a rank that starts a step later than its peers makes them wait in the
@@ -106,8 +106,23 @@ class RankProfile:
         else:
             result = run()
         row["execute"] = time.perf_counter() - t
-        self.rows.append(row)
+        self._add(row)
         return result
+
+    def samples_next(self, ahead: int = 0) -> bool:
+        """Whether the next step (`ahead`: the one that many after it) runs under torch.profiler (`step` must run
+        it, not `record`)."""
+        return self.gpu_every > 0 and (len(self.rows) + ahead) % self.gpu_every == self.gpu_every // 2
+
+    def record(self, kind: str, idle_s: float, decode_s: float, started: float, execute_s: float, tokens: int = 0,
+               seqs: int = 0) -> None:
+        """A step timed by its caller: launched at `started` (perf_counter) and finished `execute_s` later (a rank's
+        launched decode steps, cluster/rank_worker.py; never one that `samples_next`)."""
+        self._add({"kind": kind, "idle": idle_s, "decode": decode_s, "tokens": tokens, "seqs": seqs, "start": started,
+                   "n": len(self.rows), "execute": execute_s})
+
+    def _add(self, row: dict) -> None:
+        self.rows.append(row)
 
     def _write_trace(self, prof, kind: str, tokens: int) -> None:
         """A chrome trace (chrome://tracing, ui.perfetto.dev) of this step, gzipped, into the trace dir."""
@@ -200,14 +215,13 @@ class LoggedRankProfile(RankProfile):
         self.log_every = max(1, log_every)
         self.windows = 0
 
-    def step(self, *args, **kwargs):
-        result = super().step(*args, **kwargs)
+    def _add(self, row: dict) -> None:
+        super()._add(row)
         if len(self.rows) >= self.log_every:
             self.windows += 1
             log.warning("rank profile %s", json.dumps(
                 {"rank": self.rank, "window": self.windows, "steps": len(self.rows), "by_kind": self.summary()}))
             self.rows = []
-        return result
 
 
 def logged_profile(rank: int, environ: dict[str, str] | None = None) -> LoggedRankProfile | None:

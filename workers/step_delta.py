@@ -190,6 +190,10 @@ class StepDecoder:
         self._drafted: list[ScheduledSeq] = []  # the last step's sequences with drafts
         # The last step's sequences that may still hold a placeholder token (`decode`'s `last_tokens`).
         self.unfilled: list[ScheduledSeq] = []
+        # Whether the last step decoded without `last_tokens` is the step before's plain decodes only, each waiting
+        # for its token from there (`continue_rows`: their rows in that step; None: all of them, in its order).
+        self.continues = False
+        self.continue_rows: list[int] | None = None
 
     def decode(self, payload: bytes, last_tokens: list[int] | None = None) -> SchedulerOutput:
         """`last_tokens`: the tokens the last step sampled, one per sequence in its order (a replica of one
@@ -201,13 +205,16 @@ class StepDecoder:
             held.pop(slot, None)
         for seq in self._drafted:  # a held sequence's drafts were last step's
             seq.spec_token_ids, seq.spec_probs = [], None
-        filled = False
+        filled = self.continues = False
         if compact is None:
             seqs = []
         else:
             slots, rows, tokens, grow = compact
-            if last_tokens is not None and slots is None and tokens.count(PLACEHOLDER_TOKEN) == len(tokens):
-                tokens, filled = (last_tokens if rows is None else [last_tokens[j] for j in rows]), True
+            if slots is None and tokens.count(PLACEHOLDER_TOKEN) == len(tokens):
+                if last_tokens is not None:
+                    tokens, filled = (last_tokens if rows is None else [last_tokens[j] for j in rows]), True
+                elif not (new or known):
+                    self.continues, self.continue_rows = True, rows
             seqs = self._move_on(slots, rows, tokens, grow)
         placed = self._place(seqs, new, known) if new or known else []
         self.unfilled = placed if filled else seqs
@@ -317,6 +324,25 @@ def decode_own(decoder: StepDecoder, payload: bytes, last: ModelRunnerOutput | N
     of that step (`last`; `last_tokens`: `tokens_by_row` of it): the plain decodes by row in the decoder, the few
     others by id. A token it lacks is an error, never a guess: the driver's `own` and the rank's sampling disagree."""
     out = decoder.decode(payload, last_tokens)
+    _fill_by_id(decoder, last, who)
+    return out
+
+
+def fill_own(decoder: StepDecoder, last: ModelRunnerOutput | None, last_tokens: list[int] | None,
+             who: str = "the rank") -> None:
+    """The placeholders of a step decoded before the step before had answered (`StepDecoder.decode` without
+    tokens, on a rank that launched that step: cluster/rank_worker.py), filled from this rank's own result of it,
+    as `decode_own` fills them: a continuation by row, anything else by id."""
+    if decoder.continues and last_tokens is not None:
+        rows = decoder.continue_rows
+        for seq, token in zip(decoder.unfilled, last_tokens if rows is None else [last_tokens[j] for j in rows]):
+            seq.token_ids[0] = token
+        decoder.unfilled = []
+        return
+    _fill_by_id(decoder, last, who)
+
+
+def _fill_by_id(decoder: StepDecoder, last: ModelRunnerOutput | None, who: str) -> None:
     holders = placeholder_seqs(decoder.unfilled)
     if holders:
         sampled = {} if last is None else last.token_ids_by_seq()
@@ -326,7 +352,6 @@ def decode_own(decoder: StepDecoder, payload: bytes, last: ModelRunnerOutput | N
                                f"before's token of {len(missing)} of its {len(holders)} placeholder sequences "
                                f"(first: {missing[0]!r}); the driver must send a fill for such a step")
         fill_placeholders(holders, [sampled[s.seq_id] for s in holders])
-    return out
 
 
 def pack_output(result: ModelRunnerOutput | None, out: SchedulerOutput) -> tuple | None:
