@@ -155,3 +155,31 @@ def test_planning_ahead_never_preempts_and_skips_sequences_that_surely_end():
     # a sequence whose sampled token surely ends it is left out of the plan
     ahead = sched.schedule(ahead_of=out, will_finish=lambda seq: seq is b)
     assert [s.seq_id for s in ahead.seqs] == ["a"]
+
+
+@pytest.mark.slow
+def test_drain_fills_and_collects_the_step_sent_after_the_one_ahead(shared_ray):
+    """Two steps can be out at once: the one sent ahead, and the one the engine sent after it before its text work
+    (`LLMEngine._next`). A pipeline's later stage never holds the tokens, so the second waits for a fill. An abort of
+    the last request leaves both to `drain`, which must fill the second from the first's answer, collect both and
+    free every block; the engine then serves again."""
+    llm = LLM(model=MODEL, dtype="float32", device="cpu", pipeline_parallel_size=2, pipeline_step_overlap=False)
+    engine = llm.llm_engine
+    try:
+        assert engine.step_groups == 1 and engine.async_scheduling
+        engine.add_request("last", PROMPTS[2], SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True))
+        for _ in range(8):
+            engine.step()
+            if engine._next is not None:
+                break
+        assert engine._next is not None and engine.executor.needs_fill, "no second step out waiting for its fill"
+        engine.abort("last")
+        engine.drain()
+        assert engine._inflight is None and engine._next is None
+        assert_engine_clean(llm)
+        assert engine.scheduler.num_parked_blocks == 0
+        outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+        assert all(len(o.token_ids) == 6 or o.finish_reason == "stop" for o in outs)
+        assert_engine_clean(llm)
+    finally:
+        engine.shutdown()
