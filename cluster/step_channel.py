@@ -222,6 +222,9 @@ class _DriverGone(Exception):
     """The connection broke while a handler looked for the next message (`Later`)."""
 
 
+Peek = Callable[[Callable[[], bool]], "tuple | None"]  # `Later`'s look at the next message
+
+
 class Later:
     """What a handler returns for a message whose answer is still being computed (a step launched on the GPU,
     cluster/rank_worker.py). The loop calls `run(peek)`, which returns (answer, then): the answer is sent, and
@@ -229,7 +232,7 @@ class Later:
     next message once it has come, or None once `done()` is true and none has: a message it gives is the
     `run`'s to handle (its answers follow this one's)."""
 
-    def __init__(self, run: Callable[[Callable[[Callable[[], bool]], tuple | None]], tuple[Any, Callable[[], Any] | None]]):
+    def __init__(self, run: Callable[[Peek], tuple[Any, Callable[[], Any] | None]]):
         self.run = run
 
 
@@ -249,8 +252,9 @@ def run_rank_loop(address: tuple[str, int], rank: int, handle: Callable[[tuple],
                   spin_s: float = 0.0, local_path: str | None = None) -> threading.Thread:
     """Rank side: connect to the driver and serve its messages on a daemon thread until it hangs up.
     `handle(message)` returns the answer (or NO_REPLY, or a `Later` that computes it and may take the next
-    message meanwhile); an exception is sent back as an error and the loop goes on (the driver decides: a failed step makes it stop every rank). After each message the loop
-    polls for the next one for up to `spin_s` before blocking. `local_path`: the driver's
+    message meanwhile); an exception is sent back as an error and the loop goes on (the driver decides: a
+    failed step makes it stop every rank). After each message the loop polls for the next one for up to
+    `spin_s` before blocking. `local_path`: the driver's
     `StepChannel.local_path`, tried first."""
     _HANDLERS.append(handle)
     sock = _connect(address, local_path)

@@ -119,5 +119,15 @@ def test_launched_ranks_give_the_in_process_tokens(reference, layout, monkeypatc
         out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], mixed)
         assert [o.token_ids for o in out[1:]] == [t[:len(o.token_ids)] for t, o in zip(tokens[1:3], out[1:])]
         assert len(out[0].token_ids) == 10
+        # Profiled: each launched step is a row of its rank's profile (`RankProfile.record`), beside its collector pauses.
+        executor = llm.llm_engine.executor
+        before = ray.get([w.launch_counts.remote() for w in executor.workers])
+        executor.profile("start", 0)
+        assert [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params[:3])] == tokens[:3]
+        ranks = executor.profile("report")
+        after = ray.get([w.launch_counts.remote() for w in executor.workers])
+        for report, b, a in zip(ranks, before, after):
+            assert a["launched"] > b["launched"] and report["decode"]["steps"] >= a["launched"] - b["launched"]
+            assert report["gc"]["collections"] >= 0
     finally:
         llm.llm_engine.shutdown()
