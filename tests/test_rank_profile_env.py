@@ -35,3 +35,29 @@ def test_each_window_is_logged_with_its_step_kinds_sizes_and_percentiles(caplog)
     assert by["mixed"]["steps"] == 1 and by["decode-graph"]["steps"] == 3
     assert by["mixed"]["mean_tokens"] == 100 and by["decode-graph"]["mean_tokens"] == 8 and by["decode-graph"]["mean_seqs"] == 8
     assert 0 <= by["decode-graph"]["ms_execute_p50"] <= by["decode-graph"]["ms_execute_p90"]
+
+
+def test_a_traced_step_names_ops_not_python_frames(tmp_path, monkeypatch):
+    """A step that writes a trace records Python frames; a frame that waits (here, sleeps) has a long self time,
+    and the step's table of host ops must still name the ops (it failed on a loaded CI host with the frames in)."""
+    import time
+
+    import torch
+
+    from workers.rank_profile import RankProfile
+
+    monkeypatch.setenv("TANDEM_PROFILE_TRACE_DIR", str(tmp_path))
+    profile = RankProfile(0, gpu_every=1)
+    x, w = torch.randn(8, 64), torch.randn(64, 64)
+
+    def run():
+        time.sleep(0.05)
+        return torch.nn.functional.linear(x, w).softmax(-1)
+
+    try:
+        profile.step("mixed", 0.0, 0.0, run, tokens=8, seqs=1)
+    finally:
+        profile.gc.remove()
+    top = profile.rows[0]["top_host"]
+    assert list(tmp_path.iterdir()), "the step wrote no trace, so it recorded no Python frames"
+    assert any(name.startswith("aten::") for name in top) and all(name.startswith("aten::") for name in top), top

@@ -56,6 +56,18 @@ def _top(events, attr: str) -> dict[str, float]:
     return {e.key[:80]: getattr(e, attr) / 1e6 for e in ranked if getattr(e, attr) > 0}
 
 
+def _top_host_ops(prof) -> dict[str, float]:
+    """The TOP host ops by self CPU time, as {name: seconds}. Python frames are left out: a step that writes a
+    trace records them (`with_stack`, for the trace's gaps), and a frame's self time is its wait and interpreter
+    time (the rank's event loop, `wait`), which would crowd the ops out of the table."""
+    self_us: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if not e.is_python_function:
+            self_us[e.key] += e.self_cpu_time_total
+    ranked = sorted(self_us.items(), key=lambda kv: kv[1], reverse=True)[:TOP]
+    return {name[:80]: us / 1e6 for name, us in ranked if us > 0}
+
+
 def _kernel_and_comm_seconds(events, cuda: bool) -> tuple[float, float]:
     if cuda:
         kernels = [e for e in events if _is_kernel(e)]
@@ -98,7 +110,7 @@ class RankProfile:
             row["sampled_wall"] = time.perf_counter() - t
             events = prof.key_averages()
             row["kernels"], row["comm"] = _kernel_and_comm_seconds(events, cuda)
-            row["top_host"] = _top(events, "self_cpu_time_total")
+            row["top_host"] = _top_host_ops(prof)
             if cuda:
                 row["top_gpu"] = _top([e for e in events if _is_kernel(e)], "self_device_time_total")
             if trace:
