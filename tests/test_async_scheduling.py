@@ -47,36 +47,73 @@ def _assert_same(got, expected) -> None:
             assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
 
-@pytest.mark.slow
-def test_ahead_steps_equal_the_in_process_engine(shared_ray):
-    # 12 blocks of 16 tokens for 9 sequences of up to ~45 tokens: preemption; 24-token steps: chunked prompts.
-    kwargs = dict(model=MODEL, dtype="float32", device="cpu", num_gpu_blocks_override=12, block_size=16,
-                  max_num_batched_tokens=24, async_scheduling=True)
-    uni = LLM(**kwargs, distributed_executor_backend="uni")
+# 12 blocks of 16 tokens for 9 sequences of up to ~45 tokens: preemption; 24-token steps: chunked prompts.
+ENGINE = dict(model=MODEL, dtype="float32", device="cpu", num_gpu_blocks_override=12, block_size=16,
+              max_num_batched_tokens=24, async_scheduling=True)
+
+
+@pytest.fixture(scope="module")
+def in_process():
+    """The in-process engine's outputs for `_params` (the reference of every layout below)."""
+    uni = LLM(**ENGINE, distributed_executor_backend="uni")
     reference = [o.text for o in uni.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)]
     params = _params(reference)
     expected = uni.generate(PROMPTS, params, use_tqdm=False)
     assert uni.llm_engine.scheduler.num_preemptions > 0, "the test needs preemption"
     uni.llm_engine.shutdown()
+    return params, expected
 
-    llm = LLM(**kwargs, distributed_executor_backend="ray")
+
+def _run_ahead_twice(llm: LLM, params: list[SamplingParams], expected) -> list[bool]:
+    """Two rounds (the second starts on a cache holding the first's prefixes), each equal to the in-process
+    engine's and leaving the engine clean; returns whether each step was sent ahead."""
     engine = llm.llm_engine
+    assert engine.async_scheduling
+    aheads: list[bool] = []
+    submit = engine.executor.submit
+    engine.executor.submit = lambda out, ahead=False: aheads.append(ahead) or submit(out, ahead)
+    for _ in range(2):
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+        _assert_same(got, expected)
+        assert_engine_clean(llm)
+        assert engine.scheduler.num_parked_blocks == 0
+    assert sum(aheads) > 10, "steps were not sent ahead"
+    assert engine.scheduler.num_preemptions > 0
+    return aheads
+
+
+@pytest.mark.slow
+def test_ahead_steps_equal_the_in_process_engine(shared_ray, in_process):
+    params, expected = in_process
+    llm = LLM(**ENGINE, distributed_executor_backend="ray")
     try:
-        assert engine.async_scheduling
-        aheads: list[bool] = []
-        submit = engine.executor.submit
-        engine.executor.submit = lambda out, ahead=False: aheads.append(ahead) or submit(out, ahead)
         # One rank fills a step sent ahead itself, from its own answer: the engine builds no token list for it.
-        engine.executor.fill = lambda tokens: pytest.fail("fill() at world size 1")
-        for _ in range(2):  # the second round starts on a cache holding the first's prefixes
-            got = llm.generate(PROMPTS, params, use_tqdm=False)
-            _assert_same(got, expected)
-            assert_engine_clean(llm)
-            assert engine.scheduler.num_parked_blocks == 0
-        assert sum(aheads) > 10, "steps were not sent ahead"
-        assert engine.scheduler.num_preemptions > 0
+        llm.llm_engine.executor.fill = lambda tokens: pytest.fail("fill() at world size 1")
+        _run_ahead_twice(llm, params, expected)
     finally:
-        engine.shutdown()
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"distributed_executor_backend": "ray"}, {"tensor_parallel_size": 2}],
+                         ids=["ray-tp1", "tp2"])
+def test_ranks_that_launch_ahead_equal_the_in_process_engine(shared_ray, in_process, layout, monkeypatch):
+    """Launch-ahead (cluster/rank_worker.py) forced on CPU ranks, under what the GPU tests do not reach: preemption
+    and recompute, chunked prompts, stop strings and EOS ending sequences while the step after is launched,
+    sampled and penalised sequences among greedy ones, logprobs. Tokens, text and finish equal the in-process engine's."""
+    import ray
+
+    from workers.launched_step import LAUNCH_AHEAD_ENV
+
+    monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1")  # forwarded to the rank actors (cluster/ray_runtime.py)
+    params, expected = in_process
+    llm = LLM(**ENGINE, **layout)
+    try:
+        _run_ahead_twice(llm, params, expected)
+        counts = ray.get([w.launch_counts.remote() for w in llm.llm_engine.executor.workers])
+        assert all(c.get("continued", 0) > 0 for c in counts), counts
+    finally:
+        llm.llm_engine.shutdown()
 
 
 @pytest.mark.slow
