@@ -23,11 +23,17 @@ def ray_session(shared_ray):
     return shared_ray  # the session's local Ray (tests/conftest.py)
 
 
-@pytest.fixture(scope="module")
-def ray_llm(ray_session):
-    """The Ray-executor LLM both tests drive (its rank actor starts once for the module). Each test starts
-    from a clean engine, asserts it, and leaves it clean."""
-    llm = LLM(model=MODEL, dtype="float32", device="cpu", distributed_executor_backend="ray")
+@pytest.fixture(scope="module", params=["auto", "1"], ids=["ranks-wait", "ranks-launch-ahead"])
+def ray_llm(ray_session, request):
+    """The Ray-executor LLM both tests drive (its rank actor starts once per parameter), with the rank's
+    launch-ahead off (auto: off on CPU) and forced on (cluster/rank_worker.py: a decode step launched behind the
+    one before, its placeholders filled on the rank). Each test starts from a clean engine, asserts it, and
+    leaves it clean."""
+    from workers.launched_step import LAUNCH_AHEAD_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(LAUNCH_AHEAD_ENV, request.param)  # read by the rank actor at its start (cluster/ray_runtime.py)
+        llm = LLM(model=MODEL, dtype="float32", device="cpu", distributed_executor_backend="ray")
     yield llm
     llm.llm_engine.shutdown()
 
@@ -49,7 +55,7 @@ def _view(outs) -> list[tuple]:
     return [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in outs]
 
 
-def test_ray_overlap_matches_in_process(ray_llm, monkeypatch):
+def test_ray_overlap_matches_in_process(ray_llm, monkeypatch, request):
     uni = LLM(model=MODEL, dtype="float32", device="cpu", distributed_executor_backend="uni")
     reference = [o.text for o in uni.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)]
     params = _params(reference)
@@ -74,6 +80,11 @@ def test_ray_overlap_matches_in_process(ray_llm, monkeypatch):
         assert _view(got) == _view(expected)
         assert_engine_clean(llm)  # generate collected the step left in flight for stop-string finishes
     assert dropped, "no stop string ended a sequence while its next step was in flight"
+    import ray
+
+    (counts,) = ray.get([w.launch_counts.remote() for w in engine.executor.workers])
+    launching = request.node.callspec.params["ray_llm"] == "1"
+    assert (counts.get("continued", 0) > 0) == launching, counts
 
 
 def test_an_abort_mid_flight_frees_once_that_step_has_answered(ray_llm):
