@@ -212,7 +212,7 @@ class StepDecoder:
             slots, rows, tokens, grow = compact
             if slots is None and tokens.count(PLACEHOLDER_TOKEN) == len(tokens):
                 if last_tokens is not None:
-                    tokens, filled = (last_tokens if rows is None else [last_tokens[j] for j in rows]), True
+                    tokens, filled = continued_tokens(last_tokens, rows), True
                 elif not (new or known):
                     self.continues, self.continue_rows = True, rows
             seqs = self._move_on(slots, rows, tokens, grow)
@@ -317,6 +317,12 @@ def sampled_on_every_tp_rank(out: SchedulerOutput) -> bool:
     return True
 
 
+def continued_tokens(last_tokens: list[int], rows: list[int] | None) -> list[int]:
+    """The input tokens of a step that continues the last one's plain decodes: the last step's tokens, all of them in
+    order (`rows` None) or those of the rows it keeps."""
+    return last_tokens if rows is None else [last_tokens[j] for j in rows]
+
+
 def decode_own(decoder: StepDecoder, payload: bytes, last: ModelRunnerOutput | None,
                last_tokens: list[int] | None, who: str = "the rank") -> SchedulerOutput:
     """A step sent ahead to a rank that holds the tokens the step before sampled (the only rank of its replica,
@@ -334,8 +340,7 @@ def fill_own(decoder: StepDecoder, last: ModelRunnerOutput | None, last_tokens: 
     tokens, on a rank that launched that step: cluster/rank_worker.py), filled from this rank's own result of it,
     as `decode_own` fills them: a continuation by row, anything else by id."""
     if decoder.continues and last_tokens is not None:
-        rows = decoder.continue_rows
-        for seq, token in zip(decoder.unfilled, last_tokens if rows is None else [last_tokens[j] for j in rows]):
+        for seq, token in zip(decoder.unfilled, continued_tokens(last_tokens, decoder.continue_rows)):
             seq.token_ids[0] = token
         decoder.unfilled = []
         return
