@@ -51,9 +51,8 @@ def _is_comm(name: str) -> bool:
 
 
 def _top(events, attr: str) -> dict[str, float]:
-    """The TOP events by `attr` (microseconds), as {name: seconds}."""
-    ranked = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:TOP]
-    return {e.key[:80]: getattr(e, attr) / 1e6 for e in ranked if getattr(e, attr) > 0}
+    """The TOP of averaged events (one per key) by `attr` (microseconds), as {name: seconds}."""
+    return _ranked({e.key: getattr(e, attr) for e in events})
 
 
 def _top_host_ops(prof) -> dict[str, float]:
@@ -64,7 +63,11 @@ def _top_host_ops(prof) -> dict[str, float]:
     for e in prof.events():
         if not e.is_python_function:
             self_us[e.key] += e.self_cpu_time_total
-    ranked = sorted(self_us.items(), key=lambda kv: kv[1], reverse=True)[:TOP]
+    return _ranked(self_us)
+
+
+def _ranked(microseconds: dict[str, float]) -> dict[str, float]:
+    ranked = sorted(microseconds.items(), key=lambda kv: kv[1], reverse=True)[:TOP]
     return {name[:80]: us / 1e6 for name, us in ranked if us > 0}
 
 
