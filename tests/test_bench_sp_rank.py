@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,3 +41,36 @@ def test_bad_arguments_exit():
 
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--dry-run", "--heads", "5", "--kv-heads", "2"])
+
+
+def test_interleaved_rounds_time_every_cell_under_the_same_clocks():
+    """--order interleaved: every cell once per round, the order reversed every other round, then the streamed
+    rounds; sequential: one cell's runs after another's. A clock that slows with each call (a warming GPU) then
+    slows every interleaved cell alike, and only the later cells of a sequential run."""
+    from bench_sp_rank import measure
+
+    calls, clock = [], {"t": 0.0}
+
+    def cell(name):
+        def fn():
+            calls.append(name)
+            clock["t"] += 1
+            time.sleep(1e-4 * clock["t"])  # each call slower than the one before
+        return fn
+
+    names = ["sp1", "sp2/rank0", "sp2/rank1"]
+    res = measure({n: cell(n) for n in names}, "cpu", 4, 2, "interleaved", {"sp1", "sp2/rank0"})
+    timed = calls[:12]
+    assert timed == names + names[::-1] + names + names[::-1]
+    streamed = calls[12:]
+    assert streamed == ["sp1"] * 2 + ["sp2/rank0"] * 2 + ["sp2/rank0"] * 2 + ["sp1"] * 2 + \
+        ["sp1"] * 2 + ["sp2/rank0"] * 2 + ["sp2/rank0"] * 2 + ["sp1"] * 2
+    assert set(res) == set(names) and "stream_s" in res["sp1"] and "stream_s" not in res["sp2/rank1"]
+    assert all(r["min_s"] <= r["s"] <= r["max_s"] for r in res.values())
+    # Same clocks: no cell's median is more than a round's drift from another's.
+    spread = max(r["s"] for r in res.values()) / min(r["s"] for r in res.values())
+    calls.clear()
+    clock["t"] = 0.0
+    seq = measure({n: cell(n) for n in names}, "cpu", 4, 2, "sequential", {"sp1"})
+    assert calls[:8] == ["sp1"] * 8 and calls[8:12] == ["sp2/rank0"] * 4  # timed 4, then streamed 4 (reps)
+    assert seq["sp2/rank1"]["s"] / seq["sp1"]["s"] > spread  # the last cell pays the slowest clocks
