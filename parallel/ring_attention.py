@@ -642,7 +642,7 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
     tma = kernels.tma_ok_block(first_block)
     cfg = kernel_config
     config = kernels.parse_config(cfg) if isinstance(cfg, str) else cfg or kernels.default_config(
-        q.shape[0], q.shape[-1], q.element_size(), tma, len(kv_shards))
+        q.shape[0], q.shape[-1], q.element_size(), tma, len(kv_shards), first_block.nbytes, kernels.l2_bytes(q.device))
     hkv = first_block.shape[2]
     rows = kernels.rows_per_tile(config, q.shape[1], hkv)
     n_groups = q.shape[1] // config.heads_per_program(q.shape[1] // hkv)

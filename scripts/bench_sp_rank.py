@@ -68,7 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"],
                    help="ring step: the Triton kernel, the PyTorch tiles, or auto (Triton on CUDA)")
     p.add_argument("--reps", type=int, default=None, help="timed runs per cell (median; default 5, dry run 1)")
-    p.add_argument("--stream-runs", type=int, default=3, help="back-to-back calls per streamed round (default 3)")
+    p.add_argument("--stream-runs", type=int, default=None,
+                   help="back-to-back calls per streamed round (default --reps: fewer leave the first call's host "
+                        "time less hidden)")
     p.add_argument("--order", default="interleaved", choices=["interleaved", "sequential"],
                    help="interleaved (default): every cell timed once per round, so all see the same clocks; "
                         "sequential: each cell's runs one after another (the order before 2026-11-29)")
@@ -83,6 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.head_dim = a.head_dim or (16 if tiny else 128)
     a.block_size = a.block_size or (4 if tiny else 16)
     a.reps = a.reps or (1 if tiny else 5)
+    a.stream_runs = a.stream_runs or a.reps
     if min(a.lengths) < 1 or min(a.sp) < 1 or a.heads % a.kv_heads or a.reps < 1 or a.stream_runs < 1:
         p.error("lengths, SP sizes and reps must be positive and heads a multiple of kv-heads")
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -124,6 +127,38 @@ def streamed_once(fn, device: str, runs: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 1e3 / runs
+
+
+def timed(fn, device: str, reps: int) -> tuple[float, object]:
+    """Median seconds of `reps` calls of fn() after one warm-up call (compiles), and the last result
+    (scripts/tune_ring_kernel.py's timing of one cell)."""
+    result = fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        result = fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def streamed(fn, device: str, reps: int) -> float:
+    """`streamed_once` of `reps` calls after one warm-up call."""
+    fn()
+    return streamed_once(fn, device, reps)
+
+
+def sp1_times(sp1: dict, device: str, reps: int) -> dict:
+    """SP=1's cell timed on its own (scripts/tune_ring_kernel.py): its kernels' median seconds, the baseline's
+    streamed time, the names."""
+    res = {"sdpa_s": timed(sp1["fns"]["sdpa"], device, reps)[0], "baseline": sp1["baseline"]}
+    base = sp1["fns"][sp1["baseline"]]
+    res["baseline_s"] = timed(base, device, reps)[0]
+    res["baseline_stream_s"] = streamed(base, device, reps)
+    if "prefill_attention" in sp1["fns"]:
+        res["prefill_attention_s"] = res["baseline_s"]
+    return res
 
 
 def measure(fns: dict, device: str, reps: int, stream_runs: int, order: str, streamed_names: set) -> dict:

@@ -254,7 +254,7 @@ def run_config(qs, blocks, shards, positions, config: str, scale: float, ref: to
 
 def tune_length(n: int, a: argparse.Namespace, started: float) -> dict:
     """One prompt length: SP=1 before and after, every (SP size, config) cell; failures recorded per cell."""
-    from bench_sp_rank import BF16_TOL, DTYPES, GOALS, sp1_attention, timed, _engine_prefill
+    from bench_sp_rank import BF16_TOL, DTYPES, GOALS, sp1_attention, sp1_times, timed, _engine_prefill
     from parallel.ring_attention import split_for_ranks
     from workers.sp_plan import owned_positions
 
@@ -263,7 +263,8 @@ def tune_length(n: int, a: argparse.Namespace, started: float) -> dict:
     q = torch.randn(n, a.heads, d, generator=gen, device=a.device, dtype=dtype)
     k, v = (torch.randn(n, a.kv_heads, d, generator=gen, device=a.device, dtype=dtype) for _ in range(2))
     scale = d ** -0.5
-    sp1 = sp1_attention(q, k, v, scale, a.device, a.reps)
+    sp1 = sp1_attention(q, k, v, scale, a.device)
+    sp1["res"] = sp1_times(sp1, a.device, a.reps)
     base = sp1["res"]["baseline_s"]
     cell = {"tokens": n, "sp1": sp1["res"], "sp": {}, "chunk_prefill": {}}
     for sp in a.sp:

@@ -198,6 +198,10 @@ def check_hybrid(steps):
     assert steps.hybrid and not steps.fused and len(steps.tables) == 3
 
 
+def assert_banded(steps):
+    assert steps.config.hband == 1 and not (steps.fused or steps.hybrid), steps.config
+
+
 layout2 = ragged_layout(2)
 for cfg in CONFIGS:
     checked += ragged_ring(cfg, 2, layout2)
@@ -230,6 +234,19 @@ for hq in (4, 8):
             out = ring_rank_attention(qs[r], blocks, shards, r, S, backend="triton", kernel_config=cfg)
             torch.testing.assert_close(out, causal(q, k, v)[positions[r]], rtol=1e-5, atol=1e-5, msg=str((hq, cfg, r)))
             checked += 1
+
+# 2e. hband: the head groups one band at a time (4 query heads over 2 KV heads: 4 groups unpacked, 2 packed), and the
+# default config of a long chunk whose K/V block outgrows L2 (here an L2 of one byte, fuse and hybrid off), which
+# bands them one at a time.
+for cfg in ("16,16,4,1,hband=1", "16,16,4,1,hband=2", "32,16,4,1,pack,hband=1"):
+    checked += ragged_ring(cfg, 2, layout2)
+from parallel.kernels import ring_attention_triton as rt
+saved = rt.l2_bytes, rt.FUSE_MAX_TOKENS, rt.HYBRID_MAX_TOKENS
+rt.l2_bytes, rt.FUSE_MAX_TOKENS, rt.HYBRID_MAX_TOKENS = (lambda device: 1), 0, 0
+for sp, layout in ((2, layout2), (3, layout3)):
+    checked += ragged_ring(None, sp, layout, assert_banded)
+rt.l2_bytes, rt.FUSE_MAX_TOKENS, rt.HYBRID_MAX_TOKENS = saved
+
 
 # 3. A ring of one (Ulysses' attention): the output straight from the kernel, no accumulators.
 q, k, v = torch.randn(37, 4, D), torch.randn(37, 1, D), torch.randn(37, 1, D)
@@ -512,9 +529,10 @@ def test_ring_step_kernel_in_the_triton_interpreter():
 @pytest.mark.interpreted(RING_SCRIPT, timeout=900)
 def test_ring_launches_in_the_triton_interpreter():
     out = run_interpreted(RING_SCRIPT)
-    configs, fused, fp16, gathered, hybrid = 9, 3, 6, 2 * (2 + 3), 2 * 2 + 2 * 2 * 2
+    configs, fused, fp16, gathered, hybrid, banded = 9, 3, 6, 2 * (2 + 3), 2 * 2 + 2 * 2 * 2, 3 * 2 + 2 + 3
     assert out.strip().split()[-2:] == ["ok", str(configs * (6 + 4) + configs * 2 + fp16 * (6 + 4) + configs * 2
-                                                  + fused * 3 + gathered + hybrid + configs + 1 + 3 * 3 + 2)], out[-500:]
+                                                  + fused * 3 + gathered + hybrid + banded + configs + 1 + 3 * 3 + 2)
+                                        ], out[-500:]
 
 
 @pytest.mark.interpreted(SPLIT_SCRIPT, timeout=900)
@@ -651,6 +669,17 @@ def test_launch_configs(monkeypatch):
     assert rt.default_config(rt.FUSE_MAX_TOKENS, 128, 2, True).fuse
     assert not rt.default_config(rt.FUSE_MAX_TOKENS + 1, 128, 2, True).fuse
     assert rt.default_config(40, 128, 2, True).block_m == 64
+    # Long chunks whose own K/V block outgrows L2 take the head groups one at a time (hband=1); within L2, or where
+    # L2 is not known, the heads-fastest order; fused and hybrid rings (short chunks) never.
+    mib = 2 ** 20
+    assert rt.default_config(65536, 128, 2, True, 2, 256 * mib, 60 * mib).hband == 1
+    assert rt.default_config(16384, 128, 2, True, 4, 64 * mib, 60 * mib).hband == 1
+    assert rt.default_config(16384, 128, 2, True, 4, 32 * mib, 60 * mib).hband == 0
+    assert rt.default_config(65536, 128, 2, True, 2, 256 * mib, 0).hband == 0
+    assert rt.default_config(4096, 128, 2, True, 4, 256 * mib, 1 * mib).hband == 0
+    assert rt.default_config(8192, 128, 2, True, 2, 256 * mib, 1 * mib).hband == 0
+    monkeypatch.setattr(rt, "HBAND_L2", False)
+    assert rt.default_config(65536, 128, 2, True, 2, 256 * mib, 60 * mib).hband == 0
     monkeypatch.setenv(rt.ENV, "64,64,4,2,pack")
     assert rt.default_config(65536, 128, 2, True) == rt.RingConfig(64, 64, 4, 2, True)
 

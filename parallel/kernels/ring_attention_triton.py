@@ -159,13 +159,15 @@ class RingConfig:
     from 0.32 to 0.21 ms and the fused one (with the scatter) from 0.80 to 0.95 ms: no faster in all.
 
     `hband` (N >= 1): the program order takes the head groups N at a time: every tile of groups [0, N), heaviest
-    first and the N groups fastest, then groups [N, 2N), ...; 0 (default): all groups fastest. With GQA packing a head
+    first and the N groups fastest, then groups [N, 2N), ...; 0: all groups fastest. With GQA packing a head
     group is one KV head, so programs of different groups share no K/V: running all of them at once, the launch's whole
     K/V (48 MiB for a fused launch at 16K tokens SP=4, an H100's L2 is 50 MB) is what the running programs read, at
     staggered positions; in bands, only N heads' share. The last band's heaviest programs start 1 - N / groups of the
     way through, so a band must hold more work than the longest program (N >= groups / 4 at 16K). Ignored where N does
-    not divide a launch's groups. Opt-in: on one H100 (2026-11-27) the kernels took the same time with N = 1, 2, 4 as
-    without, at 16K tokens SP=2 and 4 and at 64K SP=2 and 4 (within 2%), so L2 is not what limits them.
+    not divide a launch's groups. On one H100 (2026-11-27) the kernels took the same time with N = 1, 2, 4 as without,
+    at 16K tokens SP=2 and 4 and at 64K SP=2 and 4 (within 2%); on one H200 (2026-11-29) N = 1 took 64K SP=2 from 0.518x
+    to 0.493x of SP=1 and 128K SP=2 from 0.572x to 0.493x, where a block of K/V is 4-8 times L2: `default_config`
+    sets N = 1 where the rank's block outgrows L2 (HBAND_L2).
 
     `first` (BLOCK_N, warps, stages; read by parallel/ring_attention.py): the ring's first launch with these instead of
     the config's (its BLOCK_M and so its tile table unchanged). The first launch is the rank's own block, a causal
@@ -278,11 +280,14 @@ CONFIGS: dict[int, tuple[RingConfig, RingConfig]] = {
 }
 
 
-def default_config(tq: int, head_dim: int, element_size: int, tma: bool, ranks: int | None = None) -> RingConfig:
+def default_config(tq: int, head_dim: int, element_size: int, tma: bool, ranks: int | None = None,
+                   kv_bytes: int = 0, l2_bytes: int = 0) -> RingConfig:
     """The config for `tq` query rows of a ring over `ranks` blocks (None: not known): TANDEM_RING_KERNEL if set,
     else `CONFIGS` (16-bit floats, D <= 128, >= 128 rows), else fp32 (two stages: three would not fit in shared
     memory) or short chunks; `fuse` on where the rank's queries are at most FUSE_MAX_TOKENS (it applies from SP=3 on),
-    with `batchcopy` at SP=4; `hybrid`, `oneloop` and `early` at SP=2 up to HYBRID_MAX_TOKENS."""
+    with `batchcopy` at SP=4; `hybrid`, `oneloop` and `early` at SP=2 up to HYBRID_MAX_TOKENS; `hband=1` where
+    neither applies and a block of K/V (`kv_bytes`, the rank's own) is larger than the GPU's L2 cache (`l2_bytes`,
+    0: not known): see HBAND_L2."""
     env = os.environ.get(ENV)
     if env:
         return parse_config(env)
@@ -296,7 +301,26 @@ def default_config(tq: int, head_dim: int, element_size: int, tma: bool, ranks: 
         config = dataclasses.replace(config, fuse=True, batchcopy=ranks == 4)
     if ranks == 2 and tq <= HYBRID_MAX_TOKENS:
         config = dataclasses.replace(config, hybrid=True, oneloop=True, early=True)
+    if HBAND_L2 and not (config.fuse or config.hybrid) and l2_bytes and kv_bytes > l2_bytes:
+        config = dataclasses.replace(config, hband=1)
     return config
+
+
+# `hband=1` by default where a rank's block of K/V outgrows L2. With every head group's programs running at once (the
+# heads-fastest order), a launch's running programs read all the KV heads' keys at staggered positions: at 128K tokens
+# SP=2 that is 256 MiB of K/V per launch against an H200's 60 MiB of L2, so the tiles go back and forth to HBM. One
+# group at a time, the running programs share one head's 32 MiB. On one H200 (2026-11-29, scripts/tune_ring_kernel.py,
+# docs/benchmarks.md) the slowest rank went from 0.572x to 0.493x of SP=1 at 128K SP=2 and 0.518x to 0.493x at 64K
+# SP=2; at 16K tokens (48 MiB, within L2) an H100 measured no change (2026-11-27). TANDEM_RING_HBAND_L2=0 turns it off.
+HBAND_L2 = os.environ.get("TANDEM_RING_HBAND_L2", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def l2_bytes(device: torch.device) -> int:
+    """A CUDA device's L2 cache in bytes (what `default_config` weighs a K/V block against); 0 elsewhere."""
+    if torch.device(device).type != "cuda":
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
 
 
 # Tried as SP=4 defaults beside fuse,batchcopy on one H100 (2026-11-27, 16K tokens) and left opt-in, none measured

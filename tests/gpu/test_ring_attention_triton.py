@@ -186,6 +186,7 @@ def test_direct_launches_match_the_jit_path(config, monkeypatch):
                                     "128,128,8,3,pack,fuse,batchcopy,trim0",
                                     "128,128,8,3,pack,fuse,batchcopy,oneloop0,plain0,trim0",
                                     "128,128,8,3,pack,fuse,batchcopy,hband=2", "128,128,8,3,pack,hband=4",
+                                    "128,128,8,3,pack,hband=1",
                                     "128,128,8,3,pack,hybrid,oneloop,early,hband=2", "128,128,8,3,hband=8,split=2",
                                     "128,128,8,3,pack,fuse,batchcopy,first=64/8/3", "128,128,8,3,pack,first=64/8/4"])
 def test_rank_work_matches_full_causal_sdpa(sp: int, config: str | None):
