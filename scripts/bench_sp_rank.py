@@ -19,7 +19,7 @@ also counts the host's time to issue the first launch) and the streamed time (--
 back, CUDA events around them, median of --reps rounds: GPU time per run once the host runs ahead, as in a
 forward's layers; SP=1 timed the same way for the streamed ratio). Every cell of a length (SP=1, each rank of each
 SP size, Ulysses) is timed once per round, the order reversed every other round (--order interleaved, the
-default), so the GPU's clocks, which drop as it warms under full load, weigh on all of them alike; --order
+default), so a drift of the clocks or of the host's load weighs on all of them alike; --order
 sequential times each cell's runs one after another, as this script did before 2026-11-29. Also per rank: the
 max abs error of its rows against SP=1 attention, and memory: `resident` (its queries, its own K/V block, the
 received block in hand and the one in flight: what a ring rank holds for attention) and `work_peak`
@@ -164,10 +164,10 @@ def sp1_times(sp1: dict, device: str, reps: int) -> dict:
 def measure(fns: dict, device: str, reps: int, stream_runs: int, order: str, streamed_names: set) -> dict:
     """Median timed-alone and streamed seconds of every fn (each already run once: compiled). `order`
     "interleaved": `reps` rounds, each timing every fn once (the order reversed every other round), then rounds of
-    `stream_runs` back-to-back calls of each fn in `streamed_names`: every cell sees the same clocks. A GPU at
-    full load slows its clocks as it warms (SP=1 at 128K moved 250.6 -> 264.9 ms within one run), so timing one
-    cell's runs after another's ("sequential": each fn's `reps` runs, then its streamed run of `reps` calls, as
-    before 2026-11-29) charges the later cells the warmer clocks. Returns {name: {"s", "min_s", "max_s"[,
+    `stream_runs` back-to-back calls of each fn in `streamed_names`: a drift of the GPU's clocks or of the host's
+    load during a length's runs (SP=1 at 128K moved 250.6 -> 264.9 ms within one run on 2026-11-27) then weighs on
+    every cell alike, where "sequential" (each fn's `reps` runs, then its streamed run of `reps` calls, as before
+    2026-11-29) charges it to the cells timed last. Returns {name: {"s", "min_s", "max_s"[,
     "stream_s"]}}."""
     names = list(fns)
     times: dict = {name: [] for name in names}
