@@ -262,3 +262,33 @@ def test_cuda_default_is_the_triton_kernel(monkeypatch):
     q, k, v = (torch.randn(64, h, 128, device=DEV, dtype=torch.bfloat16) for h in (8, 2, 2))
     qs, blocks, shards = split_for_ranks(q, k, v, [owned_positions(0, 64, r, 2, 16) for r in range(2)])
     ring_rank_attention(qs[0], blocks, shards, 0, 0.1)
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_a_block_larger_than_l2_bands_the_head_groups(sp: int):
+    """The default config of a chunk whose own K/V block outgrows this GPU's L2 runs the head groups one band at a
+    time (hband=1, what made 128K tokens at SP=2 0.49x of SP=1 instead of 0.57x on an H200), every rank's ring equal
+    to full causal SDPA."""
+    l2 = rt.l2_bytes(torch.device(DEV))
+    if not l2:
+        pytest.skip("this GPU does not report its L2 size")
+    hkv, d = 8, 128
+    chunk = l2 // (2 * hkv * d * 2) + 4096  # a rank's keys: its K/V block [2, chunk, Hkv, D] bf16 just over L2
+    n = sp * chunk
+    g = torch.Generator(device=DEV).manual_seed(7)
+    q = torch.randn(n, 32, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(n, hkv, d, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    # Flash SDPA over the heads repeated (4-D, MHA: GQA or 3-D inputs would take the math path, O(n^2) memory).
+    kr, vr = (x.repeat_interleave(32 // hkv, dim=1).transpose(0, 1).unsqueeze(0) for x in (k, v))
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.FLASH_ATTENTION]):
+        want = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), kr, vr, is_causal=True)[0].transpose(0, 1)
+    del kr, vr
+    positions = [owned_positions(0, n, r, sp, 16) for r in range(sp)]
+    qs, blocks, shards = split_for_ranks(q, k, v, positions)
+    for r in range(sp):
+        assert blocks[r].nbytes > l2
+        steps = _RingSteps(qs[r], blocks[r], shards[r], [shards[(r - s) % sp] for s in range(sp)], d ** -0.5, None,
+                           True)
+        assert steps.config.hband == 1 and not (steps.fused or steps.hybrid), steps.config
+        got = ring_rank_attention(qs[r], blocks, shards, r, d ** -0.5, backend="triton")
+        torch.testing.assert_close(got.float(), want[positions[r]].float(), rtol=2e-2, atol=2e-2)
