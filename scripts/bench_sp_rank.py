@@ -130,17 +130,10 @@ def streamed_once(fn, device: str, runs: int) -> float:
 
 
 def timed(fn, device: str, reps: int) -> tuple[float, object]:
-    """Median seconds of `reps` calls of fn() after one warm-up call (compiles), and the last result
-    (scripts/tune_ring_kernel.py's timing of one cell)."""
+    """Median seconds of `reps` calls of fn() (`timed_once`) after one warm-up call (compiles), and that call's
+    result (scripts/tune_ring_kernel.py's timing of one cell; every call computes the same)."""
     result = fn()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        result = fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), result
+    return statistics.median(timed_once(fn, device) for _ in range(reps)), result
 
 
 def streamed(fn, device: str, reps: int) -> float:
