@@ -171,13 +171,13 @@ def measure(fns: dict, device: str, reps: int, stream_runs: int, order: str, str
             if name in stream:
                 stream[name] = [streamed_once(fns[name], device, reps)]
     else:
-        for r in range(reps):
-            for name in (names if r % 2 == 0 else names[::-1]):
+        rounds = [names if r % 2 == 0 else names[::-1] for r in range(reps)]
+        for order_of_round in rounds:
+            for name in order_of_round:
                 times[name].append(timed_once(fns[name], device))
-        for r in range(reps):
-            for name in (names if r % 2 == 0 else names[::-1]):
-                if name in stream:
-                    stream[name].append(streamed_once(fns[name], device, stream_runs))
+        for order_of_round in rounds:
+            for name in (n for n in order_of_round if n in stream):
+                stream[name].append(streamed_once(fns[name], device, stream_runs))
     res = {name: {"s": statistics.median(t), "min_s": min(t), "max_s": max(t)} for name, t in times.items()}
     for name, t in stream.items():
         res[name]["stream_s"] = statistics.median(t)

@@ -684,6 +684,18 @@ def test_launch_configs(monkeypatch):
     assert rt.default_config(65536, 128, 2, True) == rt.RingConfig(64, 64, 4, 2, True)
 
 
+def test_ring_variables_reach_the_rank_actors(monkeypatch):
+    """TANDEM_RING_KERNEL and TANDEM_RING_HBAND_L2 set in the driver are in the rank actors' environment (the SP ranks
+    run the ring, and `default_config` reads them there)."""
+    from cluster.ray_runtime import rank_runtime_env
+
+    rt = pytest.importorskip("parallel.kernels.ring_attention_triton")
+    monkeypatch.setenv(rt.ENV, "128,128,8,3,pack,hband=2")
+    monkeypatch.setenv("TANDEM_RING_HBAND_L2", "0")
+    env = rank_runtime_env()["env_vars"]
+    assert env[rt.ENV] == "128,128,8,3,pack,hband=2" and env["TANDEM_RING_HBAND_L2"] == "0"
+
+
 @pytest.mark.parametrize("block_n", [1, 16, 64])
 def test_split_tiles_cover_each_key_range_once(block_n: int):
     """`split_tiles`: a row's pieces tile its keys [k0, k_end) in order at BLOCK_N boundaries from k0, each with
