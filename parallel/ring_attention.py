@@ -558,8 +558,9 @@ class _RingSteps:
             if i == 0 and config.oneloop0 and not config.oneloop:
                 config = dataclasses.replace(config, oneloop=True)
             if i == 0 and config.first and (self.tables[0][1] is None or config.block_n % config.first[0] == 0):
-                n0, w0, s0 = config.first  # RingConfig.first: the first launch's BLOCK_N, warps and stages
-                config = dataclasses.replace(config, block_n=n0, num_warps=w0, num_stages=s0)
+                n0, w0, s0 = config.first[:3]  # RingConfig.first: the first launch's BLOCK_N, warps, stages
+                config = dataclasses.replace(config, block_n=n0, num_warps=w0, num_stages=s0,
+                                             block_m=self.plan.block_m0 or config.block_m)  # and BLOCK_M (its table's)
             # RingConfig.plain0: the first launch by plain loads (no tensor descriptors on the host before it)
             use_tma = False if i == 0 and config.plain0 else self.tma if tma is None else tma
             launch = _triton_kernels().StepLaunch(
@@ -607,6 +608,7 @@ class _RingPlan:
     kv_views: tuple | None  # kv's K and V ([Tk, Hkv, D] views), made once
     scatter: object | None  # the one scatter into kv (hybrid, batchcopy) planned once (`ScatterLaunch`), or None
     trim: int = 0  # RingConfig.trim0: the own block's rows [0, trim) go to the fused launch (its last scattered source)
+    block_m0: int = 0  # RingConfig.first's BLOCK_M: the first launch's (its own, unsplit tile table); 0: the config's
 
 
 # Up to this many query rows per rank the plan keeps the ring's accumulators (fp32, 4 x Hq x D bytes a row: 128 MiB at
@@ -646,6 +648,7 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
     hkv = first_block.shape[2]
     rows = kernels.rows_per_tile(config, q.shape[1], hkv)
     n_groups = q.shape[1] // config.heads_per_program(q.shape[1] // hkv)
+    block_m0, rows0 = _first_tiles(config, q.shape[1], hkv)
     split = (config.block_n, n_groups, kernels.sm_count(q.device), config.splits)
     # fuse: the steps after the first are one launch over the other blocks, each scattered on arrival into
     # rows in position order (`_fused_layout`); the launches' key shards are then [own, fused]. gather: every
@@ -657,7 +660,7 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
     f0 = 0 if gather else 1
     launches, dst, fused_tokens = kv_shards, None, 0
     specs = [(i > 0, i < n - 1, i == n - 1, None) for i in range(n)]
-    trim = _trim_rows(config, fused and not gather, q, q_shard, kv_shards[0], rows)
+    trim = _trim_rows(config, fused and not gather, q, q_shard, kv_shards[0], rows0 or rows)
     scattered = kv_shards[f0:] + ([_prefix_shard(q_shard, kv_shards[0], trim)] if trim else [])
     if fused:
         fused_shard, dst = _fused_layout(q_shard, scattered, q.device)
@@ -675,8 +678,12 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
     q_pos = q_shard.positions_on(q.device)
     k_pos = [shard.positions_on(q.device) for shard in launches]
     # trim0: the first launch's table from the own block's row `trim` on, covering only the queries that see those keys
-    tables = [_tile_table(q_shard, shard, rows, hybrid or i == len(launches) - 1 or (i == 0 and not trim), q.device,
-                          split, trim if i == 0 else 0) for i, shard in enumerate(launches)]
+    # RingConfig.first's BLOCK_M: the first launch's table in its own rows, never split (its pieces would not fit the
+    # scratch, sized by the config's BLOCK_M)
+    tables = [_tile_table(q_shard, shard, rows0 if i == 0 and rows0 else rows,
+                          hybrid or i == len(launches) - 1 or (i == 0 and not trim), q.device,
+                          split[:3] + (1,) if i == 0 and rows0 else split, trim if i == 0 else 0)
+              for i, shard in enumerate(launches)]
     slots = max(t[2] for t in tables)
     partials = kernels.partial_buffers(slots, n_groups, config, q.shape[-1], q.device) if slots else None
     # acc16: the running output in q's 16-bit dtype (half the traffic of the steps' merges), LSE fp32.
@@ -693,9 +700,21 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
             kept = _kept_buffers(first_block, tokens, hybrid, fused_tokens, dst, config, q.device)
     plan = _RingPlan(config, tma, hkv, fused, f0, dst, fused_tokens, len(launches), q_pos, k_pos, tables, partials,
                      [shard.num_tokens for shard in launches], acc_dtype, specs, hybrid, [None] * len(launches), acc,
-                     *kept, trim)
+                     *kept, trim, block_m0)
     q_shard._tables[key] = (list(kv_shards), plan)
     return plan
+
+
+def _first_tiles(config, num_q_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """RingConfig.first's BLOCK_M and the first launch's rows per tile under it: (0, 0) where it gives none, it is the
+    config's, or it would change the heads a program packs (the launches' head groups must agree)."""
+    if len(config.first) != 4 or config.first[3] == config.block_m:
+        return 0, 0
+    first = dataclasses.replace(config, block_m=config.first[3])
+    gqa = num_q_heads // num_kv_heads
+    if first.heads_per_program(gqa) != config.heads_per_program(gqa):
+        return 0, 0
+    return first.block_m, _triton_kernels().rows_per_tile(first, num_q_heads, num_kv_heads)
 
 
 def _kept_buffers(first_block: torch.Tensor, tokens: list[int], hybrid: bool, fused_tokens: int,

@@ -13,8 +13,10 @@ Per config: the median over --reps calls (each after the GPU is idle, as bench_s
                     ended) and `host_late_us`: how long after the previous kernel ended its launch call returned
                     (> 0: the GPU waited for the host)
   end_us            call start -> the last kernel ends
-and the same config's median wall time per call without the profiler (sync, call, sync), for scale. The profiler
-adds a few us to each host API call: compare configs within one run.
+and the same config's median wall time per call without the profiler (sync, call, sync), for scale, and the ring
+kernels it compiled (`compiled`: registers and spills per thread, shared memory bytes, warps, per specialisation:
+two CTAs share an SM only where both fit). The profiler adds a few us to each host API call: compare configs within
+one run.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from parallel.kernels import ring_attention_triton as rt  # noqa: E402
 from parallel.ring_attention import ring_rank_attention, split_for_ranks  # noqa: E402
 from workers.sp_plan import owned_positions  # noqa: E402
 
@@ -119,6 +122,17 @@ def summary(calls: list[dict]) -> dict:
                                                              "host_call_us")}, "kernels": kernels}
 
 
+def compiled_kernels() -> list[dict]:
+    """The ring kernels kept for direct launches (`rt._HANDLES`, one per specialisation): their registers and spills
+    per thread, shared memory and warps, as Triton's compiled kernel reports them."""
+    out = []
+    for kernel in rt._HANDLES.values():
+        meta = getattr(kernel, "metadata", None)
+        out.append({"regs": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None),
+                    "shared_bytes": getattr(meta, "shared", None), "warps": getattr(meta, "num_warps", None)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if not torch.cuda.is_available():
@@ -132,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device": torch.cuda.get_device_name(), "tokens": a.tokens, "sp": a.sp, "rank": a.rank, "configs": {}}
     for cfg in [c.strip() for c in a.configs.split(";") if c.strip()]:
         config = None if cfg == "default" else cfg
+        rt._HANDLES.clear()  # this config's kernels only (`compiled_kernels`); a launch after it compiles nothing new
         fn = lambda: ring_rank_attention(qs[a.rank], blocks, shards, a.rank, 128 ** -0.5, "triton",  # noqa: E731
                                          kernel_config=config)
         for _ in range(3):
@@ -139,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         wall = wall_us(fn, a.reps)
         res = summary(per_call(trace_calls(fn, a.reps)))
         res["wall_us"] = wall
+        res["compiled"] = compiled_kernels()
         report["configs"][cfg] = res
         print(f"{cfg}: wall {wall:.0f} us; first launch call at {res['first_launch_us']:.0f} us, first kernel at "
               f"{res['first_kernel_us']:.0f} us, last kernel ends at {res['end_us']:.0f} us (host call "
@@ -146,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         for row in res["kernels"]:
             extra = "" if row["gap_us"] is None else f"  gap {row['gap_us']:.1f}  host late {row['host_late_us']:.1f}"
             print(f"    {row['name']:<40} gpu {row['gpu_us']:7.1f}  launch call {row['launch_call_us']:6.1f}{extra}")
+        for c in res["compiled"]:
+            print(f"    compiled: {c['regs']} regs, {c['spills']} spills, {c['shared_bytes']} B shared, {c['warps']} warps")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -41,7 +41,8 @@ for sp, cfg in ((2, "32,16,4,1,pack"), (2, "16,16,4,1,pack,hybrid,oneloop"), (4,
                 (2, "16,16,4,1,pack,hybrid,overlap"), (4, "16,16,4,1,fuse,batchcopy,overlap"),
                 (4, "16,16,4,1,fuse,batchcopy,oneloop0"), (4, "16,16,4,1,fuse,batchcopy,oneloop0,plain0"),
                 (4, "16,16,4,1,pack,fuse,batchcopy,hband=1"), (3, "16,16,4,1,hband=1,split=2"),
-                (4, "32,32,4,1,pack,fuse,batchcopy,first=16/2/2")):
+                (4, "32,32,4,1,pack,fuse,batchcopy,first=16/2/2"), (4, "32,32,4,1,pack,fuse,batchcopy,first=16/2/2/16"),
+                (2, "32,16,4,1,pack,hybrid,oneloop,first=16/2/1/16"), (4, "32,16,4,1,pack,fuse,batchcopy,first=16/2/1/32")):
     n = 45
     positions = [owned_positions(0, n, r, sp, 4) for r in range(sp)]
     layers = [tuple(torch.randn(n, h, D) for h in (4, 2, 2)) for _ in range(2)]
@@ -72,7 +73,17 @@ for sp, cfg in ((2, "32,16,4,1,pack"), (2, "16,16,4,1,pack,hybrid,oneloop"), (4,
             # first: the first launch's BLOCK_N / warps / stages, the others the config's
             tiles0 = [(x.kw["BLOCK_N"], x.kw["num_warps"], x.kw["num_stages"]) for x in steps.plan.launches]
             cfg_tiles = (steps.config.block_n, steps.config.num_warps, steps.config.num_stages)
-            assert tiles0 == [steps.config.first or cfg_tiles] + [cfg_tiles] * (steps.n_launch - 1), (sp, cfg, tiles0)
+            first = steps.config.first[:3]
+            assert tiles0 == [first or cfg_tiles] + [cfg_tiles] * (steps.n_launch - 1), (sp, cfg, tiles0)
+            # first's BLOCK_M: the first launch's, its table in 8-token rows (16 rows of 2 packed heads), unsplit
+            m0 = steps.config.first[3] if len(steps.config.first) == 4 else 0
+            assert [x.kw["BLOCK_M"] for x in steps.plan.launches] == [m0 or steps.config.block_m] + [
+                steps.config.block_m] * (steps.n_launch - 1), (sp, cfg)
+            assert steps.plan.block_m0 == (m0 if m0 != steps.config.block_m else 0), (sp, cfg)
+            if m0:
+                assert steps.plan.tables[0][1] is None
+                t0 = steps.plan.tables[0][0]
+                assert int((t0[:, 1] - t0[:, 0]).max()) <= m0 // 2, (sp, cfg)
             groups, band = 4 // steps.config.heads_per_program(2), steps.config.hband
             assert all(x.kw["HBAND"] == (band if 0 < band < groups and groups % band == 0 else 0)
                        for x in steps.plan.launches if not x.empty), (sp, cfg)
@@ -135,7 +146,7 @@ print("ok", checked)
 @pytest.mark.interpreted(REUSE_SCRIPT, timeout=900)
 def test_launches_planned_once_per_plan_in_the_triton_interpreter():
     out = run_interpreted(REUSE_SCRIPT)
-    want = 2 * (2 + 2 + 4 + 4 + 3 + 2 + 4 + 2 + 4 + 4 + 4 + 4 + 3 + 4) + 2 * 2 + 3  # every rank of each case, twice
+    want = 2 * (2 + 2 + 4 + 4 + 3 + 2 + 4 + 2 + 4 + 4 + 4 + 4 + 3 + 4 + 4 + 2 + 4) + 2 * 2 + 3  # every rank of each case, twice
     assert out.strip().split()[-2:] == ["ok", str(want)], out[-800:]
 
 
@@ -217,6 +228,8 @@ def test_default_configs_by_sp_size(monkeypatch):
     (chunks up to FUSE_MAX_TOKENS), hybrid with oneloop and early at SP=2 (up to HYBRID_MAX_TOKENS); elsewhere as
     before, and an unknown SP size or TANDEM_RING_KERNEL gets no SP-specific flag. `overlap` parses and prints."""
     rt = pytest.importorskip("parallel.kernels.ring_attention_triton")
+    from parallel.ring_attention import _first_tiles
+
     monkeypatch.delenv(rt.ENV, raising=False)
     base = rt.CONFIGS[128][0]
     assert rt.default_config(4096, 128, 2, True, 4) == dataclasses.replace(base, fuse=True, batchcopy=True)
@@ -231,7 +244,15 @@ def test_default_configs_by_sp_size(monkeypatch):
     assert rt.default_config(4096, 128, 2, True, 2) == rt.RingConfig(64, 64, 4, 2, True)
     first = rt.RingConfig.parse("128,128,8,3,pack,fuse,batchcopy,first=64/8/4")
     assert first.first == (64, 8, 4) and rt.RingConfig.parse(str(first)) == first
-    for bad in ("128,128,8,3,first=48/8/3", "128,128,8,3,first=64/8"):
+    first_m = rt.RingConfig.parse("128,128,8,3,pack,fuse,batchcopy,first=64/4/2/64")
+    assert first_m.first == (64, 4, 2, 64) and rt.RingConfig.parse(str(first_m)) == first_m
+    # the first launch's BLOCK_M and rows per tile: 64 / G; none where it is the config's or would pack fewer heads
+    assert _first_tiles(first_m, 32, 8) == (64, 16) and _first_tiles(first, 32, 8) == (0, 0)
+    assert _first_tiles(rt.RingConfig.parse("128,128,8,3,pack,first=64/4/2/128"), 32, 8) == (0, 0)
+    assert _first_tiles(rt.RingConfig.parse("128,128,8,3,pack,first=64/4/2/16"), 32, 1) == (0, 0)  # G = 32 > 16
+    assert _first_tiles(rt.RingConfig.parse("128,128,8,3,first=64/4/2/64"), 32, 8) == (64, 64)  # unpacked
+    for bad in ("128,128,8,3,first=48/8/3", "128,128,8,3,first=64/8", "128,128,8,3,first=64/8/3/48",
+                "128,128,8,3,first=64/8/3/8", "128,128,8,3,first=64/8/3/64/1"):
         with pytest.raises(ValueError):
             rt.RingConfig.parse(bad)
     band = rt.RingConfig.parse("128,128,8,3,pack,fuse,batchcopy,hband=2")

@@ -43,7 +43,7 @@ previous step's tail frees.
 
 Launch configs: `RingConfig`, the `CONFIGS` table by head dim, the TANDEM_RING_KERNEL environment variable
 ("BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16][,early][,pdl][,fuse][,gather][,oneloop][,hybrid]
-[,batchcopy][,overlap][,oneloop0][,plain0][,trim0][,hband=N][,first=N/W/S]");
+[,batchcopy][,overlap][,oneloop0][,plain0][,trim0][,hband=N][,first=N/W/S[/M]]");
 scripts/tune_ring_kernel.py times candidates on a GPU.
 Memory: the inputs, the accumulators and output, the tile table and, split, the pieces' partials: O(chunk).
 """
@@ -169,8 +169,10 @@ class RingConfig:
     to 0.493x of SP=1 and 128K SP=2 from 0.572x to 0.493x, where a block of K/V is 4-8 times L2: `default_config`
     sets N = 1 where the rank's block outgrows L2 (HBAND_L2).
 
-    `first` (BLOCK_N, warps, stages; read by parallel/ring_attention.py): the ring's first launch with these instead of
-    the config's (its BLOCK_M and so its tile table unchanged). The first launch is the rank's own block, a causal
+    `first` (BLOCK_N, warps, stages[, BLOCK_M]; read by parallel/ring_attention.py): the ring's first launch with these
+    instead of the config's; with a fourth value, the first launch's BLOCK_M too, and so its own tile table (built
+    unsplit; where that BLOCK_M would change the heads a program packs, the config's is kept). The first launch is the
+    rank's own block, a causal
     triangle of short programs (at 16K tokens SP=4 ~450 TFLOPS on an H100 against ~540 for the fused launch), which
     other tiles may suit better. A BLOCK_N that does not divide the config's, on a split table, is not applied.
     Opt-in: on one H100 (2026-11-27, sixteenth session) the first launch took 0.31 ms with 64/8/3 against 0.32-0.33 by
@@ -207,7 +209,7 @@ class RingConfig:
     def parse(cls, text: str) -> "RingConfig":
         """"BLOCK_M,BLOCK_N,warps,stages" then optionally "pack" (or 1/0), "split=N" (or "splitN"; "split=auto"
         is the default), "acc16", "early", "pdl", "fuse", "gather", "oneloop", "hybrid", "batchcopy", "overlap",
-        "oneloop0", "plain0", "trim0", "hband=N" and "first=BLOCK_N/warps/stages": as the env variable, e.g.
+        "oneloop0", "plain0", "trim0", "hband=N" and "first=BLOCK_N/warps/stages[/BLOCK_M]": as the env variable, e.g.
         "128,128,8,3,pack,split=2"."""
         parts = [p.strip().lower() for p in text.replace("x", ",").split(",") if p.strip()]
         pack, splits, hband, first, flags = None, None, None, None, set()
@@ -229,11 +231,11 @@ class RingConfig:
             else:
                 raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
                                  f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy][,overlap]"
-                                 f"[,oneloop0][,plain0][,trim0][,hband=N][,first=N/W/S], not {text!r}")
+                                 f"[,oneloop0][,plain0][,trim0][,hband=N][,first=N/W/S[/M]], not {text!r}")
         if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]):
             raise ValueError(f"a ring kernel config is BLOCK_M,BLOCK_N,warps,stages[,pack][,split=N][,acc16]"
                              f"[,early][,pdl][,fuse][,gather][,oneloop][,hybrid][,batchcopy][,overlap][,oneloop0]"
-                             f"[,plain0][,trim0][,hband=N][,first=N/W/S], "
+                             f"[,plain0][,trim0][,hband=N][,first=N/W/S[/M]], "
                              f"not {text!r}")
         cfg = cls(*(int(p) for p in parts[:4]), bool(pack), splits or 0, "acc16" in flags, "early" in flags,
                   "pdl" in flags, "fuse" in flags, "gather" in flags, "oneloop" in flags, "hybrid" in flags,
@@ -242,9 +244,9 @@ class RingConfig:
         if cfg.block_m < 16 or cfg.block_n < 16 or cfg.num_warps < 1 or cfg.num_stages < 1 \
                 or cfg.block_m & (cfg.block_m - 1) or cfg.block_n & (cfg.block_n - 1) or not 0 <= cfg.splits <= 64 \
                 or not 0 <= cfg.hband <= 64 or (first is not None and (
-                    len(first) != 3 or min(first) < 1 or first[0] < 16 or first[0] & (first[0] - 1))):
+                    len(first) not in (3, 4) or min(first) < 1 or any(t < 16 or t & (t - 1) for t in first[::3]))):
             raise ValueError(f"bad ring kernel config {text!r}: tiles powers of two >= 16, warps and stages >= 1, "
-                             f"split auto or 1..64, first=BLOCK_N/warps/stages")
+                             f"split auto or 1..64, first=BLOCK_N/warps/stages[/BLOCK_M]")
         return cfg
 
     def __str__(self) -> str:

@@ -188,7 +188,9 @@ def test_direct_launches_match_the_jit_path(config, monkeypatch):
                                     "128,128,8,3,pack,fuse,batchcopy,hband=2", "128,128,8,3,pack,hband=4",
                                     "128,128,8,3,pack,hband=1",
                                     "128,128,8,3,pack,hybrid,oneloop,early,hband=2", "128,128,8,3,hband=8,split=2",
-                                    "128,128,8,3,pack,fuse,batchcopy,first=64/8/3", "128,128,8,3,pack,first=64/8/4"])
+                                    "128,128,8,3,pack,fuse,batchcopy,first=64/8/3", "128,128,8,3,pack,first=64/8/4",
+                                    "128,128,8,3,pack,fuse,batchcopy,first=64/4/2/64", "128,128,8,3,first=64/4/2/64",
+                                    "128,128,8,3,pack,hybrid,oneloop,early,first=64/4/3/64"])
 def test_rank_work_matches_full_causal_sdpa(sp: int, config: str | None):
     """Every rank's ring (default launch config, and GQA packing / other tiles / split-K / steps that start from the
     accumulators / steps chained by programmatic dependent launch / the steps after the first fused into one launch
