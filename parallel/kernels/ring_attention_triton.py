@@ -172,12 +172,14 @@ class RingConfig:
     `first` (BLOCK_N, warps, stages[, BLOCK_M]; read by parallel/ring_attention.py): the ring's first launch with these
     instead of the config's; with a fourth value, the first launch's BLOCK_M too, and so its own tile table (built
     unsplit; where that BLOCK_M would change the heads a program packs, the config's is kept). The first launch is the
-    rank's own block, a causal
-    triangle of short programs (at 16K tokens SP=4 ~450 TFLOPS on an H100 against ~540 for the fused launch), which
-    other tiles may suit better. A BLOCK_N that does not divide the config's, on a split table, is not applied.
-    Opt-in: on one H100 (2026-11-27, sixteenth session) the first launch took 0.31 ms with 64/8/3 against 0.32-0.33 by
-    default at 16K tokens SP=4 (ratios within each other's noise, 0.300-0.318 against 0.307-0.313 timed alone), and
-    69.7 against 71.0 ms at 128K SP=2 in one run whose SP=1 drifted 6%: not enough to make it the default.
+    rank's own block, a causal triangle of short programs (at 16K tokens SP=4 ~450 TFLOPS on an H100 against ~540 for
+    the fused launch), which other tiles may suit better. A BLOCK_N that does not divide the config's, on a split
+    table, is not applied. Opt-in: on one H100 (2026-11-27, sixteenth session) the first launch took 0.31 ms with
+    64/8/3 against 0.32-0.33 by default at 16K tokens SP=4 (ratios within each other's noise, 0.300-0.318 against
+    0.307-0.313 timed alone), and 69.7 against 71.0 ms at 128K SP=2 in one run whose SP=1 drifted 6%: not enough to
+    make it the default. On one H200 (2026-11-29, scripts/ring_timeline.py) at 16K SP=4: default 315 us, 64/8/3 308,
+    64/4/2 (two CTAs an SM, 116 registers spilled) 298, every BLOCK_M of 64 slower (339-749); 64/4/2 in
+    bench_sp_rank.py gave 0.308 and 0.327 against the default's 0.318 and 0.312.
 
     `gather` (read by parallel/ring_attention.py; SP >= 2): as `fuse`, the rank's own block scattered too, so the
     rank runs ONE launch over every key in position order (programs as long as SP=1's for its query tiles: each
