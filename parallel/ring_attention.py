@@ -677,13 +677,7 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
     # Before the first kernel: a host-to-device copy issued later would wait for the kernels queued before it.
     q_pos = q_shard.positions_on(q.device)
     k_pos = [shard.positions_on(q.device) for shard in launches]
-    # trim0: the first launch's table from the own block's row `trim` on, covering only the queries that see those keys
-    # RingConfig.first's BLOCK_M: the first launch's table in its own rows, never split (its pieces would not fit the
-    # scratch, sized by the config's BLOCK_M)
-    tables = [_tile_table(q_shard, shard, rows0 if i == 0 and rows0 else rows,
-                          hybrid or i == len(launches) - 1 or (i == 0 and not trim), q.device,
-                          split[:3] + (1,) if i == 0 and rows0 else split, trim if i == 0 else 0)
-              for i, shard in enumerate(launches)]
+    tables = _launch_tables(q_shard, launches, rows, rows0, hybrid, trim, split, q.device)
     slots = max(t[2] for t in tables)
     partials = kernels.partial_buffers(slots, n_groups, config, q.shape[-1], q.device) if slots else None
     # acc16: the running output in q's 16-bit dtype (half the traffic of the steps' merges), LSE fp32.
@@ -703,6 +697,18 @@ def _ring_plan(q: torch.Tensor, first_block: torch.Tensor, q_shard: TokenShard, 
                      *kept, trim, block_m0)
     q_shard._tables[key] = (list(kv_shards), plan)
     return plan
+
+
+def _launch_tables(q_shard: TokenShard, launches: list[TokenShard], rows: int, rows0: int, hybrid: bool, trim: int,
+                   split: tuple[int, int, int, int], device: torch.device) -> list[tuple]:
+    """Each launch's `_tile_table` over its key shard: the last (and every hybrid one, and an untrimmed first) covering
+    every query row. trim0: the first launch's table from the own block's row `trim` on, covering only the queries that
+    see those keys. RingConfig.first's BLOCK_M (`rows0` rows a tile, else 0): the first launch's table in its own rows,
+    never split (its pieces would not fit the scratch, sized by the config's BLOCK_M)."""
+    return [_tile_table(q_shard, shard, rows0 if i == 0 and rows0 else rows,
+                        hybrid or i == len(launches) - 1 or (i == 0 and not trim), device,
+                        split[:3] + (1,) if i == 0 and rows0 else split, trim if i == 0 else 0)
+            for i, shard in enumerate(launches)]
 
 
 def _first_tiles(config, num_q_heads: int, num_kv_heads: int) -> tuple[int, int]:
