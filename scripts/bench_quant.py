@@ -5,14 +5,15 @@ Every variant loads the same model shapes with dummy weights (`load_format="dumm
 variants quantize those weights at load, in the layouts the project's tool writes (parallel/quant/rtn.py,
 shared with scripts/quantize.py):
     bf16      the plain model (batch-1 decode through the fused bf16 GEMVs)
-    w4a16     quantization="gptq": 4-bit RTN GPTQ, group 128; on CUDA PyTorch's tinygemm int4 kernel
-              (aten._weight_int4pack_mm; dequantize + cuBLAS from the row count measured at load), batch 1
-              included (the unfused decoder: parallel/quant/fused_gemv.py says why integer layouts keep it)
+    w4a16     quantization="gptq": 4-bit RTN GPTQ, group 128; on CUDA at 1-8 rows parallel/kernels/w4_mma.py's
+              tensor-core GEMV (where it measures faster at load), then PyTorch's tinygemm int4 kernel
+              (aten._weight_int4pack_mm; dequantize + cuBLAS from the row count measured at load), on the
+              unfused decoder (parallel/quant/fused_gemv.py says why integer layouts keep it)
     w4a16-unfused / fp8-unfused  the same weights with the batch-1 graph on the unfused decoder
               (TANDEM_FUSED_QUANT=0: tinygemm / the W8A16 GEMV per linear), to compare
     w4a16-triton  the same weights on the Triton W4A16 GEMV / GEMM (TANDEM_W4A16_KERNEL=triton), to compare
-    w4a16-gemv  w4a16 with parallel/kernels/gemv_w4.py's GEMV at batch 1 for every 4-bit linear (TANDEM_W4_GEMV=1;
-              by default it only serves shapes its TABLE measured faster than tinygemm: none so far), to compare
+    w4a16-tinygemm  w4a16 with tinygemm at 1-8 rows too, not parallel/kernels/w4_mma.py's tensor-core GEMV (which
+              serves every 4-bit linear it fits and measures faster at load; TANDEM_W4_GEMV=0), to compare
     w4a16-awq quantization="awq": 4-bit AWQ GEMM packing, same kernels after repacking
     fp8       quantization="fp8": online FP8, per-channel weight scales, dynamic per-token activations
               (W8A8 torch._scaled_mm above 4 rows; W8A16 Triton GEMV at 2-4 rows; batch 1: the fused
@@ -58,7 +59,7 @@ VARIANTS: dict[str, dict] = {
     "bf16": {},
     "w4a16": {"quantization": "gptq"},
     "w4a16-triton": {"quantization": "gptq"},
-    "w4a16-gemv": {"quantization": "gptq"},
+    "w4a16-tinygemm": {"quantization": "gptq"},
     "w4a16-awq": {"quantization": "awq"},
     "fp8": {"quantization": "fp8"},
     "w4a16-unfused": {"quantization": "gptq"},
@@ -71,7 +72,7 @@ VARIANTS: dict[str, dict] = {
 
 # Environment a variant is built under (read at load).
 VARIANT_ENV: dict[str, dict[str, str]] = {"w4a16-triton": {"TANDEM_W4A16_KERNEL": "triton"},
-                                          "w4a16-gemv": {"TANDEM_W4_GEMV": "1"},
+                                          "w4a16-tinygemm": {"TANDEM_W4_GEMV": "0"},
                                           "w4a16-unfused": {"TANDEM_FUSED_QUANT": "0"},
                                           "fp8-unfused": {"TANDEM_FUSED_QUANT": "0"},
                                           "fp8-actq": {"TANDEM_FP8_FUSED_ACT": "0"},
@@ -172,7 +173,7 @@ def engine_facts(llm: LLM) -> dict:
         fused_gemv.MEASURED.clear()
     from parallel.quant import tinygemm
 
-    if tinygemm.W4_MEASURED:  # batch 1: gemv_w4.py's candidate tiles against tinygemm per weight shape, at load
+    if tinygemm.W4_MEASURED:  # one row: w4_mma's tile against tinygemm per weight shape, at load
         facts["w4_gemv_tuning"] = list(tinygemm.W4_MEASURED)
         tinygemm.W4_MEASURED.clear()
     if packed is not None:

@@ -29,9 +29,10 @@ torch before any layer uses it, and turns the path off with a warning if any of 
 TANDEM_W4A16_KERNEL=triton keeps the Triton kernels (to compare); the default `auto` takes tinygemm
 where it fits.
 
-At batch 1 a layer may instead run parallel/kernels/gemv_w4.py's GEMV, which reads this same layout in place (no
-second copy), where `choose_w4` finds it faster than tinygemm (`Int4PackWeight.w4_config`; TANDEM_W4_GEMV=0 never,
-=1 always, to compare). So far it is slower on every Llama-3.1-8B shape, so tinygemm stays (gemv_w4.py's TABLE).
+At 1-8 rows (decode batches) a layer runs parallel/kernels/w4_mma.py's tensor-core GEMV instead, which reads this
+same layout in place (no second copy), where `choose_w4` finds it faster than tinygemm at load (`Int4PackWeight.
+w4_config`; TANDEM_W4_GEMV=0 never, =1 wherever it fits, to compare). On an H200 (2026-11-29) it took every Llama-3.1-8B
+shape: 47 us a decoder layer at one row against tinygemm's 68, half tinygemm's time at eight rows.
 """
 from __future__ import annotations
 
@@ -174,11 +175,11 @@ class Int4PackWeight:
     kernel: str = "tinygemm"
     plan: dict | None = None
     w8a8_scale: torch.Tensor | None = None
-    w4_config: dict | None = None  # batch 1: gemv_w4.py's tile (measured faster than tinygemm at load), or None
+    w4_config: dict | None = None  # 1-8 rows: w4_mma.py's tile (measured faster than tinygemm at load), or None
 
     def describe(self) -> str:
         tail = f"; dequantize + cuBLAS from {self.dequant_rows} rows" if self.dequant_rows is not None else ""
-        head = "gemv_w4 at batch 1, " if self.w4_config is not None else ""
+        head = "w4_mma at 1-8 rows, " if self.w4_config is not None else ""
         return f"{head}tinygemm int4 (group {self.group_size}, inner_k_tiles {self.inner_k_tiles}{tail})"
 
     def nbytes(self) -> int:
@@ -207,10 +208,10 @@ class Int4PackWeight:
             return torch.empty(0, self.out_features, dtype=x.dtype, device=x.device)
         if x.dtype != torch.bfloat16 or (self.dequant_rows is not None and m >= self.dequant_rows):
             return F.linear(x, self.dense(x.dtype), bias)
-        if m == 1 and self.w4_config is not None:
-            from parallel.kernels.gemv_w4 import gemv_w4
+        if self.w4_config is not None and m <= W4_MAX_ROWS:
+            from parallel.kernels.w4_mma import gemv_w4_mma
 
-            y = gemv_w4(x, self.weight, self.scales_and_zeros, self.group_size, self.out_features, self.w4_config)
+            y = gemv_w4_mma(x, self.weight, self.scales_and_zeros, self.group_size, self.out_features, self.w4_config)
             return y + bias if bias is not None else y
         y = torch.ops.aten._weight_int4pack_mm(x, self.weight, self.group_size, self.scales_and_zeros)
         return y + bias if bias is not None else y
@@ -329,50 +330,108 @@ def convert(pw, dtype: torch.dtype) -> Int4PackWeight | str:
 
 
 W4_ENV = "TANDEM_W4_GEMV"
-W4_MARGIN = 0.95  # gemv_w4 must measure at most this fraction of tinygemm's time at load
+W4_CHOICES = ("auto", "0", "1")
+W4_MAX_ROWS = 8  # w4_mma.MAX_ROWS (kept here so CPU code need not import the kernel module)
+W4_MARGIN = 0.95  # w4_mma must measure at most this fraction of tinygemm's time at load
 _W4_CHOICE: dict[tuple, dict | None] = {}
 W4_MEASURED: list[dict] = []  # what `choose_w4` timed, per weight shape (scripts/bench_quant.py reports it)
 
 
+def w4_choice() -> str:
+    v = os.environ.get(W4_ENV, "auto").strip().lower() or "auto"
+    if v not in W4_CHOICES:
+        raise ValueError(f"{W4_ENV}={v!r}: choose one of {list(W4_CHOICES)}")
+    return v
+
+
 def choose_w4(w: Int4PackWeight) -> dict | None:
-    """gemv_w4's tile for this weight at batch 1, or None (tinygemm). TANDEM_W4_GEMV: `auto` (default) takes the
-    offline table's tile where it measured faster than tinygemm (gemv_w4.TABLE, scripts/bench_gemv_w4.py) if
-    it also measures faster here at load by W4_MARGIN (`graph_time`: as the decode graph runs it), once per shape; `1` takes the table's tile (faster or not) or
-    gemv_w4.DEFAULT, unmeasured (to compare end to end); `0` never."""
-    choice = os.environ.get(W4_ENV, "auto").strip().lower() or "auto"
+    """w4_mma's tile for this weight at 1-8 rows, or None (tinygemm). TANDEM_W4_GEMV: `auto` (default) takes it where
+    it measures faster than tinygemm at one row at load, as the decode graph runs both (`graph_time`), by W4_MARGIN,
+    once per shape (TANDEM_QUANT_TUNE=0: unmeasured); `1` wherever it fits and compiles; `0` never."""
+    choice = w4_choice()
     if choice == "0":
         return None
-    try:
-        from parallel.kernels import gemv_w4
-    except ImportError:  # no Triton
+    from parallel.kernels import w4_mma
+
+    tile = w4_mma.tile_for(w.out_features, w.in_features)
+    if w4_mma.fits(w.out_features, w.in_features, w.group_size, w.inner_k_tiles, R=tile["R"]) is not None:
         return None
-    if gemv_w4.fits(w.out_features, w.in_features, w.group_size, w.inner_k_tiles) is not None:
+    if probe_w4(w.weight.device) is not None:
         return None
-    if choice == "1":
-        return gemv_w4.table_config(w.out_features, w.in_features, faster_only=False) or dict(gemv_w4.DEFAULT)
-    table = gemv_w4.table_config(w.out_features, w.in_features)
-    if table is None:
-        return None
-    if os.environ.get("TANDEM_QUANT_TUNE", "1") == "0":
-        return table
+    if choice == "1" or os.environ.get("TANDEM_QUANT_TUNE", "1") == "0":
+        return tile
     key = (w.out_features, w.in_features, w.group_size, w.weight.device)
     if key not in _W4_CHOICE:
         x = torch.randn(1, w.in_features, device=w.weight.device, dtype=torch.bfloat16)
         tiny = graph_time(lambda: torch.ops.aten._weight_int4pack_mm(x, w.weight, w.group_size, w.scales_and_zeros))
-        ours = graph_time(lambda: gemv_w4.gemv_w4(x, w.weight, w.scales_and_zeros, w.group_size, w.out_features, table))
-        _W4_CHOICE[key] = table if ours <= W4_MARGIN * tiny else None
+        ours = graph_time(lambda: w4_mma.gemv_w4_mma(x, w.weight, w.scales_and_zeros, w.group_size, w.out_features,
+                                                     tile))
+        _W4_CHOICE[key] = tile if ours <= W4_MARGIN * tiny else None
         W4_MEASURED.append({"n": w.out_features, "k": w.in_features, "tinygemm_us": tiny * 1e3, "w4_us": ours * 1e3,
-                            "tile": table, "chosen": _W4_CHOICE[key] is not None})
-        log.info("W4A16 %dx%d at batch 1: tinygemm %.1f us, gemv_w4 %.1f us -> %s", w.out_features, w.in_features,
-                 tiny * 1e3, ours * 1e3, "gemv_w4" if _W4_CHOICE[key] else "tinygemm")
+                            "tile": tile, "chosen": _W4_CHOICE[key] is not None})
+        log.info("W4A16 %dx%d at one row: tinygemm %.1f us, w4_mma %.1f us -> %s", w.out_features, w.in_features,
+                 tiny * 1e3, ours * 1e3, "w4_mma" if _W4_CHOICE[key] else "tinygemm")
     return _W4_CHOICE[key]
+
+
+_W4_PROBED: dict[int, str | None] = {}  # device index -> None (works) or why not
+
+
+def probe_w4(device: torch.device) -> str | None:
+    """Once per device: w4_mma compiles (NVRTC), equals x @ the dequantized weight at 1, 3 and 8 rows for groups of
+    32 and 128, and gives the same output replayed from a CUDA graph. None when all hold, else what failed (logged
+    once; tinygemm then serves every row count)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _W4_PROBED:
+        try:
+            why = _check_w4(device)
+        except Exception as e:  # no NVRTC in this build, a compile or launch failure, a capture error
+            why = f"{type(e).__name__}: {str(e)[:300]}"
+        _W4_PROBED[idx] = why
+        if why is not None:
+            log.warning("W4A16: the w4_mma GEMV is off on %s (%s); tinygemm serves 1-8 rows", device, why)
+    return _W4_PROBED[idx]
+
+
+def _check_w4(device: torch.device) -> str | None:
+    from parallel.kernels import w4_mma
+
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "needs compute capability 8.0+"
+    g = torch.Generator(device="cpu").manual_seed(0)
+    n, k = 64, 512
+    for gs in (32, 128):
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+        scales = torch.rand(n, k // gs, generator=g, dtype=torch.float32) * 0.02 + 0.01
+        zeros = torch.randint(0, 16, (n, k // gs), generator=g).float()
+        w = build(codes.to(device), scales.to(device), zeros.to(device), gs)
+        if isinstance(w, str):
+            return w
+        ref = dequantize_int4pack_reference(w.weight.cpu(), w.scales_and_zeros.cpu(), w.group_size).to(device)
+        tile = w4_mma.tile_for(n, k)
+        for m in (1, 3, 8):
+            x = torch.randn(m, k, generator=g, dtype=torch.float32).to(device, torch.bfloat16)
+            want = x.float() @ ref.t()
+            y = w4_mma.gemv_w4_mma(x, w.weight, w.scales_and_zeros, w.group_size, n, tile)
+            if (y.float() - want).abs().max().item() > 0.01 * want.abs().max().item():
+                return f"w4_mma disagrees with x @ the dequantized weight (group {gs}, {m} rows)"
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize(device)
+    with torch.cuda.graph(graph):
+        static_y = w4_mma.gemv_w4_mma(static_x, w.weight, w.scales_and_zeros, w.group_size, n, tile)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    if not torch.equal(static_y, y):
+        return "w4_mma gives another result inside a CUDA graph"
+    return None
 
 
 def graph_time(fn, reps: int = 16) -> float:
     """Milliseconds per call of `fn` as a decode step runs it: replayed from a CUDA graph with its weight out of L2 (a
     64 MB write before each call, timed alone in a second graph and subtracted). Eager single calls mislead here: on
-    2026-11-27 (H100) they timed gemv_w4 faster than tinygemm on qkv (21.9 against 23.2 us) where the decode graph ran it
-    1.4x slower (14.0 against 9.9 us)."""
+    2026-11-27 (H100) they timed a Triton batch-1 GEMV faster than tinygemm on qkv (21.9 against 23.2 us) where the decode
+    graph ran it 1.4x slower (14.0 against 9.9 us)."""
     dev = torch.cuda.current_device()
     flush = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
     s = torch.cuda.Stream()

@@ -1,0 +1,245 @@
+"""Decode-batch W4A16 GEMV on tensor cores, in CUDA compiled at run time (NVRTC, `torch.cuda._compile_kernel`):
+y[M, N] = x[M, K] @ W^T for M <= 8 rows, reading tinygemm's int4 layout in place (parallel/quant/tinygemm.py).
+
+Why CUDA and not Triton: the Triton kernels (gemv_int4.py, gemv_w4.py) spent 3.5-4.3 instructions per int4 code on
+unpacking, and Triton moves an unpacked tile into the tensor-core operand layout through shared memory; tinygemm
+itself dequantizes each code in fp32 before its MMA. Here each lane's 16-byte load already *is* its MMA operand
+fragment, so a code costs under one instruction:
+
+    tinygemm's int32 [N/8, K/128, 32, 4] (inner_k_tiles 8): word [nt, ko, lane, j], lane = 4 g + a (g = row % 8),
+    nibble b = 4 lo + 2 i1 + i0 holds row 8 nt + g, input 128 ko + 32 j + 16 i1 + 8 i0 + 2 a + lo.
+
+That is the B operand of mma.m16n8k16 for one 8-row tile. Taken as the A operand (16 output rows = two 8-row tiles
+nt = 2 r, 2 r + 1; k16 tile (ko, j, i1)), lane (g, a) needs rows g and g + 8 at inputs 2a, 2a + 1 (i0 = 0) and 2a + 8,
+2a + 9 (i0 = 1): pair (i1, i0) of word j of the even tile gives a0a1 / a4a5, of the odd tile a2a3 / a6a7. The pair's
+two nibbles sit at bits 4p and 4p + 16 (p = 2 i1 + i0), so `((w >> 4p) & 0x000F000F) | 0x43004300` (one LOP3 after
+the shift) is the bf16 pair (128 + q_lo, 128 + q_hi), exactly. The MMA multiplies these against x as the B operand
+(column m = batch row m; lanes with g >= M hold zeros) and accumulates in fp32. A second MMA with an all-ones A gives
+sum(x) per batch row over the same inputs, and per (row, scale chunk of min(group, 128) inputs):
+
+    y += scale * sum((128 + q) x) + (zero - 136 scale) * sum(x)         [tinygemm: w = (q - 8) scale + zero]
+
+which is x @ the dequantized weight up to fp32 summation (the 136 sum(x) term cancels in fp32, a relative error near
+2^-19 of the sum of |products|, well below the bf16 output's rounding).
+
+Work split: a CTA owns R 16-row tiles (16 R output rows) and its KSPLIT warps split K by whole 128-input steps;
+each warp prefetches U steps of its R tiles (2 R U 16-byte loads a lane in flight), the warps' partial sums meet in
+shared memory, and warp 0 writes bf16. No atomics, no second kernel, no host sync: it captures into CUDA graphs.
+Constraints (`fits`): inner_k_tiles 8 (K % 128 == 0), N % 16 == 0, group 32/64/128/256, sm80+, bf16 activations.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+MAX_ROWS = 8  # batch rows one launch takes (the MMA's N dimension)
+
+_SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+__device__ __forceinline__ u32 nib_pair(u32 w) {   // bf16 pair (128 + bits 0..3, 128 + bits 16..19) [- 136 if SUB]
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(w), "n"(0x000F000F), "n"(0x43004300));
+#if SUB
+    asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(d) : "r"(0x3F803F80u), "r"(0xC308C308u));   // q - 8, exact
+#endif
+    return d;
+}
+
+__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {   // read once: keep it out of L1
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xFFFF0000u); }
+
+__device__ __forceinline__ u16 to_bf16(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+#define TPS (CHUNK / 16)          // k16 tiles per scale chunk
+#define CPK (128 / CHUNK)         // scale chunks per 128-input step
+
+// One 128-input step ko of this warp's R tiles: wv[r][0] even 8-row tile, wv[r][1] odd, szv[r][c][h] the
+// (scale, zero) pairs of rows g (h = 0) and g + 8 (h = 1) for chunk c. Adds into tot[r][4].
+__device__ __forceinline__ void step(const uint4 (&wv)[R][2], const u32 (&szv)[R][CPK][2], const u32* __restrict__ x32,
+                                     int ko, int M, int g, int a, float (&tot)[R][4]) {
+    const bool has_x = g < M;
+    #pragma unroll
+    for (int c = 0; c < CPK; ++c) {
+        float acc[R][4];
+        float sx[4] = {0.f, 0.f, 0.f, 0.f};
+        #pragma unroll
+        for (int r = 0; r < R; ++r) { acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f; }
+        #pragma unroll
+        for (int tt = 0; tt < TPS; ++tt) {
+            const int tile = c * TPS + tt;        // k16 tile in the step: j = tile / 2, i1 = tile % 2
+            const int j = tile >> 1, i1 = tile & 1;
+            // x pairs at inputs 128 ko + 16 tile + 2a (+8): u32 index 64 ko + 8 tile + a (+4)
+            const int xi = 64 * ko + 8 * tile + a;
+            const u32 b0 = has_x ? x32[xi] : 0u;
+            const u32 b1 = has_x ? x32[xi + 4] : 0u;
+            mma(sx, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, b0, b1);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const u32 we = (j == 0 ? wv[r][0].x : j == 1 ? wv[r][0].y : j == 2 ? wv[r][0].z : wv[r][0].w);
+                const u32 wo = (j == 0 ? wv[r][1].x : j == 1 ? wv[r][1].y : j == 2 ? wv[r][1].z : wv[r][1].w);
+                const int sh0 = 8 * i1, sh1 = 8 * i1 + 4;       // pair p = 2 i1 + i0 at bits 4p, 4p + 16
+                mma(acc[r], nib_pair(we >> sh0), nib_pair(wo >> sh0), nib_pair(we >> sh1), nib_pair(wo >> sh1), b0, b1);
+            }
+        }
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float s = bf16_lo(szv[r][c][h]);
+                const float zc = bf16_hi(szv[r][c][h]) - (SUB ? 0.f : 136.f) * s;
+                tot[r][2 * h] += s * acc[r][2 * h] + zc * sx[0];
+                tot[r][2 * h + 1] += s * acc[r][2 * h + 1] + zc * sx[1];
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void load(const uint4* __restrict__ w4, const u32* __restrict__ sz, int ko, int KO, int N,
+                                     int tile0, int lane, int g, uint4 (&wv)[R][2], u32 (&szv)[R][CPK][2]) {
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const long nt = 2L * (tile0 + r);
+        wv[r][0] = ld_stream(w4 + (nt * KO + ko) * 32 + lane);
+        wv[r][1] = ld_stream(w4 + ((nt + 1) * KO + ko) * 32 + lane);
+        #pragma unroll
+        for (int c = 0; c < CPK; ++c) {
+            const long grp = (128L * ko + CHUNK * c) / GS;
+            const int row = 16 * (tile0 + r) + g;
+            szv[r][c][0] = sz[grp * N + row];
+            szv[r][c][1] = sz[grp * N + row + 8];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * KSPLIT)
+w4_mma(const u32* __restrict__ x32, const uint4* __restrict__ w4, const u32* __restrict__ sz, u16* __restrict__ y,
+       int M, int N, int K) {
+    __shared__ float part[KSPLIT > 1 ? KSPLIT - 1 : 1][R * 4][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, a = lane & 3;
+    const int tile0 = blockIdx.x * R;              // first 16-row tile of this CTA
+    const int KO = K >> 7;
+    const int ko0 = (KO * warp) / KSPLIT, ko1 = (KO * (warp + 1)) / KSPLIT;
+    const u32* xrow = x32 + (long)g * (K >> 1);    // batch row g (its pairs as u32)
+    float tot[R][4];
+    #pragma unroll
+    for (int r = 0; r < R; ++r) { tot[r][0] = tot[r][1] = tot[r][2] = tot[r][3] = 0.f; }
+
+    uint4 wv[U][R][2];
+    u32 szv[U][R][CPK][2];
+    int ko = ko0;
+    for (; ko + U <= ko1; ko += U) {
+        #pragma unroll
+        for (int u = 0; u < U; ++u) load(w4, sz, ko + u, KO, N, tile0, lane, g, wv[u], szv[u]);
+        #pragma unroll
+        for (int u = 0; u < U; ++u) step(wv[u], szv[u], xrow, ko + u, M, g, a, tot);
+    }
+    for (; ko < ko1; ++ko) {
+        load(w4, sz, ko, KO, N, tile0, lane, g, wv[0], szv[0]);
+        step(wv[0], szv[0], xrow, ko, M, g, a, tot);
+    }
+
+    if (KSPLIT > 1) {
+        if (warp > 0) {
+            #pragma unroll
+            for (int r = 0; r < R; ++r)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) part[warp - 1][4 * r + i][lane] = tot[r][i];
+        }
+        __syncthreads();
+        if (warp > 0) return;
+        #pragma unroll
+        for (int w = 0; w < KSPLIT - 1; ++w)
+            #pragma unroll
+            for (int r = 0; r < R; ++r)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) tot[r][i] += part[w][4 * r + i][lane];
+    }
+    // C fragment: tot[r][0..1] = rows g, batch columns 2a, 2a + 1; tot[r][2..3] = rows g + 8
+    const int m0 = 2 * a;
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int row = 16 * (tile0 + r) + g;
+        if (m0 < M) { y[(long)m0 * N + row] = to_bf16(tot[r][0]); y[(long)m0 * N + row + 8] = to_bf16(tot[r][2]); }
+        if (m0 + 1 < M) { y[(long)(m0 + 1) * N + row] = to_bf16(tot[r][1]); y[(long)(m0 + 1) * N + row + 8] = to_bf16(tot[r][3]); }
+    }
+}
+"""
+
+WARPS_TARGET = 4096  # warps a launch aims for (16-row tiles x K-splitting warps)
+
+
+def tile_for(n: int, k: int) -> dict:
+    """The tile for an [N, K] weight, from scripts/bench_w4_mma.py on an H200 (2026-11-29, 26 tiles per shape): the
+    fastest split K over the most warps a CTA takes (16) while the launch stays near 4,096 warps, four 128-input steps
+    in flight a warp. qkv 6144 (384 tiles): 8 warps a CTA, 6.3 us; o and down (256 tiles): 16, 4.8 and 11.8 us;
+    gate_up 28672 (1,792 tiles): 2, 20.7 us. Two 16-row tiles a CTA and the bf16 subtract-8 were slower everywhere."""
+    tiles = max(1, n // 16)
+    ksplit = 16
+    while ksplit > 2 and tiles * ksplit > WARPS_TARGET:
+        ksplit //= 2
+    return dict(R=1, KSPLIT=ksplit, U=4, SUB=0)
+
+
+def source(R: int, KSPLIT: int, U: int, GS: int, SUB: int = 0) -> str:
+    """The kernel's CUDA source for one tile and group size (compile-time constants)."""
+    chunk = min(GS, 128)
+    head = f"#define R {R}\n#define KSPLIT {KSPLIT}\n#define U {U}\n#define GS {GS}\n#define CHUNK {chunk}\n#define SUB {SUB}\n"
+    return head + _SOURCE
+
+
+def fits(n: int, k: int, group_size: int, inner_k_tiles: int, rows: int = 1, R: int = 1) -> str | None:
+    """None when the kernel takes this weight and row count, else why not."""
+    if inner_k_tiles != 8:
+        return f"inner_k_tiles {inner_k_tiles} (the kernel reads 8)"
+    if k % 128:
+        return f"K={k} is not a multiple of 128"
+    if n % (16 * R):
+        return f"N={n} is not a multiple of {16 * R}"
+    if group_size not in (32, 64, 128, 256):
+        return f"group size {group_size}"
+    if not 1 <= rows <= MAX_ROWS:
+        return f"{rows} rows (1..{MAX_ROWS})"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(R: int, KSPLIT: int, U: int, GS: int, SUB: int, device: int):
+    from torch.cuda import _compile_kernel
+
+    with torch.cuda.device(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        return _compile_kernel(source(R, KSPLIT, U, GS, SUB), "w4_mma", compute_capability=f"{major}{minor}")
+
+
+def gemv_w4_mma(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int, n: int,
+                cfg: dict | None = None) -> torch.Tensor:
+    """x bf16 [M, K] (M <= 8), packed int32 [N/8, K/128, 32, 4], sz bf16 [K/group_size, N, 2] -> bf16 [M, N]."""
+    m, k = x.shape
+    cfg = cfg or tile_for(n, k)
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    kern = _kernel(cfg["R"], cfg["KSPLIT"], cfg["U"], group_size, cfg.get("SUB", 0), x.device.index or 0)
+    kern(grid=(n // (16 * cfg["R"]), 1, 1), block=(32 * cfg["KSPLIT"], 1, 1), args=[x, packed, sz, y, m, n, k])
+    return y

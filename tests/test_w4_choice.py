@@ -1,0 +1,60 @@
+"""Which kernel a 4-bit layer runs at 1-8 rows (parallel/quant/tinygemm.py `choose_w4`, parallel/kernels/w4_mma.py),
+the parts decided without a GPU: the TANDEM_W4_GEMV values (a bad one is refused by name), the tile per weight shape,
+the shapes and row counts the kernel refuses and why, and that its CUDA source is generated per tile with the tile's
+constants. The compiled kernel, the probe and the measured choice: tests/gpu/test_w4_mma.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel.kernels import w4_mma
+from parallel.quant import tinygemm as tg
+
+
+def _weight(n: int, k: int, gs: int = 128, ikt: int = 8) -> tg.Int4PackWeight:
+    """Only the fields choose_w4 reads before it compiles or measures anything."""
+    return tg.Int4PackWeight(torch.zeros(1, dtype=torch.int32), torch.zeros(1), gs, ikt, n, k)
+
+
+def test_env_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(tg.W4_ENV, raising=False)
+    assert tg.w4_choice() == "auto"
+    for v in ("0", "1", "AUTO "):
+        monkeypatch.setenv(tg.W4_ENV, v)
+        assert tg.w4_choice() == v.strip().lower()
+    monkeypatch.setenv(tg.W4_ENV, "yes")
+    with pytest.raises(ValueError, match="TANDEM_W4_GEMV='yes'"):
+        tg.w4_choice()
+    with pytest.raises(ValueError, match="TANDEM_W4_GEMV"):
+        tg.choose_w4(_weight(4096, 4096))
+    monkeypatch.setenv(tg.W4_ENV, "0")
+    assert tg.choose_w4(_weight(4096, 4096)) is None  # never, and nothing compiled
+
+
+def test_unfit_shapes_keep_tinygemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(tg.W4_ENV, "1")  # even when forced: no probe, no compile for a layout it cannot read
+    assert tg.choose_w4(_weight(4096, 4096, ikt=4)) is None
+    assert tg.choose_w4(_weight(4104, 4096)) is None
+    assert tg.choose_w4(_weight(4096, 4096, gs=512)) is None
+
+
+def test_tiles_and_fits() -> None:
+    # gate_up (1,792 16-row tiles), qkv (384), o and down (256), a small layer (64): the measured fastest K splits
+    for (n, k), ksplit in {(28672, 4096): 2, (6144, 4096): 8, (4096, 4096): 16, (4096, 14336): 16, (1024, 1024): 16}.items():
+        assert w4_mma.tile_for(n, k) == dict(R=1, KSPLIT=ksplit, U=4, SUB=0)
+    assert w4_mma.fits(4096, 4096, 128, 8) is None
+    assert w4_mma.fits(16, 128, 32, 8, rows=8) is None
+    assert "inner_k_tiles 4" in w4_mma.fits(4096, 4096, 128, 4)
+    assert "multiple of 128" in w4_mma.fits(4096, 4160, 64, 8)
+    assert "multiple of 32" in w4_mma.fits(4112, 4096, 128, 8, R=2)
+    assert "group size 512" in w4_mma.fits(4096, 4096, 512, 8)
+    assert "9 rows" in w4_mma.fits(4096, 4096, 128, 8, rows=9)
+    assert tg.W4_MAX_ROWS == w4_mma.MAX_ROWS
+
+
+def test_source_carries_the_tile() -> None:
+    src = w4_mma.source(2, 16, 8, 256, 1)
+    for line in ("#define R 2", "#define KSPLIT 16", "#define U 8", "#define GS 256", "#define CHUNK 128", "#define SUB 1"):
+        assert line in src
+    assert "#define CHUNK 32" in w4_mma.source(1, 8, 2, 32)
+    assert 'extern "C" __global__' in src and "mma.sync.aligned.m16n8k16" in src
