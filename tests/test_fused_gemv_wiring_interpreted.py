@@ -137,20 +137,59 @@ def test_quantized_gate_up_through_linear_gemv_in_the_triton_interpreter():
     assert "ok" in out, out[-3000:]
 
 
-def test_fp8_takes_the_fused_gemv_and_int4pack_only_when_asked(monkeypatch):
-    """FP8 takes the fused GEMV; tinygemm's 4-bit layout only with TANDEM_FUSED_INT4=1 (then where measured faster than
-    tinygemm); the Triton integer layout stays on the unfused decoder; TANDEM_FUSED_QUANT=0 turns all of it off."""
+def test_fp8_and_int4pack_take_the_fused_gemv(monkeypatch):
+    """FP8 and tinygemm's 4-bit layout take the fused GEMV (4-bit: w4_mma's kernel by default, the Triton one with
+    TANDEM_FUSED_INT4=1); the Triton integer layout stays on the unfused decoder; TANDEM_FUSED_QUANT=0 turns it off."""
     pytest.importorskip("triton")
     from parallel.kernels import gemv_quant as gq
     from parallel.quant import fused_gemv
 
     monkeypatch.delenv("TANDEM_FUSED_QUANT", raising=False)
     monkeypatch.delenv("TANDEM_FUSED_INT4", raising=False)
-    assert fused_gemv.enabled(gq.FP8) and not fused_gemv.enabled(gq.INT4PACK) and not fused_gemv.enabled(gq.PACKED)
-    monkeypatch.setenv("TANDEM_FUSED_INT4", "1")
-    assert fused_gemv.enabled(gq.INT4PACK) and not fused_gemv.enabled(gq.PACKED)
+    assert fused_gemv.enabled(gq.FP8) and fused_gemv.enabled(gq.INT4PACK) and not fused_gemv.enabled(gq.PACKED)
     monkeypatch.setenv("TANDEM_FUSED_QUANT", "0")
     assert not any(fused_gemv.enabled(f) for f in (gq.FP8, gq.INT4PACK, gq.PACKED))
+
+
+def _w4_layer(kind: str, w4_config: dict | None, n: int = N, k: int = K, head_dim: int = 64):
+    """A gate/up, qkv or down layer holding a 4-bit weight in tinygemm's layout (built on CPU as load builds it on
+    CUDA) that `w4_config` says w4_mma serves at 1-8 rows (None: tinygemm), prepared by fused_gemv.prepare."""
+    from parallel.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from parallel.quant import fused_gemv, tinygemm as tg
+
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    sz = tg.scales_and_zeros(torch.rand(n, k // 128) + 0.1, torch.randint(0, 16, (n, k // 128)).float(), 128, 128)
+    packed = tg.Int4PackWeight(tg.int4pack_reference(tg.to_uint8_pairs(codes), 8), sz, 128, 8, n, k,
+                               w4_config=w4_config)
+    cls = {"gate_up": MergedColumnParallelLinear, "qkv": QKVParallelLinear, "down": RowParallelLinear}[kind]
+    layer = cls.__new__(cls)
+    torch.nn.Module.__init__(layer)
+    layer.packed = packed
+    if kind == "gate_up":
+        layer.out_shards = [n // 2, n // 2]
+    if kind == "qkv":
+        layer.out_shards, layer.head_dim = [n // 2, n // 4, n // 4], head_dim
+    fused_gemv.prepare(layer, torch.bfloat16)
+    return layer
+
+
+def test_int4pack_takes_w4_mma_where_it_serves_the_layer(monkeypatch):
+    """By default a 4-bit layer streams through w4_mma's fused kernel when it already runs w4_mma at 1-8 rows and fits
+    the fused kernel as the decoder calls it; otherwise it names why and the model keeps the unfused decoder. Nothing
+    is timed here (the 1-8-row choice was measured at load)."""
+    pytest.importorskip("triton")
+    from parallel.kernels import w4_mma
+
+    monkeypatch.delenv("TANDEM_FUSED_INT4", raising=False)
+    monkeypatch.delenv("TANDEM_FUSED_QUANT", raising=False)
+    tile = w4_mma.tile_for(N, K)
+    for kind in ("gate_up", "qkv", "down"):
+        layer = _w4_layer(kind, tile)
+        assert layer.gemv_weight.config == {"W4MMA": True} and not hasattr(layer, "gemv_skipped"), kind
+        layer = _w4_layer(kind, None)
+        assert getattr(layer, "gemv_weight", None) is None and "w4_mma does not serve" in layer.gemv_skipped
+    layer = _w4_layer("qkv", tile, head_dim=48)  # RoPE pairs whole 16-row tiles
+    assert getattr(layer, "gemv_weight", None) is None and "head_dim 48" in layer.gemv_skipped
 
 
 def _int4pack_layer(monkeypatch, ours_ms: float, tiny_ms: float):

@@ -564,6 +564,11 @@ def qgemv(x: torch.Tensor, qw: QuantGemvWeight, bias: torch.Tensor | None = None
     if norm_weight is not None and k > MAX_NORM_K:
         raise ValueError(f"qgemv: the RMSNorm prologue supports K <= {MAX_NORM_K}, got {k}")
     cfg = dict(config or qw.config or default_config(qw, silu or rope is not None))
+    if cfg.get("W4MMA"):  # 4-bit codes in tinygemm's layout: w4_mma.py's tensor-core kernel (CUDA, NVRTC)
+        from parallel.kernels.w4_mma import gemv_w4_mma_fused
+
+        return gemv_w4_mma_fused(x, qw.codes, qw.scales, qw.group_size, qw.n, perm=qw.perm, bias=bias,
+                                 norm_weight=norm_weight, eps=eps, residual=residual, silu=silu, rope=rope)
     if cfg.get("Q4"):  # 4-bit codes in tinygemm's layout: gemv_int4.py's kernel
         return _q4.qgemv4(x, qw, bias, cfg, norm_weight=norm_weight, eps=eps, residual=residual, silu=silu, rope=rope)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)

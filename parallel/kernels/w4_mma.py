@@ -116,50 +116,54 @@ __device__ __forceinline__ void step(const uint4 (&wv)[R][2], const u32 (&szv)[R
 }
 
 __device__ __forceinline__ void load(const uint4* __restrict__ w4, const u32* __restrict__ sz, int ko, int KO, int N,
-                                     int tile0, int lane, int g, uint4 (&wv)[R][2], u32 (&szv)[R][CPK][2]) {
+                                     const int (&tiles)[R], int lane, int g, uint4 (&wv)[R][2], u32 (&szv)[R][CPK][2]) {
     #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const long nt = 2L * (tile0 + r);
+        const long nt = 2L * tiles[r];
         wv[r][0] = ld_stream(w4 + (nt * KO + ko) * 32 + lane);
         wv[r][1] = ld_stream(w4 + ((nt + 1) * KO + ko) * 32 + lane);
         #pragma unroll
         for (int c = 0; c < CPK; ++c) {
             const long grp = (128L * ko + CHUNK * c) / GS;
-            const int row = 16 * (tile0 + r) + g;
+            const int row = 16 * tiles[r] + g;
             szv[r][c][0] = sz[grp * N + row];
             szv[r][c][1] = sz[grp * N + row + 8];
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32 * KSPLIT)
-w4_mma(const u32* __restrict__ x32, const uint4* __restrict__ w4, const u32* __restrict__ sz, u16* __restrict__ y,
-       int M, int N, int K) {
+struct NoPrologue { __device__ __forceinline__ void operator()() const {} };
+
+// This warp's K range of the CTA's R tiles into tot (summed over the CTA's warps on return, in warp 0; other warps
+// return false). x32: batch row g's input pairs (global, or the fused kernel's staged copy in shared memory). `pro`
+// runs once in every thread after the warp's first U steps of weights are requested and before any x is read: the
+// fused kernel stages x there, so its prologue overlaps the first weight loads instead of delaying them.
+template <class Prologue>
+__device__ __forceinline__ bool tiles_dot(const u32* x32, const uint4* __restrict__ w4, const u32* __restrict__ sz,
+                                          const int (&tiles)[R], int M, int N, int K, float (&tot)[R][4],
+                                          Prologue pro) {
     __shared__ float part[KSPLIT > 1 ? KSPLIT - 1 : 1][R * 4][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, a = lane & 3;
-    const int tile0 = blockIdx.x * R;              // first 16-row tile of this CTA
     const int KO = K >> 7;
     const int ko0 = (KO * warp) / KSPLIT, ko1 = (KO * (warp + 1)) / KSPLIT;
-    const u32* xrow = x32 + (long)g * (K >> 1);    // batch row g (its pairs as u32)
-    float tot[R][4];
     #pragma unroll
     for (int r = 0; r < R; ++r) { tot[r][0] = tot[r][1] = tot[r][2] = tot[r][3] = 0.f; }
-
     uint4 wv[U][R][2];
     u32 szv[U][R][CPK][2];
     int ko = ko0;
-    for (; ko + U <= ko1; ko += U) {
+    int nb = min(U, ko1 - ko);                     // steps in this batch (<= 0: none left)
+    #pragma unroll
+    for (int u = 0; u < U; ++u) if (u < nb) load(w4, sz, ko + u, KO, N, tiles, lane, g, wv[u], szv[u]);
+    pro();
+    while (nb > 0) {
         #pragma unroll
-        for (int u = 0; u < U; ++u) load(w4, sz, ko + u, KO, N, tile0, lane, g, wv[u], szv[u]);
+        for (int u = 0; u < U; ++u) if (u < nb) step(wv[u], szv[u], x32, ko + u, M, g, a, tot);
+        ko += nb;
+        nb = min(U, ko1 - ko);
         #pragma unroll
-        for (int u = 0; u < U; ++u) step(wv[u], szv[u], xrow, ko + u, M, g, a, tot);
+        for (int u = 0; u < U; ++u) if (u < nb) load(w4, sz, ko + u, KO, N, tiles, lane, g, wv[u], szv[u]);
     }
-    for (; ko < ko1; ++ko) {
-        load(w4, sz, ko, KO, N, tile0, lane, g, wv[0], szv[0]);
-        step(wv[0], szv[0], xrow, ko, M, g, a, tot);
-    }
-
     if (KSPLIT > 1) {
         if (warp > 0) {
             #pragma unroll
@@ -168,7 +172,7 @@ w4_mma(const u32* __restrict__ x32, const uint4* __restrict__ w4, const u32* __r
                 for (int i = 0; i < 4; ++i) part[warp - 1][4 * r + i][lane] = tot[r][i];
         }
         __syncthreads();
-        if (warp > 0) return;
+        if (warp > 0) return false;
         #pragma unroll
         for (int w = 0; w < KSPLIT - 1; ++w)
             #pragma unroll
@@ -176,15 +180,124 @@ w4_mma(const u32* __restrict__ x32, const uint4* __restrict__ w4, const u32* __r
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) tot[r][i] += part[w][4 * r + i][lane];
     }
+    return true;
+}
+
+extern "C" __global__ void __launch_bounds__(32 * KSPLIT)
+w4_mma(const u32* __restrict__ x32, const uint4* __restrict__ w4, const u32* __restrict__ sz, u16* __restrict__ y,
+       int M, int N, int K) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, a = lane & 3;
+    int tiles[R];
+    #pragma unroll
+    for (int r = 0; r < R; ++r) tiles[r] = blockIdx.x * R + r;
+    float tot[R][4];
+    if (!tiles_dot(x32 + (long)g * (K >> 1), w4, sz, tiles, M, N, K, tot, NoPrologue())) return;
     // C fragment: tot[r][0..1] = rows g, batch columns 2a, 2a + 1; tot[r][2..3] = rows g + 8
     const int m0 = 2 * a;
     #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const int row = 16 * (tile0 + r) + g;
+        const int row = 16 * tiles[r] + g;
         if (m0 < M) { y[(long)m0 * N + row] = to_bf16(tot[r][0]); y[(long)m0 * N + row + 8] = to_bf16(tot[r][2]); }
         if (m0 + 1 < M) { y[(long)(m0 + 1) * N + row] = to_bf16(tot[r][1]); y[(long)(m0 + 1) * N + row + 8] = to_bf16(tot[r][3]); }
     }
 }
+
+#ifdef FUSED
+__device__ __forceinline__ float rnd(float f) { return bf16_lo(to_bf16(f)); }   // rounded to bf16, as a float
+
+// One row, with the batch-1 decoder's small ops folded in (parallel/kernels/gemv.py's prologue and epilogues, the
+// same rounding): NORM: x = RMSNorm(h) computed by every CTA into shared memory (with PERM, act order's permuted
+// input order); SILU: [gate; up] weight, y = silu(gate) * up, the CTA's two tiles are a gate tile and its up tile;
+// ROPE: rotate-half RoPE of the q/k rows of a fused qkv output, the two tiles are rows j and j + HALF of a head;
+// RESID: y = round(round(x @ W^T) (+ bias)) + residual. Otherwise (and under NORM / PERM alone) y = x @ W^T (+ bias).
+extern "C" __global__ void __launch_bounds__(32 * KSPLIT)
+w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32* __restrict__ sz, u16* __restrict__ y,
+             const u16* __restrict__ nw, const u16* __restrict__ bias, const u16* __restrict__ res,
+             const long long* __restrict__ perm, const POS_T* __restrict__ pos, const float* __restrict__ cs,
+             int N, int K, int stride_cp, int rot_rows, int eps_bits) {
+    extern __shared__ u32 xs[];                    // K / 2 input pairs
+    __shared__ float red[KSPLIT];
+    const int tid = threadIdx.x, nth = 32 * KSPLIT, lane = tid & 31, g = lane >> 2, a = lane & 3;
+    int tiles[R];
+#if SILU
+    tiles[0] = blockIdx.x; tiles[1] = blockIdx.x + (N >> 5);
+#elif ROPE
+    { const int ht = HALF / 16, head = blockIdx.x / ht, i = blockIdx.x % ht; tiles[0] = 2 * ht * head + i; tiles[1] = tiles[0] + ht; }
+#else
+    #pragma unroll
+    for (int r = 0; r < R; ++r) tiles[r] = blockIdx.x * R + r;
+#endif
+    auto stage = [&]() {                           // x (RMSNorm'd, permuted) into shared memory
+        float rstd = 0.f;
+#if NORM
+        float ss = 0.f;
+        for (int k = tid; k < K; k += nth) { const float v = bf16_lo(x[k]); ss += v * v; }
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) red[tid >> 5] = ss;
+        __syncthreads();
+        ss = 0.f;
+        #pragma unroll
+        for (int w = 0; w < KSPLIT; ++w) ss += red[w];
+        rstd = rsqrtf(ss / K + __int_as_float(eps_bits));
+#endif
+        for (int p = tid; p < (K >> 1); p += nth) {
+            u32 pair = 0;
+            #pragma unroll
+            for (int lo = 0; lo < 2; ++lo) {
+                const int src = PERM ? (int)perm[2 * p + lo] : 2 * p + lo;
+                u16 v = x[src];
+#if NORM
+                v = to_bf16(bf16_lo(nw[src]) * rnd(bf16_lo(v) * rstd));
+#endif
+                pair |= (u32)v << (16 * lo);
+            }
+            xs[p] = pair;
+        }
+        (void)rstd;
+        __syncthreads();
+    };
+    float tot[R][4];
+    if (!tiles_dot(xs, w4, sz, tiles, 1, N, K, tot, stage)) return;
+    if (a != 0) return;                            // batch column 0 lives in lanes 4g: rows g (tot[r][0]), g + 8 ([2])
+    #pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int row0 = 16 * tiles[0] + g + 8 * e;
+        const float acc0 = tot[0][2 * e];
+#if SILU
+        const int row1 = row0 + (N >> 1);
+        const float gv = rnd(acc0 + (BIAS ? bf16_lo(bias[row0]) : 0.f));
+        const float uv = rnd(tot[1][2 * e] + (BIAS ? bf16_lo(bias[row1]) : 0.f));
+        const float sv = rnd(gv / (1.f + expf(-gv)));
+        y[row0] = to_bf16(sv * uv);
+#elif ROPE
+        const int row1 = row0 + HALF;
+        const float x1 = rnd(acc0 + (BIAS ? bf16_lo(bias[row0]) : 0.f));
+        const float x2 = rnd(tot[1][2 * e] + (BIAS ? bf16_lo(bias[row1]) : 0.f));
+        if (row0 < rot_rows) {
+            const int j = row0 % (2 * HALF);
+            const float* c = cs + (long)pos[0] * stride_cp;
+            const float c1 = rnd(c[j]), c2 = rnd(c[HALF + j]), s1 = rnd(c[2 * HALF + j]), s2 = rnd(c[3 * HALF + j]);
+            y[row0] = to_bf16(rnd(__fmul_rn(x1, c1)) + rnd(__fmul_rn(-x2, s1)));
+            y[row1] = to_bf16(rnd(__fmul_rn(x2, c2)) + rnd(__fmul_rn(x1, s2)));
+        } else {
+            y[row0] = to_bf16(x1);
+            y[row1] = to_bf16(x2);
+        }
+#elif RESID
+        float v = rnd(acc0);
+        if (BIAS) v = rnd(v + bf16_lo(bias[row0]));
+        y[row0] = to_bf16(v + bf16_lo(res[row0]));
+#else
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int row = 16 * tiles[r] + g + 8 * e;
+            y[row] = to_bf16(tot[r][2 * e] + (BIAS ? bf16_lo(bias[row]) : 0.f));
+        }
+#endif
+    }
+}
+#endif
 """
 
 WARPS_TARGET = 4096  # warps a launch aims for (16-row tiles x K-splitting warps)
@@ -202,10 +315,13 @@ def tile_for(n: int, k: int) -> dict:
     return dict(R=1, KSPLIT=ksplit, U=4, SUB=0)
 
 
-def source(R: int, KSPLIT: int, U: int, GS: int, SUB: int = 0) -> str:
-    """The kernel's CUDA source for one tile and group size (compile-time constants)."""
+def source(R: int, KSPLIT: int, U: int, GS: int, SUB: int = 0, fused: dict | None = None) -> str:
+    """The kernels' CUDA source for one tile and group size (compile-time constants); `fused`: the one-row kernel's
+    flags too (NORM, SILU, ROPE, RESID, BIAS, PERM: 0/1; HALF: head_dim / 2; POS_T: the positions' C type)."""
     chunk = min(GS, 128)
     head = f"#define R {R}\n#define KSPLIT {KSPLIT}\n#define U {U}\n#define GS {GS}\n#define CHUNK {chunk}\n#define SUB {SUB}\n"
+    if fused is not None:
+        head += "#define FUSED 1\n" + "".join(f"#define {k} {v}\n" for k, v in sorted(fused.items()))
     return head + _SOURCE
 
 
@@ -225,12 +341,13 @@ def fits(n: int, k: int, group_size: int, inner_k_tiles: int, rows: int = 1, R: 
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(R: int, KSPLIT: int, U: int, GS: int, SUB: int, device: int):
+def _kernel(R: int, KSPLIT: int, U: int, GS: int, SUB: int, device: int, fused: tuple = ()):
     from torch.cuda import _compile_kernel
 
     with torch.cuda.device(device):
         major, minor = torch.cuda.get_device_capability(device)
-        return _compile_kernel(source(R, KSPLIT, U, GS, SUB), "w4_mma", compute_capability=f"{major}{minor}")
+        src = source(R, KSPLIT, U, GS, SUB, dict(fused) if fused else None)
+        return _compile_kernel(src, "w4_mma_fused" if fused else "w4_mma", compute_capability=f"{major}{minor}")
 
 
 def gemv_w4_mma(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int, n: int,
@@ -242,4 +359,76 @@ def gemv_w4_mma(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_s
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     kern = _kernel(cfg["R"], cfg["KSPLIT"], cfg["U"], group_size, cfg.get("SUB", 0), x.device.index or 0)
     kern(grid=(n // (16 * cfg["R"]), 1, 1), block=(32 * cfg["KSPLIT"], 1, 1), args=[x, packed, sz, y, m, n, k])
+    return y
+
+
+SMEM_LIMIT = 48 * 1024  # a launch's shared memory without opting in to more
+
+
+def fused_tile(n: int, k: int, paired: bool) -> dict:
+    """The one-row fused kernel's tile: two 16-row tiles a CTA when paired (SiLU's gate and up, RoPE's row halves),
+    K split over as many warps as keep the launch near WARPS_TARGET."""
+    ctas = max(1, n // (32 if paired else 16))
+    ksplit = 16
+    while ksplit > 2 and ctas * ksplit > WARPS_TARGET:
+        ksplit //= 2
+    return dict(R=2 if paired else 1, KSPLIT=ksplit, U=4, SUB=0)
+
+
+def fused_smem(k: int, tile: dict) -> int:
+    """Bytes of shared memory the fused kernel takes: the staged input row and the warps' partial sums."""
+    return 2 * k + 4 * max(1, tile["KSPLIT"] - 1) * tile["R"] * 4 * 32 + 4 * tile["KSPLIT"]
+
+
+def fused_fits(n: int, k: int, group_size: int, inner_k_tiles: int, *, silu: bool = False,
+               head_dim: int | None = None) -> str | None:
+    """None when the one-row fused kernel takes this weight (SiLU pairs; RoPE heads of `head_dim`), else why not."""
+    paired = silu or head_dim is not None
+    why = fits(n, k, group_size, inner_k_tiles, R=2 if paired else 1)
+    if why is not None:
+        return why
+    if head_dim is not None and (head_dim % 32 or n % head_dim):
+        return f"head_dim {head_dim} (RoPE pairs whole 16-row tiles: head_dim % 32 == 0)"
+    if fused_smem(k, fused_tile(n, k, paired)) > SMEM_LIMIT:
+        return f"K={k}: the staged input row and partial sums exceed {SMEM_LIMIT // 1024} KB of shared memory"
+    return None
+
+
+def gemv_w4_mma_fused(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int, n: int, *,
+                      perm: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                      norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+                      silu: bool = False, rope=None) -> torch.Tensor:
+    """One row: F.linear(x[:, perm] or x, W, bias) with parallel/kernels/gemv.py's fused RMSNorm prologue (norm_weight,
+    eps) and SiLU-and-mul / RoPE (a gemv.Rope) / residual epilogues, same arguments and rounding. x bf16 [1, K] (the
+    layer's input order: act order's `perm` is applied here), packed / sz as `gemv_w4_mma`'s -> bf16 [1, N] ([1, N/2]
+    with silu)."""
+    if x.shape[0] != 1 or x.dtype != torch.bfloat16:
+        raise ValueError(f"gemv_w4_mma_fused: one bf16 row, got {tuple(x.shape)} {x.dtype}")
+    k = x.shape[1]
+    paired = silu or rope is not None
+    why = fused_fits(n, k, group_size, 8 if packed.dim() == 4 and packed.shape[-1] == 4 else 0, silu=silu,
+                     head_dim=rope.head_dim if rope is not None else None)
+    if why is not None:
+        raise ValueError(f"gemv_w4_mma_fused: {why}")
+    if rope is not None and (silu or residual is not None or rope.cos_sin.stride(-1) != 1):
+        raise ValueError("gemv_w4_mma_fused: RoPE alone as the epilogue, with a contiguous cos/sin table")
+    if silu and residual is not None:
+        raise ValueError("gemv_w4_mma_fused: SiLU and the residual add do not combine")
+    tile = fused_tile(n, k, paired)
+    pos64 = rope is not None and rope.positions.dtype == torch.int64
+    flags = dict(NORM=int(norm_weight is not None), SILU=int(silu), ROPE=int(rope is not None),
+                 RESID=int(residual is not None), BIAS=int(bias is not None), PERM=int(perm is not None),
+                 HALF=rope.head_dim // 2 if rope is not None else 16, POS_T="long long" if pos64 else "int")
+    if perm is not None and perm.dtype != torch.int64:
+        raise ValueError(f"gemv_w4_mma_fused: act order's permutation in int64, got {perm.dtype}")
+    x = x.contiguous()
+    y = torch.empty(1, n // 2 if silu else n, dtype=torch.bfloat16, device=x.device)
+    kern = _kernel(tile["R"], tile["KSPLIT"], tile["U"], group_size, 0, x.device.index or 0, tuple(sorted(flags.items())))
+    eps_bits = int(torch.tensor(eps, dtype=torch.float32).view(torch.int32).item())
+    args = [x, packed, sz, y, norm_weight if norm_weight is not None else x, bias if bias is not None else x,
+            residual if residual is not None else x, perm if perm is not None else x,
+            rope.positions if rope is not None else x, rope.cos_sin if rope is not None else x, n, k,
+            rope.cos_sin.stride(0) if rope is not None else 0, rope.rot_rows if rope is not None else 0, eps_bits]
+    kern(grid=(n // (32 if paired else 16), 1, 1), block=(32 * tile["KSPLIT"], 1, 1), args=args,
+         shared_mem=2 * k)
     return y

@@ -40,9 +40,7 @@ def enabled(fmt: int | None = None) -> bool:
     """Whether layers stored as `fmt` (a gemv_quant format; None: any) take the fused GEMV (see the module's note)."""
     if _gq is None or os.environ.get(ENV, "1") == "0":
         return False
-    if fmt == _gq.INT4PACK:
-        return os.environ.get(INT4_ENV, "0") == "1"
-    return fmt is None or fmt == _gq.FP8
+    return fmt is None or fmt in (_gq.FP8, _gq.INT4PACK)
 
 
 def view(pw) -> "_gq.QuantGemvWeight | str":
@@ -154,6 +152,14 @@ def prepare(layer, dtype: torch.dtype) -> None:
         layer.gemv_skipped = "codes in the Triton integer layout stay on the unfused decoder"
         return
     kind = kind_of(layer)
+    if qw.fmt == _gq.INT4PACK and os.environ.get(INT4_ENV, "0") != "1":
+        why = w4_mma_fits(layer, qw, dtype, kind)
+        if why is not None:
+            layer.gemv_skipped = why
+            return
+        qw.config = dict(W4MMA=True)
+        layer.gemv_weight = qw
+        return
     qw.config = tune(qw, dtype, kind)
     if qw.fmt == _gq.INT4PACK:
         why = None if qw.config.get("Q4") else f"no tile of the 4-bit kernel fits (K={qw.k}, inner_k_tiles {2 * qw.j})"
@@ -162,6 +168,24 @@ def prepare(layer, dtype: torch.dtype) -> None:
             layer.gemv_skipped = why
             return
     layer.gemv_weight = qw
+
+
+def w4_mma_fits(layer, qw, dtype: torch.dtype, kind: str) -> str | None:
+    """None when a 4-bit layer in tinygemm's layout streams through w4_mma.py's fused one-row kernel in the fused
+    decoder, else why not: the layer must already run w4_mma at 1-8 rows (`Int4PackWeight.w4_config`: it fits, the
+    device probe passed and it measured faster than tinygemm at load), and fit the fused kernel as the decoder calls it
+    (gate/up's SiLU pairs, qkv's RoPE heads, the staged input row in shared memory)."""
+    from parallel.kernels import w4_mma
+    from parallel.linear import QKVParallelLinear
+
+    if dtype != torch.bfloat16:
+        return f"activations in {dtype} (w4_mma takes bf16)"
+    if getattr(layer.packed, "w4_config", None) is None:
+        return "w4_mma does not serve this layer (tinygemm measured faster at load, or it does not fit)"
+    head_dim = layer.head_dim if isinstance(layer, QKVParallelLinear) else None
+    why = w4_mma.fused_fits(qw.n, qw.k, qw.group_size, 2 * qw.j, silu=kind == "paired" and head_dim is None,
+                            head_dim=head_dim)
+    return None if why is None else f"w4_mma's fused kernel: {why}"
 
 
 _VS_TINYGEMM: dict[tuple, str | None] = {}

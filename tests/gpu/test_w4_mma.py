@@ -115,3 +115,142 @@ def test_choice_follows_env_and_measurement(monkeypatch: pytest.MonkeyPatch) -> 
     w_odd.inner_k_tiles = 4  # a layout the kernel does not read
     monkeypatch.setenv(tg.W4_ENV, "1")
     assert tg.choose_w4(w_odd) is None
+
+
+# ---------------------------------------------------------------- the one-row fused kernel (the fused decoder's)
+
+def _close(got: torch.Tensor, want: torch.Tensor, bit_equal: float = 0.98) -> None:
+    """Bit-equal but for the odd element where the norm's fp32 sum (or a bias added before rounding instead of after)
+    came out differently. Off by a bf16 step of the largest inputs at most: RoPE's difference of two products keeps
+    the absolute error of its terms."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    same = (got == want).float().mean().item()
+    assert same >= bit_equal, f"only {same:.3f} of the elements are bit-equal"
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * max(1.0, want.float().abs().max().item()))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_fused_norm_prologue_and_perm(act_order: bool) -> None:
+    from parallel.kernels.fused_ops import rms_norm
+
+    n, k = 6144, 4096
+    w = _layer(n, k, 128)
+    perm = torch.randperm(k, device="cuda") if act_order else None
+    h = torch.randn(1, k, device="cuda").to(torch.bfloat16) * 3
+    nw = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+    xin = (lambda v: v[:, perm].contiguous()) if act_order else (lambda v: v)
+    plain = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, perm=perm)
+    assert torch.equal(plain, w4_mma.gemv_w4_mma(xin(h), w.weight, w.scales_and_zeros, 128, n))
+    got = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, perm=perm, norm_weight=nw, eps=1e-5)
+    _close(got, w4_mma.gemv_w4_mma(xin(rms_norm(h, nw, 1e-5)), w.weight, w.scales_and_zeros, 128, n))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_silu_epilogue(bias: bool) -> None:
+    from parallel.kernels.fused_ops import rms_norm, silu_and_mul
+
+    n, k = 2 * 1536, 4096
+    w = _layer(n, k, 128)
+    h = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    nw = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda").to(torch.bfloat16) if bias else None
+    plain = w4_mma.gemv_w4_mma(h, w.weight, w.scales_and_zeros, 128, n)
+    got = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, bias=b, silu=True)
+    assert got.shape == (1, n // 2)
+    if bias:  # F.linear adds the bias before rounding; plain + b rounds twice
+        _close(got, silu_and_mul(plain + b), bit_equal=0.5)
+    else:
+        assert torch.equal(got, silu_and_mul(plain))
+    got = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, bias=b, norm_weight=nw, eps=1e-6, silu=True)
+    normed = w4_mma.gemv_w4_mma(rms_norm(h, nw, 1e-6), w.weight, w.scales_and_zeros, 128, n)
+    _close(got, silu_and_mul(normed + b if bias else normed), bit_equal=0.5 if bias else 0.98)
+
+
+@pytest.mark.parametrize("n,k", [(4096, 14336), (4096, 4096), (256, 512)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_residual_epilogue(n: int, k: int, bias: bool) -> None:
+    w = _layer(n, k, 128)
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    r = torch.randn(1, n, device="cuda").to(torch.bfloat16) * 4
+    b = torch.randn(n, device="cuda").to(torch.bfloat16) if bias else None
+    plain = w4_mma.gemv_w4_mma(x, w.weight, w.scales_and_zeros, 128, n)
+    want = plain + b + r if bias else plain + r  # RowParallelLinear: round, add the bias (rounded), add h
+    assert torch.equal(w4_mma.gemv_w4_mma_fused(x, w.weight, w.scales_and_zeros, 128, n, bias=b, residual=r), want)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (4, 1, 64), (6, 2, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_rope_epilogue(hq: int, hkv: int, d: int, bias: bool) -> None:
+    from parallel.kernels.fused_ops import rms_norm, rope
+    from parallel.kernels.gemv import Rope
+
+    k = 4096 if hq == 32 else 512
+    n = (hq + 2 * hkv) * d
+    w = _layer(n, k, 128)
+    h = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    nw = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda").to(torch.bfloat16) if bias else None
+    pos = torch.tensor([777], device="cuda")
+    t = torch.arange(4096, device="cuda", dtype=torch.float32)[:, None] / (10000 ** (torch.arange(0, d, 2, device="cuda") / d))
+    emb = torch.cat([t, t], dim=-1)
+    cos_sin = torch.stack([emb.cos(), emb.sin()], dim=1).contiguous()  # [P, 2, D]
+    got = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, bias=b, norm_weight=nw, eps=1e-5,
+                                   rope=Rope(pos, cos_sin, d, (hq + hkv) * d))
+    qkv = w4_mma.gemv_w4_mma(rms_norm(h, nw, 1e-5), w.weight, w.scales_and_zeros, 128, n)
+    if bias:
+        qkv = qkv + b
+    q, kk, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    qr, kr = rope(pos, q.view(1, hq, d), kk.view(1, hkv, d), cos_sin)
+    _close(got, torch.cat([qr.reshape(1, -1), kr.reshape(1, -1), v], dim=-1), bit_equal=0.5 if bias else 0.98)
+
+
+def test_fused_refuses_what_it_cannot_do() -> None:
+    w = _layer(256, 512, 128)
+    x = torch.randn(2, 512, device="cuda").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="one bf16 row"):
+        w4_mma.gemv_w4_mma_fused(x, w.weight, w.scales_and_zeros, 128, 256)
+    assert "head_dim 48" in w4_mma.fused_fits(384, 512, 128, 8, head_dim=48)
+    assert "shared memory" in w4_mma.fused_fits(256, 32768, 128, 8)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_quantized_model_fused_decode_matches_unfused(tmp_path, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 4-bit checkpoint (the project's quantizer; GPTQ with act order) whose every decoder linear w4_mma fits: the
+    batch-1 graph is captured through the fused decoder on w4_mma's fused kernel, and gives the unfused graph's tokens
+    (tinygemm / w4_mma per linear with the separate norm, RoPE, SiLU and residual kernels) and log-probabilities."""
+    from parallel.quant.rtn import Options
+    from tandem import LLM, SamplingParams
+    from tests.models import prompts_of_lengths, tiny_model
+    from tests.quant_helpers import qt
+    from workers.models import fused_decode
+
+    monkeypatch.setenv(tg.W4_ENV, "1")  # tiny layers: take w4_mma without timing it against tinygemm
+    src = tiny_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+                     intermediate_size=512, num_hidden_layers=2, attention_bias=True, mlp_bias=True)
+    o = {"gptq": Options("gptq", bits=4, group_size=32, sym=False, desc_act=True), "awq": Options("awq", group_size=64)}
+    dst = str(tmp_path / "q")
+    qt.quantize_folder(src, dst, o[method])
+    calls = []
+    real = fused_decode.forward
+    monkeypatch.setattr(fused_decode, "forward", lambda *a: calls.append(1) or real(*a))
+    llm = LLM(dst, device="cuda", dtype="bfloat16", attention_backend="triton", max_model_len=256, block_size=16,
+              num_gpu_blocks_override=128, max_num_seqs=4, enable_prefix_caching=False, show_progress=False)
+    try:
+        runner = llm.llm_engine.executor.runner
+        for lin in fused_decode._linears(runner.model.layers["0"]):
+            assert getattr(lin, "gemv_weight", None) is not None, getattr(lin, "gemv_skipped", None)
+            assert lin.gemv_weight.config.get("W4MMA")
+        assert calls, "the batch-1 graph was not captured through the fused path"
+        prompts = prompts_of_lengths([5, 40, 17], 200, seed=3)
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+        fused = [llm.generate([p], params)[0] for p in prompts]
+        runner.model.fuse_decode = False
+        runner.cuda_graphs = runner._capture_cuda_graphs()
+        unfused = [llm.generate([p], params)[0] for p in prompts]
+    finally:
+        llm.llm_engine.shutdown()
+    for f, u in zip(fused, unfused):
+        assert f.token_ids == u.token_ids
+        lf = [lp[t] for lp, t in zip(f.logprobs, f.token_ids)]
+        lu = [lp[t] for lp, t in zip(u.logprobs, u.token_ids)]
+        assert max(abs(a - b) for a, b in zip(lf, lu)) < 0.05, (lf, lu)
