@@ -132,16 +132,10 @@ __device__ __forceinline__ void load(const uint4* __restrict__ w4, const u32* __
     }
 }
 
-struct NoPrologue { __device__ __forceinline__ void operator()() const {} };
-
 // This warp's K range of the CTA's R tiles into tot (summed over the CTA's warps on return, in warp 0; other warps
-// return false). x32: batch row g's input pairs (global, or the fused kernel's staged copy in shared memory). `pro`
-// runs once in every thread after the warp's first U steps of weights are requested and before any x is read: the
-// fused kernel stages x there, so its prologue overlaps the first weight loads instead of delaying them.
-template <class Prologue>
+// return false). x32: batch row g's input pairs (global, or the fused kernel's staged copy in shared memory).
 __device__ __forceinline__ bool tiles_dot(const u32* x32, const uint4* __restrict__ w4, const u32* __restrict__ sz,
-                                          const int (&tiles)[R], int M, int N, int K, float (&tot)[R][4],
-                                          Prologue pro) {
+                                          const int (&tiles)[R], int M, int N, int K, float (&tot)[R][4]) {
     __shared__ float part[KSPLIT > 1 ? KSPLIT - 1 : 1][R * 4][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, a = lane & 3;
@@ -152,17 +146,15 @@ __device__ __forceinline__ bool tiles_dot(const u32* x32, const uint4* __restric
     uint4 wv[U][R][2];
     u32 szv[U][R][CPK][2];
     int ko = ko0;
-    int nb = min(U, ko1 - ko);                     // steps in this batch (<= 0: none left)
-    #pragma unroll
-    for (int u = 0; u < U; ++u) if (u < nb) load(w4, sz, ko + u, KO, N, tiles, lane, g, wv[u], szv[u]);
-    pro();
-    while (nb > 0) {
+    for (; ko + U <= ko1; ko += U) {
         #pragma unroll
-        for (int u = 0; u < U; ++u) if (u < nb) step(wv[u], szv[u], x32, ko + u, M, g, a, tot);
-        ko += nb;
-        nb = min(U, ko1 - ko);
+        for (int u = 0; u < U; ++u) load(w4, sz, ko + u, KO, N, tiles, lane, g, wv[u], szv[u]);
         #pragma unroll
-        for (int u = 0; u < U; ++u) if (u < nb) load(w4, sz, ko + u, KO, N, tiles, lane, g, wv[u], szv[u]);
+        for (int u = 0; u < U; ++u) step(wv[u], szv[u], x32, ko + u, M, g, a, tot);
+    }
+    for (; ko < ko1; ++ko) {
+        load(w4, sz, ko, KO, N, tiles, lane, g, wv[0], szv[0]);
+        step(wv[0], szv[0], x32, ko, M, g, a, tot);
     }
     if (KSPLIT > 1) {
         if (warp > 0) {
@@ -191,7 +183,7 @@ w4_mma(const u32* __restrict__ x32, const uint4* __restrict__ w4, const u32* __r
     #pragma unroll
     for (int r = 0; r < R; ++r) tiles[r] = blockIdx.x * R + r;
     float tot[R][4];
-    if (!tiles_dot(x32 + (long)g * (K >> 1), w4, sz, tiles, M, N, K, tot, NoPrologue())) return;
+    if (!tiles_dot(x32 + (long)g * (K >> 1), w4, sz, tiles, M, N, K, tot)) return;
     // C fragment: tot[r][0..1] = rows g, batch columns 2a, 2a + 1; tot[r][2..3] = rows g + 8
     const int m0 = 2 * a;
     #pragma unroll
@@ -257,8 +249,22 @@ w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32*
         (void)rstd;
         __syncthreads();
     };
+    {   // this warp's first U steps of weights into L2 while the CTA stages x (no registers held)
+        const int KO = K >> 7, warp = tid >> 5, ko0 = (KO * warp) / KSPLIT, ko1 = (KO * (warp + 1)) / KSPLIT;
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (ko0 + u >= ko1) break;
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const long nt = 2L * tiles[r];
+                asm volatile("prefetch.global.L2 [%0];" :: "l"(w4 + (nt * KO + ko0 + u) * 32 + lane));
+                asm volatile("prefetch.global.L2 [%0];" :: "l"(w4 + ((nt + 1) * KO + ko0 + u) * 32 + lane));
+            }
+        }
+    }
+    stage();
     float tot[R][4];
-    if (!tiles_dot(xs, w4, sz, tiles, 1, N, K, tot, stage)) return;
+    if (!tiles_dot(xs, w4, sz, tiles, 1, N, K, tot)) return;
     if (a != 0) return;                            // batch column 0 lives in lanes 4g: rows g (tot[r][0]), g + 8 ([2])
     #pragma unroll
     for (int e = 0; e < 2; ++e) {

@@ -213,8 +213,9 @@ def test_fused_refuses_what_it_cannot_do() -> None:
     assert "shared memory" in w4_mma.fused_fits(256, 32768, 128, 8)
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_quantized_model_fused_decode_matches_unfused(tmp_path, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("method,bias", [("gptq", False), ("awq", False), ("gptq", True)])
+def test_quantized_model_fused_decode_matches_unfused(tmp_path, method: str, bias: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A 4-bit checkpoint (the project's quantizer; GPTQ with act order) whose every decoder linear w4_mma fits: the
     batch-1 graph is captured through the fused decoder on w4_mma's fused kernel, and gives the unfused graph's tokens
     (tinygemm / w4_mma per linear with the separate norm, RoPE, SiLU and residual kernels) and log-probabilities."""
@@ -226,7 +227,7 @@ def test_quantized_model_fused_decode_matches_unfused(tmp_path, method: str, mon
 
     monkeypatch.setenv(tg.W4_ENV, "1")  # tiny layers: take w4_mma without timing it against tinygemm
     src = tiny_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
-                     intermediate_size=512, num_hidden_layers=2, attention_bias=True, mlp_bias=True)
+                     intermediate_size=512, num_hidden_layers=2, attention_bias=bias, mlp_bias=bias)
     o = {"gptq": Options("gptq", bits=4, group_size=32, sym=False, desc_act=True), "awq": Options("awq", group_size=64)}
     dst = str(tmp_path / "q")
     qt.quantize_folder(src, dst, o[method])
