@@ -9,6 +9,12 @@ when every decoder linear has one. FP8 layers stream their e4m3 weights with bf1
 (W8A16: exact to the dequantized weight up to fp32 summation order), not the W8A8 `_scaled_mm` product that
 larger batches use.
 
+With TANDEM_FUSED_INT4=w4_mma, 4-bit layers in tinygemm's layout stream through parallel/kernels/w4_mma.py's one-row
+fused kernel (tensor cores; the RMSNorm prologue and SiLU / RoPE / residual epilogues, same rounding) where they
+already run w4_mma at 1-8 rows (`w4_mma_fits`). Opt-in: on an H200 (2026-11-29, Llama-3.1-8B shapes) the decode graph
+took 2.62 ms a step that way against 2.35 ms on the unfused decoder with w4_mma per linear (each CTA of the fused kernel
+stages the whole normed input row before its product; the unfused kernels overlap better).
+
 FP8 layers take it. On an H100 (2026-11-27, Llama-3.1-8B shapes, batch-1 decode beside bf16 in one run) FP8 through the
 fused decoder ran at 1.48-1.55x bf16. 4-bit GPTQ / AWQ layers in tinygemm's layout take it only with
 TANDEM_FUSED_INT4=1, and then only where gemv_int4.py's kernel is measured at load to beat tinygemm on the same weight
@@ -28,7 +34,9 @@ import os
 import torch
 
 ENV = "TANDEM_FUSED_QUANT"
-INT4_ENV = "TANDEM_FUSED_INT4"  # 1: 4-bit layers may take gemv_int4.py's kernel (where measured faster than tinygemm)
+INT4_ENV = "TANDEM_FUSED_INT4"  # 4-bit layers in tinygemm's layout: 0 (default) keep the unfused decoder; w4_mma: take
+# w4_mma.py's fused one-row kernel; 1: gemv_int4.py's Triton kernel (where measured faster than tinygemm). Both opt-in:
+# on an H200 (2026-11-29) the fused decoder on w4_mma ran a decode step in 2.62 ms against the unfused one's 2.35.
 
 try:
     from parallel.kernels import gemv_quant as _gq
@@ -40,7 +48,9 @@ def enabled(fmt: int | None = None) -> bool:
     """Whether layers stored as `fmt` (a gemv_quant format; None: any) take the fused GEMV (see the module's note)."""
     if _gq is None or os.environ.get(ENV, "1") == "0":
         return False
-    return fmt is None or fmt in (_gq.FP8, _gq.INT4PACK)
+    if fmt == _gq.INT4PACK:
+        return os.environ.get(INT4_ENV, "0") in ("1", "w4_mma")
+    return fmt is None or fmt == _gq.FP8
 
 
 def view(pw) -> "_gq.QuantGemvWeight | str":
@@ -152,7 +162,7 @@ def prepare(layer, dtype: torch.dtype) -> None:
         layer.gemv_skipped = "codes in the Triton integer layout stay on the unfused decoder"
         return
     kind = kind_of(layer)
-    if qw.fmt == _gq.INT4PACK and os.environ.get(INT4_ENV, "0") != "1":
+    if qw.fmt == _gq.INT4PACK and os.environ.get(INT4_ENV, "0") == "w4_mma":
         why = w4_mma_fits(layer, qw, dtype, kind)
         if why is not None:
             layer.gemv_skipped = why

@@ -33,8 +33,8 @@ def _integer_layouts_too(monkeypatch):
     monkeypatch.setattr("parallel.quant.fused_gemv.enabled", lambda fmt=None: True)
     # and 4-bit layers keep it even where tinygemm measures faster (the engine's choice, tested on CPU)
     monkeypatch.setattr("parallel.quant.fused_gemv.faster_than_tinygemm", lambda *a: None)
-    # 4-bit layers in tinygemm's layout: this file checks gemv_int4.py's Triton kernel (the default, w4_mma.py's fused
-    # kernel: tests/gpu/test_w4_mma.py)
+    # 4-bit layers in tinygemm's layout: this file checks gemv_int4.py's Triton kernel (w4_mma.py's fused kernel:
+    # tests/gpu/test_w4_mma.py)
     monkeypatch.setenv("TANDEM_FUSED_INT4", "1")
 
 

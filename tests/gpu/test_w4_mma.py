@@ -216,8 +216,8 @@ def test_fused_refuses_what_it_cannot_do() -> None:
 @pytest.mark.parametrize("method,bias", [("gptq", False), ("awq", False), ("gptq", True)])
 def test_quantized_model_fused_decode_matches_unfused(tmp_path, method: str, bias: bool,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 4-bit checkpoint (the project's quantizer; GPTQ with act order) whose every decoder linear w4_mma fits: the
-    batch-1 graph is captured through the fused decoder on w4_mma's fused kernel, and gives the unfused graph's tokens
+    """A 4-bit checkpoint (the project's quantizer; GPTQ with act order) whose every decoder linear w4_mma fits, with
+    TANDEM_FUSED_INT4=w4_mma: the batch-1 graph is captured through the fused decoder on w4_mma's fused kernel, and gives the unfused graph's tokens
     (tinygemm / w4_mma per linear with the separate norm, RoPE, SiLU and residual kernels) and log-probabilities."""
     from parallel.quant.rtn import Options
     from tandem import LLM, SamplingParams
@@ -226,6 +226,7 @@ def test_quantized_model_fused_decode_matches_unfused(tmp_path, method: str, bia
     from workers.models import fused_decode
 
     monkeypatch.setenv(tg.W4_ENV, "1")  # tiny layers: take w4_mma without timing it against tinygemm
+    monkeypatch.setenv("TANDEM_FUSED_INT4", "w4_mma")
     src = tiny_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
                      intermediate_size=512, num_hidden_layers=2, attention_bias=bias, mlp_bias=bias)
     o = {"gptq": Options("gptq", bits=4, group_size=32, sym=False, desc_act=True), "awq": Options("awq", group_size=64)}
