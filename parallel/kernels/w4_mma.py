@@ -197,11 +197,19 @@ w4_mma(const u32* __restrict__ x32, const uint4* __restrict__ w4, const u32* __r
 #ifdef FUSED
 __device__ __forceinline__ float rnd(float f) { return bf16_lo(to_bf16(f)); }   // rounded to bf16, as a float
 
+// The product rounded to bf16, then its bias added and rounded: what the unfused quantized linear computes (its
+// kernel's bf16 output + bias), so the fused and unfused decoders of a quantized model agree bit for bit.
+__device__ __forceinline__ float add_bias(float acc, const u16* __restrict__ bias, int row) {
+    const float v = rnd(acc);
+    return BIAS ? rnd(v + bf16_lo(bias[row])) : v;
+}
+
 // One row, with the batch-1 decoder's small ops folded in (parallel/kernels/gemv.py's prologue and epilogues, the
 // same rounding): NORM: x = RMSNorm(h) computed by every CTA into shared memory (with PERM, act order's permuted
 // input order); SILU: [gate; up] weight, y = silu(gate) * up, the CTA's two tiles are a gate tile and its up tile;
 // ROPE: rotate-half RoPE of the q/k rows of a fused qkv output, the two tiles are rows j and j + HALF of a head;
 // RESID: y = round(round(x @ W^T) (+ bias)) + residual. Otherwise (and under NORM / PERM alone) y = x @ W^T (+ bias).
+// A bias is added to the rounded product everywhere (`add_bias`), as the unfused quantized linear adds it.
 extern "C" __global__ void __launch_bounds__(32 * KSPLIT)
 w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32* __restrict__ sz, u16* __restrict__ y,
              const u16* __restrict__ nw, const u16* __restrict__ bias, const u16* __restrict__ res,
@@ -272,14 +280,12 @@ w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32*
         const float acc0 = tot[0][2 * e];
 #if SILU
         const int row1 = row0 + (N >> 1);
-        const float gv = rnd(acc0 + (BIAS ? bf16_lo(bias[row0]) : 0.f));
-        const float uv = rnd(tot[1][2 * e] + (BIAS ? bf16_lo(bias[row1]) : 0.f));
+        const float gv = add_bias(acc0, bias, row0), uv = add_bias(tot[1][2 * e], bias, row1);
         const float sv = rnd(gv / (1.f + expf(-gv)));
         y[row0] = to_bf16(sv * uv);
 #elif ROPE
         const int row1 = row0 + HALF;
-        const float x1 = rnd(acc0 + (BIAS ? bf16_lo(bias[row0]) : 0.f));
-        const float x2 = rnd(tot[1][2 * e] + (BIAS ? bf16_lo(bias[row1]) : 0.f));
+        const float x1 = add_bias(acc0, bias, row0), x2 = add_bias(tot[1][2 * e], bias, row1);
         if (row0 < rot_rows) {
             const int j = row0 % (2 * HALF);
             const float* c = cs + (long)pos[0] * stride_cp;
@@ -291,14 +297,12 @@ w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32*
             y[row1] = to_bf16(x2);
         }
 #elif RESID
-        float v = rnd(acc0);
-        if (BIAS) v = rnd(v + bf16_lo(bias[row0]));
-        y[row0] = to_bf16(v + bf16_lo(res[row0]));
+        y[row0] = to_bf16(add_bias(acc0, bias, row0) + bf16_lo(res[row0]));
 #else
         #pragma unroll
         for (int r = 0; r < R; ++r) {
             const int row = 16 * tiles[r] + g + 8 * e;
-            y[row] = to_bf16(tot[r][2 * e] + (BIAS ? bf16_lo(bias[row]) : 0.f));
+            y[row] = to_bf16(add_bias(tot[r][2 * e], bias, row));
         }
 #endif
     }
@@ -404,8 +408,9 @@ def gemv_w4_mma_fused(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, g
                       perm: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                       norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
                       silu: bool = False, rope=None) -> torch.Tensor:
-    """One row: F.linear(x[:, perm] or x, W, bias) with parallel/kernels/gemv.py's fused RMSNorm prologue (norm_weight,
-    eps) and SiLU-and-mul / RoPE (a gemv.Rope) / residual epilogues, same arguments and rounding. x bf16 [1, K] (the
+    """One row: x[:, perm] (or x) @ W^T, rounded, + bias, with parallel/kernels/gemv.py's fused RMSNorm prologue
+    (norm_weight, eps) and SiLU-and-mul / RoPE (a gemv.Rope) / residual epilogues, same arguments and rounding but for
+    the bias, added after the product's rounding as the unfused quantized linear adds it. x bf16 [1, K] (the
     layer's input order: act order's `perm` is applied here), packed / sz as `gemv_w4_mma`'s -> bf16 [1, N] ([1, N/2]
     with silu)."""
     if x.shape[0] != 1 or x.dtype != torch.bfloat16:

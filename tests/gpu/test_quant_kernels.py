@@ -157,7 +157,7 @@ def test_quantized_checkpoint_on_cuda_matches_hf_on_dequantized(tmp_path, method
     from pathlib import Path
 
     from tandem import LLM, SamplingParams
-    from tests.models import hf_greedy_batch, prompts_of_lengths, tiny_model
+    from tests.models import hf_greedy_batch, hf_model, prompts_of_lengths, tiny_model
 
     root = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("quantize_tool_gpu", root / "scripts" / "quantize.py")
@@ -184,12 +184,20 @@ def test_quantized_checkpoint_on_cuda_matches_hf_on_dequantized(tmp_path, method
     # a wrong layout or kernel gives garbage from the first token.
     if dtype == "float32":
         assert [x[0] for x in got] == [x[0] for x in want]
-    else:  # bf16 activations against HF's fp32: a first token may differ only where HF itself nearly tied
-        for (tokens, logprobs), ours in zip(hf, got):
-            gap = float(logprobs[0, tokens[0]] - logprobs[0, ours[0]])
-            assert gap < 0.1, f"first token {ours[0]} where HF picks {tokens[0]} by {gap:.3f} nats"
-    # bf16: activations and the KV cache rounded to 8 bits of mantissa (HF runs float32) flip more near-ties.
-    assert agree >= (0.6 if method == "fp8" else 0.85 if dtype == "float32" else 0.7), (got, want)
+        assert agree >= (0.6 if method == "fp8" else 0.85), (got, want)
+        return
+    # bf16 activations and KV cache (8 bits of mantissa) against HF's fp32 flip near-ties on this random tiny model
+    # (2026-11-26 and 11-29: one first token of four; 0.62 of the tokens agreeing), and after a flip the two continue
+    # from different prefixes. So each of our tokens is judged on our own prefix: HF, fed prompt + our tokens, must
+    # rank it within 0.1 nats of its best choice at every step. A wrong layout or kernel misses by nats.
+    model = hf_model(ref)
+    for prompt, ours in zip(prompts, got):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:-1].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        gaps = lp.max(dim=-1).values - lp[torch.arange(len(ours)), torch.tensor(ours)]
+        assert gaps.max().item() < 0.1, f"tokens {ours}: HF ranks step {gaps.argmax().item()} below its best by " \
+                                         f"{gaps.max().item():.3f} nats (gaps {[round(g, 3) for g in gaps.tolist()]})"
 
 
 @pytest.mark.parametrize("plan", [{"mid": "fused", "large": "fused"}, {"mid": "dequant", "large": "dequant"},
