@@ -119,6 +119,12 @@ def test_choice_follows_env_and_measurement(monkeypatch: pytest.MonkeyPatch) -> 
 
 # ---------------------------------------------------------------- the one-row fused kernel (the fused decoder's)
 
+def _same_split(n: int, k: int, paired: bool) -> dict:
+    """The rows kernel's tile that splits K as the fused kernel does (the same fp32 summation order, so bit-equal
+    outputs; on 2026-11-29 qkv 6144 x 4096 split 8 ways against the fused kernel's 16 differed in a few roundings)."""
+    return dict(w4_mma.fused_tile(n, k, paired), R=1)
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, bit_equal: float = 0.98) -> None:
     """Bit-equal but for the odd element where the norm's fp32 sum came out in another order. Off by a bf16 step of
     the largest inputs at most: RoPE's difference of two products keeps the absolute error of its terms."""
@@ -139,9 +145,11 @@ def test_fused_norm_prologue_and_perm(act_order: bool) -> None:
     nw = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
     xin = (lambda v: v[:, perm].contiguous()) if act_order else (lambda v: v)
     plain = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, perm=perm)
-    assert torch.equal(plain, w4_mma.gemv_w4_mma(xin(h), w.weight, w.scales_and_zeros, 128, n))
+    assert torch.equal(plain, w4_mma.gemv_w4_mma(xin(h), w.weight, w.scales_and_zeros, 128, n,
+                                                 _same_split(n, k, paired=False)))
     got = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, perm=perm, norm_weight=nw, eps=1e-5)
-    _close(got, w4_mma.gemv_w4_mma(xin(rms_norm(h, nw, 1e-5)), w.weight, w.scales_and_zeros, 128, n))
+    _close(got, w4_mma.gemv_w4_mma(xin(rms_norm(h, nw, 1e-5)), w.weight, w.scales_and_zeros, 128, n,
+                                   _same_split(n, k, paired=False)))
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -153,13 +161,14 @@ def test_fused_silu_epilogue(bias: bool) -> None:
     h = torch.randn(1, k, device="cuda").to(torch.bfloat16)
     nw = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
     b = torch.randn(n, device="cuda").to(torch.bfloat16) if bias else None
-    plain = w4_mma.gemv_w4_mma(h, w.weight, w.scales_and_zeros, 128, n)
+    plain = w4_mma.gemv_w4_mma(h, w.weight, w.scales_and_zeros, 128, n, _same_split(n, k, paired=True))
     got = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, bias=b, silu=True)
     assert got.shape == (1, n // 2)
     # the bias goes onto the rounded product, as the unfused quantized linear adds it: bit-equal to plain + b
     assert torch.equal(got, silu_and_mul(plain + b if bias else plain))
     got = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, bias=b, norm_weight=nw, eps=1e-6, silu=True)
-    normed = w4_mma.gemv_w4_mma(rms_norm(h, nw, 1e-6), w.weight, w.scales_and_zeros, 128, n)
+    normed = w4_mma.gemv_w4_mma(rms_norm(h, nw, 1e-6), w.weight, w.scales_and_zeros, 128, n,
+                                _same_split(n, k, paired=True))
     _close(got, silu_and_mul(normed + b if bias else normed))
 
 
@@ -170,7 +179,7 @@ def test_fused_residual_epilogue(n: int, k: int, bias: bool) -> None:
     x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
     r = torch.randn(1, n, device="cuda").to(torch.bfloat16) * 4
     b = torch.randn(n, device="cuda").to(torch.bfloat16) if bias else None
-    plain = w4_mma.gemv_w4_mma(x, w.weight, w.scales_and_zeros, 128, n)
+    plain = w4_mma.gemv_w4_mma(x, w.weight, w.scales_and_zeros, 128, n, _same_split(n, k, paired=False))
     want = plain + b + r if bias else plain + r  # RowParallelLinear: round, add the bias (rounded), add h
     assert torch.equal(w4_mma.gemv_w4_mma_fused(x, w.weight, w.scales_and_zeros, 128, n, bias=b, residual=r), want)
 
@@ -193,7 +202,8 @@ def test_fused_rope_epilogue(hq: int, hkv: int, d: int, bias: bool) -> None:
     cos_sin = torch.stack([emb.cos(), emb.sin()], dim=1).contiguous()  # [P, 2, D]
     got = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, bias=b, norm_weight=nw, eps=1e-5,
                                    rope=Rope(pos, cos_sin, d, (hq + hkv) * d))
-    qkv = w4_mma.gemv_w4_mma(rms_norm(h, nw, 1e-5), w.weight, w.scales_and_zeros, 128, n)
+    qkv = w4_mma.gemv_w4_mma(rms_norm(h, nw, 1e-5), w.weight, w.scales_and_zeros, 128, n,
+                             _same_split(n, k, paired=True))
     if bias:
         qkv = qkv + b
     q, kk, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
@@ -201,7 +211,7 @@ def test_fused_rope_epilogue(hq: int, hkv: int, d: int, bias: bool) -> None:
     _close(got, torch.cat([qr.reshape(1, -1), kr.reshape(1, -1), v], dim=-1))
     no_norm = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, bias=b,
                                        rope=Rope(pos, cos_sin, d, (hq + hkv) * d))
-    qkv = w4_mma.gemv_w4_mma(h, w.weight, w.scales_and_zeros, 128, n)
+    qkv = w4_mma.gemv_w4_mma(h, w.weight, w.scales_and_zeros, 128, n, _same_split(n, k, paired=True))
     q, kk, v = (qkv + b if bias else qkv).split([hq * d, hkv * d, hkv * d], dim=-1)
     qr, kr = rope(pos, q.view(1, hq, d), kk.view(1, hkv, d), cos_sin)
     assert torch.equal(no_norm, torch.cat([qr.reshape(1, -1), kr.reshape(1, -1), v], dim=-1))  # no sum to reorder
