@@ -32,7 +32,8 @@ where it fits.
 At 1-8 rows (decode batches) a layer runs parallel/kernels/w4_mma.py's tensor-core GEMV instead, which reads this
 same layout in place (no second copy), where `choose_w4` finds it faster than tinygemm at load (`Int4PackWeight.
 w4_config`; TANDEM_W4_GEMV=0 never, =1 wherever it fits, to compare). On an H200 (2026-11-29) it took every Llama-3.1-8B
-shape: 47 us a decoder layer at one row against tinygemm's 68, half tinygemm's time at eight rows.
+shape: 43 us a decoder layer at one row against tinygemm's 68 (scripts/bench_w4_mma.py), half tinygemm's time at
+eight rows.
 """
 from __future__ import annotations
 
