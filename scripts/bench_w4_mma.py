@@ -33,15 +33,10 @@ ROTATE_BYTES = 400 << 20  # weight copies a timed call cycles through: past the 
 
 def _weights(n: int, k: int, copies: int) -> list:
     """`copies` random 4-bit layers (asymmetric zeros, group GROUP) in tinygemm's layout, as load builds them."""
-    from parallel.quant import tinygemm
+    from scripts.bench_gemv_int4 import GROUP as INT4_GROUP, _weights as int4_weights
 
-    out = []
-    for _ in range(copies):
-        codes = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int32)
-        scales = torch.rand(n, k // GROUP, device="cuda") * 2e-3 + 1e-3
-        zeros = torch.randint(0, 16, (n, k // GROUP), device="cuda").float()
-        out.append(tinygemm.build(codes, scales, zeros, GROUP))
-    return out
+    assert INT4_GROUP == GROUP
+    return int4_weights(n, k, copies)
 
 
 def shape_state(name: str, n: int, k: int, bench) -> dict:

@@ -343,6 +343,25 @@ def hf_greedy_argmax(path: str, prompts: list[list[int]], n: int, device: str = 
     return outs
 
 
+def fused_and_unfused_decode(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list, list]:
+    """Greedy outputs with log-probs, one prompt at a time (the batch-1 decode graph), first through the runner's
+    graphs as captured (the fused decoder, where the model takes it), then with the graphs recaptured on the unfused
+    decoder: (fused, unfused). Shuts the engine down."""
+    from tandem import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    try:
+        eng = llm.llm_engine
+        runner = getattr(eng, "runner", None) or eng.executor.runner
+        fused = [llm.generate([p], params)[0] for p in prompts]
+        runner.model.fuse_decode = False
+        runner.cuda_graphs = runner._capture_cuda_graphs()
+        unfused = [llm.generate([p], params)[0] for p in prompts]
+    finally:
+        llm.llm_engine.shutdown()
+    return fused, unfused
+
+
 def assert_engine_clean(llm) -> None:
     """After every request finished or was aborted: nothing queued, no block owned, invariants hold."""
     engine = getattr(llm, "llm_engine", llm)

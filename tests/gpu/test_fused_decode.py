@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models import prompts_of_lengths, tiny_model
-from tandem import LLM, SamplingParams
+from tests.models import fused_and_unfused_decode, prompts_of_lengths, tiny_model
+from tandem import LLM
 
 DEV = "cuda"
 
@@ -89,11 +89,6 @@ def test_rope_epilogue(hq, hkv, d, bias):
     assert torch.equal(got, want)
 
 
-def _runner(llm):
-    eng = llm.llm_engine
-    return getattr(eng, "runner", None) or eng.executor.runner
-
-
 ARCHS = [
     ("llama", dict(hidden_size=320, num_attention_heads=5, num_key_value_heads=1, head_dim=64, intermediate_size=520,
                    num_hidden_layers=3, attention_bias=True, mlp_bias=True)),
@@ -114,17 +109,8 @@ def test_fused_decode_graph_matches_unfused(arch, overrides, monkeypatch):
     # prompt's keys from the cache in other tiles, moving logprobs by bf16 rounding), so only decode differs.
     llm = LLM(path, device="cuda", dtype="bfloat16", attention_backend="triton", max_model_len=256, block_size=16,
               num_gpu_blocks_override=128, max_num_seqs=4, enable_prefix_caching=False, show_progress=False)
-    try:
-        runner = _runner(llm)
-        assert calls, "the batch-1 graph was not captured through the fused path"
-        prompts = prompts_of_lengths([5, 40, 17], 200, seed=3)
-        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
-        fused = [llm.generate([p], params)[0] for p in prompts]  # one at a time: the batch-1 graph
-        runner.model.fuse_decode = False
-        runner.cuda_graphs = runner._capture_cuda_graphs()
-        unfused = [llm.generate([p], params)[0] for p in prompts]
-    finally:
-        llm.llm_engine.shutdown()
+    fused, unfused = fused_and_unfused_decode(llm, prompts_of_lengths([5, 40, 17], 200, seed=3), 24)
+    assert calls, "the batch-1 graph was not captured through the fused path"
     for f, u in zip(fused, unfused):
         assert f.token_ids == u.token_ids
         lf = [lp[t] for lp, t in zip(f.logprobs, f.token_ids)]

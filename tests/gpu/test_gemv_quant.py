@@ -167,8 +167,8 @@ def _exact_int4_apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 @pytest.mark.parametrize("method", list(E2E))
 def test_quantized_model_decodes_through_the_fused_path(tmp_path, method, monkeypatch):
-    from tandem import LLM, SamplingParams
-    from tests.models import prompts_of_lengths, tiny_model
+    from tandem import LLM
+    from tests.models import fused_and_unfused_decode, prompts_of_lengths, tiny_model
     from tests.quant_helpers import qt
     from workers.models import fused_decode
 
@@ -183,19 +183,10 @@ def test_quantized_model_decodes_through_the_fused_path(tmp_path, method, monkey
     monkeypatch.setattr(fused_decode, "forward", lambda *a: calls.append(1) or real(*a))
     llm = LLM(dst, device="cuda", dtype="bfloat16", max_model_len=256, block_size=16, num_gpu_blocks_override=128,
               max_num_seqs=4, enable_prefix_caching=False, show_progress=False)
-    try:
-        runner = llm.llm_engine.executor.runner
-        layer = runner.model.layers["0"].mlp.down_proj
-        assert getattr(layer, "gemv_weight", None) is not None, getattr(layer, "gemv_skipped", None)
-        assert calls, "the batch-1 graph was not captured through the fused path"
-        prompts = prompts_of_lengths([5, 40, 17], 200, seed=3)
-        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
-        fused = [llm.generate([p], params)[0] for p in prompts]
-        runner.model.fuse_decode = False
-        runner.cuda_graphs = runner._capture_cuda_graphs()
-        unfused = [llm.generate([p], params)[0] for p in prompts]
-    finally:
-        llm.llm_engine.shutdown()
+    layer = llm.llm_engine.executor.runner.model.layers["0"].mlp.down_proj
+    fused, unfused = fused_and_unfused_decode(llm, prompts_of_lengths([5, 40, 17], 200, seed=3), 16)
+    assert getattr(layer, "gemv_weight", None) is not None, getattr(layer, "gemv_skipped", None)
+    assert calls, "the batch-1 graph was not captured through the fused path"
     for f, u in zip(fused, unfused):
         assert f.token_ids[0] == u.token_ids[0], "the prefill (same kernels in both passes) must agree"
         lf = [lp[t] for lp, t in zip(f.logprobs, f.token_ids)]

@@ -234,8 +234,8 @@ def test_quantized_model_fused_decode_matches_unfused(tmp_path, method: str, bia
     on w4_mma's fused kernel, and gives the unfused graph's tokens (w4_mma per linear with the separate norm, RoPE, SiLU
     and residual kernels) and log-probabilities."""
     from parallel.quant.rtn import Options
-    from tandem import LLM, SamplingParams
-    from tests.models import prompts_of_lengths, tiny_model
+    from tandem import LLM
+    from tests.models import fused_and_unfused_decode, prompts_of_lengths, tiny_model
     from tests.quant_helpers import qt
     from workers.models import fused_decode
 
@@ -251,20 +251,12 @@ def test_quantized_model_fused_decode_matches_unfused(tmp_path, method: str, bia
     monkeypatch.setattr(fused_decode, "forward", lambda *a: calls.append(1) or real(*a))
     llm = LLM(dst, device="cuda", dtype="bfloat16", attention_backend="triton", max_model_len=256, block_size=16,
               num_gpu_blocks_override=128, max_num_seqs=4, enable_prefix_caching=False, show_progress=False)
-    try:
-        runner = llm.llm_engine.executor.runner
-        for lin in fused_decode._linears(runner.model.layers["0"]):
-            assert getattr(lin, "gemv_weight", None) is not None, getattr(lin, "gemv_skipped", None)
-            assert lin.gemv_weight.config.get("W4MMA")
-        assert calls, "the batch-1 graph was not captured through the fused path"
-        prompts = prompts_of_lengths([5, 40, 17], 200, seed=3)
-        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
-        fused = [llm.generate([p], params)[0] for p in prompts]
-        runner.model.fuse_decode = False
-        runner.cuda_graphs = runner._capture_cuda_graphs()
-        unfused = [llm.generate([p], params)[0] for p in prompts]
-    finally:
-        llm.llm_engine.shutdown()
+    linears = fused_decode._linears(llm.llm_engine.executor.runner.model.layers["0"])
+    fused, unfused = fused_and_unfused_decode(llm, prompts_of_lengths([5, 40, 17], 200, seed=3), 24)
+    for lin in linears:
+        assert getattr(lin, "gemv_weight", None) is not None, getattr(lin, "gemv_skipped", None)
+        assert lin.gemv_weight.config.get("W4MMA")
+    assert calls, "the batch-1 graph was not captured through the fused path"
     for f, u in zip(fused, unfused):
         assert f.token_ids == u.token_ids
         lf = [lp[t] for lp, t in zip(f.logprobs, f.token_ids)]
