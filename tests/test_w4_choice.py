@@ -58,3 +58,20 @@ def test_source_carries_the_tile() -> None:
         assert line in src
     assert "#define CHUNK 32" in w4_mma.source(1, 8, 2, 32)
     assert 'extern "C" __global__' in src and "mma.sync.aligned.m16n8k16" in src
+
+
+def test_bad_calls_are_refused_before_any_launch() -> None:
+    """Shapes and dtypes the kernel cannot take raise a ValueError naming why (here on CPU tensors: nothing launches)."""
+    packed = torch.zeros(512 // 8, 1024 // 128, 32, 4, dtype=torch.int32)
+    sz = torch.zeros(1024 // 128, 512, 2, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="9 rows"):
+        w4_mma.gemv_w4_mma(torch.zeros(9, 1024, dtype=torch.bfloat16), packed, sz, 128, 512)
+    with pytest.raises(ValueError, match="float32"):
+        w4_mma.gemv_w4_mma(torch.zeros(1, 1024), packed, sz, 128, 512)
+    with pytest.raises(ValueError, match="K=1000"):
+        w4_mma.gemv_w4_mma(torch.zeros(1, 1000, dtype=torch.bfloat16), packed, sz, 128, 512)
+    with pytest.raises(ValueError, match="one bf16 row"):
+        w4_mma.gemv_w4_mma_fused(torch.zeros(2, 1024, dtype=torch.bfloat16), packed, sz, 128, 512)
+    with pytest.raises(ValueError, match="head_dim 48"):
+        w4_mma.gemv_w4_mma_fused(torch.zeros(1, 1024, dtype=torch.bfloat16), packed, sz, 128, 480,
+                                 rope=type("Rope", (), dict(head_dim=48))())

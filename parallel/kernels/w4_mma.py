@@ -1,7 +1,7 @@
 """Decode-batch W4A16 GEMV on tensor cores, in CUDA compiled at run time (NVRTC, `torch.cuda._compile_kernel`):
 y[M, N] = x[M, K] @ W^T for M <= 8 rows, reading tinygemm's int4 layout in place (parallel/quant/tinygemm.py).
 
-Why CUDA and not Triton: the Triton kernels (gemv_int4.py, gemv_w4.py) spent 3.5-4.3 instructions per int4 code on
+Why CUDA and not Triton: the Triton kernels (gemv_int4.py, and gemv_w4.py before this one replaced it) spent 3.5-4.3 instructions per int4 code on
 unpacking, and Triton moves an unpacked tile into the tensor-core operand layout through shared memory; tinygemm
 itself dequantizes each code in fp32 before its MMA. Here each lane's 16-byte load already *is* its MMA operand
 fragment, so a code costs under one instruction:
@@ -26,6 +26,13 @@ Work split: a CTA owns R 16-row tiles (16 R output rows) and its KSPLIT warps sp
 each warp prefetches U steps of its R tiles (2 R U 16-byte loads a lane in flight), the warps' partial sums meet in
 shared memory, and warp 0 writes bf16. No atomics, no second kernel, no host sync: it captures into CUDA graphs.
 Constraints (`fits`): inner_k_tiles 8 (K % 128 == 0), N % 16 == 0, group 32/64/128/256, sm80+, bf16 activations.
+Tiles (`tile_for`) and speed: scripts/bench_w4_mma.py; on an H200 (2026-11-29) 43 us a Llama-3.1-8B decoder layer at
+one row against tinygemm's 68 and the bf16 GEMV's 110 (docs/benchmarks.md, twenty-eighth session).
+
+`gemv_w4_mma_fused` is the one-row variant the fused batch-1 decoder can take (TANDEM_FUSED_INT4=w4_mma,
+parallel/quant/fused_gemv.py): every CTA first stages x in shared memory (RMSNorm'd, act order's permutation applied),
+then runs the same product with the SiLU-and-mul, RoPE or residual epilogue of parallel/kernels/gemv.py (two 16-row
+tiles a CTA where an output needs a partner row: gate and up, or rows j and j + head_dim / 2 of a head).
 """
 from __future__ import annotations
 
@@ -365,6 +372,9 @@ def gemv_w4_mma(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_s
     """x bf16 [M, K] (M <= 8), packed int32 [N/8, K/128, 32, 4], sz bf16 [K/group_size, N, 2] -> bf16 [M, N]."""
     m, k = x.shape
     cfg = cfg or tile_for(n, k)
+    why = fits(n, k, group_size, 8 if packed.dim() == 4 and packed.shape[-1] == 4 else 0, rows=m, R=cfg["R"])
+    if why is not None or x.dtype != torch.bfloat16:
+        raise ValueError(f"gemv_w4_mma: {why or f'activations in {x.dtype} (bf16 only)'}")
     x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     kern = _kernel(cfg["R"], cfg["KSPLIT"], cfg["U"], group_size, cfg.get("SUB", 0), x.device.index or 0)
