@@ -17,12 +17,14 @@ _NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "
 # ranks' own step profile, logged as they run; workers/kv_transfer/transport.py: each handoff's phases), the KV
 # handoff's knobs (transport.py: NCCL stream priority, row-copy grid caps) and the quantized paths' knobs
 # read at load (measured FP8 GEMV tiles, the fused quantized GEMV and its 4-bit opt-in, FP8 activations from their
-# producers, fast FP8 accumulation, tinygemm's inner_k_tiles: parallel/kernels/gemv_quant.py, parallel/quant/fused_gemv.py,
-# fp8_act.py, packed.py, tinygemm.py).
+# producers, fast FP8 accumulation, tinygemm's inner_k_tiles, the 4-bit kernel choices (Triton or tinygemm; w4_mma at
+# 1-8 rows), load-time tuning: parallel/kernels/gemv_quant.py, parallel/quant/fused_gemv.py, fp8_act.py, packed.py,
+# tinygemm.py; tests/test_quant_env_forwarded.py).
 _FORWARDED_ENV = ("TANDEM_PROFILE_TRACE_DIR", "TANDEM_RANK_PROFILE", "TANDEM_KV_PHASES", "TANDEM_KV_NCCL_HIGH_PRIORITY",
                   "TANDEM_KV_OVERLAP_COPY_PROGRAMS", "TANDEM_KV_COPY_PROGRAMS", "TANDEM_KV_LEAN", "TANDEM_KV_PAIR_GROUPS", "TANDEM_KV_PEER_IPC",
                   "TANDEM_FP8_TABLE", "TANDEM_FUSED_QUANT", "TANDEM_FP8_FUSED_ACT", "TANDEM_FP8_FAST_ACCUM",
-                  "TANDEM_FUSED_INT4", "TANDEM_TINYGEMM_IKT", "TANDEM_TP_OWN_FILL", "TANDEM_ATTN_REPEAT",
+                  "TANDEM_FUSED_INT4", "TANDEM_TINYGEMM_IKT", "TANDEM_W4_GEMV", "TANDEM_W4A16_KERNEL",
+                  "TANDEM_QUANT_TUNE", "TANDEM_TP_OWN_FILL", "TANDEM_ATTN_REPEAT",
                   "TANDEM_GC_FREEZE", "TANDEM_RANK_LAUNCH_AHEAD", "TANDEM_RING_KERNEL", "TANDEM_RING_HBAND_L2")
 # Where a user or operator may have given Ray a token already: theirs wins.
 AUTH_TOKEN_SOURCES = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
