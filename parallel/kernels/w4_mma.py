@@ -37,6 +37,7 @@ tiles a CTA where an output needs a partner row: gate and up, or rows j and j + 
 from __future__ import annotations
 
 import functools
+import struct
 
 import torch
 
@@ -325,11 +326,20 @@ def tile_for(n: int, k: int) -> dict:
     fastest split K over the most warps a CTA takes (16) while the launch stays near 4,096 warps, four 128-input steps
     in flight a warp. qkv 6144 (384 tiles): 8 warps a CTA, 6.3 us; o and down (256 tiles): 16, 4.8 and 11.8 us;
     gate_up 28672 (1,792 tiles): 2, 20.7 us. Two 16-row tiles a CTA and the bf16 subtract-8 were slower everywhere."""
-    tiles = max(1, n // 16)
+    return dict(R=1, KSPLIT=_ksplit(n // 16), U=4, SUB=0)
+
+
+def _ksplit(ctas: int) -> int:
+    """Warps a CTA splits K over: 16 (the most a CTA takes), halved down to 2 while ctas x it exceeds WARPS_TARGET."""
     ksplit = 16
-    while ksplit > 2 and tiles * ksplit > WARPS_TARGET:
+    while ksplit > 2 and max(1, ctas) * ksplit > WARPS_TARGET:
         ksplit //= 2
-    return dict(R=1, KSPLIT=ksplit, U=4, SUB=0)
+    return ksplit
+
+
+def _inner_k_tiles(packed: torch.Tensor) -> int:
+    """tinygemm's inner_k_tiles of a packed weight [N/8, K/(16 IKT), 32, IKT/2] this kernel reads (8), else 0."""
+    return 8 if packed.dim() == 4 and packed.shape[-1] == 4 else 0
 
 
 def source(R: int, KSPLIT: int, U: int, GS: int, SUB: int = 0, fused: dict | None = None) -> str:
@@ -372,7 +382,7 @@ def gemv_w4_mma(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_s
     """x bf16 [M, K] (M <= 8), packed int32 [N/8, K/128, 32, 4], sz bf16 [K/group_size, N, 2] -> bf16 [M, N]."""
     m, k = x.shape
     cfg = cfg or tile_for(n, k)
-    why = fits(n, k, group_size, 8 if packed.dim() == 4 and packed.shape[-1] == 4 else 0, rows=m, R=cfg["R"])
+    why = fits(n, k, group_size, _inner_k_tiles(packed), rows=m, R=cfg["R"])
     if why is not None or x.dtype != torch.bfloat16:
         raise ValueError(f"gemv_w4_mma: {why or f'activations in {x.dtype} (bf16 only)'}")
     x = x.contiguous()
@@ -388,11 +398,7 @@ SMEM_LIMIT = 48 * 1024  # a launch's shared memory without opting in to more
 def fused_tile(n: int, k: int, paired: bool) -> dict:
     """The one-row fused kernel's tile: two 16-row tiles a CTA when paired (SiLU's gate and up, RoPE's row halves),
     K split over as many warps as keep the launch near WARPS_TARGET."""
-    ctas = max(1, n // (32 if paired else 16))
-    ksplit = 16
-    while ksplit > 2 and ctas * ksplit > WARPS_TARGET:
-        ksplit //= 2
-    return dict(R=2 if paired else 1, KSPLIT=ksplit, U=4, SUB=0)
+    return dict(R=2 if paired else 1, KSPLIT=_ksplit(n // (32 if paired else 16)), U=4, SUB=0)
 
 
 def fused_smem(k: int, tile: dict) -> int:
@@ -427,7 +433,7 @@ def gemv_w4_mma_fused(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, g
         raise ValueError(f"gemv_w4_mma_fused: one bf16 row, got {tuple(x.shape)} {x.dtype}")
     k = x.shape[1]
     paired = silu or rope is not None
-    why = fused_fits(n, k, group_size, 8 if packed.dim() == 4 and packed.shape[-1] == 4 else 0, silu=silu,
+    why = fused_fits(n, k, group_size, _inner_k_tiles(packed), silu=silu,
                      head_dim=rope.head_dim if rope is not None else None)
     if why is not None:
         raise ValueError(f"gemv_w4_mma_fused: {why}")
@@ -445,7 +451,7 @@ def gemv_w4_mma_fused(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, g
     x = x.contiguous()
     y = torch.empty(1, n // 2 if silu else n, dtype=torch.bfloat16, device=x.device)
     kern = _kernel(tile["R"], tile["KSPLIT"], tile["U"], group_size, 0, x.device.index or 0, tuple(sorted(flags.items())))
-    eps_bits = int(torch.tensor(eps, dtype=torch.float32).view(torch.int32).item())
+    eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]  # the kernel takes eps as float32 bits (an int arg)
     args = [x, packed, sz, y, norm_weight if norm_weight is not None else x, bias if bias is not None else x,
             residual if residual is not None else x, perm if perm is not None else x,
             rope.positions if rope is not None else x, rope.cos_sin if rope is not None else x, n, k,
