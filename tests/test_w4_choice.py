@@ -49,7 +49,6 @@ def test_tiles_and_fits() -> None:
     assert "multiple of 32" in w4_mma.fits(4112, 4096, 128, 8, R=2)
     assert "group size 512" in w4_mma.fits(4096, 4096, 512, 8)
     assert "9 rows" in w4_mma.fits(4096, 4096, 128, 8, rows=9)
-    assert tg.W4_MAX_ROWS == w4_mma.MAX_ROWS
 
 
 def test_source_carries_the_tile() -> None:
@@ -75,3 +74,24 @@ def test_bad_calls_are_refused_before_any_launch() -> None:
     with pytest.raises(ValueError, match="head_dim 48"):
         w4_mma.gemv_w4_mma_fused(torch.zeros(1, 1024, dtype=torch.bfloat16), packed, sz, 128, 480,
                                  rope=type("Rope", (), dict(head_dim=48))())
+
+
+def test_probe_runs_once_per_device_and_names_what_failed(caplog: pytest.LogCaptureFixture) -> None:
+    """The probes' shared mechanism (tinygemm's and w4_mma's): the check runs once per device index, an exception
+    counts as a reason, and a reason is logged once as a warning naming the path and what serves instead."""
+    calls = []
+
+    def failing(device):
+        calls.append(device)
+        raise RuntimeError("nvrtc: no such library")
+
+    cache: dict = {}
+    dev = torch.device("cuda", 3)
+    with caplog.at_level("WARNING"):
+        why = tg._probe_once(cache, dev, failing, "the w4_mma GEMV", "tinygemm serves 1-8 rows")
+        assert tg._probe_once(cache, dev, failing, "the w4_mma GEMV", "tinygemm serves 1-8 rows") == why
+    assert why == "RuntimeError: nvrtc: no such library" and calls == [dev] and cache == {3: why}
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "the w4_mma GEMV is off on cuda:3" in warnings[0] and "tinygemm serves" in warnings[0]
+    ok: dict = {}
+    assert tg._probe_once(ok, torch.device("cuda", 0), lambda d: None, "x", "y") is None and ok == {0: None}

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from parallel.kernels import w4_mma
 from parallel.kernels.quant_tiles import cuda_time as _time
 
 log = logging.getLogger(__name__)
@@ -209,10 +210,9 @@ class Int4PackWeight:
             return torch.empty(0, self.out_features, dtype=x.dtype, device=x.device)
         if x.dtype != torch.bfloat16 or (self.dequant_rows is not None and m >= self.dequant_rows):
             return F.linear(x, self.dense(x.dtype), bias)
-        if self.w4_config is not None and m <= W4_MAX_ROWS:
-            from parallel.kernels.w4_mma import gemv_w4_mma
-
-            y = gemv_w4_mma(x, self.weight, self.scales_and_zeros, self.group_size, self.out_features, self.w4_config)
+        if self.w4_config is not None and m <= w4_mma.MAX_ROWS:
+            y = w4_mma.gemv_w4_mma(x, self.weight, self.scales_and_zeros, self.group_size, self.out_features,
+                                   self.w4_config)
             return y + bias if bias is not None else y
         y = torch.ops.aten._weight_int4pack_mm(x, self.weight, self.group_size, self.scales_and_zeros)
         return y + bias if bias is not None else y
@@ -237,32 +237,53 @@ _PROBED: dict[int, str | None] = {}  # device index -> None (works) or why not
 def probe(device: torch.device) -> str | None:
     """Once per device: the op exists, its output equals (code - 8) * scale + zero on our layout, the dequantize
     kernel agrees with it, and the op captures into a CUDA graph. None when all hold, else what failed."""
+    return _probe_once(_PROBED, device, _check, "the tinygemm int4 path", "the Triton kernels serve instead")
+
+
+def _probe_once(cache: dict[int, str | None], device: torch.device, check, what: str, instead: str) -> str | None:
+    """`check(device)` run once per device index and cached: None (works) or why not; an exception (an op missing
+    from this build, a compile or launch failure, a capture error) is a why-not too. A why-not is logged once."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx in _PROBED:
-        return _PROBED[idx]
-    why = None
-    try:
-        if torch.cuda.get_device_capability(device) < (8, 0):
-            why = "needs compute capability 8.0+"
-        elif not hasattr(torch.ops.aten, "_weight_int4pack_mm"):
-            why = f"torch {torch.__version__} has no aten._weight_int4pack_mm"
-        else:
-            why = _check(device)
-    except Exception as e:  # an op missing from this build, a launch failure, a capture error
-        why = f"{type(e).__name__}: {e}"
-    _PROBED[idx] = why
-    if why is not None:
-        log.warning("W4A16: the tinygemm int4 path is off on %s (%s); the Triton kernels serve instead", device, why)
-    return why
+    if idx not in cache:
+        try:
+            why = check(device)
+        except Exception as e:
+            why = f"{type(e).__name__}: {str(e)[:300]}"
+        cache[idx] = why
+        if why is not None:
+            log.warning("W4A16: %s is off on %s (%s); %s", what, device, why, instead)
+    return cache[idx]
+
+
+def _random_layer(g: torch.Generator, device: torch.device, n: int, k: int, gs: int):
+    """A random asymmetric 4-bit layer built as load builds it: (its codes [N, K] on CPU, the Int4PackWeight or why
+    not). Explicit dtypes: the loader runs the probes under a bf16 default dtype."""
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scales = torch.rand(n, k // gs, generator=g, dtype=torch.float32) * 0.02 + 0.01
+    zeros = torch.randint(0, 16, (n, k // gs), generator=g).float()
+    return codes, build(codes.to(device), scales.to(device), zeros.to(device), gs)
+
+
+def _same_in_graph(fn, x: torch.Tensor, y: torch.Tensor) -> bool:
+    """fn captured into a CUDA graph on a copy of x and replayed gives the eager result y."""
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize(x.device)
+    with torch.cuda.graph(graph):
+        static_y = fn(static_x)
+    graph.replay()
+    torch.cuda.synchronize(x.device)
+    return torch.equal(static_y, y)
 
 
 def _check(device: torch.device) -> str | None:
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "needs compute capability 8.0+"
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm"):
+        return f"torch {torch.__version__} has no aten._weight_int4pack_mm"
     g = torch.Generator(device="cpu").manual_seed(0)
-    n, k, gs = 64, 512, 128
-    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
-    scales = torch.rand(n, k // gs, generator=g, dtype=torch.float32) * 0.02 + 0.01  # explicit dtypes: the loader
-    zeros = torch.randint(0, 16, (n, k // gs), generator=g).float()                  # runs this under bf16 default
-    w = build(codes.to(device), scales.to(device), zeros.to(device), gs)
+    k = 512
+    codes, w = _random_layer(g, device, 64, k, 128)
     if isinstance(w, str):
         return w
     if not torch.equal(w.weight.cpu(), int4pack_reference(to_uint8_pairs(codes), w.inner_k_tiles)):
@@ -271,19 +292,13 @@ def _check(device: torch.device) -> str | None:
     x = torch.randn(5, k, generator=g, dtype=torch.float32).to(device, torch.bfloat16)
     want = x.float() @ ref.to(device).t()
     tol = 0.02 * want.abs().max().item()
-    y = torch.ops.aten._weight_int4pack_mm(x, w.weight, w.group_size, w.scales_and_zeros)
+    mm = lambda v: torch.ops.aten._weight_int4pack_mm(v, w.weight, w.group_size, w.scales_and_zeros)  # noqa: E731
+    y = mm(x)
     if (y.float() - want).abs().max().item() > tol:
         return "_weight_int4pack_mm disagrees with (code - 8) * scale + zero on this layout"
     if (w.dense(torch.float32).cpu() - ref).abs().max().item() > 1e-2 * ref.abs().max().item():
         return "the int4pack dequantize kernel disagrees with the layout"
-    static_x = x.clone()
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize(device)
-    with torch.cuda.graph(graph):
-        static_y = torch.ops.aten._weight_int4pack_mm(static_x, w.weight, w.group_size, w.scales_and_zeros)
-    graph.replay()
-    torch.cuda.synchronize(device)
-    if not torch.equal(static_y, y):
+    if not _same_in_graph(mm, x, y):
         return "_weight_int4pack_mm gives another result inside a CUDA graph"
     return None
 
@@ -332,7 +347,6 @@ def convert(pw, dtype: torch.dtype) -> Int4PackWeight | str:
 
 W4_ENV = "TANDEM_W4_GEMV"
 W4_CHOICES = ("auto", "0", "1")
-W4_MAX_ROWS = 8  # w4_mma.MAX_ROWS (kept here so CPU code need not import the kernel module)
 W4_MARGIN = 0.95  # w4_mma must measure at most this fraction of tinygemm's time at load
 _W4_CHOICE: dict[tuple, dict | None] = {}
 W4_MEASURED: list[dict] = []  # what `choose_w4` timed, per weight shape (scripts/bench_quant.py reports it)
@@ -352,8 +366,6 @@ def choose_w4(w: Int4PackWeight) -> dict | None:
     choice = w4_choice()
     if choice == "0":
         return None
-    from parallel.kernels import w4_mma
-
     tile = w4_mma.tile_for(w.out_features, w.in_features)
     if w4_mma.fits(w.out_features, w.in_features, w.group_size, w.inner_k_tiles, R=tile["R"]) is not None:
         return None
@@ -382,48 +394,28 @@ def probe_w4(device: torch.device) -> str | None:
     """Once per device: w4_mma compiles (NVRTC), equals x @ the dequantized weight at 1, 3 and 8 rows for groups of
     32 and 128, and gives the same output replayed from a CUDA graph. None when all hold, else what failed (logged
     once; tinygemm then serves every row count)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _W4_PROBED:
-        try:
-            why = _check_w4(device)
-        except Exception as e:  # no NVRTC in this build, a compile or launch failure, a capture error
-            why = f"{type(e).__name__}: {str(e)[:300]}"
-        _W4_PROBED[idx] = why
-        if why is not None:
-            log.warning("W4A16: the w4_mma GEMV is off on %s (%s); tinygemm serves 1-8 rows", device, why)
-    return _W4_PROBED[idx]
+    return _probe_once(_W4_PROBED, device, _check_w4, "the w4_mma GEMV", "tinygemm serves 1-8 rows")
 
 
 def _check_w4(device: torch.device) -> str | None:
-    from parallel.kernels import w4_mma
-
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "needs compute capability 8.0+"
     g = torch.Generator(device="cpu").manual_seed(0)
     n, k = 64, 512
+    tile = w4_mma.tile_for(n, k)
     for gs in (32, 128):
-        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
-        scales = torch.rand(n, k // gs, generator=g, dtype=torch.float32) * 0.02 + 0.01
-        zeros = torch.randint(0, 16, (n, k // gs), generator=g).float()
-        w = build(codes.to(device), scales.to(device), zeros.to(device), gs)
+        _, w = _random_layer(g, device, n, k, gs)
         if isinstance(w, str):
             return w
         ref = dequantize_int4pack_reference(w.weight.cpu(), w.scales_and_zeros.cpu(), w.group_size).to(device)
-        tile = w4_mma.tile_for(n, k)
+        mm = lambda v: w4_mma.gemv_w4_mma(v, w.weight, w.scales_and_zeros, w.group_size, n, tile)  # noqa: E731
         for m in (1, 3, 8):
             x = torch.randn(m, k, generator=g, dtype=torch.float32).to(device, torch.bfloat16)
             want = x.float() @ ref.t()
-            y = w4_mma.gemv_w4_mma(x, w.weight, w.scales_and_zeros, w.group_size, n, tile)
+            y = mm(x)
             if (y.float() - want).abs().max().item() > 0.01 * want.abs().max().item():
                 return f"w4_mma disagrees with x @ the dequantized weight (group {gs}, {m} rows)"
-    static_x = x.clone()
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize(device)
-    with torch.cuda.graph(graph):
-        static_y = w4_mma.gemv_w4_mma(static_x, w.weight, w.scales_and_zeros, w.group_size, n, tile)
-    graph.replay()
-    torch.cuda.synchronize(device)
-    if not torch.equal(static_y, y):
+    if not _same_in_graph(mm, x, y):
         return "w4_mma gives another result inside a CUDA graph"
     return None
 

@@ -89,7 +89,7 @@ def test_apply_takes_it_at_decode_rows() -> None:
     for m in (1, 8, 9):
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         xp = x[:, perm].contiguous()
-        if m <= tg.W4_MAX_ROWS:
+        if m <= w4_mma.MAX_ROWS:
             want = w4_mma.gemv_w4_mma(xp, w.weight, w.scales_and_zeros, 128, n, w.w4_config) + bias
         else:
             want = torch.ops.aten._weight_int4pack_mm(xp, w.weight, 128, w.scales_and_zeros) + bias
@@ -99,7 +99,6 @@ def test_apply_takes_it_at_decode_rows() -> None:
 
 def test_choice_follows_env_and_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
     assert tg.probe_w4(torch.device("cuda")) is None
-    assert tg.W4_MAX_ROWS == w4_mma.MAX_ROWS
     w = _layer(4096, 4096, 128)
     monkeypatch.setenv(tg.W4_ENV, "0")
     assert tg.choose_w4(w) is None
