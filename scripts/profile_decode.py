@@ -26,10 +26,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shape", default="llama-3.1-8b")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--top", type=int, default=18, help="kernel names listed")
     p.add_argument("--batch", type=int, default=1, help="decoding sequences (a captured graph size)")
     p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--verify-k", type=int, default=0,
                    help="profile the speculative verification graph of k drafts per sequence instead")
+    p.add_argument("--quantization", default=None, help="e.g. gptq (W4A16) or fp8: the dummy weights in that layout")
     p.add_argument("--out", default="bench_results/profile_decode.txt")
     a = p.parse_args()
     from model_shapes import write_model_folder
@@ -37,7 +39,8 @@ def main():
     path = write_model_folder(a.shape, os.path.join(tempfile.mkdtemp(), a.shape))
     per_seq = -(-(a.context + 64) // 16)
     llm = LLM(model=path, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=max(1024, a.context + 64),
-              num_gpu_blocks_override=a.batch * per_seq + 64, max_num_seqs=max(4, a.batch), show_progress=False)
+              num_gpu_blocks_override=a.batch * per_seq + 64, max_num_seqs=max(4, a.batch), show_progress=False,
+              quantization=a.quantization)
     eng = llm.llm_engine
     runner = getattr(eng, "runner", None) or eng.executor.runner
     prompts = [[100 + (i * 7 + j) % 1000 for j in range(a.context)] for i in range(a.batch)]
@@ -68,9 +71,17 @@ def main():
         if t > 0:
             rows[ev.key] = (t / a.steps, ev.count / a.steps)
     total = sum(t for t, _ in rows.values())
-    lines = [f"GPU time per {what} (graph replay, batch {a.batch}, context {a.context}, {a.shape}): {total / 1e3:.3f} ms over "
-             f"{sum(c for _, c in rows.values()):.0f} kernels"]
-    for name, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:18]:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(a.steps):
+        g.replay()
+    end.record()
+    end.synchronize()
+    wall = start.elapsed_time(end) / a.steps  # kernels plus the gaps between them
+    lines = [f"GPU time per {what} (graph replay, batch {a.batch}, context {a.context}, {a.shape}, "
+             f"{a.quantization or 'unquantized'}): {total / 1e3:.3f} ms in {sum(c for _, c in rows.values()):.0f} kernels, "
+             f"{wall:.3f} ms replay wall"]
+    for name, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:a.top]:
         lines.append(f"{t / 1e3:8.3f} ms {100 * t / total:5.1f}%  x{c:5.0f}  {name[:110]}")
     text = "\n".join(lines)
     print(text)

@@ -17,6 +17,8 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from tests.models import assert_engine_clean
 from workers.config import SchedulerConfig
+from workers.executor import ExecutorError
+from workers.launched_step import LAUNCH_AHEAD_ENV
 from workers.sampling_params import SamplingParams
 from workers.scheduler_output import PLACEHOLDER_TOKEN, SampledToken, ModelRunnerOutput, fill_placeholders
 
@@ -54,8 +56,11 @@ ENGINE = dict(model=MODEL, dtype="float32", device="cpu", num_gpu_blocks_overrid
 
 @pytest.fixture(scope="module")
 def in_process():
-    """The in-process engine's outputs for `_params` (the reference of every layout below)."""
-    uni = LLM(**ENGINE, distributed_executor_backend="uni")
+    """The in-process engine's outputs for `_params` (the reference of every layout below), one step at a time."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(LAUNCH_AHEAD_ENV, "0")
+        uni = LLM(**ENGINE, distributed_executor_backend="uni")
+    assert not uni.llm_engine.async_scheduling
     reference = [o.text for o in uni.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)]
     params = _params(reference)
     expected = uni.generate(PROMPTS, params, use_tqdm=False)
@@ -64,7 +69,7 @@ def in_process():
     return params, expected
 
 
-def _run_ahead_twice(llm: LLM, params: list[SamplingParams], expected) -> list[bool]:
+def _run_ahead_twice(llm: LLM, params: list[SamplingParams], expected, preempts: bool = True) -> list[bool]:
     """Two rounds (the second starts on a cache holding the first's prefixes), each equal to the in-process
     engine's and leaving the engine clean; returns whether each step was sent ahead."""
     engine = llm.llm_engine
@@ -78,7 +83,7 @@ def _run_ahead_twice(llm: LLM, params: list[SamplingParams], expected) -> list[b
         assert_engine_clean(llm)
         assert engine.scheduler.num_parked_blocks == 0
     assert sum(aheads) > 10, "steps were not sent ahead"
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.num_preemptions > 0 or not preempts
     return aheads
 
 
@@ -112,6 +117,74 @@ def test_ranks_that_launch_ahead_equal_the_in_process_engine(shared_ray, in_proc
         _run_ahead_twice(llm, params, expected)
         counts = ray.get([w.launch_counts.remote() for w in llm.llm_engine.executor.workers])
         assert all(c.get("continued", 0) > 0 for c in counts), counts
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_in_process_launch_ahead_equals_the_in_process_engine(in_process, monkeypatch):
+    """The in-process executor schedules ahead where it launches steps (on a GPU; forced here on CPU): plain greedy
+    decode steps are launched, and the step planned meanwhile is launched behind one with its tokens from the device;
+    any other step sent ahead (sampled, penalised, a prefill) waits for its fill. Under preemption, chunked prompts,
+    stop strings and EOS ending sequences while the next step is out, the outputs equal the one-step-at-a-time
+    engine's, and the engine comes to rest clean."""
+    monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1")
+    params, expected = in_process
+    llm = LLM(**ENGINE, distributed_executor_backend="uni")
+    try:
+        executor = llm.llm_engine.executor
+        fills = []
+        fill = executor.fill
+        executor.fill = lambda tokens: fills.append(len(tokens)) or fill(tokens)
+        # All greedy, 24 tokens each: this round preempts (and recomputes) under steps launched ahead
+        greedy = SamplingParams(max_tokens=24, temperature=0.0)
+        with monkeypatch.context() as mp:
+            mp.setenv(LAUNCH_AHEAD_ENV, "0")
+            one_at_a_time = LLM(**ENGINE, distributed_executor_backend="uni")
+        try:
+            reference = one_at_a_time.generate(PROMPTS, greedy, use_tqdm=False)
+        finally:
+            one_at_a_time.llm_engine.shutdown()
+        _assert_same(llm.generate(PROMPTS, greedy, use_tqdm=False), reference)
+        assert llm.llm_engine.scheduler.num_preemptions > 0 and executor.launches["continued"] > 10
+        assert_engine_clean(llm)
+        _run_ahead_twice(llm, params, expected, preempts=False)  # sampled, penalised, stop strings, logprobs
+        assert executor.launches["continued"] > 10, executor.launches  # steps launched behind the one before
+        assert executor.launches["launched"] > executor.launches["continued"]
+        assert fills, "no step sent ahead waited for its fill"
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_in_process_executor_refuses_what_it_cannot_run(monkeypatch):
+    """Off (TANDEM_RANK_LAUNCH_AHEAD=0, and on CPU by default) the in-process engine sends no step ahead; the executor
+    names a misuse instead of hanging or running a step with placeholder tokens."""
+    monkeypatch.setenv(LAUNCH_AHEAD_ENV, "0")
+    llm = LLM(model=MODEL, dtype="float32", device="cpu")
+    try:
+        engine = llm.llm_engine
+        assert not engine.async_scheduling
+        out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)
+        assert all(len(o.token_ids) == 5 or o.finish_reason == "stop" for o in out)
+        with pytest.raises(ExecutorError, match="no step ahead"):
+            engine.executor.submit(None, ahead=True)
+        with pytest.raises(ExecutorError, match="one step at a time"):
+            engine.executor.submit(None, overlap=True)
+        with pytest.raises(ExecutorError, match="no step sent ahead"):
+            engine.executor.fill([1])
+    finally:
+        llm.llm_engine.shutdown()
+    monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1")
+    llm = LLM(model=MODEL, dtype="float32", device="cpu")
+    try:
+        engine = llm.llm_engine
+        assert engine.async_scheduling
+        engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
+        sched_out = engine.scheduler.schedule()
+        pending = engine.executor.submit(sched_out, ahead=True)  # as if a step were out: it waits for its fill
+        with pytest.raises(ExecutorError, match="never filled"):
+            engine.executor.submit(sched_out)
+        with pytest.raises(ExecutorError, match="before its placeholders were filled"):
+            pending.result()
     finally:
         llm.llm_engine.shutdown()
 

@@ -156,9 +156,9 @@ class SchedulerConfig(StrictModel):
                                             "would take longer than this to start at the rate the backlogged queue "
                                             "recently drained. Unset: no check offline, 5 when served.")
     async_scheduling: bool = Field(default=True, description="With rank actors (TP/PP/EP, or "
-                                   "distributed_executor_backend='ray'): plan and send step n+1 while the ranks "
-                                   "compute step n. Speculative decoding, structured output, penalties and SP "
-                                   "steps still run one at a time.")
+                                   "distributed_executor_backend='ray'), and in-process on a GPU: plan and send step "
+                                   "n+1 while the ranks compute step n. Speculative decoding, structured output, "
+                                   "penalties and SP steps still run one at a time.")
     pipeline_step_overlap: bool = Field(default=True, description="PP > 1: the running sequences form PP groups, "
                                         "one step of each in flight at once (vLLM's virtual engines); max_num_seqs "
                                         "and max_num_batched_tokens bound each group's step. False: one step at a "

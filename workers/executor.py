@@ -9,9 +9,10 @@ from abc import ABC, abstractmethod
 from typing import Callable
 
 from workers.config import EngineConfig
+from workers.launched_step import LaunchedStep, launch_ahead_enabled
 from workers.model_runner import ModelRunner
 from workers.rank_profile import ProfiledRunner, logged_profile
-from workers.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from workers.scheduler_output import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput, fill_placeholders
 
 
 class ExecutorError(RuntimeError):
@@ -99,13 +100,32 @@ class Executor(ABC):
 
 
 class UniprocExecutor(Executor):
-    """One rank, in this process: no process groups, no communication."""
+    """One rank, in this process: no process groups, no communication.
+
+    On a GPU it schedules asynchronously too (`supports_ahead`): a plain greedy decode step is launched and left
+    running (`ModelRunner.launch_decode`), the engine plans the next step meanwhile, and where that step continues the
+    same decodes it is launched behind the first with the first one's tokens as its inputs, on the device. So the GPU
+    runs decode steps back to back while this thread applies, checks, detokenizes and schedules (LLMEngine.step); on
+    an H200 that host work took 0.2-0.55 ms between batch-1 decode steps of 2.3-4.2 ms (docs/benchmarks.md). A step
+    sent ahead that cannot be launched so (a prefill, sampling, its predecessor ran whole) waits for `fill` and runs
+    then. TANDEM_RANK_LAUNCH_AHEAD (workers/launched_step.py) turns it off ("0") or on for CPU ("1": tests)."""
 
     def __init__(self, config: EngineConfig, hf_config, max_model_len: int, eos_token_ids: list[int], show_progress: bool = True):
         self.runner: ModelRunner | None = ModelRunner(config, hf_config, max_model_len, eos_token_ids, show_progress)
         logged = logged_profile(0)  # TANDEM_RANK_PROFILE: a served replica's rank logs its own profile
         self.profiled: ProfiledRunner | None = ProfiledRunner(self.runner, 0, logged) if logged is not None else None
         self.num_blocks = self.runner.num_blocks
+        self.supports_ahead = launch_ahead_enabled(self.runner.device)
+        self._launched: LaunchedStep | None = None  # the step submitted last, where it was launched (not run whole)
+        # A step sent ahead that runs at its `fill`, and the one-item list its PendingStep finds it in once run.
+        self._waiting: tuple[SchedulerOutput, list[PendingStep]] | None = None
+        self._needs_fill = True
+        self.launches = {"launched": 0, "continued": 0}  # steps launched, and those launched behind the one before
+
+    @property
+    def needs_fill(self) -> bool:  # type: ignore[override]
+        """Whether the step sent ahead last waits for `fill` (not where it was launched with the device's tokens)."""
+        return self._needs_fill
 
     @property
     def alive(self) -> bool:
@@ -114,9 +134,73 @@ class UniprocExecutor(Executor):
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if self.runner is None:
             raise ExecutorError("the executor was shut down")
+        self._launched = None
         if self.profiled is not None:
             return self.profiled.execute(out)
         return self.runner.execute(out)
+
+    def submit(self, out: SchedulerOutput, ahead: bool = False, overlap: bool = False) -> PendingStep:
+        if overlap or (ahead and not self.supports_ahead):
+            raise ExecutorError(f"{type(self).__name__} runs {'one step at a time' if overlap else 'no step ahead'}")
+        if self._waiting is not None:
+            raise ExecutorError("a step was sent ahead and its placeholders were never filled")
+        if self.runner is None:
+            raise ExecutorError("the executor was shut down")
+        if not ahead:
+            return self._start(out)
+        ids = self._continued_ids(out)
+        if ids is not None:
+            launched = self.runner.launch_decode(out, ids)
+            if launched is not None:
+                self._needs_fill = False
+                self.launches["continued"] += 1
+                return self._track(launched)
+        started: list[PendingStep] = []
+        self._needs_fill, self._waiting = True, (out, started)
+        return PendingStep(lambda: self._collect_filled(started))
+
+    def fill(self, tokens: list[int]) -> None:
+        if self._waiting is None:
+            raise ExecutorError("fill() with no step sent ahead waiting for it")
+        (out, started), self._waiting = self._waiting, None
+        fill_placeholders(out.seqs, tokens)
+        started.append(self._start(out))
+
+    @staticmethod
+    def _collect_filled(started: list[PendingStep]) -> ModelRunnerOutput:
+        if not started:
+            raise ExecutorError("the step sent ahead was collected before its placeholders were filled")
+        return started[0].result()
+
+    def _start(self, out: SchedulerOutput) -> PendingStep:
+        """Launch `out` where it is a plain greedy decode (not while profiling: that times whole steps), else run it."""
+        if self.supports_ahead and self.profiled is None:
+            launched = self.runner.launch_decode(out)
+            if launched is not None:
+                return self._track(launched)
+        return PendingStep(None, self.execute(out))
+
+    def _track(self, launched: LaunchedStep) -> PendingStep:
+        self._launched = launched
+        self.launches["launched"] += 1
+        return PendingStep(launched.finish)
+
+    def _continued_ids(self, out: SchedulerOutput):
+        """The input tokens on the device of a step sent ahead whose every sequence is a plain decode waiting for the
+        token the launched step before samples (its `next_ids`, by row); None where it is anything else."""
+        last = self._launched
+        if last is None or self.profiled is not None:
+            return None
+        rows = {seq_id: i for i, seq_id in enumerate(last.seq_ids)}
+        picked = []
+        for s in out.seqs:
+            row = rows.get(s.seq_id)
+            if row is None or s.token_ids != [PLACEHOLDER_TOKEN]:
+                return None
+            picked.append(row)
+        if picked == list(range(len(last.seq_ids))):
+            return last.next_ids
+        return last.next_ids.index_select(0, self.runner.on_device(picked))
 
     def profile(self, action: str, gpu_every: int = 0) -> list[dict]:
         if action == "start":
@@ -131,6 +215,7 @@ class UniprocExecutor(Executor):
         self.runner = None
         self.profiled = None  # it holds the runner too
         self.kv_agent = None
+        self._launched = self._waiting = None
 
     def kv_setup(self, role: str) -> None:
         from workers.kv_transfer.transport import KVTransferAgent
