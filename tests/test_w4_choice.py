@@ -71,9 +71,11 @@ def test_bad_calls_are_refused_before_any_launch() -> None:
         w4_mma.gemv_w4_mma(torch.zeros(1, 1000, dtype=torch.bfloat16), packed, sz, 128, 512)
     with pytest.raises(ValueError, match="one bf16 row"):
         w4_mma.gemv_w4_mma_fused(torch.zeros(2, 1024, dtype=torch.bfloat16), packed, sz, 128, 512)
-    with pytest.raises(ValueError, match="head_dim 48"):
+    with pytest.raises(ValueError, match="head_dim 40"):
         w4_mma.gemv_w4_mma_fused(torch.zeros(1, 1024, dtype=torch.bfloat16), packed, sz, 128, 480,
-                                 rope=type("Rope", (), dict(head_dim=48))())
+                                 rope=type("Rope", (), dict(head_dim=40))())
+    with pytest.raises(ValueError, match="SiLU pairs"):
+        w4_mma.gemv_w4_mma_fused(torch.zeros(1, 1024, dtype=torch.bfloat16), packed, sz, 128, 48, silu=True)
 
 
 def test_probe_runs_once_per_device_and_names_what_failed(caplog: pytest.LogCaptureFixture) -> None:

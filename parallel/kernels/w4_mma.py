@@ -41,11 +41,21 @@ import struct
 
 import torch
 
+from parallel.kernels.cuda_launch import launch_pdl, pdl_wanted
+
 MAX_ROWS = 8  # batch rows one launch takes (the MMA's N dimension)
 
 _SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
+
+#if PDL   // programmatic dependent launch (cuda_launch.py): wait for the kernel ahead; let the next one start
+#define GDC_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define GDC_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define GDC_WAIT()
+#define GDC_LAUNCH()
+#endif
 
 __device__ __forceinline__ u32 nib_pair(u32 w) {   // bf16 pair (128 + bits 0..3, 128 + bits 16..19) [- 136 if SUB]
     u32 d;
@@ -124,26 +134,24 @@ __device__ __forceinline__ void step(const uint4 (&wv)[R][2], const u32 (&szv)[R
 }
 
 __device__ __forceinline__ void load(const uint4* __restrict__ w4, const u32* __restrict__ sz, int ko, int KO, int N,
-                                     const int (&tiles)[R], int lane, int g, uint4 (&wv)[R][2], u32 (&szv)[R][CPK][2]) {
+                                     const int (&tiles)[R][2], int lane, int g, uint4 (&wv)[R][2], u32 (&szv)[R][CPK][2]) {
     #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const long nt = 2L * tiles[r];
-        wv[r][0] = ld_stream(w4 + (nt * KO + ko) * 32 + lane);
-        wv[r][1] = ld_stream(w4 + ((nt + 1) * KO + ko) * 32 + lane);
         #pragma unroll
-        for (int c = 0; c < CPK; ++c) {
-            const long grp = (128L * ko + CHUNK * c) / GS;
-            const int row = 16 * tiles[r] + g;
-            szv[r][c][0] = sz[grp * N + row];
-            szv[r][c][1] = sz[grp * N + row + 8];
+        for (int h = 0; h < 2; ++h) {
+            const long nt = tiles[r][h];
+            wv[r][h] = ld_stream(w4 + (nt * KO + ko) * 32 + lane);
+            #pragma unroll
+            for (int c = 0; c < CPK; ++c) szv[r][c][h] = sz[(128L * ko + CHUNK * c) / GS * N + 8 * nt + g];
         }
     }
 }
 
 // This warp's K range of the CTA's R tiles into tot (summed over the CTA's warps on return, in warp 0; other warps
 // return false). x32: batch row g's input pairs (global, or the fused kernel's staged copy in shared memory).
+// tiles[r]: the two 8-row tiles of tinygemm's layout that are rows 0-7 and 8-15 of the r-th MMA tile.
 __device__ __forceinline__ bool tiles_dot(const u32* x32, const uint4* __restrict__ w4, const u32* __restrict__ sz,
-                                          const int (&tiles)[R], int M, int N, int K, float (&tot)[R][4]) {
+                                          const int (&tiles)[R][2], int M, int N, int K, float (&tot)[R][4]) {
     __shared__ float part[KSPLIT > 1 ? KSPLIT - 1 : 1][R * 4][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, a = lane & 3;
@@ -164,6 +172,7 @@ __device__ __forceinline__ bool tiles_dot(const u32* x32, const uint4* __restric
         load(w4, sz, ko, KO, N, tiles, lane, g, wv[0], szv[0]);
         step(wv[0], szv[0], x32, ko, M, g, a, tot);
     }
+    GDC_LAUNCH();  // every weight byte is read: the next kernel may start its own loads
     if (KSPLIT > 1) {
         if (warp > 0) {
             #pragma unroll
@@ -187,22 +196,23 @@ extern "C" __global__ void __launch_bounds__(32 * KSPLIT)
 w4_mma(const u32* __restrict__ x32, const uint4* __restrict__ w4, const u32* __restrict__ sz, u16* __restrict__ y,
        int M, int N, int K) {
     const int lane = threadIdx.x & 31, g = lane >> 2, a = lane & 3;
-    int tiles[R];
+    int tiles[R][2];
     #pragma unroll
-    for (int r = 0; r < R; ++r) tiles[r] = blockIdx.x * R + r;
+    for (int r = 0; r < R; ++r) { tiles[r][0] = 2 * (blockIdx.x * R + r); tiles[r][1] = tiles[r][0] + 1; }
     float tot[R][4];
     if (!tiles_dot(x32 + (long)g * (K >> 1), w4, sz, tiles, M, N, K, tot)) return;
     // C fragment: tot[r][0..1] = rows g, batch columns 2a, 2a + 1; tot[r][2..3] = rows g + 8
     const int m0 = 2 * a;
     #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const int row = 16 * tiles[r] + g;
+        const int row = 8 * tiles[r][0] + g;   // its partner row + 8 is tile tiles[r][1]'s row g
         if (m0 < M) { y[(long)m0 * N + row] = to_bf16(tot[r][0]); y[(long)m0 * N + row + 8] = to_bf16(tot[r][2]); }
         if (m0 + 1 < M) { y[(long)(m0 + 1) * N + row] = to_bf16(tot[r][1]); y[(long)(m0 + 1) * N + row + 8] = to_bf16(tot[r][3]); }
     }
 }
 
 #ifdef FUSED
+#define STAGE (NORM || PERM)   // x is staged in shared memory (normed, permuted); else the product reads it in place
 __device__ __forceinline__ float rnd(float f) { return bf16_lo(to_bf16(f)); }   // rounded to bf16, as a float
 
 // The product rounded to bf16, then its bias added and rounded: what the unfused quantized linear computes (its
@@ -214,32 +224,58 @@ __device__ __forceinline__ float add_bias(float acc, const u16* __restrict__ bia
 
 // One row, with the batch-1 decoder's small ops folded in (parallel/kernels/gemv.py's prologue and epilogues, the
 // same rounding): NORM: x = RMSNorm(h) computed by every CTA into shared memory (with PERM, act order's permuted
-// input order); SILU: [gate; up] weight, y = silu(gate) * up, the CTA's two tiles are a gate tile and its up tile;
-// ROPE: rotate-half RoPE of the q/k rows of a fused qkv output, the two tiles are rows j and j + HALF of a head;
+// input order); SILU: [gate; up] weight, y = silu(gate) * up: the MMA tile's rows 0-7 are 8 gate rows (8-row tile t)
+// and rows 8-15 their up rows (tile t + N / 16), so each lane holds a gate value and its up value; ROPE: rotate-half
+// RoPE of the q/k rows of a fused qkv output, the MMA tile's halves are rows j and j + HALF of a head;
 // RESID: y = round(round(x @ W^T) (+ bias)) + residual. Otherwise (and under NORM / PERM alone) y = x @ W^T (+ bias).
+// One MMA tile a CTA (R = 1), its warps splitting K as the rows kernel's `tile_for` does: the same fp32 sums.
 // A bias is added to the rounded product everywhere (`add_bias`), as the unfused quantized linear adds it.
-extern "C" __global__ void __launch_bounds__(32 * KSPLIT)
+// PDL (launched so under CUDA-graph capture, cuda_launch.py): the first weight steps are prefetched into L2 before
+// the wait for the kernel ahead, which wrote x (and the residual); nothing before the wait reads or writes activations.
+extern "C" __global__ void __launch_bounds__(32 * KSPLIT, MINB)
 w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32* __restrict__ sz, u16* __restrict__ y,
              const u16* __restrict__ nw, const u16* __restrict__ bias, const u16* __restrict__ res,
              const long long* __restrict__ perm, const POS_T* __restrict__ pos, const float* __restrict__ cs,
              int N, int K, int stride_cp, int rot_rows, int eps_bits) {
-    extern __shared__ u32 xs[];                    // K / 2 input pairs
+    extern __shared__ uint4 xs4[];                 // K / 8 groups of 8 staged inputs
     __shared__ float red[KSPLIT];
     const int tid = threadIdx.x, nth = 32 * KSPLIT, lane = tid & 31, g = lane >> 2, a = lane & 3;
-    int tiles[R];
+    int tiles[R][2];
 #if SILU
-    tiles[0] = blockIdx.x; tiles[1] = blockIdx.x + (N >> 5);
+    tiles[0][0] = blockIdx.x; tiles[0][1] = blockIdx.x + (N >> 4);
 #elif ROPE
-    { const int ht = HALF / 16, head = blockIdx.x / ht, i = blockIdx.x % ht; tiles[0] = 2 * ht * head + i; tiles[1] = tiles[0] + ht; }
+    { const int ht = HALF / 8, head = blockIdx.x / ht, i = blockIdx.x % ht;
+      tiles[0][0] = 2 * ht * head + i; tiles[0][1] = tiles[0][0] + ht; }
 #else
     #pragma unroll
-    for (int r = 0; r < R; ++r) tiles[r] = blockIdx.x * R + r;
+    for (int r = 0; r < R; ++r) { tiles[r][0] = 2 * (blockIdx.x * R + r); tiles[r][1] = tiles[r][0] + 1; }
 #endif
-    auto stage = [&]() {                           // x (RMSNorm'd, permuted) into shared memory
+    {   // this warp's first U steps of weights into L2 (no registers held): under PDL before the wait, else while the
+        // CTA stages x
+        const int KO = K >> 7, warp = tid >> 5, ko0 = (KO * warp) / KSPLIT, ko1 = (KO * (warp + 1)) / KSPLIT;
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (ko0 + u >= ko1) break;
+            #pragma unroll
+            for (int r = 0; r < R; ++r)
+                #pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    asm volatile("prefetch.global.L2 [%0];" :: "l"(w4 + ((long)tiles[r][h] * KO + ko0 + u) * 32 + lane));
+        }
+    }
+    GDC_WAIT();
+#if STAGE
+    {   // x (RMSNorm'd, permuted) into shared memory, 8 inputs (16 bytes) a thread at a time
+        const uint4* x4 = (const uint4*)x;
         float rstd = 0.f;
 #if NORM
         float ss = 0.f;
-        for (int k = tid; k < K; k += nth) { const float v = bf16_lo(x[k]); ss += v * v; }
+        for (int q = tid; q < (K >> 3); q += nth) {
+            const uint4 v = x4[q];
+            const u32 w[4] = {v.x, v.y, v.z, v.w};
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) { const float lo = bf16_lo(w[i]), hi = bf16_hi(w[i]); ss += lo * lo + hi * hi; }
+        }
         #pragma unroll
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
         if (lane == 0) red[tid >> 5] = ss;
@@ -249,71 +285,71 @@ w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32*
         for (int w = 0; w < KSPLIT; ++w) ss += red[w];
         rstd = rsqrtf(ss / K + __int_as_float(eps_bits));
 #endif
-        for (int p = tid; p < (K >> 1); p += nth) {
-            u32 pair = 0;
+        for (int q = tid; q < (K >> 3); q += nth) {
+            u32 out[4];
+#if PERM
             #pragma unroll
-            for (int lo = 0; lo < 2; ++lo) {
-                const int src = PERM ? (int)perm[2 * p + lo] : 2 * p + lo;
-                u16 v = x[src];
+            for (int i = 0; i < 4; ++i) {
+                u32 pair = 0;
+                #pragma unroll
+                for (int lo = 0; lo < 2; ++lo) {
+                    const int src = (int)perm[8 * q + 2 * i + lo];
+                    u16 v = x[src];
 #if NORM
-                v = to_bf16(bf16_lo(nw[src]) * rnd(bf16_lo(v) * rstd));
+                    v = to_bf16(bf16_lo(nw[src]) * rnd(bf16_lo(v) * rstd));
 #endif
-                pair |= (u32)v << (16 * lo);
+                    pair |= (u32)v << (16 * lo);
+                }
+                out[i] = pair;
             }
-            xs[p] = pair;
+#else
+            const uint4 v = x4[q], wn = ((const uint4*)nw)[q];
+            const u32 xv[4] = {v.x, v.y, v.z, v.w}, nv[4] = {wn.x, wn.y, wn.z, wn.w};
+            #pragma unroll
+            for (int i = 0; i < 4; ++i)   // NORM (STAGE without PERM)
+                out[i] = (u32)to_bf16(bf16_lo(nv[i]) * rnd(bf16_lo(xv[i]) * rstd))
+                       | ((u32)to_bf16(bf16_hi(nv[i]) * rnd(bf16_hi(xv[i]) * rstd)) << 16);
+#endif
+            xs4[q] = make_uint4(out[0], out[1], out[2], out[3]);
         }
         (void)rstd;
         __syncthreads();
-    };
-    {   // this warp's first U steps of weights into L2 while the CTA stages x (no registers held)
-        const int KO = K >> 7, warp = tid >> 5, ko0 = (KO * warp) / KSPLIT, ko1 = (KO * (warp + 1)) / KSPLIT;
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (ko0 + u >= ko1) break;
-            #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const long nt = 2L * tiles[r];
-                asm volatile("prefetch.global.L2 [%0];" :: "l"(w4 + (nt * KO + ko0 + u) * 32 + lane));
-                asm volatile("prefetch.global.L2 [%0];" :: "l"(w4 + ((nt + 1) * KO + ko0 + u) * 32 + lane));
-            }
-        }
     }
-    stage();
-    float tot[R][4];
-    if (!tiles_dot(xs, w4, sz, tiles, 1, N, K, tot)) return;
-    if (a != 0) return;                            // batch column 0 lives in lanes 4g: rows g (tot[r][0]), g + 8 ([2])
-    #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-        const int row0 = 16 * tiles[0] + g + 8 * e;
-        const float acc0 = tot[0][2 * e];
-#if SILU
-        const int row1 = row0 + (N >> 1);
-        const float gv = add_bias(acc0, bias, row0), uv = add_bias(tot[1][2 * e], bias, row1);
-        const float sv = rnd(gv / (1.f + expf(-gv)));
-        y[row0] = to_bf16(sv * uv);
-#elif ROPE
-        const int row1 = row0 + HALF;
-        const float x1 = add_bias(acc0, bias, row0), x2 = add_bias(tot[1][2 * e], bias, row1);
-        if (row0 < rot_rows) {
-            const int j = row0 % (2 * HALF);
-            const float* c = cs + (long)pos[0] * stride_cp;
-            const float c1 = rnd(c[j]), c2 = rnd(c[HALF + j]), s1 = rnd(c[2 * HALF + j]), s2 = rnd(c[3 * HALF + j]);
-            y[row0] = to_bf16(rnd(__fmul_rn(x1, c1)) + rnd(__fmul_rn(-x2, s1)));
-            y[row1] = to_bf16(rnd(__fmul_rn(x2, c2)) + rnd(__fmul_rn(x1, s2)));
-        } else {
-            y[row0] = to_bf16(x1);
-            y[row1] = to_bf16(x2);
-        }
-#elif RESID
-        y[row0] = to_bf16(add_bias(acc0, bias, row0) + bf16_lo(res[row0]));
+    const u32* xin = (const u32*)xs4;
 #else
+    const u32* xin = (const u32*)x;
+#endif
+    float tot[R][4];
+    if (!tiles_dot(xin, w4, sz, tiles, 1, N, K, tot)) return;
+    if (a != 0) return;                            // batch column 0 lives in lanes 4g: rows g of each half
+#if SILU || ROPE
+    const int row0 = 8 * tiles[0][0] + g, row1 = 8 * tiles[0][1] + g;   // SILU: row1 = row0 + N / 2; ROPE: + HALF
+    const float v0 = add_bias(tot[0][0], bias, row0), v1 = add_bias(tot[0][2], bias, row1);
+#if SILU
+    const float sv = rnd(v0 / (1.f + expf(-v0)));
+    y[row0] = to_bf16(sv * v1);
+#else
+    if (row0 < rot_rows) {
+        const int j = row0 % (2 * HALF);
+        const float* c = cs + (long)pos[0] * stride_cp;
+        const float c1 = rnd(c[j]), c2 = rnd(c[HALF + j]), s1 = rnd(c[2 * HALF + j]), s2 = rnd(c[3 * HALF + j]);
+        y[row0] = to_bf16(rnd(__fmul_rn(v0, c1)) + rnd(__fmul_rn(-v1, s1)));
+        y[row1] = to_bf16(rnd(__fmul_rn(v1, c2)) + rnd(__fmul_rn(v0, s2)));
+    } else {
+        y[row0] = to_bf16(v0);
+        y[row1] = to_bf16(v1);
+    }
+#endif
+#else
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
         #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const int row = 16 * tiles[r] + g + 8 * e;
-            y[row] = to_bf16(add_bias(tot[r][2 * e], bias, row));
+        for (int h = 0; h < 2; ++h) {
+            const int row = 8 * tiles[r][h] + g;
+            const float v = add_bias(tot[r][2 * h], bias, row);
+            y[row] = to_bf16(RESID ? v + bf16_lo(res[row]) : v);
         }
 #endif
-    }
 }
 #endif
 """
@@ -344,11 +380,13 @@ def _inner_k_tiles(packed: torch.Tensor) -> int:
 
 def source(R: int, KSPLIT: int, U: int, GS: int, SUB: int = 0, fused: dict | None = None) -> str:
     """The kernels' CUDA source for one tile and group size (compile-time constants); `fused`: the one-row kernel's
-    flags too (NORM, SILU, ROPE, RESID, BIAS, PERM: 0/1; HALF: head_dim / 2; POS_T: the positions' C type)."""
+    flags too (NORM, SILU, ROPE, RESID, BIAS, PERM, PDL: 0/1; HALF: head_dim / 2; POS_T: the positions' C type)."""
     chunk = min(GS, 128)
     head = f"#define R {R}\n#define KSPLIT {KSPLIT}\n#define U {U}\n#define GS {GS}\n#define CHUNK {chunk}\n#define SUB {SUB}\n"
     if fused is not None:
         head += "#define FUSED 1\n" + "".join(f"#define {k} {v}\n" for k, v in sorted(fused.items()))
+    if fused is None or "PDL" not in fused:
+        head += "#define PDL 0\n"
     return head + _SOURCE
 
 
@@ -395,10 +433,24 @@ def gemv_w4_mma(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_s
 SMEM_LIMIT = 48 * 1024  # a launch's shared memory without opting in to more
 
 
-def fused_tile(n: int, k: int, paired: bool) -> dict:
-    """The one-row fused kernel's tile: two 16-row tiles a CTA when paired (SiLU's gate and up, RoPE's row halves),
-    K split over as many warps as keep the launch near WARPS_TARGET."""
-    return dict(R=2 if paired else 1, KSPLIT=_ksplit(n // (32 if paired else 16)), U=4, SUB=0)
+def fused_tile(n: int, k: int, sms: int = 132) -> dict:
+    """The one-row fused kernel's tile: one MMA tile (16 rows) a CTA and the K split of the rows kernel's `tile_for`
+    (the same fp32 sums), and MINB, the CTAs an SM must hold at once (`__launch_bounds__`): enough for the N / 16 CTAs
+    to run in one wave over `sms` SMs, but never below 64 registers a thread."""
+    tile = tile_for(n, k)
+    threads = 32 * tile["KSPLIT"]
+    tile["MINB"] = max(1, min(-(-(n // 16) // sms), 65536 // (64 * threads), 2048 // threads))
+    return tile
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
 
 
 def fused_smem(k: int, tile: dict) -> int:
@@ -409,13 +461,14 @@ def fused_smem(k: int, tile: dict) -> int:
 def fused_fits(n: int, k: int, group_size: int, inner_k_tiles: int, *, silu: bool = False,
                head_dim: int | None = None) -> str | None:
     """None when the one-row fused kernel takes this weight (SiLU pairs; RoPE heads of `head_dim`), else why not."""
-    paired = silu or head_dim is not None
-    why = fits(n, k, group_size, inner_k_tiles, R=2 if paired else 1)
+    why = fits(n, k, group_size, inner_k_tiles)
     if why is not None:
         return why
-    if head_dim is not None and (head_dim % 32 or n % head_dim):
-        return f"head_dim {head_dim} (RoPE pairs whole 16-row tiles: head_dim % 32 == 0)"
-    if fused_smem(k, fused_tile(n, k, paired)) > SMEM_LIMIT:
+    if silu and n % 32:
+        return f"N={n}: SiLU pairs 8-row gate and up tiles (N % 32 == 0)"
+    if head_dim is not None and (head_dim % 16 or n % head_dim):
+        return f"head_dim {head_dim} (RoPE pairs whole 8-row tiles: head_dim % 16 == 0)"
+    if fused_smem(k, fused_tile(n, k)) > SMEM_LIMIT:
         return f"K={k}: the staged input row and partial sums exceed {SMEM_LIMIT // 1024} KB of shared memory"
     return None
 
@@ -432,7 +485,6 @@ def gemv_w4_mma_fused(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, g
     if x.shape[0] != 1 or x.dtype != torch.bfloat16:
         raise ValueError(f"gemv_w4_mma_fused: one bf16 row, got {tuple(x.shape)} {x.dtype}")
     k = x.shape[1]
-    paired = silu or rope is not None
     why = fused_fits(n, k, group_size, _inner_k_tiles(packed), silu=silu,
                      head_dim=rope.head_dim if rope is not None else None)
     if why is not None:
@@ -441,21 +493,30 @@ def gemv_w4_mma_fused(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, g
         raise ValueError("gemv_w4_mma_fused: RoPE alone as the epilogue, with a contiguous cos/sin table")
     if silu and residual is not None:
         raise ValueError("gemv_w4_mma_fused: SiLU and the residual add do not combine")
-    tile = fused_tile(n, k, paired)
+    tile = fused_tile(n, k, _sm_count(x.device))
     pos64 = rope is not None and rope.positions.dtype == torch.int64
+    pdl = pdl_wanted(x)
     flags = dict(NORM=int(norm_weight is not None), SILU=int(silu), ROPE=int(rope is not None),
                  RESID=int(residual is not None), BIAS=int(bias is not None), PERM=int(perm is not None),
-                 HALF=rope.head_dim // 2 if rope is not None else 16, POS_T="long long" if pos64 else "int")
+                 HALF=rope.head_dim // 2 if rope is not None else 16, POS_T="long long" if pos64 else "int", PDL=int(pdl))
     if perm is not None and perm.dtype != torch.int64:
         raise ValueError(f"gemv_w4_mma_fused: act order's permutation in int64, got {perm.dtype}")
-    x = x.contiguous()
+    if not x.is_contiguous() or x.data_ptr() % 16:  # the staging reads x 16 bytes at a time
+        x = x.contiguous().clone()
+    if norm_weight is not None and norm_weight.data_ptr() % 16:
+        norm_weight = norm_weight.clone()
     y = torch.empty(1, n // 2 if silu else n, dtype=torch.bfloat16, device=x.device)
-    kern = _kernel(tile["R"], tile["KSPLIT"], tile["U"], group_size, 0, x.device.index or 0, tuple(sorted(flags.items())))
+    kern = _kernel(tile["R"], tile["KSPLIT"], tile["U"], group_size, 0, x.device.index or 0,
+                   tuple(sorted({**flags, "MINB": tile["MINB"]}.items())))
     eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]  # the kernel takes eps as float32 bits (an int arg)
     args = [x, packed, sz, y, norm_weight if norm_weight is not None else x, bias if bias is not None else x,
             residual if residual is not None else x, perm if perm is not None else x,
             rope.positions if rope is not None else x, rope.cos_sin if rope is not None else x, n, k,
             rope.cos_sin.stride(0) if rope is not None else 0, rope.rot_rows if rope is not None else 0, eps_bits]
-    kern(grid=(n // (32 if paired else 16), 1, 1), block=(32 * tile["KSPLIT"], 1, 1), args=args,
-         shared_mem=2 * k)
+    grid, block = (n // 16, 1, 1), (32 * tile["KSPLIT"], 1, 1)  # one MMA tile a CTA (SiLU: 8 gate + 8 up rows)
+    staged = 2 * k if norm_weight is not None or perm is not None else 0  # the kernel's STAGE
+    if pdl:
+        launch_pdl(kern, grid, block, args, shared_mem=staged)
+    else:
+        kern(grid=grid, block=block, args=args, shared_mem=staged)
     return y

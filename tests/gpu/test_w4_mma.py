@@ -118,12 +118,6 @@ def test_choice_follows_env_and_measurement(monkeypatch: pytest.MonkeyPatch) -> 
 
 # ---------------------------------------------------------------- the one-row fused kernel (the fused decoder's)
 
-def _same_split(n: int, k: int, paired: bool) -> dict:
-    """The rows kernel's tile that splits K as the fused kernel does (the same fp32 summation order, so bit-equal
-    outputs; on 2026-11-29 qkv 6144 x 4096 split 8 ways against the fused kernel's 16 differed in a few roundings)."""
-    return dict(w4_mma.fused_tile(n, k, paired), R=1)
-
-
 def _close(got: torch.Tensor, want: torch.Tensor, bit_equal: float = 0.98) -> None:
     """Bit-equal but for the odd element where the norm's fp32 sum came out in another order. Off by a bf16 step of
     the largest inputs at most: RoPE's difference of two products keeps the absolute error of its terms."""
@@ -145,10 +139,10 @@ def test_fused_norm_prologue_and_perm(act_order: bool) -> None:
     xin = (lambda v: v[:, perm].contiguous()) if act_order else (lambda v: v)
     plain = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, perm=perm)
     assert torch.equal(plain, w4_mma.gemv_w4_mma(xin(h), w.weight, w.scales_and_zeros, 128, n,
-                                                 _same_split(n, k, paired=False)))
+                                                 w4_mma.tile_for(n, k)))
     got = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, perm=perm, norm_weight=nw, eps=1e-5)
     _close(got, w4_mma.gemv_w4_mma(xin(rms_norm(h, nw, 1e-5)), w.weight, w.scales_and_zeros, 128, n,
-                                   _same_split(n, k, paired=False)))
+                                   w4_mma.tile_for(n, k)))
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -160,14 +154,14 @@ def test_fused_silu_epilogue(bias: bool) -> None:
     h = torch.randn(1, k, device="cuda").to(torch.bfloat16)
     nw = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
     b = torch.randn(n, device="cuda").to(torch.bfloat16) if bias else None
-    plain = w4_mma.gemv_w4_mma(h, w.weight, w.scales_and_zeros, 128, n, _same_split(n, k, paired=True))
+    plain = w4_mma.gemv_w4_mma(h, w.weight, w.scales_and_zeros, 128, n, w4_mma.tile_for(n, k))
     got = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, bias=b, silu=True)
     assert got.shape == (1, n // 2)
     # the bias goes onto the rounded product, as the unfused quantized linear adds it: bit-equal to plain + b
     assert torch.equal(got, silu_and_mul(plain + b if bias else plain))
     got = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, bias=b, norm_weight=nw, eps=1e-6, silu=True)
     normed = w4_mma.gemv_w4_mma(rms_norm(h, nw, 1e-6), w.weight, w.scales_and_zeros, 128, n,
-                                _same_split(n, k, paired=True))
+                                w4_mma.tile_for(n, k))
     _close(got, silu_and_mul(normed + b if bias else normed))
 
 
@@ -178,7 +172,7 @@ def test_fused_residual_epilogue(n: int, k: int, bias: bool) -> None:
     x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
     r = torch.randn(1, n, device="cuda").to(torch.bfloat16) * 4
     b = torch.randn(n, device="cuda").to(torch.bfloat16) if bias else None
-    plain = w4_mma.gemv_w4_mma(x, w.weight, w.scales_and_zeros, 128, n, _same_split(n, k, paired=False))
+    plain = w4_mma.gemv_w4_mma(x, w.weight, w.scales_and_zeros, 128, n, w4_mma.tile_for(n, k))
     want = plain + b + r if bias else plain + r  # RowParallelLinear: round, add the bias (rounded), add h
     assert torch.equal(w4_mma.gemv_w4_mma_fused(x, w.weight, w.scales_and_zeros, 128, n, bias=b, residual=r), want)
 
@@ -202,7 +196,7 @@ def test_fused_rope_epilogue(hq: int, hkv: int, d: int, bias: bool) -> None:
     got = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, bias=b, norm_weight=nw, eps=1e-5,
                                    rope=Rope(pos, cos_sin, d, (hq + hkv) * d))
     qkv = w4_mma.gemv_w4_mma(rms_norm(h, nw, 1e-5), w.weight, w.scales_and_zeros, 128, n,
-                             _same_split(n, k, paired=True))
+                             w4_mma.tile_for(n, k))
     if bias:
         qkv = qkv + b
     q, kk, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
@@ -210,10 +204,47 @@ def test_fused_rope_epilogue(hq: int, hkv: int, d: int, bias: bool) -> None:
     _close(got, torch.cat([qr.reshape(1, -1), kr.reshape(1, -1), v], dim=-1))
     no_norm = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, bias=b,
                                        rope=Rope(pos, cos_sin, d, (hq + hkv) * d))
-    qkv = w4_mma.gemv_w4_mma(h, w.weight, w.scales_and_zeros, 128, n, _same_split(n, k, paired=True))
+    qkv = w4_mma.gemv_w4_mma(h, w.weight, w.scales_and_zeros, 128, n, w4_mma.tile_for(n, k))
     q, kk, v = (qkv + b if bias else qkv).split([hq * d, hkv * d, hkv * d], dim=-1)
     qr, kr = rope(pos, q.view(1, hq, d), kk.view(1, hkv, d), cos_sin)
     assert torch.equal(no_norm, torch.cat([qr.reshape(1, -1), kr.reshape(1, -1), v], dim=-1))  # no sum to reorder
+
+
+def test_fused_chain_in_a_graph_with_pdl_equals_eager() -> None:
+    """Captured into a CUDA graph on Hopper, the fused kernels launch with programmatic dependent launch
+    (cuda_launch.py): each loads its first weights before waiting for the kernel ahead. A layer's chain (o with the
+    residual, gate/up with the norm and SiLU, down with the residual; then act order's staged permutation) replayed
+    from the graph, inputs changed between replays, equals the same calls run eagerly, bit for bit."""
+    from parallel.kernels.cuda_launch import pdl_wanted
+
+    d, f = 512, 1024
+    wo, wgu, wd = _layer(d, d, 128), _layer(2 * f, d, 128), _layer(d, f, 128)
+    perm = torch.randperm(d, device="cuda")
+    nw = (torch.rand(d, device="cuda") + 0.5).to(torch.bfloat16)
+    x = torch.randn(1, d, device="cuda").to(torch.bfloat16)
+    h = torch.randn(1, d, device="cuda").to(torch.bfloat16)
+
+    def chain():
+        h1 = w4_mma.gemv_w4_mma_fused(x, wo.weight, wo.scales_and_zeros, 128, d, residual=h)
+        act = w4_mma.gemv_w4_mma_fused(h1, wgu.weight, wgu.scales_and_zeros, 128, 2 * f, norm_weight=nw, eps=1e-5,
+                                       silu=True)
+        h2 = w4_mma.gemv_w4_mma_fused(act, wd.weight, wd.scales_and_zeros, 128, d, residual=h1)
+        return w4_mma.gemv_w4_mma_fused(h2, wo.weight, wo.scales_and_zeros, 128, d, perm=perm)
+
+    chain()  # compiles outside the capture
+    seen = []
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        seen.append(pdl_wanted(x))
+        out = chain()
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert seen == [True], "no PDL launch under capture on Hopper"
+    for _ in range(3):
+        x.copy_(torch.randn(1, d, device="cuda").to(torch.bfloat16))
+        h.copy_(torch.randn(1, d, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, chain())
 
 
 def test_fused_refuses_what_it_cannot_do() -> None:
@@ -221,7 +252,8 @@ def test_fused_refuses_what_it_cannot_do() -> None:
     x = torch.randn(2, 512, device="cuda").to(torch.bfloat16)
     with pytest.raises(ValueError, match="one bf16 row"):
         w4_mma.gemv_w4_mma_fused(x, w.weight, w.scales_and_zeros, 128, 256)
-    assert "head_dim 48" in w4_mma.fused_fits(384, 512, 128, 8, head_dim=48)
+    assert "head_dim 40" in w4_mma.fused_fits(400, 512, 128, 8, head_dim=40)
+    assert "SiLU pairs" in w4_mma.fused_fits(48, 512, 128, 8, silu=True)
     assert "shared memory" in w4_mma.fused_fits(256, 32768, 128, 8)
 
 
