@@ -137,19 +137,27 @@ def test_quantized_gate_up_through_linear_gemv_in_the_triton_interpreter():
     assert "ok" in out, out[-3000:]
 
 
-def test_fp8_takes_the_fused_gemv_and_int4pack_only_when_asked(monkeypatch):
-    """FP8 takes the fused GEMV; tinygemm's 4-bit layout only with TANDEM_FUSED_INT4=w4_mma (w4_mma's fused kernel) or
-    =1 (the Triton one); the Triton integer layout stays on the unfused decoder; TANDEM_FUSED_QUANT=0 turns it off."""
+def test_fp8_and_int4pack_take_the_fused_gemv(monkeypatch):
+    """FP8 and tinygemm's 4-bit layout take the fused GEMV by default (4-bit: w4_mma's fused kernel; =1 the Triton one;
+    =0 the unfused decoder; anything else is refused by name); the Triton integer layout stays on the unfused decoder;
+    TANDEM_FUSED_QUANT=0 turns it off."""
     pytest.importorskip("triton")
     from parallel.kernels import gemv_quant as gq
     from parallel.quant import fused_gemv
 
     monkeypatch.delenv("TANDEM_FUSED_QUANT", raising=False)
     monkeypatch.delenv("TANDEM_FUSED_INT4", raising=False)
-    assert fused_gemv.enabled(gq.FP8) and not fused_gemv.enabled(gq.INT4PACK) and not fused_gemv.enabled(gq.PACKED)
-    for v in ("1", "w4_mma"):
+    assert fused_gemv.enabled(gq.FP8) and fused_gemv.enabled(gq.INT4PACK) and not fused_gemv.enabled(gq.PACKED)
+    assert fused_gemv.int4_mode() == "w4_mma"
+    for v, mode in (("1", "1"), ("w4_mma", "w4_mma"), ("AUTO", "w4_mma")):
         monkeypatch.setenv("TANDEM_FUSED_INT4", v)
-        assert fused_gemv.enabled(gq.INT4PACK) and not fused_gemv.enabled(gq.PACKED)
+        assert fused_gemv.enabled(gq.INT4PACK) and not fused_gemv.enabled(gq.PACKED) and fused_gemv.int4_mode() == mode
+    monkeypatch.setenv("TANDEM_FUSED_INT4", "0")
+    assert not fused_gemv.enabled(gq.INT4PACK) and fused_gemv.enabled(gq.FP8)
+    monkeypatch.setenv("TANDEM_FUSED_INT4", "yes")
+    with pytest.raises(ValueError, match="TANDEM_FUSED_INT4='yes'"):
+        fused_gemv.enabled(gq.INT4PACK)
+    monkeypatch.setenv("TANDEM_FUSED_INT4", "auto")
     monkeypatch.setenv("TANDEM_FUSED_QUANT", "0")
     assert not any(fused_gemv.enabled(f) for f in (gq.FP8, gq.INT4PACK, gq.PACKED))
 
@@ -177,13 +185,13 @@ def _w4_layer(kind: str, w4_config: dict | None, n: int = N, k: int = K, head_di
 
 
 def test_int4pack_takes_w4_mma_where_it_serves_the_layer(monkeypatch):
-    """With TANDEM_FUSED_INT4=w4_mma a 4-bit layer streams through w4_mma's fused kernel when it already runs w4_mma at
+    """By default (TANDEM_FUSED_INT4=auto) a 4-bit layer streams through w4_mma's fused kernel when it already runs w4_mma at
     1-8 rows and fits the fused kernel as the decoder calls it; otherwise it names why and the model keeps the unfused
     decoder. Nothing is timed here (the 1-8-row choice was measured at load)."""
     pytest.importorskip("triton")
     from parallel.kernels import w4_mma
 
-    monkeypatch.setenv("TANDEM_FUSED_INT4", "w4_mma")
+    monkeypatch.delenv("TANDEM_FUSED_INT4", raising=False)
     monkeypatch.delenv("TANDEM_FUSED_QUANT", raising=False)
     tile = w4_mma.tile_for(N, K)
     for kind in ("gate_up", "qkv", "down"):
@@ -191,8 +199,8 @@ def test_int4pack_takes_w4_mma_where_it_serves_the_layer(monkeypatch):
         assert layer.gemv_weight.config == {"W4MMA": True} and not hasattr(layer, "gemv_skipped"), kind
         layer = _w4_layer(kind, None)
         assert getattr(layer, "gemv_weight", None) is None and "w4_mma does not serve" in layer.gemv_skipped
-    layer = _w4_layer("qkv", tile, head_dim=48)  # RoPE pairs whole 16-row tiles
-    assert getattr(layer, "gemv_weight", None) is None and "head_dim 48" in layer.gemv_skipped
+    layer = _w4_layer("qkv", tile, head_dim=40)  # RoPE pairs whole 8-row tiles
+    assert getattr(layer, "gemv_weight", None) is None and "head_dim 40" in layer.gemv_skipped
 
 
 def _int4pack_layer(monkeypatch, ours_ms: float, tiny_ms: float):

@@ -9,15 +9,15 @@ when every decoder linear has one. FP8 layers stream their e4m3 weights with bf1
 (W8A16: exact to the dequantized weight up to fp32 summation order), not the W8A8 `_scaled_mm` product that
 larger batches use.
 
-With TANDEM_FUSED_INT4=w4_mma, 4-bit layers in tinygemm's layout stream through parallel/kernels/w4_mma.py's one-row
-fused kernel (tensor cores; the RMSNorm prologue and SiLU / RoPE / residual epilogues, same rounding) where they
-already run w4_mma at 1-8 rows (`w4_mma_fits`). Opt-in: on an H200 (2026-11-29, Llama-3.1-8B shapes) the decode graph
-took 2.62 ms a step that way against 2.35 ms on the unfused decoder with w4_mma per linear (each CTA of the fused kernel
-stages the whole normed input row before its product; the unfused kernels overlap better).
+4-bit layers in tinygemm's layout stream through parallel/kernels/w4_mma.py's one-row fused kernel (tensor cores; the
+RMSNorm prologue and SiLU / RoPE / residual epilogues, same rounding; programmatic dependent launch inside the graph)
+where they already run w4_mma at 1-8 rows (`w4_mma_fits`; TANDEM_FUSED_INT4=auto, the default). On an H200
+(2026-11-29, Llama-3.1-8B shapes, docs/benchmarks.md) the decode graph took 2.15 ms a step that way against 2.32 ms on
+the unfused decoder with w4_mma per linear and its separate norm, RoPE and SiLU kernels (TANDEM_FUSED_INT4=0).
 
 FP8 layers take it. On an H100 (2026-11-27, Llama-3.1-8B shapes, batch-1 decode beside bf16 in one run) FP8 through the
-fused decoder ran at 1.48-1.55x bf16. 4-bit GPTQ / AWQ layers in tinygemm's layout take it only with
-TANDEM_FUSED_INT4=1, and then only where gemv_int4.py's kernel is measured at load to beat tinygemm on the same weight
+fused decoder ran at 1.48-1.55x bf16. With TANDEM_FUSED_INT4=1, 4-bit layers take gemv_int4.py's Triton kernel
+instead, and only where it is measured at load to beat tinygemm on the same weight
 (`faster_than_tinygemm`: the fused call with its prologue and epilogue against tinygemm's bare product; a layer that
 loses keeps `gemv_skipped`, so its model keeps the unfused decoder and tinygemm). Why opt-in: on an H100
 (2026-11-27, CUDA graphs, weights past L2) that kernel ran at 0.6x tinygemm's speed per shape (qkv / o 600-850 GB/s
@@ -34,9 +34,18 @@ import os
 import torch
 
 ENV = "TANDEM_FUSED_QUANT"
-INT4_ENV = "TANDEM_FUSED_INT4"  # 4-bit layers in tinygemm's layout: 0 (default) keep the unfused decoder; w4_mma: take
-# w4_mma.py's fused one-row kernel; 1: gemv_int4.py's Triton kernel (where measured faster than tinygemm). Both opt-in:
-# on an H200 (2026-11-29) the fused decoder on w4_mma ran a decode step in 2.62 ms against the unfused one's 2.35.
+INT4_ENV = "TANDEM_FUSED_INT4"  # 4-bit layers in tinygemm's layout: auto (default; w4_mma is a synonym) take w4_mma.py's
+# fused one-row kernel; 0 keep the unfused decoder; 1 take gemv_int4.py's Triton kernel (where measured faster than
+# tinygemm at load; slower than w4_mma everywhere measured).
+INT4_VALUES = ("auto", "w4_mma", "0", "1")
+
+
+def int4_mode() -> str:
+    """TANDEM_FUSED_INT4 as "w4_mma", "0" or "1"; a value outside INT4_VALUES is refused by name."""
+    value = os.environ.get(INT4_ENV, "auto").strip().lower()
+    if value not in INT4_VALUES:
+        raise ValueError(f"{INT4_ENV}={value!r}: expected one of {', '.join(INT4_VALUES)}")
+    return "w4_mma" if value == "auto" else value
 
 try:
     from parallel.kernels import gemv_quant as _gq
@@ -49,7 +58,7 @@ def enabled(fmt: int | None = None) -> bool:
     if _gq is None or os.environ.get(ENV, "1") == "0":
         return False
     if fmt == _gq.INT4PACK:
-        return os.environ.get(INT4_ENV, "0") in ("1", "w4_mma")
+        return int4_mode() != "0"
     return fmt is None or fmt == _gq.FP8
 
 
@@ -162,7 +171,7 @@ def prepare(layer, dtype: torch.dtype) -> None:
         layer.gemv_skipped = "codes in the Triton integer layout stay on the unfused decoder"
         return
     kind = kind_of(layer)
-    if qw.fmt == _gq.INT4PACK and os.environ.get(INT4_ENV, "0") == "w4_mma":
+    if qw.fmt == _gq.INT4PACK and int4_mode() == "w4_mma":
         why = w4_mma_fits(layer, qw, dtype, kind)
         if why is not None:
             layer.gemv_skipped = why
