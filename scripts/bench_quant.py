@@ -7,13 +7,12 @@ shared with scripts/quantize.py):
     bf16      the plain model (batch-1 decode through the fused bf16 GEMVs)
     w4a16     quantization="gptq": 4-bit RTN GPTQ, group 128; on CUDA at 1-8 rows parallel/kernels/w4_mma.py's
               tensor-core GEMV (where it measures faster at load), then PyTorch's tinygemm int4 kernel
-              (aten._weight_int4pack_mm; dequantize + cuBLAS from the row count measured at load), on the
-              unfused decoder (parallel/quant/fused_gemv.py says why integer layouts keep it)
+              (aten._weight_int4pack_mm; dequantize + cuBLAS from the row count measured at load); batch 1: the
+              fused decoder through w4_mma's one-row fused kernel where w4_mma serves the layer
     w4a16-unfused / fp8-unfused  the same weights with the batch-1 graph on the unfused decoder
               (TANDEM_FUSED_QUANT=0: tinygemm / the W8A16 GEMV per linear), to compare
     w4a16-triton  the same weights on the Triton W4A16 GEMV / GEMM (TANDEM_W4A16_KERNEL=triton), to compare
-    w4a16-fused  w4a16 with the batch-1 graph on the fused decoder through w4_mma's one-row fused kernel
-              (TANDEM_FUSED_INT4=w4_mma), to compare
+    w4a16-fused  w4a16 with TANDEM_FUSED_INT4=w4_mma set (the default since 2026-11-29: the same as w4a16)
     w4a16-tinygemm  w4a16 with tinygemm at 1-8 rows too, not parallel/kernels/w4_mma.py's tensor-core GEMV (which
               serves every 4-bit linear it fits and measures faster at load; TANDEM_W4_GEMV=0), to compare
     w4a16-awq quantization="awq": 4-bit AWQ GEMM packing, same kernels after repacking

@@ -42,11 +42,21 @@ def _libcuda() -> ctypes.CDLL:
     return _LIBCUDA
 
 
+_PDL: bool | None = None
+
+
+def pdl_supported() -> bool:
+    """Programmatic dependent launch: Hopper or newer, and not turned off with TANDEM_PDL=0 (read once; gemv.py's
+    Triton kernels follow the same switch, scripts/bench_latency.py compares both)."""
+    global _PDL
+    if _PDL is None:
+        _PDL = os.environ.get("TANDEM_PDL", "1") != "0" and torch.cuda.get_device_capability()[0] >= 9
+    return _PDL
+
+
 def pdl_wanted(x: torch.Tensor) -> bool:
-    """Whether a launch on x's device goes PDL: under CUDA-graph capture, on Hopper or newer, unless TANDEM_PDL=0
-    (the switch gemv.py's Triton kernels read too)."""
-    return (x.is_cuda and os.environ.get("TANDEM_PDL", "1") != "0" and torch.cuda.is_current_stream_capturing()
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    """Whether a launch on x's device goes PDL: under CUDA-graph capture where `pdl_supported`."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing() and pdl_supported()
 
 
 def kernel_args(args: list) -> tuple[ctypes.Array, list]:

@@ -45,6 +45,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from parallel.kernels.cuda_launch import pdl_supported
+
 
 @triton.jit
 def _load_w(w_ptrs, k, K, offs_k, n_mask, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
@@ -258,17 +260,10 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
 MAX_NORM_K = 16384  # the norm prologue holds all of h in registers
 
 
-_PDL: bool | None = None
-
-
 def pdl_enabled() -> bool:
-    """Programmatic dependent launch: Hopper or newer, a Triton that has it, and not turned off
-    with TANDEM_PDL=0 (scripts/bench_latency.py compares both)."""
-    global _PDL
-    if _PDL is None:
-        _PDL = (os.environ.get("TANDEM_PDL", "1") != "0" and torch.cuda.get_device_capability()[0] >= 9
-                and hasattr(tl.extra.cuda, "gdc_wait"))
-    return _PDL
+    """Programmatic dependent launch for these Triton kernels: `cuda_launch.pdl_supported` (Hopper or newer, not
+    TANDEM_PDL=0), and a Triton that has it."""
+    return pdl_supported() and hasattr(tl.extra.cuda, "gdc_wait")
 
 
 @dataclass(frozen=True)

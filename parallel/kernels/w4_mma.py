@@ -29,10 +29,15 @@ Constraints (`fits`): inner_k_tiles 8 (K % 128 == 0), N % 16 == 0, group 32/64/1
 Tiles (`tile_for`) and speed: scripts/bench_w4_mma.py; on an H200 (2026-11-29) 43 us a Llama-3.1-8B decoder layer at
 one row against tinygemm's 68 and the bf16 GEMV's 110 (docs/benchmarks.md, twenty-eighth session).
 
-`gemv_w4_mma_fused` is the one-row variant the fused batch-1 decoder can take (TANDEM_FUSED_INT4=w4_mma,
-parallel/quant/fused_gemv.py): every CTA first stages x in shared memory (RMSNorm'd, act order's permutation applied),
-then runs the same product with the SiLU-and-mul, RoPE or residual epilogue of parallel/kernels/gemv.py (two 16-row
-tiles a CTA where an output needs a partner row: gate and up, or rows j and j + head_dim / 2 of a head).
+`gemv_w4_mma_fused` is the one-row variant the fused batch-1 decoder takes for 4-bit layers (parallel/quant/fused_gemv.py,
+TANDEM_FUSED_INT4=auto): the RMSNorm prologue (x normed and act order's permutation applied into shared memory, only
+where one of them is needed) and the SiLU-and-mul, RoPE or residual epilogue of parallel/kernels/gemv.py. One MMA tile
+a CTA, whose two 8-row halves are any two 8-row tiles of the layout: SiLU takes 8 gate rows and their 8 up rows, RoPE
+rows j and j + head_dim / 2 of a head, so a lane holds both values its output needs; K is split as `tile_for` splits
+it (the rows kernel's fp32 sums). Under CUDA-graph capture on Hopper it is launched with programmatic dependent launch
+(cuda_launch.py): it prefetches its first weight steps into L2 and then waits for the kernel ahead. On an H200
+(2026-11-29) a Llama-3.1-8B batch-1 step took 2.15 ms that way against 2.29-2.32 on the unfused decoder
+(docs/benchmarks.md, twenty-ninth session).
 """
 from __future__ import annotations
 
