@@ -189,6 +189,35 @@ def test_in_process_executor_refuses_what_it_cannot_run(monkeypatch):
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["launched", "filled"])
+def test_in_process_drain_after_an_abort_with_two_steps_out(monkeypatch, temperature):
+    """In-process, two steps can be out at once (the one sent ahead and `LLMEngine._next`): greedy ones launched
+    behind each other, sampled ones waiting for their fill. An abort of the last request leaves both to `drain`,
+    which must collect them (filling the second where it waits) and free every block; the engine then serves again."""
+    monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1")
+    llm = LLM(model=MODEL, dtype="float32", device="cpu")
+    engine = llm.llm_engine
+    try:
+        engine.add_request("last", PROMPTS[2], SamplingParams(max_tokens=40, temperature=temperature, seed=3,
+                                                              ignore_eos=True))
+        for _ in range(8):
+            engine.step()
+            if engine._next is not None:
+                break
+        assert engine._next is not None, "no second step out"
+        assert engine.executor.needs_fill == (temperature > 0)  # greedy: launched with the device's tokens
+        engine.abort("last")
+        engine.drain()
+        assert engine._inflight is None and engine._next is None
+        assert_engine_clean(llm)
+        assert engine.scheduler.num_parked_blocks == 0
+        outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+        assert all(len(o.token_ids) == 6 or o.finish_reason == "stop" for o in outs)
+        assert_engine_clean(llm)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.slow
 def test_async_scheduling_off_sends_no_step_ahead(shared_ray):
     llm = LLM(model=MODEL, dtype="float32", device="cpu", distributed_executor_backend="ray", async_scheduling=False)
