@@ -23,6 +23,8 @@ shared with scripts/quantize.py):
               SiLU-and-mul kernel before it (parallel/quant/fp8_act.py), to compare
     fp8-fastacc  fp8 with cuBLAS's fast FP8 accumulation in the W8A8 GEMMs (TANDEM_FP8_FAST_ACCUM=1)
     fp8-kv    bf16 weights, kv_cache_dtype="fp8" (KV blocks at the same memory, throughput)
+    bf16-sync / w4a16-sync  bf16 / w4a16 with the in-process engine running one step at a time
+              (TANDEM_RANK_LAUNCH_AHEAD=0: no step launched ahead), to compare
 With --agreement-model (a real checkpoint, e.g. models/tandem-tiny) the greedy outputs of each variant
 that can run on it are compared token by token with its bf16 run on prompts cut from real text.
 
@@ -69,6 +71,8 @@ VARIANTS: dict[str, dict] = {
     "fp8-actq": {"quantization": "fp8"},
     "fp8-fastacc": {"quantization": "fp8"},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
+    "bf16-sync": {},
+    "w4a16-sync": {"quantization": "gptq"},
 }
 
 
@@ -79,7 +83,9 @@ VARIANT_ENV: dict[str, dict[str, str]] = {"w4a16-triton": {"TANDEM_W4A16_KERNEL"
                                           "w4a16-unfused": {"TANDEM_FUSED_QUANT": "0"},
                                           "fp8-unfused": {"TANDEM_FUSED_QUANT": "0"},
                                           "fp8-actq": {"TANDEM_FP8_FUSED_ACT": "0"},
-                                          "fp8-fastacc": {"TANDEM_FP8_FAST_ACCUM": "1"}}
+                                          "fp8-fastacc": {"TANDEM_FP8_FAST_ACCUM": "1"},
+                                          "bf16-sync": {"TANDEM_RANK_LAUNCH_AHEAD": "0"},
+                                          "w4a16-sync": {"TANDEM_RANK_LAUNCH_AHEAD": "0"}}
 
 
 def sync(device: str) -> None:

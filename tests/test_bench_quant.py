@@ -41,3 +41,21 @@ def test_bench_quant_dry_run(tmp_path):
     assert set(report["ratios"]) == {"w4a16", "w4a16-awq", "fp8", "fp8-kv"}
     agree = report["agreement"]
     assert agree["fp8-kv"]["requests"] == 2 and 0.0 <= agree["w4a16"]["token_agreement"] <= 1.0
+
+
+def test_sync_variants_run_one_step_at_a_time(monkeypatch):
+    """bf16-sync / w4a16-sync load their engine with TANDEM_RANK_LAUNCH_AHEAD=0 (the in-process engine then sends no
+    step ahead, the A/B of its launch-ahead), and the caller's value comes back afterwards."""
+    import os
+
+    import torch
+
+    from workers.launched_step import LAUNCH_AHEAD_ENV, launch_ahead_enabled
+
+    bench = _bench()
+    monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1")
+    for variant in ("bf16-sync", "w4a16-sync"):
+        assert bench.VARIANTS[variant] == bench.VARIANTS[variant.removesuffix("-sync")]
+        with bench.variant_env(variant):
+            assert not launch_ahead_enabled(torch.device("cuda"))
+        assert os.environ[LAUNCH_AHEAD_ENV] == "1"
