@@ -319,9 +319,17 @@ class LLMEngine:
         ended (a stop token, a stop string, an abort): its token is dropped (`Scheduler.update` skips
         finished sequences) and its blocks stay parked until that step has answered.
 
-        With pipelined steps (`step_groups > 1`, pipeline parallelism) see `_step_pipelined`."""
-        if self.step_groups > 1:
-            return self._step_pipelined()
+        With pipelined steps (`step_groups > 1`, pipeline parallelism) see `_step_pipelined`. Once the last request
+        has finished, the steps still out (run for sequences that have ended) are collected before this returns
+        (`drain`): the engine is at rest, every block free, however the caller drives it (a loop on
+        `has_unfinished_requests`, the served engine, `LLM.generate`)."""
+        outputs = self._step_pipelined() if self.step_groups > 1 else self._step_one()
+        if not self.requests:
+            self.drain()
+        return outputs
+
+    def _step_one(self) -> list[RequestOutput]:
+        """`step` with one step at a time (no pipelined groups)."""
         if self._inflight is None:
             self._inflight = self._submit()
             if self._inflight is None:
