@@ -189,6 +189,40 @@ def test_in_process_executor_refuses_what_it_cannot_run(monkeypatch):
         llm.llm_engine.shutdown()
 
 
+def test_a_manual_step_loop_ends_with_the_engine_at_rest(monkeypatch):
+    """A caller that steps until `has_unfinished_requests()` is False (vLLM's engine loop) while steps are launched
+    ahead, the requests ended by stop strings (which no plan foresees, so a step for them is out when they end): the
+    step that finishes the last request also collects the steps still out, so no step stays out and no block stays
+    parked; the outputs equal a one-step-at-a-time engine's."""
+    got = {}
+    for ahead in ("0", "1"):
+        monkeypatch.setenv(LAUNCH_AHEAD_ENV, ahead)
+        llm = LLM(model=MODEL, dtype="float32", device="cpu")
+        engine = llm.llm_engine
+        try:
+            if ahead == "0":  # stop strings from the middle of each greedy continuation
+                texts = [o.text for o in llm.generate(PROMPTS[:3], SamplingParams(max_tokens=16, temperature=0.0,
+                                                                                   ignore_eos=True), use_tqdm=False)]
+                params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[t[len(t) // 2:][:3]])
+                          for t in texts]
+            for i, prompt in enumerate(PROMPTS[:3]):
+                engine.add_request(f"r{i}", prompt, params[i])
+            outs = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    outs[out.request_id] = (out.token_ids, out.text, out.finish_reason)
+            assert engine._inflight is None and engine._next is None
+            assert_engine_clean(llm)
+            assert engine.scheduler.num_parked_blocks == 0
+            got[ahead] = outs
+            if ahead == "1":
+                assert engine.executor.launches["continued"] > 0
+        finally:
+            engine.shutdown()
+    assert all(reason == "stop" for _, _, reason in got["0"].values())
+    assert got["1"] == got["0"]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["launched", "filled"])
 def test_in_process_drain_after_an_abort_with_two_steps_out(monkeypatch, temperature):
     """In-process, two steps can be out at once (the one sent ahead and `LLMEngine._next`): greedy ones launched
