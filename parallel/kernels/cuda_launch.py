@@ -42,6 +42,19 @@ def _libcuda() -> ctypes.CDLL:
     return _LIBCUDA
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors (132 for a CPU device: an H100 / H200's count, for launch shapes)."""
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
 _PDL: bool | None = None
 
 

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from parallel.kernels.cuda_launch import sm_count
 from parallel.kernels.direct_launch import launch
 from parallel.kernels.gemv import pdl_enabled as _pdl_enabled
 
@@ -250,18 +251,6 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return 1 << (s.bit_length() - 1)  # a power of two, rounded down
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, max_seq_len: int, out: torch.Tensor | None = None,
                      num_splits: int | None = None, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
@@ -279,7 +268,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         out = torch.empty_like(q)
     if b == 0:
         return out
-    s = num_splits or num_decode_splits(b, hkv, max_seq_len, _sm_count(q.device))
+    s = num_splits or num_decode_splits(b, hkv, max_seq_len, sm_count(q.device))
     min_tiles = DECODE_MIN_TILES if min_tiles is None else min_tiles
     g_pad = max(16, triton.next_power_of_2(gqa))
     if s > 1:

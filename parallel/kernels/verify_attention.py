@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from parallel.kernels.cuda_launch import sm_count
 from parallel.kernels.direct_launch import launch
-from parallel.kernels.paged_attention import (_LOG2E, _decode_reduce_kernel, _from_cache, _is_fp8, _sm_count,
+from parallel.kernels.paged_attention import (_LOG2E, _decode_reduce_kernel, _from_cache, _is_fp8,
                                               _to_cache, decode_block_n, num_decode_splits)
 
 # Query rows (GQA heads x query tokens) one program holds: acc [rows, D] and the scores [rows, BLOCK_N]
@@ -186,7 +187,7 @@ def verify_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     m_pad = tile_rows(gqa)
     if max_query_len * gqa > m_pad or max_query_len > MAX_QUERY:
         raise ValueError(f"verify_attention: {max_query_len} queries x GQA {gqa} exceed a tile of {m_pad} rows")
-    s = num_splits or num_decode_splits(b, hkv, max_seq_len, _sm_count(q.device))
+    s = num_splits or num_decode_splits(b, hkv, max_seq_len, sm_count(q.device))
     if s > 1:
         part_o = torch.empty(t, hq, s, d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(t, hq, s, dtype=torch.float32, device=q.device)

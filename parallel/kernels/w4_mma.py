@@ -46,7 +46,7 @@ import struct
 
 import torch
 
-from parallel.kernels.cuda_launch import launch_pdl, pdl_wanted
+from parallel.kernels.cuda_launch import launch_pdl, pdl_wanted, sm_count
 
 MAX_ROWS = 8  # batch rows one launch takes (the MMA's N dimension)
 
@@ -448,16 +448,6 @@ def fused_tile(n: int, k: int, sms: int = 132) -> dict:
     return tile
 
 
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
-
-
 def fused_smem(k: int, tile: dict) -> int:
     """Bytes of shared memory the fused kernel takes: the staged input row and the warps' partial sums."""
     return 2 * k + 4 * max(1, tile["KSPLIT"] - 1) * tile["R"] * 4 * 32 + 4 * tile["KSPLIT"]
@@ -498,7 +488,7 @@ def gemv_w4_mma_fused(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, g
         raise ValueError("gemv_w4_mma_fused: RoPE alone as the epilogue, with a contiguous cos/sin table")
     if silu and residual is not None:
         raise ValueError("gemv_w4_mma_fused: SiLU and the residual add do not combine")
-    tile = fused_tile(n, k, _sm_count(x.device))
+    tile = fused_tile(n, k, sm_count(x.device))
     pos64 = rope is not None and rope.positions.dtype == torch.int64
     pdl = pdl_wanted(x)
     flags = dict(NORM=int(norm_weight is not None), SILU=int(silu), ROPE=int(rope is not None),
