@@ -230,6 +230,13 @@ def test_in_process_drain_after_an_abort_with_two_steps_out(monkeypatch, tempera
     which must collect them (filling the second where it waits) and free every block; the engine then serves again."""
     monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1")
     llm = LLM(model=MODEL, dtype="float32", device="cpu")
+    # greedy: launched with the device's tokens; sampled: waiting for its fill
+    _abort_and_drain_with_two_steps_out(llm, temperature, needs_fill=temperature > 0)
+
+
+def _abort_and_drain_with_two_steps_out(llm: LLM, temperature: float, needs_fill: bool) -> None:
+    """Step one request until a second step is out behind the one sent ahead (`LLMEngine._next`), check whether that
+    one waits for its fill, abort the request, drain: nothing out, every block free, and the engine serves again."""
     engine = llm.llm_engine
     try:
         engine.add_request("last", PROMPTS[2], SamplingParams(max_tokens=40, temperature=temperature, seed=3,
@@ -239,7 +246,7 @@ def test_in_process_drain_after_an_abort_with_two_steps_out(monkeypatch, tempera
             if engine._next is not None:
                 break
         assert engine._next is not None, "no second step out"
-        assert engine.executor.needs_fill == (temperature > 0)  # greedy: launched with the device's tokens
+        assert engine.executor.needs_fill == needs_fill
         engine.abort("last")
         engine.drain()
         assert engine._inflight is None and engine._next is None
@@ -337,22 +344,5 @@ def test_drain_fills_and_collects_the_step_sent_after_the_one_ahead(shared_ray):
     the last request leaves both to `drain`, which must fill the second from the first's answer, collect both and
     free every block; the engine then serves again."""
     llm = LLM(model=MODEL, dtype="float32", device="cpu", pipeline_parallel_size=2, pipeline_step_overlap=False)
-    engine = llm.llm_engine
-    try:
-        assert engine.step_groups == 1 and engine.async_scheduling
-        engine.add_request("last", PROMPTS[2], SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True))
-        for _ in range(8):
-            engine.step()
-            if engine._next is not None:
-                break
-        assert engine._next is not None and engine.executor.needs_fill, "no second step out waiting for its fill"
-        engine.abort("last")
-        engine.drain()
-        assert engine._inflight is None and engine._next is None
-        assert_engine_clean(llm)
-        assert engine.scheduler.num_parked_blocks == 0
-        outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
-        assert all(len(o.token_ids) == 6 or o.finish_reason == "stop" for o in outs)
-        assert_engine_clean(llm)
-    finally:
-        engine.shutdown()
+    assert llm.llm_engine.step_groups == 1 and llm.llm_engine.async_scheduling
+    _abort_and_drain_with_two_steps_out(llm, 0.8, needs_fill=True)
