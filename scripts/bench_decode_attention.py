@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Decode attention (parallel/kernels/paged_attention.py) as a batch-1 decode graph runs it: `--layers` calls chained
 in one CUDA graph (programmatic dependent launch between them, as in the decode step), Llama-3.1-8B heads (32 query,
-8 KV, D = 128), the split count the graph was captured with (`num_decode_splits` at --max-seq-len), for each context
-length and each `min_tiles` (the fewest 64-token tiles a split takes: fewer splits in use, fewer partials to merge).
+8 KV, D = 128), for each context length and each split count: "auto" is the count the graph is captured with
+(`num_decode_splits` at --max-seq-len); fewer splits give each more 64-token tiles in a row and the merge fewer
+partials. A short context fills only the first splits either way (the others write nothing, the merge skips them).
 
-    python scripts/bench_decode_attention.py --contexts 128,256,1024,4096 --min-tiles 1,2,4,8
+    python scripts/bench_decode_attention.py --contexts 128,256,1024,4096 --splits auto,16,8,4
 Prints microseconds per layer; writes JSON (--out).
 """
 from __future__ import annotations
@@ -22,20 +23,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from parallel.kernels.paged_attention import decode_attention, num_decode_splits  # noqa: E402
 
 
-def time_chain(context: int, min_tiles: int, a) -> float:
+def time_chain(context: int, splits: int, a) -> float:
     hq, hkv, d, page = 32, 8, 128, 16
     blocks = -(-a.max_seq_len // page)
     cache = torch.randn(2, a.layers * blocks, page, hkv, d, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(1, hq, d, device="cuda", dtype=torch.bfloat16)
     tables = [torch.randperm(blocks, device="cuda", dtype=torch.int32)[None] + i * blocks for i in range(a.layers)]
     seq_lens = torch.tensor([context], device="cuda", dtype=torch.int32)
-    splits = num_decode_splits(1, hkv, a.max_seq_len)
-
     def chain():
         x = q
         for table in tables:  # each layer's query is the one before's output: a dependent chain
-            x = decode_attention(x, cache, table, seq_lens, d ** -0.5, a.max_seq_len, num_splits=splits,
-                                 min_tiles=min_tiles)
+            x = decode_attention(x, cache, table, seq_lens, d ** -0.5, a.max_seq_len, num_splits=splits)
         return x
 
     chain()
@@ -56,7 +54,7 @@ def time_chain(context: int, min_tiles: int, a) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="128,256,1024,4096")
-    p.add_argument("--min-tiles", default="1,2,4,8")
+    p.add_argument("--splits", default="auto,16,8,4", help="split counts; auto: num_decode_splits at --max-seq-len")
     p.add_argument("--max-seq-len", type=int, default=4096, help="the context the graph was captured for")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--iters", type=int, default=50)
@@ -67,8 +65,9 @@ def main() -> None:
     rows = []
     for context in [int(c) for c in a.contexts.split(",")]:
         line = {"context": context}
-        for mt in [int(m) for m in a.min_tiles.split(",")]:
-            line[f"min_tiles={mt}"] = time_chain(context, mt, a)
+        for name in a.splits.split(","):
+            splits = num_decode_splits(1, 8, a.max_seq_len) if name == "auto" else int(name)
+            line[f"splits={name}"] = time_chain(context, splits, a)
         rows.append(line)
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in line.items()}))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

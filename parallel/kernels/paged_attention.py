@@ -113,7 +113,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
                          qk_scale,  # softmax scale * log2(e)
                          stride_qt, stride_qh, stride_ot, stride_oh,
                          stride_cb, stride_cs, stride_ch, stride_bt,
-                         stride_knt, stride_knh, stride_vnt, stride_vnh, kv_scale, min_tiles,
+                         stride_knt, stride_knh, stride_vnt, stride_vnh, kv_scale,
                          GQA: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FUSE_WRITE: tl.constexpr,
                          USE_PDL: tl.constexpr, FP8: tl.constexpr):
@@ -125,7 +125,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
     num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + b)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = _tiles_per_split(num_tiles, num_splits, min_tiles)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     first = split * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
 
@@ -203,22 +203,16 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
 
 
 @triton.jit
-def _tiles_per_split(num_tiles, num_splits, min_tiles):
-    """K/V tiles each split takes: the sequence's tiles spread over the splits, at least min_tiles (a short sequence
-    then uses fewer splits, and the merge reads fewer partials)."""
-    return tl.maximum(tl.cdiv(num_tiles, num_splits), min_tiles)
-
-
-@triton.jit
-def _decode_reduce_kernel(part_o, part_lse, out_ptr, seq_lens_ptr, stride_ot, stride_oh, min_tiles, HQ: tl.constexpr,
+def _decode_reduce_kernel(part_o, part_lse, out_ptr, seq_lens_ptr, stride_ot, stride_oh, HQ: tl.constexpr,
                           D: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                           SEQ_USED: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     used = NUM_SPLITS
-    if SEQ_USED:  # program b is sequence b: only the splits that hold its tiles wrote partials
+    if SEQ_USED:  # program b is sequence b: only the splits that hold its tiles wrote partials (a short sequence
+        # in a graph captured for the longest fills few of them)
         num_tiles = tl.cdiv(tl.load(seq_lens_ptr + b), BLOCK_N)  # seq_lens was copied in before the step
-        used = tl.cdiv(num_tiles, _tiles_per_split(num_tiles, NUM_SPLITS, min_tiles))
+        used = tl.cdiv(num_tiles, tl.cdiv(num_tiles, NUM_SPLITS))
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -236,9 +230,6 @@ def _decode_reduce_kernel(part_o, part_lse, out_ptr, seq_lens_ptr, stride_ot, st
     tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-DECODE_MIN_TILES = 1  # the fewest K/V tiles a decode split takes (`decode_attention`)
-
-
 def decode_block_n(block_size: int) -> int:
     return 64
 
@@ -254,12 +245,10 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, max_seq_len: int, out: torch.Tensor | None = None,
                      num_splits: int | None = None, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                     slot_mapping: torch.Tensor | None = None, kv_scale: float = 1.0,
-                     min_tiles: int | None = None) -> torch.Tensor:
+                     slot_mapping: torch.Tensor | None = None, kv_scale: float = 1.0) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D]. The new token's k/v are either already in the cache, or given as
     k_new/v_new [B, Hkv, D] with slot_mapping [B]: then this kernel writes them (one launch less).
-    min_tiles: the fewest 64-token K/V tiles a split takes (`DECODE_MIN_TILES`): a short sequence uses fewer of the
-    `num_splits` splits, and the merge reads only those."""
+    Splits with no tile of their sequence write nothing, and the merge reads only the splits in use."""
     b, hq, d = q.shape
     kc, vc = kv_cache[0], kv_cache[1]
     hkv = kc.shape[2]
@@ -269,7 +258,6 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     if b == 0:
         return out
     s = num_splits or num_decode_splits(b, hkv, max_seq_len, sm_count(q.device))
-    min_tiles = DECODE_MIN_TILES if min_tiles is None else min_tiles
     g_pad = max(16, triton.next_power_of_2(gqa))
     if s > 1:
         part_o = torch.empty(b, hq, s, d, dtype=torch.float32, device=q.device)
@@ -292,12 +280,12 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         q, kc, vc, block_tables, seq_lens, out, part_o, part_lse, k_new, v_new, slot_mapping, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), kv_scale, min_tiles,
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), kv_scale,
         GQA=gqa, G_PAD=g_pad, D=d, PAGE=kc.shape[1], BLOCK_N=block_n, SPLIT=s > 1, FUSE_WRITE=fuse,
         USE_PDL=pdl, FP8=_is_fp8(kc), num_warps=4, num_stages=2, **pdl_kw)
     if s > 1:
-        launch(_decode_reduce_kernel, (b, hq), part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), min_tiles,
-               HQ=hq, D=d, NUM_SPLITS=s, S_PAD=triton.next_power_of_2(s), BLOCK_N=block_n, SEQ_USED=True, USE_PDL=pdl,
+        launch(_decode_reduce_kernel, (b, hq), part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), HQ=hq,
+               D=d, NUM_SPLITS=s, S_PAD=triton.next_power_of_2(s), BLOCK_N=block_n, SEQ_USED=True, USE_PDL=pdl,
                num_warps=4, **pdl_kw)
     return out
 

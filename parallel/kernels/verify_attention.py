@@ -209,7 +209,7 @@ def verify_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         FP8=_is_fp8(kc), FUSE_WRITE=fuse, num_warps=4, num_stages=2)
     if s > 1:
         # one program per token, every split's partials written: the merge reads all S
-        launch(_decode_reduce_kernel, (t, hq), part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), 1, HQ=hq,
+        launch(_decode_reduce_kernel, (t, hq), part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), HQ=hq,
                D=d, NUM_SPLITS=s, S_PAD=triton.next_power_of_2(s), BLOCK_N=decode_block_n(kc.shape[1]), SEQ_USED=False,
                USE_PDL=False, num_warps=4)
     return out
