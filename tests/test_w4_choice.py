@@ -51,6 +51,20 @@ def test_tiles_and_fits() -> None:
     assert "9 rows" in w4_mma.fits(4096, 4096, 128, 8, rows=9)
 
 
+def test_fused_tile_keeps_the_rows_kernels_k_split() -> None:
+    """The one-row fused kernel splits K as the rows kernel does (the same fp32 sums, so the fused and unfused
+    decoders agree bit for bit), takes FUSED_STEPS steps a round, and sizes MINB for one wave of its CTAs."""
+    for n, k in ((28672, 4096), (6144, 4096), (4096, 4096), (4096, 14336)):
+        tile = w4_mma.fused_tile(n, k, sms=132)
+        assert tile["KSPLIT"] == w4_mma.tile_for(n, k)["KSPLIT"] and tile["U"] == w4_mma.FUSED_STEPS == 2
+        assert tile["MINB"] * 132 >= n // 16 or tile["MINB"] * 32 * tile["KSPLIT"] * 64 == 65536
+    assert w4_mma.fused_tile(28672, 4096)["MINB"] == 14  # 1,792 CTAs of 64 threads over 132 SMs
+    # a bench override: MINB follows its KSPLIT (14 a wave, capped at 8 CTAs of 128 threads for 64 registers each)
+    over = w4_mma.fused_tile(28672, 4096, override=dict(KSPLIT=4, U=4))
+    assert (over["KSPLIT"], over["U"], over["MINB"]) == (4, 4, 8)
+    assert w4_mma.fused_tile(4096, 4096, override=dict(MINB=1))["MINB"] == 1
+
+
 def test_source_carries_the_tile() -> None:
     src = w4_mma.source(2, 16, 8, 256, 1)
     for line in ("#define R 2", "#define KSPLIT 16", "#define U 8", "#define GS 256", "#define CHUNK 128", "#define SUB 1"):

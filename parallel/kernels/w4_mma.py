@@ -256,7 +256,7 @@ w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32*
     for (int r = 0; r < R; ++r) { tiles[r][0] = 2 * (blockIdx.x * R + r); tiles[r][1] = tiles[r][0] + 1; }
 #endif
     {   // this warp's first U steps of weights into L2 (no registers held): under PDL before the wait, else while the
-        // CTA stages x
+        // CTA stages x. (Loading them into registers here was slower in the chain: scripts/bench_w4_chain.py.)
         const int KO = K >> 7, warp = tid >> 5, ko0 = (KO * warp) / KSPLIT, ko1 = (KO * (warp + 1)) / KSPLIT;
         #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -438,13 +438,18 @@ def gemv_w4_mma(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_s
 SMEM_LIMIT = 48 * 1024  # a launch's shared memory without opting in to more
 
 
-def fused_tile(n: int, k: int, sms: int = 132) -> dict:
+FUSED_STEPS = 2  # 128-input steps a warp of the fused kernel has in flight (U)
+
+
+def fused_tile(n: int, k: int, sms: int = 132, override: dict | None = None) -> dict:
     """The one-row fused kernel's tile: one MMA tile (16 rows) a CTA and the K split of the rows kernel's `tile_for`
-    (the same fp32 sums), and MINB, the CTAs an SM must hold at once (`__launch_bounds__`): enough for the N / 16 CTAs
-    to run in one wave over `sms` SMs, but never below 64 registers a thread."""
-    tile = tile_for(n, k)
+    (the same fp32 sums), FUSED_STEPS steps a round (U does not change the sums; in the batch-1 chain of an H200,
+    scripts/bench_w4_chain.py 2026-11-29, 2 took 56.0 us a Llama-3.1-8B layer against 58.9 at the rows kernel's 4),
+    `override`'s keys in their place, and MINB, the CTAs an SM must hold at once (`__launch_bounds__`): enough for
+    the N / 16 CTAs to run in one wave over `sms` SMs, but never below 64 registers a thread."""
+    tile = {**tile_for(n, k), "U": FUSED_STEPS, **(override or {})}
     threads = 32 * tile["KSPLIT"]
-    tile["MINB"] = max(1, min(-(-(n // 16) // sms), 65536 // (64 * threads), 2048 // threads))
+    tile.setdefault("MINB", max(1, min(-(-(n // 16) // sms), 65536 // (64 * threads), 2048 // threads)))
     return tile
 
 
@@ -454,7 +459,7 @@ def fused_smem(k: int, tile: dict) -> int:
 
 
 def fused_fits(n: int, k: int, group_size: int, inner_k_tiles: int, *, silu: bool = False,
-               head_dim: int | None = None) -> str | None:
+               head_dim: int | None = None, tile: dict | None = None) -> str | None:
     """None when the one-row fused kernel takes this weight (SiLU pairs; RoPE heads of `head_dim`), else why not."""
     why = fits(n, k, group_size, inner_k_tiles)
     if why is not None:
@@ -463,7 +468,7 @@ def fused_fits(n: int, k: int, group_size: int, inner_k_tiles: int, *, silu: boo
         return f"N={n}: SiLU pairs 8-row gate and up tiles (N % 32 == 0)"
     if head_dim is not None and (head_dim % 16 or n % head_dim):
         return f"head_dim {head_dim} (RoPE pairs whole 8-row tiles: head_dim % 16 == 0)"
-    if fused_smem(k, fused_tile(n, k)) > SMEM_LIMIT:
+    if fused_smem(k, fused_tile(n, k, override=tile)) > SMEM_LIMIT:
         return f"K={k}: the staged input row and partial sums exceed {SMEM_LIMIT // 1024} KB of shared memory"
     return None
 
@@ -471,24 +476,24 @@ def fused_fits(n: int, k: int, group_size: int, inner_k_tiles: int, *, silu: boo
 def gemv_w4_mma_fused(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int, n: int, *,
                       perm: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                       norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-                      silu: bool = False, rope=None) -> torch.Tensor:
+                      silu: bool = False, rope=None, tile: dict | None = None) -> torch.Tensor:
     """One row: x[:, perm] (or x) @ W^T, rounded, + bias, with parallel/kernels/gemv.py's fused RMSNorm prologue
     (norm_weight, eps) and SiLU-and-mul / RoPE (a gemv.Rope) / residual epilogues, same arguments and rounding but for
     the bias, added after the product's rounding as the unfused quantized linear adds it. x bf16 [1, K] (the
     layer's input order: act order's `perm` is applied here), packed / sz as `gemv_w4_mma`'s -> bf16 [1, N] ([1, N/2]
-    with silu)."""
+    with silu). `tile`: keys of `fused_tile` to override (scripts/bench_w4_chain.py sweeps them)."""
     if x.shape[0] != 1 or x.dtype != torch.bfloat16:
         raise ValueError(f"gemv_w4_mma_fused: one bf16 row, got {tuple(x.shape)} {x.dtype}")
     k = x.shape[1]
     why = fused_fits(n, k, group_size, _inner_k_tiles(packed), silu=silu,
-                     head_dim=rope.head_dim if rope is not None else None)
+                     head_dim=rope.head_dim if rope is not None else None, tile=tile)
     if why is not None:
         raise ValueError(f"gemv_w4_mma_fused: {why}")
     if rope is not None and (silu or residual is not None or rope.cos_sin.stride(-1) != 1):
         raise ValueError("gemv_w4_mma_fused: RoPE alone as the epilogue, with a contiguous cos/sin table")
     if silu and residual is not None:
         raise ValueError("gemv_w4_mma_fused: SiLU and the residual add do not combine")
-    tile = fused_tile(n, k, sm_count(x.device))
+    tile = fused_tile(n, k, sm_count(x.device), tile)
     pos64 = rope is not None and rope.positions.dtype == torch.int64
     pdl = pdl_wanted(x)
     flags = dict(NORM=int(norm_weight is not None), SILU=int(silu), ROPE=int(rope is not None),

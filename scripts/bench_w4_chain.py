@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""The batch-1 fused decoder's layer chain on its own: per layer the four fused GEMVs of a Llama-3.1-8B decoder
+layer (qkv with RMSNorm and RoPE, o with the residual add, gate_up with RMSNorm and SiLU, down with the residual
+add) and the decode attention between qkv and o, `--layers` layers replayed from one CUDA graph with programmatic
+dependent launch between the kernels, as `workers/models/fused_decode.py` runs them in a decode step. 4-bit weights
+in tinygemm's layout (group 128) on `w4_mma.gemv_w4_mma_fused`, beside the same chain on bf16 weights
+(`gemv.gemv`), in one process.
+
+Each W4 tile knob of `w4_mma.fused_tile` (KSPLIT warps splitting K, U 128-input steps a round, MINB) is varied for one
+shape at a time (the other shapes at their default), so a number is what that shape's tile does to the whole chain;
+`--tiles` times given combinations. Also timed: the chain without attention, and with one shape's GEMV run twice a
+layer (its marginal cost in the chain: what it adds to a layer).
+
+    python scripts/bench_w4_chain.py [--layers 32] [--context 128] [--out bench_results/w4_chain.json]
+Prints microseconds per layer; writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 4096, 32, 8, 128, 14336
+SHAPES = {"qkv": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * FFN, HIDDEN),
+          "down": (HIDDEN, FFN)}
+GROUP = 128
+PAGE = 16
+
+
+def sweep_tiles(shape: str) -> list[dict]:
+    """Tile overrides tried for one shape (each with the other shapes at `fused_tile`'s default)."""
+    ksplits = {"qkv": (4, 8, 16), "o": (8, 16), "gate_up": (2, 4), "down": (8, 16)}[shape]
+    out = []
+    for ksplit in ksplits:
+        for u in (2, 4):
+            out.append(dict(KSPLIT=ksplit, U=u))
+    return out
+
+
+class Chain:
+    """`layers` decoder layers' weights, caches and inputs; `run(tiles)` is one step's chain of kernels."""
+
+    def __init__(self, layers: int, context: int, quant: bool):
+        from parallel.kernels.gemv import Rope
+
+        self.quant, self.layers = quant, layers
+        dev = "cuda"
+        self.w = []
+        for _ in range(layers):
+            if quant:
+                from scripts.bench_gemv_int4 import GROUP as INT4_GROUP, _weights
+
+                assert INT4_GROUP == GROUP
+                self.w.append({name: _weights(n, k, 1)[0] for name, (n, k) in SHAPES.items()})
+            else:
+                self.w.append({name: torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+                               for name, (n, k) in SHAPES.items()})
+        self.norm = [torch.rand(2, HIDDEN, device=dev, dtype=torch.bfloat16) + 0.5 for _ in range(layers)]
+        blocks = -(-(context + 1) // PAGE)
+        self.cache = torch.randn(2, layers * blocks, PAGE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16) * 0.1
+        self.tables = [torch.arange(i * blocks, (i + 1) * blocks, device=dev, dtype=torch.int32)[None]
+                       for i in range(layers)]
+        self.seq_lens = torch.tensor([context + 1], device=dev, dtype=torch.int32)
+        self.slots = [torch.tensor([i * blocks * PAGE + context], device=dev, dtype=torch.int64) for i in range(layers)]
+        positions = torch.tensor([context], device=dev, dtype=torch.int64)
+        inv = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device=dev).float() / HEAD_DIM))
+        ang = torch.arange(context + 64, device=dev).float()[:, None] * inv[None]
+        emb = torch.cat([ang, ang], -1)
+        cos_sin = torch.stack([emb.cos(), emb.sin()], 1).contiguous()  # [P, 2, head_dim]
+        self.rope = Rope(positions, cos_sin, HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM)
+        self.h = torch.randn(1, HIDDEN, device=dev, dtype=torch.bfloat16)
+        self.max_seq_len = 4096
+
+    def bytes_per_layer(self) -> int:
+        if self.quant:
+            return sum(n * k // 2 + 4 * n * (k // GROUP) for n, k in SHAPES.values())
+        return sum(2 * n * k for n, k in SHAPES.values())
+
+    def linear(self, x, layer: int, name: str, tiles: dict, **fused):
+        if self.quant:
+            from parallel.kernels.w4_mma import gemv_w4_mma_fused
+
+            w = self.w[layer][name]
+            return gemv_w4_mma_fused(x, w.weight, w.scales_and_zeros, GROUP, SHAPES[name][0], tile=tiles.get(name),
+                                     **fused)
+        from parallel.kernels.gemv import gemv
+
+        return gemv(x, self.w[layer][name], None, **fused)
+
+    def packed(self, layer: int, name: str) -> torch.Tensor:
+        w = self.w[layer % self.layers][name]
+        return w.weight if self.quant else w
+
+    def run(self, tiles: dict, attention: bool = True, dup: str = "") -> torch.Tensor:
+        """One step's chain; `dup`: a shape whose GEMV runs a second time in each layer (its marginal cost)."""
+        from parallel.kernels.paged_attention import decode_attention
+
+        h = self.h
+        q_rows, kv_rows = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+        for i in range(self.layers):
+            for _ in range(1 + (dup == "qkv")):
+                qkv = self.linear(h, i, "qkv", tiles, norm_weight=self.norm[i][0], eps=1e-5, rope=self.rope)
+            q = qkv[:, :q_rows].view(1, HEADS, HEAD_DIM)
+            if attention:
+                k = qkv[:, q_rows:q_rows + kv_rows].view(1, KV_HEADS, HEAD_DIM)
+                v = qkv[:, q_rows + kv_rows:].view(1, KV_HEADS, HEAD_DIM)
+                att = decode_attention(q, self.cache, self.tables[i], self.seq_lens, HEAD_DIM ** -0.5,
+                                       self.max_seq_len, k_new=k, v_new=v, slot_mapping=self.slots[i])
+            else:
+                att = q
+            for _ in range(1 + (dup == "o")):
+                h = self.linear(att.reshape(1, q_rows), i, "o", tiles, residual=h)
+            for _ in range(1 + (dup == "gate_up")):
+                act = self.linear(h, i, "gate_up", tiles, norm_weight=self.norm[i][1], eps=1e-5, silu=True)
+            for _ in range(1 + (dup == "down")):
+                h = self.linear(act, i, "down", tiles, residual=h)
+        return h
+
+
+def time_us(chain: Chain, tiles: dict, iters: int, attention: bool = True, dup: str = "") -> float:
+    """Microseconds per layer of the chain replayed from a CUDA graph."""
+    from scripts.bench_gemv import bench
+
+    return 1e6 * bench(lambda: chain.run(tiles, attention, dup), iters) / chain.layers
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--context", type=int, default=128, help="tokens in the KV cache before this step")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--shapes", default="qkv,o,gate_up,down", help="shapes whose tile is swept")
+    p.add_argument("--no-sweep", action="store_true", help="the default tiles only")
+    p.add_argument("--tiles", action="append", default=[],
+                   help='a JSON {shape: tile override} timed as a whole (repeatable), e.g. \'{"o": {"U": 2}}\'')
+    p.add_argument("--out", default="bench_results/w4_chain.json")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_w4_chain needs a CUDA GPU")
+    torch.manual_seed(0)
+    report = {"benchmark": "w4_chain", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "layers": a.layers, "context": a.context}
+    bf16 = Chain(a.layers, a.context, quant=False)
+    report["bf16_us"] = time_us(bf16, {}, a.iters)
+    report["bf16_no_attention_us"] = time_us(bf16, {}, a.iters, attention=False)
+    bf16_bytes = bf16.bytes_per_layer()
+    del bf16
+    torch.cuda.empty_cache()
+    w4 = Chain(a.layers, a.context, quant=True)
+    report["w4_bytes_per_layer"] = w4.bytes_per_layer()
+    report["w4_default_us"] = time_us(w4, {}, a.iters)
+    report["w4_default_no_attention_us"] = time_us(w4, {}, a.iters, attention=False)
+    print(f"{report['gpu']}: per layer bf16 {report['bf16_us']:.1f} us ({bf16_bytes / report['bf16_us'] / 1e3:.0f} GB/s), "
+          f"W4 {report['w4_default_us']:.1f} us ({report['w4_bytes_per_layer'] / report['w4_default_us'] / 1e3:.0f} GB/s), "
+          f"without attention {report['bf16_no_attention_us']:.1f} / {report['w4_default_no_attention_us']:.1f} us",
+          flush=True)
+    report["combined"] = []
+    for spec in a.tiles:
+        tiles = json.loads(spec)
+        report["combined"].append({"tiles": tiles, "us": time_us(w4, tiles, a.iters)})
+        print(f"{spec}: {report['combined'][-1]['us']:.2f} us a layer", flush=True)
+    report["marginal_us"] = {}  # what one more GEMV of a shape adds to a layer, in the chain
+    for shape in SHAPES:
+        report["marginal_us"][shape] = time_us(w4, {}, a.iters, dup=shape) - report["w4_default_us"]
+    report["marginal_us"]["attention"] = report["w4_default_us"] - report["w4_default_no_attention_us"]
+    print("marginal us a layer: " + ", ".join(f"{k} {v:.2f}" for k, v in report["marginal_us"].items()), flush=True)
+    report["w4_default_again_us"] = time_us(w4, {}, a.iters)
+    report["sweep"] = []
+    for shape in ([] if a.no_sweep else a.shapes.split(",")):
+        for tile in sweep_tiles(shape):
+            try:
+                us = time_us(w4, {shape: tile}, a.iters)
+            except Exception as e:  # a tile that does not compile or launch is reported, not fatal
+                report["sweep"].append({"shape": shape, "tile": tile, "error": str(e)[:300]})
+                continue
+            report["sweep"].append({"shape": shape, "tile": tile, "us": us})
+        best = min((r for r in report["sweep"] if r["shape"] == shape and "us" in r), key=lambda r: r["us"])
+        print(f"{shape}: best {best['tile']} {best['us']:.2f} us a layer (default {report['w4_default_us']:.2f})",
+              flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
