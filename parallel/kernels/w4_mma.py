@@ -98,10 +98,11 @@ __device__ __forceinline__ u16 to_bf16(float f) {
 #define CPK (128 / CHUNK)         // scale chunks per 128-input step
 
 // One 128-input step ko of this warp's R tiles: wv[r][0] even 8-row tile, wv[r][1] odd, szv[r][c][h] the
-// (scale, zero) pairs of rows g (h = 0) and g + 8 (h = 1) for chunk c. Adds into tot[r][4].
+// (scale, zero) pairs of rows g (h = 0) and g + 8 (h = 1) for chunk c. Adds into tot[r][4]. Every lane loads its x
+// pairs, also lanes of batch columns past the last row (they read a real row's x: their output columns are never
+// written, and an MMA's columns do not mix), so no lane branches around the load.
 __device__ __forceinline__ void step(const uint4 (&wv)[R][2], const u32 (&szv)[R][CPK][2], const u32* __restrict__ x32,
-                                     int ko, int M, int g, int a, float (&tot)[R][4]) {
-    const bool has_x = g < M;
+                                     int ko, int a, float (&tot)[R][4]) {
     #pragma unroll
     for (int c = 0; c < CPK; ++c) {
         float acc[R][4];
@@ -114,8 +115,8 @@ __device__ __forceinline__ void step(const uint4 (&wv)[R][2], const u32 (&szv)[R
             const int j = tile >> 1, i1 = tile & 1;
             // x pairs at inputs 128 ko + 16 tile + 2a (+8): u32 index 64 ko + 8 tile + a (+4)
             const int xi = 64 * ko + 8 * tile + a;
-            const u32 b0 = has_x ? x32[xi] : 0u;
-            const u32 b1 = has_x ? x32[xi + 4] : 0u;
+            const u32 b0 = x32[xi];
+            const u32 b1 = x32[xi + 4];
             mma(sx, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, b0, b1);
             #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -144,19 +145,20 @@ __device__ __forceinline__ void load(const uint4* __restrict__ w4, const u32* __
     for (int r = 0; r < R; ++r) {
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const long nt = tiles[r][h];
-            wv[r][h] = ld_stream(w4 + (nt * KO + ko) * 32 + lane);
+            const unsigned nt = tiles[r][h];   // 32-bit indices (`fits` keeps them in range): fewer instructions
+            wv[r][h] = ld_stream(w4 + ((nt * KO + ko) * 32u + lane));
             #pragma unroll
-            for (int c = 0; c < CPK; ++c) szv[r][c][h] = sz[(128L * ko + CHUNK * c) / GS * N + 8 * nt + g];
+            for (int c = 0; c < CPK; ++c) szv[r][c][h] = sz[(unsigned)((128 * ko + CHUNK * c) / GS) * N + 8 * nt + g];
         }
     }
 }
 
 // This warp's K range of the CTA's R tiles into tot (summed over the CTA's warps on return, in warp 0; other warps
-// return false). x32: batch row g's input pairs (global, or the fused kernel's staged copy in shared memory).
-// tiles[r]: the two 8-row tiles of tinygemm's layout that are rows 0-7 and 8-15 of the r-th MMA tile.
+// return false). x32: batch row g's input pairs (global, or the fused kernel's staged copy in shared memory; lanes
+// of columns past the batch read a real row's). tiles[r]: the two 8-row tiles of tinygemm's layout that are rows 0-7
+// and 8-15 of the r-th MMA tile.
 __device__ __forceinline__ bool tiles_dot(const u32* x32, const uint4* __restrict__ w4, const u32* __restrict__ sz,
-                                          const int (&tiles)[R][2], int M, int N, int K, float (&tot)[R][4]) {
+                                          const int (&tiles)[R][2], int N, int K, float (&tot)[R][4]) {
     __shared__ float part[KSPLIT > 1 ? KSPLIT - 1 : 1][R * 4][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, a = lane & 3;
@@ -171,11 +173,11 @@ __device__ __forceinline__ bool tiles_dot(const u32* x32, const uint4* __restric
         #pragma unroll
         for (int u = 0; u < U; ++u) load(w4, sz, ko + u, KO, N, tiles, lane, g, wv[u], szv[u]);
         #pragma unroll
-        for (int u = 0; u < U; ++u) step(wv[u], szv[u], x32, ko + u, M, g, a, tot);
+        for (int u = 0; u < U; ++u) step(wv[u], szv[u], x32, ko + u, a, tot);
     }
     for (; ko < ko1; ++ko) {
         load(w4, sz, ko, KO, N, tiles, lane, g, wv[0], szv[0]);
-        step(wv[0], szv[0], x32, ko, M, g, a, tot);
+        step(wv[0], szv[0], x32, ko, a, tot);
     }
     GDC_LAUNCH();  // every weight byte is read: the next kernel may start its own loads
     if (KSPLIT > 1) {
@@ -205,7 +207,8 @@ w4_mma(const u32* __restrict__ x32, const uint4* __restrict__ w4, const u32* __r
     #pragma unroll
     for (int r = 0; r < R; ++r) { tiles[r][0] = 2 * (blockIdx.x * R + r); tiles[r][1] = tiles[r][0] + 1; }
     float tot[R][4];
-    if (!tiles_dot(x32 + (long)g * (K >> 1), w4, sz, tiles, M, N, K, tot)) return;
+    // lanes of batch columns g >= M read row M - 1 (`step`); nothing of those columns is written
+    if (!tiles_dot(x32 + (long)min(g, M - 1) * (K >> 1), w4, sz, tiles, N, K, tot)) return;
     // C fragment: tot[r][0..1] = rows g, batch columns 2a, 2a + 1; tot[r][2..3] = rows g + 8
     const int m0 = 2 * a;
     #pragma unroll
@@ -325,7 +328,7 @@ w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32*
     const u32* xin = (const u32*)x;
 #endif
     float tot[R][4];
-    if (!tiles_dot(xin, w4, sz, tiles, 1, N, K, tot)) return;
+    if (!tiles_dot(xin, w4, sz, tiles, N, K, tot)) return;
     if (a != 0) return;                            // batch column 0 lives in lanes 4g: rows g of each half
 #if SILU || ROPE
     const int row0 = 8 * tiles[0][0] + g, row1 = 8 * tiles[0][1] + g;   // SILU: row1 = row0 + N / 2; ROPE: + HALF
@@ -407,6 +410,8 @@ def fits(n: int, k: int, group_size: int, inner_k_tiles: int, rows: int = 1, R: 
         return f"group size {group_size}"
     if not 1 <= rows <= MAX_ROWS:
         return f"{rows} rows (1..{MAX_ROWS})"
+    if n * k >= 1 << 36 or (k // min(group_size, 128)) * n >= 1 << 31:  # the kernel indexes in 32 bits
+        return f"{n}x{k}: too large for the kernel's 32-bit indices"
     return None
 
 
