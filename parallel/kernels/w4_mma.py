@@ -36,8 +36,9 @@ a CTA, whose two 8-row halves are any two 8-row tiles of the layout: SiLU takes 
 rows j and j + head_dim / 2 of a head, so a lane holds both values its output needs; K is split as `tile_for` splits
 it (the rows kernel's fp32 sums). Under CUDA-graph capture on Hopper it is launched with programmatic dependent launch
 (cuda_launch.py): it prefetches its first weight steps into L2 and then waits for the kernel ahead. On an H200
-(2026-11-29) a Llama-3.1-8B batch-1 step took 2.15 ms that way against 2.29-2.32 on the unfused decoder
-(docs/benchmarks.md, twenty-ninth session).
+(2026-11-29) a Llama-3.1-8B batch-1 step took 2.15 ms that way against 2.29-2.32 on the unfused decoder, and 1.95 ms
+after the fused kernel went to two steps a round and every lane loaded x without a branch (docs/benchmarks.md,
+twenty-ninth and thirtieth sessions; scripts/bench_w4_chain.py times the layer chain alone).
 """
 from __future__ import annotations
 
