@@ -1,0 +1,50 @@
+"""scripts/bench_w4_chain.py on CPU: its layer shapes are Llama-3.1-8B's (scripts/model_shapes.py), every tile it
+sweeps is one the fused W4 kernel takes for that shape (so a sweep on a GPU times no refused launch), and without
+CUDA it stops with a message instead of a traceback."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_chain_shapes_are_llama_3_1_8b():
+    chain, shapes = _load("bench_w4_chain"), _load("model_shapes")
+    cfg = shapes.SHAPES["llama-3.1-8b"]
+    d, ffn, heads, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = d // heads
+    assert chain.SHAPES == {"qkv": (d + 2 * kv * hd, d), "o": (d, d), "gate_up": (2 * ffn, d), "down": (d, ffn)}
+    assert (chain.HEADS, chain.KV_HEADS, chain.HEAD_DIM, chain.HIDDEN) == (heads, kv, hd, d)
+
+
+def test_swept_tiles_fit_the_fused_kernel():
+    from parallel.kernels import w4_mma
+
+    chain = _load("bench_w4_chain")
+    for shape, (n, k) in chain.SHAPES.items():
+        tiles = chain.sweep_tiles(shape)
+        assert len(tiles) == len({tuple(sorted(t.items())) for t in tiles}) >= 4, shape
+        for tile in tiles:
+            kw = dict(silu=True) if shape == "gate_up" else dict(head_dim=chain.HEAD_DIM) if shape == "qkv" else {}
+            assert w4_mma.fused_fits(n, k, chain.GROUP, 8, tile=tile, **kw) is None, (shape, tile)
+            full = w4_mma.fused_tile(n, k, override=tile)
+            assert full["KSPLIT"] == tile["KSPLIT"] and full["MINB"] >= 1
+
+
+def test_without_cuda_it_says_so():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_w4_chain.py"), "--no-sweep"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode != 0 and "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
