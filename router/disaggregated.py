@@ -30,7 +30,7 @@ from router.config import AppConfig
 from router.grpc_api import InferenceServicer
 from router.guards import RequestLimits
 from router.openai_api import create_openai_app
-from router.pools import DecodePool, PrefillPool
+from router.pools import DecodePool, PrefillFailed, PrefillPool
 from router.prefill_lane import LaneClient
 from router.protocol import BackendUnavailable, GenerateRequest
 from router.replica_metrics import start_publishing
@@ -370,11 +370,13 @@ def _first_line(e: BaseException) -> str:
 
 
 async def _answer_or_none(ref) -> PrefillReady | None:
-    """The router-driven prefill's answer; None if it failed (the decode replica handles that)."""
+    """The router-driven prefill's answer; None if it failed (the decode replica handles that), raised or
+    answered (`PrefillFailed`: the prefill replica's engine has stopped)."""
     try:
-        return await ref
+        answer = await ref
     except Exception:  # noqa: BLE001
         return None
+    return None if isinstance(answer, PrefillFailed) else answer
 
 
 @dataclass

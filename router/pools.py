@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import ray
@@ -27,6 +28,7 @@ from engine.async_engine import EngineDeadError, StreamPace
 from engine.disagg import (RESERVED, DecodeReplica, LocalPrefillPolicy, PrefillReady, PrefillReplica, PrefillUnavailable,
                            Reservation, TransferStats)
 from engine.llm_engine import LLMEngine
+from workers.executor import ExecutorError
 from workers.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -127,17 +129,26 @@ class PrefillPool(_PoolMethods):
                 log.debug("withdrawing the KV peer entry failed", exc_info=True)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-                      reservation: Reservation) -> AsyncIterator[PrefillReady]:
-        async for ready in self.replica.prefill(request_id, prompt_token_ids, params, priority, reservation):
-            yield ready
+                      reservation: Reservation) -> AsyncIterator[PrefillReady | PrefillFailed]:
+        """The prompt's prefill as `PrefillReplica.prefill` streams it; a `PrefillFailed` item, last, if this
+        replica's engine has stopped (see `PrefillFailed`)."""
+        try:
+            async for ready in self.replica.prefill(request_id, prompt_token_ids, params, priority, reservation):
+                yield ready
+        except ENGINE_STOPPED as e:
+            yield _failed(self.replica.replica_id, request_id, e)
 
     async def prefill_first(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                            priority: int, lane_replica: str | None = None) -> PrefillReady:
+                            priority: int, lane_replica: str | None = None) -> PrefillReady | PrefillFailed:
         """The router's own prefill call (router-driven prefill): a unary answer, which the router streams token
         1 from and passes to the decode replica as an ObjectRef; the blocks stay held until sent or abandoned.
         A run the router's lane started here is taken over (`lane_replica` names the replica the router's lane
-        chose, for router/routing.py's choice: not read here)."""
-        return await self.replica.prefill_first(request_id, prompt_token_ids, params, priority)
+        chose, for router/routing.py's choice: not read here). `PrefillFailed` if this replica's engine has
+        stopped."""
+        try:
+            return await self.replica.prefill_first(request_id, prompt_token_ids, params, priority)
+        except ENGINE_STOPPED as e:
+            return _failed(self.replica.replica_id, request_id, e)
 
 
 class DecodePool(_PoolMethods):
@@ -179,12 +190,13 @@ class DecodePool(_PoolMethods):
                                         priority, reservation)
         try:
             try:
-                yield await routing.first_unless_replicas_gone(
+                first = await routing.first_unless_replicas_gone(
                     response, self.prefill, already_empty_fails=routing.never_empty(self.config.prefill))
             except routing.ReplicasGone as e:
                 raise PrefillUnavailable(f"request {request_id}: {e} in the prefill pool") from None
+            yield ready_or_raise(first)
             async for ready in response:
-                yield ready
+                yield ready_or_raise(ready)
         except Exception as e:
             err = _prefill_failure(request_id, e)
             if err is e:
@@ -239,12 +251,40 @@ def _prefill_failure(request_id: str, e: Exception) -> Exception:
 async def _answer(request_id: str, ref) -> PrefillReady:
     """The router-driven prefill's answer (the ObjectRef of its `prefill_first` call)."""
     try:
-        return await ref
+        answer = await ref
     except Exception as e:
         err = _prefill_failure(request_id, e)
         if err is e:
             raise
         raise err from e
+    return ready_or_raise(answer)
+
+
+@dataclass(frozen=True)
+class PrefillFailed:
+    """What a prefill replica whose engine has stopped (a rank lost) answers instead of raising: an exception out of
+    a Serve call is logged by Serve with its traceback ("Request failed.") once per request, and this one is no
+    server bug: the caller takes it as `PrefillUnavailable` (the decode replica prefills the prompt itself; the
+    router streams nothing of its own), as it takes the replica's death, and Serve's health check replaces the
+    replica."""
+    reason: str
+
+
+# A prefill replica's engine that has stopped: its loop ended (`EngineDeadError`), or a rank died under a call.
+ENGINE_STOPPED = (EngineDeadError, ExecutorError, RayActorError)
+
+
+def _failed(replica_id: str | None, request_id: str, e: BaseException) -> PrefillFailed:
+    reason = f"prefill replica {replica_id}: its engine has stopped under request {request_id} ({type(e).__name__}: {e})"
+    log.warning("%s", reason.splitlines()[0])
+    return PrefillFailed(reason)
+
+
+def ready_or_raise(item: PrefillReady | PrefillFailed) -> PrefillReady:
+    """A prefill call's item as its caller takes it: `PrefillFailed` raises `PrefillUnavailable`."""
+    if isinstance(item, PrefillFailed):
+        raise PrefillUnavailable(item.reason)
+    return item
 
 
 def _record_transfer(stats: TransferStats, tags: dict[str, str]) -> None:
