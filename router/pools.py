@@ -23,7 +23,7 @@ from router.config import AppConfig
 from router.prefill_lane import LaneServer
 from router.protocol import GenerateRequest
 from router.serve_context import in_own_serve_request
-from router.stream_wire import RESERVED_ITEM, StreamEncoder
+from router.stream_wire import RESERVED_ITEM, StreamEncoder, encode_error
 from engine.async_engine import EngineDeadError, StreamPace
 from engine.disagg import (RESERVED, DecodeReplica, LocalPrefillPolicy, PrefillReady, PrefillReplica, PrefillUnavailable,
                            Reservation, TransferStats)
@@ -211,25 +211,42 @@ class DecodePool(_PoolMethods):
         `generate`, after a first `RESERVED_ITEM` once this replica's blocks are reserved; token 1 is the
         router's to stream."""
         encoder = StreamEncoder()
-        async for out in self.replica.generate(req.request_id, req.prompt_token_ids, req.sampling_params, req.priority,
-                                               prefilled=_answer(req.request_id, answer[0])):
-            yield RESERVED_ITEM if out is RESERVED else encoder.encode(0, out)
+        try:
+            async for out in self.replica.generate(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                                   req.priority, prefilled=_answer(req.request_id, answer[0])):
+                yield RESERVED_ITEM if out is RESERVED else encoder.encode(0, out)
+        except DECODE_STOPPED as e:
+            yield self._stopped(req.request_id, e)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[bytes]:
         """The request's outputs as router/stream_wire.py items: only what the router has not seen yet (it has
         the prompt and the earlier items), in one `bytes` Ray passes through without serializing."""
         encoder = StreamEncoder()
-        async for out in self.replica.generate(req.request_id, req.prompt_token_ids, req.sampling_params, req.priority):
-            yield encoder.encode(0, out)
+        try:
+            async for out in self.replica.generate(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                                   req.priority):
+                yield encoder.encode(0, out)
+        except DECODE_STOPPED as e:
+            yield self._stopped(req.request_id, e)
 
     async def generate_batch(self, reqs: list[GenerateRequest]) -> AsyncIterator[bytes]:
         """One client request's prompts and choices in one call: items as in `generate`, each naming its
         index into `reqs`."""
         items = [(r.request_id, r.prompt_token_ids, r.sampling_params, r.priority) for r in reqs]
         encoder = StreamEncoder()
-        async with contextlib.aclosing(self.replica.generate_many(items)) as stream:
-            async for i, out in stream:
-                yield encoder.encode(i, out)
+        try:
+            async with contextlib.aclosing(self.replica.generate_many(items)) as stream:
+                async for i, out in stream:
+                    yield encoder.encode(i, out)
+        except DECODE_STOPPED as e:
+            yield self._stopped(reqs[0].request_id if reqs else "(none)", e)
+
+    def _stopped(self, request_id: str, e: BaseException) -> bytes:
+        """The item that ends a stream whose engine stopped (router/stream_wire.py `ERROR_ITEM`), with one warning
+        line here instead of Serve's traceback: the router raises the error again and answers 503 as before."""
+        log.warning("decode replica %s: its engine has stopped under request %s (%s: %s)", self.replica.replica_id,
+                    request_id, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return encode_error(e)
 
     async def info(self) -> dict:
         engine = self.replica.llm_engine
@@ -272,6 +289,9 @@ class PrefillFailed:
 
 # A prefill replica's engine that has stopped: its loop ended (`EngineDeadError`), or a rank died under a call.
 ENGINE_STOPPED = (EngineDeadError, ExecutorError, RayActorError)
+# The same for a decode replica, whose router re-raises them by class (stream_wire.py): a rank actor's RayActorError
+# keeps going through Serve as it is (the router reads it as the decode replica gone).
+DECODE_STOPPED = (EngineDeadError, ExecutorError)
 
 
 def _failed(replica_id: str | None, request_id: str, e: BaseException) -> PrefillFailed:

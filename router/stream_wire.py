@@ -23,12 +23,25 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.async_engine import EngineDeadError
 from engine.llm_engine import RequestOutput
+from workers.executor import ExecutorError
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 # A router-driven prefill's first decode item (router/pools.py `generate_prefilled`): the decode replica has
 # reserved the request's blocks; not an output (no pickle starts with a NUL byte).
 RESERVED_ITEM = b"\x00reserved"
+# A decode replica whose engine stopped under the stream (a rank lost): the error, last, as an item (router/pools.py),
+# and raised again by the router's `StreamDecoder` as the same class: an exception out of a Serve call is logged
+# by Serve with its traceback ("Request failed.") once per request, and this one is no server bug.
+ERROR_ITEM = b"\x00error"
+_STOPPED = {"ExecutorError": ExecutorError, "EngineDeadError": EngineDeadError}
+
+
+def encode_error(e: EngineDeadError | ExecutorError) -> bytes:
+    """The item that ends a stream whose engine stopped: `StreamDecoder.decode` raises its class with its text."""
+    kind = "ExecutorError" if isinstance(e, ExecutorError) else "EngineDeadError"
+    return ERROR_ITEM + pickle.dumps((kind, str(e)), protocol=_PROTOCOL)
 
 
 @dataclass
@@ -89,6 +102,9 @@ class StreamDecoder:
             return 0, item
         if not isinstance(item, bytes):
             raise TypeError(f"a decode replica streamed a {type(item).__name__}, not an encoded output")
+        if item.startswith(ERROR_ITEM):
+            kind, text = pickle.loads(item[len(ERROR_ITEM):])
+            raise _STOPPED[kind](text)
         (index, request_id, reset, ids, new_ids, new_text, text, lps, finish_reason, stop_reason, cached,
          prompt_lps, timeline) = pickle.loads(item)
         have = self._have.setdefault(index, _Have())

@@ -1,8 +1,10 @@
-"""A prefill replica whose engine has stopped answers `PrefillFailed` instead of raising (router/pools.py): Serve logs
-every exception out of a deployment call with its traceback ("Request failed."), once per request, and a lost rank
-is no server bug. Its callers take the answer as they take the replica's death: the decode replica's prefill client
-and the router-driven prefill's answer raise `PrefillUnavailable` (the decode replica prefills the prompt itself),
-the router reads no answer. Any other error still raises."""
+"""A pool replica whose engine has stopped answers instead of raising (router/pools.py): Serve logs every exception out
+of a deployment call with its traceback ("Request failed."), once per request, and a lost rank is no server bug.
+A prefill replica answers `PrefillFailed`, which its callers take as they take the replica's death: the decode
+replica's prefill client and the router-driven prefill's answer raise `PrefillUnavailable` (the decode replica
+prefills the prompt itself), the router reads no answer. A decode replica ends its stream with an error item
+(router/stream_wire.py) that the router's decoder raises again as the same class, after the outputs before it.
+Any other error still raises."""
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +14,12 @@ import pytest
 
 from engine.async_engine import EngineDeadError
 from engine.disagg import PrefillReady, PrefillUnavailable
+from engine.llm_engine import RequestOutput
 from router import disaggregated, pools
+from router.protocol import GenerateRequest
+from router.stream_wire import ERROR_ITEM, StreamDecoder, encode_error
 from workers.executor import ExecutorError
+from workers.sampling_params import SamplingParams
 
 
 class _Replica:
@@ -87,3 +93,54 @@ def test_callers_take_it_as_the_replica_gone():
     # the router's: no token 1 of its own, nothing to abandon
     assert asyncio.run(disaggregated._answer_or_none(answered(failed))) is None
     assert asyncio.run(disaggregated._answer_or_none(answered(ready))) is ready
+
+
+class _DecodeReplica:
+    replica_id = "decode-3"
+
+    def __init__(self, outputs: list[RequestOutput], error: BaseException):
+        self.outputs, self.error = outputs, error
+
+    async def generate(self, request_id, prompt, params, priority, prefilled=None):
+        for out in self.outputs:
+            yield out
+        raise self.error
+
+    async def generate_many(self, items):
+        for out in self.outputs:
+            yield 0, out
+        raise self.error
+
+
+class _RankDied(ExecutorError):
+    """A subclass, as the executor may raise: the router gets the class it handles (ExecutorError)."""
+
+
+@pytest.mark.parametrize("error,raised", [(EngineDeadError("the engine is not running"), EngineDeadError),
+                                          (ExecutorError("step: rank 0 died"), ExecutorError),
+                                          (_RankDied("rank 1 died"), ExecutorError)])
+def test_a_decode_stream_ends_with_the_error_the_router_raises_again(error, raised, caplog):
+    outs = [RequestOutput("r", [1, 2], token_ids=[7], new_token_ids=[7]),
+            RequestOutput("r", [1, 2], token_ids=[7, 8], new_token_ids=[8])]
+    pool = pools.DecodePool.__new__(pools.DecodePool)
+    pool.replica = _DecodeReplica(outs, error)
+    req = GenerateRequest("r", [1, 2], SamplingParams(max_tokens=4))
+    for call in (lambda: pool.generate(req), lambda: pool.generate_batch([req])):
+        with caplog.at_level(logging.WARNING, logger=pools.log.name):
+            items = asyncio.run(_collect(call()))
+        assert len(items) == 3 and items[-1].startswith(ERROR_ITEM)
+        assert any("decode replica decode-3: its engine has stopped under request r" in r.getMessage()
+                   for r in caplog.records)
+        decoder = StreamDecoder()
+        assert [decoder.decode(item)[1].token_ids for item in items[:2]] == [[7], [7, 8]]
+        with pytest.raises(raised, match=str(error)) as got:
+            decoder.decode(items[-1])
+        assert type(got.value) is raised
+
+
+def test_other_decode_errors_still_raise():
+    pool = pools.DecodePool.__new__(pools.DecodePool)
+    pool.replica = _DecodeReplica([], ValueError("bad request"))
+    with pytest.raises(ValueError, match="bad request"):
+        asyncio.run(_collect(pool.generate(GenerateRequest("r", [1], SamplingParams(max_tokens=1)))))
+    assert encode_error(EngineDeadError("x")).startswith(ERROR_ITEM)
