@@ -49,6 +49,9 @@ def test_tiles_and_fits() -> None:
     assert "multiple of 32" in w4_mma.fits(4112, 4096, 128, 8, R=2)
     assert "group size 512" in w4_mma.fits(4096, 4096, 512, 8)
     assert "9 rows" in w4_mma.fits(4096, 4096, 128, 8, rows=9)
+    # the kernel indexes codes and scales in 32 bits: a layer past that is refused, not read wrong
+    assert w4_mma.fits(128256, 16384, 128, 8) is None  # an LM head's size fits
+    assert "32-bit indices" in w4_mma.fits(1 << 20, 1 << 16, 128, 8)
 
 
 def test_fused_tile_keeps_the_rows_kernels_k_split() -> None:
