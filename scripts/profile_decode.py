@@ -34,6 +34,8 @@ def main():
     p.add_argument("--quantization", default=None, help="e.g. gptq (W4A16) or fp8: the dummy weights in that layout")
     p.add_argument("--out", default="bench_results/profile_decode.txt")
     a = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_decode needs a CUDA GPU: it profiles the replays of a decode CUDA graph")
     from model_shapes import write_model_folder
 
     path = write_model_folder(a.shape, os.path.join(tempfile.mkdtemp(), a.shape))

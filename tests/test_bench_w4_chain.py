@@ -1,6 +1,6 @@
 """scripts/bench_w4_chain.py on CPU: its layer shapes are Llama-3.1-8B's (scripts/model_shapes.py), every tile it
 sweeps is one the fused W4 kernel takes for that shape (so a sweep on a GPU times no refused launch), and without
-CUDA it stops with a message instead of a traceback."""
+CUDA it (and scripts/profile_decode.py) stops with a message instead of a traceback."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,8 +45,9 @@ def test_swept_tiles_fit_the_fused_kernel():
             assert full["KSPLIT"] == tile["KSPLIT"] and full["MINB"] >= 1
 
 
-def test_without_cuda_it_says_so():
+@pytest.mark.parametrize("script", ["bench_w4_chain.py", "profile_decode.py"])
+def test_without_cuda_it_says_so(script):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_w4_chain.py"), "--no-sweep"],
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--out", os.devnull],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert proc.returncode != 0 and "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
