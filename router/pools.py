@@ -289,9 +289,9 @@ class PrefillFailed:
 
 # A prefill replica's engine that has stopped: its loop ended (`EngineDeadError`), or a rank died under a call.
 ENGINE_STOPPED = (EngineDeadError, ExecutorError, RayActorError)
-# The same for a decode replica, whose router re-raises them by class (stream_wire.py): a rank actor's RayActorError
-# keeps going through Serve as it is (the router reads it as the decode replica gone).
-DECODE_STOPPED = (EngineDeadError, ExecutorError)
+# The same for a decode replica, whose router raises them again (stream_wire.py): EngineDeadError as such, a rank's
+# ExecutorError or RayActorError as ExecutorError (the router reads both as the decode replica gone).
+DECODE_STOPPED = ENGINE_STOPPED
 
 
 def _failed(replica_id: str | None, request_id: str, e: BaseException) -> PrefillFailed:

@@ -38,9 +38,10 @@ ERROR_ITEM = b"\x00error"
 _STOPPED = {"ExecutorError": ExecutorError, "EngineDeadError": EngineDeadError}
 
 
-def encode_error(e: EngineDeadError | ExecutorError) -> bytes:
-    """The item that ends a stream whose engine stopped: `StreamDecoder.decode` raises its class with its text."""
-    kind = "ExecutorError" if isinstance(e, ExecutorError) else "EngineDeadError"
+def encode_error(e: BaseException) -> bytes:
+    """The item that ends a stream whose engine stopped: `StreamDecoder.decode` raises EngineDeadError for an
+    EngineDeadError and ExecutorError for anything else (a rank's ExecutorError or RayActorError), with its text."""
+    kind = "EngineDeadError" if isinstance(e, EngineDeadError) else "ExecutorError"
     return ERROR_ITEM + pickle.dumps((kind, str(e)), protocol=_PROTOCOL)
 
 
