@@ -12,7 +12,6 @@ shared with scripts/quantize.py):
     w4a16-unfused / fp8-unfused  the same weights with the batch-1 graph on the unfused decoder
               (TANDEM_FUSED_QUANT=0: tinygemm / the W8A16 GEMV per linear), to compare
     w4a16-triton  the same weights on the Triton W4A16 GEMV / GEMM (TANDEM_W4A16_KERNEL=triton), to compare
-    w4a16-fused  w4a16 with TANDEM_FUSED_INT4=w4_mma set (the default since 2026-11-29: the same as w4a16)
     w4a16-tinygemm  w4a16 with tinygemm at 1-8 rows too, not parallel/kernels/w4_mma.py's tensor-core GEMV (which
               serves every 4-bit linear it fits and measures faster at load; TANDEM_W4_GEMV=0), to compare
     w4a16-awq quantization="awq": 4-bit AWQ GEMM packing, same kernels after repacking
@@ -63,7 +62,6 @@ VARIANTS: dict[str, dict] = {
     "w4a16": {"quantization": "gptq"},
     "w4a16-triton": {"quantization": "gptq"},
     "w4a16-tinygemm": {"quantization": "gptq"},
-    "w4a16-fused": {"quantization": "gptq"},
     "w4a16-awq": {"quantization": "awq"},
     "fp8": {"quantization": "fp8"},
     "w4a16-unfused": {"quantization": "gptq"},
@@ -79,7 +77,6 @@ VARIANTS: dict[str, dict] = {
 # Environment a variant is built under (read at load).
 VARIANT_ENV: dict[str, dict[str, str]] = {"w4a16-triton": {"TANDEM_W4A16_KERNEL": "triton"},
                                           "w4a16-tinygemm": {"TANDEM_W4_GEMV": "0"},
-                                          "w4a16-fused": {"TANDEM_FUSED_INT4": "w4_mma"},
                                           "w4a16-unfused": {"TANDEM_FUSED_QUANT": "0"},
                                           "fp8-unfused": {"TANDEM_FUSED_QUANT": "0"},
                                           "fp8-actq": {"TANDEM_FP8_FUSED_ACT": "0"},
