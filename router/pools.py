@@ -215,7 +215,7 @@ class DecodePool(_PoolMethods):
             async for out in self.replica.generate(req.request_id, req.prompt_token_ids, req.sampling_params,
                                                    req.priority, prefilled=_answer(req.request_id, answer[0])):
                 yield RESERVED_ITEM if out is RESERVED else encoder.encode(0, out)
-        except DECODE_STOPPED as e:
+        except ENGINE_STOPPED as e:
             yield self._stopped(req.request_id, e)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[bytes]:
@@ -226,7 +226,7 @@ class DecodePool(_PoolMethods):
             async for out in self.replica.generate(req.request_id, req.prompt_token_ids, req.sampling_params,
                                                    req.priority):
                 yield encoder.encode(0, out)
-        except DECODE_STOPPED as e:
+        except ENGINE_STOPPED as e:
             yield self._stopped(req.request_id, e)
 
     async def generate_batch(self, reqs: list[GenerateRequest]) -> AsyncIterator[bytes]:
@@ -238,14 +238,13 @@ class DecodePool(_PoolMethods):
             async with contextlib.aclosing(self.replica.generate_many(items)) as stream:
                 async for i, out in stream:
                     yield encoder.encode(i, out)
-        except DECODE_STOPPED as e:
+        except ENGINE_STOPPED as e:
             yield self._stopped(reqs[0].request_id if reqs else "(none)", e)
 
     def _stopped(self, request_id: str, e: BaseException) -> bytes:
         """The item that ends a stream whose engine stopped (router/stream_wire.py `ERROR_ITEM`), with one warning
         line here instead of Serve's traceback: the router raises the error again and answers 503 as before."""
-        log.warning("decode replica %s: its engine has stopped under request %s (%s: %s)", self.replica.replica_id,
-                    request_id, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        _stopped_under("decode", self.replica.replica_id, request_id, e)
         return encode_error(e)
 
     async def info(self) -> dict:
@@ -287,17 +286,21 @@ class PrefillFailed:
     reason: str
 
 
-# A prefill replica's engine that has stopped: its loop ended (`EngineDeadError`), or a rank died under a call.
+# A pool replica's engine that has stopped: its loop ended (`EngineDeadError`), or a rank died under a call. Either
+# pool answers it (`PrefillFailed`; a decode stream's error item, which the router raises again: stream_wire.py).
 ENGINE_STOPPED = (EngineDeadError, ExecutorError, RayActorError)
-# The same for a decode replica, whose router raises them again (stream_wire.py): EngineDeadError as such, a rank's
-# ExecutorError or RayActorError as ExecutorError (the router reads both as the decode replica gone).
-DECODE_STOPPED = ENGINE_STOPPED
+
+
+def _stopped_under(pool: str, replica_id: str | None, request_id: str, e: BaseException) -> str:
+    """The line a replica logs (one, no traceback) when its engine has stopped under a request; returned too."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    line = f"{pool} replica {replica_id}: its engine has stopped under request {request_id} ({type(e).__name__}: {text})"
+    log.warning("%s", line)
+    return line
 
 
 def _failed(replica_id: str | None, request_id: str, e: BaseException) -> PrefillFailed:
-    reason = f"prefill replica {replica_id}: its engine has stopped under request {request_id} ({type(e).__name__}: {e})"
-    log.warning("%s", reason.splitlines()[0])
-    return PrefillFailed(reason)
+    return PrefillFailed(_stopped_under("prefill", replica_id, request_id, e))
 
 
 def ready_or_raise(item: PrefillReady | PrefillFailed) -> PrefillReady:
