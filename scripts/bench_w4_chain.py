@@ -9,9 +9,11 @@ in tinygemm's layout (group 128) on `w4_mma.gemv_w4_mma_fused`, beside the same 
 Each W4 tile knob of `w4_mma.fused_tile` (KSPLIT warps splitting K, U 128-input steps a round, MINB) is varied for one
 shape at a time (the other shapes at their default), so a number is what that shape's tile does to the whole chain;
 `--tiles` times given combinations. Also timed: the chain without attention, and with one shape's GEMV run twice a
-layer (its marginal cost in the chain: what it adds to a layer).
+layer (its marginal cost in the chain: what it adds to a layer). `--trace` replays the default chain once more with
+each W4 kernel stamping its CTAs' %globaltimer (`gemv_w4_mma_fused(trace=)`) and prints, per shape, where a kernel's
+time goes: the wait for the kernel ahead, staging the row, the product, the epilogue (medians over layers, ns).
 
-    python scripts/bench_w4_chain.py [--layers 32] [--context 128] [--out bench_results/w4_chain.json]
+    python scripts/bench_w4_chain.py [--layers 32] [--context 128] [--trace] [--out bench_results/w4_chain.json]
 Prints microseconds per layer; writes JSON.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ SHAPES = {"qkv": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "o": (HIDDEN, HIDDE
           "down": (HIDDEN, FFN)}
 GROUP = 128
 PAGE = 16
+NORMED = ("qkv", "gate_up")  # the shapes whose kernel takes the RMSNorm prologue (and stages the row)
 
 
 def sweep_tiles(shape: str) -> list[dict]:
@@ -77,6 +80,7 @@ class Chain:
         self.rope = Rope(positions, cos_sin, HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM)
         self.h = torch.randn(1, HIDDEN, device=dev, dtype=torch.bfloat16)
         self.max_seq_len = 4096
+        self.traces: list[dict[str, torch.Tensor]] | None = None  # per layer, per shape: int64 [CTAs, 5] (`trace`)
 
     def bytes_per_layer(self) -> int:
         if self.quant:
@@ -88,8 +92,9 @@ class Chain:
             from parallel.kernels.w4_mma import gemv_w4_mma_fused
 
             w = self.w[layer][name]
+            trace = self.traces[layer][name] if self.traces is not None else None
             return gemv_w4_mma_fused(x, w.weight, w.scales_and_zeros, GROUP, SHAPES[name][0], tile=tiles.get(name),
-                                     **fused)
+                                     trace=trace, **fused)
         from parallel.kernels.gemv import gemv
 
         return gemv(x, self.w[layer][name], None, **fused)
@@ -124,6 +129,39 @@ class Chain:
         return h
 
 
+def trace_phases(chain: Chain) -> dict:
+    """The default W4 chain replayed with every kernel stamping its CTAs (`gemv_w4_mma_fused(trace=)`): per shape,
+    medians over the layers (the first two and the last left out) of `lag` (its first CTA past the wait, after the
+    last CTA of the kernel before it ended; o's includes the attention between), `stage` / `product` / `epilogue`
+    (a CTA's time staging the row, in its main loop and partial sums, writing: median and slowest CTA), in ns."""
+    import statistics
+
+    from parallel.kernels.w4_mma import fused_ctas
+    from scripts.bench_gemv import bench
+
+    order = list(SHAPES)
+    chain.traces = [{s: torch.zeros(fused_ctas(n, k, s in NORMED), 5, dtype=torch.int64, device="cuda")
+                     for s, (n, k) in SHAPES.items()} for _ in range(chain.layers)]
+    try:
+        bench(lambda: chain.run({}), 2)
+        stamps = [{s: t.cpu().double() for s, t in layer.items()} for layer in chain.traces]
+    finally:
+        chain.traces = None
+    out = {}
+    for i, s in enumerate(order):
+        rows = {k: [] for k in ("lag", "stage", "stage_max", "product", "product_max", "epilogue", "epilogue_max")}
+        for layer in range(2, chain.layers - 1):
+            t = stamps[layer][s]
+            before = stamps[layer][order[i - 1]] if i else stamps[layer - 1][order[-1]]
+            rows["lag"].append((t[:, 1].min() - before[:, 4].max()).item())
+            for name, (a, b) in {"stage": (1, 2), "product": (2, 3), "epilogue": (3, 4)}.items():
+                d = t[:, b] - t[:, a]
+                rows[name].append(d.median().item())
+                rows[name + "_max"].append(d.max().item())
+        out[s] = {k: statistics.median(v) for k, v in rows.items()}
+    return out
+
+
 def time_us(chain: Chain, tiles: dict, iters: int, attention: bool = True, dup: str = "") -> float:
     """Microseconds per layer of the chain replayed from a CUDA graph."""
     from scripts.bench_gemv import bench
@@ -140,6 +178,7 @@ def main() -> None:
     p.add_argument("--no-sweep", action="store_true", help="the default tiles only")
     p.add_argument("--tiles", action="append", default=[],
                    help='a JSON {shape: tile override} timed as a whole (repeatable), e.g. \'{"o": {"U": 2}}\'')
+    p.add_argument("--trace", action="store_true", help="where each W4 kernel's time goes (CTA timestamps)")
     p.add_argument("--out", default="bench_results/w4_chain.json")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -172,6 +211,10 @@ def main() -> None:
     report["marginal_us"]["attention"] = report["w4_default_us"] - report["w4_default_no_attention_us"]
     print("marginal us a layer: " + ", ".join(f"{k} {v:.2f}" for k, v in report["marginal_us"].items()), flush=True)
     report["w4_default_again_us"] = time_us(w4, {}, a.iters)
+    if a.trace:
+        report["trace_ns"] = trace_phases(w4)
+        for shape, row in report["trace_ns"].items():
+            print(f"{shape:8s} " + "  ".join(f"{k} {v:6.0f}" for k, v in row.items()), flush=True)
     report["sweep"] = []
     for shape in ([] if a.no_sweep else a.shapes.split(",")):
         for tile in sweep_tiles(shape):

@@ -68,6 +68,27 @@ def test_fused_tile_keeps_the_rows_kernels_k_split() -> None:
     assert w4_mma.fused_tile(4096, 4096, override=dict(MINB=1))["MINB"] == 1
 
 
+def test_staged_kernels_group_tiles_where_an_sm_repeats_the_prologue() -> None:
+    """Where the fused kernel stages the row (RMSNorm, act order) and an SM would hold STAGED_CTAS_MIN or more one-tile
+    CTAs, a CTA takes several MMA tiles (TPC): the most that divide the launch, fit 1,024 threads and the shared
+    memory, and leave no SM more tiles than before. Elsewhere one tile a CTA."""
+    gate_up = w4_mma.fused_tile(28672, 4096, sms=132, staged=True)  # 1,792 tiles: 14 an SM -> one CTA of 14
+    assert (gate_up["TPC"], gate_up["KSPLIT"], gate_up["MINB"]) == (14, 2, 1)
+    assert w4_mma.fused_ctas(28672, 4096, staged=True) == 128 and w4_mma.fused_ctas(28672, 4096, staged=False) == 1792
+    assert w4_mma.fused_tile(6144, 4096, sms=132, staged=True)["TPC"] == 1  # qkv: 3 CTAs an SM
+    assert w4_mma.fused_tile(28672, 4096, sms=132)["TPC"] == 1  # not staged: nothing repeated
+    for tiles, ksplit, sms, k in ((1792, 2, 132, 4096), (1792, 4, 132, 4096), (3584, 2, 108, 8192), (1000, 2, 10, 4096),
+                                  (896, 16, 16, 16384), (1409, 2, 16, 4096)):
+        t = w4_mma.tiles_per_cta(tiles, ksplit, sms, k)
+        assert tiles % t == 0 and 32 * ksplit * t <= 1024
+        assert -(-(tiles // t) // sms) * t <= -(-tiles // sms)
+        assert w4_mma.fused_smem(k, {"R": 1, "KSPLIT": ksplit, "TPC": t}) <= w4_mma.SMEM_LIMIT
+    assert w4_mma.tiles_per_cta(1409, 2, 16, 4096) == 1  # a prime count of tiles: nothing divides it
+    assert w4_mma.tiles_per_cta(1792, 4, 132, 4096) == 7  # 8 warps a tile group: at most 8 groups, 7 divides
+    # the staged row and the groups' partial sums bound it too: a 44 KB row leaves room for 7 groups, not 16
+    assert w4_mma.tiles_per_cta(1792, 2, 16, 22528) == 7 and w4_mma.tiles_per_cta(1792, 2, 16, 4096) == 16
+
+
 def test_source_carries_the_tile() -> None:
     src = w4_mma.source(2, 16, 8, 256, 1)
     for line in ("#define R 2", "#define KSPLIT 16", "#define U 8", "#define GS 256", "#define CHUNK 128", "#define SUB 1"):

@@ -154,14 +154,15 @@ __device__ __forceinline__ void load(const uint4* __restrict__ w4, const u32* __
     }
 }
 
-// This warp's K range of the CTA's R tiles into tot (summed over the CTA's warps on return, in warp 0; other warps
-// return false). x32: batch row g's input pairs (global, or the fused kernel's staged copy in shared memory; lanes
+// This warp's K range of its R tiles into tot (summed over the KSPLIT warps of its tile group on return, in the group's
+// first warp; the others return false). A CTA holds TPC tile groups of KSPLIT warps (the fused kernel's; else 1). x32: batch row g's input pairs (global, or the fused kernel's staged copy in shared memory; lanes
 // of columns past the batch read a real row's). tiles[r]: the two 8-row tiles of tinygemm's layout that are rows 0-7
 // and 8-15 of the r-th MMA tile.
 __device__ __forceinline__ bool tiles_dot(const u32* x32, const uint4* __restrict__ w4, const u32* __restrict__ sz,
                                           const int (&tiles)[R][2], int N, int K, float (&tot)[R][4]) {
-    __shared__ float part[KSPLIT > 1 ? KSPLIT - 1 : 1][R * 4][32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __shared__ float part[TPC][KSPLIT > 1 ? KSPLIT - 1 : 1][R * 4][32];
+    const int lane = threadIdx.x & 31;
+    const int warp = TPC > 1 ? (threadIdx.x >> 5) % KSPLIT : threadIdx.x >> 5, group = TPC > 1 ? (threadIdx.x >> 5) / KSPLIT : 0;
     const int g = lane >> 2, a = lane & 3;
     const int KO = K >> 7;
     const int ko0 = (KO * warp) / KSPLIT, ko1 = (KO * (warp + 1)) / KSPLIT;
@@ -186,7 +187,7 @@ __device__ __forceinline__ bool tiles_dot(const u32* x32, const uint4* __restric
             #pragma unroll
             for (int r = 0; r < R; ++r)
                 #pragma unroll
-                for (int i = 0; i < 4; ++i) part[warp - 1][4 * r + i][lane] = tot[r][i];
+                for (int i = 0; i < 4; ++i) part[group][warp - 1][4 * r + i][lane] = tot[r][i];
         }
         __syncthreads();
         if (warp > 0) return false;
@@ -195,7 +196,7 @@ __device__ __forceinline__ bool tiles_dot(const u32* x32, const uint4* __restric
             #pragma unroll
             for (int r = 0; r < R; ++r)
                 #pragma unroll
-                for (int i = 0; i < 4; ++i) tot[r][i] += part[w][4 * r + i][lane];
+                for (int i = 0; i < 4; ++i) tot[r][i] += part[group][w][4 * r + i][lane];
     }
     return true;
 }
@@ -237,31 +238,40 @@ __device__ __forceinline__ float add_bias(float acc, const u16* __restrict__ bia
 // and rows 8-15 their up rows (tile t + N / 16), so each lane holds a gate value and its up value; ROPE: rotate-half
 // RoPE of the q/k rows of a fused qkv output, the MMA tile's halves are rows j and j + HALF of a head;
 // RESID: y = round(round(x @ W^T) (+ bias)) + residual. Otherwise (and under NORM / PERM alone) y = x @ W^T (+ bias).
-// One MMA tile a CTA (R = 1), its warps splitting K as the rows kernel's `tile_for` does: the same fp32 sums.
+// One MMA tile (R = 1) a group of KSPLIT warps, which split K as the rows kernel's `tile_for` does (the same fp32
+// sums); TPC groups a CTA, so the CTAs of an SM stage the row fewer times (`fused_tile`).
 // A bias is added to the rounded product everywhere (`add_bias`), as the unfused quantized linear adds it.
 // PDL (launched so under CUDA-graph capture, cuda_launch.py): the first weight steps are prefetched into L2 before
 // the wait for the kernel ahead, which wrote x (and the residual); nothing before the wait reads or writes activations.
-extern "C" __global__ void __launch_bounds__(32 * KSPLIT, MINB)
+extern "C" __global__ void __launch_bounds__(32 * KSPLIT * TPC, MINB)
 w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32* __restrict__ sz, u16* __restrict__ y,
              const u16* __restrict__ nw, const u16* __restrict__ bias, const u16* __restrict__ res,
              const long long* __restrict__ perm, const POS_T* __restrict__ pos, const float* __restrict__ cs,
-             int N, int K, int stride_cp, int rot_rows, int eps_bits) {
+             unsigned long long* __restrict__ trace, int N, int K, int stride_cp, int rot_rows, int eps_bits) {
+#if TRACE   // thread 0's %globaltimer at 5 points a CTA (start, past the wait, staged, summed, done): bench_w4_chain --trace
+#define STAMP(i) if (threadIdx.x == 0) { unsigned long long t_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); trace[5 * blockIdx.x + (i)] = t_; }
+#else
+#define STAMP(i)
+#endif
+    STAMP(0)
     extern __shared__ uint4 xs4[];                 // K / 8 groups of 8 staged inputs
-    __shared__ float red[KSPLIT];
-    const int tid = threadIdx.x, nth = 32 * KSPLIT, lane = tid & 31, g = lane >> 2, a = lane & 3;
+    __shared__ float red[KSPLIT * TPC];
+    const int tid = threadIdx.x, nth = 32 * KSPLIT * TPC, lane = tid & 31, g = lane >> 2, a = lane & 3;
+    const int t = TPC > 1 ? blockIdx.x * TPC + (tid >> 5) / KSPLIT : blockIdx.x;   // this warp's MMA tile
     int tiles[R][2];
 #if SILU
-    tiles[0][0] = blockIdx.x; tiles[0][1] = blockIdx.x + (N >> 4);
+    tiles[0][0] = t; tiles[0][1] = t + (N >> 4);
 #elif ROPE
-    { const int ht = HALF / 8, head = blockIdx.x / ht, i = blockIdx.x % ht;
+    { const int ht = HALF / 8, head = t / ht, i = t % ht;
       tiles[0][0] = 2 * ht * head + i; tiles[0][1] = tiles[0][0] + ht; }
 #else
     #pragma unroll
-    for (int r = 0; r < R; ++r) { tiles[r][0] = 2 * (blockIdx.x * R + r); tiles[r][1] = tiles[r][0] + 1; }
+    for (int r = 0; r < R; ++r) { tiles[r][0] = 2 * (t * R + r); tiles[r][1] = tiles[r][0] + 1; }
 #endif
     {   // this warp's first U steps of weights into L2 (no registers held): under PDL before the wait, else while the
         // CTA stages x. (Loading them into registers here was slower in the chain: scripts/bench_w4_chain.py.)
-        const int KO = K >> 7, warp = tid >> 5, ko0 = (KO * warp) / KSPLIT, ko1 = (KO * (warp + 1)) / KSPLIT;
+        const int KO = K >> 7, warp = TPC > 1 ? (tid >> 5) % KSPLIT : tid >> 5;
+        const int ko0 = (KO * warp) / KSPLIT, ko1 = (KO * (warp + 1)) / KSPLIT;
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             if (ko0 + u >= ko1) break;
@@ -273,6 +283,7 @@ w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32*
         }
     }
     GDC_WAIT();
+    STAMP(1)
 #if STAGE
     {   // x (RMSNorm'd, permuted) into shared memory, 8 inputs (16 bytes) a thread at a time
         const uint4* x4 = (const uint4*)x;
@@ -291,7 +302,7 @@ w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32*
         __syncthreads();
         ss = 0.f;
         #pragma unroll
-        for (int w = 0; w < KSPLIT; ++w) ss += red[w];
+        for (int w = 0; w < KSPLIT * TPC; ++w) ss += red[w];
         rstd = rsqrtf(ss / K + __int_as_float(eps_bits));
 #endif
         for (int q = tid; q < (K >> 3); q += nth) {
@@ -335,8 +346,10 @@ w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32*
 #else
     const u32* xin = (const u32*)x;
 #endif
+    STAMP(2)
     float tot[R][4];
     if (!tiles_dot(xin, w4, sz, tiles, N, K, tot)) return;
+    STAMP(3)
     if (a != 0) return;                            // batch column 0 lives in lanes 4g: rows g of each half
 #if SILU || ROPE
     const int row0 = 8 * tiles[0][0] + g, row1 = 8 * tiles[0][1] + g;   // SILU: row1 = row0 + N / 2; ROPE: + HALF
@@ -366,6 +379,7 @@ w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32*
             y[row] = to_bf16(RESID ? v + bf16_lo(res[row]) : v);
         }
 #endif
+    STAMP(4)
 }
 #endif
 """
@@ -401,8 +415,9 @@ def source(R: int, KSPLIT: int, U: int, GS: int, SUB: int = 0, fused: dict | Non
     head = f"#define R {R}\n#define KSPLIT {KSPLIT}\n#define U {U}\n#define GS {GS}\n#define CHUNK {chunk}\n#define SUB {SUB}\n"
     if fused is not None:
         head += "#define FUSED 1\n" + "".join(f"#define {k} {v}\n" for k, v in sorted(fused.items()))
-    if fused is None or "PDL" not in fused:
-        head += "#define PDL 0\n"
+    for flag, default in (("PDL", 0), ("TPC", 1), ("TRACE", 0)):
+        if fused is None or flag not in fused:
+            head += f"#define {flag} {default}\n"
     return head + _SOURCE
 
 
@@ -454,21 +469,51 @@ SMEM_LIMIT = 48 * 1024  # a launch's shared memory without opting in to more
 FUSED_STEPS = 2  # 128-input steps a warp of the fused kernel has in flight (U)
 
 
-def fused_tile(n: int, k: int, sms: int = 132, override: dict | None = None) -> dict:
-    """The one-row fused kernel's tile: one MMA tile (16 rows) a CTA and the K split of the rows kernel's `tile_for`
-    (the same fp32 sums), FUSED_STEPS steps a round (U does not change the sums; in the batch-1 chain of an H200,
-    scripts/bench_w4_chain.py 2026-11-29, 2 took 56.0 us a Llama-3.1-8B layer against 58.9 at the rows kernel's 4),
-    `override`'s keys in their place, and MINB, the CTAs an SM must hold at once (`__launch_bounds__`): enough for
-    the N / 16 CTAs to run in one wave over `sms` SMs, but never below 64 registers a thread."""
+def fused_tile(n: int, k: int, sms: int = 132, override: dict | None = None, staged: bool = False) -> dict:
+    """The one-row fused kernel's tile: one MMA tile (16 rows) a group of warps with the K split of the rows kernel's
+    `tile_for` (the same fp32 sums), FUSED_STEPS steps a round (U does not change the sums; in the batch-1 chain of an
+    H200, scripts/bench_w4_chain.py 2026-11-29, 2 took 56.0 us a Llama-3.1-8B layer against 58.9 at the rows kernel's
+    4), TPC such groups a CTA (`tiles_per_cta` where the kernel stages the row: `staged`, else 1), `override`'s keys
+    in their place, and MINB, the CTAs an SM must hold at once (`__launch_bounds__`): enough for the CTAs to run in
+    one wave over `sms` SMs, but never below 64 registers a thread."""
     tile = {**tile_for(n, k), "U": FUSED_STEPS, **(override or {})}
-    threads = 32 * tile["KSPLIT"]
-    tile.setdefault("MINB", max(1, min(-(-(n // 16) // sms), 65536 // (64 * threads), 2048 // threads)))
+    tile.setdefault("TPC", tiles_per_cta(n // 16, tile["KSPLIT"], sms, k) if staged else 1)
+    threads = 32 * tile["KSPLIT"] * tile["TPC"]
+    ctas = max(1, n // 16 // tile["TPC"])
+    tile.setdefault("MINB", max(1, min(-(-ctas // sms), 65536 // (64 * threads), 2048 // threads)))
     return tile
+
+
+STAGED_CTAS_MIN = 8  # CTAs an SM would stage the row in, at one tile a CTA, before `tiles_per_cta` groups tiles
+
+
+def tiles_per_cta(tiles: int, ksplit: int, sms: int, k: int) -> int:
+    """MMA tiles a CTA of the fused kernel takes where it stages the row (RMSNorm, act order's permutation): every CTA
+    norms the whole row, so the CTAs of an SM repeat that work, and fewer, larger CTAs repeat it less. Where an SM
+    would hold STAGED_CTAS_MIN or more one-tile CTAs: the most tiles that divide the launch, fit a CTA (1,024
+    threads, shared memory) and leave no SM more tiles than one a CTA would; else 1. On an H200 (bench_w4_chain.py,
+    2026-11-29) gate/up's 14 CTAs an SM became one of 14 tiles: -1.1 us a Llama-3.1-8B layer; qkv's 3 became one of 3
+    (on 128 of the 132 SMs): +1.1 us, its prologue being latency, not repeated work."""
+    per_sm = -(-tiles // sms)
+    best = 1
+    if per_sm < STAGED_CTAS_MIN:
+        return best
+    for t in range(2, 1024 // (32 * ksplit) + 1):
+        if (tiles % t == 0 and -(-(tiles // t) // sms) * t <= per_sm
+                and fused_smem(k, {"R": 1, "KSPLIT": ksplit, "TPC": t}) <= SMEM_LIMIT):
+            best = t
+    return best
+
+
+def fused_ctas(n: int, k: int, staged: bool, sms: int = 132, override: dict | None = None) -> int:
+    """CTAs the fused kernel launches for an [N, K] weight (`staged`: with the RMSNorm or act order's prologue)."""
+    return n // 16 // fused_tile(n, k, sms, override, staged=staged)["TPC"]
 
 
 def fused_smem(k: int, tile: dict) -> int:
     """Bytes of shared memory the fused kernel takes: the staged input row and the warps' partial sums."""
-    return 2 * k + 4 * max(1, tile["KSPLIT"] - 1) * tile["R"] * 4 * 32 + 4 * tile["KSPLIT"]
+    groups = tile.get("TPC", 1)
+    return 2 * k + 4 * groups * (max(1, tile["KSPLIT"] - 1) * tile["R"] * 4 * 32 + tile["KSPLIT"])
 
 
 def fused_fits(n: int, k: int, group_size: int, inner_k_tiles: int, *, silu: bool = False,
@@ -489,12 +534,15 @@ def fused_fits(n: int, k: int, group_size: int, inner_k_tiles: int, *, silu: boo
 def gemv_w4_mma_fused(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int, n: int, *,
                       perm: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                       norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-                      silu: bool = False, rope=None, tile: dict | None = None) -> torch.Tensor:
+                      silu: bool = False, rope=None, tile: dict | None = None,
+                      trace: torch.Tensor | None = None) -> torch.Tensor:
     """One row: x[:, perm] (or x) @ W^T, rounded, + bias, with parallel/kernels/gemv.py's fused RMSNorm prologue
     (norm_weight, eps) and SiLU-and-mul / RoPE (a gemv.Rope) / residual epilogues, same arguments and rounding but for
     the bias, added after the product's rounding as the unfused quantized linear adds it. x bf16 [1, K] (the
     layer's input order: act order's `perm` is applied here), packed / sz as `gemv_w4_mma`'s -> bf16 [1, N] ([1, N/2]
-    with silu). `tile`: keys of `fused_tile` to override (scripts/bench_w4_chain.py sweeps them)."""
+    with silu). `tile`: keys of `fused_tile` to override (scripts/bench_w4_chain.py sweeps them). `trace`: int64
+    [CTAs, 5] (`fused_ctas`) the kernel fills with thread 0's %globaltimer (ns) at its start, past the wait for the
+    kernel ahead, after staging the row, after the product's sums and at its end: a diagnostic (bench_w4_chain --trace)."""
     if x.shape[0] != 1 or x.dtype != torch.bfloat16:
         raise ValueError(f"gemv_w4_mma_fused: one bf16 row, got {tuple(x.shape)} {x.dtype}")
     k = x.shape[1]
@@ -506,7 +554,10 @@ def gemv_w4_mma_fused(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, g
         raise ValueError("gemv_w4_mma_fused: RoPE alone as the epilogue, with a contiguous cos/sin table")
     if silu and residual is not None:
         raise ValueError("gemv_w4_mma_fused: SiLU and the residual add do not combine")
-    tile = fused_tile(n, k, sm_count(x.device), tile)
+    staged = norm_weight is not None or perm is not None  # the kernel's STAGE
+    tile = fused_tile(n, k, sm_count(x.device), tile, staged=staged)
+    if (n // 16) % tile["TPC"] or 32 * tile["KSPLIT"] * tile["TPC"] > 1024:
+        raise ValueError(f"gemv_w4_mma_fused: {tile['TPC']} tiles a CTA for N={n}")
     pos64 = rope is not None and rope.positions.dtype == torch.int64
     pdl = pdl_wanted(x)
     flags = dict(NORM=int(norm_weight is not None), SILU=int(silu), ROPE=int(rope is not None),
@@ -520,16 +571,19 @@ def gemv_w4_mma_fused(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, g
         norm_weight = norm_weight.clone()
     y = torch.empty(1, n // 2 if silu else n, dtype=torch.bfloat16, device=x.device)
     kern = _kernel(tile["R"], tile["KSPLIT"], tile["U"], group_size, 0, x.device.index or 0,
-                   tuple(sorted({**flags, "MINB": tile["MINB"]}.items())))
+                   tuple(sorted({**flags, "MINB": tile["MINB"], "TPC": tile["TPC"], "TRACE": int(trace is not None)}.items())))
+    if trace is not None and (trace.dtype != torch.int64 or trace.numel() < 5 * (n // 16 // tile["TPC"])):
+        raise ValueError("gemv_w4_mma_fused: trace takes int64 [CTAs, 5]")
     eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]  # the kernel takes eps as float32 bits (an int arg)
     args = [x, packed, sz, y, norm_weight if norm_weight is not None else x, bias if bias is not None else x,
             residual if residual is not None else x, perm if perm is not None else x,
-            rope.positions if rope is not None else x, rope.cos_sin if rope is not None else x, n, k,
+            rope.positions if rope is not None else x, rope.cos_sin if rope is not None else x,
+            trace if trace is not None else x, n, k,
             rope.cos_sin.stride(0) if rope is not None else 0, rope.rot_rows if rope is not None else 0, eps_bits]
-    grid, block = (n // 16, 1, 1), (32 * tile["KSPLIT"], 1, 1)  # one MMA tile a CTA (SiLU: 8 gate + 8 up rows)
-    staged = 2 * k if norm_weight is not None or perm is not None else 0  # the kernel's STAGE
+    # TPC MMA tiles a CTA (SiLU: 8 gate + 8 up rows a tile), KSPLIT warps a tile
+    grid, block = (n // 16 // tile["TPC"], 1, 1), (32 * tile["KSPLIT"] * tile["TPC"], 1, 1)
     if pdl:
-        launch_pdl(kern, grid, block, args, shared_mem=staged)
+        launch_pdl(kern, grid, block, args, shared_mem=2 * k if staged else 0)
     else:
-        kern(grid=grid, block=block, args=args, shared_mem=staged)
+        kern(grid=grid, block=block, args=args, shared_mem=2 * k if staged else 0)
     return y
