@@ -32,13 +32,15 @@ one row against tinygemm's 68 and the bf16 GEMV's 110 (docs/benchmarks.md, twent
 `gemv_w4_mma_fused` is the one-row variant the fused batch-1 decoder takes for 4-bit layers (parallel/quant/fused_gemv.py,
 TANDEM_FUSED_INT4=auto): the RMSNorm prologue (x normed and act order's permutation applied into shared memory, only
 where one of them is needed) and the SiLU-and-mul, RoPE or residual epilogue of parallel/kernels/gemv.py. One MMA tile
-a CTA, whose two 8-row halves are any two 8-row tiles of the layout: SiLU takes 8 gate rows and their 8 up rows, RoPE
-rows j and j + head_dim / 2 of a head, so a lane holds both values its output needs; K is split as `tile_for` splits
-it (the rows kernel's fp32 sums). Under CUDA-graph capture on Hopper it is launched with programmatic dependent launch
+a group of warps, whose two 8-row halves are any two 8-row tiles of the layout: SiLU takes 8 gate rows and their 8 up
+rows, RoPE rows j and j + head_dim / 2 of a head, so a lane holds both values its output needs; K is split as
+`tile_for` splits it (the rows kernel's fp32 sums); where every CTA would stage the row many times an SM, a CTA takes
+several tiles (`tiles_per_cta`). Under CUDA-graph capture on Hopper it is launched with programmatic dependent launch
 (cuda_launch.py): it prefetches its first weight steps into L2 and then waits for the kernel ahead. On an H200
 (2026-11-29) a Llama-3.1-8B batch-1 step took 2.15 ms that way against 2.29-2.32 on the unfused decoder, and 1.95 ms
-after the fused kernel went to two steps a round and every lane loaded x without a branch (docs/benchmarks.md,
-twenty-ninth and thirtieth sessions; scripts/bench_w4_chain.py times the layer chain alone).
+after the fused kernel went to two steps a round and every lane loaded x without a branch, 1.82 ms after the RMSNorm
+prologue was made cheaper (packed rounding, gate/up's tiles grouped 14 a CTA, x held in registers) (docs/benchmarks.md,
+twenty-ninth to thirty-first sessions; scripts/bench_w4_chain.py times the layer chain alone, --trace its phases).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ RMSNorm prologue and SiLU / RoPE / residual epilogues, same rounding; programmat
 where they already run w4_mma at 1-8 rows (`w4_mma_fits`; TANDEM_FUSED_INT4=auto, the default). On an H200
 (2026-11-29, Llama-3.1-8B shapes, docs/benchmarks.md) the decode graph took 2.15 ms a step that way against 2.32 ms on
 the unfused decoder with w4_mma per linear and its separate norm, RoPE and SiLU kernels (TANDEM_FUSED_INT4=0), and
-1.95 ms (2.11x bf16) after the thirtieth session's kernel changes.
+1.95 ms (2.11x bf16) after the thirtieth session's kernel changes, 1.82 ms (2.23x) after the thirty-first's.
 
 FP8 layers take it. On an H100 (2026-11-27, Llama-3.1-8B shapes, batch-1 decode beside bf16 in one run) FP8 through the
 fused decoder ran at 1.48-1.55x bf16. With TANDEM_FUSED_INT4=1, 4-bit layers take gemv_int4.py's Triton kernel
