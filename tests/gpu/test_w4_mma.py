@@ -210,6 +210,66 @@ def test_fused_rope_epilogue(hq: int, hkv: int, d: int, bias: bool) -> None:
     assert torch.equal(no_norm, torch.cat([qr.reshape(1, -1), kr.reshape(1, -1), v], dim=-1))  # no sum to reorder
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_fused_tiles_a_cta_sum_as_one_tile_a_cta(act_order: bool) -> None:
+    """Where several MMA tiles share a CTA (`tiles_per_cta`: gate/up of Llama-3.1-8B, 14 a CTA on 132 SMs) the output is
+    that of one tile a CTA: bit for bit without the norm (the same K split; every tile's rows mapped alike: SiLU's gate
+    and up rows, act order's permuted row, RoPE's head halves, a bias), and with it but for the odd element whose
+    norm sum came out in another order (the CTA's threads split the row's squares differently)."""
+    from parallel.kernels.cuda_launch import sm_count
+    from parallel.kernels.gemv import Rope
+
+    n, k = 28672, 4096
+    sms = sm_count(torch.device("cuda"))
+    if -(-(n // 16) // sms) >= w4_mma.STAGED_CTAS_MIN:  # an H100 / H200 (132 SMs): 14 tiles a CTA
+        assert w4_mma.fused_tile(n, k, sms, staged=True)["TPC"] > 1
+    w = _layer(n, k, 128)
+    h = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    nw = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda").to(torch.bfloat16)
+    perm = torch.randperm(k, device="cuda") if act_order else None
+    def run(tile: dict | None, **kw) -> torch.Tensor:
+        return w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, perm=perm, tile=tile, **kw)
+
+    assert torch.equal(run({"TPC": 14}, silu=True), run({"TPC": 1}, silu=True))
+    for kw in (dict(norm_weight=nw, eps=1e-5, silu=True), dict(norm_weight=nw, eps=1e-5, bias=b)):
+        _close(run(None, **kw), run({"TPC": 1}, **kw))
+    # RoPE's heads over grouped tiles (qkv is one tile a CTA by default: forced here)
+    d, hq, hkv = 128, 32, 8
+    n = (hq + 2 * hkv) * d
+    w = _layer(n, k, 128)
+    t = torch.arange(1024, device="cuda", dtype=torch.float32)[:, None] / (500000 ** (torch.arange(0, d, 2, device="cuda") / d))
+    emb = torch.cat([t, t], dim=-1)
+    rope = Rope(torch.tensor([77], device="cuda"), torch.stack([emb.cos(), emb.sin()], dim=1).contiguous(), d,
+                (hq + hkv) * d)
+    def qkv(tile: dict, **kw) -> torch.Tensor:
+        return w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, perm=perm, rope=rope, tile=tile, **kw)
+
+    assert torch.equal(qkv({"TPC": 3}), qkv({"TPC": 1}))
+    _close(qkv({"TPC": 3}, norm_weight=nw, eps=1e-5), qkv({"TPC": 1}, norm_weight=nw, eps=1e-5))
+    with pytest.raises(ValueError, match="tiles a CTA"):
+        qkv({"TPC": 5})  # 384 tiles do not split in fives
+
+
+def test_fused_trace_stamps_every_cta() -> None:
+    """`trace=` (bench_w4_chain --trace): every CTA's five %globaltimer stamps, in order, and the same output."""
+    from parallel.kernels.cuda_launch import sm_count
+
+    n, k = 28672, 4096
+    w = _layer(n, k, 128)
+    h = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    nw = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+    ctas = w4_mma.fused_ctas(n, k, staged=True, sms=sm_count(torch.device("cuda")))
+    trace = torch.zeros(ctas, 5, dtype=torch.int64, device="cuda")
+    kw = dict(norm_weight=nw, eps=1e-5, silu=True)
+    got = w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, trace=trace, **kw)
+    assert torch.equal(got, w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, **kw))
+    t = trace.cpu()
+    assert (t > 0).all() and (t[:, 1:] >= t[:, :-1]).all()
+    with pytest.raises(ValueError, match="trace"):
+        w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, trace=trace[:-1], **kw)
+
+
 def test_fused_chain_in_a_graph_with_pdl_equals_eager() -> None:
     """Captured into a CUDA graph on Hopper, the fused kernels launch with programmatic dependent launch
     (cuda_launch.py): each loads its first weights before waiting for the kernel ahead. A layer's chain (o with the
