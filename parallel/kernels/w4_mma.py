@@ -555,6 +555,12 @@ def fused_smem(k: int, tile: dict) -> int:
 def fused_fits(n: int, k: int, group_size: int, inner_k_tiles: int, *, silu: bool = False,
                head_dim: int | None = None, tile: dict | None = None) -> str | None:
     """None when the one-row fused kernel takes this weight (SiLU pairs; RoPE heads of `head_dim`), else why not."""
+    return _fused_why(n, k, group_size, inner_k_tiles, silu, head_dim, fused_tile(n, k, override=tile))
+
+
+def _fused_why(n: int, k: int, group_size: int, inner_k_tiles: int, silu: bool, head_dim: int | None,
+               tile: dict) -> str | None:
+    """`fused_fits` for a worked-out tile (`fused_tile`'s): None, or why the kernel does not take the weight so."""
     why = fits(n, k, group_size, inner_k_tiles)
     if why is not None:
         return why
@@ -562,7 +568,9 @@ def fused_fits(n: int, k: int, group_size: int, inner_k_tiles: int, *, silu: boo
         return f"N={n}: SiLU pairs 8-row gate and up tiles (N % 32 == 0)"
     if head_dim is not None and (head_dim % 16 or n % head_dim):
         return f"head_dim {head_dim} (RoPE pairs whole 8-row tiles: head_dim % 16 == 0)"
-    if fused_smem(k, fused_tile(n, k, override=tile)) > SMEM_LIMIT:
+    if (n // 16) % tile["TPC"] or 32 * tile["KSPLIT"] * tile["TPC"] > 1024:
+        return f"{tile['TPC']} tiles a CTA for N={n}"
+    if fused_smem(k, tile) > SMEM_LIMIT:
         return f"K={k}: the staged input row and partial sums exceed {SMEM_LIMIT // 1024} KB of shared memory"
     return None
 
@@ -582,18 +590,15 @@ def gemv_w4_mma_fused(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, g
     if x.shape[0] != 1 or x.dtype != torch.bfloat16:
         raise ValueError(f"gemv_w4_mma_fused: one bf16 row, got {tuple(x.shape)} {x.dtype}")
     k = x.shape[1]
-    why = fused_fits(n, k, group_size, _inner_k_tiles(packed), silu=silu,
-                     head_dim=rope.head_dim if rope is not None else None, tile=tile)
+    staged = norm_weight is not None or perm is not None  # the kernel's STAGE
+    tile = fused_tile(n, k, sm_count(x.device), tile, staged=staged)
+    why = _fused_why(n, k, group_size, _inner_k_tiles(packed), silu, rope.head_dim if rope is not None else None, tile)
     if why is not None:
         raise ValueError(f"gemv_w4_mma_fused: {why}")
     if rope is not None and (silu or residual is not None or rope.cos_sin.stride(-1) != 1):
         raise ValueError("gemv_w4_mma_fused: RoPE alone as the epilogue, with a contiguous cos/sin table")
     if silu and residual is not None:
         raise ValueError("gemv_w4_mma_fused: SiLU and the residual add do not combine")
-    staged = norm_weight is not None or perm is not None  # the kernel's STAGE
-    tile = fused_tile(n, k, sm_count(x.device), tile, staged=staged)
-    if (n // 16) % tile["TPC"] or 32 * tile["KSPLIT"] * tile["TPC"] > 1024:
-        raise ValueError(f"gemv_w4_mma_fused: {tile['TPC']} tiles a CTA for N={n}")
     pos64 = rope is not None and rope.positions.dtype == torch.int64
     pdl = pdl_wanted(x)
     flags = dict(NORM=int(norm_weight is not None), SILU=int(silu), ROPE=int(rope is not None),
