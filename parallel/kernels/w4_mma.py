@@ -156,15 +156,17 @@ __device__ __forceinline__ void load(const uint4* __restrict__ w4, const u32* __
     }
 }
 
-// This warp's K range of its R tiles into tot (summed over the KSPLIT warps of its tile group on return, in the group's
-// first warp; the others return false). A CTA holds TPC tile groups of KSPLIT warps (the fused kernel's; else 1). x32: batch row g's input pairs (global, or the fused kernel's staged copy in shared memory; lanes
-// of columns past the batch read a real row's). tiles[r]: the two 8-row tiles of tinygemm's layout that are rows 0-7
+// This warp's K range of its R tiles into tot (summed over the KSPLIT warps of its tile group on return, in the
+// group's first warp; the others return false). A CTA holds TPC tile groups of KSPLIT warps (the fused kernel's; else
+// 1). x32: batch row g's input pairs (global, or the fused kernel's staged copy in shared memory; lanes of columns
+// past the batch read a real row's). tiles[r]: the two 8-row tiles of tinygemm's layout that are rows 0-7
 // and 8-15 of the r-th MMA tile.
 __device__ __forceinline__ bool tiles_dot(const u32* x32, const uint4* __restrict__ w4, const u32* __restrict__ sz,
                                           const int (&tiles)[R][2], int N, int K, float (&tot)[R][4]) {
     __shared__ float part[TPC][KSPLIT > 1 ? KSPLIT - 1 : 1][R * 4][32];
     const int lane = threadIdx.x & 31;
-    const int warp = TPC > 1 ? (threadIdx.x >> 5) % KSPLIT : threadIdx.x >> 5, group = TPC > 1 ? (threadIdx.x >> 5) / KSPLIT : 0;
+    const int warp = TPC > 1 ? (threadIdx.x >> 5) % KSPLIT : threadIdx.x >> 5;   // in its tile group
+    const int group = TPC > 1 ? (threadIdx.x >> 5) / KSPLIT : 0;
     const int g = lane >> 2, a = lane & 3;
     const int KO = K >> 7;
     const int ko0 = (KO * warp) / KSPLIT, ko1 = (KO * (warp + 1)) / KSPLIT;
@@ -267,8 +269,10 @@ w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32*
              const u16* __restrict__ nw, const u16* __restrict__ bias, const u16* __restrict__ res,
              const long long* __restrict__ perm, const POS_T* __restrict__ pos, const float* __restrict__ cs,
              unsigned long long* __restrict__ trace, int N, int K, int stride_cp, int rot_rows, int eps_bits) {
-#if TRACE   // thread 0's %globaltimer at 5 points a CTA (start, past the wait, staged, summed, done): bench_w4_chain --trace
-#define STAMP(i) if (threadIdx.x == 0) { unsigned long long t_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); trace[5 * blockIdx.x + (i)] = t_; }
+#if TRACE   // thread 0's %globaltimer at 5 points a CTA (start, past the wait, staged, summed, done): --trace of
+            // scripts/bench_w4_chain.py
+#define STAMP(i) if (threadIdx.x == 0) { unsigned long long t_; \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); trace[5 * blockIdx.x + (i)] = t_; }
 #else
 #define STAMP(i)
 #endif
@@ -586,13 +590,15 @@ def gemv_w4_mma_fused(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, g
     layer's input order: act order's `perm` is applied here), packed / sz as `gemv_w4_mma`'s -> bf16 [1, N] ([1, N/2]
     with silu). `tile`: keys of `fused_tile` to override (scripts/bench_w4_chain.py sweeps them). `trace`: int64
     [CTAs, 5] (`fused_ctas`) the kernel fills with thread 0's %globaltimer (ns) at its start, past the wait for the
-    kernel ahead, after staging the row, after the product's sums and at its end: a diagnostic (bench_w4_chain --trace)."""
+    kernel ahead, after staging the row, after the product's sums and at its end (a diagnostic: bench_w4_chain
+    --trace)."""
     if x.shape[0] != 1 or x.dtype != torch.bfloat16:
         raise ValueError(f"gemv_w4_mma_fused: one bf16 row, got {tuple(x.shape)} {x.dtype}")
     k = x.shape[1]
     staged = norm_weight is not None or perm is not None  # the kernel's STAGE
     tile = fused_tile(n, k, sm_count(x.device), tile, staged=staged)
-    why = _fused_why(n, k, group_size, _inner_k_tiles(packed), silu, rope.head_dim if rope is not None else None, tile)
+    head_dim = rope.head_dim if rope is not None else None
+    why = _fused_why(n, k, group_size, _inner_k_tiles(packed), silu, head_dim, tile)
     if why is not None:
         raise ValueError(f"gemv_w4_mma_fused: {why}")
     if rope is not None and (silu or residual is not None or rope.cos_sin.stride(-1) != 1):
@@ -611,10 +617,11 @@ def gemv_w4_mma_fused(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, g
     if norm_weight is not None and norm_weight.data_ptr() % 16:
         norm_weight = norm_weight.clone()
     y = torch.empty(1, n // 2 if silu else n, dtype=torch.bfloat16, device=x.device)
-    kern = _kernel(tile["R"], tile["KSPLIT"], tile["U"], group_size, 0, x.device.index or 0,
-                   tuple(sorted({**flags, "MINB": tile["MINB"], "TPC": tile["TPC"], "TRACE": int(trace is not None)}.items())))
     if trace is not None and (trace.dtype != torch.int64 or trace.numel() < 5 * (n // 16 // tile["TPC"])):
         raise ValueError("gemv_w4_mma_fused: trace takes int64 [CTAs, 5]")
+    launch = {**flags, "MINB": tile["MINB"], "TPC": tile["TPC"], "TRACE": int(trace is not None)}
+    kern = _kernel(tile["R"], tile["KSPLIT"], tile["U"], group_size, 0, x.device.index or 0,
+                   tuple(sorted(launch.items())))
     eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]  # the kernel takes eps as float32 bits (an int arg)
     args = [x, packed, sz, y, norm_weight if norm_weight is not None else x, bias if bias is not None else x,
             residual if residual is not None else x, perm if perm is not None else x,
