@@ -130,16 +130,11 @@ class Chain:
 
 
 def trace_phases(chain: Chain) -> dict:
-    """The default W4 chain replayed with every kernel stamping its CTAs (`gemv_w4_mma_fused(trace=)`): per shape,
-    medians over the layers (the first two and the last left out) of `lag` (its first CTA past the wait, after the
-    last CTA of the kernel before it ended; o's includes the attention between), `stage` / `product` / `epilogue`
-    (a CTA's time staging the row, in its main loop and partial sums, writing: median and slowest CTA), in ns."""
-    import statistics
-
+    """The default W4 chain replayed with every kernel stamping its CTAs (`gemv_w4_mma_fused(trace=)`), read by
+    `phases`."""
     from parallel.kernels.w4_mma import fused_ctas
     from scripts.bench_gemv import bench
 
-    order = list(SHAPES)
     chain.traces = [{s: torch.zeros(fused_ctas(n, k, s in NORMED), 5, dtype=torch.int64, device="cuda")
                      for s, (n, k) in SHAPES.items()} for _ in range(chain.layers)]
     try:
@@ -147,10 +142,25 @@ def trace_phases(chain: Chain) -> dict:
         stamps = [{s: t.cpu().double() for s, t in layer.items()} for layer in chain.traces]
     finally:
         chain.traces = None
+    return phases(stamps)
+
+
+def phases(stamps: list[dict[str, torch.Tensor]]) -> dict:
+    """Per shape (in a layer's kernel order, SHAPES), from each layer's [CTAs, 5] stamps (start, past the wait, staged,
+    summed, done): medians over the layers (the first two and the last left out where there are 4 or more) of `lag`
+    (its first CTA past the wait, after the last CTA of the kernel before it ended; o's includes the attention
+    between), `stage` / `product` / `epilogue` (a CTA's time staging the row, in its main loop and partial sums,
+    writing: median and slowest CTA), in the stamps' unit (ns)."""
+    import statistics
+
+    if len(stamps) < 2:
+        raise ValueError("phases: at least two layers (a layer's first kernel waits for the layer before)")
+    order = list(SHAPES)
+    layers = range(2, len(stamps) - 1) if len(stamps) >= 4 else range(1, len(stamps))
     out = {}
     for i, s in enumerate(order):
         rows = {k: [] for k in ("lag", "stage", "stage_max", "product", "product_max", "epilogue", "epilogue_max")}
-        for layer in range(2, chain.layers - 1):
+        for layer in layers:
             t = stamps[layer][s]
             before = stamps[layer][order[i - 1]] if i else stamps[layer - 1][order[-1]]
             rows["lag"].append((t[:, 1].min() - before[:, 4].max()).item())

@@ -45,6 +45,40 @@ def test_swept_tiles_fit_the_fused_kernel():
             assert full["KSPLIT"] == tile["KSPLIT"] and full["MINB"] >= 1
 
 
+def test_trace_phases_from_stamps():
+    """`--trace`'s reading of the CTA stamps: each kernel's lag after the one before (the last layer's down for qkv),
+    its phases' median and slowest CTA, medians over the middle layers."""
+    import torch
+
+    chain = _load("bench_w4_chain")
+    order = list(chain.SHAPES)
+    stamps, clock = [], 0.0
+    for layer in range(6):
+        kernels = {}
+        for s in order:
+            ctas = 4
+            start = clock + 100  # each kernel's CTAs pass the wait 100 after the one before ends
+            t = torch.zeros(ctas, 5, dtype=torch.float64)
+            t[:, 0] = start - 50
+            t[:, 1] = start + torch.arange(ctas, dtype=torch.float64)  # 0-3 later
+            t[:, 2] = t[:, 1] + (30 if s in chain.NORMED else 0)
+            t[:, 3] = t[:, 2] + 1000 + 10 * torch.arange(ctas, dtype=torch.float64)  # slowest CTA 30 over the first
+            t[:, 4] = t[:, 3] + 7
+            kernels[s] = t
+            clock = float(t[:, 4].max())
+        stamps.append(kernels)
+    got = chain.phases(stamps)
+    assert list(got) == order
+    for s in order:
+        row = got[s]
+        assert row["lag"] == 100
+        assert row["stage"] == row["stage_max"] == (30 if s in chain.NORMED else 0)
+        assert row["product"] == 1010 and row["product_max"] == 1030  # torch's median: the lower middle value
+        assert row["epilogue"] == row["epilogue_max"] == 7
+    with pytest.raises(ValueError, match="two layers"):
+        chain.phases(stamps[:1])
+
+
 @pytest.mark.parametrize("script", ["bench_w4_chain.py", "profile_decode.py"])
 def test_without_cuda_it_says_so(script):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}

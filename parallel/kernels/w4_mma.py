@@ -535,9 +535,9 @@ def tiles_per_cta(tiles: int, ksplit: int, sms: int, k: int) -> int:
     2026-11-29) gate/up's 14 CTAs an SM became one of 14 tiles: -1.1 us a Llama-3.1-8B layer; qkv's 3 became one of 3
     (on 128 of the 132 SMs): +1.1 us, its prologue being latency, not repeated work."""
     per_sm = -(-tiles // sms)
-    best = 1
     if per_sm < STAGED_CTAS_MIN:
-        return best
+        return 1
+    best = 1
     for t in range(2, 1024 // (32 * ksplit) + 1):
         if (tiles % t == 0 and -(-(tiles // t) // sms) * t <= per_sm
                 and fused_smem(k, {"R": 1, "KSPLIT": ksplit, "TPC": t}) <= SMEM_LIMIT):
@@ -617,7 +617,8 @@ def gemv_w4_mma_fused(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, g
     if norm_weight is not None and norm_weight.data_ptr() % 16:
         norm_weight = norm_weight.clone()
     y = torch.empty(1, n // 2 if silu else n, dtype=torch.bfloat16, device=x.device)
-    if trace is not None and (trace.dtype != torch.int64 or trace.numel() < 5 * (n // 16 // tile["TPC"])):
+    ctas = n // 16 // tile["TPC"]  # TPC MMA tiles a CTA (SiLU: 8 gate + 8 up rows a tile), KSPLIT warps a tile
+    if trace is not None and (trace.dtype != torch.int64 or trace.numel() < 5 * ctas):
         raise ValueError("gemv_w4_mma_fused: trace takes int64 [CTAs, 5]")
     launch = {**flags, "MINB": tile["MINB"], "TPC": tile["TPC"], "TRACE": int(trace is not None)}
     kern = _kernel(tile["R"], tile["KSPLIT"], tile["U"], group_size, 0, x.device.index or 0,
@@ -628,10 +629,9 @@ def gemv_w4_mma_fused(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, g
             rope.positions if rope is not None else x, rope.cos_sin if rope is not None else x,
             trace if trace is not None else x, n, k,
             rope.cos_sin.stride(0) if rope is not None else 0, rope.rot_rows if rope is not None else 0, eps_bits]
-    # TPC MMA tiles a CTA (SiLU: 8 gate + 8 up rows a tile), KSPLIT warps a tile
-    grid, block = (n // 16 // tile["TPC"], 1, 1), (32 * tile["KSPLIT"] * tile["TPC"], 1, 1)
+    grid, block, smem = (ctas, 1, 1), (32 * tile["KSPLIT"] * tile["TPC"], 1, 1), 2 * k if staged else 0
     if pdl:
-        launch_pdl(kern, grid, block, args, shared_mem=2 * k if staged else 0)
+        launch_pdl(kern, grid, block, args, shared_mem=smem)
     else:
-        kern(grid=grid, block=block, args=args, shared_mem=2 * k if staged else 0)
+        kern(grid=grid, block=block, args=args, shared_mem=smem)
     return y
