@@ -19,6 +19,8 @@ Works inside CUDA graphs.
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,29 +29,53 @@ from parallel.state import Group
 
 log = logging.getLogger(__name__)
 
+# The mark of a pushed-partials slot not yet written: a 16-bit negative zero, as int16 (0x8000).
+EMPTY_BITS = -32768
+
 # Largest message for the one-shot kernel, by group size. 2 GPUs: the one-shot reads what a ring moves;
 # more GPUs read (n - 1) x the message, so the crossover with NCCL comes sooner (not measured beyond 2).
 MAX_BYTES = {2: 4 << 20, 4: 1 << 20, 8: 256 << 10}
+# Above the one-shot limit and up to this, the two-shot all-reduce over the same buffer (each rank sums its
+# 1/n of the message from every peer, then gathers the others' sums): prefill-sized messages (a mixed step of
+# ~1K tokens all-reduces 8 MB, 64 times). 0: NCCL above the one-shot limit. Only where measured.
+TWO_SHOT_MAX_BYTES: dict[int, int] = {}
+
+
+def two_shot_enabled() -> bool:
+    """TANDEM_P2P_TWO_SHOT=0 sends everything above the one-shot limit to NCCL (to compare)."""
+    return os.environ.get("TANDEM_P2P_TWO_SHOT", "1") != "0"
 
 
 class P2PAllReduce:
-    def __init__(self, group: Group, device: torch.device, dtype: torch.dtype):
+    def __init__(self, group: Group, device: torch.device, dtype: torch.dtype, one_shot_max: int | None = None,
+                 two_shot_max: int | None = None):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group_name = group.device_group.group_name
-        self.max_bytes = MAX_BYTES.get(group.size, 0)
+        self.one_shot_max = MAX_BYTES.get(group.size, 0) if one_shot_max is None else one_shot_max
+        if two_shot_max is None:
+            two_shot_max = TWO_SHOT_MAX_BYTES.get(group.size, 0) if two_shot_enabled() else 0
+        self.two_shot_max = two_shot_max
+        self.max_bytes = max(self.one_shot_max, self.two_shot_max)
         self.dtype = dtype
         self.buffer = symm_mem.empty(self.max_bytes // dtype.itemsize, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
-        self.op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
+        self.one_shot = torch.ops.symm_mem.one_shot_all_reduce_copy_out
+        self.two_shot = torch.ops.symm_mem.two_shot_all_reduce_out
 
     def __call__(self, x: torch.Tensor) -> bool:
         """Sum x over the group in place; False (x untouched) where this kernel does not take it."""
         n = x.numel()
-        if x.dtype != self.dtype or not x.is_contiguous() or n * x.element_size() > self.max_bytes or n % 8:
+        nbytes = n * x.element_size()
+        if x.dtype != self.dtype or not x.is_contiguous() or nbytes > self.max_bytes or n % 8:
             return False
         flat = x.view(-1)
-        self.op(self.buffer[:n], flat, "sum", self.group_name, flat)
+        if nbytes <= self.one_shot_max:
+            self.one_shot(self.buffer[:n], flat, "sum", self.group_name, flat)
+        else:  # the two-shot kernel reads its input from the mapped buffer: stage x there first
+            staged = self.buffer[:n]
+            staged.copy_(flat)
+            self.two_shot(staged, "sum", self.group_name, flat)
         return True
 
 
@@ -60,18 +86,86 @@ def enable_p2p_all_reduce(group: Group, device: torch.device, dtype: torch.dtype
     reducer, reason = None, ""
     try:
         reducer = P2PAllReduce(group, device, dtype)
-        x = torch.full((1024,), float(group.rank + 1), dtype=dtype, device=device)
-        reducer(x)  # a check: the sum of 1..n everywhere
-        if not bool((x == group.size * (group.size + 1) / 2).all()):
-            reason, reducer = "wrong sums", None
+        sizes = [1024] + ([reducer.max_bytes // dtype.itemsize] if reducer.two_shot_max > reducer.one_shot_max else [])
+        for n in sizes:  # a check of each kernel: the sum of 1..n everywhere
+            x = torch.full((n,), float(group.rank + 1), dtype=dtype, device=device)
+            reducer(x)
+            if not bool((x == group.size * (group.size + 1) / 2).all()):
+                reason, reducer = f"wrong sums ({n} values)", None
+                break
     except Exception as e:  # no symmetric memory in this build, no P2P between these GPUs, ...
         reason, reducer = f"{type(e).__name__}: {e}", None
     ok = torch.tensor([1 if reducer is not None else 0], dtype=torch.int32)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group.cpu_group)
     if ok.item() == 1:
         group.fast_all_reduce = reducer
-        log.info("TP all-reduce: one-shot over NVLink P2P up to %d KiB, NCCL above", reducer.max_bytes >> 10)
+        log.info("TP all-reduce over NVLink P2P: one-shot up to %d KiB, two-shot up to %d KiB, NCCL above",
+                 reducer.one_shot_max >> 10, reducer.two_shot_max >> 10)
         return True
     log.warning("TP all-reduce: NCCL only (the P2P all-reduce is unavailable on %s: %s)",
                 "this rank" if reason else "another rank", reason or "see its log")
     return False
+
+
+@dataclass(frozen=True)
+class PushedSite:
+    """One row-parallel output's exchange slots, as the fused GEMVs (parallel/kernels/gemv.py) take them."""
+    world: int
+    parts: torch.Tensor  # [world, width]: this rank's slots; rank p's partial sum lands in row p
+    reset: torch.Tensor  # [world, width]: the previous site's slots, which the kernel that takes this site empties
+    ptrs: torch.Tensor  # int64 [world]: on the device, every rank's address of this rank's row at this site
+    offset: int = 0  # elements from each `ptrs` address (0: the addresses are the row's own)
+
+
+class PushedPartials:
+    """TP partial sums exchanged without an all-reduce kernel: the batch-1 fused decoder's (workers/models/
+    fused_decode.py) 2 x layers row-parallel outputs a step, each at its own site.
+
+    Why: a one-shot all-reduce between two GEMVs costs its launch, a barrier round trip and a read over NVLink
+    (~10 us a call in a TP=2 batch-1 step, 64 calls). Here the row-parallel GEMV stores its partial sum straight
+    into a slot of every rank's buffer (NVLink stores from its epilogue), and the next GEMV, which RMSNorms h
+    anyway, rereads its own slots until no value is the empty mark (EMPTY_BITS: a pushed value is never -0),
+    then sums them in rank order, so every rank gets the same h bit for bit. No barrier and no extra kernel:
+    the data is its own flag (the Lamport scheme of TensorRT-LLM's all-reduce). The GEMV that takes site s marks
+    site s - 1 empty again; every GEMV that read s - 1 has finished by then (stream order), and a peer writes
+    s - 1 again only after this rank's later pushes, in the next step.
+
+    Both ranks must run the same sites in the same order (TP ranks replay the same batch-1 CUDA graph); a rank
+    that stops mid-step leaves its peers waiting, as a collective would.
+    """
+
+    def __init__(self, group: Group, device: torch.device, dtype: torch.dtype, width: int, sites: int):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.world, self.rank, self.width, self.sites = group.size, group.rank, width, sites
+        self.buffer = symm_mem.empty(sites * group.size * width, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(self.buffer, group.device_group.group_name)
+        offset = self.buffer.data_ptr() - handle.buffer_ptrs[group.rank]  # the same on every rank
+        bases = [p + offset for p in handle.buffer_ptrs]
+        row = group.rank * width * dtype.itemsize
+        # site s's pointers: each rank's base + (s x world x width) elements + this rank's row
+        self._ptrs = torch.tensor([[b + s * group.size * width * dtype.itemsize + row for b in bases]
+                                   for s in range(sites)], dtype=torch.int64, device=device)
+        self.slots = self.buffer.view(sites, group.size, width)
+        self.buffer.view(torch.int16).fill_(EMPTY_BITS)
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group.cpu_group)  # every rank's slots marked empty before any rank pushes
+
+    def site(self, s: int) -> PushedSite:
+        return PushedSite(self.world, self.slots[s], self.slots[(s - 1) % self.sites], self._ptrs[s])
+
+
+def push_partials_enabled() -> bool:
+    """TANDEM_TP_PUSH_PARTIALS=0 keeps the batch-1 fused decoder on the all-reduce (to compare)."""
+    return os.environ.get("TANDEM_TP_PUSH_PARTIALS", "1") != "0"
+
+
+def enable_pushed_partials(group: Group, device: torch.device, dtype: torch.dtype, width: int, sites: int) -> bool:
+    """Give `group` pushed-partials slots (`group.pushed_partials`) where its P2P all-reduce is up (the same
+    mapped memory) and the dtype is 16-bit; every rank decides the same from what all agreed on."""
+    if group.fast_all_reduce is None or dtype not in (torch.bfloat16, torch.float16) or not push_partials_enabled():
+        return False
+    group.pushed_partials = PushedPartials(group, device, dtype, width, sites)
+    log.info("TP batch-1 decode: row-parallel partial sums pushed to %d sites of %d values (no all-reduce kernel)",
+             sites, width)
+    return True

@@ -8,12 +8,15 @@ metadata. Without torch.distributed (one process) every group has size 1 and col
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 
 from parallel.config import ParallelConfig
+
+if TYPE_CHECKING:
+    from parallel.p2p_allreduce import PushedPartials
 
 
 @dataclass
@@ -25,6 +28,9 @@ class Group:
     # Sums a tensor over the group in place and returns True, or returns False for one it does not take
     # (parallel/p2p_allreduce.py); `reduce_partial_sums` tries it before NCCL.
     fast_all_reduce: Callable[[torch.Tensor], bool] | None = None
+    # The batch-1 fused decoder's slots for row-parallel partial sums pushed over NVLink instead of all-reduced
+    # (parallel/p2p_allreduce.PushedPartials), where the P2P all-reduce is up.
+    pushed_partials: PushedPartials | None = None
 
     @property
     def size(self) -> int:

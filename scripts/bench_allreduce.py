@@ -1,10 +1,11 @@
 """All-reduce time and bus bandwidth per message size: NCCL on GPUs (gloo on CPU) and the one-shot
-all-reduce over NVLink P2P (parallel/p2p_allreduce.py), eager and in a graph, each result checked.
+and two-shot all-reduces over NVLink P2P (parallel/p2p_allreduce.py), eager and in a graph, each result checked.
 
 TP decode runs 2 all-reduces per layer on [batch, hidden] messages (8 KB at batch 1 on Llama-3.1-8B), a
 prefill chunk of T tokens T x 8 KB: the table says which method wins at which size (the P2P thresholds).
 
     python scripts/bench_allreduce.py --world-size 2 --device cuda      # 8 KB ... 16 MB, bf16, nccl and p2p
+    python scripts/bench_allreduce.py --world-size 2 --device cuda --methods nccl,oneshot,twoshot --sizes 8K,1M,8M,64M
     python scripts/bench_allreduce.py --world-size 2 --device cuda --visible one   # each rank sees one GPU (Ray)
     python scripts/bench_allreduce.py --world-size 2 --device cpu --sizes 8K,64K --iters 5   # a check
 
@@ -90,16 +91,23 @@ def _check(x: torch.Tensor, reduce, rank: int, world: int) -> bool:
 
 def _methods(args, rank: int, world: int, cuda: bool) -> dict:
     methods = {"nccl": _nccl}
-    if cuda and "p2p" in args.methods:
-        from parallel.p2p_allreduce import enable_p2p_all_reduce
+    if cuda and any(m in args.methods for m in ("p2p", "oneshot", "twoshot")):
+        from parallel.p2p_allreduce import P2PAllReduce, enable_p2p_all_reduce
         from parallel.state import Group
 
         group = Group(ranks=list(range(world)), rank=rank, device_group=dist.group.WORLD,
                       cpu_group=dist.new_group(list(range(world)), backend="gloo"))
-        if enable_p2p_all_reduce(group, torch.device("cuda", torch.cuda.current_device()), getattr(torch, args.dtype)):
+        device, dtype = torch.device("cuda", torch.cuda.current_device()), getattr(torch, args.dtype)
+        if enable_p2p_all_reduce(group, device, dtype):
             p2p = group.fast_all_reduce
             methods["p2p"] = lambda x: p2p(x) or dist.all_reduce(x)  # above its limit: NCCL, as in the engine
-            methods["p2p_limit_bytes"] = p2p.max_bytes
+            methods["p2p_limit_bytes"] = {"one_shot": p2p.one_shot_max, "two_shot": p2p.two_shot_max}
+            # each kernel alone at every size, to place the engine's limits
+            largest = max(args.sizes)
+            for name, limits in (("oneshot", (largest, 0)), ("twoshot", (0, largest))):
+                if name in args.methods:
+                    forced = P2PAllReduce(group, device, dtype, *limits)
+                    methods[name] = lambda x, forced=forced: forced(x) or dist.all_reduce(x)
         else:
             methods["p2p_error"] = "unavailable (see the log)"
     return {k: v for k, v in methods.items() if k in args.methods or not callable(v)}
@@ -155,7 +163,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--sizes", default="8K,32K,128K,512K,2M,8M,16M", help="message sizes in bytes (K, M suffixes)")
     p.add_argument("--iters", type=int, default=100)
-    p.add_argument("--methods", default="nccl,p2p", help="nccl (gloo on CPU) and/or p2p (CUDA: parallel/p2p_allreduce.py)")
+    p.add_argument("--methods", default="nccl,p2p", help="nccl (gloo on CPU), p2p (CUDA: parallel/p2p_allreduce.py as the "
+                   "engine uses it), oneshot / twoshot (CUDA: that P2P kernel alone at every size)")
     p.add_argument("--visible", default="all", choices=["all", "one"],
                    help="CUDA: every rank sees all GPUs, or only its own (how Ray starts rank actors)")
     p.add_argument("--out", default="bench_results/bench_allreduce.json")

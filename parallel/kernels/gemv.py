@@ -46,6 +46,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from parallel.kernels.cuda_launch import pdl_supported
+from parallel.p2p_allreduce import EMPTY_BITS
 
 
 @triton.jit
@@ -62,9 +63,12 @@ def _load_w(w_ptrs, k, K, offs_k, n_mask, EVEN_K: tl.constexpr, EVEN_N: tl.const
 
 
 @triton.jit
-def _load_x(x_ptr, nw_ptr, k, K, offs_k, rstd, EVEN_K: tl.constexpr, NORM: tl.constexpr):
-    """x[k : k + BLOCK_K] in fp32; under NORM the RMSNorm of it (w_norm * (h * rstd), each rounded)."""
-    if EVEN_K:
+def _load_x(x_ptr, nw_ptr, k, K, offs_k, rstd, EVEN_K: tl.constexpr, NORM: tl.constexpr, PARTS: tl.constexpr = 0):
+    """x[k : k + BLOCK_K] in fp32; under NORM the RMSNorm of it (w_norm * (h * rstd), each rounded). PARTS > 0:
+    x_ptr holds PARTS pushed partial sums [PARTS, K] (`_wait_parts` saw them all arrive) and h is their sum."""
+    if PARTS > 0:
+        x = _sum_parts(x_ptr, k + offs_k, (k + offs_k) < K, K, PARTS, False)
+    elif EVEN_K:
         x = tl.load(x_ptr + k + offs_k)
     else:
         x = tl.load(x_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0)
@@ -78,12 +82,73 @@ def _load_x(x_ptr, nw_ptr, k, K, offs_k, rstd, EVEN_K: tl.constexpr, NORM: tl.co
     return x.to(tl.float32)
 
 
+# A 16-bit negative zero marks a pushed-partials slot not yet written (parallel/p2p_allreduce.PushedPartials):
+# a pushed value is never -0 (`_push` writes +0 for it), so a slot holds the mark until its value lands.
+_EMPTY = tl.constexpr(EMPTY_BITS)
+
+
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, wu_ptr, bu_ptr, y_ptr, nw_ptr, r_ptr, pos_ptr, cs_ptr, N, K, stride_wn, stride_cp,
+def _sum_parts(parts_ptr, offs, mask, K, PARTS: tl.constexpr, WAIT: tl.constexpr):
+    """h[offs] = the sum of PARTS partials [PARTS, K] (each rank's, in rank order), rounded to their dtype,
+    returned in fp32. WAIT: reread (volatile, past L1) each part until none of its values is the empty mark;
+    else read them from L2 (`.cg`), after a wait has seen them arrive: L1 may hold another kernel's lines."""
+    dt = parts_ptr.dtype.element_ty
+    h = tl.zeros(offs.shape, tl.float32)
+    for p in tl.static_range(PARTS):
+        if WAIT:
+            v = tl.load(parts_ptr + p * K + offs, mask=mask, other=0.0, volatile=True)
+            while tl.max((v.to(tl.int16, bitcast=True) == _EMPTY).to(tl.int32), 0) > 0:
+                v = tl.load(parts_ptr + p * K + offs, mask=mask, other=0.0, volatile=True)
+        else:
+            v = tl.load(parts_ptr + p * K + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        h += v.to(tl.float32)
+    return h.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _take_parts(parts_ptr, reset_ptr, h_out_ptr, K, K_PAD: tl.constexpr, PARTS: tl.constexpr):
+    """Wait for every rank's partial sum of h, return h (fp32, rounded) over K_PAD; program 0 writes h to h_out
+    (the next row-parallel GEMV's residual) and marks the previous site's slots empty (every program of the
+    kernel that read them has finished: it came before this one in the stream)."""
+    offs = tl.arange(0, K_PAD)
+    mask = offs < K
+    h = _sum_parts(parts_ptr, offs, mask, K, PARTS, True)
+    if tl.program_id(0) == 0:
+        tl.store(h_out_ptr + offs, h.to(h_out_ptr.dtype.element_ty), mask=mask)
+        empty = tl.full([K_PAD], _EMPTY, tl.int16).to(reset_ptr.dtype.element_ty, bitcast=True)
+        for p in tl.static_range(PARTS):
+            tl.store(reset_ptr + p * K + offs, empty, mask=mask)
+    return h
+
+
+@triton.jit
+def _push(y, offs, mask, push_ptrs, push_off, PUSH: tl.constexpr, dt: tl.constexpr):
+    """Store y (rounded to dt, -0 as +0) at every rank's slot: push_ptrs [PUSH] int64 bases, + push_off."""
+    bits = y.to(dt).to(tl.int16, bitcast=True)
+    yb = tl.where(bits == _EMPTY, tl.zeros_like(bits), bits).to(dt, bitcast=True)
+    for p in tl.static_range(PUSH):
+        base = tl.load(push_ptrs + p).to(tl.pointer_type(dt))
+        tl.store(base + push_off + offs, yb, mask=mask)
+
+
+@triton.jit
+def _sum_pushed_kernel(parts_ptr, reset_ptr, h_out_ptr, K, K_PAD: tl.constexpr, PARTS: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+    """h_out = the sum of the pushed partials, for a consumer that is not a fused GEMV (the final norm)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    _take_parts(parts_ptr, reset_ptr, h_out_ptr, K, K_PAD, PARTS)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, wu_ptr, bu_ptr, y_ptr, nw_ptr, r_ptr, pos_ptr, cs_ptr, reset_ptr, push_ptrs,
+                 push_off, N, K, stride_wn, stride_cp,
                  eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                  EVEN_N: tl.constexpr, NORM: tl.constexpr, K_PAD: tl.constexpr, SILU: tl.constexpr,
                  RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr,
-                 PAIRED: tl.constexpr, USE_PDL: tl.constexpr):
+                 PAIRED: tl.constexpr, USE_PDL: tl.constexpr, PARTS: tl.constexpr = 0, PUSH: tl.constexpr = 0):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features; under ROPE, (row, row + D/2) pairs
@@ -105,17 +170,20 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, wu_ptr, bu_ptr, y_ptr, nw_ptr, r_ptr, pos_
         tl.extra.cuda.gdc_wait()  # x, residual and y's memory belong to earlier kernels: nothing before this touches them
     rstd = 0.0
     if NORM:
-        offs_f = tl.arange(0, K_PAD)
-        h = tl.load(x_ptr + offs_f, mask=offs_f < K, other=0.0).to(tl.float32)
+        if PARTS > 0:  # h arrives as the TP ranks' pushed partial sums: wait for them, sum, hand h on (r_ptr)
+            h = _take_parts(x_ptr, reset_ptr, r_ptr, K, K_PAD, PARTS)
+        else:
+            offs_f = tl.arange(0, K_PAD)
+            h = tl.load(x_ptr + offs_f, mask=offs_f < K, other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(h * h, 0) / K + eps)
-    x = _load_x(x_ptr, nw_ptr, 0, K, offs_k, rstd, EVEN_K, NORM)
+    x = _load_x(x_ptr, nw_ptr, 0, K, offs_k, rstd, EVEN_K, NORM, PARTS)
     acc = w.to(tl.float32) * x[None, :]
     if PAIRED:
         acc_u = wu.to(tl.float32) * x[None, :]
     for k in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         w = _load_w(w_ptrs, k, K, offs_k, n_mask, EVEN_K, EVEN_N)
-        x = _load_x(x_ptr, nw_ptr, k, K, offs_k, rstd, EVEN_K, NORM)
+        x = _load_x(x_ptr, nw_ptr, k, K, offs_k, rstd, EVEN_K, NORM, PARTS)
         acc += w.to(tl.float32) * x[None, :]
         if PAIRED:
             u_ptrs += BLOCK_K
@@ -157,7 +225,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, wu_ptr, bu_ptr, y_ptr, nw_ptr, r_ptr, pos_
             if HAS_BIAS:
                 y = y.to(dt).to(tl.float32) + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             y = y.to(dt).to(tl.float32) + tl.load(r_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs_n, y.to(dt), mask=n_mask)
+        if PUSH > 0:  # a TP rank's partial sum, stored in every rank's slot instead of an all-reduce
+            _push(y, offs_n, n_mask, push_ptrs, push_off, PUSH, dt)
+        else:
+            tl.store(y_ptr + offs_n, y.to(dt), mask=n_mask)
 
 
 @triton.jit
@@ -278,14 +349,22 @@ class Rope:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-         silu: bool = False, rope: Rope | None = None) -> torch.Tensor:
+         silu: bool = False, rope: Rope | None = None, take=None, push=None) -> torch.Tensor | None:
     """F.linear(x, w, bias) for x [1, K] on CUDA (see `supports`), optionally with the RMSNorm of x
     before, and after it SiLU-and-mul of the [gate; up] halves, RoPE of the q/k heads, or a residual
-    add (module docstring). x [M, K] with 1 < M <= MAX_ROWS: the plain product (`gemv_rows`)."""
+    add (module docstring). x [M, K] with 1 < M <= MAX_ROWS: the plain product (`gemv_rows`).
+
+    TP partial sums without an all-reduce kernel (`parallel.p2p_allreduce.PushedSite`): `push` stores y, a
+    row-parallel rank's partial sum, in every rank's slot at that site and returns None; `take` (with
+    `norm_weight`) waits for all ranks' partials at its site, sums them into x (which it writes, not reads)
+    and goes on with x as h."""
     if x.shape[0] != 1:
-        if norm_weight is not None or residual is not None or silu or rope is not None:
+        if norm_weight is not None or residual is not None or silu or rope is not None or take or push:
             raise ValueError(f"gemv: the fused prologue/epilogues take one row, got {x.shape[0]}")
         return gemv_rows(x, w, bias, config)
+    if (take is not None and (norm_weight is None or residual is not None)) or (push is not None and (silu or rope)):
+        raise ValueError("gemv: `take` goes with the RMSNorm prologue (no residual), `push` with a plain or "
+                         "residual epilogue")
     k = x.shape[1]
     n = w.shape[0] // 2 if silu else w.shape[0]
     if norm_weight is not None and k > MAX_NORM_K:
@@ -306,15 +385,30 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, con
     if rope is not None:  # the RoPE products are rounded to the dtype before their sum, as `fused_ops.rope` does
         extra["enable_fp_fusion"] = False
     b = bias if bias is not None else w
+    # `take`: the kernel reads h from the site's slots and writes it to x (the residual pointer is free there)
+    x_in, r = (take.parts, x) if take is not None else (x, residual if residual is not None else x)
     _gemv_kernel[(triton.cdiv(grid_n, cfg["BLOCK_N"]),)](
-        x, w, b, w[n:] if silu else w, b[n:] if silu and bias is not None else b, y, norm_weight if norm_weight is not None else x,
-        residual if residual is not None else x, rope.positions if rope else x, rope.cos_sin if rope else x,
+        x_in, w, b, w[n:] if silu else w, b[n:] if silu and bias is not None else b, y, norm_weight if norm_weight is not None else x,
+        r, rope.positions if rope else x, rope.cos_sin if rope else x, take.reset if take is not None else x,
+        push.ptrs if push is not None else x, push.offset if push is not None else 0,
         grid_n, k, w.stride(0), rope.cos_sin.stride(0) if rope else 0, eps,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, EVEN_N=grid_n % cfg["BLOCK_N"] == 0,
         NORM=norm_weight is not None, K_PAD=triton.next_power_of_2(k) if norm_weight is not None else 1,
         SILU=silu, RESIDUAL=residual is not None, ROPE=rope is not None, HEAD_DIM=rope.head_dim if rope else 2,
-        ROT_ROWS=rope.rot_rows if rope else 0, PAIRED=silu or rope is not None, USE_PDL=pdl, **cfg, **extra)
-    return y
+        ROT_ROWS=rope.rot_rows if rope else 0, PAIRED=silu or rope is not None, USE_PDL=pdl,
+        PARTS=take.world if take is not None else 0, PUSH=push.world if push is not None else 0, **cfg, **extra)
+    return None if push is not None else y
+
+
+def sum_pushed(take, h_out: torch.Tensor) -> torch.Tensor:
+    """h_out [1, K] = the sum of the partials pushed at site `take` (`gemv(push=...)`), waited for: the
+    all-reduce's result where the next kernel is not a fused GEMV."""
+    k = h_out.shape[-1]
+    pdl = h_out.is_cuda and torch.cuda.is_current_stream_capturing() and pdl_enabled()
+    extra = dict(launch_pdl=True) if pdl else {}
+    _sum_pushed_kernel[(1,)](take.parts, take.reset, h_out, k, K_PAD=triton.next_power_of_2(k), PARTS=take.world,
+                             USE_PDL=pdl, num_warps=8, **extra)
+    return h_out
 
 
 def gemv_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

@@ -78,3 +78,102 @@ def test_parallel_linear_routes_batch_one_in_graphs():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, gemv(x, w) if m <= max_rows() else F.linear(x, w))
+
+
+def _two_rank_slots(k: int, sites: int, dtype=torch.bfloat16):
+    """Two TP ranks' pushed-partials slots on one GPU, each rank's `site(rank, s)` as PushedPartials gives it."""
+    from parallel.p2p_allreduce import EMPTY_BITS, PushedSite
+
+    slots = [torch.empty(sites, 2, k, dtype=dtype, device=DEV) for _ in range(2)]
+    for t in slots:
+        t.view(torch.int16).fill_(EMPTY_BITS)
+
+    def site(rank: int, s: int) -> PushedSite:
+        ptrs = [slots[p].data_ptr() + (s * 2 + rank) * k * dtype.itemsize for p in range(2)]
+        return PushedSite(2, slots[rank][s], slots[rank][(s - 1) % sites], torch.tensor(ptrs, device=DEV))
+    return slots, site
+
+
+def test_pushed_partials_in_a_graph_give_the_all_reduced_values():
+    """The compiled push / take / sum_pushed, captured with PDL and replayed twice on new inputs: two ranks' parts
+    pushed at site 0 and taken by a SiLU GEMV, pushed at site 1 and summed for the final norm; each equals the
+    plain fused GEMVs on the parts summed as an all-reduce sums them, and every site ends marked empty once the
+    next site is taken."""
+    from parallel.kernels.gemv import gemv, sum_pushed
+    from parallel.p2p_allreduce import EMPTY_BITS
+
+    torch.manual_seed(0)
+    k, kh, n = 4096, 7168, 7168
+    bf = torch.bfloat16
+    x = [torch.randn(1, kh, device=DEV, dtype=bf) for _ in range(2)]
+    w = [torch.randn(k, kh, device=DEV, dtype=bf) / kh**0.5 for _ in range(2)]
+    wg = [torch.randn(2 * n, k, device=DEV, dtype=bf) / k**0.5 for _ in range(2)]
+    wd = [torch.randn(k, n, device=DEV, dtype=bf) / n**0.5 for _ in range(2)]
+    resid, nw = torch.randn(1, k, device=DEV, dtype=bf), torch.rand(k, device=DEV, dtype=bf) + 0.5
+    slots, site = _two_rank_slots(k, 2)
+    h = [torch.empty(1, k, device=DEV, dtype=bf) for _ in range(2)]
+    final = [torch.empty(1, k, device=DEV, dtype=bf) for _ in range(2)]
+
+    def step():
+        acts = []
+        for r in range(2):
+            gemv(x[r], w[r], None, residual=resid if r == 0 else None, push=site(r, 0))
+        for r in range(2):
+            acts.append(gemv(h[r], wg[r], None, norm_weight=nw, eps=1e-5, silu=True, take=site(r, 0)))
+        for r in range(2):
+            gemv(acts[r], wd[r], None, residual=h[r] if r == 0 else None, push=site(r, 1))
+        for r in range(2):
+            sum_pushed(site(r, 1), final[r])
+        return acts
+
+    step()  # compiles the kernels outside the capture
+    for t in slots:
+        t.view(torch.int16).fill_(EMPTY_BITS)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        acts = step()
+    for _ in range(2):
+        for r in range(2):
+            x[r].copy_(torch.randn_like(x[r]))
+        graph.replay()
+        torch.cuda.synchronize()
+        h_ref = (gemv(x[0], w[0], None, residual=resid).float() + gemv(x[1], w[1]).float()).to(bf)
+        act_ref = [gemv(h_ref, wg[r], None, norm_weight=nw, eps=1e-5, silu=True) for r in range(2)]
+        final_ref = (gemv(act_ref[0], wd[0], None, residual=h_ref).float() + gemv(act_ref[1], wd[1]).float()).to(bf)
+        for r in range(2):
+            assert torch.equal(h[r], h_ref) and torch.equal(acts[r], act_ref[r]) and torch.equal(final[r], final_ref)
+            assert bool((slots[r][0].view(torch.int16) == EMPTY_BITS).all())  # emptied by the site-1 sum
+
+
+def test_a_take_waits_for_the_peer_push():
+    """A taking GEMV launched before its peer has pushed keeps running (reading the empty marks) until the push
+    lands from another stream, then gives the summed values."""
+    import time
+
+    from parallel.kernels.gemv import gemv
+
+    torch.manual_seed(1)
+    k, kh, n = 4096, 2048, 1024
+    bf = torch.bfloat16
+    x = [torch.randn(1, kh, device=DEV, dtype=bf) for _ in range(2)]
+    w = [torch.randn(k, kh, device=DEV, dtype=bf) / kh**0.5 for _ in range(2)]
+    wq, nw = torch.randn(n, k, device=DEV, dtype=bf) / k**0.5, torch.rand(k, device=DEV, dtype=bf) + 0.5
+    slots, site = _two_rank_slots(k, 2)
+    h = torch.empty(1, k, device=DEV, dtype=bf)
+    gemv(x[0], w[0], None, push=site(0, 0))
+    torch.cuda.synchronize()
+    taker, pusher = torch.cuda.Stream(), torch.cuda.Stream()
+    done = torch.cuda.Event()
+    with torch.cuda.stream(taker):
+        y = gemv(h, wq, None, norm_weight=nw, eps=1e-5, take=site(0, 0))
+        done.record()
+    time.sleep(0.2)
+    assert not done.query(), "the take finished before the peer pushed"
+    with torch.cuda.stream(pusher):
+        gemv(x[1], w[1], None, push=site(1, 0))
+    deadline = time.monotonic() + 20
+    while not done.query():
+        assert time.monotonic() < deadline, "the take did not see the push (the GPU is left spinning)"
+        time.sleep(0.01)
+    h_ref = (gemv(x[0], w[0]).float() + gemv(x[1], w[1]).float()).to(bf)
+    assert torch.equal(h, h_ref) and torch.equal(y, gemv(h_ref, wq, None, norm_weight=nw, eps=1e-5))

@@ -63,18 +63,46 @@ def _covers(model) -> bool:
 def forward(model, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """token_ids [1] -> final-normed hidden [1, d], as `CausalLM.forward` returns it."""
     gemv = _gemv.gemv
+    pushed = _pushed_partials(model)
+    # h: the residual stream, or (pushed partials) the site where its TP ranks' partial sums wait to be summed
     h = model.embed_tokens(token_ids)
-    for layer in model.layers.values():
+    for i, layer in enumerate(model.layers.values()):
         attn, mlp = layer.self_attn, layer.mlp
         ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
         # RoPE goes into the qkv epilogue unless per-head q/k norms (Qwen3) must come first
         rope = None if attn.q_norm is not None else _gemv.Rope(
             positions, attn.rotary.cos_sin, attn.head_dim, (attn.num_heads + attn.num_kv_heads) * attn.head_dim)
-        qkv = linear_gemv(gemv, h, attn.qkv_proj, attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps, rope=rope)
-        h = row_parallel_gemv(gemv, attn.attend(positions, qkv, rotated=rope is not None), attn.o_proj, h)
-        act = linear_gemv(gemv, h, mlp.gate_up_proj, mlp.gate_up_proj.bias, norm_weight=ln2.weight, eps=ln2.eps, silu=True)
-        h = row_parallel_gemv(gemv, act, mlp.down_proj, h)
+        qkv, h = normed_gemv(gemv, h, attn.qkv_proj, ln1, rope=rope)
+        h = row_parallel_gemv(gemv, attn.attend(positions, qkv, rotated=rope is not None), attn.o_proj, h,
+                              pushed.site(2 * i) if pushed else None)
+        act, h = normed_gemv(gemv, h, mlp.gate_up_proj, ln2, silu=True)
+        h = row_parallel_gemv(gemv, act, mlp.down_proj, h, pushed.site(2 * i + 1) if pushed else None)
+    if pushed:
+        h = _gemv.sum_pushed(h, torch.empty(1, pushed.width, dtype=h.parts.dtype, device=h.parts.device))
     return model.norm(h)
+
+
+def _pushed_partials(model):
+    """The TP group's pushed-partials slots (parallel/p2p_allreduce.PushedPartials) where they serve this model:
+    every linear plain (the quantized GEMVs do not push) and a site for each row-parallel output; else None."""
+    if not hasattr(model, "_pushed"):
+        layers = list(model.layers.values())
+        pushed = getattr(layers[0].self_attn.o_proj.group, "pushed_partials", None) if layers else None
+        if pushed is not None and (pushed.width != model.config.hidden_size or pushed.sites < 2 * len(layers)
+                                   or any(getattr(lin, "gemv_weight", None) is not None
+                                          for layer in layers for lin in _linears(layer))):
+            pushed = None
+        model._pushed = pushed
+    return model._pushed
+
+
+def normed_gemv(gemv, h, linear, norm, **fused) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the GEMV of norm(h), h): where h is a pushed-partials site, the GEMV waits for and sums its partials
+    first, and the sum is the h returned."""
+    if isinstance(h, torch.Tensor):
+        return linear_gemv(gemv, h, linear, linear.bias, norm_weight=norm.weight, eps=norm.eps, **fused), h
+    whole = torch.empty(1, h.parts.shape[1], dtype=h.parts.dtype, device=h.parts.device)
+    return gemv(whole, linear.weight, linear.bias, norm_weight=norm.weight, eps=norm.eps, take=h, **fused), whole
 
 
 def _linears(layer) -> tuple:
@@ -94,10 +122,13 @@ def linear_gemv(gemv, x: torch.Tensor, linear, bias: torch.Tensor | None, **fuse
     return gemv(x, linear.weight, bias, **fused)
 
 
-def row_parallel_gemv(gemv, x: torch.Tensor, linear, residual: torch.Tensor) -> torch.Tensor:
+def row_parallel_gemv(gemv, x: torch.Tensor, linear, residual: torch.Tensor, push=None):
     """residual + x_full @ W.T + bias for a row-parallel `linear` whose rank holds x's and W's shard of K:
-    the bias and residual ride in the first rank's epilogue only, and the all-reduce sums the parts."""
+    the bias and residual ride in the first rank's epilogue only, and the all-reduce sums the parts. With
+    `push` (a pushed-partials site) each rank stores its part in every rank's slots there instead, and the
+    site is returned: the next normed GEMV sums it."""
     group = linear.group
     first = group.is_first
-    out = linear_gemv(gemv, x, linear, linear.bias if first else None, residual=residual if first else None)
-    return reduce_partial_sums(out, group)
+    fused = dict(push=push) if push is not None else {}
+    out = linear_gemv(gemv, x, linear, linear.bias if first else None, residual=residual if first else None, **fused)
+    return push if push is not None else reduce_partial_sums(out, group)
