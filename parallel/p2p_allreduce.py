@@ -5,9 +5,10 @@ Llama-3.1-8B) and NCCL's ring takes 16-22 us each from a CUDA graph on 2 H200s i
 the model (0.7 ms of a 3.6 ms batch-1 step). A one-shot all-reduce has every rank copy its input into a buffer all ranks have mapped,
 meet at a barrier, and each read all peers' buffers and sum: one kernel, one hop. Measured on 2 H200s
 (scripts/bench_allreduce.py, in a CUDA graph, 2026-11-26): 8 KB 6.7 us vs NCCL 22.5, 512 KB 10.9 vs 20.2,
-2 MB 21.4 vs 41.3, 6 MB 48.1 vs 50.3, 16 MB 119.5 vs 92.8: NCCL's ring wins above ~6 MB, hence the limit.
-Each rank reads (n - 1) x the message, so on more GPUs the crossover comes sooner (limits there are
-scaled down, not measured). Multicast (NVLS) stays off: it hangs on some hosts.
+2 MB 21.4 vs 41.3, 6 MB 48.1 vs 50.3, 16 MB 119.5 vs 92.8. Above 1 MB the two-shot kernel (each rank sums
+its share of the message from every peer, then gathers the other shares) beats both, up to 32 MB (the limits
+below). Each rank of the one-shot reads (n - 1) x the message, so on more GPUs the crossover comes sooner
+(limits there are scaled down, not measured). Multicast (NVLS) stays off: it hangs on some hosts.
 
 Ranks must see each other's GPUs (torch's symmetric memory refuses two ranks that both call theirs
 cuda:0): Ray rank actors of a TP group on GPUs see their whole node (cluster/ray_runtime.py).
@@ -32,13 +33,16 @@ log = logging.getLogger(__name__)
 # The mark of a pushed-partials slot not yet written: a 16-bit negative zero, as int16 (0x8000).
 EMPTY_BITS = -32768
 
-# Largest message for the one-shot kernel, by group size. 2 GPUs: the one-shot reads what a ring moves;
+# Largest message for the one-shot kernel, by group size (2 GPUs: the two-shot wins above 1 MB, see below);
 # more GPUs read (n - 1) x the message, so the crossover with NCCL comes sooner (not measured beyond 2).
-MAX_BYTES = {2: 4 << 20, 4: 1 << 20, 8: 256 << 10}
+MAX_BYTES = {2: 1 << 20, 4: 1 << 20, 8: 256 << 10}
 # Above the one-shot limit and up to this, the two-shot all-reduce over the same buffer (each rank sums its
 # 1/n of the message from every peer, then gathers the others' sums): prefill-sized messages (a mixed step of
-# ~1K tokens all-reduces 8 MB, 64 times). 0: NCCL above the one-shot limit. Only where measured.
-TWO_SHOT_MAX_BYTES: dict[int, int] = {}
+# ~1K tokens all-reduces 8 MB, 64 times). 0: NCCL above the one-shot limit. Only where measured: on 2 H200s
+# (scripts/bench_allreduce.py, in a CUDA graph, 2026-11-29) the two-shot took 19.0 us at 2 MB (one-shot 21.7,
+# NCCL 37.1), 27.0 at 4 MB (36.9, 42.9), 41.7 at 8 MB (63.4, 56.6), 72.2 at 16 MB (-, 86.3), 140.5 at 32 MB
+# (NCCL 163.6; eagerly 143.8 against 140.1), and 280 at 64 MB against NCCL's 272; the one-shot wins to 1 MB.
+TWO_SHOT_MAX_BYTES: dict[int, int] = {2: 32 << 20}
 
 
 def two_shot_enabled() -> bool:
