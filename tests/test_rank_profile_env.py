@@ -61,3 +61,15 @@ def test_a_traced_step_names_ops_not_python_frames(tmp_path, monkeypatch):
     top = profile.rows[0]["top_host"]
     assert list(tmp_path.iterdir()), "the step wrote no trace, so it recorded no Python frames"
     assert any(name.startswith("aten::") for name in top) and all(name.startswith("aten::") for name in top), top
+
+
+def test_python_frames_are_told_apart_on_a_torch_without_the_flag():
+    """torch 2.11 (the GPU hosts) has no `is_python_function` on its events: the names tell the frames."""
+    from types import SimpleNamespace
+
+    from workers.rank_profile import _is_python_frame
+
+    assert _is_python_frame(SimpleNamespace(key="cluster/rank_worker.py(166): _run"))
+    assert _is_python_frame(SimpleNamespace(key="<built-in method sleep of module object>"))
+    assert not _is_python_frame(SimpleNamespace(key="aten::copy_"))
+    assert not _is_python_frame(SimpleNamespace(key="x.py(1): f", is_python_function=False))  # the flag wins

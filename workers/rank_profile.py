@@ -61,9 +61,18 @@ def _top_host_ops(prof) -> dict[str, float]:
     time (the rank's event loop, `wait`), which would crowd the ops out of the table."""
     self_us: dict[str, float] = defaultdict(float)
     for e in prof.events():
-        if not e.is_python_function:
+        if not _is_python_frame(e):
             self_us[e.key] += e.self_cpu_time_total
     return _ranked(self_us)
+
+
+def _is_python_frame(event) -> bool:
+    """torch 2.13 marks Python frames (`is_python_function`); 2.11, on the GPU hosts, has no such field, and its
+    frames are named "file.py(line): function" or "<built-in ...>"."""
+    marked = getattr(event, "is_python_function", None)
+    if marked is not None:
+        return bool(marked)
+    return ".py(" in event.key or event.key.startswith("<built-in")
 
 
 def _ranked(microseconds: dict[str, float]) -> dict[str, float]:

@@ -110,7 +110,9 @@ def test_pushed_partials_in_a_graph_give_the_all_reduced_values():
     wg = [torch.randn(2 * n, k, device=DEV, dtype=bf) / k**0.5 for _ in range(2)]
     wd = [torch.randn(k, n, device=DEV, dtype=bf) / n**0.5 for _ in range(2)]
     resid, nw = torch.randn(1, k, device=DEV, dtype=bf), torch.rand(k, device=DEV, dtype=bf) + 0.5
-    slots, site = _two_rank_slots(k, 2)
+    slots, make_site = _two_rank_slots(k, 2)
+    sites = {(r, s): make_site(r, s) for r in range(2) for s in range(2)}  # the pointer tensors, before the capture
+    site = lambda r, s: sites[r, s]  # noqa: E731
     h = [torch.empty(1, k, device=DEV, dtype=bf) for _ in range(2)]
     final = [torch.empty(1, k, device=DEV, dtype=bf) for _ in range(2)]
 
