@@ -107,9 +107,17 @@ class DecodeGraphs:
             host[2 * n:3 * n] = -1
             host[4 * n:5 * n + 1] = torch.arange(n + 1)
         self.buf.copy_(self._hosts[0])
-        self.with_head = tp_group().size == 1  # else the graph ends at the hidden states
+        # A pipeline stage after the first takes the previous stage's (hidden, residual) in these buffers; one
+        # before the last ends at its (hidden, residual), which the runner sends on.
+        self.stage_in, self.stage_out = not runner.pp.is_first, not runner.pp.is_last
+        if self.stage_in:
+            d = runner.model.config.hidden_size
+            self.hidden_in = torch.zeros(n, d, dtype=runner.dtype, device=self.device)
+            self.residual_in = torch.zeros_like(self.hidden_in)
+        self.with_head = tp_group().size == 1 and not self.stage_out  # else the graph ends at the hidden states
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # bs -> (logits [bs, V], greedy [bs, 2]) with the head, else (hidden [bs, d],)
+        # bs -> (logits [bs, V], greedy [bs, 2]) with the head, (hidden, residual) [bs, d] each before the last
+        # pipeline stage, else (hidden [bs, d],)
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._capture()
 
@@ -130,7 +138,13 @@ class DecodeGraphs:
     def _step(self, bs: int) -> tuple[torch.Tensor, ...]:
         model = self.runner.model
         with forward_context(self._meta(bs)):
-            hidden, _ = model(self.token_ids[:bs], self.positions[:bs])
+            if self.stage_in:
+                hidden, residual = model(self.token_ids[:bs], self.positions[:bs], self.hidden_in[:bs],
+                                         self.residual_in[:bs])
+            else:
+                hidden, residual = model(self.token_ids[:bs], self.positions[:bs])
+        if self.stage_out:
+            return hidden, residual
         if not self.with_head:
             return (hidden,)
         logits = model.lm_head.compute_logits(hidden)  # [bs, V]: one rank holds the whole head
@@ -150,10 +164,13 @@ class DecodeGraphs:
             self._copied[i].synchronize()
         return i, self._hosts[i]
 
-    def run(self, out: SchedulerOutput, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    def run(self, out: SchedulerOutput, token_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Replay the decode step; returns the B real rows' logits [B, V] and greedy (token, logprob)
-        [B, 2], or without the head (`with_head`) their hidden states [B, d]. token_ids: the B input tokens on
-        the device (the sequences' own are then not read), e.g. a draft model's last argmax."""
+        [B, 2], or without the head (`with_head`) their hidden states [B, d], or before the last pipeline stage
+        their (hidden, residual) (views of the graph's buffers: the next replay rewrites them). token_ids: the B
+        input tokens on the device (the sequences' own are then not read), e.g. a draft model's last argmax.
+        hidden, residual [B, d]: a later pipeline stage's input from the stage before."""
         seqs = out.seqs
         b = len(seqs)
         bs = next(s for s in self.batch_sizes if s >= b)
@@ -175,6 +192,9 @@ class DecodeGraphs:
         self._copied[staging].record()
         if token_ids is not None:  # after the host copy (same stream), which wrote stale tokens there
             self.token_ids[:b].copy_(token_ids)
+        if self.stage_in:
+            self.hidden_in[:b].copy_(hidden)
+            self.residual_in[:b].copy_(residual)
         self.graphs[bs].replay()
         return tuple(t[:b] for t in self.outputs[bs])
 

@@ -165,10 +165,12 @@ class ModelRunner:
             self.execute(SchedulerOutput([decode, tail]))
 
     def _capture_cuda_graphs(self):
-        """Decode CUDA graphs (workers/cuda_graphs.py) on CUDA, alone or under TP; None where they don't
-        apply: pipeline stages exchange activations between steps' halves, and SP attention (and EP's
-        dispatch over SP ranks) size their messages on the host. EP over the TP group is an all-reduce."""
-        if self.device.type != "cuda" or self.pp.size > 1 or sp_group().size > 1:
+        """Decode CUDA graphs (workers/cuda_graphs.py) on CUDA, alone, under TP, or per pipeline stage where
+        steps are pipelined (one micro-batch a step: each stage replays its part of the whole step, the
+        activations passed between the replays); None where they don't apply: a step cut into micro-batches,
+        and SP attention (and EP's dispatch over SP ranks), which size their messages on the host. EP over the
+        TP group is an all-reduce."""
+        if self.device.type != "cuda" or self.pp_micro_batches > 1 or sp_group().size > 1:
             return None
         from workers.cuda_graphs import maybe_capture
 
@@ -192,7 +194,7 @@ class ModelRunner:
         """Speculative decoding's verification steps in CUDA graphs (workers/spec_decode/graphs.py), for the
         batch sizes that speculate; None without speculation, where decode graphs are off, or under TP."""
         spec = self.config.speculative.spec
-        if spec is None or self.cuda_graphs is None:
+        if spec is None or self.cuda_graphs is None or self.pp.size > 1:
             return None
         from workers.spec_decode.graphs import maybe_capture_verify
 
@@ -423,15 +425,11 @@ class ModelRunner:
             return self._verify_logits(outputs[0][rows], out.seqs, out.token_bitmask)
         graphs = getattr(self, "cuda_graphs", None)  # unset while the KV budget is being profiled
         if graphs is not None and graphs.can_run(out):
+            if self.pp.size > 1:
+                return self._run_stage_graph(graphs, out)
             if not graphs.with_head:  # TP: every rank replays, the head runs eagerly
                 return self.sample(graphs.run(out)[0], out.seqs, out.token_bitmask)
-            logits, greedy = graphs.run(out)
-            if all(Sampler.is_plain_greedy(s) for s in out.seqs) and not is_constrained(out.seqs, out.token_bitmask):
-                columns = Sampler.greedy_columns(greedy, [s.sampling_params for s in out.seqs])
-            else:
-                apply_token_bitmask(logits, out.seqs, out.token_bitmask)  # structured output
-                columns = self.sampler.columns(logits, out.seqs)
-            return ModelRunnerOutput.from_columns([s.seq_id for s in out.seqs], *columns)
+            return self._sampled_in_graph(*graphs.run(out), out)
         seqs = out.seqs
         self.new_peak_release.before_step(sum(s.num_tokens for s in seqs))  # eager steps only: graphs allocate nothing
         if self.sp.size == 1:  # decodes first: attention runs them with the decode kernel (AttentionMetadata.num_decodes)
@@ -470,6 +468,32 @@ class ModelRunner:
             if hidden is None:
                 return ModelRunnerOutput({})
         return self.sample(hidden, to_sample, out.token_bitmask)
+
+    def _sampled_in_graph(self, logits: torch.Tensor, greedy: torch.Tensor, out: SchedulerOutput) -> ModelRunnerOutput:
+        """A graph's step with the head in it: its greedy (token, logprob) columns serve plain greedy rows,
+        anything else samples from its logits."""
+        if all(Sampler.is_plain_greedy(s) for s in out.seqs) and not is_constrained(out.seqs, out.token_bitmask):
+            columns = Sampler.greedy_columns(greedy, [s.sampling_params for s in out.seqs])
+        else:
+            apply_token_bitmask(logits, out.seqs, out.token_bitmask)  # structured output
+            columns = self.sampler.columns(logits, out.seqs)
+        return ModelRunnerOutput.from_columns([s.seq_id for s in out.seqs], *columns)
+
+    def _run_stage_graph(self, graphs, out: SchedulerOutput) -> ModelRunnerOutput:
+        """A pipeline stage's decode step in its CUDA graph: the stage before's activations in, this stage's out
+        to the next (copies: the next replay rewrites the graph's buffers while the send may still read them), or
+        sampled on the last stage. Eagerly this took 17 graph pieces and 16 attention launches a stage."""
+        hidden = residual = None
+        if not self.pp.is_first:
+            hidden, residual = self._recv_activations(len(out.seqs))
+        outputs = graphs.run(out, hidden=hidden, residual=residual)
+        seq_no, self._pp_seq_no = self._pp_seq_no, self._pp_seq_no + 1
+        if not self.pp.is_last:
+            self._keep_sends([send_to_next_stage([t.clone() for t in outputs], seq_no, self.pp)])
+            return ModelRunnerOutput({})
+        if graphs.with_head:
+            return self._sampled_in_graph(*outputs, out)
+        return self.sample(outputs[0], out.seqs, out.token_bitmask)
 
     def on_device(self, rows: list[int]) -> torch.Tensor:
         """Row indices as a tensor on this runner's device, copied without a wait. Indexing a CUDA tensor with a

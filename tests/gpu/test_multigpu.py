@@ -74,9 +74,10 @@ def test_layout_matches_one_gpu_and_hf(name: str, layout: str, references):
     ref = references[name]
     llm = LLM(ref["path"], **args, **ENGINE_ARGS)
     try:
-        # TP-only layouts replay decode CUDA graphs on every rank; pipeline stages run eagerly
+        # every rank replays decode CUDA graphs: TP ranks all of the step, pipeline stages their part of it
+        # (steps are pipelined, one micro-batch a step, by default), the activations passed between replays
         graph_sizes = ray.get([w.cuda_graph_sizes.remote() for w in llm.llm_engine.executor.workers])
-        assert all(bool(s) == ("pipeline_parallel_size" not in args) for s in graph_sizes), graph_sizes
+        assert all(graph_sizes), graph_sizes
         greedy = llm.generate(PROMPTS, GREEDY)
         full = llm.generate(PROMPTS, FULL_LOGITS)
     finally:
