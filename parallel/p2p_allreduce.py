@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -151,9 +152,18 @@ class PushedPartials:
         self._ptrs = torch.tensor([[b + s * group.size * width * dtype.itemsize + row for b in bases]
                                    for s in range(sites)], dtype=torch.int64, device=device)
         self.slots = self.buffer.view(sites, group.size, width)
+        self._owner: weakref.ref | None = None
         self.buffer.view(torch.int16).fill_(EMPTY_BITS)
         torch.cuda.synchronize(device)
         dist.barrier(group=group.cpu_group)  # every rank's slots marked empty before any rank pushes
+
+    def claim(self, model) -> bool:
+        """Whether `model` may push here: the first model to ask owns the slots while it lives (every site's state
+        between steps assumes one model's sequence of sites)."""
+        owner = self._owner() if self._owner is not None else None
+        if owner is None:
+            self._owner, owner = weakref.ref(model), model
+        return owner is model
 
     def site(self, s: int) -> PushedSite:
         return PushedSite(self.world, self.slots[s], self.slots[(s - 1) % self.sites], self._ptrs[s])

@@ -84,13 +84,16 @@ def forward(model, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Te
 
 def _pushed_partials(model):
     """The TP group's pushed-partials slots (parallel/p2p_allreduce.PushedPartials) where they serve this model:
-    every linear plain (the quantized GEMVs do not push) and a site for each row-parallel output; else None."""
+    every linear plain (the quantized GEMVs do not push), a site for each row-parallel output, and no other model
+    on these ranks using them (a second model's steps would leave its last site written where this one's next
+    push lands, and a peer could read the stale value); else None."""
     if not hasattr(model, "_pushed"):
         layers = list(model.layers.values())
         pushed = getattr(layers[0].self_attn.o_proj.group, "pushed_partials", None) if layers else None
-        if pushed is not None and (pushed.width != model.config.hidden_size or pushed.sites < 2 * len(layers)
+        if pushed is not None and (pushed.width != model.config.hidden_size or pushed.sites != 2 * len(layers)
                                    or any(getattr(lin, "gemv_weight", None) is not None
-                                          for layer in layers for lin in _linears(layer))):
+                                          for layer in layers for lin in _linears(layer))
+                                   or not pushed.claim(model)):
             pushed = None
         model._pushed = pushed
     return model._pushed

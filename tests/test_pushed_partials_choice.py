@@ -1,0 +1,48 @@
+"""Which model the batch-1 fused decoder lets push its row-parallel partial sums (workers/models/fused_decode.py
+`_pushed_partials`), and the slots' owner (parallel/p2p_allreduce.PushedPartials.claim). The slots themselves
+need CUDA symmetric memory; their kernels are tested in tests/test_pushed_partials_interpreted.py and on GPUs."""
+from __future__ import annotations
+
+import gc
+from types import SimpleNamespace
+
+from parallel.p2p_allreduce import PushedPartials
+from workers.models.fused_decode import _pushed_partials
+
+
+def _slots(width: int, sites: int) -> PushedPartials:
+    pushed = PushedPartials.__new__(PushedPartials)  # the bookkeeping only: no device memory on CPU
+    pushed.width, pushed.sites, pushed._owner = width, sites, None
+    return pushed
+
+
+class _Model:
+    def __init__(self, pushed, layers: int = 2, hidden: int = 64, quantized: bool = False):
+        group = SimpleNamespace(pushed_partials=pushed)
+        lin = lambda: SimpleNamespace(group=group, gemv_weight=object() if quantized else None)  # noqa: E731
+        self.config = SimpleNamespace(hidden_size=hidden)
+        self.layers = {str(i): SimpleNamespace(self_attn=SimpleNamespace(qkv_proj=lin(), o_proj=lin()),
+                                               mlp=SimpleNamespace(gate_up_proj=lin(), down_proj=lin()))
+                       for i in range(layers)}
+
+
+def test_the_slots_serve_one_model_of_their_shape():
+    pushed = _slots(64, 4)
+    target = _Model(pushed)
+    assert _pushed_partials(target) is pushed
+    assert _pushed_partials(_Model(pushed)) is None  # a second model (a draft) would share the sites: refused
+    assert _pushed_partials(_Model(_slots(64, 6))) is None  # more sites than the model's 2 x layers
+    assert _pushed_partials(_Model(_slots(32, 4))) is None  # another width
+    assert _pushed_partials(_Model(_slots(64, 4), quantized=True)) is None  # the quantized GEMVs do not push
+    assert _pushed_partials(_Model(None)) is None  # no slots (one rank, NCCL only, TANDEM_TP_PUSH_PARTIALS=0)
+
+
+def test_the_owner_is_held_weakly_and_the_next_model_takes_over():
+    pushed = _slots(64, 4)
+    first = _Model(pushed)
+    assert pushed.claim(first) and pushed.claim(first)
+    second = _Model(pushed)
+    assert not pushed.claim(second)
+    del first
+    gc.collect()
+    assert pushed.claim(second)
