@@ -7,6 +7,8 @@ bandwidth. Shapes are the linear layers of the models in scripts/model_shapes.py
 
     python scripts/bench_gemv.py                       # the default tile choice vs cuBLAS
     python scripts/bench_gemv.py --sweep               # also every tile config (what parallel/kernels/gemv.py's table came from)
+    python scripts/bench_gemv.py --tp 2 --fused --sweep --shapes "llama-3.1-8b qkv,llama-3.1-8b o,llama-3.1-8b gate_up,llama-3.1-8b down"
+                                                       # a TP=2 rank's layers as its batch-1 decode step runs them
     python scripts/bench_gemv.py --rows 2,4,8,9,16 [--sweep]   # M rows (verification steps, small batches): the rows kernel
     python scripts/bench_gemv.py --fp8 [--sweep]       # FP8 e4m3 weights through the fused quantized GEMV (gemv_quant.py)
                                                        # beside the bf16 GEMV, each with the decoder's fused ops
@@ -38,6 +40,35 @@ SHAPES = {  # name: (N, K) of the weight [out, in]
     "qwen3-30b-a3b qkv": (5120, 2048), "qwen3-30b-a3b o": (2048, 4096),
 }
 ROTATE_BYTES = 400 << 20  # weight copies per measurement: several times the 50-60 MB L2 of an H100/H200
+ROW_PARALLEL = ("o", "down")  # layers whose input (K) a TP rank holds a share of; the others split N
+
+
+def rank_shape(name: str, n: int, k: int, tp: int) -> tuple[int, int]:
+    """The weight [N, K] one of `tp` TP ranks holds for layer `name`: row-parallel layers split K, the
+    column-parallel ones (qkv, gate_up) and the vocab-parallel head split N."""
+    if name.split()[-1] in ROW_PARALLEL:
+        return n, k // tp
+    return n // tp, k
+
+
+def decoder_fused(name: str, n: int, k: int) -> dict:
+    """The fused decoder's arguments for layer `name` (workers/models/fused_decode.py): qkv RMSNorm in, RoPE out
+    (Llama's 40 of 48 heads rotated; other models' qkv the norm only), gate_up RMSNorm and SiLU-and-mul, o and
+    down the residual add; {} for the head."""
+    kind, dev = name.split()[-1], "cuda"
+    norm = dict(norm_weight=torch.rand(k, device=dev, dtype=torch.bfloat16) + 0.5, eps=1e-5)
+    if kind == "qkv":
+        if not name.startswith("llama"):
+            return norm
+        from parallel.kernels.gemv import Rope
+
+        rope = Rope(torch.tensor([5], device=dev), torch.randn(8, 2, 128, device=dev), 128, n * 40 // 48)
+        return dict(norm, rope=rope)
+    if kind == "gate_up":
+        return dict(norm, silu=True)
+    if kind in ROW_PARALLEL:
+        return dict(residual=torch.randn(1, n, device=dev, dtype=torch.bfloat16))
+    return {}
 
 
 def bench(fn, iters: int = 20) -> float:
@@ -66,6 +97,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
     p.add_argument("--sweep", action="store_true", help="time every tile config too")
+    p.add_argument("--tp", type=int, default=1, help="time each layer as one of this many TP ranks holds it")
+    p.add_argument("--fused", action="store_true", help="bf16: each layer with the fused batch-1 decoder's prologue "
+                   "and epilogue (RMSNorm + RoPE, RMSNorm + SiLU-and-mul, residual add), as a decode step runs it")
     p.add_argument("--rows", default="", help="comma-separated row counts > 1: time the rows kernel instead")
     p.add_argument("--fp8", action="store_true", help="FP8 weights through gemv_quant.qgemv beside bf16 (Llama-3.1-8B "
                    "decoder shapes unless --shapes)")
@@ -98,8 +132,10 @@ def main() -> None:
     report = {"benchmark": "gemv", "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
               "torch": torch.__version__, "results": []}
     print(f"{report['gpu']}: weight GB/s (higher is better)")
+    report["tp"], report["fused"] = a.tp, a.fused
     for name in a.shapes.split(","):
-        n, k = SHAPES[name]
+        n, k = rank_shape(name, *SHAPES[name], a.tp)
+        fused = decoder_fused(name, n, k) if a.fused else {}
         copies = max(2, ROTATE_BYTES // (2 * n * k))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         nbytes = copies * 2 * n * k
@@ -108,13 +144,14 @@ def main() -> None:
         got = gemv(x, ws[0])
         err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
         t_cublas = bench(lambda: [F.linear(x, w) for w in ws])
-        t_ours = bench(lambda: [gemv(x, w) for w in ws])
+        t_ours = bench(lambda: [gemv(x, w, **fused) for w in ws])
         row = {"shape": name, "n": n, "k": k, "cublas_GBps": nbytes / t_cublas / 1e9,
-               "ours_GBps": nbytes / t_ours / 1e9, "ours_config": tile_config(n, k), "max_rel_err": err}
+               "ours_GBps": nbytes / t_ours / 1e9, "ours_config": tile_config(n // 2 if fused.get("silu") else n, k),
+               "max_rel_err": err}
         best = None
         for cfg in sweep:
             try:
-                t = bench(lambda: [gemv(x, w, config=cfg) for w in ws])
+                t = bench(lambda: [gemv(x, w, config=cfg, **fused) for w in ws])
             except Exception as e:  # a config the compiler rejects (shared memory, registers)
                 print(f"  skip {cfg}: {type(e).__name__}", flush=True)
                 continue
