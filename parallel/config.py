@@ -33,8 +33,9 @@ class ParallelConfig(StrictModel):
     expert_parallel_size: int = Field(default=1, ge=1, description="MoE: ranks the experts are spread over: 1, "
                                       "or all the TP x SP ranks of a stage (alone, it sets the TP size too).")
     disable_p2p_all_reduce: bool = Field(default=False, description="CUDA, TP: sum tensor-parallel partial results "
-                                         "with NCCL only, not the one-shot all-reduce over NVLink P2P "
-                                         "(parallel/p2p_allreduce.py) that otherwise takes the small ones.")
+                                         "with NCCL only, not the one-shot and two-shot all-reduces over NVLink P2P "
+                                         "(parallel/p2p_allreduce.py) that otherwise take messages up to 32 MiB at "
+                                         "TP=2, nor batch-1 decode's partial sums pushed over NVLink.")
     distributed_executor_backend: Literal["auto", "ray", "uni"] = Field(
         default="auto", description="auto: in-process (uni) for one rank, Ray actors for more. Served: the prefill "
         "pool always uses ray, a disaggregated decode pool on GPUs does at auto, a colocated replica does not.")
