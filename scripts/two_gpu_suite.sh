@@ -27,7 +27,12 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log to RES/N
   ray stop --force >/dev/null 2>&1 || true  # a step killed by its limit may leave a Ray session behind
 }
 
-run_tests() { python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -p no:cacheprovider; }
+run_tests() {  # bf16 layouts against one GPU (TP=2 batch-1 with pushed partial sums), PP=2's stage graphs against HF,
+  # and the push / take kernels on one GPU
+  python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -p no:cacheprovider || return $?
+  python -m pytest -q -x tests/gpu/test_multigpu.py -k "pp2 and not tp2pp2" -p no:cacheprovider || return $?
+  python -m pytest -q -x tests/gpu/test_gemv.py -k "pushed or waits" -p no:cacheprovider
+}
 run_offline() {
   python scripts/bench_offline.py --shape llama-3.1-8b --device cuda --dtype bfloat16 --load-format dummy \
     --layouts "uni tp2 tp2+sync pp2" --isolate --num-requests 1000 --mean-input 230 --mean-output 200 \
@@ -39,11 +44,12 @@ run_pp() {  # issue 26: PP=2 with pipelined steps (one step group per stage, max
   python scripts/bench_offline.py $common --layouts "uni pp2" --max-num-seqs 256 --out "$RES/offline_pp2.json" || return $?
   python scripts/bench_offline.py $common --layouts "pp2" --max-num-seqs 128 --out "$RES/offline_pp2_seqs128.json"
 }
-run_latency() {  # TP=1, TP=2 with the NCCL-only all-reduce, TP=2 with the P2P one
-  for v in "1 tp1" "2 tp2_nop2p --disable-p2p-all-reduce" "2 tp2"; do
+run_latency() {  # TP=1, TP=2 with the NCCL-only all-reduce, TP=2 with the P2P one after each row-parallel GEMV
+  # (TANDEM_TP_PUSH_PARTIALS=0), TP=2 with the partial sums pushed (the default); unprofiled, then TP=2 profiled
+  for v in "1 tp1 1" "2 tp2_nop2p 1 --disable-p2p-all-reduce" "2 tp2_nopush 0" "2 tp2 1" "2 tp2_profiled 1 --profile-steps 16"; do
     set -- $v
-    python scripts/bench_latency.py --modes graphs --tensor-parallel-size $1 --skip-hf --profile-steps 20 \
-      --out "$RES/latency_$2.json" ${3:-} || return $?
+    TANDEM_TP_PUSH_PARTIALS=$3 python scripts/bench_latency.py --modes graphs --tensor-parallel-size $1 --skip-hf \
+      --prefill-lens 2048 --out "$RES/latency_$2.json" ${4:-} ${5:-} || return $?
   done
 }
 run_pd() {  # issue 27's goodput curve: each rate sends 15 s of Poisson arrivals (rate x 15 requests), so it reaches its steady state;
