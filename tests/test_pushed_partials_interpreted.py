@@ -8,7 +8,7 @@ rank's slots; the GEMV that takes a site gives the same bits as the plain fused 
 parts summed in rank order), for the norm prologue alone and with RoPE; it hands h on and marks the previous site
 empty; `sum_pushed` gives h for the final norm; a -0 is pushed as +0 (else it would read as "not yet written");
 and a taking GEMV whose peer has not pushed yet waits for it instead of reading the empty marks.
-fp16 (the interpreter has no bf16; both mark emptiness with the same 16-bit -0). The compiled kernels and their
+Two ranks and four (rank-order sums). fp16 (the interpreter has no bf16; both mark emptiness with the same 16-bit -0). The compiled kernels and their
 two-rank run are tested in tests/gpu/test_gemv.py and tests/gpu/test_two_gpu_bf16.py."""
 from __future__ import annotations
 
@@ -96,6 +96,28 @@ for bad in (dict(take=site(0, 1)), dict(push=site(0, 1), silu=True)):
         raise AssertionError(f"gemv took {sorted(bad)}")
     except ValueError:
         pass
+
+# Four ranks (TP=4): every rank's part in every rank's slots, summed in rank order (left to right, in fp32).
+W4, KQ = 4, 16
+slots4 = [torch.empty(2, W4, K, dtype=dt) for _ in range(W4)]
+for t in slots4:
+    t.view(torch.int16).fill_(EMPTY_BITS)
+site4 = lambda r, s: PushedSite(W4, slots4[r][s], slots4[r][(s - 1) % 2], torch.tensor(
+    [slots4[p].data_ptr() + (s * W4 + r) * K * 2 for p in range(W4)], dtype=torch.int64))
+x4 = [torch.randn(1, KQ, dtype=dt) for _ in range(W4)]
+w4 = [(torch.randn(K, KQ) * 0.3).to(dt) for _ in range(W4)]
+parts4 = [G.gemv(x4[r], w4[r], b if r == 0 else None, residual=resid if r == 0 else None) for r in range(W4)]
+acc = torch.zeros(1, K)
+for part in parts4:
+    acc = acc + part.float()
+h4_ref = acc.to(dt)
+for r in range(W4):
+    G.gemv(x4[r], w4[r], b if r == 0 else None, residual=resid if r == 0 else None, push=site4(r, 1))
+for r in (0, 3):
+    h = torch.empty(1, K, dtype=dt)
+    y = G.gemv(h, wq, None, norm_weight=nw, eps=1e-5, take=site4(r, 1))
+    assert torch.equal(h, h4_ref) and torch.equal(y, G.gemv(h4_ref, wq, None, norm_weight=nw, eps=1e-5)), r
+    assert empty(slots4[r][0])
 print("ok")
 '''
 
