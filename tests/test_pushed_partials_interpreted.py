@@ -7,9 +7,10 @@ tensors' addresses, as symmetric memory maps them on GPUs. Checked: every rank's
 rank's slots; the GEMV that takes a site gives the same bits as the plain fused GEMV on the all-reduced h (the
 parts summed in rank order), for the norm prologue alone and with RoPE; it hands h on and marks the previous site
 empty; `sum_pushed` gives h for the final norm; a -0 is pushed as +0 (else it would read as "not yet written");
-and a taking GEMV whose peer has not pushed yet waits for it instead of reading the empty marks.
-Two ranks and four (rank-order sums). fp16 (the interpreter has no bf16; both mark emptiness with the same 16-bit -0). The compiled kernels and their
-two-rank run are tested in tests/gpu/test_gemv.py and tests/gpu/test_two_gpu_bf16.py."""
+and a taking GEMV whose peer has not pushed yet waits for it instead of reading the empty marks. Then four ranks
+(TP=4: the parts summed in rank order). fp16 (the interpreter has no bf16; both mark emptiness with the same 16-bit
+-0). The compiled kernels and their two-rank run are tested in tests/gpu/test_gemv.py and
+tests/gpu/test_two_gpu_bf16.py."""
 from __future__ import annotations
 
 import pytest
