@@ -69,10 +69,12 @@ run_sp() {
   python scripts/bench_sp_prefill.py --shape llama-3.1-8b --device cuda --dtype bfloat16 \
     --lengths $SP_LENGTHS --runs 2 --layouts "sp1 sp2+ring sp2+ulysses" --out "$RES/sp_prefill"
 }
-run_ep() {
+run_ep() {  # issue 26: EP=2 beside one GPU on Qwen3-30B-A3B shapes, unprofiled (the goal's figure), as measured
+  # on 2 x H200 on 2026-11-29
   python scripts/bench_offline.py --shape qwen3-30b-a3b --device cuda --dtype bfloat16 --load-format dummy \
-    --layouts "uni ep2+async" --isolate --num-requests 600 --mean-input 230 --mean-output 200 \
-    --max-num-seqs 256 --max-num-batched-tokens 8192 --skip-hf --profile-steps 20 --out "$RES/ep_offline.json"
+    --layouts "uni ep2+async" --isolate --num-requests 600 --mean-input 230 --mean-output 200 --max-input 1024 \
+    --max-output 512 --max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 8192 --skip-hf \
+    --out "$RES/ep_offline.json"
 }
 run_allreduce() { python scripts/bench_allreduce.py --world-size 2 --device cuda --out "$RES/allreduce.json"; }
 run_pd_small() {  # issue 27: in 256 / out 64 at 32 req/s, PD goodput >= 0.95x colocated
@@ -167,7 +169,7 @@ SP_LENGTHS=${SP_LENGTHS:-16384,65536,131056}
 PD_RATES=${PD_RATES:-2,4,8,16,24}
 export RES M8B SP_LENGTHS PD_RATES
 export -f run_tests run_offline run_pp run_latency run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
-declare -A LIMIT=([tests]=300 [offline]=540 [pp]=300 [latency]=300 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
+declare -A LIMIT=([tests]=420 [offline]=540 [pp]=300 [latency]=420 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
                  [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [pd_trace]=240 [pd_profile]=240)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
