@@ -24,7 +24,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log to RES/N
   timeout --kill-after=20 "$limit" bash -c "$*" 2>&1 | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v -e 'it/s' -e 's/it' >"$RES/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "$(date -u +%H:%M:%S) done $name rc=$rc in $(( $(date +%s) - t0 )) s" >>"$RES/progress.txt"
-  ray stop --force >/dev/null 2>&1 || true  # a step killed by its limit may leave a Ray session behind
+  python -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true  # a step killed by its limit may leave a Ray session behind (the module: hosts given Ray as unpacked files have no `ray` command)
 }
 
 run_tests() {  # bf16 layouts against one GPU (TP=2 batch-1 with pushed partial sums), PP=2's stage graphs against HF,
