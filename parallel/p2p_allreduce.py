@@ -100,9 +100,7 @@ def enable_p2p_all_reduce(group: Group, device: torch.device, dtype: torch.dtype
                 break
     except Exception as e:  # no symmetric memory in this build, no P2P between these GPUs, ...
         reason, reducer = f"{type(e).__name__}: {e}", None
-    ok = torch.tensor([1 if reducer is not None else 0], dtype=torch.int32)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group.cpu_group)
-    if ok.item() == 1:
+    if _all_agree(reducer is not None, group):
         group.fast_all_reduce = reducer
         log.info("TP all-reduce over NVLink P2P: one-shot up to %d KiB, two-shot up to %d KiB, NCCL above",
                  reducer.one_shot_max >> 10, reducer.two_shot_max >> 10)
@@ -110,6 +108,13 @@ def enable_p2p_all_reduce(group: Group, device: torch.device, dtype: torch.dtype
     log.warning("TP all-reduce: NCCL only (the P2P all-reduce is unavailable on %s: %s)",
                 "this rank" if reason else "another rank", reason or "see its log")
     return False
+
+
+def _all_agree(ok: bool, group: Group) -> bool:
+    """Whether every rank of `group` says ok (over its CPU group)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group.cpu_group)
+    return flag.item() == 1
 
 
 @dataclass(frozen=True)
@@ -139,11 +144,14 @@ class PushedPartials:
     that stops mid-step leaves its peers waiting, as a collective would.
     """
 
-    def __init__(self, group: Group, device: torch.device, dtype: torch.dtype, width: int, sites: int):
+    def __init__(self, group: Group, buffer: torch.Tensor, width: int, sites: int):
+        """buffer: this rank's symmetric-memory allocation of sites x world x width values (`enable_pushed_partials`
+        makes it, and every rank agrees it has one, before this maps them: a collective)."""
         import torch.distributed._symmetric_memory as symm_mem
 
         self.world, self.rank, self.width, self.sites = group.size, group.rank, width, sites
-        self.buffer = symm_mem.empty(sites * group.size * width, dtype=dtype, device=device)
+        device, dtype = buffer.device, buffer.dtype
+        self.buffer = buffer
         handle = symm_mem.rendezvous(self.buffer, group.device_group.group_name)
         offset = self.buffer.data_ptr() - handle.buffer_ptrs[group.rank]  # the same on every rank
         bases = [p + offset for p in handle.buffer_ptrs]
@@ -179,7 +187,18 @@ def enable_pushed_partials(group: Group, device: torch.device, dtype: torch.dtyp
     mapped memory) and the dtype is 16-bit; every rank decides the same from what all agreed on."""
     if group.fast_all_reduce is None or dtype not in (torch.bfloat16, torch.float16) or not push_partials_enabled():
         return False
-    group.pushed_partials = PushedPartials(group, device, dtype, width, sites)
+    import torch.distributed._symmetric_memory as symm_mem
+
+    buffer, reason = None, ""
+    try:  # allocated apart from the mapping: a rank that cannot allocate must not leave the others in a collective
+        buffer = symm_mem.empty(sites * group.size * width, dtype=dtype, device=device)
+    except Exception as e:  # out of memory, ...
+        reason = f"{type(e).__name__}: {e}"
+    if not _all_agree(buffer is not None, group):
+        log.warning("TP batch-1 decode: partial sums all-reduced (no pushed-partials slots on %s: %s)",
+                    "this rank" if reason else "another rank", reason or "see its log")
+        return False
+    group.pushed_partials = PushedPartials(group, buffer, width, sites)
     log.info("TP batch-1 decode: row-parallel partial sums pushed to %d sites of %d values (no all-reduce kernel)",
              sites, width)
     return True

@@ -1,6 +1,7 @@
 """Which model the batch-1 fused decoder lets push its row-parallel partial sums (workers/models/fused_decode.py
 `_pushed_partials`), and the slots' owner (parallel/p2p_allreduce.PushedPartials.claim). The slots themselves
-need CUDA symmetric memory; their kernels are tested in tests/test_pushed_partials_interpreted.py and on GPUs."""
+need CUDA symmetric memory; their kernels are tested in tests/test_pushed_partials_interpreted.py and on GPUs. Also:
+every rank falls back to the all-reduce when one cannot allocate its slots, none entering the mapping collective."""
 from __future__ import annotations
 
 import gc
@@ -46,3 +47,31 @@ def test_the_owner_is_held_weakly_and_the_next_model_takes_over():
     del first
     gc.collect()
     assert pushed.claim(second)
+
+
+def _agreement_rank(rank: int) -> None:
+    """Rank 0 cannot allocate its slots, rank 1 can: neither maps them (a collective rank 0 would never join)."""
+    import torch
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from parallel import p2p_allreduce
+    from parallel.state import tp_group
+
+    def empty(n, dtype, device):
+        if rank == 0:
+            raise torch.OutOfMemoryError("no room for the slots")
+        return torch.empty(n, dtype=dtype)
+
+    symm_mem.empty = empty
+    mapped = []
+    p2p_allreduce.PushedPartials = lambda *a: mapped.append(a)  # reached only past the agreement
+    group = tp_group()
+    group.fast_all_reduce = lambda x: False  # as if the P2P all-reduce were up
+    assert not p2p_allreduce.enable_pushed_partials(group, torch.device("cpu"), torch.bfloat16, 64, 4)
+    assert mapped == [] and group.pushed_partials is None
+
+
+def test_a_rank_that_cannot_allocate_the_slots_leaves_every_rank_on_the_all_reduce():
+    from tests.multiprocess import run_ranks
+
+    run_ranks(_agreement_rank, 2, parallel={"tensor_parallel_size": 2})
