@@ -103,6 +103,11 @@ def init_groups(config: ParallelConfig) -> None:
             g = _new_group(ranks, me, backend)
             if g is not None:
                 found[name] = g
+    if found["ep"].size > 1 and found["ep"].ranks == found["tp"].ranks:
+        # EP over the TP group alone (no SP): one group, so what the TP group gains later (its P2P all-reduce,
+        # parallel/p2p_allreduce.py) serves the MoE's partial sums too. As two objects, the MoE's 48 all-reduces of
+        # an EP=2 decode step went to NCCL's ring: 0.8 ms of a 14.4 ms step on 2 H200s.
+        found["ep"] = found["tp"]
     _TP, _SP, _PP, _EP = found["tp"], found["sp"], found["pp"], found["ep"]
 
 

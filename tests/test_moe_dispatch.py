@@ -97,8 +97,9 @@ def _check_sparse_moe_layer(rank: int, num_experts: int, top_k: int, renormalize
     x = torch.randn(7 + sp_rank, H, generator=torch.Generator().manual_seed(sp_rank))
     dense = load_experts(Experts(num_experts, H, I, group=Group()), w)
     ids, weights = route(x, w["router"], top_k, renormalize)
-    # EP over the TP group alone: every rank holds every token, so no token may travel (one all-reduce).
-    assert layer.ep_tokens_replicated == (sp_group().size == 1)
+    # EP over the TP group alone: every rank holds every token, so no token may travel (one all-reduce), over the
+    # TP group object itself (which carries the P2P all-reduce on GPUs)
+    assert layer.ep_tokens_replicated == (sp_group().size == 1) == (ep is tp)
     with mock.patch.object(moe_module, "ep_moe", side_effect=AssertionError("dispatched")) if layer.ep_tokens_replicated \
             else contextlib.nullcontext():
         out = layer(x)

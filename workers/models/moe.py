@@ -187,9 +187,6 @@ class SparseMoE(nn.Module):
         # 128 experts over 2 ranks nearly every token needs both ranks, so a dispatch would move as many
         # bytes as the all-reduce, in three collectives and a host sync per layer.)
         self.ep_tokens_replicated = self.ep.size > 1 and sorted(self.ep.ranks) == sorted(tp_group().ranks)
-        # That sum goes over the TP group object, the same ranks: it carries the P2P all-reduce (the EP group's
-        # NCCL ring took 0.8 ms of a 14.4 ms EP=2 decode step on 2 H200s, 48 calls of ~1 MB).
-        self.partials_group = tp_group() if self.ep_tokens_replicated else self.experts.group
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
@@ -202,7 +199,8 @@ class SparseMoE(nn.Module):
         """x [T, H] -> [T, H]."""
         if self.ep.size == 1 or self.ep_tokens_replicated:
             ids, weights = self.route(x)
-            return reduce_partial_sums(self.experts(x, ids, weights), self.partials_group)
+            group = self.ep if self.ep_tokens_replicated else self.experts.group  # the TP group (parallel/state.py)
+            return reduce_partial_sums(self.experts(x, ids, weights), group)
         # EP over TP x SP ranks: the SP ranks hold different tokens, so tokens travel to their experts. The TP
         # ranks of one SP rank hold the same T tokens: each routes and dispatches its own share, then they gather.
         tp = tp_group()
