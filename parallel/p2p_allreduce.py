@@ -124,7 +124,6 @@ class PushedSite:
     parts: torch.Tensor  # [world, width]: this rank's slots; rank p's partial sum lands in row p
     reset: torch.Tensor  # [world, width]: the previous site's slots, which the kernel that takes this site empties
     ptrs: torch.Tensor  # int64 [world]: on the device, every rank's address of this rank's row at this site
-    offset: int = 0  # elements from each `ptrs` address (0: the addresses are the row's own)
 
 
 class PushedPartials:

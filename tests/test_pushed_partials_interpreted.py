@@ -72,7 +72,7 @@ assert torch.equal(G.sum_pushed(site(1, 1), torch.empty(1, K, dtype=dt)), h_ref)
 @triton.jit
 def push_kernel(y_ptr, ptrs, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
-    G._push(tl.load(y_ptr + offs, mask=offs < n).to(tl.float32), offs, offs < n, ptrs, 0, 2, tl.float16)
+    G._push(tl.load(y_ptr + offs, mask=offs < n).to(tl.float32), offs, offs < n, ptrs, 2, tl.float16)
 
 y = torch.tensor([-0.0, 0.0, -1.5, 2.0], dtype=dt)
 push_kernel[(1,)](y, site(0, 2).ptrs, 4, BLOCK=4)

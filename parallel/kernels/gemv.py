@@ -65,7 +65,7 @@ def _load_w(w_ptrs, k, K, offs_k, n_mask, EVEN_K: tl.constexpr, EVEN_N: tl.const
 @triton.jit
 def _load_x(x_ptr, nw_ptr, k, K, offs_k, rstd, EVEN_K: tl.constexpr, NORM: tl.constexpr, PARTS: tl.constexpr = 0):
     """x[k : k + BLOCK_K] in fp32; under NORM the RMSNorm of it (w_norm * (h * rstd), each rounded). PARTS > 0:
-    x_ptr holds PARTS pushed partial sums [PARTS, K] (`_wait_parts` saw them all arrive) and h is their sum."""
+    x_ptr holds PARTS pushed partial sums [PARTS, K] (`_take_parts` saw them all arrive) and h is their sum."""
     if PARTS > 0:
         x = _sum_parts(x_ptr, k + offs_k, (k + offs_k) < K, K, PARTS, False)
     elif EVEN_K:
@@ -122,13 +122,13 @@ def _take_parts(parts_ptr, reset_ptr, h_out_ptr, K, K_PAD: tl.constexpr, PARTS: 
 
 
 @triton.jit
-def _push(y, offs, mask, push_ptrs, push_off, PUSH: tl.constexpr, dt: tl.constexpr):
-    """Store y (rounded to dt, -0 as +0) at every rank's slot: push_ptrs [PUSH] int64 bases, + push_off."""
+def _push(y, offs, mask, push_ptrs, PUSH: tl.constexpr, dt: tl.constexpr):
+    """Store y (rounded to dt, -0 as +0) at every rank's slot: push_ptrs [PUSH], each rank's slot address (int64)."""
     bits = y.to(dt).to(tl.int16, bitcast=True)
     yb = tl.where(bits == _EMPTY, tl.zeros_like(bits), bits).to(dt, bitcast=True)
     for p in tl.static_range(PUSH):
         base = tl.load(push_ptrs + p).to(tl.pointer_type(dt))
-        tl.store(base + push_off + offs, yb, mask=mask)
+        tl.store(base + offs, yb, mask=mask)
 
 
 @triton.jit
@@ -144,7 +144,7 @@ def _sum_pushed_kernel(parts_ptr, reset_ptr, h_out_ptr, K, K_PAD: tl.constexpr, 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, wu_ptr, bu_ptr, y_ptr, nw_ptr, r_ptr, pos_ptr, cs_ptr, reset_ptr, push_ptrs,
-                 push_off, N, K, stride_wn, stride_cp,
+                 N, K, stride_wn, stride_cp,
                  eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                  EVEN_N: tl.constexpr, NORM: tl.constexpr, K_PAD: tl.constexpr, SILU: tl.constexpr,
                  RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr,
@@ -226,7 +226,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, wu_ptr, bu_ptr, y_ptr, nw_ptr, r_ptr, pos_
                 y = y.to(dt).to(tl.float32) + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             y = y.to(dt).to(tl.float32) + tl.load(r_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if PUSH > 0:  # a TP rank's partial sum, stored in every rank's slot instead of an all-reduce
-            _push(y, offs_n, n_mask, push_ptrs, push_off, PUSH, dt)
+            _push(y, offs_n, n_mask, push_ptrs, PUSH, dt)
         else:
             tl.store(y_ptr + offs_n, y.to(dt), mask=n_mask)
 
@@ -390,7 +390,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, con
     _gemv_kernel[(triton.cdiv(grid_n, cfg["BLOCK_N"]),)](
         x_in, w, b, w[n:] if silu else w, b[n:] if silu and bias is not None else b, y, norm_weight if norm_weight is not None else x,
         r, rope.positions if rope else x, rope.cos_sin if rope else x, take.reset if take is not None else x,
-        push.ptrs if push is not None else x, push.offset if push is not None else 0,
+        push.ptrs if push is not None else x,
         grid_n, k, w.stride(0), rope.cos_sin.stride(0) if rope else 0, eps,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, EVEN_N=grid_n % cfg["BLOCK_N"] == 0,
         NORM=norm_weight is not None, K_PAD=triton.next_power_of_2(k) if norm_weight is not None else 1,
