@@ -1,7 +1,8 @@
 """Which model the batch-1 fused decoder lets push its row-parallel partial sums (workers/models/fused_decode.py
 `_pushed_partials`), and the slots' owner (parallel/p2p_allreduce.PushedPartials.claim). The slots themselves
 need CUDA symmetric memory; their kernels are tested in tests/test_pushed_partials_interpreted.py and on GPUs. Also:
-every rank falls back to the all-reduce when one cannot allocate its slots, none entering the mapping collective."""
+every rank falls back to the all-reduce when one cannot allocate its slots, none entering the mapping collective;
+and which kernel the P2P all-reduce picks by message size."""
 from __future__ import annotations
 
 import gc
@@ -75,3 +76,24 @@ def test_a_rank_that_cannot_allocate_the_slots_leaves_every_rank_on_the_all_redu
     from tests.multiprocess import run_ranks
 
     run_ranks(_agreement_rank, 2, parallel={"tensor_parallel_size": 2})
+
+
+def test_the_p2p_all_reduce_picks_its_kernel_by_size():
+    """parallel/p2p_allreduce.P2PAllReduce: the one-shot kernel up to its limit, the two-shot (its input staged in
+    the mapped buffer) up to the larger one, and NCCL (False: not taken) above; the kernels themselves run on GPUs
+    (scripts/bench_allreduce.py checks every sum)."""
+    import torch
+
+    from parallel.p2p_allreduce import P2PAllReduce
+
+    calls = []
+    reducer = P2PAllReduce.__new__(P2PAllReduce)  # the routing only: no mapped memory on CPU
+    reducer.group_name, reducer.dtype = "tp", torch.bfloat16
+    reducer.one_shot_max, reducer.two_shot_max, reducer.max_bytes = 64, 256, 256
+    reducer.buffer = torch.zeros(128, dtype=torch.bfloat16)
+    reducer.one_shot = lambda buf, x, op, group, out: calls.append(("one", buf.numel()))
+    reducer.two_shot = lambda staged, op, group, out: calls.append(("two", bool(torch.equal(staged, out))))
+    assert reducer(torch.ones(32, dtype=torch.bfloat16)) and reducer(torch.full((64,), 2.0, dtype=torch.bfloat16))
+    assert not reducer(torch.ones(136, dtype=torch.bfloat16))  # 272 bytes: NCCL's
+    assert not reducer(torch.ones(32))  # another dtype
+    assert calls == [("one", 32), ("two", True)]
