@@ -324,7 +324,9 @@ class _RealPrefill:
     """`PrefillPool.prefill_first.remote(...)` on a real replica: assigned at once; its ref is the call."""
 
     def __init__(self, replica, request_id: str, prompt: list[int]):
-        self.ref = asyncio.ensure_future(replica.prefill_first(request_id, prompt, SamplingParams(max_tokens=4), 0))
+        # ignore_eos: a first token drawn at temperature 1 could be EOS and end the request at its prefill (seen once in CI)
+        self.ref = asyncio.ensure_future(replica.prefill_first(request_id, prompt, SamplingParams(max_tokens=4, ignore_eos=True),
+                                                               0))
 
     async def _to_object_ref(self):
         return self.ref
@@ -341,7 +343,7 @@ def test_the_prefill_blocks_are_freed_at_once_when_the_decode_call_reached_no_re
     had sent it is not known). No decode replica will collect the KV; the prefill replica must free it at once,
     not at its 60 s lease (before the fix it waited for the lease)."""
     engine = prefill_replica.llm_engine
-    request = GenerateRequest(f"race-{assignment_outcome}", list(range(3, 40)), SamplingParams(max_tokens=4))
+    request = GenerateRequest(f"race-{assignment_outcome}", list(range(3, 40)), SamplingParams(max_tokens=4, ignore_eos=True))
     assignment = concurrent.futures.Future()  # Serve still assigning the decode call
 
     async def body() -> float:
