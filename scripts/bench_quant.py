@@ -15,6 +15,9 @@ shared with scripts/quantize.py):
     w4a16-tinygemm  w4a16 with tinygemm at 1-8 rows too, not parallel/kernels/w4_mma.py's tensor-core GEMV (which
               serves every 4-bit linear it fits and measures faster at load; TANDEM_W4_GEMV=0), to compare
     w4a16-awq quantization="awq": 4-bit AWQ GEMM packing, same kernels after repacking
+    w4a16-head  w4a16 with the LM head quantized too: config.json says GPTQ 4-bit group 128 with `lm_head: true`
+              (GPTQModel's option, what `scripts/quantize.py --lm-head` writes), weights dummy as above; the head
+              then runs on the same 4-bit kernels (parallel/embedding.py QuantizedLMHead)
     fp8       quantization="fp8": online FP8, per-channel weight scales, dynamic per-token activations
               (W8A8 torch._scaled_mm above 4 rows; W8A16 Triton GEMV at 2-4 rows; batch 1: the fused
               decoder's quantized GEMV, W8A16: e4m3 weights widened in registers, bf16 activations)
@@ -43,6 +46,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -63,6 +67,7 @@ VARIANTS: dict[str, dict] = {
     "w4a16-triton": {"quantization": "gptq"},
     "w4a16-tinygemm": {"quantization": "gptq"},
     "w4a16-awq": {"quantization": "awq"},
+    "w4a16-head": {},  # the quantization comes from config.json (CHECKPOINT_QC)
     "fp8": {"quantization": "fp8"},
     "w4a16-unfused": {"quantization": "gptq"},
     "fp8-unfused": {"quantization": "fp8"},
@@ -83,6 +88,37 @@ VARIANT_ENV: dict[str, dict[str, str]] = {"w4a16-triton": {"TANDEM_W4A16_KERNEL"
                                           "fp8-fastacc": {"TANDEM_FP8_FAST_ACCUM": "1"},
                                           "bf16-sync": {"TANDEM_RANK_LAUNCH_AHEAD": "0"},
                                           "w4a16-sync": {"TANDEM_RANK_LAUNCH_AHEAD": "0"}}
+
+
+# Variants whose quantization_config is written into (a copy of) the model's config.json, as a quantized
+# checkpoint carries it, with the weights still dummy (quantized at load in that layout).
+CHECKPOINT_QC: dict[str, dict] = {"w4a16-head": {"method": "gptq", "lm_head": True}}
+
+
+def checkpoint_qc_folder(model: str, variant: str) -> str:
+    """`model` for most variants; for a CHECKPOINT_QC one, a copy of its folder (no weights: shapes only) whose
+    config.json carries the quantization_config the project's tool would write (group 128, or 64 / 32 where the
+    shapes need it)."""
+    spec = CHECKPOINT_QC.get(variant)
+    if spec is None:
+        return model
+    from parallel.quant.rtn import Options
+
+    dst = os.path.join(tempfile.mkdtemp(), f"{Path(model).name}-{variant}")
+    shutil.copytree(model, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    cfg = json.loads(Path(dst, "config.json").read_text())
+    opts = Options(spec["method"], bits=4, group_size=_group_size(cfg, spec["method"]), lm_head=spec["lm_head"])
+    cfg["quantization_config"] = opts.quantization_config("tandem RTN (dummy weights)")
+    Path(dst, "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def _group_size(cfg: dict, method: str) -> int:
+    """The group size `quantization=method` picks for dummy weights of these shapes."""
+    from parallel.quant.config import effective_quant_config
+
+    heads = cfg["num_attention_heads"] * (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    return effective_quant_config(None, method, "dummy", (cfg["hidden_size"], cfg["intermediate_size"], heads))["group_size"]
 
 
 def sync(device: str) -> None:
@@ -172,6 +208,8 @@ def engine_facts(llm: LLM) -> dict:
     packed = getattr(layer, "packed", None)
     # What process_weights chose for down_proj (parallel/quant/base.py; the loader logs every layer's).
     facts["linear_kernel"] = getattr(layer, "linear_kernel", "plain") if layer.quantized else "plain"
+    head = runner.model.lm_head
+    facts["lm_head_kernel"] = getattr(head, "linear_kernel", "plain") if getattr(head, "quantized", False) else "plain"
     if getattr(layer, "tinygemm_skipped", None):
         facts["tinygemm_skipped"] = layer.tinygemm_skipped
     if getattr(layer, "gemv_weight", None) is not None:  # the fused batch-1 GEMV's tiles (fused_gemv.tune)
@@ -206,18 +244,16 @@ def engine_facts(llm: LLM) -> dict:
 def agreement_checkpoint(model: str, variant: str) -> str:
     """GPTQ / AWQ variants need a quantized checkpoint: a 4-bit RTN copy written by the project's tool
     (group size 128, or the largest of 64 / 32 that the model's features allow)."""
-    method = VARIANTS[variant].get("quantization")
+    spec = CHECKPOINT_QC.get(variant, {"method": VARIANTS[variant].get("quantization"), "lm_head": False})
+    method = spec["method"]
     if method not in ("gptq", "awq"):
         return model
-    from parallel.quant.config import effective_quant_config
     from parallel.quant.rtn import Options
     from quantize import quantize_folder
 
     cfg = json.loads(Path(model, "config.json").read_text())
-    heads = cfg["num_attention_heads"] * (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-    gs = effective_quant_config(None, method, "dummy", (cfg["hidden_size"], cfg["intermediate_size"], heads))["group_size"]
-    dst = os.path.join(tempfile.mkdtemp(), f"{Path(model).name}-{method}")
-    quantize_folder(model, dst, Options(method, bits=4, group_size=gs))
+    dst = os.path.join(tempfile.mkdtemp(), f"{Path(model).name}-{variant}")
+    quantize_folder(model, dst, Options(method, bits=4, group_size=_group_size(cfg, method), lm_head=spec["lm_head"]))
     return dst
 
 
@@ -274,7 +310,7 @@ def variant_env(variant: str):
 def run_variant(args, model: str, vocab: int, variant: str) -> dict:
     t0 = time.perf_counter()
     with variant_env(variant):
-        llm = make_llm(args, model, variant, "dummy")
+        llm = make_llm(args, checkpoint_qc_folder(model, variant), variant, "dummy")
     res = {"load_s": time.perf_counter() - t0, **engine_facts(llm)}
     res["decode"] = decode(llm, args, vocab)
     if args.num_requests:

@@ -42,7 +42,31 @@ VARIANTS: dict[str, tuple[Options | None, bool]] = {
     "int4-channel (RTN)": (Options("gptq", bits=4, group_size=-1), False),
     "int4-channel (GPTQ)": (Options("gptq", bits=4, group_size=-1), True),
     "int4-channel-act (GPTQ)": (Options("gptq", bits=4, group_size=-1, desc_act=True), True),
+    # The LM head quantized too (GPTQ `lm_head: true`; a tied head is first written untied: the same model)
+    "int4-g64 + head (RTN)": (Options("gptq", bits=4, group_size=64, lm_head=True), False),
+    "int4-g64 + head (GPTQ)": (Options("gptq", bits=4, group_size=64, lm_head=True), True),
 }
+
+
+def untied_copy(src: str, dst: str) -> str:
+    """`src` with its LM head stored apart from the embeddings (`lm_head.weight`, a copy; tie_word_embeddings
+    false): the same model, whose head scripts/quantize.py --lm-head can then quantize. `src` itself when untied."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads(Path(src, "config.json").read_text())
+    if not cfg.get("tie_word_embeddings") or os.path.isdir(dst):  # untied, or written already by this run
+        return src if not cfg.get("tie_word_embeddings") else dst
+    files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
+    if len(files) != 1:
+        raise ValueError(f"untying a tied head reads one safetensors file; {src} has {len(files)}")
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(os.path.join(src, files[0]))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, os.path.join(dst, files[0]), metadata={"format": "pt"})
+    Path(dst, "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}, indent=2))
+    return dst
 
 
 def stdlib_split() -> tuple[str, str]:
@@ -105,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
             ref = a.model
         else:
             ref = os.path.join(work, f"ref-{len(report['results'])}")
-            quantize_folder(a.model, os.path.join(work, f"q-{len(report['results'])}"), opts, ref,
+            src = untied_copy(a.model, os.path.join(work, "untied")) if opts.lm_head else a.model
+            quantize_folder(src, os.path.join(work, f"q-{len(report['results'])}"), opts, ref,
                             calib if calibrated else None)
         ppl = perplexity(ref, ids, a.seqlen)
         report["results"][name] = {"perplexity": ppl, "seconds": time.perf_counter() - t0}

@@ -10,7 +10,9 @@ loads from config.json alone (parallel/quant): GPTQ (RTN), AWQ (RTN, GEMM packin
                                    Hugging Face transformers runs in the tests)
 
 Only the decoder's linear layers are quantized (q/k/v/o, gate/up/down); embeddings, norms and the LM
-head are copied unchanged. The dequantized reference is computed from the integer codes before they
+head are copied unchanged, unless `--lm-head` (GPTQ): the LM head is then quantized as the decoder's
+linears are and config.json says `"lm_head": true`, as GPTQModel writes it (an untied head only, with a
+vocabulary that packs: a multiple of 32 / bits). The dequantized reference is computed from the integer codes before they
 are packed, so a packing bug in this tool or an unpacking bug in the loader shows up as a mismatch.
 
 Without calibration data this is round-to-nearest (RTN); `--desc-act` then orders each group of input
@@ -112,22 +114,24 @@ _INPUT_OWNERS = {"self_attn.q_proj": ("self_attn.q_proj", "self_attn.k_proj", "s
 
 @torch.no_grad()
 def calibrated_gptq(src: str, o: Options, samples: list[list[int]], damp: float = 0.01) -> dict[str, tuple]:
-    """Checkpoint name -> (tensors, dequantized) for every decoder linear weight, quantized layer by layer
-    with each layer's inputs computed through the layers quantized before it."""
+    """Checkpoint name -> (tensors, dequantized) for every decoder linear weight (and the LM head with
+    o.lm_head), quantized layer by layer with each layer's inputs computed through the layers quantized
+    before it."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     batch = torch.tensor(samples)
     results: dict[str, tuple] = {}
+    hess: dict[str, torch.Tensor] = {}  # H = X^T X of each input, the current layer's
+
+    def hook(name):
+        def fn(_module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            hess[name] = hess.get(name, 0) + x.t() @ x
+        return fn
+
     for i, layer in enumerate(model.model.layers):
-        hess: dict[str, torch.Tensor] = {}
-
-        def hook(name):
-            def fn(_module, args):
-                x = args[0].reshape(-1, args[0].shape[-1]).double()
-                hess[name] = hess.get(name, 0) + x.t() @ x
-            return fn
-
+        hess.clear()
         handles = [layer.get_submodule(owner).register_forward_pre_hook(hook(owner)) for owner in _INPUT_OWNERS]
         model(batch)
         for handle in handles:
@@ -138,6 +142,12 @@ def calibrated_gptq(src: str, o: Options, samples: list[list[int]], damp: float 
                 tensors, deq = gptq_solve(module.weight, hess[owner], o, damp)
                 module.weight.copy_(deq)  # later layers see this layer quantized
                 results[f"model.layers.{i}.{name}.weight"] = (tensors, deq)
+    if o.lm_head:  # its input is the final norm's output of the quantized decoder
+        hess.clear()
+        handle = model.lm_head.register_forward_pre_hook(hook("lm_head"))
+        model(batch)
+        handle.remove()
+        results[HEAD] = gptq_solve(model.lm_head.weight, hess["lm_head"], o, damp)
     return results
 
 
@@ -191,13 +201,18 @@ def _tensor_files(src: str) -> dict[str, str]:
     return names
 
 
+HEAD = "lm_head.weight"
+
+
 def _quantize_one(name: str, w: torch.Tensor, o: Options, get) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     if o.method == "fp8":
         return quantize_fp8(w, o)
     if o.method == "awq":
         return quantize_awq(w, o)
     perm = None
-    if o.desc_act:
+    if o.desc_act and name == HEAD:
+        perm = _act_order([w])
+    elif o.desc_act:
         m = QUANTIZABLE.match(name)
         prefix, module = m.group(1), m.group(2)
         kind = module.split(".")[0]
@@ -221,19 +236,23 @@ def quantize_folder(src: str, dst: str, o: Options, dequantized_out: str | None 
         config = json.load(f)
     if config.get("quantization_config"):
         raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
+    if o.lm_head:
+        _check_head(config, o)
     moe = any(config.get(k) for k in ("num_experts", "num_local_experts"))
     if moe and (o.method != "fp8" or static):
         raise ValueError("MoE models: this tool writes FP8 with dynamic activations only (experts included)")
     solved = calibrated_gptq(src, o, calibration, damp) if calibration is not None and o.method == "gptq" else {}
     input_scales = activation_input_scales(src, calibration) if static else {}
     files = _tensor_files(src)
+    if o.lm_head and HEAD not in files:
+        raise ValueError(f"--lm-head: {src} has no {HEAD} tensor to quantize")
     handles = {f: safe_open(os.path.join(src, f), framework="pt") for f in sorted(set(files.values()))}
     get = lambda n: handles[files[n]].get_tensor(n)  # noqa: E731
     out_files: dict[str, dict[str, torch.Tensor]] = {f: {} for f in handles}
     ref_files: dict[str, dict[str, torch.Tensor]] = {f: {} for f in handles}
     for name, fname in files.items():
         t = get(name)
-        if QUANTIZABLE.match(name) or (moe and EXPERT.match(name)):
+        if QUANTIZABLE.match(name) or (moe and EXPERT.match(name)) or (o.lm_head and name == HEAD):
             tensors, deq = solved[name] if name in solved else _quantize_one(name, t, o, get)
             base = name[: -len("weight")]
             out_files[fname].update({base + k: v.contiguous() for k, v in tensors.items()})
@@ -247,6 +266,17 @@ def quantize_folder(src: str, dst: str, o: Options, dequantized_out: str | None 
     _write(src, dst, {**config, "quantization_config": o.quantization_config(quantizer)}, out_files)
     if dequantized_out:
         _write(src, dequantized_out, {**config, "dtype": "float32"}, ref_files)
+
+
+def _check_head(config: dict, o: Options) -> None:
+    """--lm-head: an untied head whose vocabulary packs into int32 words along the output dim (GPTQ's qzeros)."""
+    if config.get("tie_word_embeddings"):
+        raise ValueError("--lm-head: this model ties its LM head to the embeddings (tie_word_embeddings); "
+                         "a tied head stays unquantized")
+    pack = 32 // o.bits
+    if config["vocab_size"] % pack:
+        raise ValueError(f"--lm-head: vocab_size {config['vocab_size']} is not a multiple of {pack} "
+                         f"({o.bits}-bit codes pack {pack} to an int32 word along the vocabulary)")
 
 
 def _write(src: str, dst: str, config: dict, files: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -278,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fp8-scale", choices=["block", "tensor", "channel"], default="block")
     p.add_argument("--activation-scheme", choices=["dynamic", "static"], default="dynamic",
                    help="FP8 (tensor/channel): static writes each linear's input_scale from --calibration-text")
+    p.add_argument("--lm-head", action="store_true",
+                   help="GPTQ: quantize the (untied) LM head too; config.json then says lm_head: true")
     p.add_argument("--dequantized-out", help="also write the dequantized model here as a plain checkpoint")
     p.add_argument("--calibration-text", help="GPTQ proper, or FP8 static activation scales: a text file to draw "
                    "calibration windows from")
@@ -285,7 +317,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seqlen", type=int, default=256, help="tokens per calibration window")
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of H's mean diagonal")
     a = p.parse_args(argv)
-    o = Options(a.method, a.bits, a.group_size, not a.asym, a.desc_act, tuple(a.block), a.fp8_scale, a.activation_scheme)
+    o = Options(a.method, a.bits, a.group_size, not a.asym, a.desc_act, tuple(a.block), a.fp8_scale, a.activation_scheme,
+                a.lm_head)
     calib = None
     if a.calibration_text:
         with open(a.calibration_text, encoding="utf-8") as f:

@@ -59,3 +59,23 @@ def test_sync_variants_run_one_step_at_a_time(monkeypatch):
         with bench.variant_env(variant):
             assert not launch_ahead_enabled(torch.device("cuda"))
         assert os.environ[LAUNCH_AHEAD_ENV] == "1"
+
+
+def test_w4a16_head_variant_quantizes_the_lm_head(tmp_path):
+    """w4a16-head: the model folder's config.json gets GPTQ with `lm_head: true` (dummy weights quantized at load,
+    the head included); the agreement run writes a real checkpoint with the head quantized by the project's tool."""
+    from tests.models import tiny_model
+
+    bench = _bench()
+    model = tiny_model("llama", vocab_size=320)  # untied, a vocabulary that packs 8 codes a word
+    report = bench.main(["--model", model, "--device", "cpu", "--variants", "bf16,w4a16,w4a16-head",
+                         "--prompt-len", "8", "--gen-len", "3", "--num-requests", "0", "--max-model-len", "64",
+                         "--agreement-model", model, "--agreement-prompts", "2", "--agreement-prompt-len", "12",
+                         "--agreement-gen-len", "4", "--out", str(tmp_path / "bq.json")])
+    res = report["results"]
+    assert res["w4a16"]["lm_head_kernel"] == "plain"
+    assert res["w4a16-head"]["lm_head_kernel"] == "reference dequantize"  # quantized; CPU runs it dequantized
+    assert res["w4a16-head"]["linear_kernel"] == res["w4a16"]["linear_kernel"]
+    assert res["w4a16-head"]["weight_gib"] < res["w4a16"]["weight_gib"]
+    assert res["w4a16-head"]["decode"]["gen_tokens"] == 3
+    assert report["agreement"]["w4a16-head"]["requests"] == 2

@@ -138,6 +138,7 @@ class QuantConfig:
     """A parsed `quantization_config`: its method name and the linear method it gives."""
 
     name: str = ""
+    lm_head: bool = False  # the LM head is stored quantized too (GPTQ `lm_head: true`)
 
     def linear_method(self) -> LinearMethod:
         raise NotImplementedError

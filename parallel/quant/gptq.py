@@ -48,8 +48,9 @@ class GPTQConfig(QuantConfig):
         fmt = qc.get("checkpoint_format", "gptq")
         if fmt != "gptq":
             raise ValueError(f"GPTQ checkpoint_format={fmt!r} is not supported (only 'gptq', zero points stored minus one)")
-        if qc.get("lm_head"):
-            raise ValueError("GPTQ lm_head=true (a quantized LM head) is not supported")
+        lm_head = qc.get("lm_head", False)
+        if not isinstance(lm_head, bool):
+            raise ValueError(f"GPTQ lm_head={lm_head!r} is not supported (true or false)")
         if qc.get("dynamic"):
             raise ValueError("GPTQ 'dynamic' per-module overrides are not supported")
         if qc.get("pack_dtype", "int32") not in ("int32", "torch.int32"):
@@ -58,7 +59,9 @@ class GPTQConfig(QuantConfig):
             check_plain_modules(qc, key)
         if qc.get("modules_in_block_to_quantize"):
             raise ValueError("GPTQ modules_in_block_to_quantize (only some linear layers quantized) is not supported yet")
-        return cls(bits, group_size, bool(qc.get("sym", True)), bool(qc.get("desc_act", False)))
+        cfg = cls(bits, group_size, bool(qc.get("sym", True)), bool(qc.get("desc_act", False)))
+        cfg.lm_head = lm_head  # GPTQModel's quantized LM head (parallel/embedding.py QuantizedLMHead)
+        return cfg
 
     def linear_method(self) -> "GPTQLinearMethod":
         return GPTQLinearMethod(self)

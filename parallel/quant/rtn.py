@@ -26,6 +26,7 @@ class Options:
     block: tuple[int, int] | None = (128, 128)
     fp8_scale: str = "block"  # block | tensor | channel
     activation_scheme: str = "dynamic"  # FP8: dynamic | static (an input_scale per linear, from calibration data)
+    lm_head: bool = False  # GPTQ: the LM head quantized too (GPTQModel's `lm_head: true`)
 
     def check(self) -> None:
         if self.activation_scheme not in ("dynamic", "static"):
@@ -38,6 +39,8 @@ class Options:
             raise ValueError("AWQ is 4 bit")
         if self.method not in ("gptq", "awq", "fp8"):
             raise ValueError(f"unknown method {self.method!r}")
+        if self.lm_head and self.method != "gptq":
+            raise ValueError(f"a quantized LM head is written in the GPTQ format only (lm_head: true), not {self.method}")
         if self.group_size <= 0 and self.group_size != -1:
             raise ValueError(f"group size {self.group_size}: positive or -1")
 
@@ -45,7 +48,7 @@ class Options:
         if self.method == "gptq":
             return {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size, "sym": self.sym,
                     "desc_act": self.desc_act, "checkpoint_format": "gptq", "static_groups": False,
-                    "true_sequential": True, "damp_percent": 0.0, "pack_dtype": "int32",
+                    "true_sequential": True, "damp_percent": 0.0, "pack_dtype": "int32", "lm_head": self.lm_head,
                     "meta": {"quantizer": [quantizer]}}
         if self.method == "awq":
             return {"quant_method": "awq", "bits": 4, "group_size": self.group_size, "zero_point": True,

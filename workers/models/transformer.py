@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from parallel.embedding import ParallelLMHead, VocabParallelEmbedding
+from parallel.embedding import VocabParallelEmbedding, make_lm_head
 from parallel.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from parallel.quant import QuantConfig, parse_quant_config
 from parallel.state import pp_group, tp_group
@@ -170,7 +170,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.spec = arch_spec(cfg)
-        # Linear layers of the decoder only; embeddings, norms, the LM head and the MoE router stay plain.
+        # Linear layers of the decoder (and the LM head where a GPTQ checkpoint says lm_head=true); embeddings,
+        # norms and the MoE router stay plain.
         self.quant_config = parse_quant_config(getattr(cfg, "quantization_config", None))
         self.moe_fp8 = _moe_fp8_block(self.quant_config, cfg) if self.spec.moe is not None else False
         pp = pp_group()
@@ -182,8 +183,11 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last_stage else None
         self.lm_head = None
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        if self.quant_config is not None and self.quant_config.lm_head and self.tied:
+            raise ValueError(f"the checkpoint's {self.quant_config.name} quantization_config says lm_head=true, but the "
+                             "LM head is tied to the embeddings (tie_word_embeddings); a tied head is never quantized")
         if self.is_last_stage:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+            self.lm_head = make_lm_head(cfg.vocab_size, cfg.hidden_size, self.quant_config)
             if self.tied and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
 
