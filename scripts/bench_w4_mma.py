@@ -26,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MAX_ERR = 4e-3
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}  # the LM head of a GPTQ checkpoint with lm_head: true
 GROUP = 128
 ROTATE_BYTES = 400 << 20  # weight copies a timed call cycles through: past the 50-60 MB L2
 
