@@ -42,6 +42,10 @@ def test_tiles_and_fits() -> None:
     # gate_up (1,792 16-row tiles), qkv (384), o and down (256), a small layer (64): the measured fastest K splits
     for (n, k), ksplit in {(28672, 4096): 2, (6144, 4096): 8, (4096, 4096): 16, (4096, 14336): 16, (1024, 1024): 16}.items():
         assert w4_mma.tile_for(n, k) == dict(R=1, KSPLIT=ksplit, U=4, SUB=0)
+    # an LM head (8,016 tiles): two tiles a CTA, 4 warps, 2 steps; one whose rows do not pair keeps one tile a CTA
+    assert w4_mma.tile_for(128256, 4096) == dict(R=2, KSPLIT=4, U=2, SUB=0)
+    assert w4_mma.tile_for(128016, 4096) == dict(R=1, KSPLIT=2, U=4, SUB=0)
+    assert w4_mma.fits(128256, 4096, 128, 8, R=2) is None
     assert w4_mma.fits(4096, 4096, 128, 8) is None
     assert w4_mma.fits(16, 128, 32, 8, rows=8) is None
     assert "inner_k_tiles 4" in w4_mma.fits(4096, 4096, 128, 4)

@@ -427,11 +427,18 @@ w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32*
 WARPS_TARGET = 4096  # warps a launch aims for (16-row tiles x K-splitting warps)
 
 
+WIDE_TILES_MIN = 4096  # 16-row tiles from which a CTA takes two (an LM head's 8,016)
+
+
 def tile_for(n: int, k: int) -> dict:
     """The tile for an [N, K] weight, from scripts/bench_w4_mma.py on an H200 (2026-11-29, 26 tiles per shape): the
     fastest split K over the most warps a CTA takes (16) while the launch stays near 4,096 warps, four 128-input steps
     in flight a warp. qkv 6144 (384 tiles): 8 warps a CTA, 6.3 us; o and down (256 tiles): 16, 4.8 and 11.8 us;
-    gate_up 28672 (1,792 tiles): 2, 20.7 us. Two 16-row tiles a CTA and the bf16 subtract-8 were slower everywhere."""
+    gate_up 28672 (1,792 tiles): 2, 20.7 us. Two 16-row tiles a CTA and the bf16 subtract-8 were slower there.
+    From WIDE_TILES_MIN tiles (a quantized LM head: 128256 x 4096) two tiles a CTA over 4 warps, two steps in flight,
+    measured fastest (H200, 2026-11-29 call 2: 73.8 us, 3.78 TB/s, against 81.0 us at the rule above)."""
+    if n // 16 >= WIDE_TILES_MIN and n % 32 == 0:
+        return dict(R=2, KSPLIT=4, U=2, SUB=0)
     return dict(R=1, KSPLIT=_ksplit(n // 16), U=4, SUB=0)
 
 
@@ -516,7 +523,7 @@ def fused_tile(n: int, k: int, sms: int = 132, override: dict | None = None, sta
     4), TPC such groups a CTA (`tiles_per_cta` where the kernel stages the row: `staged`, else 1), `override`'s keys
     in their place, and MINB, the CTAs an SM must hold at once (`__launch_bounds__`): enough for the CTAs to run in
     one wave over `sms` SMs, but never below 64 registers a thread."""
-    tile = {**tile_for(n, k), "U": FUSED_STEPS, **(override or {})}
+    tile = {**tile_for(n, k), "R": 1, "U": FUSED_STEPS, **(override or {})}  # the fused kernel's tiles are single
     tile.setdefault("TPC", tiles_per_cta(n // 16, tile["KSPLIT"], sms, k) if staged else 1)
     threads = 32 * tile["KSPLIT"] * tile["TPC"]
     ctas = max(1, n // 16 // tile["TPC"])
