@@ -57,11 +57,15 @@ def shape_state(name: str, n: int, k: int, bench) -> dict:
     return {"row": row, "x": x, "ws": ws, "bytes": q4_bytes}
 
 
-def sweep(quick: bool) -> list[dict]:
-    """R 16-row tiles a CTA, KSPLIT warps splitting K, U 128-input steps prefetched, SUB: subtract 8 in bf16."""
+def sweep(quick: bool, wide: bool = False) -> list[dict]:
+    """R 16-row tiles a CTA, KSPLIT warps splitting K, U 128-input steps prefetched, SUB: subtract 8 in bf16.
+    wide: more tiles of two and four 16-row tiles a CTA (for tall weights: an LM head)."""
     out = [dict(R=1, KSPLIT=ks, U=u, SUB=0) for ks in (2, 4, 8, 16) for u in (2, 4, 8)]
-    if not quick:  # H200, 2026-11-29: R 2 and 4 were slower on every shape, SUB = 1 by 3-15%
+    if not quick:  # H200, 2026-11-29: R 2 and 4 were slower on the decoder's shapes, SUB = 1 by 3-15%
         out += [dict(R=2, KSPLIT=ks, U=2, SUB=0) for ks in (4, 8)] + [dict(R=1, KSPLIT=8, U=u, SUB=1) for u in (2, 4)]
+    if wide:
+        out += [dict(R=2, KSPLIT=ks, U=u, SUB=0) for ks, u in ((2, 2), (2, 4), (4, 4), (8, 4))]
+        out += [dict(R=4, KSPLIT=ks, U=u, SUB=0) for ks in (2, 4) for u in (2, 4)]
     return out
 
 
@@ -98,6 +102,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="qkv,o,gate_up,down")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--wide", action="store_true", help="also sweep more tiles of 2 and 4 16-row tiles a CTA")
     p.add_argument("--out", default="bench_results/w4_mma.json")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -108,7 +113,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     report = {"benchmark": "w4_mma", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "results": []}
-    cfgs = sweep(a.quick)
+    cfgs = sweep(a.quick, a.wide)
     t0 = time.time()
     errs = check(cfgs)
     report["max_rel_err"] = errs

@@ -32,6 +32,10 @@ def main():
     p.add_argument("--verify-k", type=int, default=0,
                    help="profile the speculative verification graph of k drafts per sequence instead")
     p.add_argument("--quantization", default=None, help="e.g. gptq (W4A16) or fp8: the dummy weights in that layout")
+    p.add_argument("--lm-head", action="store_true",
+                   help="with --quantization gptq: config.json says lm_head: true, so the LM head is 4-bit too")
+    p.add_argument("--timeline", type=int, default=0,
+                   help="also list the last N kernels of the final replay in order: start, duration, gap before")
     p.add_argument("--out", default="bench_results/profile_decode.txt")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -39,10 +43,16 @@ def main():
     from model_shapes import write_model_folder
 
     path = write_model_folder(a.shape, os.path.join(tempfile.mkdtemp(), a.shape))
+    quantization = a.quantization
+    if a.lm_head:
+        if a.quantization != "gptq":
+            sys.exit("--lm-head goes with --quantization gptq")
+        quantization = None  # from config.json, as a GPTQModel checkpoint with lm_head: true says it
+        write_head_quant_config(path)
     per_seq = -(-(a.context + 64) // 16)
     llm = LLM(model=path, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=max(1024, a.context + 64),
               num_gpu_blocks_override=a.batch * per_seq + 64, max_num_seqs=max(4, a.batch), show_progress=False,
-              quantization=a.quantization)
+              quantization=quantization)
     eng = llm.llm_engine
     runner = getattr(eng, "runner", None) or eng.executor.runner
     prompts = [[100 + (i * 7 + j) % 1000 for j in range(a.context)] for i in range(a.batch)]
@@ -85,11 +95,44 @@ def main():
              f"{wall:.3f} ms replay wall"]
     for name, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:a.top]:
         lines.append(f"{t / 1e3:8.3f} ms {100 * t / total:5.1f}%  x{c:5.0f}  {name[:110]}")
+    if a.timeline:
+        lines += timeline(prof, a.timeline)
     text = "\n".join(lines)
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         f.write(text + "\n")
+
+
+def write_head_quant_config(path: str) -> None:
+    """config.json of the shape folder gets the GPTQ quantization_config `quantization="gptq"` would make for dummy
+    weights, with lm_head: true."""
+    import json
+
+    from parallel.quant.config import effective_quant_config
+
+    cfg_path = Path(path, "config.json")
+    cfg = json.loads(cfg_path.read_text())
+    heads = cfg["num_attention_heads"] * (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    qc = effective_quant_config(None, "gptq", "dummy", (cfg["hidden_size"], cfg["intermediate_size"], heads))
+    cfg["quantization_config"] = {**qc, "lm_head": True}
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+def timeline(prof, n: int) -> list[str]:
+    """The last n GPU kernels the profiler saw (the end of the final replay), in order: start (us from the first of
+    them), duration, and the idle gap since the previous kernel ended."""
+    kernels = sorted((ev for ev in prof.events() if getattr(ev, "device_type", None) is not None
+                      and str(ev.device_type).endswith("CUDA") and ev.time_range.elapsed_us() > 0),
+                     key=lambda ev: ev.time_range.start)[-n:]
+    if not kernels:
+        return ["(no kernel events)"]
+    t0, prev_end, out = kernels[0].time_range.start, None, [f"last {len(kernels)} kernels (us): start  duration  gap"]
+    for ev in kernels:
+        gap = 0.0 if prev_end is None else ev.time_range.start - prev_end
+        out.append(f"{ev.time_range.start - t0:9.1f} {ev.time_range.elapsed_us():8.1f} {gap:6.1f}  {ev.name[:90]}")
+        prev_end = ev.time_range.end
+    return out
 
 
 if __name__ == "__main__":

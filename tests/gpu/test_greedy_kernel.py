@@ -37,3 +37,25 @@ def test_sampler_uses_it_for_cuda_logits():
 
     logits = torch.randn(4, 5000, device=DEV)
     assert torch.equal(Sampler.greedy_pack(logits)[:, 0], logits.argmax(-1).double())
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_split_rows_in_a_cuda_graph(rows):
+    """A few rows are split over chunks and merged by a second kernel (launched programmatically in a graph): the
+    replay equals eager and torch."""
+    from parallel.kernels.sampling import greedy_chunks, greedy_pack
+
+    assert greedy_chunks(rows, 128256, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    logits = (torch.randn(rows, 128256, device=DEV) * 5).to(torch.bfloat16)
+    eager = greedy_pack(logits)
+    greedy_pack(logits)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = greedy_pack(logits)
+    logits.copy_((torch.randn(rows, 128256, device=DEV) * 5).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = _reference(logits)
+    assert torch.equal(replayed[:, 0], want[:, 0])
+    torch.testing.assert_close(replayed[:, 1], want[:, 1], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(eager, replayed)  # new logits, new tokens: the replay read them

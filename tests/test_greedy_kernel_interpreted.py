@@ -1,0 +1,45 @@
+"""The greedy kernels (parallel/kernels/sampling.py: what a decode graph runs on the logits) on CPU through Triton's
+interpreter, against torch: one program a row, and a row split over chunks (few rows) merged by a second kernel. The
+token is the first maximum (ties across a chunk boundary and inside one), padded columns at -inf never win, and the
+log-probability is the fp32 log-softmax's."""
+from __future__ import annotations
+
+import pytest
+
+from tests.interpreter import run_interpreted
+
+SCRIPT = r'''
+import torch
+from parallel.kernels.sampling import BLOCK, greedy_chunks, greedy_pack
+
+def reference(logits):
+    raw = logits.float()
+    tokens = raw.argmax(dim=-1)
+    lps = raw.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)
+    return torch.stack([tokens.double(), lps.double()], dim=1)
+
+g = torch.Generator().manual_seed(0)
+checked = 0
+for rows, vocab in ((1, 5000), (3, 2 * BLOCK + 7), (2, 300)):
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    logits[0, vocab - 5:] = float("-inf")  # padding columns
+    if rows > 1:  # equal maxima in two chunks (and, at 2 * BLOCK + 7 columns, across a chunk boundary)
+        top = logits[1].max() + 1
+        logits[1, BLOCK + 3 if vocab > BLOCK + 3 else vocab // 2] = top
+        logits[1, vocab - 1] = top
+    want = reference(logits)
+    for chunks in (None, 1, 2, 3, 64):
+        got = greedy_pack(logits.to(torch.bfloat16).float(), chunks) if chunks == 64 else greedy_pack(logits, chunks)
+        ref = reference(logits.to(torch.bfloat16).float()) if chunks == 64 else want
+        assert torch.equal(got[:, 0], ref[:, 0]), (rows, vocab, chunks, got[:, 0], ref[:, 0])
+        assert torch.allclose(got[:, 1], ref[:, 1], rtol=1e-5, atol=1e-5), (rows, vocab, chunks)
+        checked += 1
+assert greedy_chunks(1, 128256, 132) == 63 and greedy_chunks(300, 128256, 132) == 1 and greedy_chunks(4, 1000, 132) == 1
+print("ok", checked)
+'''
+
+
+@pytest.mark.interpreted(SCRIPT, timeout=600)
+def test_greedy_kernels_in_the_triton_interpreter():
+    out = run_interpreted(SCRIPT).strip()
+    assert out.startswith("ok") and int(out.split()[-1]) == 15, out
