@@ -259,7 +259,7 @@ __device__ __forceinline__ float add_bias(float acc, const u16* __restrict__ bia
 // and rows 8-15 their up rows (tile t + N / 16), so each lane holds a gate value and its up value; ROPE: rotate-half
 // RoPE of the q/k rows of a fused qkv output, the MMA tile's halves are rows j and j + HALF of a head;
 // RESID: y = round(round(x @ W^T) (+ bias)) + residual. Otherwise (and under NORM / PERM alone) y = x @ W^T (+ bias).
-// One MMA tile (R = 1) a group of KSPLIT warps, which split K as the rows kernel's `tile_for` does (the same fp32
+// R MMA tiles (RoPE: 1) a group of KSPLIT warps, which split K as the rows kernel's `tile_for` does (the same fp32
 // sums); TPC groups a CTA, so the CTAs of an SM stage the row fewer times (`fused_tile`).
 // A bias is added to the rounded product everywhere (`add_bias`), as the unfused quantized linear adds it.
 // PDL (launched so under CUDA-graph capture, cuda_launch.py): the first weight steps are prefetched into L2 before
@@ -282,9 +282,13 @@ w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32*
     const int tid = threadIdx.x, nth = 32 * KSPLIT * TPC, lane = tid & 31, g = lane >> 2, a = lane & 3;
     const int t = TPC > 1 ? blockIdx.x * TPC + (tid >> 5) / KSPLIT : blockIdx.x;   // this warp's MMA tile
     int tiles[R][2];
-#if SILU
-    tiles[0][0] = t; tiles[0][1] = t + (N >> 4);
+#if SILU   // R gate tiles and their up tiles (N / 16 8-row tiles on)
+    #pragma unroll
+    for (int r = 0; r < R; ++r) { tiles[r][0] = t * R + r; tiles[r][1] = tiles[r][0] + (N >> 4); }
 #elif ROPE
+#if R != 1
+#error "RoPE pairs one MMA tile's halves: R = 1"
+#endif
     { const int ht = HALF / 8, head = t / ht, i = t % ht;
       tiles[0][0] = 2 * ht * head + i; tiles[0][1] = tiles[0][0] + ht; }
 #else
@@ -391,13 +395,17 @@ w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32*
     if (!tiles_dot(xin, w4, sz, tiles, N, K, tot)) return;
     STAMP(3)
     if (a != 0) return;                            // batch column 0 lives in lanes 4g: rows g of each half
-#if SILU || ROPE
-    const int row0 = 8 * tiles[0][0] + g, row1 = 8 * tiles[0][1] + g;   // SILU: row1 = row0 + N / 2; ROPE: + HALF
-    const float v0 = add_bias(tot[0][0], bias, row0), v1 = add_bias(tot[0][2], bias, row1);
 #if SILU
-    const float sv = rnd(v0 / (1.f + expf(-v0)));
-    y[row0] = to_bf16(sv * v1);
-#else
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int row0 = 8 * tiles[r][0] + g, row1 = 8 * tiles[r][1] + g;   // row1 = row0 + N / 2
+        const float v0 = add_bias(tot[r][0], bias, row0), v1 = add_bias(tot[r][2], bias, row1);
+        const float sv = rnd(v0 / (1.f + expf(-v0)));
+        y[row0] = to_bf16(sv * v1);
+    }
+#elif ROPE
+    const int row0 = 8 * tiles[0][0] + g, row1 = 8 * tiles[0][1] + g;   // row1 = row0 + HALF
+    const float v0 = add_bias(tot[0][0], bias, row0), v1 = add_bias(tot[0][2], bias, row1);
     if (row0 < rot_rows) {
         const int j = row0 % (2 * HALF);
         const float* c = cs + (long)pos[0] * stride_cp;
@@ -408,7 +416,6 @@ w4_mma_fused(const u16* __restrict__ x, const uint4* __restrict__ w4, const u32*
         y[row0] = to_bf16(v0);
         y[row1] = to_bf16(v1);
     }
-#endif
 #else
     #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -523,10 +530,10 @@ def fused_tile(n: int, k: int, sms: int = 132, override: dict | None = None, sta
     4), TPC such groups a CTA (`tiles_per_cta` where the kernel stages the row: `staged`, else 1), `override`'s keys
     in their place, and MINB, the CTAs an SM must hold at once (`__launch_bounds__`): enough for the CTAs to run in
     one wave over `sms` SMs, but never below 64 registers a thread."""
-    tile = {**tile_for(n, k), "R": 1, "U": FUSED_STEPS, **(override or {})}  # the fused kernel's tiles are single
-    tile.setdefault("TPC", tiles_per_cta(n // 16, tile["KSPLIT"], sms, k) if staged else 1)
+    tile = {**tile_for(n, k), "U": FUSED_STEPS, **(override or {})}
+    tile.setdefault("TPC", tiles_per_cta(n // 16 // tile["R"], tile["KSPLIT"], sms, k, tile["R"]) if staged else 1)
     threads = 32 * tile["KSPLIT"] * tile["TPC"]
-    ctas = max(1, n // 16 // tile["TPC"])
+    ctas = max(1, n // 16 // tile["R"] // tile["TPC"])
     tile.setdefault("MINB", max(1, min(-(-ctas // sms), 65536 // (64 * threads), 2048 // threads)))
     return tile
 
@@ -534,7 +541,7 @@ def fused_tile(n: int, k: int, sms: int = 132, override: dict | None = None, sta
 STAGED_CTAS_MIN = 8  # CTAs an SM would stage the row in, at one tile a CTA, before `tiles_per_cta` groups tiles
 
 
-def tiles_per_cta(tiles: int, ksplit: int, sms: int, k: int) -> int:
+def tiles_per_cta(tiles: int, ksplit: int, sms: int, k: int, r: int = 1) -> int:
     """MMA tiles a CTA of the fused kernel takes where it stages the row (RMSNorm, act order's permutation): every CTA
     norms the whole row, so the CTAs of an SM repeat that work, and fewer, larger CTAs repeat it less. Where an SM
     would hold STAGED_CTAS_MIN or more one-tile CTAs: the most tiles that divide the launch, fit a CTA (1,024
@@ -547,14 +554,15 @@ def tiles_per_cta(tiles: int, ksplit: int, sms: int, k: int) -> int:
     best = 1
     for t in range(2, 1024 // (32 * ksplit) + 1):
         if (tiles % t == 0 and -(-(tiles // t) // sms) * t <= per_sm
-                and fused_smem(k, {"R": 1, "KSPLIT": ksplit, "TPC": t}) <= SMEM_LIMIT):
+                and fused_smem(k, {"R": r, "KSPLIT": ksplit, "TPC": t}) <= SMEM_LIMIT):
             best = t
     return best
 
 
 def fused_ctas(n: int, k: int, staged: bool, sms: int = 132, override: dict | None = None) -> int:
     """CTAs the fused kernel launches for an [N, K] weight (`staged`: with the RMSNorm or act order's prologue)."""
-    return n // 16 // fused_tile(n, k, sms, override, staged=staged)["TPC"]
+    tile = fused_tile(n, k, sms, override, staged=staged)
+    return n // 16 // tile["R"] // tile["TPC"]
 
 
 def fused_smem(k: int, tile: dict) -> int:
@@ -579,8 +587,10 @@ def _fused_why(n: int, k: int, group_size: int, inner_k_tiles: int, silu: bool, 
         return f"N={n}: SiLU pairs 8-row gate and up tiles (N % 32 == 0)"
     if head_dim is not None and (head_dim % 16 or n % head_dim):
         return f"head_dim {head_dim} (RoPE pairs whole 8-row tiles: head_dim % 16 == 0)"
-    if (n // 16) % tile["TPC"] or 32 * tile["KSPLIT"] * tile["TPC"] > 1024:
-        return f"{tile['TPC']} tiles a CTA for N={n}"
+    if head_dim is not None and tile["R"] != 1:
+        return f"RoPE pairs one MMA tile's halves (R = {tile['R']})"
+    if (n // 16) % (tile["R"] * tile["TPC"]) or 32 * tile["KSPLIT"] * tile["TPC"] > 1024:
+        return f"{tile['R']} x {tile['TPC']} tiles a CTA for N={n}"
     if fused_smem(k, tile) > SMEM_LIMIT:
         return f"K={k}: the staged input row and partial sums exceed {SMEM_LIMIT // 1024} KB of shared memory"
     return None
@@ -624,7 +634,7 @@ def gemv_w4_mma_fused(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, g
     if norm_weight is not None and norm_weight.data_ptr() % 16:
         norm_weight = norm_weight.clone()
     y = torch.empty(1, n // 2 if silu else n, dtype=torch.bfloat16, device=x.device)
-    ctas = n // 16 // tile["TPC"]  # TPC MMA tiles a CTA (SiLU: 8 gate + 8 up rows a tile), KSPLIT warps a tile
+    ctas = n // 16 // tile["R"] // tile["TPC"]  # TPC groups of R MMA tiles a CTA (SiLU: 8 gate + 8 up rows a tile)
     if trace is not None and (trace.dtype != torch.int64 or trace.numel() < 5 * ctas):
         raise ValueError("gemv_w4_mma_fused: trace takes int64 [CTAs, 5]")
     launch = {**flags, "MINB": tile["MINB"], "TPC": tile["TPC"], "TRACE": int(trace is not None)}

@@ -251,6 +251,40 @@ def test_fused_tiles_a_cta_sum_as_one_tile_a_cta(act_order: bool) -> None:
         qkv({"TPC": 5})  # 384 tiles do not split in fives
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_fused_two_tiles_a_warp_group_sum_as_one(act_order: bool) -> None:
+    """R = 2 (a warp group takes two MMA tiles: SiLU's two gate tiles and their up tiles, or two plain tiles) gives the
+    output of R = 1 at the same K split bit for bit, with and without tiles grouped a CTA; the rows kernel at that
+    tile agrees; RoPE refuses it."""
+    from parallel.kernels.gemv import Rope
+
+    n, k = 28672, 4096
+    w = _layer(n, k, 128)
+    h = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    nw = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda").to(torch.bfloat16)
+    r = torch.randn(1, n, device="cuda").to(torch.bfloat16)
+    perm = torch.randperm(k, device="cuda") if act_order else None
+
+    def run(tile: dict, **kw) -> torch.Tensor:
+        return w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, perm=perm, tile=tile, **kw)
+
+    one, two = dict(R=1, KSPLIT=4), dict(R=2, KSPLIT=4)
+    for kw in (dict(silu=True), dict(silu=True, bias=b), dict(norm_weight=nw, eps=1e-5, silu=True),
+               dict(residual=r, bias=b), dict(norm_weight=nw, eps=1e-5)):
+        want = run({**one, "TPC": 1}, **kw)
+        assert torch.equal(run({**two, "TPC": 1}, **kw), want), kw
+        if "norm_weight" not in kw:  # grouped CTAs split the norm's squares differently: exact only without it
+            assert torch.equal(run({**two, "TPC": 4}, **kw), want), kw
+    xin = h[:, perm].contiguous() if act_order else h
+    rows = w4_mma.gemv_w4_mma(xin, w.weight, w.scales_and_zeros, 128, n, dict(R=2, KSPLIT=4, U=2, SUB=0))
+    assert torch.equal(run({**two, "TPC": 1}), rows)
+    d = 128
+    rope = Rope(torch.tensor([3], device="cuda"), torch.ones(8, 2, d, device="cuda"), d, 16 * d)
+    with pytest.raises(ValueError, match="RoPE"):
+        w4_mma.gemv_w4_mma_fused(h, w.weight, w.scales_and_zeros, 128, n, rope=rope, tile=two)
+
+
 def test_fused_trace_stamps_every_cta() -> None:
     """`trace=` (bench_w4_chain --trace): every CTA's five %globaltimer stamps, in order, and the same output."""
     from parallel.kernels.cuda_launch import sm_count
