@@ -72,6 +72,9 @@ def gather_to_all(x: torch.Tensor, group: Group) -> list[torch.Tensor]:
 
 
 def gather_last_dim_to_first(x: torch.Tensor, group: Group) -> torch.Tensor | None:
-    """Column-parallel slices concatenated on the group's first rank only; None on the others."""
+    """Column-parallel slices concatenated on the group's first rank only; None on the others. One rank: x itself
+    (a one-part torch.cat would copy it: a kernel of the batch-1 decode graph, after the LM head)."""
+    if group.size == 1:
+        return x
     parts = gather_to_first(x, group)
     return None if parts is None else torch.cat(parts, dim=-1)
