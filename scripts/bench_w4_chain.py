@@ -37,6 +37,17 @@ PAGE = 16
 NORMED = ("qkv", "gate_up")  # the shapes whose kernel takes the RMSNorm prologue (and stages the row)
 
 
+def rank_dims(tp: int) -> dict:
+    """One TP rank's share of a Llama-3.1-8B layer (heads, KV heads and FFN split tp ways) and its GEMV shapes:
+    the chain of a TP=tp rank's batch-1 step without its communication."""
+    heads, kv, ffn = HEADS // tp, KV_HEADS // tp, FFN // tp
+    if heads * tp != HEADS or kv * tp != KV_HEADS or ffn * tp != FFN:
+        raise ValueError(f"--tp {tp} does not split {HEADS} heads, {KV_HEADS} KV heads and {FFN} FFN rows evenly")
+    return {"heads": heads, "kv_heads": kv, "shapes": {"qkv": ((heads + 2 * kv) * HEAD_DIM, HIDDEN),
+                                                       "o": (HIDDEN, heads * HEAD_DIM), "gate_up": (2 * ffn, HIDDEN),
+                                                       "down": (HIDDEN, ffn)}}
+
+
 def sweep_tiles(shape: str) -> list[dict]:
     """Tile overrides tried for one shape (each with the other shapes at `fused_tile`'s default)."""
     ksplits = {"qkv": (4, 8, 16), "o": (8, 16), "gate_up": (2, 4), "down": (8, 16)}[shape]
@@ -50,10 +61,12 @@ def sweep_tiles(shape: str) -> list[dict]:
 class Chain:
     """`layers` decoder layers' weights, caches and inputs; `run(tiles)` is one step's chain of kernels."""
 
-    def __init__(self, layers: int, context: int, quant: bool):
+    def __init__(self, layers: int, context: int, quant: bool, tp: int = 1):
         from parallel.kernels.gemv import Rope
 
         self.quant, self.layers = quant, layers
+        dims = rank_dims(tp)
+        self.shapes, self.heads, self.kv_heads = dims["shapes"], dims["heads"], dims["kv_heads"]
         dev = "cuda"
         self.w = []
         for _ in range(layers):
@@ -61,13 +74,13 @@ class Chain:
                 from scripts.bench_gemv_int4 import GROUP as INT4_GROUP, _weights
 
                 assert INT4_GROUP == GROUP
-                self.w.append({name: _weights(n, k, 1)[0] for name, (n, k) in SHAPES.items()})
+                self.w.append({name: _weights(n, k, 1)[0] for name, (n, k) in self.shapes.items()})
             else:
                 self.w.append({name: torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
-                               for name, (n, k) in SHAPES.items()})
+                               for name, (n, k) in self.shapes.items()})
         self.norm = [torch.rand(2, HIDDEN, device=dev, dtype=torch.bfloat16) + 0.5 for _ in range(layers)]
         blocks = -(-(context + 1) // PAGE)
-        self.cache = torch.randn(2, layers * blocks, PAGE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16) * 0.1
+        self.cache = torch.randn(2, layers * blocks, PAGE, self.kv_heads, HEAD_DIM, device=dev, dtype=torch.bfloat16) * 0.1
         self.tables = [torch.arange(i * blocks, (i + 1) * blocks, device=dev, dtype=torch.int32)[None]
                        for i in range(layers)]
         self.seq_lens = torch.tensor([context + 1], device=dev, dtype=torch.int32)
@@ -77,15 +90,15 @@ class Chain:
         ang = torch.arange(context + 64, device=dev).float()[:, None] * inv[None]
         emb = torch.cat([ang, ang], -1)
         cos_sin = torch.stack([emb.cos(), emb.sin()], 1).contiguous()  # [P, 2, head_dim]
-        self.rope = Rope(positions, cos_sin, HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM)
+        self.rope = Rope(positions, cos_sin, HEAD_DIM, (self.heads + self.kv_heads) * HEAD_DIM)
         self.h = torch.randn(1, HIDDEN, device=dev, dtype=torch.bfloat16)
         self.max_seq_len = 4096
         self.traces: list[dict[str, torch.Tensor]] | None = None  # per layer, per shape: int64 [CTAs, 5] (`trace`)
 
     def bytes_per_layer(self) -> int:
         if self.quant:
-            return sum(n * k // 2 + 4 * n * (k // GROUP) for n, k in SHAPES.values())
-        return sum(2 * n * k for n, k in SHAPES.values())
+            return sum(n * k // 2 + 4 * n * (k // GROUP) for n, k in self.shapes.values())
+        return sum(2 * n * k for n, k in self.shapes.values())
 
     def linear(self, x, layer: int, name: str, tiles: dict, **fused):
         if self.quant:
@@ -93,11 +106,11 @@ class Chain:
 
             w = self.w[layer][name]
             trace = self.traces[layer][name] if self.traces is not None else None
-            return gemv_w4_mma_fused(x, w.weight, w.scales_and_zeros, GROUP, SHAPES[name][0], tile=tiles.get(name),
-                                     trace=trace, **fused)
+            return gemv_w4_mma_fused(x, w.weight, w.scales_and_zeros, GROUP, self.shapes[name][0],
+                                     tile=tiles.get(name), trace=trace, **fused)
         from parallel.kernels.gemv import gemv
 
-        return gemv(x, self.w[layer][name], None, **fused)
+        return gemv(x, self.w[layer][name], None, tiles.get(name), **fused)  # tiles: gemv configs by shape
 
     def packed(self, layer: int, name: str) -> torch.Tensor:
         w = self.w[layer % self.layers][name]
@@ -108,14 +121,14 @@ class Chain:
         from parallel.kernels.paged_attention import decode_attention
 
         h = self.h
-        q_rows, kv_rows = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+        q_rows, kv_rows = self.heads * HEAD_DIM, self.kv_heads * HEAD_DIM
         for i in range(self.layers):
             for _ in range(1 + (dup == "qkv")):
                 qkv = self.linear(h, i, "qkv", tiles, norm_weight=self.norm[i][0], eps=1e-5, rope=self.rope)
-            q = qkv[:, :q_rows].view(1, HEADS, HEAD_DIM)
+            q = qkv[:, :q_rows].view(1, self.heads, HEAD_DIM)
             if attention:
-                k = qkv[:, q_rows:q_rows + kv_rows].view(1, KV_HEADS, HEAD_DIM)
-                v = qkv[:, q_rows + kv_rows:].view(1, KV_HEADS, HEAD_DIM)
+                k = qkv[:, q_rows:q_rows + kv_rows].view(1, self.kv_heads, HEAD_DIM)
+                v = qkv[:, q_rows + kv_rows:].view(1, self.kv_heads, HEAD_DIM)
                 att = decode_attention(q, self.cache, self.tables[i], self.seq_lens, HEAD_DIM ** -0.5,
                                        self.max_seq_len, k_new=k, v_new=v, slot_mapping=self.slots[i])
             else:
@@ -136,7 +149,7 @@ def trace_phases(chain: Chain) -> dict:
     from scripts.bench_gemv import bench
 
     chain.traces = [{s: torch.zeros(fused_ctas(n, k, s in NORMED), 5, dtype=torch.int64, device="cuda")
-                     for s, (n, k) in SHAPES.items()} for _ in range(chain.layers)]
+                     for s, (n, k) in chain.shapes.items()} for _ in range(chain.layers)]
     try:
         bench(lambda: chain.run({}), 2)
         stamps = [{s: t.cpu().double() for s, t in layer.items()} for layer in chain.traces]
@@ -189,20 +202,38 @@ def main() -> None:
     p.add_argument("--tiles", action="append", default=[],
                    help='a JSON {shape: tile override} timed as a whole (repeatable), e.g. \'{"o": {"U": 2}}\'')
     p.add_argument("--trace", action="store_true", help="where each W4 kernel's time goes (CTA timestamps)")
+    p.add_argument("--tp", type=int, default=1, help="the chain of one TP rank's shapes (heads and FFN split tp ways)")
+    p.add_argument("--bf16-tiles", action="append", default=[],
+                   help='a JSON {shape: gemv config} for the bf16 chain, timed as a whole (repeatable), e.g. '
+                        '\'{"qkv": {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 8, "num_stages": 3}}\'')
+    p.add_argument("--bf16-only", action="store_true", help="the bf16 chain alone (no W4 chain, sweep or trace)")
     p.add_argument("--out", default="bench_results/w4_chain.json")
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_w4_chain needs a CUDA GPU")
     torch.manual_seed(0)
     report = {"benchmark": "w4_chain", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "layers": a.layers, "context": a.context}
-    bf16 = Chain(a.layers, a.context, quant=False)
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "layers": a.layers, "context": a.context,
+              "tp": a.tp}
+    bf16 = Chain(a.layers, a.context, quant=False, tp=a.tp)
     report["bf16_us"] = time_us(bf16, {}, a.iters)
     report["bf16_no_attention_us"] = time_us(bf16, {}, a.iters, attention=False)
     bf16_bytes = bf16.bytes_per_layer()
+    report["bf16_combined"] = []
+    for spec in a.bf16_tiles:  # each beside the default again, in turn (the default's drift shows)
+        tiles = json.loads(spec)
+        report["bf16_combined"].append({"tiles": tiles, "us": time_us(bf16, tiles, a.iters),
+                                        "default_us": time_us(bf16, {}, a.iters)})
+        row = report["bf16_combined"][-1]
+        print(f"bf16 {spec}: {row['us']:.2f} us a layer (default {row['default_us']:.2f})", flush=True)
     del bf16
     torch.cuda.empty_cache()
-    w4 = Chain(a.layers, a.context, quant=True)
+    if a.bf16_only:
+        print(f"{report['gpu']}: TP={a.tp} rank, bf16 per layer {report['bf16_us']:.1f} us "
+              f"({bf16_bytes / report['bf16_us'] / 1e3:.0f} GB/s)", flush=True)
+        _write(report, a.out)
+        return
+    w4 = Chain(a.layers, a.context, quant=True, tp=a.tp)
     report["w4_bytes_per_layer"] = w4.bytes_per_layer()
     report["w4_default_us"] = time_us(w4, {}, a.iters)
     report["w4_default_no_attention_us"] = time_us(w4, {}, a.iters, attention=False)
@@ -216,7 +247,7 @@ def main() -> None:
         report["combined"].append({"tiles": tiles, "us": time_us(w4, tiles, a.iters)})
         print(f"{spec}: {report['combined'][-1]['us']:.2f} us a layer", flush=True)
     report["marginal_us"] = {}  # what one more GEMV of a shape adds to a layer, in the chain
-    for shape in SHAPES:
+    for shape in w4.shapes:
         report["marginal_us"][shape] = time_us(w4, {}, a.iters, dup=shape) - report["w4_default_us"]
     report["marginal_us"]["attention"] = report["w4_default_us"] - report["w4_default_no_attention_us"]
     print("marginal us a layer: " + ", ".join(f"{k} {v:.2f}" for k, v in report["marginal_us"].items()), flush=True)
@@ -237,8 +268,12 @@ def main() -> None:
         best = min((r for r in report["sweep"] if r["shape"] == shape and "us" in r), key=lambda r: r["us"])
         print(f"{shape}: best {best['tile']} {best['us']:.2f} us a layer (default {report['w4_default_us']:.2f})",
               flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
+    _write(report, a.out)
+
+
+def _write(report: dict, out: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
         json.dump(report, f, indent=1)
 
 

@@ -85,3 +85,14 @@ def test_without_cuda_it_says_so(script):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--out", os.devnull],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert proc.returncode != 0 and "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_rank_dims_split_the_layer_over_tp_ranks():
+    """`--tp N`: one rank's heads, KV heads and FFN rows, and the GEMV shapes its fused decoder runs."""
+    chain = _load("bench_w4_chain")
+    assert chain.rank_dims(1)["shapes"] == chain.SHAPES
+    two = chain.rank_dims(2)
+    assert (two["heads"], two["kv_heads"]) == (16, 4)
+    assert two["shapes"] == {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168)}
+    with pytest.raises(ValueError, match="evenly"):
+        chain.rank_dims(3)
