@@ -146,7 +146,7 @@ def main() -> None:
         t_cublas = bench(lambda: [F.linear(x, w) for w in ws])
         t_ours = bench(lambda: [gemv(x, w, **fused) for w in ws])
         row = {"shape": name, "n": n, "k": k, "cublas_GBps": nbytes / t_cublas / 1e9,
-               "ours_GBps": nbytes / t_ours / 1e9, "ours_config": tile_config(n // 2 if fused.get("silu") else n, k),
+               "ours_GBps": nbytes / t_ours / 1e9, "ours_config": tile_config(n // 2 if fused.get("silu") else n, k, bool(fused.get("silu"))),
                "max_rel_err": err}
         best = None
         for cfg in sweep:

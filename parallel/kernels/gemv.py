@@ -287,9 +287,20 @@ def _load_rows(x_ptrs, k, K, offs_k, m_mask, EVEN_K: tl.constexpr, EVEN_M: tl.co
     return x
 
 
-def tile_config(n: int, k: int) -> dict:
+FEW_ROWS = 3072  # outputs up to which a program takes 1,024-input tiles with 8 warps (384 programs or fewer)
+
+
+def tile_config(n: int, k: int, silu: bool = False) -> dict:
     """Narrow layers (few programs) want long K tiles and more warps per program to keep enough
-    bytes in flight; wide ones (MLP up, LM head) have programs to spare."""
+    bytes in flight; wide ones (MLP up, LM head) have programs to spare. n: outputs (SiLU: of the
+    product, each reading a gate and an up row: `silu`). The few-row and SiLU tiles below are the
+    in-chain bests of one TP=2 rank's Llama-3.1-8B layer on an H200 (scripts/bench_w4_chain.py --tp 2
+    --bf16-tiles, 2026-11-29: qkv 3072 x 4096 and gate/up 2 x 7168 x 4096 took 4.8 us less a layer
+    together, 70.5 -> 65.7); the one-GPU shapes keep the tiles they were tuned at."""
+    if silu and n <= 8192:
+        return dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=5)
+    if n <= FEW_ROWS:
+        return dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=3)
     if n <= 8192:
         return dict(BLOCK_N=8, BLOCK_K=512, num_warps=8 if k >= 8192 else 4, num_stages=4)
     return dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4)
@@ -372,7 +383,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, con
     if w.stride(-1) != 1 or x.stride(-1) != 1:  # the kernel walks rows by stride(0) and reads each row densely
         raise ValueError(f"gemv: weight and input rows must be contiguous (strides {tuple(w.stride())}, "
                          f"{tuple(x.stride())}); a transposed view reads other values")
-    cfg = dict(config or tile_config(n, k))
+    cfg = dict(config or tile_config(n, k, silu))
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid_n = n
     if rope is not None:  # each program takes BLOCK_N / 2 (row, partner) pairs: the same rows per program
