@@ -46,9 +46,13 @@ run_pp() {  # issue 26: PP=2 with pipelined steps (one step group per stage, max
 }
 run_latency() {  # TP=1, TP=2 with the NCCL-only all-reduce, TP=2 with the P2P one after each row-parallel GEMV
   # (TANDEM_TP_PUSH_PARTIALS=0), TP=2 with the partial sums pushed (the default); unprofiled, then TP=2 profiled
-  for v in "1 tp1 1" "2 tp2_nop2p 1 --disable-p2p-all-reduce" "2 tp2_nopush 0" "2 tp2 1" "2 tp2_profiled 1 --profile-steps 16"; do
+  # and TP=2 with the narrow GEMV tiles (TANDEM_GEMV_NARROW_TILES=1, parallel/kernels/gemv.py) beside the default
+  for v in "1 tp1 1" "2 tp2_nop2p 1 --disable-p2p-all-reduce" "2 tp2_nopush 0" "2 tp2 1" "2 tp2_narrow 1 narrow" "2 tp2_again 1" \
+           "2 tp2_profiled 1 --profile-steps 16"; do
     set -- $v
-    TANDEM_TP_PUSH_PARTIALS=$3 python scripts/bench_latency.py --modes graphs --tensor-parallel-size $1 --skip-hf \
+    local narrow=0
+    if [ "${4:-}" = narrow ]; then narrow=1; set -- $1 $2 $3; fi
+    TANDEM_GEMV_NARROW_TILES=$narrow TANDEM_TP_PUSH_PARTIALS=$3 python scripts/bench_latency.py --modes graphs --tensor-parallel-size $1 --skip-hf \
       --prefill-lens 2048 --out "$RES/latency_$2.json" ${4:-} ${5:-} || return $?
   done
 }
@@ -169,7 +173,7 @@ SP_LENGTHS=${SP_LENGTHS:-16384,65536,131056}
 PD_RATES=${PD_RATES:-2,4,8,16,24}
 export RES M8B SP_LENGTHS PD_RATES
 export -f run_tests run_offline run_pp run_latency run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
-declare -A LIMIT=([tests]=420 [offline]=540 [pp]=300 [latency]=420 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
+declare -A LIMIT=([tests]=420 [offline]=540 [pp]=300 [latency]=580 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
                  [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [pd_trace]=240 [pd_profile]=240)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
