@@ -55,6 +55,9 @@ def sweep_tiles(shape: str) -> list[dict]:
     for ksplit in ksplits:
         for u in (2, 4):
             out.append(dict(KSPLIT=ksplit, U=u))
+    if shape == "down":  # 112 steps over 16 warps: 7 a warp, a round of 2 leaves a lone last step (a round trip of
+        # its own); 3 a round leaves one of three rounds short, 7 takes them all at once (registers: MINB 1)
+        out += [dict(KSPLIT=16, U=3), dict(KSPLIT=16, U=7, MINB=1)]
     return out
 
 
