@@ -201,7 +201,8 @@ class RankWorker:
         else:
             kind = step_kind(out, self.runner.cuda_graphs)
             result = self.profile.step(kind, start - self._answered_at, time.perf_counter() - start,
-                                       lambda: self.runner.execute(out), out.num_tokens, len(out.seqs))
+                                       lambda: self.runner.execute(out), out.num_tokens, len(out.seqs),
+                                       phases=lambda: getattr(self.runner, "step_phases", {}))
         return self._answer(result, out)
 
     def _answer(self, result: ModelRunnerOutput, out: SchedulerOutput):

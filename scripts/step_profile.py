@@ -103,10 +103,24 @@ class StepProfile:
             for kind, d in sorted(by_kind.items()):
                 lines.append(f"{rank:4d} {kind:13} {d['steps']:6d} {d['ms_idle']:7.3f} {d['ms_decode']:8.3f} "
                              f"{d['ms_execute']:8.3f} {d.get('ms_gpu_kernels', nan):8.3f} {d.get('ms_comm', nan):7.3f}")
+        lines += phase_lines(summary["ranks"])
         lines += lag_lines(summary["start_lag"])
         lines += gc_lines(summary["gc"])
         lines += top_lines(summary["ranks"])
         return "\n".join(lines)
+
+
+def phase_lines(ranks: list[dict]) -> list[str]:
+    """An eager step's host time on each rank by phase: building its inputs, launching its forward, sampling (which
+    waits for the device's tokens). On a GPU, launches far above the step's kernels mean a host-bound step."""
+    rows = [(rank, kind, d["ms_host_phases"]) for rank, by_kind in enumerate(ranks) for kind, d in sorted(by_kind.items())
+            if isinstance(d, dict) and d.get("ms_host_phases")]
+    if not rows:
+        return []
+    lines = ["eager steps' host time by phase (ms per step)", f"{'rank':>4} {'kind':13} {'prepare':>8} {'forward':>8} {'sample':>8}"]
+    for rank, kind, ph in rows:
+        lines.append(f"{rank:4d} {kind:13} {ph.get('prepare', 0.0):8.3f} {ph.get('forward', 0.0):8.3f} {ph.get('sample', 0.0):8.3f}")
+    return lines
 
 
 def lag_lines(lags: dict[str, dict]) -> list[str]:

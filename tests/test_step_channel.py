@@ -375,8 +375,12 @@ def test_every_rank_profiles_its_steps(layout, private_ray, tmp_path, monkeypatc
         assert by_kind["mixed"]["sampled_tokens"] == [60] and set(by_kind["decode"]["sampled_tokens"]) == {3}
         top = by_kind["mixed"]["ms_top_host"]
         assert 0 < len(top) <= 8 and any("linear" in name or "mm" in name for name in top), top
+        for kind in ("mixed", "decode"):  # eager steps (CPU: no graphs): input building, launches, sampling
+            phases = by_kind[kind]["ms_host_phases"]
+            assert set(phases) == {"prepare", "forward", "sample"} and min(phases.values()) >= 0, phases
+            assert phases["forward"] > 0 and sum(phases.values()) <= by_kind[kind]["ms_execute"] + 1e-6
     assert summary["host"]["decode"]["steps"] == 5
-    assert "rank kind" in table
+    assert "rank kind" in table and "host time by phase" in table
     # Each rank's execute start behind the earliest rank's, per step (matched by order number): with 5 decode
     # steps one rank is earliest in at least 3, so its median lag is 0; the raw start times stay out of the JSON.
     lags = summary["start_lag"]

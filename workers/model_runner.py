@@ -54,6 +54,7 @@ def _sample_rows(seqs: list[ScheduledSeq], ends: np.ndarray) -> list[int]:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, max_model_len: int, eos_token_ids: list[int], show_progress: bool = True):
+        self.step_phases: dict[str, float] = {}  # the last eager step's host seconds by phase (`_run_step`)
         self.config = config
         self.device = config.model.resolved_device()
         self.dtype = config.model.resolved_dtype(hf_config)
@@ -375,6 +376,7 @@ class ModelRunner:
         logprobs of the prefill chunks that asked for them); other ranks return an empty output, except that
         with `greedy_everywhere` every TP rank returns an all plain greedy step's tokens too."""
         self._prompt_logprobs = {}  # filled per micro-batch by _run_step (workers/prompt_logprobs.py)
+        self.step_phases = {}  # an eager step's host seconds by phase (_run_step; rank profiles read them)
         result = self._run_step(out)
         if self.chunk_ends is not None:  # a prefill rank on a GPU: where its prompts' chunks end (KV in pieces)
             self.chunk_ends.record(out)
@@ -438,12 +440,17 @@ class ModelRunner:
         micro_batches = split_by_sequence(seqs, self.pp_micro_batches) if self.pp_micro_batches > 1 else [seqs]
         sends: list[PendingSend] = []
         sample_hidden: list[torch.Tensor] = []
+        phases = self.step_phases = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}
         for batch in micro_batches:
+            t0 = time.perf_counter()
             token_ids, positions, meta, sample_rows = self.prepare(SchedulerOutput(batch))
+            t1 = time.perf_counter()
             hidden = residual = None
             if not self.pp.is_first:
                 hidden, residual = self._recv_activations(token_ids.shape[0])
             hidden, residual, graphed = self._forward(token_ids, positions, meta, hidden, residual)
+            phases["prepare"] += t1 - t0
+            phases["forward"] += time.perf_counter() - t1
             if self.pp.is_last and self.sp.size == 1 and any(wants_prompt_logprobs(s) for s in batch):
                 self._prompt_logprobs.update(compute_prompt_logprobs(self.model.lm_head, batch, hidden))
             if not self.pp.is_last:
@@ -463,11 +470,14 @@ class ModelRunner:
             return ModelRunnerOutput({})
         # Micro-batches are contiguous runs of seqs, so the rows line up with to_sample.
         hidden = torch.cat(sample_hidden)
+        t0 = time.perf_counter()
         if self.sp.size > 1:  # the rows are spread over the SP ranks: the first one samples
             hidden = gather_sample_hidden(hidden, [sample_owner(s, self.block_size, self.sp.size) for s in to_sample], self.sp)
             if hidden is None:
                 return ModelRunnerOutput({})
-        return self.sample(hidden, to_sample, out.token_bitmask)
+        result = self.sample(hidden, to_sample, out.token_bitmask)
+        phases["sample"] = time.perf_counter() - t0  # with the wait for the device's tokens
+        return result
 
     def _sampled_in_graph(self, logits: torch.Tensor, greedy: torch.Tensor, out: SchedulerOutput) -> ModelRunnerOutput:
         """A graph's step with the head in it: its greedy (token, logprob) columns serve plain greedy rows,

@@ -1,6 +1,7 @@
 """Where one rank's steps spend their time, per step kind: idle (waiting for the next step), host
-dispatch (rebuilding the step from its message), execute (host wall time of `ModelRunner.execute`),
-and, for every N-th step under torch.profiler, GPU kernel time and communication time.
+dispatch (rebuilding the step from its message), execute (host wall time of `ModelRunner.execute`; for
+eager steps split into input building, forward launches and sampling with the wait for the device,
+`ms_host_phases`), and, for every N-th step under torch.profiler, GPU kernel time and communication time.
 
 Communication is what the collectives take: NCCL's and the P2P all-reduce's kernels on GPUs, gloo's own
 events on the CPU (waiting for the peer included, so a rank that arrives early shows it as communication).
@@ -99,7 +100,11 @@ class RankProfile:
         # This process's collector pauses since the profile started (`summary`'s "gc"): a rank's stall is its peers' wait.
         self.gc = GcPauses().install()
 
-    def step(self, kind: str, idle_s: float, decode_s: float, run: Callable[[], T], tokens: int = 0, seqs: int = 0) -> T:
+    def step(self, kind: str, idle_s: float, decode_s: float, run: Callable[[], T], tokens: int = 0, seqs: int = 0,
+             phases: Callable[[], dict[str, float]] | None = None) -> T:
+        """Run one step (`run`) and record it. phases: after the run, the step's host seconds by phase where the
+        runner timed them (`ModelRunner.step_phases`: an eager step's input building, forward launches, sampling
+        with the wait for the device's tokens; empty for a graph replay)."""
         row = {"kind": kind, "idle": idle_s, "decode": decode_s, "tokens": tokens, "seqs": seqs}
         # Every gpu_every-th step, from the middle of the first period: the very first step (the largest
         # prefill, allocator growth) would otherwise be in every sample.
@@ -130,6 +135,8 @@ class RankProfile:
         else:
             result = run()
         row["execute"] = time.perf_counter() - t
+        if phases is not None and phases():
+            row["phases"] = dict(phases())
         self._add(row)
         return result
 
@@ -170,6 +177,10 @@ class RankProfile:
             d = {"steps": n, **{f"ms_{k}": 1e3 * sum(r[k] for r in rows) / n for k in ("idle", "decode", "execute")}}
             execute = sorted(r["execute"] for r in rows)
             d["ms_execute_p50"], d["ms_execute_p90"] = 1e3 * execute[n // 2], 1e3 * execute[min(n - 1, (9 * n) // 10)]
+            timed = [r["phases"] for r in rows if "phases" in r]
+            if timed:  # where an eager step's host time went: input building, launches, sampling (with the wait)
+                d["ms_host_phases"] = {k: round(1e3 * sum(p.get(k, 0.0) for p in timed) / len(timed), 3)
+                                       for k in sorted(set().union(*timed))}
             d["mean_tokens"] = sum(r["tokens"] for r in rows) / n
             d["mean_seqs"] = sum(r["seqs"] for r in rows) / n
             sampled = [r for r in rows if "sampled_wall" in r]
@@ -274,6 +285,7 @@ class ProfiledRunner:
     def execute(self, out: SchedulerOutput):
         idle = time.perf_counter() - self._last_end
         kind = step_kind(out, getattr(self.runner, "cuda_graphs", None))
-        result = self.profile.step(kind, idle, 0.0, lambda: self.runner.execute(out), out.num_tokens, len(out.seqs))
+        result = self.profile.step(kind, idle, 0.0, lambda: self.runner.execute(out), out.num_tokens, len(out.seqs),
+                                   phases=lambda: getattr(self.runner, "step_phases", {}))
         self._last_end = time.perf_counter()
         return result
