@@ -47,8 +47,10 @@ def main():
     if a.lm_head:
         if a.quantization != "gptq":
             sys.exit("--lm-head goes with --quantization gptq")
+        from bench_quant import checkpoint_qc_folder
+
         quantization = None  # from config.json, as a GPTQModel checkpoint with lm_head: true says it
-        write_head_quant_config(path)
+        path = checkpoint_qc_folder(path, "w4a16-head")
     per_seq = -(-(a.context + 64) // 16)
     llm = LLM(model=path, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=max(1024, a.context + 64),
               num_gpu_blocks_override=a.batch * per_seq + 64, max_num_seqs=max(4, a.batch), show_progress=False,
@@ -102,21 +104,6 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         f.write(text + "\n")
-
-
-def write_head_quant_config(path: str) -> None:
-    """config.json of the shape folder gets the GPTQ quantization_config `quantization="gptq"` would make for dummy
-    weights, with lm_head: true."""
-    import json
-
-    from parallel.quant.config import effective_quant_config
-
-    cfg_path = Path(path, "config.json")
-    cfg = json.loads(cfg_path.read_text())
-    heads = cfg["num_attention_heads"] * (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-    qc = effective_quant_config(None, "gptq", "dummy", (cfg["hidden_size"], cfg["intermediate_size"], heads))
-    cfg["quantization_config"] = {**qc, "lm_head": True}
-    cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
 def timeline(prof, n: int) -> list[str]:

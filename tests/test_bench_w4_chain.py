@@ -96,3 +96,24 @@ def test_rank_dims_split_the_layer_over_tp_ranks():
     assert two["shapes"] == {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168)}
     with pytest.raises(ValueError, match="evenly"):
         chain.rank_dims(3)
+
+
+def test_profile_decode_timeline_lists_the_last_kernels_in_order():
+    """`profile_decode.py --timeline N`: the last N device events by start, with durations and the idle gap since the
+    previous one ended (negative where a PDL launch overlaps); host events are left out."""
+    from types import SimpleNamespace
+
+    prof_mod = _load("profile_decode")
+
+    def ev(name, start, end, device="DeviceType.CUDA"):
+        rng = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+        return SimpleNamespace(name=name, time_range=rng, device_type=device)
+
+    events = [ev("host_op", 0, 500, "DeviceType.CPU"), ev("gemv", 10, 20), ev("norm", 22, 24), ev("head", 23, 100),
+              ev("greedy", 101, 104)]
+    lines = prof_mod.timeline(SimpleNamespace(events=lambda: events), 3)
+    assert len(lines) == 4 and "host_op" not in "".join(lines)
+    rows = [line.split() for line in lines[1:]]
+    assert [r[-1] for r in rows] == ["norm", "head", "greedy"]
+    assert [float(r[0]) for r in rows] == [0.0, 1.0, 79.0]  # starts from the first listed
+    assert [float(r[2]) for r in rows] == [0.0, -1.0, 1.0]  # gaps: a PDL overlap shows negative

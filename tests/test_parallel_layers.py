@@ -233,3 +233,13 @@ def test_micro_batches_are_contiguous_and_balanced(lengths: list[int], parts: in
     got = split_by_sequence(seqs, parts)
     assert [s for part in got for s in part] == seqs  # contiguous, in order, each sequence once
     assert [[s.num_tokens for s in part] for part in got] == expected
+
+
+def test_one_rank_gather_returns_the_logits_uncopied():
+    """On a one-rank group the LM head's logits are returned as they are (a one-part torch.cat copied them: a kernel
+    of every batch-1 decode step)."""
+    from parallel.comm import gather_last_dim_to_first
+    from parallel.state import Group
+
+    x = torch.randn(2, 8)
+    assert gather_last_dim_to_first(x, Group(ranks=[0], rank=0)) is x

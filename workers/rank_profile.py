@@ -135,8 +135,9 @@ class RankProfile:
         else:
             result = run()
         row["execute"] = time.perf_counter() - t
-        if phases is not None and phases():
-            row["phases"] = dict(phases())
+        timed = phases() if phases is not None else None
+        if timed:
+            row["phases"] = dict(timed)
         self._add(row)
         return result
 

@@ -305,9 +305,9 @@ def tile_config(n: int, k: int, silu: bool = False) -> dict:
     bytes in flight; wide ones (MLP up, LM head) have programs to spare. n: outputs (SiLU: of the
     product, each reading a gate and an up row: `silu`). `narrow_tiles()` adds tiles for a TP rank's
     halved shapes; the one-GPU shapes keep the tiles they were tuned at either way."""
-    if narrow_tiles() and silu and n <= 8192:
+    if silu and n <= 8192 and narrow_tiles():  # the environment read only for the shapes it concerns
         return dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=5)
-    if narrow_tiles() and n <= FEW_ROWS:
+    if n <= FEW_ROWS and narrow_tiles():
         return dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=3)
     if n <= 8192:
         return dict(BLOCK_N=8, BLOCK_K=512, num_warps=8 if k >= 8192 else 4, num_stages=4)
