@@ -14,6 +14,8 @@ each W4 kernel stamping its CTAs' %globaltimer (`gemv_w4_mma_fused(trace=)`) and
 time goes: the wait for the kernel ahead, staging the row, the product, the epilogue (medians over layers, ns).
 
     python scripts/bench_w4_chain.py [--layers 32] [--context 128] [--trace] [--out bench_results/w4_chain.json]
+    python scripts/bench_w4_chain.py --tp 2 --bf16-only --bf16-tiles '{"qkv": {"BLOCK_N": 8, "BLOCK_K": 1024, ...}}'
+        # one TP=2 rank's shapes (heads and FFN halved; no communication), bf16 gemv configs beside the default
 Prints microseconds per layer; writes JSON.
 """
 from __future__ import annotations

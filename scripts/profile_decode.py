@@ -4,6 +4,8 @@
     python scripts/profile_decode.py --shape llama-3.1-8b                       # batch 1
     python scripts/profile_decode.py --shape llama-3.1-8b --batch 128 --context 400
     python scripts/profile_decode.py --shape llama-3.1-8b --verify-k 4 --context 1024   # a verification step (k + 1 tokens)
+    python scripts/profile_decode.py --quantization gptq --lm-head --timeline 40   # 4-bit, the LM head too; the step's
+                                                                                   # last 40 kernels in order, with gaps
 Prints the kernels that take the most GPU time per step, grouped by name.
 """
 from __future__ import annotations
