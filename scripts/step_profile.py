@@ -76,8 +76,12 @@ class StepProfile:
         for kind, rs in by.items():
             n = len(rs)
             tot = sum(r["step"] for r in rs)
+            # The median too: a mean over steps of very different sizes (a few 8K-token prefills among ~800-token
+            # mixed steps) and over the sampled ones, which the profiler slows, says less about a typical step.
+            p50 = sorted(r["step"] for r in rs)[n // 2]
             host[kind] = {"steps": n, "seconds": tot, "mean_seqs": sum(r["seqs"] for r in rs) / n,
                           "mean_tokens": sum(r["tokens"] for r in rs) / n, "ms_step": 1e3 * tot / n,
+                          "ms_step_p50": 1e3 * p50,
                           "ms_schedule": 1e3 * sum(r["schedule"] for r in rs) / n,
                           "ms_execute": 1e3 * sum(r["execute"] for r in rs) / n,
                           "ms_after_execute": 1e3 * sum(r["step"] - r["schedule"] - r["execute"] for r in rs) / n}
@@ -93,10 +97,11 @@ class StepProfile:
         summary = self.summary()
         nan = float("nan")
         lines = ["driver (ms per step)",
-                 f"{'kind':13} {'steps':>6} {'sec':>7} {'seqs':>6} {'tokens':>7} {'step':>8} {'sched':>6} {'exec':>7} {'after':>6}"]
+                 f"{'kind':13} {'steps':>6} {'sec':>7} {'seqs':>6} {'tokens':>7} {'step':>8} {'p50':>7} {'sched':>6} {'exec':>7} {'after':>6}"]
         for kind, d in sorted(summary["host"].items()):
             lines.append(f"{kind:13} {d['steps']:6d} {d['seconds']:7.2f} {d['mean_seqs']:6.1f} {d['mean_tokens']:7.1f} "
-                         f"{d['ms_step']:8.2f} {d['ms_schedule']:6.2f} {d['ms_execute']:7.2f} {d['ms_after_execute']:6.2f}")
+                         f"{d['ms_step']:8.2f} {d['ms_step_p50']:7.2f} {d['ms_schedule']:6.2f} {d['ms_execute']:7.2f} "
+                         f"{d['ms_after_execute']:6.2f}")
         lines += ["ranks (ms per step; kernels and comm over the profiled steps)",
                   f"{'rank':>4} {'kind':13} {'steps':>6} {'idle':>7} {'dispatch':>8} {'execute':>8} {'kernels':>8} {'comm':>7}"]
         for rank, by_kind in enumerate(summary["ranks"]):

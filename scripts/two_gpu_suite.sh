@@ -45,15 +45,11 @@ run_pp() {  # issue 26: PP=2 with pipelined steps (one step group per stage, max
   python scripts/bench_offline.py $common --layouts "pp2" --max-num-seqs 128 --out "$RES/offline_pp2_seqs128.json"
 }
 run_latency() {  # TP=1, TP=2 with the P2P all-reduce after each row-parallel GEMV (TANDEM_TP_PUSH_PARTIALS=0), TP=2
-  # with the partial sums pushed (the default), TP=2 with the narrow GEMV tiles (TANDEM_GEMV_NARROW_TILES=1,
-  # parallel/kernels/gemv.py), the default again; unprofiled, then TP=2 profiled. (NCCL only: add
+  # with the partial sums pushed (the default), twice; unprofiled, then TP=2 profiled. (NCCL only: add
   # "2 tp2_nop2p 1 --disable-p2p-all-reduce" to the list.)
-  for v in "1 tp1 1" "2 tp2_nopush 0" "2 tp2 1" "2 tp2_narrow 1 narrow" "2 tp2_again 1" \
-           "2 tp2_profiled 1 --profile-steps 16"; do
+  for v in "1 tp1 1" "2 tp2_nopush 0" "2 tp2 1" "2 tp2_again 1" "2 tp2_profiled 1 --profile-steps 16"; do
     set -- $v
-    local narrow=0
-    if [ "${4:-}" = narrow ]; then narrow=1; set -- $1 $2 $3; fi
-    TANDEM_GEMV_NARROW_TILES=$narrow TANDEM_TP_PUSH_PARTIALS=$3 python scripts/bench_latency.py --modes graphs --tensor-parallel-size $1 --skip-hf \
+    TANDEM_TP_PUSH_PARTIALS=$3 python scripts/bench_latency.py --modes graphs --tensor-parallel-size $1 --skip-hf \
       --prefill-lens 2048 --out "$RES/latency_$2.json" ${4:-} ${5:-} || return $?
   done
 }

@@ -56,6 +56,7 @@ def test_a_traced_step_names_ops_not_python_frames(tmp_path, monkeypatch):
 
     try:
         profile.step("mixed", 0.0, 0.0, run, tokens=8, seqs=1)
+        profile.summary()  # reads the step's profiler
     finally:
         profile.gc.remove()
     top = profile.rows[0]["top_host"]
@@ -73,3 +74,34 @@ def test_python_frames_are_told_apart_on_a_torch_without_the_flag():
     assert _is_python_frame(SimpleNamespace(key="<built-in method sleep of module object>"))
     assert not _is_python_frame(SimpleNamespace(key="aten::copy_"))
     assert not _is_python_frame(SimpleNamespace(key="x.py(1): f", is_python_function=False))  # the flag wins
+
+
+def test_a_sampled_step_is_read_at_summary_not_in_its_own_time(tmp_path, monkeypatch):
+    """Parsing a profiled step's events takes far longer than the step: it is left for `summary`, so neither the
+    step's recorded time nor the next step waits for it. Traces are still capped per kind, though written later."""
+    import torch
+
+    from workers import rank_profile
+    from workers.rank_profile import RankProfile
+
+    monkeypatch.setenv("TANDEM_PROFILE_TRACE_DIR", str(tmp_path))
+    reads: list[int] = []
+    read = RankProfile._read_profiler
+    monkeypatch.setattr(RankProfile, "_read_profiler", lambda self, row: (reads.append(row["n"]), read(self, row)))
+    profile = RankProfile(0, gpu_every=1)  # every step sampled
+    x, w = torch.randn(8, 64), torch.randn(64, 64)
+    try:
+        for _ in range(rank_profile.TRACES_PER_KIND + 2):
+            profile.step("mixed", 0.0, 0.0, lambda: torch.nn.functional.linear(x, w), tokens=8, seqs=1)
+        assert reads == [] and not list(tmp_path.iterdir())
+        assert all("profiler" in r and "kernels" not in r for r in profile.rows)
+        d = profile.summary()["mixed"]
+    finally:
+        profile.gc.remove()
+    steps = list(range(rank_profile.TRACES_PER_KIND + 2))
+    assert reads == steps and all("profiler" not in r for r in profile.rows)
+    assert d["sampled_steps"] == len(steps) and any(name.startswith("aten::") for name in d["ms_top_host"])
+    traces = sorted(q.name for q in tmp_path.iterdir())
+    assert traces == [f"rank0-mixed-step{n}-8tok.json.gz" for n in range(rank_profile.TRACES_PER_KIND)]
+    profile.summary()  # a second summary reads nothing again
+    assert reads == steps

@@ -120,18 +120,16 @@ class RankProfile:
             cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             trace = self.trace_dir is not None and self.traces[kind] < TRACES_PER_KIND
+            self.traces[kind] += trace  # counted now: the traces are written later (`_read_profiler`)
             with profile(activities=activities, with_stack=trace) as prof:  # Python frames show the host's gaps
                 result = run()
                 if cuda:
                     torch.cuda.synchronize()
             row["sampled_wall"] = time.perf_counter() - t
-            events = prof.key_averages()
-            row["kernels"], row["comm"] = _kernel_and_comm_seconds(events, cuda)
-            row["top_host"] = _top_host_ops(prof)
-            if cuda:
-                row["top_gpu"] = _top([e for e in events if _is_kernel(e)], "self_device_time_total")
-            if trace:
-                self._write_trace(prof, kind, tokens)
+            # Read at `summary`, not now: parsing a step's events takes far longer than the step (a CPU step of 36,000
+            # events: 28 ms, its key_averages 1.7 s), which would land in this step's time and hold up the next (its
+            # peers' too, under TP): at 1 step in 40 it added ~5 ms to a mean mixed step (2 x H200, 2026-11-29).
+            row["profiler"] = (prof, cuda, trace)
         else:
             result = run()
         row["execute"] = time.perf_counter() - t
@@ -156,21 +154,33 @@ class RankProfile:
     def _add(self, row: dict) -> None:
         self.rows.append(row)
 
-    def _write_trace(self, prof, kind: str, tokens: int) -> None:
+    def _read_profiler(self, row: dict) -> None:
+        """A sampled step's kernel, communication and top-op times from its profiler (and its trace, if asked)."""
+        prof, cuda, trace = row.pop("profiler")
+        events = prof.key_averages()
+        row["kernels"], row["comm"] = _kernel_and_comm_seconds(events, cuda)
+        row["top_host"] = _top_host_ops(prof)
+        if cuda:
+            row["top_gpu"] = _top([e for e in events if _is_kernel(e)], "self_device_time_total")
+        if trace:
+            self._write_trace(prof, row["kind"], row["tokens"], row["n"])
+
+    def _write_trace(self, prof, kind: str, tokens: int, step: int) -> None:
         """A chrome trace (chrome://tracing, ui.perfetto.dev) of this step, gzipped, into the trace dir."""
         os.makedirs(self.trace_dir, exist_ok=True)
-        path = os.path.join(self.trace_dir, f"rank{self.rank}-{kind}-step{len(self.rows)}-{tokens}tok.json")
+        path = os.path.join(self.trace_dir, f"rank{self.rank}-{kind}-step{step}-{tokens}tok.json")
         prof.export_chrome_trace(path)
         with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
         os.remove(path)
-        self.traces[kind] += 1
 
     def summary(self, starts: bool = False) -> dict[str, dict]:
         """Per step kind; `starts`: with each step's (order number, execute start) in `execute_starts`, for
         `start_lags` across ranks (left out of the logged windows, where they would only bloat the line)."""
         by: dict[str, list[dict]] = defaultdict(list)
         for r in self.rows:
+            if "profiler" in r:
+                self._read_profiler(r)
             by[r["kind"]].append(r)
         out = {}
         for kind, rows in by.items():

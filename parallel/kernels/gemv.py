@@ -287,28 +287,13 @@ def _load_rows(x_ptrs, k, K, offs_k, m_mask, EVEN_K: tl.constexpr, EVEN_M: tl.co
     return x
 
 
-FEW_ROWS = 3072  # NARROW_TILES: outputs up to which a program takes 1,024-input tiles with 8 warps (<= 384 programs)
-NARROW_TILES_ENV = "TANDEM_GEMV_NARROW_TILES"
-
-
-def narrow_tiles() -> bool:
-    """TANDEM_GEMV_NARROW_TILES=1: the tiles one TP=2 rank's Llama-3.1-8B layer ran fastest with in a one-GPU chain
-    (scripts/bench_w4_chain.py --tp 2 --bf16-tiles on an H200, 2026-11-29: qkv 3072 x 4096 and gate/up 2 x 7168 x
-    4096, 70.5 -> 65.7 us a layer, twice). Off by default: the one two-GPU run with them (batch-1 TP=2, pushed partial
-    sums, same day) measured 1.40x one GPU against 1.51x the day's earlier run without them, not in the same call;
-    the next two-GPU call compares both (scripts/two_gpu_suite.sh latency)."""
-    return os.environ.get(NARROW_TILES_ENV) == "1"
-
-
 def tile_config(n: int, k: int, silu: bool = False) -> dict:
     """Narrow layers (few programs) want long K tiles and more warps per program to keep enough
     bytes in flight; wide ones (MLP up, LM head) have programs to spare. n: outputs (SiLU: of the
-    product, each reading a gate and an up row: `silu`). `narrow_tiles()` adds tiles for a TP rank's
-    halved shapes; the one-GPU shapes keep the tiles they were tuned at either way."""
-    if silu and n <= 8192 and narrow_tiles():  # the environment read only for the shapes it concerns
-        return dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=5)
-    if n <= FEW_ROWS and narrow_tiles():
-        return dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=3)
+    product, each reading a gate and an up row: `silu`). A TP=2 rank's halved shapes ran 7% faster in a one-GPU
+    chain of its layers with longer tiles (qkv 1,024-input tiles, 8 warps; gate/up 256, 5 stages; scripts/
+    bench_w4_chain.py --tp 2 --bf16-tiles) but slower in the real batch-1 TP=2 step, whose qkv and gate/up read the
+    pushed partial sums (2 x H200, 2026-11-29, one call: 340.9 tok/s against 364.0 and 364.7): not used."""
     if n <= 8192:
         return dict(BLOCK_N=8, BLOCK_K=512, num_warps=8 if k >= 8192 else 4, num_stages=4)
     return dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4)
