@@ -14,6 +14,7 @@ each W4 kernel stamping its CTAs' %globaltimer (`gemv_w4_mma_fused(trace=)`) and
 time goes: the wait for the kernel ahead, staging the row, the product, the epilogue (medians over layers, ns).
 
     python scripts/bench_w4_chain.py [--layers 32] [--context 128] [--trace] [--out bench_results/w4_chain.json]
+    python scripts/bench_w4_chain.py --no-sweep --attn-splits 1,2    # decode attention's split count in the chain
     python scripts/bench_w4_chain.py --tp 2 --bf16-only --bf16-tiles '{"qkv": {"BLOCK_N": 8, "BLOCK_K": 1024, ...}}'
         # one TP=2 rank's shapes (heads and FFN halved; no communication), bf16 gemv configs beside the default
 Prints microseconds per layer; writes JSON.
@@ -98,6 +99,7 @@ class Chain:
         self.rope = Rope(positions, cos_sin, HEAD_DIM, (self.heads + self.kv_heads) * HEAD_DIM)
         self.h = torch.randn(1, HIDDEN, device=dev, dtype=torch.bfloat16)
         self.max_seq_len = 4096
+        self.attn_splits: int | None = None  # decode attention's split count; None: the count a graph is captured with
         self.traces: list[dict[str, torch.Tensor]] | None = None  # per layer, per shape: int64 [CTAs, 5] (`trace`)
 
     def bytes_per_layer(self) -> int:
@@ -135,7 +137,8 @@ class Chain:
                 k = qkv[:, q_rows:q_rows + kv_rows].view(1, self.kv_heads, HEAD_DIM)
                 v = qkv[:, q_rows + kv_rows:].view(1, self.kv_heads, HEAD_DIM)
                 att = decode_attention(q, self.cache, self.tables[i], self.seq_lens, HEAD_DIM ** -0.5,
-                                       self.max_seq_len, k_new=k, v_new=v, slot_mapping=self.slots[i])
+                                       self.max_seq_len, num_splits=self.attn_splits, k_new=k, v_new=v,
+                                       slot_mapping=self.slots[i])
             else:
                 att = q
             for _ in range(1 + (dup == "o")):
@@ -197,6 +200,20 @@ def time_us(chain: Chain, tiles: dict, iters: int, attention: bool = True, dup: 
     return 1e6 * bench(lambda: chain.run(tiles, attention, dup), iters) / chain.layers
 
 
+def time_attn_splits(chain: Chain, splits: list[int], iters: int, name: str) -> list[dict]:
+    """The chain with decode attention at each split count, each beside the default (its drift shows)."""
+    rows = []
+    for s in splits:
+        chain.attn_splits = s
+        try:
+            us = time_us(chain, {}, iters)
+        finally:
+            chain.attn_splits = None
+        rows.append({"splits": s, "us": us, "default_us": time_us(chain, {}, iters)})
+        print(f"{name} attention in {s} splits: {us:.2f} us a layer (default {rows[-1]['default_us']:.2f})", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=32)
@@ -212,6 +229,8 @@ def main() -> None:
                    help='a JSON {shape: gemv config} for the bf16 chain, timed as a whole (repeatable), e.g. '
                         '\'{"qkv": {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 8, "num_stages": 3}}\'')
     p.add_argument("--bf16-only", action="store_true", help="the bf16 chain alone (no W4 chain, sweep or trace)")
+    p.add_argument("--attn-splits", default="", help="decode attention split counts timed beside the default "
+                   "(comma list; 1: one program a KV head, no merge kernel), in the bf16 and the W4 chain")
     p.add_argument("--out", default="bench_results/w4_chain.json")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -224,6 +243,8 @@ def main() -> None:
     report["bf16_us"] = time_us(bf16, {}, a.iters)
     report["bf16_no_attention_us"] = time_us(bf16, {}, a.iters, attention=False)
     bf16_bytes = bf16.bytes_per_layer()
+    attn_splits = [int(x) for x in a.attn_splits.split(",") if x]
+    report["bf16_attn_splits"] = time_attn_splits(bf16, attn_splits, a.iters, "bf16")
     report["bf16_combined"] = []
     for spec in a.bf16_tiles:  # each beside the default again, in turn (the default's drift shows)
         tiles = json.loads(spec)
@@ -246,6 +267,7 @@ def main() -> None:
           f"W4 {report['w4_default_us']:.1f} us ({report['w4_bytes_per_layer'] / report['w4_default_us'] / 1e3:.0f} GB/s), "
           f"without attention {report['bf16_no_attention_us']:.1f} / {report['w4_default_no_attention_us']:.1f} us",
           flush=True)
+    report["w4_attn_splits"] = time_attn_splits(w4, attn_splits, a.iters, "W4")
     report["combined"] = []
     for spec in a.tiles:
         tiles = json.loads(spec)
