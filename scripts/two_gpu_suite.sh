@@ -15,7 +15,12 @@ mkdir -p "$RES"
 export PYTHONUNBUFFERED=1
 M8B=/tmp/m8b
 [ -d $M8B ] || python scripts/model_shapes.py llama-3.1-8b $M8B >/dev/null
-python -m router.proto >/dev/null  # the served steps' gRPC stubs (a fresh host has none; needs grpcio-tools)
+# The served steps' gRPC stubs (a fresh host has none; needs grpcio-tools no newer than the host's grpcio): without
+# them the served steps fail, so say so once in progress.txt rather than leave a traceback at the top of the output.
+if ! python -m router.proto >/dev/null 2>/tmp/router_proto.log; then
+  cp /tmp/router_proto.log "$RES/proto.log"
+  echo "$(date -u +%H:%M:%S) no gRPC stubs (router.proto failed, see proto.log): served steps will fail" >>"$RES/progress.txt"
+fi
 
 step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log to RES/NAME.log
   local name=$1 limit=$2; shift 2
