@@ -105,3 +105,23 @@ def test_a_sampled_step_is_read_at_summary_not_in_its_own_time(tmp_path, monkeyp
     assert traces == [f"rank0-mixed-step{n}-8tok.json.gz" for n in range(rank_profile.TRACES_PER_KIND)]
     profile.summary()  # a second summary reads nothing again
     assert reads == steps
+
+
+def test_unread_profilers_are_bounded():
+    """A profiler holds its step's events; past MAX_UNREAD of them the profile reads them at once (a served rank
+    profiling every step of a 500-step window would otherwise hold 500)."""
+    import torch
+
+    from workers import rank_profile
+    from workers.rank_profile import RankProfile
+
+    profile = RankProfile(0, gpu_every=1)
+    x = torch.randn(4, 8)
+    try:
+        for i in range(rank_profile.MAX_UNREAD + 1):
+            profile.step("decode", 0.0, 0.0, lambda: x.sum(), tokens=1, seqs=1)
+            assert len(profile.unread) == (i + 1 if i < rank_profile.MAX_UNREAD else 0)
+        assert all("profiler" not in r and "top_host" in r for r in profile.rows)
+        assert profile.summary()["decode"]["sampled_steps"] == rank_profile.MAX_UNREAD + 1
+    finally:
+        profile.gc.remove()

@@ -36,6 +36,7 @@ def step_kind(out: SchedulerOutput, cuda_graphs) -> str:
 
 
 TOP = 8  # kernels (GPU) or ops (CPU) named per step kind: what a slow step spends its time on
+MAX_UNREAD = 16  # sampled steps' profilers kept unread (`RankProfile.step`) before they are read in one go
 TRACES_PER_KIND = 2  # chrome traces written per rank and step kind where TANDEM_PROFILE_TRACE_DIR is set
 
 
@@ -97,6 +98,7 @@ class RankProfile:
         self.rows: list[dict] = []
         self.trace_dir = os.environ.get("TANDEM_PROFILE_TRACE_DIR") or None
         self.traces: dict[str, int] = defaultdict(int)  # written per step kind
+        self.unread: list[dict] = []  # sampled steps' rows whose profiler `summary` has not read yet
         # This process's collector pauses since the profile started (`summary`'s "gc"): a rank's stall is its peers' wait.
         self.gc = GcPauses().install()
 
@@ -130,6 +132,7 @@ class RankProfile:
             # events: 28 ms, its key_averages 1.7 s), which would land in this step's time and hold up the next (its
             # peers' too, under TP): at 1 step in 40 it added ~5 ms to a mean mixed step (2 x H200, 2026-11-29).
             row["profiler"] = (prof, cuda, trace)
+            self.unread.append(row)
         else:
             result = run()
         row["execute"] = time.perf_counter() - t
@@ -137,6 +140,8 @@ class RankProfile:
         if timed:
             row["phases"] = dict(timed)
         self._add(row)
+        if len(self.unread) > MAX_UNREAD:  # a profiler holds its step's events: bound the memory (a served rank's
+            self._read_unread()  # window of 500 steps at gpu_every 1), at the cost of this once in a while
         return result
 
     def samples_next(self, ahead: int = 0) -> bool:
@@ -153,6 +158,11 @@ class RankProfile:
 
     def _add(self, row: dict) -> None:
         self.rows.append(row)
+
+    def _read_unread(self) -> None:
+        for row in self.unread:
+            self._read_profiler(row)
+        self.unread = []
 
     def _read_profiler(self, row: dict) -> None:
         """A sampled step's kernel, communication and top-op times from its profiler (and its trace, if asked)."""
@@ -177,10 +187,9 @@ class RankProfile:
     def summary(self, starts: bool = False) -> dict[str, dict]:
         """Per step kind; `starts`: with each step's (order number, execute start) in `execute_starts`, for
         `start_lags` across ranks (left out of the logged windows, where they would only bloat the line)."""
+        self._read_unread()
         by: dict[str, list[dict]] = defaultdict(list)
         for r in self.rows:
-            if "profiler" in r:
-                self._read_profiler(r)
             by[r["kind"]].append(r)
         out = {}
         for kind, rows in by.items():
