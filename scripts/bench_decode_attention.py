@@ -8,6 +8,8 @@ partials. A short context fills only the first splits either way (the others wri
     python scripts/bench_decode_attention.py --contexts 128,256,1024,4096 --splits auto,16,8,4
     python scripts/bench_decode_attention.py --batch 64,256 --tp 1,2 --contexts 512 --splits auto,1,2,4 --layers 8
         # a batched decode step: contexts spread over [c/2, 3c/2), one TP rank's heads (32/tp query, 8/tp KV)
+    python scripts/bench_decode_attention.py --batch 250 --contexts 512 --splits auto --tiles 64/4/3,128/8/2 --layers 8
+        # the split kernel's tile (BLOCK_N keys a step / warps / stages) beside the default 64/4/2
 Prints microseconds per layer; writes JSON (--out).
 """
 from __future__ import annotations
@@ -27,6 +29,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from parallel.kernels.paged_attention import decode_attention, num_decode_splits  # noqa: E402
 
 
+def parse_tiles(spec: str) -> list[tuple[int, int, int]]:
+    """"64/4/3,128/8/2" -> [(64, 4, 3), (128, 8, 2)]: BLOCK_N (a power of two, at least 16), warps, stages."""
+    tiles = []
+    for item in filter(None, spec.split(",")):
+        try:
+            n, w, st = (int(v) for v in item.split("/"))
+        except ValueError:
+            sys.exit(f"--tiles {item!r}: expected BLOCK_N/warps/stages, e.g. 64/4/3")
+        if n < 16 or n & (n - 1) or w not in (1, 2, 4, 8, 16) or st < 1:
+            sys.exit(f"--tiles {item!r}: BLOCK_N a power of two >= 16, warps 1-16 (a power of two), stages >= 1")
+        tiles.append((n, w, st))
+    return tiles
+
+
 def seq_lens_for(context: int, batch: int) -> list[int]:
     """One sequence: `context`; a batch: contexts spread evenly over [context / 2, 3 * context / 2), shuffled."""
     if batch == 1:
@@ -36,7 +52,8 @@ def seq_lens_for(context: int, batch: int) -> list[int]:
     return lens
 
 
-def time_chain(context: int, splits: int, a, batch: int = 1, tp: int = 1) -> float:
+def time_chain(context: int, splits: int, a, batch: int = 1, tp: int = 1,
+               tile: tuple[int, int, int] | None = None) -> float:
     hq, hkv, d, page = 32 // tp, 8 // tp, 128, 16
     lens = seq_lens_for(context, batch)
     blocks = -(-max(a.max_seq_len, max(lens)) // page)  # a sequence's block-table width
@@ -53,7 +70,7 @@ def time_chain(context: int, splits: int, a, batch: int = 1, tp: int = 1) -> flo
     def chain():
         x = q
         for table in tables:  # each layer's query is the one before's output: a dependent chain
-            x = decode_attention(x, cache, table, seq_lens, d ** -0.5, a.max_seq_len, num_splits=splits)
+            x = decode_attention(x, cache, table, seq_lens, d ** -0.5, a.max_seq_len, num_splits=splits, tile=tile)
         return x
 
     chain()
@@ -78,12 +95,15 @@ def main() -> None:
     p.add_argument("--max-seq-len", type=int, default=4096, help="the context the graph was captured for")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--batch", default="1", help="sequences a step (comma list); above 1 their contexts spread around each --contexts value")
+    p.add_argument("--tiles", default="", help="split-kernel tiles timed beside the default, BLOCK_N/warps/stages "
+                   "(comma list, e.g. 64/4/3,128/8/2; the default is 64/4/2)")
     p.add_argument("--tp", default="1", help="TP sizes (comma list): one rank's heads, 32/tp query and 8/tp KV")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default="bench_results/bench_decode_attention.json")
     a = p.parse_args()
     if any(8 % int(t) for t in a.tp.split(",")):
         sys.exit(f"--tp {a.tp}: each size must divide the 8 KV heads")
+    tiles = parse_tiles(a.tiles)
     if not torch.cuda.is_available():
         sys.exit("bench_decode_attention needs a CUDA GPU")
     rows = []
@@ -96,6 +116,8 @@ def main() -> None:
             line[f"splits={name}"] = time_chain(context, splits, a, batch, tp)
             if name == "auto":
                 line["auto_splits"] = splits
+            for tile in tiles:
+                line[f"splits={name},tile={'/'.join(map(str, tile))}"] = time_chain(context, splits, a, batch, tp, tile)
         rows.append(line)
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in line.items()}))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -38,3 +38,12 @@ def test_a_tp_size_that_does_not_split_the_kv_heads_is_refused():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_decode_attention.py"), "--tp", "1,3"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "must divide the 8 KV heads" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tiles_parse_and_bad_ones_are_refused_by_name():
+    bench = _load()
+    assert bench.parse_tiles("") == [] and bench.parse_tiles("64/4/3,128/8/2") == [(64, 4, 3), (128, 8, 2)]
+    for bad in ("64/4", "48/4/2", "64/3/2", "64/4/0", "x/4/2"):
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_decode_attention.py"), "--tiles", bad],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and bad in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)

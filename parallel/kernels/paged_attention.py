@@ -251,10 +251,13 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, max_seq_len: int, out: torch.Tensor | None = None,
                      num_splits: int | None = None, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                     slot_mapping: torch.Tensor | None = None, kv_scale: float = 1.0) -> torch.Tensor:
+                     slot_mapping: torch.Tensor | None = None, kv_scale: float = 1.0,
+                     tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D]. The new token's k/v are either already in the cache, or given as
     k_new/v_new [B, Hkv, D] with slot_mapping [B]: then this kernel writes them (one launch less).
-    Splits with no tile of their sequence write nothing, and the merge reads only the splits in use."""
+    Splits with no tile of their sequence write nothing, and the merge reads only the splits in use.
+    tile: the split kernel's (BLOCK_N keys a step, warps, pipeline stages) in place of (64, 4, 2), for sweeps
+    (scripts/bench_decode_attention.py --tiles)."""
     b, hq, d = q.shape
     kc, vc = kv_cache[0], kv_cache[1]
     hkv = kc.shape[2]
@@ -270,7 +273,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         part_lse = torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
-    block_n = decode_block_n(kc.shape[1])
+    block_n, warps, stages = tile or (decode_block_n(kc.shape[1]), 4, 2)
     # Batch-1 graphs chain GEMV -> split -> reduce -> GEMV with programmatic dependent launches
     # (parallel/kernels/gemv.py): each kernel is resident before its predecessor ends.
     pdl = b == 1 and torch.cuda.is_current_stream_capturing() and _pdl_enabled()
@@ -288,7 +291,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), kv_scale,
         GQA=gqa, G_PAD=g_pad, D=d, PAGE=kc.shape[1], BLOCK_N=block_n, SPLIT=s > 1, FUSE_WRITE=fuse,
-        USE_PDL=pdl, FP8=_is_fp8(kc), num_warps=4, num_stages=2, **pdl_kw)
+        USE_PDL=pdl, FP8=_is_fp8(kc), num_warps=warps, num_stages=stages, **pdl_kw)
     if s > 1:
         launch(_decode_reduce_kernel, (b, hq), part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), HQ=hq,
                D=d, NUM_SPLITS=s, S_PAD=triton.next_power_of_2(s), BLOCK_N=block_n, SEQ_USED=True, USE_PDL=pdl,
