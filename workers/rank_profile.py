@@ -130,7 +130,8 @@ class RankProfile:
             row["sampled_wall"] = time.perf_counter() - t
             # Read at `summary`, not now: parsing a step's events takes far longer than the step (a CPU step of 36,000
             # events: 28 ms, its key_averages 1.7 s), which would land in this step's time and hold up the next (its
-            # peers' too, under TP): at 1 step in 40 it added ~5 ms to a mean mixed step (2 x H200, 2026-11-29).
+            # peers' too, under TP). On 2 x H200 (2026-11-29, 1 step in 40 sampled) a TP=2 rank's mean mixed step
+            # ran ~5 ms past its timed phases.
             row["profiler"] = (prof, cuda, trace)
             self.unread.append(row)
         else:

@@ -131,8 +131,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr,
     if SPLIT and first >= last:
         # A split past the sequence's tiles reads and writes nothing (the new token's slot is a non-empty split's,
         # the merge skips it): it leaves before the wait for q. A batch-1 graph is captured with 32 splits for the
-        # longest context, so at a short one most of its 256 programs are these; waiting for the qkv GEMV and
-        # loading q they cost the W4 chain ~0.9 us a layer at context 128 (bench_w4_chain.py --attn-splits 4).
+        # longest context, so at a short one most of its 256 programs are these. At context 128 the W4 chain ran
+        # 0.9 us a layer faster with 4 splits than with 32 while they waited for the qkv GEMV and loaded q, 0.36 us
+        # with this exit (scripts/bench_w4_chain.py --attn-splits 4, one H200, 2026-11-29).
         return
 
     offs_g = tl.arange(0, G_PAD)
