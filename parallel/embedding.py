@@ -142,6 +142,6 @@ class QuantizedLMHead(_LogitsHead, ColumnParallelLinear):
 
 def make_lm_head(vocab_size: int, hidden_size: int, quant_config: QuantConfig | None) -> nn.Module:
     """The quantized head where the checkpoint quantizes it (`quant_config.lm_head`), else the plain one."""
-    if quant_config is not None and getattr(quant_config, "lm_head", False):
+    if quant_config is not None and quant_config.lm_head:
         return QuantizedLMHead(vocab_size, hidden_size, quant_config)
     return ParallelLMHead(vocab_size, hidden_size)

@@ -56,8 +56,10 @@ def untied_copy(src: str, dst: str) -> str:
     from safetensors.torch import load_file, save_file
 
     cfg = json.loads(Path(src, "config.json").read_text())
-    if not cfg.get("tie_word_embeddings") or os.path.isdir(dst):  # untied, or written already by this run
-        return src if not cfg.get("tie_word_embeddings") else dst
+    if not cfg.get("tie_word_embeddings"):
+        return src
+    if os.path.isdir(dst):  # written already by this run
+        return dst
     files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
     if len(files) != 1:
         raise ValueError(f"untying a tied head reads one safetensors file; {src} has {len(files)}")
