@@ -6,15 +6,24 @@ before a per-rank argmax).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.comm import gather_last_dim_to_first, gather_to_all, gather_to_first, reduce_partial_sums
+from parallel.comm import gather_first_dim, gather_last_dim_to_first, gather_to_all, gather_to_first, reduce_partial_sums
 from parallel.linear import ColumnParallelLinear, set_weight_loader
 from parallel.matmul import linear
 from parallel.quant.base import QuantConfig
 from parallel.state import Group, tp_group
+
+GREEDY_KERNELS_ENV = "TANDEM_TP_GREEDY_KERNELS"  # "0": a TP head's greedy choice in the PyTorch form (to compare)
+
+try:
+    from parallel.kernels import sampling as _sampling
+except ImportError:  # no Triton (CPU machines): the PyTorch form
+    _sampling = None
 
 
 def pad_vocab(vocab_size: int, tp_size: int) -> int:
@@ -88,14 +97,34 @@ class _LogitsHead:
 
     def greedy_tokens(self, hidden: torch.Tensor, everywhere: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """hidden [n, d] -> (argmax token ids [n] int64, their log-probabilities [n] fp32) on the
+        group's first rank; None on the others, unless `everywhere` (see `greedy_packed`)."""
+        packed = self.greedy_packed(hidden, everywhere)
+        return None if packed is None else (packed[0].long(), packed[1].float())
+
+    def greedy_packed(self, hidden: torch.Tensor, everywhere: bool = False) -> torch.Tensor | None:
+        """hidden [n, d] -> [2, n] float64 (argmax token ids, their log-probabilities in fp32's values) on the
         group's first rank; None on the others, unless `everywhere`: then every rank gets the same
-        [n, 3] from an all-gather and picks bitwise the same tokens (so each can fill the next step's
+        [n, 3] per rank from an all-gather and picks bitwise the same tokens (so each can fill the next step's
         placeholders itself, with no round trip through the driver: cluster/rank_worker.py).
 
         Ties go to the lowest token id, as a full-vocabulary argmax would: slices are in ascending id
-        order and both argmaxes below return the first maximum.
+        order and both argmaxes return the first maximum. On CUDA a rank's (max, id, log-sum-exp) come from one
+        pass of the greedy kernel over its slice and the ranks' are combined by another (parallel/kernels/
+        sampling.py): three kernels and the all-gather, where the PyTorch form below launches ~25 small ones after
+        the head's GEMM, in each TP decode step of a rank.
         """
-        logits = self.local_logits(hidden).float()  # [n, V/tp]
+        logits = self.local_logits(hidden)  # [n, V/tp]
+        if logits.is_cuda and _sampling is not None and os.environ.get(GREEDY_KERNELS_ENV, "1") != "0":
+            parts = _sampling.greedy_parts(logits, self.vocab_start)  # [n, 3]
+            if everywhere:
+                per_rank = gather_first_dim(parts, self.group).view(self.group.size, *parts.shape)
+            else:
+                gathered = gather_to_first(parts, self.group)
+                if gathered is None:
+                    return None
+                per_rank = torch.stack(gathered)  # [tp, n, 3]
+            return _sampling.greedy_combine(per_rank)
+        logits = logits.float()
         index = logits.argmax(dim=-1)  # [n]
         values = logits.gather(1, index[:, None]).squeeze(1)
         lse = torch.logsumexp(logits, dim=-1)
@@ -108,7 +137,7 @@ class _LogitsHead:
         best = per_rank[..., 0].argmax(dim=1)  # [n]
         chosen = per_rank.gather(1, best[:, None, None].expand(-1, 1, 3)).squeeze(1)  # [n, 3]
         total_lse = torch.logsumexp(per_rank[..., 2], dim=1)  # [n]
-        return chosen[:, 1].long(), (chosen[:, 0] - total_lse).float()
+        return torch.stack([chosen[:, 1], (chosen[:, 0] - total_lse).float().double()])
 
 
 class ParallelLMHead(_LogitsHead, VocabParallelEmbedding):

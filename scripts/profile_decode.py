@@ -6,6 +6,9 @@
     python scripts/profile_decode.py --shape llama-3.1-8b --verify-k 4 --context 1024   # a verification step (k + 1 tokens)
     python scripts/profile_decode.py --quantization gptq --lm-head --timeline 40   # 4-bit, the LM head too; the step's
                                                                                    # last 40 kernels in order, with gaps
+    python scripts/profile_decode.py --quantization gptq --lm-head --engine-steps 30 --timeline 40
+        # also the engine's own decode loop (LLMEngine.step, steps launched ahead): its step period against the
+        # graph replay, and what the GPU runs between two replays
 Prints the kernels that take the most GPU time per step, grouped by name.
 """
 from __future__ import annotations
@@ -38,6 +41,9 @@ def main():
                    help="with --quantization gptq: config.json says lm_head: true, so the LM head is 4-bit too")
     p.add_argument("--timeline", type=int, default=0,
                    help="also list the last N kernels of the final replay in order: start, duration, gap before")
+    p.add_argument("--engine-steps", type=int, default=0,
+                   help="also profile this many batch-1 steps of the engine's own decode loop (with --timeline: the "
+                        "loop's last kernels and copies, what runs between two replays)")
     p.add_argument("--out", default="bench_results/profile_decode.txt")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -101,11 +107,43 @@ def main():
         lines.append(f"{t / 1e3:8.3f} ms {100 * t / total:5.1f}%  x{c:5.0f}  {name[:110]}")
     if a.timeline:
         lines += timeline(prof, a.timeline)
+    if a.engine_steps:
+        lines += engine_loop(eng, a.engine_steps, a.context, a.timeline, wall)
     text = "\n".join(lines)
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         f.write(text + "\n")
+
+
+def engine_loop(eng, steps: int, context: int, n_timeline: int, replay_ms: float) -> list[str]:
+    """`steps` decode steps of one request through LLMEngine.step under the profiler: the period between the ends
+    of successive steps' greedy kernels (the last kernel of a step with the head in its graph) against the graph's
+    replay wall, and (n_timeline) the loop's last GPU operations, copies included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng.add_request("profiled-loop", [100 + j % 1000 for j in range(context)],
+                    SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True))
+    for _ in range(4):  # the prefill, then steps in flight as in a steady loop
+        eng.step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    while eng.has_unfinished_requests():
+        eng.step()
+    ends = sorted(ev.time_range.end for ev in prof.events() if "greedy" in ev.name and ev.time_range.elapsed_us() > 0
+                  and str(getattr(ev, "device_type", "")).endswith("CUDA"))
+    # a step's greedy decoding may be two kernels: keep the last end of each cluster
+    step_ends = [t for i, t in enumerate(ends) if i + 1 == len(ends) or ends[i + 1] - t > 100]
+    out = []
+    if len(step_ends) > 2:
+        period = (step_ends[-1] - step_ends[0]) / (len(step_ends) - 1) / 1e3
+        out.append(f"engine loop: {len(step_ends)} steps, {period:.4f} ms a step between greedy ends; graph replay "
+                   f"wall {replay_ms:.4f} ms; the difference {1e3 * (period - replay_ms):.1f} us a step")
+    if n_timeline:
+        out += ["engine loop, " + line if i == 0 else line for i, line in enumerate(timeline(prof, n_timeline))]
+    return out
 
 
 def timeline(prof, n: int) -> list[str]:

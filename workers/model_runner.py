@@ -413,8 +413,7 @@ class ModelRunner:
         return LaunchedStep([s.seq_id for s in seqs], packed, no_top_logprobs([s.sampling_params for s in seqs]))
 
     def _greedy_everywhere(self, hidden: torch.Tensor) -> torch.Tensor:
-        ids, logprobs = self.model.lm_head.greedy_tokens(hidden, everywhere=True)
-        return torch.stack([ids.double(), logprobs.double()])
+        return self.model.lm_head.greedy_packed(hidden, everywhere=True)
 
     def _run_step(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if out.is_empty:

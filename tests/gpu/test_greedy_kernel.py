@@ -59,3 +59,22 @@ def test_split_rows_in_a_cuda_graph(rows):
     assert torch.equal(replayed[:, 0], want[:, 0])
     torch.testing.assert_close(replayed[:, 1], want[:, 1], rtol=1e-5, atol=1e-5)
     assert not torch.equal(eager, replayed)  # new logits, new tokens: the replay read them
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_tp_slices_combined(tp, rows):
+    """A TP head's greedy choice: each rank's (max, id, log-sum-exp) of its slice, combined over the ranks, gives
+    torch's token over the whole row (a tie across two ranks' slices: the lower id) and its log-probability."""
+    from parallel.kernels.sampling import greedy_combine, greedy_parts
+
+    vocab = 128256
+    width = vocab // tp
+    logits = (torch.randn(rows, vocab, device=DEV) * 5).to(torch.bfloat16)
+    top = logits.float().max() + 1
+    logits[0, 2 * width - 1] = top  # rank 1's last column and rank 2's (or, at tp 2, rank 0's first) tie
+    logits[0, (2 * width) % vocab] = top
+    parts = torch.stack([greedy_parts(logits[:, r * width:(r + 1) * width], r * width) for r in range(tp)])
+    got, want = greedy_combine(parts), _reference(logits)
+    assert torch.equal(got[0], want[:, 0])
+    torch.testing.assert_close(got[1], want[:, 1], rtol=1e-5, atol=1e-5)
