@@ -40,10 +40,11 @@ def _engine(path: str, dtype: str, **layout) -> LLM:
 
 
 def _generate(path: str, prompts: list[list[int]], max_tokens: int, dtype: str = "bfloat16", one_at_a_time: bool = False,
-              **layout) -> list:
-    """one_at_a_time: each prompt alone, so its decode steps replay the batch-1 graph (the fused GEMV path)."""
+              top_n: int | None = TOP_N, **layout) -> list:
+    """one_at_a_time: each prompt alone, so its decode steps replay the batch-1 graph (the fused GEMV path).
+    top_n None: plain greedy (no logprobs), which under TP takes the greedy head (its graphs, the greedy kernels)."""
     llm = _engine(path, dtype, **layout)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP_N)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=top_n)
     try:
         if one_at_a_time:
             return [llm.generate([p], params)[0] for p in prompts]
@@ -102,6 +103,21 @@ def test_tp2_bf16_batch1_decode_matches_tp1():
     ref32 = _generate(path, prompts, 32, dtype="float32", one_at_a_time=True)
     got = _generate(path, prompts, 32, one_at_a_time=True, tensor_parallel_size=2)
     _check(path, prompts, ref16, got, ref32, "TP=2 batch-1 vs TP=1")
+
+
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_tp2_bf16_plain_greedy_matches_tp1(one_at_a_time: bool):
+    """Plain greedy rows (no logprobs) under TP=2 take the TP greedy head: every rank's (max, id, log-sum-exp) of its
+    vocabulary slice from the greedy kernels, all-gathered and combined by another (parallel/embedding.py
+    `greedy_packed`), every rank picking the tokens itself; batched and at batch 1."""
+    path = tiny_model("llama", **LLAMA)
+    prompts = prompts_of_lengths([7, 30, 64, 120, 250, 17], vocab_size=300, seed=9)
+    n = 32 if one_at_a_time else 64
+    ref16 = _generate(path, prompts, n, one_at_a_time=one_at_a_time)
+    ref32 = _generate(path, prompts, n, dtype="float32", one_at_a_time=one_at_a_time)
+    got = _generate(path, prompts, n, one_at_a_time=one_at_a_time, top_n=None, tensor_parallel_size=2)
+    assert all(len(g.token_ids) == n for g in got)
+    _check(path, prompts, ref16, got, ref32, f"TP=2 plain greedy{' batch-1' if one_at_a_time else ''} vs TP=1")
 
 
 @pytest.mark.parametrize("sp_attention", ["ring", "ulysses"])
