@@ -111,7 +111,8 @@ def _greedy_merge_kernel(part_m, part_s, part_i, out_ptr, C, offset, C_PAD: tl.c
 def _greedy_combine_kernel(parts_ptr, out_ptr, N, TP: tl.constexpr, TP_PAD: tl.constexpr):
     """Program `row`: the TP ranks' (max, token id, log-sum-exp) of their vocabulary slices (parts [TP, N, 3],
     float64) -> out [2, N]: the token of the largest max, the lowest rank's on a tie (slices are in ascending id
-    order, so the first maximum of the whole row), and its log-probability against the log-sum-exp of all ranks."""
+    order, so the first maximum of the whole row), and its log-probability against the log-sum-exp of all ranks
+    (computed in float64, rounded to float32 as `_LogitsHead.greedy_packed`'s PyTorch form rounds it)."""
     row = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, TP_PAD)
     mask = r < TP
@@ -125,7 +126,7 @@ def _greedy_combine_kernel(parts_ptr, out_ptr, N, TP: tl.constexpr, TP_PAD: tl.c
     m = tl.max(lse, 0)
     total = m + tl.log(tl.sum(tl.where(mask, tl.exp(lse - m), 0.0), 0))
     tl.store(out_ptr + row, chosen)
-    tl.store(out_ptr + N + row, best - total)
+    tl.store(out_ptr + N + row, (best - total).to(tl.float32).to(tl.float64))  # fp32's value, as the PyTorch form
 
 
 BLOCK = 2048  # columns a program reads at a time
