@@ -19,11 +19,26 @@ from parallel.quant.base import QuantConfig
 from parallel.state import Group, tp_group
 
 GREEDY_KERNELS_ENV = "TANDEM_TP_GREEDY_KERNELS"  # "0": a TP head's greedy choice in the PyTorch form (to compare)
+# A TP rank's share of the token embedding on CUDA: "torch" (default: compares, shift, lookup, fill, then the
+# all-reduce), "kernel" (the lookup and the zeros in one launch, `fused_ops.vocab_rows`), "push" (that, and the batch-1
+# fused decoder pushes the rows into a first pushed-partials site for the first qkv GEMV to sum, with no all-reduce:
+# workers/models/fused_decode.py). Opt-in until measured on two GPUs.
+TP_EMBED_ENV = "TANDEM_TP_EMBED"
+TP_EMBED_MODES = ("torch", "kernel", "push")
 
 try:
+    from parallel.kernels import fused_ops as _fused_ops
     from parallel.kernels import sampling as _sampling
 except ImportError:  # no Triton (CPU machines): the PyTorch form
-    _sampling = None
+    _fused_ops = _sampling = None
+
+
+def tp_embed_mode() -> str:
+    """TANDEM_TP_EMBED's value (see TP_EMBED_MODES); another is refused by name."""
+    mode = os.environ.get(TP_EMBED_ENV, "torch").strip().lower()
+    if mode not in TP_EMBED_MODES:
+        raise ValueError(f"{TP_EMBED_ENV}={mode!r}: expected one of {', '.join(TP_EMBED_MODES)}")
+    return mode
 
 
 def pad_vocab(vocab_size: int, tp_size: int) -> int:
@@ -52,6 +67,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
             return F.embedding(token_ids, self.weight)
+        if token_ids.is_cuda and _fused_ops is not None and tp_embed_mode() != "torch":
+            return reduce_partial_sums(_fused_ops.vocab_rows(token_ids, self.weight, self.vocab_start), self.group)
         # Ids owned by other ranks look up row 0 and are zeroed; the all-reduce fills them in.
         local = (token_ids >= self.vocab_start) & (token_ids < self.vocab_end)
         out = F.embedding(torch.where(local, token_ids - self.vocab_start, 0), self.weight)

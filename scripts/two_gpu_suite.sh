@@ -8,7 +8,7 @@
 # LIMITS="sp=200 sp_serve=380" overrides steps' time limits; SP_LENGTHS the sp step's prompt lengths, PD_RATES the
 # pd step's request rates (PD_ARRIVAL_S: seconds of arrivals a rate, 15), KV_MIN_MESSAGES the kv step's message counts, KV_COPY_PROGRAMS and KV_OVERLAP_COPY_PROGRAMS its row-copy grid caps.
 # Steps: tests offline latency pd kv sp ep fault (the default), and pp allreduce pd_small pd_c1 sp_serve tp_serve
-# pd_trace pd_profile.
+# pd_trace pd_profile embed.
 set -u
 RES=${RES:-/tmp/res}
 mkdir -p "$RES"
@@ -149,6 +149,14 @@ run_pd_profile() {  # issue 27: what limits PD's decode replica at 16 req/s: its
   python scripts/trace_stages.py "$RES/pd_profile.jsonl" >"$RES/pd_profile_stages.txt" 2>&1
   return $rc
 }
+run_embed() {  # issue 26: batch-1 TP=2 with a rank's share of the embedding in one kernel, and pushed into a first
+  # pushed-partials site (TANDEM_TP_EMBED=kernel / push, opt-in until this runs), beside the default and one GPU
+  for v in "1 tp1 torch" "2 tp2 torch" "2 tp2_push push" "2 tp2_kernel kernel" "2 tp2_push_again push"; do
+    set -- $v
+    TANDEM_TP_EMBED=$3 python scripts/bench_latency.py --modes graphs --tensor-parallel-size $1 --skip-hf \
+      --prefill-lens 2048 --out "$RES/embed_$2.json" || return $?
+  done
+}
 run_tp_serve() {  # issue 26: the served app, one TP=2 replica against one TP=1 replica, one client (TPOT)
   python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
     --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16" --log-dir "$RES/tp_serve_logs" \
@@ -174,9 +182,9 @@ run_fault() {
 SP_LENGTHS=${SP_LENGTHS:-16384,65536,131056}
 PD_RATES=${PD_RATES:-2,4,8,16,24}
 export RES M8B SP_LENGTHS PD_RATES
-export -f run_tests run_offline run_pp run_latency run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
+export -f run_tests run_offline run_pp run_latency run_embed run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
 declare -A LIMIT=([tests]=420 [offline]=540 [pp]=300 [latency]=580 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
-                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [pd_trace]=240 [pd_profile]=240)
+                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=330 [pd_trace]=240 [pd_profile]=240)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1

@@ -23,18 +23,13 @@ import torch
 import triton
 import triton.language as tl
 from parallel.kernels import gemv as G
-from parallel.p2p_allreduce import EMPTY_BITS, PushedSite
+from parallel.p2p_allreduce import EMPTY_BITS
+from tests.pushed_slots import played_slots
 
 torch.manual_seed(0)
 dt, world, sites = torch.float16, 2, 3
 K, KH, N, D = 64, 32, 96, 16  # hidden, each rank's half of the row-parallel input, the next GEMV's width, head_dim
-slots = [torch.empty(sites, world, K, dtype=dt) for _ in range(world)]
-for t in slots:
-    t.view(torch.int16).fill_(EMPTY_BITS)
-
-def site(rank, s):
-    ptrs = torch.tensor([slots[p].data_ptr() + (s * world + rank) * K * 2 for p in range(world)], dtype=torch.int64)
-    return PushedSite(world, slots[rank][s], slots[rank][(s - 1) % sites], ptrs)
+slots, site = played_slots(world, sites, K, dt)
 
 def empty(t):
     return bool((t.view(torch.int16) == EMPTY_BITS).all())
@@ -100,11 +95,7 @@ for bad in (dict(take=site(0, 1)), dict(push=site(0, 1), silu=True)):
 
 # Four ranks (TP=4): every rank's part in every rank's slots, summed in rank order (left to right, in fp32).
 W4, KQ = 4, 16
-slots4 = [torch.empty(2, W4, K, dtype=dt) for _ in range(W4)]
-for t in slots4:
-    t.view(torch.int16).fill_(EMPTY_BITS)
-site4 = lambda r, s: PushedSite(W4, slots4[r][s], slots4[r][(s - 1) % 2], torch.tensor(
-    [slots4[p].data_ptr() + (s * W4 + r) * K * 2 for p in range(W4)], dtype=torch.int64))
+slots4, site4 = played_slots(W4, 2, K, dt)
 x4 = [torch.randn(1, KQ, dtype=dt) for _ in range(W4)]
 w4 = [(torch.randn(K, KQ) * 0.3).to(dt) for _ in range(W4)]
 parts4 = [G.gemv(x4[r], w4[r], b if r == 0 else None, residual=resid if r == 0 else None) for r in range(W4)]

@@ -22,6 +22,7 @@ from workers.attention.sp_backend import SequenceParallelAttention
 from workers.config import EngineConfig
 from workers.loader import load_model
 from workers.microbatch import split_by_sequence
+from workers.models.fused_decode import pushed_sites
 from workers.models.layers import PagedAttention
 from workers.host_fetch import host_lists
 from workers.launched_step import LaunchedStep
@@ -70,7 +71,7 @@ class ModelRunner:
             if enable_p2p_all_reduce(tp_group(), self.device, self.dtype) and pp_group().size == 1:
                 # the batch-1 fused decoder's two row-parallel outputs a layer, pushed instead of all-reduced
                 enable_pushed_partials(tp_group(), self.device, self.dtype, hf_config.hidden_size,
-                                       2 * hf_config.num_hidden_layers)
+                                       pushed_sites(hf_config.num_hidden_layers))
         self.model = load_model(hf_config, config.model.model, self.dtype, self.device, max_model_len,
                                 config.model.load_format, config.model.seed, show_progress,
                                 quantization_config=config.model.quantization_config())

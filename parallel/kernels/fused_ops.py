@@ -1,5 +1,5 @@
-"""Fused elementwise kernels for the CUDA path: RMSNorm (+ residual add), SiLU-and-mul, RoPE, and
-per-head q/k RMSNorm with RoPE in one launch (Qwen3).
+"""Fused elementwise kernels for the CUDA path: RMSNorm (+ residual add), SiLU-and-mul, RoPE, per-head
+q/k RMSNorm with RoPE in one launch (Qwen3), and a TP rank's share of the token embedding.
 
 Each reproduces the PyTorch reference in `workers/models/layers.py` rounding step for rounding step
 (bf16/fp16 results of every intermediate op are rounded to the model dtype exactly where PyTorch
@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from parallel.kernels.gemv import _push
 from parallel.kernels.quant_gemm import fp8_pad_row, fp8_row
 from parallel.quant import fp8_act
 
@@ -255,3 +256,44 @@ def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_we
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
     """q [T, Hq, D], k [T, Hkv, D], cos_sin [P, 2, D] fp32 contiguous -> rotated (q, k), new tensors."""
     return _launch_rope(positions, q, k, cos_sin)
+
+
+# ---------------------------------------------------------------- vocabulary-parallel embedding
+
+@triton.jit
+def _vocab_rows_kernel(ids_ptr, w_ptr, out_ptr, push_ptrs, start, rows, stride_w, stride_o, D: tl.constexpr,
+                       BLOCK: tl.constexpr, PUSH: tl.constexpr):
+    """Program (t, c): columns [c * BLOCK, (c + 1) * BLOCK) of token t's embedding where this rank's slice
+    [start, start + rows) holds it, zeros where another rank's does (their sum over the ranks is the embedding).
+    PUSH: one token, stored into every rank's slot at a pushed-partials site (gemv.py `_push`) instead of out."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    local = tl.load(ids_ptr + t).to(tl.int64) - start + tl.zeros([BLOCK], tl.int64)  # the token's row, per lane
+    mine = (local >= 0) & (local < rows)
+    v = tl.load(w_ptr + tl.where(mine, local, 0) * stride_w + offs, mask=mask & mine, other=0.0)
+    if PUSH > 0:
+        _push(v.to(tl.float32), offs, mask, push_ptrs, PUSH, w_ptr.dtype.element_ty)
+    else:
+        tl.store(out_ptr + t * stride_o + offs, v, mask=mask)
+
+
+def vocab_rows(token_ids: torch.Tensor, weight: torch.Tensor, start: int, push=None) -> torch.Tensor | None:
+    """token_ids [T] -> [T, D]: each token's row of this rank's vocabulary slice weight [rows, D] (token ids
+    start..start + rows), zeros for ids another rank holds: what `VocabParallelEmbedding` all-reduces, in one
+    launch where the PyTorch form takes seven (the mask's compares, the shift, the lookup, the fill). push (one
+    token): a pushed-partials site (parallel/p2p_allreduce.PushedSite); the row goes into every rank's slot there,
+    for the GEMV that takes the site to sum, and None is returned."""
+    t, d = token_ids.shape[0], weight.shape[1]
+    if weight.stride(1) != 1:
+        raise ValueError("vocab_rows: the embedding's rows must be contiguous")
+    if push is not None and t != 1:
+        raise ValueError(f"vocab_rows: a pushed embedding is one token's, got {t}")
+    out = None if push is not None else torch.empty(t, d, dtype=weight.dtype, device=weight.device)
+    if t:
+        block = min(1024, triton.next_power_of_2(d))
+        _vocab_rows_kernel[(t, triton.cdiv(d, block))](
+            token_ids, weight, out if out is not None else weight, push.ptrs if push is not None else token_ids,
+            start, weight.shape[0], weight.stride(0), d, D=d, BLOCK=block, PUSH=push.world if push is not None else 0,
+            num_warps=4)
+    return out

@@ -134,3 +134,20 @@ def test_fused_moe_expert_parallel_slice():
     ref = ex(x, ids, w)
     out = fused_moe(x, ex.w13, ex.w2, ids, w, 4, 16)
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("start", [0, 64128])
+def test_vocab_rows_match_the_masked_lookup(tokens, start):
+    """A TP rank's share of the embedding in one kernel (TANDEM_TP_EMBED=kernel/push) is bit for bit the PyTorch
+    form's masked lookup: its slice's rows, zeros (+0) for ids another rank holds."""
+    from parallel.kernels.fused_ops import vocab_rows
+
+    rows, d = 64128, 4096
+    weight = torch.randn(rows, d, device=DEV, dtype=torch.bfloat16)
+    ids = torch.randint(0, 2 * rows, (tokens,), device=DEV)
+    local = (ids >= start) & (ids < start + rows)
+    want = F.embedding(torch.where(local, ids - start, 0), weight)
+    want.masked_fill_(~local.unsqueeze(-1), 0)
+    got = vocab_rows(ids, weight, start)
+    assert torch.equal(got, want) and not torch.signbit(got[~local]).any()

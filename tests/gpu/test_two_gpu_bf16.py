@@ -120,6 +120,23 @@ def test_tp2_bf16_plain_greedy_matches_tp1(one_at_a_time: bool):
     _check(path, prompts, ref16, got, ref32, f"TP=2 plain greedy{' batch-1' if one_at_a_time else ''} vs TP=1")
 
 
+@pytest.mark.parametrize("embed", ["kernel", "push"])
+def test_tp2_bf16_batch1_with_the_embedding_kernel(embed: str, monkeypatch):
+    """TANDEM_TP_EMBED=kernel: each rank's share of the embedding in one kernel, then the all-reduce; push: at batch
+    1 the shares go into a first pushed-partials site for the first qkv GEMV to sum (workers/models/fused_decode.py),
+    a cycle of 2 x layers + 1 sites. Plain greedy at batch 1 against TP=1, as above."""
+    from parallel.embedding import TP_EMBED_ENV
+
+    path = tiny_model("llama", **LLAMA)
+    prompts = prompts_of_lengths([9, 60, 200], vocab_size=300, seed=5)
+    ref16 = _generate(path, prompts, 32, one_at_a_time=True)
+    ref32 = _generate(path, prompts, 32, dtype="float32", one_at_a_time=True)
+    monkeypatch.setenv(TP_EMBED_ENV, embed)  # the rank actors are given it (cluster/ray_runtime.py)
+    got = _generate(path, prompts, 32, one_at_a_time=True, top_n=None, tensor_parallel_size=2)
+    assert all(len(g.token_ids) == 32 for g in got)
+    _check(path, prompts, ref16, got, ref32, f"TP=2 batch-1, TANDEM_TP_EMBED={embed}, vs TP=1")
+
+
 @pytest.mark.parametrize("sp_attention", ["ring", "ulysses"])
 def test_sp2_bf16_8k_prefill_and_32_tokens_match_sp1(sp_attention: str):
     path = tiny_model("llama", **LLAMA)

@@ -29,11 +29,14 @@ import torch
 
 from parallel.comm import reduce_partial_sums
 
+from parallel.embedding import tp_embed_mode
+
 try:
+    from parallel.kernels import fused_ops as _fused_ops
     from parallel.kernels import gemv as _gemv
     from parallel.kernels import gemv_quant as _gemv_quant
 except ImportError:  # no Triton (CPU machines)
-    _gemv = _gemv_quant = None
+    _fused_ops = _gemv = _gemv_quant = None
 
 
 def applies(model, token_ids: torch.Tensor) -> bool:
@@ -65,7 +68,13 @@ def forward(model, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Te
     gemv = _gemv.gemv
     pushed = _pushed_partials(model)
     # h: the residual stream, or (pushed partials) the site where its TP ranks' partial sums wait to be summed
-    h = model.embed_tokens(token_ids)
+    first = embed_site_count(pushed.sites, len(model.layers)) if pushed else 0  # 1: the embedding pushes to site 0
+    if first:
+        emb = model.embed_tokens
+        _fused_ops.vocab_rows(token_ids, emb.weight, emb.vocab_start, push=pushed.site(0))
+        h = pushed.site(0)
+    else:
+        h = model.embed_tokens(token_ids)
     for i, layer in enumerate(model.layers.values()):
         attn, mlp = layer.self_attn, layer.mlp
         ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
@@ -74,9 +83,9 @@ def forward(model, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Te
             positions, attn.rotary.cos_sin, attn.head_dim, (attn.num_heads + attn.num_kv_heads) * attn.head_dim)
         qkv, h = normed_gemv(gemv, h, attn.qkv_proj, ln1, rope=rope)
         h = row_parallel_gemv(gemv, attn.attend(positions, qkv, rotated=rope is not None), attn.o_proj, h,
-                              pushed.site(2 * i) if pushed else None)
+                              pushed.site(first + 2 * i) if pushed else None)
         act, h = normed_gemv(gemv, h, mlp.gate_up_proj, ln2, silu=True)
-        h = row_parallel_gemv(gemv, act, mlp.down_proj, h, pushed.site(2 * i + 1) if pushed else None)
+        h = row_parallel_gemv(gemv, act, mlp.down_proj, h, pushed.site(first + 2 * i + 1) if pushed else None)
     if pushed:
         h = _gemv.sum_pushed(h, torch.empty(1, pushed.width, dtype=h.parts.dtype, device=h.parts.device))
     return model.norm(h)
@@ -90,13 +99,28 @@ def _pushed_partials(model):
     if not hasattr(model, "_pushed"):
         layers = list(model.layers.values())
         pushed = getattr(layers[0].self_attn.o_proj.group, "pushed_partials", None) if layers else None
-        if pushed is not None and (pushed.width != model.config.hidden_size or pushed.sites != 2 * len(layers)
+        if pushed is not None and (pushed.width != model.config.hidden_size
+                                   or embed_site_count(pushed.sites, len(layers)) is None
                                    or any(getattr(lin, "gemv_weight", None) is not None
                                           for layer in layers for lin in _linears(layer))
                                    or not pushed.claim(model)):
             pushed = None
         model._pushed = pushed
     return model._pushed
+
+
+def pushed_sites(num_layers: int) -> int:
+    """Pushed-partials sites a step of the batch-1 fused decoder uses: each layer's two row-parallel outputs, and
+    with TANDEM_TP_EMBED=push one more first, the embedding's (every site of the cycle must be taken each step: the
+    GEMV taking a site empties the one before it)."""
+    return 2 * num_layers + (tp_embed_mode() == "push")
+
+
+def embed_site_count(sites: int, num_layers: int) -> int | None:
+    """The sites before the layers' (1: the embedding pushes to site 0; 0: none), or None where `sites` fits
+    neither layout."""
+    extra = sites - 2 * num_layers
+    return extra if extra in (0, 1) else None
 
 
 def normed_gemv(gemv, h, linear, norm, **fused) -> tuple[torch.Tensor, torch.Tensor]:
