@@ -34,7 +34,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log to RES/N
 
 run_tests() {  # bf16 layouts against one GPU (TP=2 batch-1 with pushed partial sums), PP=2's stage graphs against HF,
   # and the push / take kernels on one GPU
-  python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -p no:cacheprovider || return $?
+  python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k "not embedding_kernel" -p no:cacheprovider || return $?
   python -m pytest -q -x tests/gpu/test_multigpu.py -k "pp2 and not tp2pp2" -p no:cacheprovider || return $?
   python -m pytest -q -x tests/gpu/test_gemv.py -k "pushed or waits" -p no:cacheprovider
 }
@@ -150,7 +150,10 @@ run_pd_profile() {  # issue 27: what limits PD's decode replica at 16 req/s: its
   return $rc
 }
 run_embed() {  # issue 26: batch-1 TP=2 with a rank's share of the embedding in one kernel, and pushed into a first
-  # pushed-partials site (TANDEM_TP_EMBED=kernel / push, opt-in until this runs), beside the default and one GPU
+  # pushed-partials site (TANDEM_TP_EMBED=kernel / push, opt-in until this runs), beside the default and one GPU;
+  # their tests first (one GPU: the kernel against the masked lookup; two: TP=2 batch-1 tokens against TP=1)
+  python -m pytest -q -x tests/gpu/test_fused_ops.py -k vocab_rows -p no:cacheprovider || return $?
+  python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k embedding_kernel -p no:cacheprovider || return $?
   for v in "1 tp1 torch" "2 tp2 torch" "2 tp2_push push" "2 tp2_kernel kernel" "2 tp2_push_again push"; do
     set -- $v
     TANDEM_TP_EMBED=$3 python scripts/bench_latency.py --modes graphs --tensor-parallel-size $1 --skip-hf \
@@ -184,7 +187,7 @@ PD_RATES=${PD_RATES:-2,4,8,16,24}
 export RES M8B SP_LENGTHS PD_RATES
 export -f run_tests run_offline run_pp run_latency run_embed run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
 declare -A LIMIT=([tests]=420 [offline]=540 [pp]=300 [latency]=580 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
-                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=330 [pd_trace]=240 [pd_profile]=240)
+                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=480 [pd_trace]=240 [pd_profile]=240)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1
