@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 
 from parallel.comm import reduce_partial_sums
-
 from parallel.embedding import tp_embed_mode
 
 try:
