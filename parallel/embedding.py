@@ -19,10 +19,11 @@ from parallel.quant.base import QuantConfig
 from parallel.state import Group, tp_group
 
 GREEDY_KERNELS_ENV = "TANDEM_TP_GREEDY_KERNELS"  # "0": a TP head's greedy choice in the PyTorch form (to compare)
-# A TP rank's share of the token embedding on CUDA: "torch" (default: compares, shift, lookup, fill, then the
-# all-reduce), "kernel" (the lookup and the zeros in one launch, `fused_ops.vocab_rows`), "push" (that, and the batch-1
-# fused decoder pushes the rows into a first pushed-partials site for the first qkv GEMV to sum, with no all-reduce:
-# workers/models/fused_decode.py). Opt-in until measured on two GPUs.
+# A TP rank's share of the token embedding on CUDA: "push" (default: the lookup and the zeros in one launch,
+# `fused_ops.vocab_rows`, and the batch-1 fused decoder pushes the rows into a first pushed-partials site for the
+# first qkv GEMV to sum, with no all-reduce: workers/models/fused_decode.py; other batches all-reduce them), "kernel"
+# (the one launch, then the all-reduce at every batch), "torch" (compares, shift, lookup, fill, then the all-reduce).
+# Batch-1 TP=2 on 2 x H200, one call: push 382.6 / 382.4 tok/s, kernel 382.0, torch 380.1 (docs/benchmarks.md).
 TP_EMBED_ENV = "TANDEM_TP_EMBED"
 TP_EMBED_MODES = ("torch", "kernel", "push")
 
@@ -35,7 +36,7 @@ except ImportError:  # no Triton (CPU machines): the PyTorch form
 
 def tp_embed_mode() -> str:
     """TANDEM_TP_EMBED's value (see TP_EMBED_MODES); another is refused by name."""
-    mode = os.environ.get(TP_EMBED_ENV, "torch").strip().lower()
+    mode = os.environ.get(TP_EMBED_ENV, "push").strip().lower()
     if mode not in TP_EMBED_MODES:
         raise ValueError(f"{TP_EMBED_ENV}={mode!r}: expected one of {', '.join(TP_EMBED_MODES)}")
     return mode

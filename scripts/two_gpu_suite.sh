@@ -149,12 +149,13 @@ run_pd_profile() {  # issue 27: what limits PD's decode replica at 16 req/s: its
   python scripts/trace_stages.py "$RES/pd_profile.jsonl" >"$RES/pd_profile_stages.txt" 2>&1
   return $rc
 }
-run_embed() {  # issue 26: batch-1 TP=2 with a rank's share of the embedding in one kernel, and pushed into a first
-  # pushed-partials site (TANDEM_TP_EMBED=kernel / push, opt-in until this runs), beside the default and one GPU;
-  # their tests first (one GPU: the kernel against the masked lookup; two: TP=2 batch-1 tokens against TP=1)
+run_embed() {  # issue 26: batch-1 TP=2 with a rank's share of the embedding pushed into a first pushed-partials site
+  # (TANDEM_TP_EMBED=push, the default since 2026-11-29), in one kernel then all-reduced (kernel), or the PyTorch form
+  # (torch), beside one GPU; their tests first (one GPU: the kernel against the masked lookup; two: TP=2 batch-1
+  # tokens against TP=1)
   python -m pytest -q -x tests/gpu/test_fused_ops.py -k vocab_rows -p no:cacheprovider || return $?
   python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k embedding_kernel -p no:cacheprovider || return $?
-  for v in "1 tp1 torch" "2 tp2 torch" "2 tp2_push push" "2 tp2_kernel kernel" "2 tp2_push_again push"; do
+  for v in "1 tp1 push" "2 tp2_torch torch" "2 tp2 push" "2 tp2_kernel kernel" "2 tp2_again push"; do
     set -- $v
     TANDEM_TP_EMBED=$3 python scripts/bench_latency.py --modes graphs --tensor-parallel-size $1 --skip-hf \
       --prefill-lens 2048 --out "$RES/embed_$2.json" || return $?

@@ -76,9 +76,9 @@ def test_tp_embed_mode_and_the_site_layouts(monkeypatch):
     from workers.models.fused_decode import embed_site_count, pushed_sites
 
     monkeypatch.delenv(TP_EMBED_ENV, raising=False)
-    assert tp_embed_mode() == "torch" and pushed_sites(32) == 64
-    monkeypatch.setenv(TP_EMBED_ENV, "push")
     assert tp_embed_mode() == "push" and pushed_sites(32) == 65
+    monkeypatch.setenv(TP_EMBED_ENV, "torch")
+    assert tp_embed_mode() == "torch" and pushed_sites(32) == 64
     monkeypatch.setenv(TP_EMBED_ENV, "Kernel")
     assert tp_embed_mode() == "kernel" and pushed_sites(32) == 64
     monkeypatch.setenv(TP_EMBED_ENV, "fused")
