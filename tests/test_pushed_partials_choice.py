@@ -97,3 +97,17 @@ def test_the_p2p_all_reduce_picks_its_kernel_by_size():
     assert not reducer(torch.ones(136, dtype=torch.bfloat16))  # 272 bytes: NCCL's
     assert not reducer(torch.ones(32))  # another dtype
     assert calls == [("one", 32), ("two", True)]
+
+
+def test_the_take_wait_mode_is_read_and_a_bad_one_refused(monkeypatch):
+    import pytest
+
+    from parallel.kernels.gemv import TAKE_WAIT_ENV, take_waits_for_grid
+
+    monkeypatch.delenv(TAKE_WAIT_ENV, raising=False)
+    assert take_waits_for_grid()
+    monkeypatch.setenv(TAKE_WAIT_ENV, " Slots ")
+    assert not take_waits_for_grid()
+    monkeypatch.setenv(TAKE_WAIT_ENV, "never")
+    with pytest.raises(ValueError, match="TANDEM_TP_TAKE_WAIT='never'"):
+        take_waits_for_grid()

@@ -133,9 +133,9 @@ def _push(y, offs, mask, push_ptrs, PUSH: tl.constexpr, dt: tl.constexpr):
 
 @triton.jit
 def _sum_pushed_kernel(parts_ptr, reset_ptr, h_out_ptr, K, K_PAD: tl.constexpr, PARTS: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       USE_PDL: tl.constexpr, GRID_WAIT: tl.constexpr = True):
     """h_out = the sum of the pushed partials, for a consumer that is not a fused GEMV (the final norm)."""
-    if USE_PDL:
+    if USE_PDL and GRID_WAIT:
         tl.extra.cuda.gdc_wait()
     _take_parts(parts_ptr, reset_ptr, h_out_ptr, K, K_PAD, PARTS)
     if USE_PDL:
@@ -148,7 +148,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, wu_ptr, bu_ptr, y_ptr, nw_ptr, r_ptr, pos_
                  eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                  EVEN_N: tl.constexpr, NORM: tl.constexpr, K_PAD: tl.constexpr, SILU: tl.constexpr,
                  RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr,
-                 PAIRED: tl.constexpr, USE_PDL: tl.constexpr, PARTS: tl.constexpr = 0, PUSH: tl.constexpr = 0):
+                 PAIRED: tl.constexpr, USE_PDL: tl.constexpr, PARTS: tl.constexpr = 0, PUSH: tl.constexpr = 0,
+                 GRID_WAIT: tl.constexpr = True):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features; under ROPE, (row, row + D/2) pairs
@@ -166,7 +167,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, wu_ptr, bu_ptr, y_ptr, nw_ptr, r_ptr, pos_
     w = _load_w(w_ptrs, 0, K, offs_k, n_mask, EVEN_K, EVEN_N)
     if PAIRED:
         wu = _load_w(u_ptrs, 0, K, offs_k, n_mask, EVEN_K, EVEN_N)
-    if USE_PDL:
+    if USE_PDL and GRID_WAIT:
         tl.extra.cuda.gdc_wait()  # x, residual and y's memory belong to earlier kernels: nothing before this touches them
     rstd = 0.0
     if NORM:
@@ -334,6 +335,22 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 MAX_NORM_K = 16384  # the norm prologue holds all of h in registers
 
+TAKE_WAIT_ENV = "TANDEM_TP_TAKE_WAIT"
+TAKE_WAIT_MODES = ("grid", "slots")
+
+
+def take_waits_for_grid() -> bool:
+    """Whether a GEMV taking pushed partials (and `sum_pushed`) first waits, under PDL, for the kernel ahead to
+    finish (TANDEM_TP_TAKE_WAIT=grid, the default) or only for its slots to fill (`slots`). The kernel ahead is the
+    row-parallel GEMV that pushed this rank's own part, and its grid ends only once its stores into the peers' slots
+    have landed over NVLink, which this rank does not need. Without the grid wait the take still reads nothing
+    another kernel is using: every program of the kernel ahead stores its slice of this rank's part last, after its
+    reads, and that kernel waited for the ones before it; so once every slot holds a value, all of them are done."""
+    mode = os.environ.get(TAKE_WAIT_ENV, "grid").strip().lower()
+    if mode not in TAKE_WAIT_MODES:
+        raise ValueError(f"{TAKE_WAIT_ENV}={mode!r}: expected one of {', '.join(TAKE_WAIT_MODES)}")
+    return mode == "grid"
+
 
 def pdl_enabled() -> bool:
     """Programmatic dependent launch for these Triton kernels: `cuda_launch.pdl_supported` (Hopper or newer, not
@@ -400,7 +417,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, con
         NORM=norm_weight is not None, K_PAD=triton.next_power_of_2(k) if norm_weight is not None else 1,
         SILU=silu, RESIDUAL=residual is not None, ROPE=rope is not None, HEAD_DIM=rope.head_dim if rope else 2,
         ROT_ROWS=rope.rot_rows if rope else 0, PAIRED=silu or rope is not None, USE_PDL=pdl,
-        PARTS=take.world if take is not None else 0, PUSH=push.world if push is not None else 0, **cfg, **extra)
+        PARTS=take.world if take is not None else 0, PUSH=push.world if push is not None else 0,
+        GRID_WAIT=take is None or take_waits_for_grid(), **cfg, **extra)
     return None if push is not None else y
 
 
@@ -411,7 +429,7 @@ def sum_pushed(take, h_out: torch.Tensor) -> torch.Tensor:
     pdl = h_out.is_cuda and torch.cuda.is_current_stream_capturing() and pdl_enabled()
     extra = dict(launch_pdl=True) if pdl else {}
     _sum_pushed_kernel[(1,)](take.parts, take.reset, h_out, k, K_PAD=triton.next_power_of_2(k), PARTS=take.world,
-                             USE_PDL=pdl, num_warps=8, **extra)
+                             USE_PDL=pdl, GRID_WAIT=take_waits_for_grid(), num_warps=8, **extra)
     return h_out
 
 
