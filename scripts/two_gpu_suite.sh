@@ -8,7 +8,7 @@
 # LIMITS="sp=200 sp_serve=380" overrides steps' time limits; SP_LENGTHS the sp step's prompt lengths, PD_RATES the
 # pd step's request rates (PD_ARRIVAL_S: seconds of arrivals a rate, 15), KV_MIN_MESSAGES the kv step's message counts, KV_COPY_PROGRAMS and KV_OVERLAP_COPY_PROGRAMS its row-copy grid caps.
 # Steps: tests offline latency pd kv sp ep fault (the default), and pp allreduce pd_small pd_c1 sp_serve tp_serve
-# pd_trace pd_profile embed take.
+# pd_trace pd_profile embed take step_ab.
 set -u
 RES=${RES:-/tmp/res}
 mkdir -p "$RES"
@@ -172,6 +172,18 @@ run_take() {  # issue 26: batch-1 TP=2 with the pushed-partials takes waiting fo
   done
   python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k slots_only -p no:cacheprovider || return $?
 }
+run_step_ab() {  # issue 26: batch-1 TP=2 A/B of the step's remaining knobs beside one GPU and the default, one call:
+  # the tokens' copy to the host on a side stream (TANDEM_TOKEN_COPY=side), and two tiles for the GEMVs that take
+  # pushed partials (TANDEM_GEMV_TAKE_TILE); the one-GPU tests of both first
+  python -m pytest -q -x tests/gpu/test_launched_step_gpu.py tests/gpu/test_gemv.py -k "launched or tokens or pushed_partials or bad_mode" -p no:cacheprovider || return $?
+  local a='{"BLOCK_N":16,"BLOCK_K":512,"num_warps":4,"num_stages":4}' b='{"BLOCK_N":8,"BLOCK_K":256,"num_warps":4,"num_stages":6}'
+  local v
+  for v in "1|tp1||" "2|tp2||" "2|tp2_side|side|" "2|tp2_tileA||$a" "2|tp2_tileB||$b" "2|tp2_again||"; do
+    IFS='|' read -r tp name copy tile <<<"$v"
+    TANDEM_TOKEN_COPY=${copy:-stream} TANDEM_GEMV_TAKE_TILE=$tile timeout 150 python scripts/bench_latency.py \
+      --modes graphs --tensor-parallel-size $tp --skip-hf --prefill-lens 2048 --out "$RES/ab_$name.json" || return $?
+  done
+}
 run_tp_serve() {  # issue 26: the served app, one TP=2 replica against one TP=1 replica, one client (TPOT)
   python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
     --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16" --log-dir "$RES/tp_serve_logs" \
@@ -197,9 +209,9 @@ run_fault() {
 SP_LENGTHS=${SP_LENGTHS:-16384,65536,131056}
 PD_RATES=${PD_RATES:-2,4,8,16,24}
 export RES M8B SP_LENGTHS PD_RATES
-export -f run_tests run_offline run_pp run_latency run_embed run_take run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
+export -f run_tests run_offline run_pp run_latency run_embed run_take run_step_ab run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
 declare -A LIMIT=([tests]=420 [offline]=540 [pp]=300 [latency]=580 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
-                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=480 [take]=560 [pd_trace]=240 [pd_profile]=240)
+                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=480 [take]=560 [step_ab]=560 [pd_trace]=240 [pd_profile]=240)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1

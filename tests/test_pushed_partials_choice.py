@@ -105,9 +105,9 @@ def test_the_take_wait_mode_is_read_and_a_bad_one_refused(monkeypatch):
     from parallel.kernels.gemv import TAKE_WAIT_ENV, take_waits_for_grid
 
     monkeypatch.delenv(TAKE_WAIT_ENV, raising=False)
-    assert take_waits_for_grid()
-    monkeypatch.setenv(TAKE_WAIT_ENV, " Slots ")
     assert not take_waits_for_grid()
+    monkeypatch.setenv(TAKE_WAIT_ENV, " Grid ")
+    assert take_waits_for_grid()
     monkeypatch.setenv(TAKE_WAIT_ENV, "never")
     with pytest.raises(ValueError, match="TANDEM_TP_TAKE_WAIT='never'"):
         take_waits_for_grid()

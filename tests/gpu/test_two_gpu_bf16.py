@@ -138,17 +138,18 @@ def test_tp2_bf16_batch1_with_the_embedding_kernel(embed: str, monkeypatch):
 
 
 def test_tp2_bf16_batch1_takes_waiting_for_their_slots_only(monkeypatch):
-    """TANDEM_TP_TAKE_WAIT=slots: the GEMVs that take pushed partials wait for their slots to fill, not (under PDL)
-    for the kernel ahead to end (parallel/kernels/gemv.py `take_waits_for_grid`). The same sums, so the same tokens
-    as the default at batch 1, and TP=1's within the near-tie tolerance."""
+    """TANDEM_TP_TAKE_WAIT=slots (the default): the GEMVs that take pushed partials wait for their slots to fill, not
+    (under PDL) for the kernel ahead to end (parallel/kernels/gemv.py `take_waits_for_grid`). The same sums, so the
+    same tokens as with the grid wait at batch 1, and TP=1's within the near-tie tolerance."""
     from parallel.kernels.gemv import TAKE_WAIT_ENV
 
     path = tiny_model("llama", **LLAMA)
     prompts = prompts_of_lengths([9, 60, 200], vocab_size=300, seed=5)
     ref16 = _generate(path, prompts, 32, one_at_a_time=True)
     ref32 = _generate(path, prompts, 32, dtype="float32", one_at_a_time=True)
+    monkeypatch.setenv(TAKE_WAIT_ENV, "grid")  # the rank actors are given it (cluster/ray_runtime.py)
     grid = _generate(path, prompts, 32, one_at_a_time=True, top_n=None, tensor_parallel_size=2)
-    monkeypatch.setenv(TAKE_WAIT_ENV, "slots")  # the rank actors are given it (cluster/ray_runtime.py)
+    monkeypatch.setenv(TAKE_WAIT_ENV, "slots")
     got = _generate(path, prompts, 32, one_at_a_time=True, top_n=None, tensor_parallel_size=2)
     assert [g.token_ids for g in got] == [g.token_ids for g in grid]
     _check(path, prompts, ref16, got, ref32, "TP=2 batch-1, TANDEM_TP_TAKE_WAIT=slots, vs TP=1")
