@@ -19,24 +19,14 @@ class LaunchedStep:
     """packed: [2, B] float64 on the step's device, each row's (argmax token id, its logprob); float64 holds any
     token id exactly, so one copy brings both. seq_ids: the rows' sequences; top: the top-logprobs column."""
 
-    def __init__(self, seq_ids: list[str], packed: torch.Tensor, top: list | None, owned: bool = False):
-        """owned: `packed` is this step's own tensor (not a CUDA graph's output buffer, which the next replay
-        overwrites), so its copy to the host may run on a side stream (TANDEM_TOKEN_COPY=side)."""
+    def __init__(self, seq_ids: list[str], packed: torch.Tensor, top: list | None):
         self.seq_ids, self.top = seq_ids, top
         self.next_ids = packed[0].long()  # [B]: a next step's input tokens, made before anything overwrites packed
         if packed.is_cuda:
             self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.host.copy_(packed, non_blocking=True)
             self.ready: torch.cuda.Event | None = torch.cuda.Event()
-            side = _copy_stream(packed.device) if owned and side_copy_enabled() else None
-            if side is None:
-                self.host.copy_(packed, non_blocking=True)
-                self.ready.record()
-            else:  # the copy off the compute stream: the step queued behind this one starts without waiting for it
-                side.wait_stream(torch.cuda.current_stream(packed.device))
-                with torch.cuda.stream(side):
-                    self.host.copy_(packed, non_blocking=True)
-                    self.ready.record(side)
-                packed.record_stream(side)  # its memory is not reused before the copy has read it
+            self.ready.record()
         else:  # computed already: nothing to wait for
             self.host, self.ready = packed, None
 
@@ -50,27 +40,6 @@ class LaunchedStep:
             self.ready.synchronize()
         ids, logprobs = self.host.tolist()
         return ModelRunnerOutput.from_columns(self.seq_ids, [int(t) for t in ids], logprobs, self.top)
-
-
-# TANDEM_TOKEN_COPY: "side" copies a launched step's tokens to the host on a stream of their own, so the copy engine's
-# few microseconds are not between this step's last kernel and the next step's first; "stream" (default) copies them on
-# the compute stream.
-TOKEN_COPY_ENV = "TANDEM_TOKEN_COPY"
-_COPY_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def side_copy_enabled() -> bool:
-    value = os.environ.get(TOKEN_COPY_ENV, "stream").strip().lower()
-    if value not in ("side", "stream"):
-        raise ValueError(f"{TOKEN_COPY_ENV}={value!r}: expected 'side' or 'stream'")
-    return value == "side"
-
-
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _COPY_STREAMS:
-        _COPY_STREAMS[index] = torch.cuda.Stream(device)
-    return _COPY_STREAMS[index]
 
 
 # TANDEM_RANK_LAUNCH_AHEAD: "auto" (default) launches ahead on GPU ranks only; "1" on any device (CPU ranks too: their

@@ -398,10 +398,9 @@ class ModelRunner:
                 or not all(len(s.token_ids) == 1 and s.sample for s in seqs) or not self._all_greedy(out)):
             return None
         graphs = getattr(self, "cuda_graphs", None)
-        owned = True  # packed is this step's own tensor, not a graph's output buffer
         if graphs is not None and graphs.can_run(out):
             if graphs.with_head:
-                packed, owned = graphs.run(out, token_ids)[1].t(), False  # [2, B]
+                packed = graphs.run(out, token_ids)[1].t()  # [2, B]
             else:
                 packed = self._greedy_everywhere(graphs.run(out, token_ids)[0])
         else:
@@ -412,7 +411,7 @@ class ModelRunner:
                 packed = Sampler.greedy_pack(self.model.lm_head.compute_logits(hidden)).t()
             else:
                 packed = self._greedy_everywhere(hidden)
-        return LaunchedStep([s.seq_id for s in seqs], packed, no_top_logprobs([s.sampling_params for s in seqs]), owned)
+        return LaunchedStep([s.seq_id for s in seqs], packed, no_top_logprobs([s.sampling_params for s in seqs]))
 
     def _greedy_everywhere(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head.greedy_packed(hidden, everywhere=True)
