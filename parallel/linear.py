@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from parallel import row_reduce
 from parallel.comm import gather_last_dim, reduce_partial_sums
 from parallel.matmul import linear
 from parallel.quant.base import QuantConfig, UnquantizedLinearMethod, units
@@ -243,6 +244,9 @@ class RowParallelLinear(_TPLinear):
         return 0, 0  # output features are not split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x, None) if self.quantized else linear(x, self.weight)
-        y = reduce_partial_sums(y, self.group)
+        if not self.quantized and row_reduce.takes(x, self.weight, self.group):  # prefill-sized, TANDEM_TP_ROW_REDUCE
+            y = row_reduce.linear_reduce(x, self.weight, self.group)
+        else:
+            y = self.quant_method.apply(self, x, None) if self.quantized else linear(x, self.weight)
+            y = reduce_partial_sums(y, self.group)
         return y + self.bias if self.bias is not None else y

@@ -84,6 +84,22 @@ class P2PAllReduce:
         return True
 
 
+    def staging(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A [rows, cols] view of the mapped buffer for a producer to write a message the two-shot kernel takes
+        (then `reduce_staged`), so it need not be copied there; None for a message that kernel does not take."""
+        n = rows * cols
+        nbytes = n * dtype.itemsize
+        if dtype != self.dtype or n % 8 or not self.one_shot_max < nbytes <= self.two_shot_max:
+            return None
+        return self.buffer[:n].view(rows, cols)
+
+    def reduce_staged(self, staged: torch.Tensor) -> torch.Tensor:
+        """The group's sum of the message each rank wrote into `staging`'s view, in a new tensor."""
+        out = torch.empty_like(staged)
+        self.two_shot(staged.view(-1), "sum", self.group_name, out.view(-1))
+        return out
+
+
 def enable_p2p_all_reduce(group: Group, device: torch.device, dtype: torch.dtype) -> bool:
     """Give `group` a P2P all-reduce where every rank can set one up; all ranks agree, else none uses it."""
     if group.size == 1 or device.type != "cuda" or group.size not in MAX_BYTES:

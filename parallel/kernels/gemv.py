@@ -294,7 +294,9 @@ def tile_config(n: int, k: int, silu: bool = False) -> dict:
     product, each reading a gate and an up row: `silu`). A TP=2 rank's halved shapes ran 7% faster in a one-GPU
     chain of its layers with longer tiles (qkv 1,024-input tiles, 8 warps; gate/up 256, 5 stages; scripts/
     bench_w4_chain.py --tp 2 --bf16-tiles) but slower in the real batch-1 TP=2 step, whose qkv and gate/up read the
-    pushed partial sums (2 x H200, 2026-11-29, one call: 340.9 tok/s against 364.0 and 364.7): not used."""
+    pushed partial sums (2 x H200, 2026-11-29, one call: 340.9 tok/s against 364.0 and 364.7): not used. Tried for
+    those taking GEMVs alone (TANDEM_GEMV_TAKE_TILE; BLOCK_N, BLOCK_K, warps, stages), all slower than this tile's
+    384.2-387.3 tok/s: 16/512/4/4 364.5, 8/256/4/6 336.1, 8/1024/8/3 378.8 and 378.6, 8/2048/8/2 307.4."""
     if n <= 8192:
         return dict(BLOCK_N=8, BLOCK_K=512, num_warps=8 if k >= 8192 else 4, num_stages=4)
     return dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4)
