@@ -17,6 +17,10 @@ time goes: the wait for the kernel ahead, staging the row, the product, the epil
     python scripts/bench_w4_chain.py --no-sweep --attn-splits 1,2    # decode attention's split count in the chain
     python scripts/bench_w4_chain.py --tp 2 --bf16-only --bf16-tiles '{"qkv": {"BLOCK_N": 8, "BLOCK_K": 1024, ...}}'
         # one TP=2 rank's shapes (heads and FFN halved; no communication), bf16 gemv configs beside the default
+    python scripts/bench_w4_chain.py --tp 2 --bf16-only --take --bf16-tiles '{"qkv": {...}}'
+        # and as the rank's batch-1 step runs them: the embedding and the row-parallel GEMVs push into pushed-partials
+        # slots, qkv and gate/up take them (both ranks' rows written here by this GPU: the take path's work without
+        # NVLink), `sum_pushed` at the end; `--bf16-tiles` then sets the taking GEMVs' tiles too
 Prints microseconds per layer; writes JSON.
 """
 from __future__ import annotations
@@ -67,13 +71,14 @@ def sweep_tiles(shape: str) -> list[dict]:
 class Chain:
     """`layers` decoder layers' weights, caches and inputs; `run(tiles)` is one step's chain of kernels."""
 
-    def __init__(self, layers: int, context: int, quant: bool, tp: int = 1):
+    def __init__(self, layers: int, context: int, quant: bool, tp: int = 1, device: str = "cuda",
+                 dtype: torch.dtype = torch.bfloat16):
         from parallel.kernels.gemv import Rope
 
         self.quant, self.layers = quant, layers
         dims = rank_dims(tp)
         self.shapes, self.heads, self.kv_heads = dims["shapes"], dims["heads"], dims["kv_heads"]
-        dev = "cuda"
+        dev = device  # a CPU device and float16: Triton's interpreter (tests/test_bench_w4_chain.py)
         self.w = []
         for _ in range(layers):
             if quant:
@@ -82,11 +87,11 @@ class Chain:
                 assert INT4_GROUP == GROUP
                 self.w.append({name: _weights(n, k, 1)[0] for name, (n, k) in self.shapes.items()})
             else:
-                self.w.append({name: torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+                self.w.append({name: (torch.randn(n, k, device=dev) / k**0.5).to(dtype)
                                for name, (n, k) in self.shapes.items()})
-        self.norm = [torch.rand(2, HIDDEN, device=dev, dtype=torch.bfloat16) + 0.5 for _ in range(layers)]
+        self.norm = [(torch.rand(2, HIDDEN, device=dev) + 0.5).to(dtype) for _ in range(layers)]
         blocks = -(-(context + 1) // PAGE)
-        self.cache = torch.randn(2, layers * blocks, PAGE, self.kv_heads, HEAD_DIM, device=dev, dtype=torch.bfloat16) * 0.1
+        self.cache = (torch.randn(2, layers * blocks, PAGE, self.kv_heads, HEAD_DIM, device=dev) * 0.1).to(dtype)
         self.tables = [torch.arange(i * blocks, (i + 1) * blocks, device=dev, dtype=torch.int32)[None]
                        for i in range(layers)]
         self.seq_lens = torch.tensor([context + 1], device=dev, dtype=torch.int32)
@@ -97,10 +102,32 @@ class Chain:
         emb = torch.cat([ang, ang], -1)
         cos_sin = torch.stack([emb.cos(), emb.sin()], 1).contiguous()  # [P, 2, head_dim]
         self.rope = Rope(positions, cos_sin, HEAD_DIM, (self.heads + self.kv_heads) * HEAD_DIM)
-        self.h = torch.randn(1, HIDDEN, device=dev, dtype=torch.bfloat16)
+        self.h = torch.randn(1, HIDDEN, device=dev).to(dtype)
         self.max_seq_len = 4096
         self.attn_splits: int | None = None  # decode attention's split count; None: the count a graph is captured with
+        self.sites = None  # `use_pushed_partials`: s -> PushedSite, the TP step's pushed-partials sites played here
         self.traces: list[dict[str, torch.Tensor]] | None = None  # per layer, per shape: int64 [CTAs, 5] (`trace`)
+
+    def use_pushed_partials(self, world: int = 2) -> None:
+        """Run the bf16 chain as a TP rank's batch-1 step does (workers/models/fused_decode.py): the token's embedding
+        and each row-parallel GEMV push into a site of pushed-partials slots, the next normed GEMV takes the site
+        (waits for its rows, sums them, RMSNorms), `sum_pushed` takes the last. This GPU writes every rank's row of
+        the slots itself, so the takes find them filled at once: the take path's work without NVLink's latency."""
+        from parallel.p2p_allreduce import EMPTY_BITS, PushedSite
+
+        if self.quant:
+            raise ValueError("pushed partials: the bf16 chain only (the quantized GEMVs all-reduce)")
+        sites = 2 * self.layers + 1
+        dev, dtype = self.h.device, self.h.dtype
+        self.pushed_slots = slots = torch.empty(sites, world, HIDDEN, device=dev, dtype=dtype)
+        slots.view(torch.int16).fill_(EMPTY_BITS)
+        row = HIDDEN * slots.element_size()
+        made = [PushedSite(world, slots[s], slots[(s - 1) % sites],
+                           torch.tensor([slots[s].data_ptr() + r * row for r in range(world)], device=dev))
+                for s in range(sites)]
+        self.sites = made.__getitem__
+        self.embedding = torch.randn(64, HIDDEN, device=dev).to(dtype)
+        self.token = torch.tensor([5], device=dev, dtype=torch.int64)
 
     def bytes_per_layer(self) -> int:
         if self.quant:
@@ -127,6 +154,8 @@ class Chain:
         """One step's chain; `dup`: a shape whose GEMV runs a second time in each layer (its marginal cost)."""
         from parallel.kernels.paged_attention import decode_attention
 
+        if self.sites is not None:
+            return run_pushed(self, tiles, attention)
         h = self.h
         q_rows, kv_rows = self.heads * HEAD_DIM, self.kv_heads * HEAD_DIM
         for i in range(self.layers):
@@ -148,6 +177,39 @@ class Chain:
             for _ in range(1 + (dup == "down")):
                 h = self.linear(act, i, "down", tiles, residual=h)
         return h
+
+
+def run_pushed(chain: Chain, tiles: dict, attention: bool = True) -> torch.Tensor:
+    """`Chain.run` with pushed partial sums between the GEMVs (`Chain.use_pushed_partials`)."""
+    from parallel.kernels import fused_ops
+    from parallel.kernels.gemv import gemv, sum_pushed
+    from parallel.kernels.paged_attention import decode_attention
+
+    site = chain.sites
+    new_h = lambda: torch.empty(1, HIDDEN, device=chain.h.device, dtype=chain.h.dtype)  # noqa: E731
+    q_rows, kv_rows = chain.heads * HEAD_DIM, chain.kv_heads * HEAD_DIM
+    fused_ops.vocab_rows(chain.token, chain.embedding, 0, push=site(0))
+    taken = site(0)
+    for i in range(chain.layers):
+        w, norm = chain.w[i], chain.norm[i]
+        h = new_h()
+        qkv = gemv(h, w["qkv"], None, tiles.get("qkv"), norm_weight=norm[0], eps=1e-5, rope=chain.rope, take=taken)
+        q = qkv[:, :q_rows].view(1, chain.heads, HEAD_DIM)
+        if attention:
+            k = qkv[:, q_rows:q_rows + kv_rows].view(1, chain.kv_heads, HEAD_DIM)
+            v = qkv[:, q_rows + kv_rows:].view(1, chain.kv_heads, HEAD_DIM)
+            att = decode_attention(q, chain.cache, chain.tables[i], chain.seq_lens, HEAD_DIM ** -0.5,
+                                   chain.max_seq_len, num_splits=chain.attn_splits, k_new=k, v_new=v,
+                                   slot_mapping=chain.slots[i])
+        else:
+            att = q
+        gemv(att.reshape(1, q_rows), w["o"], None, tiles.get("o"), residual=h, push=site(2 * i + 1))
+        h = new_h()
+        act = gemv(h, w["gate_up"], None, tiles.get("gate_up"), norm_weight=norm[1], eps=1e-5, silu=True,
+                   take=site(2 * i + 1))
+        gemv(act, w["down"], None, tiles.get("down"), residual=h, push=site(2 * i + 2))
+        taken = site(2 * i + 2)
+    return sum_pushed(taken, new_h())
 
 
 def trace_phases(chain: Chain) -> dict:
@@ -229,6 +291,8 @@ def main() -> None:
                    help='a JSON {shape: gemv config} for the bf16 chain, timed as a whole (repeatable), e.g. '
                         '\'{"qkv": {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 8, "num_stages": 3}}\'')
     p.add_argument("--bf16-only", action="store_true", help="the bf16 chain alone (no W4 chain, sweep or trace)")
+    p.add_argument("--take", action="store_true", help="the bf16 chain with pushed partial sums between its GEMVs, "
+                   "as a TP rank's batch-1 step (`Chain.use_pushed_partials`; with --tp 2 and --bf16-only)")
     p.add_argument("--attn-splits", default="", help="decode attention split counts timed beside the default "
                    "(comma list; 1: one program a KV head, no merge kernel), in the bf16 and the W4 chain")
     p.add_argument("--out", default="bench_results/w4_chain.json")
@@ -239,7 +303,12 @@ def main() -> None:
     report = {"benchmark": "w4_chain", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "layers": a.layers, "context": a.context,
               "tp": a.tp}
+    if a.take and not a.bf16_only:
+        sys.exit("--take goes with --bf16-only (the 4-bit GEMVs do not push)")
     bf16 = Chain(a.layers, a.context, quant=False, tp=a.tp)
+    if a.take:
+        bf16.use_pushed_partials()
+        report["take"] = True
     report["bf16_us"] = time_us(bf16, {}, a.iters)
     report["bf16_no_attention_us"] = time_us(bf16, {}, a.iters, attention=False)
     bf16_bytes = bf16.bytes_per_layer()
@@ -255,7 +324,8 @@ def main() -> None:
     del bf16
     torch.cuda.empty_cache()
     if a.bf16_only:
-        print(f"{report['gpu']}: TP={a.tp} rank, bf16 per layer {report['bf16_us']:.1f} us "
+        print(f"{report['gpu']}: TP={a.tp} rank{' with pushed partials' if a.take else ''}, bf16 per layer "
+              f"{report['bf16_us']:.1f} us "
               f"({bf16_bytes / report['bf16_us'] / 1e3:.0f} GB/s)", flush=True)
         _write(report, a.out)
         return

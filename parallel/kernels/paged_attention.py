@@ -277,7 +277,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     block_n, warps, stages = tile or (decode_block_n(kc.shape[1]), 4, 2)
     # Batch-1 graphs chain GEMV -> split -> reduce -> GEMV with programmatic dependent launches
     # (parallel/kernels/gemv.py): each kernel is resident before its predecessor ends.
-    pdl = b == 1 and torch.cuda.is_current_stream_capturing() and _pdl_enabled()
+    pdl = b == 1 and q.is_cuda and torch.cuda.is_current_stream_capturing() and _pdl_enabled()
     pdl_kw = dict(launch_pdl=True) if pdl else {}
     fuse = k_new is not None
     if fuse:
