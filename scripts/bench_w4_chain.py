@@ -310,6 +310,18 @@ def main() -> None:
         bf16.use_pushed_partials()
         report["take"] = True
     report["bf16_us"] = time_us(bf16, {}, a.iters)
+    if a.take:  # the taking GEMVs' K loops reading the parts through L1 (TANDEM_GEMV_TAKE_X=l1), then the default again
+        from parallel.kernels.gemv import TAKE_X_ENV
+
+        before = os.environ.get(TAKE_X_ENV)
+        os.environ[TAKE_X_ENV] = "l1"
+        try:
+            report["bf16_take_x_l1_us"] = time_us(bf16, {}, a.iters)
+        finally:
+            os.environ.pop(TAKE_X_ENV) if before is None else os.environ.__setitem__(TAKE_X_ENV, before)
+        report["bf16_again_us"] = time_us(bf16, {}, a.iters)
+        print(f"take path, parts read through L1: {report['bf16_take_x_l1_us']:.2f} us a layer (past L1: "
+              f"{report['bf16_us']:.2f}, again {report['bf16_again_us']:.2f})", flush=True)
     report["bf16_no_attention_us"] = time_us(bf16, {}, a.iters, attention=False)
     bf16_bytes = bf16.bytes_per_layer()
     attn_splits = [int(x) for x in a.attn_splits.split(",") if x]

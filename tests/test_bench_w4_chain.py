@@ -149,7 +149,9 @@ chain = chain_mod.Chain(2, 20, quant=False, tp=2, device="cpu", dtype=torch.floa
 chain.use_pushed_partials()
 slots = chain.pushed_slots
 sites = slots.shape[0]
-for step in range(2):  # the second step takes the sites the first left behind: the cycle's resets
+import os
+for step in range(3):  # later steps take the sites the first left behind: the cycle's resets
+    os.environ["TANDEM_GEMV_TAKE_X"] = "l1" if step == 2 else "l2"  # the last: the K loops' parts through L1
     out = chain.run({})
     empty = (slots.view(torch.int16) == EMPTY_BITS).flatten(1).all(1).tolist()
     assert empty == [True] * (sites - 1) + [False], (step, empty)  # only the last site, `sum_pushed`'s, holds values

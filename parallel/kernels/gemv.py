@@ -63,11 +63,13 @@ def _load_w(w_ptrs, k, K, offs_k, n_mask, EVEN_K: tl.constexpr, EVEN_N: tl.const
 
 
 @triton.jit
-def _load_x(x_ptr, nw_ptr, k, K, offs_k, rstd, EVEN_K: tl.constexpr, NORM: tl.constexpr, PARTS: tl.constexpr = 0):
+def _load_x(x_ptr, nw_ptr, k, K, offs_k, rstd, EVEN_K: tl.constexpr, NORM: tl.constexpr, PARTS: tl.constexpr = 0,
+            PARTS_L1: tl.constexpr = False):
     """x[k : k + BLOCK_K] in fp32; under NORM the RMSNorm of it (w_norm * (h * rstd), each rounded). PARTS > 0:
-    x_ptr holds PARTS pushed partial sums [PARTS, K] (`_take_parts` saw them all arrive) and h is their sum."""
+    x_ptr holds PARTS pushed partial sums [PARTS, K] (`_take_parts` saw them all arrive) and h is their sum, read
+    past L1 unless PARTS_L1 (`take_x_in_l1`)."""
     if PARTS > 0:
-        x = _sum_parts(x_ptr, k + offs_k, (k + offs_k) < K, K, PARTS, False)
+        x = _sum_parts(x_ptr, k + offs_k, (k + offs_k) < K, K, PARTS, False, PARTS_L1)
     elif EVEN_K:
         x = tl.load(x_ptr + k + offs_k)
     else:
@@ -88,10 +90,11 @@ _EMPTY = tl.constexpr(EMPTY_BITS)
 
 
 @triton.jit
-def _sum_parts(parts_ptr, offs, mask, K, PARTS: tl.constexpr, WAIT: tl.constexpr):
+def _sum_parts(parts_ptr, offs, mask, K, PARTS: tl.constexpr, WAIT: tl.constexpr, L1: tl.constexpr = False):
     """h[offs] = the sum of PARTS partials [PARTS, K] (each rank's, in rank order), rounded to their dtype,
     returned in fp32. WAIT: reread (volatile, past L1) each part until none of its values is the empty mark;
-    else read them from L2 (`.cg`), after a wait has seen them arrive: L1 may hold another kernel's lines."""
+    else read them from L2 (`.cg`), after a wait has seen them arrive: L1 may hold another kernel's lines; or, with
+    L1, through L1 (the SM's programs then share the lines; see `take_x_in_l1`)."""
     dt = parts_ptr.dtype.element_ty
     h = tl.zeros(offs.shape, tl.float32)
     for p in tl.static_range(PARTS):
@@ -99,6 +102,8 @@ def _sum_parts(parts_ptr, offs, mask, K, PARTS: tl.constexpr, WAIT: tl.constexpr
             v = tl.load(parts_ptr + p * K + offs, mask=mask, other=0.0, volatile=True)
             while tl.max((v.to(tl.int16, bitcast=True) == _EMPTY).to(tl.int32), 0) > 0:
                 v = tl.load(parts_ptr + p * K + offs, mask=mask, other=0.0, volatile=True)
+        elif L1:
+            v = tl.load(parts_ptr + p * K + offs, mask=mask, other=0.0)
         else:
             v = tl.load(parts_ptr + p * K + offs, mask=mask, other=0.0, cache_modifier=".cg")
         h += v.to(tl.float32)
@@ -149,7 +154,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, wu_ptr, bu_ptr, y_ptr, nw_ptr, r_ptr, pos_
                  EVEN_N: tl.constexpr, NORM: tl.constexpr, K_PAD: tl.constexpr, SILU: tl.constexpr,
                  RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_ROWS: tl.constexpr,
                  PAIRED: tl.constexpr, USE_PDL: tl.constexpr, PARTS: tl.constexpr = 0, PUSH: tl.constexpr = 0,
-                 GRID_WAIT: tl.constexpr = True):
+                 GRID_WAIT: tl.constexpr = True, PARTS_L1: tl.constexpr = False):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features; under ROPE, (row, row + D/2) pairs
@@ -177,14 +182,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, wu_ptr, bu_ptr, y_ptr, nw_ptr, r_ptr, pos_
             offs_f = tl.arange(0, K_PAD)
             h = tl.load(x_ptr + offs_f, mask=offs_f < K, other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(h * h, 0) / K + eps)
-    x = _load_x(x_ptr, nw_ptr, 0, K, offs_k, rstd, EVEN_K, NORM, PARTS)
+    x = _load_x(x_ptr, nw_ptr, 0, K, offs_k, rstd, EVEN_K, NORM, PARTS, PARTS_L1)
     acc = w.to(tl.float32) * x[None, :]
     if PAIRED:
         acc_u = wu.to(tl.float32) * x[None, :]
     for k in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         w = _load_w(w_ptrs, k, K, offs_k, n_mask, EVEN_K, EVEN_N)
-        x = _load_x(x_ptr, nw_ptr, k, K, offs_k, rstd, EVEN_K, NORM, PARTS)
+        x = _load_x(x_ptr, nw_ptr, k, K, offs_k, rstd, EVEN_K, NORM, PARTS, PARTS_L1)
         acc += w.to(tl.float32) * x[None, :]
         if PAIRED:
             u_ptrs += BLOCK_K
@@ -362,6 +367,20 @@ def pdl_enabled() -> bool:
 
 
 TAKE_TILE_ENV = "TANDEM_GEMV_TAKE_TILE"
+TAKE_X_ENV = "TANDEM_GEMV_TAKE_X"
+
+
+def take_x_in_l1() -> bool:
+    """TANDEM_GEMV_TAKE_X=l1: a taking GEMV's K loop reads the pushed parts through L1, so the programs of an SM share
+    each step's lines, instead of each going to L2 (`l2`, the default). Opt-in until measured (scripts/
+    bench_w4_chain.py --take on one GPU). It reads no stale value if an SM's L1 holds no lines of earlier kernels when
+    a kernel starts (to be confirmed on GPUs: tests/gpu/test_gemv.py replays the same sites with new values): only
+    this loop loads slot addresses into L1 (the waits read them volatile, `sum_pushed` past L1), and it runs after
+    the kernel's own wait saw every value arrive in L2."""
+    mode = os.environ.get(TAKE_X_ENV, "l2").strip().lower()
+    if mode not in ("l1", "l2"):
+        raise ValueError(f"{TAKE_X_ENV}={mode!r}: expected 'l1' or 'l2'")
+    return mode == "l1"
 
 
 def take_tile() -> dict | None:
@@ -439,7 +458,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, con
         SILU=silu, RESIDUAL=residual is not None, ROPE=rope is not None, HEAD_DIM=rope.head_dim if rope else 2,
         ROT_ROWS=rope.rot_rows if rope else 0, PAIRED=silu or rope is not None, USE_PDL=pdl,
         PARTS=take.world if take is not None else 0, PUSH=push.world if push is not None else 0,
-        GRID_WAIT=take is None or take_waits_for_grid(), **cfg, **extra)
+        GRID_WAIT=take is None or take_waits_for_grid(), PARTS_L1=take is not None and take_x_in_l1(), **cfg, **extra)
     return None if push is not None else y
 
 

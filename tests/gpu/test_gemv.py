@@ -94,16 +94,18 @@ def _two_rank_slots(k: int, sites: int, dtype=torch.bfloat16):
     return slots, site
 
 
-@pytest.mark.parametrize("take_wait", ["grid", "slots"])
-def test_pushed_partials_in_a_graph_give_the_all_reduced_values(take_wait, monkeypatch):
+@pytest.mark.parametrize("take_wait,take_x", [("grid", "l2"), ("slots", "l2"), ("slots", "l1")])
+def test_pushed_partials_in_a_graph_give_the_all_reduced_values(take_wait, take_x, monkeypatch):
     """The compiled push / take / sum_pushed, captured with PDL and replayed twice on new inputs: two ranks' parts
     pushed at site 0 and taken by a SiLU GEMV, pushed at site 1 and summed for the final norm; each equals the
     plain fused GEMVs on the parts summed as an all-reduce sums them, and every site ends marked empty once the
-    next site is taken. take_wait "slots": the takes wait for their slots only, not for the kernel ahead."""
-    from parallel.kernels.gemv import TAKE_WAIT_ENV, gemv, sum_pushed
+    next site is taken. take_wait "slots": the takes wait for their slots only, not for the kernel ahead; take_x
+    "l1": their K loops read the parts through L1 (the second replay takes the same sites with new values)."""
+    from parallel.kernels.gemv import TAKE_WAIT_ENV, TAKE_X_ENV, gemv, sum_pushed
     from parallel.p2p_allreduce import EMPTY_BITS
 
     monkeypatch.setenv(TAKE_WAIT_ENV, take_wait)
+    monkeypatch.setenv(TAKE_X_ENV, take_x)
 
     torch.manual_seed(0)
     k, kh, n = 4096, 7168, 7168
