@@ -133,6 +133,11 @@ class _LogitsHead:
         """
         logits = self.local_logits(hidden)  # [n, V/tp]
         if logits.is_cuda and _sampling is not None and os.environ.get(GREEDY_KERNELS_ENV, "1") != "0":
+            pushed = getattr(self.group, "pushed_greedy", None) if everywhere else None
+            if pushed is not None and 3 * logits.shape[0] <= pushed.width:  # the same rows on every rank
+                site = pushed.next_site()  # every rank's (max, id, lse) pushed to every rank, not all-gathered
+                _sampling.greedy_parts(logits, self.vocab_start, push=site)
+                return _sampling.greedy_combine(None, site=site, rows=logits.shape[0])
             parts = _sampling.greedy_parts(logits, self.vocab_start)  # [n, 3]
             if everywhere:
                 per_rank = gather_first_dim(parts, self.group).view(self.group.size, *parts.shape)

@@ -31,8 +31,20 @@ from parallel.state import Group
 
 log = logging.getLogger(__name__)
 
-# The mark of a pushed-partials slot not yet written: a 16-bit negative zero, as int16 (0x8000).
+# The mark of a pushed-partials slot not yet written: a 16-bit negative zero, as int16 (0x8000); in float64 slots
+# (the TP greedy rows) a 64-bit negative zero, as int64.
 EMPTY_BITS = -32768
+EMPTY_BITS64 = -(1 << 63)
+
+
+def mark_empty(slots: torch.Tensor) -> None:
+    """Every value of 16-bit or float64 slots set to the not-yet-written mark (a negative zero)."""
+    if slots.element_size() == 2:
+        slots.view(torch.int16).fill_(EMPTY_BITS)
+    elif slots.dtype == torch.float64:
+        slots.view(torch.int64).fill_(EMPTY_BITS64)
+    else:
+        raise ValueError(f"pushed slots hold 16-bit or float64 values, not {slots.dtype}")
 
 # Largest message for the one-shot kernel, by group size (2 GPUs: the two-shot wins above 1 MB, see below);
 # more GPUs read (n - 1) x the message, so the crossover with NCCL comes sooner (not measured beyond 2).
@@ -176,7 +188,8 @@ class PushedPartials:
                                    for s in range(sites)], dtype=torch.int64, device=device)
         self.slots = self.buffer.view(sites, group.size, width)
         self._owner: weakref.ref | None = None
-        self.buffer.view(torch.int16).fill_(EMPTY_BITS)
+        self._turn = 0  # `next_site`'s count
+        mark_empty(self.buffer)
         torch.cuda.synchronize(device)
         dist.barrier(group=group.cpu_group)  # every rank's slots marked empty before any rank pushes
 
@@ -191,17 +204,50 @@ class PushedPartials:
     def site(self, s: int) -> PushedSite:
         return PushedSite(self.world, self.slots[s], self.slots[(s - 1) % self.sites], self._ptrs[s])
 
+    def next_site(self) -> PushedSite:
+        """The sites in turn, for exchanges made eagerly one after another (the TP greedy rows): every rank calls this
+        as often as the others, as it would join a collective. Three sites at least: a peer writes a site again only
+        after this rank has pushed into the site after it, so the one this rank empties is never one a peer may be
+        writing."""
+        site = self.site(self._turn)
+        self._turn = (self._turn + 1) % self.sites
+        return site
+
 
 def push_partials_enabled() -> bool:
     """TANDEM_TP_PUSH_PARTIALS=0 keeps the batch-1 fused decoder on the all-reduce (to compare)."""
     return os.environ.get("TANDEM_TP_PUSH_PARTIALS", "1") != "0"
 
 
-def enable_pushed_partials(group: Group, device: torch.device, dtype: torch.dtype, width: int, sites: int) -> bool:
-    """Give `group` pushed-partials slots (`group.pushed_partials`) where its P2P all-reduce is up (the same
-    mapped memory) and the dtype is 16-bit; every rank decides the same from what all agreed on."""
-    if group.fast_all_reduce is None or dtype not in (torch.bfloat16, torch.float16) or not push_partials_enabled():
+GREEDY_GATHER_ENV = "TANDEM_TP_GREEDY_GATHER"
+
+
+def greedy_gather_pushed() -> bool:
+    """TANDEM_TP_GREEDY_GATHER=push: a TP head's greedy (max, id, log-sum-exp) rows go to every rank as pushed slots
+    (`enable_pushed_greedy`) instead of through NCCL's all-gather (`nccl`, the default until measured)."""
+    mode = os.environ.get(GREEDY_GATHER_ENV, "nccl").strip().lower()
+    if mode not in ("nccl", "push"):
+        raise ValueError(f"{GREEDY_GATHER_ENV}={mode!r}: expected 'nccl' or 'push'")
+    return mode == "push"
+
+
+def enable_pushed_greedy(group: Group, device: torch.device, max_rows: int) -> bool:
+    """Give `group` slots for the TP greedy rows (`group.pushed_greedy`): 3 sites of every rank's [max_rows, 3]
+    float64 rows, where the P2P all-reduce is up and TANDEM_TP_GREEDY_GATHER=push; all ranks agree."""
+    if group.fast_all_reduce is None or not greedy_gather_pushed():
         return False
+    pushed = _symmetric_slots(group, device, torch.float64, 3 * max_rows, 3, "the TP greedy rows")
+    if pushed is None:
+        return False
+    group.pushed_greedy = pushed
+    log.info("TP greedy decoding: each rank's (max, id, log-sum-exp) of up to %d rows pushed, not all-gathered",
+             max_rows)
+    return True
+
+
+def _symmetric_slots(group: Group, device: torch.device, dtype: torch.dtype, width: int, sites: int,
+                     what: str) -> PushedPartials | None:
+    """PushedPartials over a new symmetric-memory buffer, or None (logged) where any rank could not allocate one."""
     import torch.distributed._symmetric_memory as symm_mem
 
     buffer, reason = None, ""
@@ -210,10 +256,21 @@ def enable_pushed_partials(group: Group, device: torch.device, dtype: torch.dtyp
     except Exception as e:  # out of memory, ...
         reason = f"{type(e).__name__}: {e}"
     if not _all_agree(buffer is not None, group):
-        log.warning("TP batch-1 decode: partial sums all-reduced (no pushed-partials slots on %s: %s)",
+        log.warning("%s: no pushed slots on %s (%s); the collective stays", what,
                     "this rank" if reason else "another rank", reason or "see its log")
+        return None
+    return PushedPartials(group, buffer, width, sites)
+
+
+def enable_pushed_partials(group: Group, device: torch.device, dtype: torch.dtype, width: int, sites: int) -> bool:
+    """Give `group` pushed-partials slots (`group.pushed_partials`) where its P2P all-reduce is up (the same
+    mapped memory) and the dtype is 16-bit; every rank decides the same from what all agreed on."""
+    if group.fast_all_reduce is None or dtype not in (torch.bfloat16, torch.float16) or not push_partials_enabled():
         return False
-    group.pushed_partials = PushedPartials(group, buffer, width, sites)
+    pushed = _symmetric_slots(group, device, dtype, width, sites, "TP batch-1 decode's partial sums")
+    if pushed is None:
+        return False
+    group.pushed_partials = pushed
     log.info("TP batch-1 decode: row-parallel partial sums pushed to %d sites of %d values (no all-reduce kernel)",
              sites, width)
     return True

@@ -31,6 +31,9 @@ class Group:
     # The batch-1 fused decoder's slots for row-parallel partial sums pushed over NVLink instead of all-reduced
     # (parallel/p2p_allreduce.PushedPartials), where the P2P all-reduce is up.
     pushed_partials: PushedPartials | None = None
+    # A TP head's greedy (max, id, log-sum-exp) rows pushed to every rank the same way instead of all-gathered
+    # (TANDEM_TP_GREEDY_GATHER=push; parallel/p2p_allreduce.enable_pushed_greedy).
+    pushed_greedy: PushedPartials | None = None
 
     @property
     def size(self) -> int:

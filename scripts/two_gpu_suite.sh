@@ -8,7 +8,7 @@
 # LIMITS="sp=200 sp_serve=380" overrides steps' time limits; SP_LENGTHS the sp step's prompt lengths, PD_RATES the
 # pd step's request rates (PD_ARRIVAL_S: seconds of arrivals a rate, 15), KV_MIN_MESSAGES the kv step's message counts, KV_COPY_PROGRAMS and KV_OVERLAP_COPY_PROGRAMS its row-copy grid caps.
 # Steps: tests offline latency pd kv sp ep fault (the default), and pp allreduce pd_small pd_c1 sp_serve tp_serve
-# pd_trace pd_profile embed take step_ab row_reduce.
+# pd_trace pd_profile embed take step_ab row_reduce greedy_push.
 set -u
 RES=${RES:-/tmp/res}
 mkdir -p "$RES"
@@ -34,7 +34,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log to RES/N
 
 run_tests() {  # bf16 layouts against one GPU (TP=2 batch-1 with pushed partial sums), PP=2's stage graphs against HF,
   # and the push / take kernels on one GPU
-  python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k "not embedding_kernel and not slots_only and not row_reduce" -p no:cacheprovider || return $?
+  python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k "not embedding_kernel and not slots_only and not row_reduce and not pushed_greedy" -p no:cacheprovider || return $?
   python -m pytest -q -x tests/gpu/test_multigpu.py -k "pp2 and not tp2pp2" -p no:cacheprovider || return $?
   python -m pytest -q -x tests/gpu/test_gemv.py -k "pushed or waits" -p no:cacheprovider
 }
@@ -185,6 +185,18 @@ run_step_ab() {  # issue 26: batch-1 TP=2 with longer K steps for the GEMVs that
   TANDEM_GEMV_TAKE_TILE=$c python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k batch1_decode_matches \
     -p no:cacheprovider
 }
+run_greedy_push() {  # issue 26: batch-1 TP=2 with the TP head's greedy rows pushed to every rank instead of
+  # all-gathered by NCCL (TANDEM_TP_GREEDY_GATHER=push), twice each, beside one GPU; its one-GPU test first, the
+  # two-GPU token test last
+  python -m pytest -q -x tests/gpu/test_greedy_kernel.py -k pushed -p no:cacheprovider || return $?
+  local v
+  for v in "1 tp1 nccl" "2 tp2 nccl" "2 tp2_push push" "2 tp2_again nccl" "2 tp2_push_again push"; do
+    set -- $v
+    TANDEM_TP_GREEDY_GATHER=$3 timeout 150 python scripts/bench_latency.py --modes graphs --tensor-parallel-size $1 \
+      --skip-hf --prefill-lens 2048 --out "$RES/greedy_$2.json" || return $?
+  done
+  python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k pushed_greedy -p no:cacheprovider
+}
 run_row_reduce() {  # issue 26's mixed step: TP=2 offline (1,000 requests, the step table every 40th step profiled) with
   # the row-parallel GEMMs and all-reduces of prefill-sized steps as today (staged), written straight into the P2P
   # buffer (direct), or overlapped in 2 and 4 chunks (parallel/row_reduce.py), one GPU beside them; first the two
@@ -223,9 +235,9 @@ run_fault() {
 SP_LENGTHS=${SP_LENGTHS:-16384,65536,131056}
 PD_RATES=${PD_RATES:-2,4,8,16,24}
 export RES M8B SP_LENGTHS PD_RATES
-export -f run_tests run_offline run_pp run_latency run_embed run_take run_step_ab run_row_reduce run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
+export -f run_tests run_offline run_pp run_latency run_embed run_take run_step_ab run_row_reduce run_greedy_push run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
 declare -A LIMIT=([tests]=420 [offline]=540 [pp]=300 [latency]=580 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
-                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=480 [take]=560 [step_ab]=560 [row_reduce]=600 [pd_trace]=240 [pd_profile]=240)
+                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=480 [take]=560 [step_ab]=560 [row_reduce]=600 [greedy_push]=560 [pd_trace]=240 [pd_profile]=240)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1

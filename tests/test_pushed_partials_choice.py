@@ -8,6 +8,8 @@ from __future__ import annotations
 import gc
 from types import SimpleNamespace
 
+import pytest
+
 from parallel.p2p_allreduce import PushedPartials
 from workers.models.fused_decode import _pushed_partials
 
@@ -100,8 +102,6 @@ def test_the_p2p_all_reduce_picks_its_kernel_by_size():
 
 
 def test_the_take_wait_mode_is_read_and_a_bad_one_refused(monkeypatch):
-    import pytest
-
     from parallel.kernels.gemv import TAKE_WAIT_ENV, take_waits_for_grid
 
     monkeypatch.delenv(TAKE_WAIT_ENV, raising=False)
@@ -111,3 +111,26 @@ def test_the_take_wait_mode_is_read_and_a_bad_one_refused(monkeypatch):
     monkeypatch.setenv(TAKE_WAIT_ENV, "never")
     with pytest.raises(ValueError, match="TANDEM_TP_TAKE_WAIT='never'"):
         take_waits_for_grid()
+
+
+def test_the_greedy_rows_are_pushed_only_when_asked_and_the_p2p_all_reduce_is_up(monkeypatch):
+    import torch
+
+    from parallel import p2p_allreduce
+    from parallel.state import Group
+
+    made = []
+    monkeypatch.setattr(p2p_allreduce, "_symmetric_slots", lambda *a: made.append(a) or "slots")
+    group = Group(ranks=[0, 1], rank=0)
+    monkeypatch.delenv(p2p_allreduce.GREEDY_GATHER_ENV, raising=False)
+    group.fast_all_reduce = lambda x: False
+    assert not p2p_allreduce.enable_pushed_greedy(group, torch.device("cpu"), 8)  # nccl: the default
+    monkeypatch.setenv(p2p_allreduce.GREEDY_GATHER_ENV, "push")
+    group.fast_all_reduce = None
+    assert not p2p_allreduce.enable_pushed_greedy(group, torch.device("cpu"), 8)  # no mapped memory
+    group.fast_all_reduce = lambda x: False
+    assert p2p_allreduce.enable_pushed_greedy(group, torch.device("cpu"), 8) and group.pushed_greedy == "slots"
+    assert [a[2:5] for a in made] == [(torch.float64, 24, 3)]  # 3 sites of 8 rows of (max, id, lse)
+    monkeypatch.setenv(p2p_allreduce.GREEDY_GATHER_ENV, "all-gather")
+    with pytest.raises(ValueError, match="TANDEM_TP_GREEDY_GATHER='all-gather'"):
+        p2p_allreduce.greedy_gather_pushed()

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from parallel.p2p_allreduce import enable_p2p_all_reduce, enable_pushed_partials
+from parallel.p2p_allreduce import enable_p2p_all_reduce, enable_pushed_greedy, enable_pushed_partials
 from parallel.pp import PendingSend, recv_from_prev_stage, send_to_next_stage
 from parallel.state import pp_group, sp_group, tp_group
 from workers.attention import AttentionMetadata, forward_context, get_backend
@@ -72,6 +72,7 @@ class ModelRunner:
                 # the batch-1 fused decoder's two row-parallel outputs a layer, pushed instead of all-reduced
                 enable_pushed_partials(tp_group(), self.device, self.dtype, hf_config.hidden_size,
                                        pushed_sites(hf_config.num_hidden_layers))
+                enable_pushed_greedy(tp_group(), self.device, config.scheduler.max_num_seqs)
         self.model = load_model(hf_config, config.model.model, self.dtype, self.device, max_model_len,
                                 config.model.load_format, config.model.seed, show_progress,
                                 quantization_config=config.model.quantization_config())

@@ -78,3 +78,28 @@ def test_tp_slices_combined(tp, rows):
     got, want = greedy_combine(parts), _reference(logits)
     assert torch.equal(got[0], want[:, 0])
     torch.testing.assert_close(got[1], want[:, 1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_tp_slices_pushed_and_combined(tp, rows):
+    """TANDEM_TP_GREEDY_GATHER=push on one GPU: tp ranks played with their own float64 slots (tests/pushed_slots.py),
+    each rank's rows pushed into every rank's slots of a site and combined from there, three turns over the sites:
+    the same [2, rows] as the all-gathered combine, bit for bit, and the site before emptied each turn."""
+    from parallel.kernels.sampling import greedy_combine, greedy_parts
+    from parallel.p2p_allreduce import EMPTY_BITS64
+    from tests.pushed_slots import played_slots
+
+    vocab = 128256
+    width = vocab // tp
+    slots, site = played_slots(tp, 3, 3 * 8, torch.float64, device=DEV)
+    for turn in range(4):
+        logits = (torch.randn(rows, vocab, device=DEV) * 5).to(torch.bfloat16)
+        slices = [logits[:, r * width:(r + 1) * width] for r in range(tp)]
+        want = greedy_combine(torch.stack([greedy_parts(slices[r], r * width) for r in range(tp)]))
+        s = turn % 3
+        for r in range(tp):
+            assert greedy_parts(slices[r], r * width, push=site(r, s)) is None
+        for r in range(tp):
+            assert torch.equal(greedy_combine(None, site=site(r, s), rows=rows), want), (turn, r)
+            assert bool((slots[r][(s - 1) % 3].view(torch.int64) == EMPTY_BITS64).all())

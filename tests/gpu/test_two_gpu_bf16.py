@@ -155,6 +155,25 @@ def test_tp2_bf16_batch1_takes_waiting_for_their_slots_only(monkeypatch):
     _check(path, prompts, ref16, got, ref32, "TP=2 batch-1, TANDEM_TP_TAKE_WAIT=slots, vs TP=1")
 
 
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_tp2_bf16_pushed_greedy_rows_match_the_all_gather(one_at_a_time: bool, monkeypatch):
+    """TANDEM_TP_GREEDY_GATHER=push (parallel/p2p_allreduce.enable_pushed_greedy): each rank's greedy (max, id,
+    log-sum-exp) rows pushed to every rank instead of all-gathered; the same tokens as the all-gather, batched and at
+    batch 1, and TP=1's within the near-tie tolerance."""
+    from parallel.p2p_allreduce import GREEDY_GATHER_ENV
+
+    path = tiny_model("llama", **LLAMA)
+    prompts = prompts_of_lengths([7, 30, 64, 120, 250, 17], vocab_size=300, seed=9)
+    n = 32 if one_at_a_time else 64
+    ref16 = _generate(path, prompts, n, one_at_a_time=one_at_a_time)
+    ref32 = _generate(path, prompts, n, dtype="float32", one_at_a_time=one_at_a_time)
+    gathered = _generate(path, prompts, n, one_at_a_time=one_at_a_time, top_n=None, tensor_parallel_size=2)
+    monkeypatch.setenv(GREEDY_GATHER_ENV, "push")  # the rank actors are given it (cluster/ray_runtime.py)
+    got = _generate(path, prompts, n, one_at_a_time=one_at_a_time, top_n=None, tensor_parallel_size=2)
+    assert [g.token_ids for g in got] == [g.token_ids for g in gathered]
+    _check(path, prompts, ref16, got, ref32, f"TP=2 pushed greedy rows{' batch-1' if one_at_a_time else ''} vs TP=1")
+
+
 @pytest.mark.parametrize("mode", ["direct", "overlap:2", "overlap:4"])
 def test_tp2_bf16_row_reduce_modes_match_tp1(mode: str, monkeypatch):
     """TANDEM_TP_ROW_REDUCE (parallel/row_reduce.py) for prefill-sized steps: `direct` (the GEMM writes into the P2P
