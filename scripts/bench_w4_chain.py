@@ -129,6 +129,21 @@ class Chain:
         self.embedding = torch.randn(64, HIDDEN, device=dev).to(dtype)
         self.token = torch.tensor([5], device=dev, dtype=torch.int64)
 
+    def attend(self, qkv: torch.Tensor, layer: int, attention: bool = True) -> torch.Tensor:
+        """Decode attention of the qkv GEMV's output [1, (heads + 2 kv) x D] -> [1, heads x D] (the new token's k/v
+        written into the layer's cache); without `attention`, q passed through."""
+        from parallel.kernels.paged_attention import decode_attention
+
+        q_rows, kv_rows = self.heads * HEAD_DIM, self.kv_heads * HEAD_DIM
+        q = qkv[:, :q_rows].view(1, self.heads, HEAD_DIM)
+        if not attention:
+            return q.reshape(1, q_rows)
+        k = qkv[:, q_rows:q_rows + kv_rows].view(1, self.kv_heads, HEAD_DIM)
+        v = qkv[:, q_rows + kv_rows:].view(1, self.kv_heads, HEAD_DIM)
+        att = decode_attention(q, self.cache, self.tables[layer], self.seq_lens, HEAD_DIM ** -0.5, self.max_seq_len,
+                               num_splits=self.attn_splits, k_new=k, v_new=v, slot_mapping=self.slots[layer])
+        return att.reshape(1, q_rows)
+
     def bytes_per_layer(self) -> int:
         if self.quant:
             return sum(n * k // 2 + 4 * n * (k // GROUP) for n, k in self.shapes.values())
@@ -152,26 +167,15 @@ class Chain:
 
     def run(self, tiles: dict, attention: bool = True, dup: str = "") -> torch.Tensor:
         """One step's chain; `dup`: a shape whose GEMV runs a second time in each layer (its marginal cost)."""
-        from parallel.kernels.paged_attention import decode_attention
-
         if self.sites is not None:
             return run_pushed(self, tiles, attention)
         h = self.h
-        q_rows, kv_rows = self.heads * HEAD_DIM, self.kv_heads * HEAD_DIM
         for i in range(self.layers):
             for _ in range(1 + (dup == "qkv")):
                 qkv = self.linear(h, i, "qkv", tiles, norm_weight=self.norm[i][0], eps=1e-5, rope=self.rope)
-            q = qkv[:, :q_rows].view(1, self.heads, HEAD_DIM)
-            if attention:
-                k = qkv[:, q_rows:q_rows + kv_rows].view(1, self.kv_heads, HEAD_DIM)
-                v = qkv[:, q_rows + kv_rows:].view(1, self.kv_heads, HEAD_DIM)
-                att = decode_attention(q, self.cache, self.tables[i], self.seq_lens, HEAD_DIM ** -0.5,
-                                       self.max_seq_len, num_splits=self.attn_splits, k_new=k, v_new=v,
-                                       slot_mapping=self.slots[i])
-            else:
-                att = q
+            att = self.attend(qkv, i, attention)
             for _ in range(1 + (dup == "o")):
-                h = self.linear(att.reshape(1, q_rows), i, "o", tiles, residual=h)
+                h = self.linear(att, i, "o", tiles, residual=h)
             for _ in range(1 + (dup == "gate_up")):
                 act = self.linear(h, i, "gate_up", tiles, norm_weight=self.norm[i][1], eps=1e-5, silu=True)
             for _ in range(1 + (dup == "down")):
@@ -183,27 +187,16 @@ def run_pushed(chain: Chain, tiles: dict, attention: bool = True) -> torch.Tenso
     """`Chain.run` with pushed partial sums between the GEMVs (`Chain.use_pushed_partials`)."""
     from parallel.kernels import fused_ops
     from parallel.kernels.gemv import gemv, sum_pushed
-    from parallel.kernels.paged_attention import decode_attention
 
     site = chain.sites
     new_h = lambda: torch.empty(1, HIDDEN, device=chain.h.device, dtype=chain.h.dtype)  # noqa: E731
-    q_rows, kv_rows = chain.heads * HEAD_DIM, chain.kv_heads * HEAD_DIM
     fused_ops.vocab_rows(chain.token, chain.embedding, 0, push=site(0))
     taken = site(0)
     for i in range(chain.layers):
         w, norm = chain.w[i], chain.norm[i]
         h = new_h()
         qkv = gemv(h, w["qkv"], None, tiles.get("qkv"), norm_weight=norm[0], eps=1e-5, rope=chain.rope, take=taken)
-        q = qkv[:, :q_rows].view(1, chain.heads, HEAD_DIM)
-        if attention:
-            k = qkv[:, q_rows:q_rows + kv_rows].view(1, chain.kv_heads, HEAD_DIM)
-            v = qkv[:, q_rows + kv_rows:].view(1, chain.kv_heads, HEAD_DIM)
-            att = decode_attention(q, chain.cache, chain.tables[i], chain.seq_lens, HEAD_DIM ** -0.5,
-                                   chain.max_seq_len, num_splits=chain.attn_splits, k_new=k, v_new=v,
-                                   slot_mapping=chain.slots[i])
-        else:
-            att = q
-        gemv(att.reshape(1, q_rows), w["o"], None, tiles.get("o"), residual=h, push=site(2 * i + 1))
+        gemv(chain.attend(qkv, i, attention), w["o"], None, tiles.get("o"), residual=h, push=site(2 * i + 1))
         h = new_h()
         act = gemv(h, w["gate_up"], None, tiles.get("gate_up"), norm_weight=norm[1], eps=1e-5, silu=True,
                    take=site(2 * i + 1))
