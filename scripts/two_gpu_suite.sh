@@ -8,7 +8,7 @@
 # LIMITS="sp=200 sp_serve=380" overrides steps' time limits; SP_LENGTHS the sp step's prompt lengths, PD_RATES the
 # pd step's request rates (PD_ARRIVAL_S: seconds of arrivals a rate, 15), KV_MIN_MESSAGES the kv step's message counts, KV_COPY_PROGRAMS and KV_OVERLAP_COPY_PROGRAMS its row-copy grid caps.
 # Steps: tests offline latency pd kv sp ep fault (the default), and pp allreduce pd_small pd_c1 sp_serve tp_serve
-# pd_trace pd_profile embed take step_ab row_reduce greedy_push.
+# pd_trace pd_profile embed take step_ab row_reduce row_reduce2 greedy_push.
 set -u
 RES=${RES:-/tmp/res}
 mkdir -p "$RES"
@@ -197,17 +197,21 @@ run_greedy_push() {  # issue 26: batch-1 TP=2 with the TP head's greedy rows pus
   done
   python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k pushed_greedy -p no:cacheprovider
 }
-run_row_reduce() {  # issue 26's mixed step: TP=2 offline (1,000 requests, the step table every 40th step profiled) with
-  # the row-parallel GEMMs and all-reduces of prefill-sized steps as today (staged), written straight into the P2P
-  # buffer (direct), or overlapped in 2 and 4 chunks (parallel/row_reduce.py), one GPU beside them; first the two
-  # row-parallel layers alone by mode (scripts/bench_row_reduce.py, ~30 s), last their GPU test
-  python scripts/bench_row_reduce.py --world-size 2 --device cuda --out "$RES/row_reduce_layers.json" || return $?
-  local common="--shape llama-3.1-8b --device cuda --dtype bfloat16 --load-format dummy --isolate --num-requests 1000 --mean-input 230 --mean-output 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --skip-hf --profile-steps 40"
-  python scripts/bench_offline.py $common --layouts "uni tp2" --out "$RES/row_reduce_staged.json" || return $?
+run_row_reduce() {  # issue 26's mixed step, call 1 of 2: the two row-parallel layers alone by TANDEM_TP_ROW_REDUCE mode
+  # (scripts/bench_row_reduce.py), then TP=2 offline (1,000 requests, every 40th step profiled: the step table) as
+  # today (staged) beside one GPU, written straight into the P2P buffer (direct) and in 2 chunks overlapped (~6 min)
+  timeout 120 python scripts/bench_row_reduce.py --world-size 2 --device cuda --out "$RES/row_reduce_layers.json" || return $?
   local m
-  for m in direct overlap:2 overlap:4; do
-    TANDEM_TP_ROW_REDUCE=$m python scripts/bench_offline.py $common --layouts "tp2" --out "$RES/row_reduce_${m/:/}.json" || return $?
+  for m in staged direct overlap:2; do
+    TANDEM_TP_ROW_REDUCE=$m python scripts/bench_offline.py $ROW_REDUCE_OFFLINE --layouts "$([ $m = staged ] && echo 'uni tp2' || echo tp2)" \
+      --out "$RES/row_reduce_${m/:/}.json" || return $?
   done
+}
+run_row_reduce2() {  # call 2 of 2: one GPU beside TP=2 in 4 chunks, TP=2 staged again, then the modes' GPU test (~6 min)
+  TANDEM_TP_ROW_REDUCE=overlap:4 python scripts/bench_offline.py $ROW_REDUCE_OFFLINE --layouts "uni tp2" \
+    --out "$RES/row_reduce_overlap4.json" || return $?
+  TANDEM_TP_ROW_REDUCE=staged python scripts/bench_offline.py $ROW_REDUCE_OFFLINE --layouts "tp2" \
+    --out "$RES/row_reduce_staged_again.json" || return $?
   python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k row_reduce -p no:cacheprovider
 }
 run_tp_serve() {  # issue 26: the served app, one TP=2 replica against one TP=1 replica, one client (TPOT)
@@ -233,11 +237,12 @@ run_fault() {
 }
 
 SP_LENGTHS=${SP_LENGTHS:-16384,65536,131056}
+ROW_REDUCE_OFFLINE="--shape llama-3.1-8b --device cuda --dtype bfloat16 --load-format dummy --isolate --num-requests 1000 --mean-input 230 --mean-output 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --skip-hf --profile-steps 40"
 PD_RATES=${PD_RATES:-2,4,8,16,24}
-export RES M8B SP_LENGTHS PD_RATES
-export -f run_tests run_offline run_pp run_latency run_embed run_take run_step_ab run_row_reduce run_greedy_push run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
+export RES M8B SP_LENGTHS PD_RATES ROW_REDUCE_OFFLINE
+export -f run_tests run_offline run_pp run_latency run_embed run_take run_step_ab run_row_reduce run_row_reduce2 run_greedy_push run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
 declare -A LIMIT=([tests]=420 [offline]=540 [pp]=300 [latency]=580 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
-                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=480 [take]=560 [step_ab]=560 [row_reduce]=600 [greedy_push]=560 [pd_trace]=240 [pd_profile]=240)
+                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=480 [take]=560 [step_ab]=560 [row_reduce]=560 [row_reduce2]=560 [greedy_push]=560 [pd_trace]=240 [pd_profile]=240)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1

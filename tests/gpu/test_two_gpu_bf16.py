@@ -174,8 +174,7 @@ def test_tp2_bf16_pushed_greedy_rows_match_the_all_gather(one_at_a_time: bool, m
     _check(path, prompts, ref16, got, ref32, f"TP=2 pushed greedy rows{' batch-1' if one_at_a_time else ''} vs TP=1")
 
 
-@pytest.mark.parametrize("mode", ["direct", "overlap:2", "overlap:4"])
-def test_tp2_bf16_row_reduce_modes_match_tp1(mode: str, monkeypatch):
+def test_tp2_bf16_row_reduce_modes_match_tp1(monkeypatch):
     """TANDEM_TP_ROW_REDUCE (parallel/row_reduce.py) for prefill-sized steps: `direct` (the GEMM writes into the P2P
     all-reduce's mapped buffer), `overlap:N` (chunks' all-reduces on a side stream beside the next chunks' GEMMs),
     in eager and piecewise-graph steps of 700-3,000 tokens with decodes among them: TP=2 against TP=1 as above."""
@@ -185,9 +184,10 @@ def test_tp2_bf16_row_reduce_modes_match_tp1(mode: str, monkeypatch):
     prompts = prompts_of_lengths([3000, 700, 1200, 9, 2100, 64], vocab_size=300, seed=13)
     ref16 = _generate(path, prompts, 24)
     ref32 = _generate(path, prompts, 24, dtype="float32")
-    monkeypatch.setenv(ROW_REDUCE_ENV, mode)  # the rank actors are given it (cluster/ray_runtime.py)
-    got = _generate(path, prompts, 24, tensor_parallel_size=2)
-    _check(path, prompts, ref16, got, ref32, f"TP=2, TANDEM_TP_ROW_REDUCE={mode}, vs TP=1")
+    for mode in ("direct", "overlap:2", "overlap:4"):
+        monkeypatch.setenv(ROW_REDUCE_ENV, mode)  # the rank actors are given it (cluster/ray_runtime.py)
+        got = _generate(path, prompts, 24, tensor_parallel_size=2)
+        _check(path, prompts, ref16, got, ref32, f"TP=2, TANDEM_TP_ROW_REDUCE={mode}, vs TP=1")
 
 
 @pytest.mark.parametrize("sp_attention", ["ring", "ulysses"])
