@@ -8,15 +8,15 @@ Why: a TP=2 mixed step (~250 decodes and ~800 prefill tokens on Llama-3.1-8B) al
   reads, instead of into a tensor that is then copied there (parallel/p2p_allreduce.py stages its input so): one
   ~6 MB device copy less per all-reduce. The same sums.
 - `overlap:N`: the rows are cut into N chunks; each chunk's GEMM runs on the compute stream and its all-reduce on a
-  high-priority side stream of the group, so chunk i's all-reduce runs while chunk i + 1's GEMM does (the GEMM is
+  high-priority side stream of the device, so chunk i's all-reduce runs while chunk i + 1's GEMM does (the GEMM is
   compute-bound, the two-shot kernel NVLink-bound on a few SMs). What is left exposed is the last chunk's
   all-reduce. Each row's product and each element's sum are what the whole GEMM gives, unless cuBLAS picks a
   different kernel (e.g. split-K) for the smaller row count.
 - `staged` (default): F.linear, then the all-reduce (`comm.reduce_partial_sums`).
 
 Both new modes are opt-in until measured on two GPUs (`scripts/two_gpu_suite.sh row_reduce`). They serve plain
-16-bit weights on CUDA for inputs of at least ROW_REDUCE_MIN_ROWS rows (decode batches and batch 1 keep their
-paths); on CPU ranks (gloo) `overlap:N` runs its chunks one after another, with the same results.
+(unquantized) weights, for inputs of at least ROW_REDUCE_MIN_ROWS rows (decode batches and batch 1 keep their
+paths); `direct` on CUDA only, and on CPU ranks (gloo) `overlap:N` runs its chunks one after another.
 """
 from __future__ import annotations
 
