@@ -244,9 +244,9 @@ class RowParallelLinear(_TPLinear):
         return 0, 0  # output features are not split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.quantized and row_reduce.takes(x, self.weight, self.group):  # prefill-sized, TANDEM_TP_ROW_REDUCE
-            y = row_reduce.linear_reduce(x, self.weight, self.group)
-        else:
+        # prefill-sized calls in TANDEM_TP_ROW_REDUCE's mode (parallel/row_reduce.py), else the GEMM, then the sum
+        y = None if self.quantized else row_reduce.try_linear_reduce(x, self.weight, self.group)
+        if y is None:
             y = self.quant_method.apply(self, x, None) if self.quantized else linear(x, self.weight)
             y = reduce_partial_sums(y, self.group)
         return y + self.bias if self.bias is not None else y

@@ -56,12 +56,18 @@ def takes(x: torch.Tensor, weight: torch.Tensor, group: Group, mode: str | None 
     return True
 
 
-def linear_reduce(x: torch.Tensor, weight: torch.Tensor, group: Group, mode: str | None = None,
-                  chunks: int = 1) -> torch.Tensor:
-    """x [M, K/tp] @ weight [N, K/tp]^T summed over the group: [M, N] (no bias: the caller adds it after the sum).
-    mode/chunks: "direct" or "overlap" and its chunk count (default: the configured ones)."""
-    if mode is None:
-        mode, chunks = row_reduce_mode()
+def try_linear_reduce(x: torch.Tensor, weight: torch.Tensor, group: Group) -> torch.Tensor | None:
+    """`linear_reduce` in the configured mode where that mode serves the call (`takes`), else None: the caller runs
+    F.linear, then the all-reduce. Decode-sized calls return before the mode is read."""
+    if group.size == 1 or x.dim() != 2 or x.shape[0] < ROW_REDUCE_MIN_ROWS:
+        return None
+    mode, chunks = row_reduce_mode()
+    return linear_reduce(x, weight, group, mode, chunks) if takes(x, weight, group, mode) else None
+
+
+def linear_reduce(x: torch.Tensor, weight: torch.Tensor, group: Group, mode: str, chunks: int = 1) -> torch.Tensor:
+    """x [M, K/tp] @ weight [N, K/tp]^T summed over the group: [M, N] (no bias: the caller adds it after the sum),
+    mode "direct", or "overlap" in `chunks` chunks."""
     if mode == "direct":
         return _direct(x, weight, group)
     return _overlapped(x, weight, group, chunks)

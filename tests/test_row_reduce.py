@@ -54,7 +54,13 @@ def _row_parallel_check(rank: int, mode: str) -> None:
 
     from parallel.linear import RowParallelLinear
 
+    from parallel import row_reduce
+
     os.environ[ROW_REDUCE_ENV] = mode
+    chunked = []  # the row ranges the overlapped path summed: it must be the one that ran
+    real = row_reduce._overlapped
+    row_reduce._overlapped = lambda x, w, g, chunks: chunked.append(row_reduce.chunk_bounds(x.shape[0], chunks)) or real(
+        x, w, g, chunks)
     torch.manual_seed(0)
     k, n, rows = 64, 48, ROW_REDUCE_MIN_ROWS + 40
     full_w, x, bias = torch.randn(n, k), torch.randn(rows, k), torch.randn(n)
@@ -65,6 +71,10 @@ def _row_parallel_check(rank: int, mode: str) -> None:
     got = row(x[:, rank * half:(rank + 1) * half].contiguous())
     want = x @ full_w.t() + bias
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert chunked == ([[(0, 192), (192, 384), (384, 552)]] if mode == "overlap:3" else []), chunked
+    small = torch.randn(ROW_REDUCE_MIN_ROWS - 1, half)  # a decode-sized call keeps the usual path
+    row(small)
+    assert len(chunked) == (1 if mode == "overlap:3" else 0)
 
 
 @pytest.mark.parametrize("mode", ["overlap:3", "staged"])
