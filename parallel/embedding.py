@@ -57,6 +57,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = set_weight_loader(
             nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim), requires_grad=False), self.weight_loader
         )
+        self.lookup_kernel = tp_embed_mode() != "torch"  # read once: the rows' lookup on CUDA under TP, each step
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape[0] != self.vocab_size:
@@ -68,7 +69,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
             return F.embedding(token_ids, self.weight)
-        if token_ids.is_cuda and _fused_ops is not None and tp_embed_mode() != "torch":
+        if token_ids.is_cuda and _fused_ops is not None and self.lookup_kernel:
             return reduce_partial_sums(_fused_ops.vocab_rows(token_ids, self.weight, self.vocab_start), self.group)
         # Ids owned by other ranks look up row 0 and are zeroed; the all-reduce fills them in.
         local = (token_ids >= self.vocab_start) & (token_ids < self.vocab_end)
