@@ -147,6 +147,21 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out_path: 
         Path(out_path).write_text(json.dumps({"rows": rows, "info": info}))
 
 
+def spawn_ranks(rank_fn, args: argparse.Namespace, out: Path):
+    """Run rank_fn(rank, world, port, args, raw_path) on args.world_size spawned processes and return what rank 0
+    wrote to raw_path (JSON, next to `out`, removed after); refused where CUDA has fewer GPUs than ranks."""
+    if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
+        raise SystemExit(f"--world-size {args.world_size} needs as many GPUs; {torch.cuda.device_count()} visible")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    raw = out.with_suffix(".rank0.json")
+    # spawn, not fork: a caller that has touched CUDA (pytest's skip checks count devices) cannot fork CUDA users.
+    mp.start_processes(rank_fn, args=(args.world_size, free_port(), args, str(raw)), nprocs=args.world_size,
+                       join=True, start_method="spawn")
+    result = json.loads(raw.read_text())
+    raw.unlink()
+    return result
+
+
 def table(rows: list[dict]) -> str:
     fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
     lines = [f"{'method':>6} {'bytes':>10} {'eager us':>9} {'graph us':>9} {'eager GB/s':>11} {'graph GB/s':>11} correct"]
@@ -170,16 +185,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench_results/bench_allreduce.json")
     args = p.parse_args(argv)
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
-        raise SystemExit(f"--world-size {args.world_size} needs as many GPUs; {torch.cuda.device_count()} visible")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    raw = out.with_suffix(".rank0.json")
-    # spawn, not fork: a caller that has touched CUDA (pytest's skip checks count devices) cannot fork CUDA users.
-    mp.start_processes(_rank, args=(args.world_size, free_port(), args, str(raw)), nprocs=args.world_size, join=True,
-                       start_method="spawn")
-    result = json.loads(raw.read_text())
-    raw.unlink()
+    result = spawn_ranks(_rank, args, out)
     rows = result["rows"]
     meta = {"world_size": args.world_size, "device": args.device, "dtype": args.dtype, "iters": args.iters,
             "visible": args.visible, **result["info"],

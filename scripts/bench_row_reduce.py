@@ -22,40 +22,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from parallel.net import free_port  # noqa: E402
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_allreduce import _time_eager, _time_graph, spawn_ranks  # noqa: E402
 
 SHAPES = {"o": (4096, 4096), "down": (4096, 14336)}  # (N outputs, K inputs) of the whole layer
 
 
 def _timed(fn, iters: int, cuda: bool) -> float:
-    """Microseconds per call: a CUDA graph of `iters` calls replayed once (CPU: wall clock over the calls)."""
-    if not cuda:
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) / iters * 1e6
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # warm up on the capture stream's side
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+    """Microseconds per call: a CUDA graph of `iters` calls replayed once (bench_allreduce's), CPU: wall clock."""
+    timer = _time_graph if cuda else _time_eager
+    return timer(torch.empty(0), iters, lambda _: fn()) * 1e6
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
@@ -132,15 +112,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.rows = [int(r) for r in args.rows.split(",") if r.strip()]
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
-        raise SystemExit(f"--world-size {args.world_size} needs as many GPUs; {torch.cuda.device_count()} visible")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    raw = out.with_suffix(".rank0.json")
-    mp.start_processes(_rank, args=(args.world_size, free_port(), args, str(raw)), nprocs=args.world_size, join=True,
-                       start_method="spawn")
-    rows = json.loads(raw.read_text())
-    raw.unlink()
+    rows = spawn_ranks(_rank, args, out)
     meta = {"world_size": args.world_size, "device": args.device, "iters": args.iters, "date": time.strftime("%Y-%m-%d"),
             "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
