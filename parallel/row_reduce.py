@@ -4,7 +4,7 @@ Why: a TP=2 mixed step (~250 decodes and ~800 prefill tokens on Llama-3.1-8B) al
 2 x H200 that is 2.35 ms of a rank's 15 ms of GPU time, with nothing else running (issue 26: the mixed step is at
 0.64x one GPU's, the goal 0.6x). Two ways to take some of it off the step (TANDEM_TP_ROW_REDUCE):
 
-- `direct`: the GEMM writes its output straight into the P2P all-reduce's mapped buffer, which the two-shot kernel
+- `direct` (default): the GEMM writes its output straight into the P2P all-reduce's mapped buffer, which the two-shot kernel
   reads, instead of into a tensor that is then copied there (parallel/p2p_allreduce.py stages its input so): one
   ~6 MB device copy less per all-reduce. The same sums.
 - `overlap:N`: the rows are cut into N chunks; each chunk's GEMM runs on the compute stream and its all-reduce on a
@@ -12,9 +12,12 @@ Why: a TP=2 mixed step (~250 decodes and ~800 prefill tokens on Llama-3.1-8B) al
   compute-bound, the two-shot kernel NVLink-bound on a few SMs). What is left exposed is the last chunk's
   all-reduce. Each row's product and each element's sum are what the whole GEMM gives, unless cuBLAS picks a
   different kernel (e.g. split-K) for the smaller row count.
-- `staged` (default): F.linear, then the all-reduce (`comm.reduce_partial_sums`).
+- `staged`: F.linear, then the all-reduce (`comm.reduce_partial_sums`).
 
-Both new modes are opt-in until measured on two GPUs (`scripts/two_gpu_suite.sh row_reduce`). They serve plain
+Measured on 2 x H200 (`scripts/two_gpu_suite.sh row_reduce`, 2026-11-29, docs/benchmarks.md): `direct` saves ~5.5 us
+a layer at 776 rows and took the mixed step from 0.635x to 0.570x one GPU's (mean) in the same call, so it is the
+default; `overlap:2` was slower than `staged` (the two-shot kernel's SMs and its NVLink traffic slow the GEMM
+beside it more than the overlap hides), so it stays opt-in for A/Bs. Both serve plain
 (unquantized) weights, for inputs of at least ROW_REDUCE_MIN_ROWS rows (decode batches and batch 1 keep their
 paths); `direct` on CUDA only, and on CPU ranks (gloo) `overlap:N` runs its chunks one after another.
 """
@@ -34,7 +37,7 @@ ROW_REDUCE_MIN_ROWS = 512  # below: decode batches, whose all-reduces are small 
 def row_reduce_mode() -> tuple[str, int]:
     """(mode, chunks) from TANDEM_TP_ROW_REDUCE: ("staged", 1), ("direct", 1) or ("overlap", N >= 2); another
     value is refused by name."""
-    raw = os.environ.get(ROW_REDUCE_ENV, "staged").strip().lower()
+    raw = os.environ.get(ROW_REDUCE_ENV, "direct").strip().lower()
     if raw in ("staged", "direct"):
         return raw, 1
     name, _, count = raw.partition(":")

@@ -207,9 +207,9 @@ run_row_reduce() {  # issue 26's mixed step, call 1 of 2: the two row-parallel l
       --out "$RES/row_reduce_${m/:/}.json" || return $?
   done
 }
-run_row_reduce2() {  # call 2 of 2: one GPU beside TP=2 in 4 chunks, TP=2 staged again, then the modes' GPU test (~6 min)
-  TANDEM_TP_ROW_REDUCE=overlap:4 python scripts/bench_offline.py $ROW_REDUCE_OFFLINE --layouts "uni tp2" \
-    --out "$RES/row_reduce_overlap4.json" || return $?
+run_row_reduce2() {  # call 2 of 2: one GPU beside TP=2 with `direct` (the default since call 1), TP=2 staged
+  # again, then the modes' GPU test (~6 min)
+  python scripts/bench_offline.py $ROW_REDUCE_OFFLINE --layouts "uni tp2" --out "$RES/row_reduce_direct2.json" || return $?
   TANDEM_TP_ROW_REDUCE=staged python scripts/bench_offline.py $ROW_REDUCE_OFFLINE --layouts "tp2" \
     --out "$RES/row_reduce_staged_again.json" || return $?
   python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k row_reduce -p no:cacheprovider

@@ -14,8 +14,8 @@ from tests.multiprocess import run_ranks
 
 def test_the_mode_is_read_and_a_bad_one_refused(monkeypatch):
     monkeypatch.delenv(ROW_REDUCE_ENV, raising=False)
-    assert row_reduce_mode() == ("staged", 1)
-    for raw, want in ((" Direct", ("direct", 1)), ("overlap:2", ("overlap", 2)), ("OVERLAP:8", ("overlap", 8))):
+    assert row_reduce_mode() == ("direct", 1)
+    for raw, want in ((" Staged", ("staged", 1)), (" Direct", ("direct", 1)), ("overlap:2", ("overlap", 2)), ("OVERLAP:8", ("overlap", 8))):
         monkeypatch.setenv(ROW_REDUCE_ENV, raw)
         assert row_reduce_mode() == want
     for bad in ("overlap", "overlap:1", "overlap:9", "overlap:x", "chunked"):
@@ -40,8 +40,10 @@ def test_which_calls_it_takes(monkeypatch):
     two, one = Group(ranks=[0, 1], rank=0), Group()
     w = torch.zeros(16, 8)
     big, small = torch.zeros(ROW_REDUCE_MIN_ROWS, 8), torch.zeros(ROW_REDUCE_MIN_ROWS - 1, 8)
+    monkeypatch.setenv(ROW_REDUCE_ENV, "staged")
+    assert not takes(big, w, two)  # the usual path
     monkeypatch.delenv(ROW_REDUCE_ENV, raising=False)
-    assert not takes(big, w, two)  # staged: the usual path
+    assert not takes(big, w, two)  # direct, the default: no mapped buffer on CPU ranks, so the usual path
     monkeypatch.setenv(ROW_REDUCE_ENV, "overlap:2")
     assert takes(big, w, two) and not takes(small, w, two) and not takes(big, w, one)
     assert not takes(big, w.half(), two)  # a weight of another dtype (a quantized layer's) is not its to take
