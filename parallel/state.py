@@ -32,7 +32,7 @@ class Group:
     # (parallel/p2p_allreduce.PushedPartials), where the P2P all-reduce is up.
     pushed_partials: PushedPartials | None = None
     # A TP head's greedy (max, id, log-sum-exp) rows pushed to every rank the same way instead of all-gathered
-    # (TANDEM_TP_GREEDY_GATHER=push; parallel/p2p_allreduce.enable_pushed_greedy).
+    # (TANDEM_TP_GREEDY_GATHER=push, the default; parallel/p2p_allreduce.enable_pushed_greedy).
     pushed_greedy: PushedPartials | None = None
 
     @property

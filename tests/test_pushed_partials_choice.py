@@ -122,10 +122,10 @@ def test_the_greedy_rows_are_pushed_only_when_asked_and_the_p2p_all_reduce_is_up
     made = []
     monkeypatch.setattr(p2p_allreduce, "_symmetric_slots", lambda *a: made.append(a) or "slots")
     group = Group(ranks=[0, 1], rank=0)
-    monkeypatch.delenv(p2p_allreduce.GREEDY_GATHER_ENV, raising=False)
+    monkeypatch.setenv(p2p_allreduce.GREEDY_GATHER_ENV, "nccl")
     group.fast_all_reduce = lambda x: False
-    assert not p2p_allreduce.enable_pushed_greedy(group, torch.device("cpu"), 8)  # nccl: the default
-    monkeypatch.setenv(p2p_allreduce.GREEDY_GATHER_ENV, "push")
+    assert not p2p_allreduce.enable_pushed_greedy(group, torch.device("cpu"), 8)  # nccl: the all-gather
+    monkeypatch.delenv(p2p_allreduce.GREEDY_GATHER_ENV, raising=False)  # push, the default
     group.fast_all_reduce = None
     assert not p2p_allreduce.enable_pushed_greedy(group, torch.device("cpu"), 8)  # no mapped memory
     group.fast_all_reduce = lambda x: False
