@@ -28,3 +28,5 @@ def test_busy_gaps_comm_and_host_self_time(tmp_path):
     assert r["span_ms"] == 1.0 and r["gpu_busy_ms"] == 0.4 and r["comm_ms"] == 0.3
     assert r["gaps_over_50us_ms"] == 0.3 and r["largest_gaps"][0]["before"] == "one_shot_all_reduce_kernel"
     assert r["host_self_ms"] == {"step": 0.7, "aten::mm": 0.3}
+    assert r["categories"] == {"cpu_op": {"events": 1, "first_at_ms": 0.1}, "kernel": {"events": 3, "first_at_ms": 0.2},
+                               "python_function": {"events": 1, "first_at_ms": 0.0}}
