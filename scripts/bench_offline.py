@@ -107,11 +107,11 @@ def run_tandem(args, prompts, out_lens, layout: dict | None = None) -> dict:
     params = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in out_lens]
     llm.generate(prompts[:2], params[:2])  # warm-up (allocator, kernels)
     profile = None
-    if args.profile_steps:
+    if args.profile_steps or args.step_times:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from step_profile import StepProfile
 
-        profile = StepProfile(llm.llm_engine, gpu_every=args.profile_steps)
+        profile = StepProfile(llm.llm_engine, gpu_every=args.profile_steps, ranks=not args.step_times)
     sync(args.device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
@@ -216,9 +216,14 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
                    help="time each step's phases; every N-th step also under torch.profiler (GPU kernel time)")
+    p.add_argument("--step-times", action="store_true",
+                   help="time each step at the driver only, the executors unprofiled (a rank profile stops the "
+                        "in-process executor's launch-ahead, so the one-GPU baseline runs slower under it)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default="bench_results/bench_offline.json")
     args = p.parse_args()
+    if args.step_times and args.profile_steps:
+        p.error("--step-times times steps without the rank profiles --profile-steps installs: give one of them")
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -7,6 +7,10 @@ Used by `scripts/bench_offline.py --profile-steps N`. Steps are grouped by kind:
 CUDA-graph replay), `decode` (one token per sequence, eager) and `mixed` (prefill chunks). Where the
 executor overlaps (Ray ranks), one engine step collects one step and sends the next: its `exec` is the
 time spent sending and waiting for the ranks, `sched` the next step's scheduling.
+
+`ranks=False` times the steps at the driver only and leaves the executor as it runs unprofiled: a rank profile
+times whole steps, so the in-process executor stops launching decode steps ahead while one is installed
+(workers/executor.py), which slows the one-GPU engine a profiled run compares against.
 """
 from __future__ import annotations
 
@@ -18,13 +22,14 @@ from workers.rank_profile import start_lags, step_kind
 
 
 class StepProfile:
-    def __init__(self, engine, gpu_every: int = 0):
-        self.engine, self.gpu_every = engine, gpu_every
+    def __init__(self, engine, gpu_every: int = 0, ranks: bool = True):
+        self.engine, self.gpu_every, self.with_ranks = engine, gpu_every, ranks
         self.rows: list[dict] = []
         self._cur: dict = {}
         sched, submit, step = engine.scheduler.schedule, engine.executor.submit, engine.step
         self.gc = GcPauses().install()  # the driver's collector pauses (the ranks report theirs)
-        engine.executor.profile("start", gpu_every)
+        if ranks:
+            engine.executor.profile("start", gpu_every)
         runner = getattr(engine.executor, "runner", None)
         kinds: list[tuple] = []  # (kind, seqs, tokens) of the steps sent and not yet collected
 
@@ -85,7 +90,7 @@ class StepProfile:
                           "ms_schedule": 1e3 * sum(r["schedule"] for r in rs) / n,
                           "ms_execute": 1e3 * sum(r["execute"] for r in rs) / n,
                           "ms_after_execute": 1e3 * sum(r["step"] - r["schedule"] - r["execute"] for r in rs) / n}
-        ranks = self.engine.executor.profile("report")
+        ranks = self.engine.executor.profile("report") if self.with_ranks else []
         gc = {"driver": self.gc.summary(), "ranks": [r.pop("gc", None) for r in ranks]}
         lags = start_lags(ranks)  # before the raw start times are dropped: only the lags go into the JSON
         for by_kind in ranks:
@@ -102,8 +107,9 @@ class StepProfile:
             lines.append(f"{kind:13} {d['steps']:6d} {d['seconds']:7.2f} {d['mean_seqs']:6.1f} {d['mean_tokens']:7.1f} "
                          f"{d['ms_step']:8.2f} {d['ms_step_p50']:7.2f} {d['ms_schedule']:6.2f} {d['ms_execute']:7.2f} "
                          f"{d['ms_after_execute']:6.2f}")
-        lines += ["ranks (ms per step; kernels and comm over the profiled steps)",
-                  f"{'rank':>4} {'kind':13} {'steps':>6} {'idle':>7} {'dispatch':>8} {'execute':>8} {'kernels':>8} {'comm':>7}"]
+        if summary["ranks"]:
+            lines += ["ranks (ms per step; kernels and comm over the profiled steps)",
+                      f"{'rank':>4} {'kind':13} {'steps':>6} {'idle':>7} {'dispatch':>8} {'execute':>8} {'kernels':>8} {'comm':>7}"]
         for rank, by_kind in enumerate(summary["ranks"]):
             for kind, d in sorted(by_kind.items()):
                 lines.append(f"{rank:4d} {kind:13} {d['steps']:6d} {d['ms_idle']:7.3f} {d['ms_decode']:8.3f} "
