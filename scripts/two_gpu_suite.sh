@@ -8,7 +8,7 @@
 # LIMITS="sp=200 sp_serve=380" overrides steps' time limits; SP_LENGTHS the sp step's prompt lengths, PD_RATES the
 # pd step's request rates (PD_ARRIVAL_S: seconds of arrivals a rate, 15), KV_MIN_MESSAGES the kv step's message counts, KV_COPY_PROGRAMS and KV_OVERLAP_COPY_PROGRAMS its row-copy grid caps.
 # Steps: tests offline latency pd kv sp ep fault (the default), and pp allreduce pd_small pd_c1 sp_serve tp_serve
-# pd_trace pd_profile embed take step_ab row_reduce row_reduce2 greedy_push step_times.
+# pd_trace pd_profile embed take step_ab row_reduce row_reduce2 greedy_push step_times launch_mixed.
 set -u
 RES=${RES:-/tmp/res}
 mkdir -p "$RES"
@@ -219,6 +219,16 @@ run_step_times() {  # issue 26: offline TP=2 and its mixed step beside one GPU w
   python scripts/bench_offline.py ${ROW_REDUCE_OFFLINE/--profile-steps 40/--step-times} --layouts "uni tp2" --repeat 2 \
     --out "$RES/step_times.json"
 }
+run_launch_mixed() {  # one GPU (runs on one H200 too): the in-process engine with steps that hold prefill chunks
+  # launched (TANDEM_LAUNCH_MIXED=1) against run whole, offline with --step-times, interleaved twice; its GPU test first
+  python -m pytest -q -x tests/gpu/test_launch_mixed.py -p no:cacheprovider || return $?
+  local m i=0
+  for m in 0 1 0 1; do
+    i=$((i + 1))
+    TANDEM_LAUNCH_MIXED=$m python scripts/bench_offline.py ${ROW_REDUCE_OFFLINE/--profile-steps 40/--step-times} \
+      --layouts uni --out "$RES/launch_mixed_${i}_$m.json" || return $?
+  done
+}
 run_tp_serve() {  # issue 26: the served app, one TP=2 replica against one TP=1 replica, one client (TPOT)
   python scripts/bench_pd_vs_colocated.py --model $M8B --device cuda \
     --serve-args "--load-format dummy --max-model-len 8192 --dtype bfloat16" --log-dir "$RES/tp_serve_logs" \
@@ -245,9 +255,9 @@ SP_LENGTHS=${SP_LENGTHS:-16384,65536,131056}
 ROW_REDUCE_OFFLINE="--shape llama-3.1-8b --device cuda --dtype bfloat16 --load-format dummy --isolate --num-requests 1000 --mean-input 230 --mean-output 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --skip-hf --profile-steps 40"
 PD_RATES=${PD_RATES:-2,4,8,16,24}
 export RES M8B SP_LENGTHS PD_RATES ROW_REDUCE_OFFLINE
-export -f run_tests run_offline run_pp run_latency run_embed run_take run_step_ab run_row_reduce run_row_reduce2 run_greedy_push run_step_times run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
+export -f run_tests run_offline run_pp run_latency run_embed run_take run_step_ab run_row_reduce run_row_reduce2 run_greedy_push run_step_times run_launch_mixed run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
 declare -A LIMIT=([tests]=420 [offline]=540 [pp]=300 [latency]=580 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
-                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=480 [take]=560 [step_ab]=560 [row_reduce]=560 [row_reduce2]=560 [greedy_push]=560 [step_times]=560 [pd_trace]=240 [pd_profile]=240)
+                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=480 [take]=560 [step_ab]=560 [row_reduce]=560 [row_reduce2]=560 [greedy_push]=560 [step_times]=560 [launch_mixed]=500 [pd_trace]=240 [pd_profile]=240)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1

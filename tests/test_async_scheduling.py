@@ -121,13 +121,18 @@ def test_ranks_that_launch_ahead_equal_the_in_process_engine(shared_ray, in_proc
         llm.llm_engine.shutdown()
 
 
-def test_in_process_launch_ahead_equals_the_in_process_engine(in_process, monkeypatch):
+@pytest.mark.parametrize("mixed", ["0", "1"], ids=["decode-steps", "mixed-steps-too"])
+def test_in_process_launch_ahead_equals_the_in_process_engine(in_process, mixed, monkeypatch):
     """The in-process executor schedules ahead where it launches steps (on a GPU; forced here on CPU): plain greedy
     decode steps are launched, and the step planned meanwhile is launched behind one with its tokens from the device;
-    any other step sent ahead (sampled, penalised, a prefill) waits for its fill. Under preemption, chunked prompts,
-    stop strings and EOS ending sequences while the next step is out, the outputs equal the one-step-at-a-time
-    engine's, and the engine comes to rest clean."""
+    any other step sent ahead (sampled, penalised, a prefill) waits for its fill, and then, with TANDEM_LAUNCH_MIXED=1,
+    a plain greedy one with prefill chunks is launched too. Under preemption, chunked prompts, stop strings and EOS
+    ending sequences while the next step is out, the outputs equal the one-step-at-a-time engine's, and the engine
+    comes to rest clean."""
+    from workers.launched_step import LAUNCH_MIXED_ENV
+
     monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1")
+    monkeypatch.setenv(LAUNCH_MIXED_ENV, mixed)
     params, expected = in_process
     llm = LLM(**ENGINE, distributed_executor_backend="uni")
     try:
@@ -146,6 +151,7 @@ def test_in_process_launch_ahead_equals_the_in_process_engine(in_process, monkey
             one_at_a_time.llm_engine.shutdown()
         _assert_same(llm.generate(PROMPTS, greedy, use_tqdm=False), reference)
         assert llm.llm_engine.scheduler.num_preemptions > 0 and executor.launches["continued"] > 10
+        assert (executor.launches["mixed"] > 5) == (mixed == "1"), executor.launches
         assert_engine_clean(llm)
         _run_ahead_twice(llm, params, expected, preempts=False)  # sampled, penalised, stop strings, logprobs
         assert executor.launches["continued"] > 10, executor.launches  # steps launched behind the one before

@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from typing import Callable
 
 from workers.config import EngineConfig
-from workers.launched_step import LaunchedStep, launch_ahead_enabled
+from workers.launched_step import LaunchedStep, launch_ahead_enabled, launch_mixed_enabled
 from workers.model_runner import ModelRunner
 from workers.rank_profile import ProfiledRunner, logged_profile
 from workers.scheduler_output import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput, fill_placeholders
@@ -108,7 +108,9 @@ class UniprocExecutor(Executor):
     runs decode steps back to back while this thread applies, checks, detokenizes and schedules (LLMEngine.step); on
     an H200 that host work took 0.2-0.55 ms between batch-1 decode steps of 2.3-4.2 ms (docs/benchmarks.md). A step
     sent ahead that cannot be launched so (a prefill, sampling, its predecessor ran whole) waits for `fill` and runs
-    then. TANDEM_RANK_LAUNCH_AHEAD (workers/launched_step.py) turns it off ("0") or on for CPU ("1": tests)."""
+    then. TANDEM_RANK_LAUNCH_AHEAD (workers/launched_step.py) turns it off ("0") or on for CPU ("1": tests). With
+    TANDEM_LAUNCH_MIXED=1 (opt-in until measured) a plain greedy step with prefill chunks is launched too
+    (`ModelRunner.launch_mixed`), so the host's work on the step before overlaps it instead of following it."""
 
     def __init__(self, config: EngineConfig, hf_config, max_model_len: int, eos_token_ids: list[int], show_progress: bool = True):
         self.runner: ModelRunner | None = ModelRunner(config, hf_config, max_model_len, eos_token_ids, show_progress)
@@ -116,11 +118,13 @@ class UniprocExecutor(Executor):
         self.profiled: ProfiledRunner | None = ProfiledRunner(self.runner, 0, logged) if logged is not None else None
         self.num_blocks = self.runner.num_blocks
         self.supports_ahead = launch_ahead_enabled(self.runner.device)
+        self.launch_mixed = launch_mixed_enabled()  # steps with prefill chunks launched too (workers/launched_step.py)
         self._launched: LaunchedStep | None = None  # the step submitted last, where it was launched (not run whole)
         # A step sent ahead that runs at its `fill`, and the one-item list its PendingStep finds it in once run.
         self._waiting: tuple[SchedulerOutput, list[PendingStep]] | None = None
         self._needs_fill = True
-        self.launches = {"launched": 0, "continued": 0}  # steps launched, and those launched behind the one before
+        # steps launched, those launched behind the one before, and those with prefill chunks
+        self.launches = {"launched": 0, "continued": 0, "mixed": 0}
 
     @property
     def needs_fill(self) -> bool:  # type: ignore[override]
@@ -176,6 +180,9 @@ class UniprocExecutor(Executor):
         """Launch `out` where it is a plain greedy decode (not while profiling: that times whole steps), else run it."""
         if self.supports_ahead and self.profiled is None:
             launched = self.runner.launch_decode(out)
+            if launched is None and self.launch_mixed:  # a step with prefill chunks (TANDEM_LAUNCH_MIXED=1)
+                launched = self.runner.launch_mixed(out)
+                self.launches["mixed"] += launched is not None
             if launched is not None:
                 return self._track(launched)
         return PendingStep(None, self.execute(out))
