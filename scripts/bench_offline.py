@@ -217,8 +217,8 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
                    help="time each step's phases; every N-th step also under torch.profiler (GPU kernel time)")
     p.add_argument("--step-times", action="store_true",
-                   help="time each step at the driver only, the executors unprofiled (a rank profile stops the "
-                        "in-process executor's launch-ahead, so the one-GPU baseline runs slower under it)")
+                   help="time each step at the driver only, the executors unprofiled (no rank profile and no "
+                        "torch.profiler steps, which run whole)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default="bench_results/bench_offline.json")
     args = p.parse_args()

@@ -8,9 +8,10 @@ CUDA-graph replay), `decode` (one token per sequence, eager) and `mixed` (prefil
 executor overlaps (Ray ranks), one engine step collects one step and sends the next: its `exec` is the
 time spent sending and waiting for the ranks, `sched` the next step's scheduling.
 
-`ranks=False` times the steps at the driver only and leaves the executor as it runs unprofiled: a rank profile
-times whole steps, so the in-process executor stops launching decode steps ahead while one is installed
-(workers/executor.py), which slows the one-GPU engine a profiled run compares against.
+`ranks=False` times the steps at the driver only and leaves the executor as it runs unprofiled (no rank
+profile, no torch.profiler). With a rank profile, the steps it samples under torch.profiler run whole on every
+executor; the others are launched where the executor launches (the in-process one too, since 2026-11-30: before,
+its profile stopped its launch-ahead and slowed the one-GPU baseline of every profiled comparison).
 """
 from __future__ import annotations
 

@@ -215,7 +215,7 @@ run_row_reduce2() {  # call 2 of 2: one GPU beside TP=2 with `direct` (the defau
   python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k row_reduce -p no:cacheprovider
 }
 run_step_times() {  # issue 26: offline TP=2 and its mixed step beside one GPU with no rank profile (--step-times: the
-  # driver's step table only; a rank profile stops the in-process engine's launch-ahead), two rounds (~6 min)
+  # driver's step table only; until 2026-11-30 a rank profile stopped the in-process engine's launch-ahead), two rounds (~6 min)
   python scripts/bench_offline.py ${ROW_REDUCE_OFFLINE/--profile-steps 40/--step-times} --layouts "uni tp2" --repeat 2 \
     --out "$RES/step_times.json"
 }

@@ -5,6 +5,7 @@ The engine only sees this interface: `UniprocExecutor` runs the one `ModelRunner
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import Callable
 
@@ -154,11 +155,12 @@ class UniprocExecutor(Executor):
             return self._start(out)
         ids = self._continued_ids(out)
         if ids is not None:
+            launched_at = time.perf_counter()
             launched = self.runner.launch_decode(out, ids)
             if launched is not None:
                 self._needs_fill = False
                 self.launches["continued"] += 1
-                return self._track(launched)
+                return self._track(launched, out, launched_at)
         started: list[PendingStep] = []
         self._needs_fill, self._waiting = True, (out, started)
         return PendingStep(lambda: self._collect_filled(started))
@@ -177,27 +179,30 @@ class UniprocExecutor(Executor):
         return started[0].result()
 
     def _start(self, out: SchedulerOutput) -> PendingStep:
-        """Launch `out` where it is a plain greedy decode (not while profiling: that times whole steps), else run it."""
-        if self.supports_ahead and self.profiled is None:
+        """Launch `out` where it is a plain greedy decode (not one a profile samples: that runs whole), else run it."""
+        if self.supports_ahead and (self.profiled is None or self.profiled.may_launch()):
+            launched_at = time.perf_counter()
             launched = self.runner.launch_decode(out)
             if launched is None and self.launch_mixed:  # a step with prefill chunks (TANDEM_LAUNCH_MIXED=1)
                 launched = self.runner.launch_mixed(out)
                 self.launches["mixed"] += launched is not None
             if launched is not None:
-                return self._track(launched)
+                return self._track(launched, out, launched_at)
         return PendingStep(None, self.execute(out))
 
-    def _track(self, launched: LaunchedStep) -> PendingStep:
+    def _track(self, launched: LaunchedStep, out: SchedulerOutput, launched_at: float) -> PendingStep:
         self._launched = launched
         self.launches["launched"] += 1
-        return PendingStep(launched.finish)
+        if self.profiled is None:
+            return PendingStep(launched.finish)
+        return PendingStep(self.profiled.launched(out, launched_at, launched.finish))
 
     def _continued_ids(self, out: SchedulerOutput):
         """The input tokens on the device of a step sent ahead whose every sequence is a plain decode waiting for the
         token the launched step before samples (its `next_ids`, by row); None where it is anything else."""
         last = self._launched
-        if last is None or self.profiled is not None:
-            return None
+        if last is None or (self.profiled is not None and not self.profiled.may_launch(ahead=1)):
+            return None  # (the step before is out, not yet recorded: this one is the profile's next but one)
         rows = {seq_id: i for i, seq_id in enumerate(last.seq_ids)}
         picked = []
         for s in out.seqs:

@@ -297,11 +297,31 @@ def logged_profile(rank: int, environ: dict[str, str] | None = None) -> LoggedRa
 
 class ProfiledRunner:
     """Times `execute` on a runner as a rank loop does, for the in-process executor (no message, no idle
-    measured by the channel: idle is the time between two steps of this process)."""
+    measured by the channel: idle is the time between two steps of this process), and the steps that executor
+    launches (`launched`): every step but those sampled under torch.profiler, so a profiled one-GPU engine keeps
+    its launch-ahead (before, a profile stopped it and slowed the baseline that profiled runs compared against)."""
 
     def __init__(self, runner, gpu_every: int, profile: RankProfile | None = None):
         self.runner, self.profile = runner, profile if profile is not None else RankProfile(0, gpu_every)
         self._last_end = time.perf_counter()
+
+    def may_launch(self, ahead: int = 0) -> bool:
+        """Whether the in-process executor may launch the next step (`ahead`: the one that many after it) instead of
+        running it here: any step but one the profile samples under torch.profiler, as a rank loop does."""
+        return not self.profile.samples_next(ahead)
+
+    def launched(self, out: SchedulerOutput, launched_at: float, finish: Callable[[], T]) -> Callable[[], T]:
+        """`finish` of a step launched at `launched_at` (perf_counter), recording the step once its tokens are in."""
+        kind = step_kind(out, getattr(self.runner, "cuda_graphs", None))
+        idle = max(0.0, launched_at - self._last_end)  # 0 for a step launched behind one still running
+
+        def finished() -> T:
+            result = finish()
+            self._last_end = time.perf_counter()
+            self.profile.record(kind, idle, 0.0, launched_at, self._last_end - launched_at, out.num_tokens,
+                                len(out.seqs))
+            return result
+        return finished
 
     def execute(self, out: SchedulerOutput):
         idle = time.perf_counter() - self._last_end
