@@ -14,7 +14,7 @@ from parallel.net import free_port
 from parallel.state import init_groups
 from workers.config import EngineConfig
 from workers.gc_freeze import freeze_startup_objects
-from workers.launched_step import LaunchedStep, launch_ahead_enabled
+from workers.launched_step import LaunchedStep, launch_ahead_enabled, launch_mixed_enabled
 from workers.gil import shorten_switch_interval
 from workers.model_runner import ModelRunner
 from workers.rank_profile import RankProfile, logged_profile, step_kind
@@ -119,7 +119,12 @@ class RankWorker:
         # the device (`_finish`). So the GPU does not idle while the rank answers and builds the next step: on 2 x H200
         # a TP=2 rank's decode step of ~100 sequences spent ~2.3 ms of its ~8.8 ms with the GPU idle (issue 26).
         self._launch = self._keep_sampled and launch_ahead_enabled(self.runner.device)
-        self.launches = {"launched": 0, "continued": 0}  # steps run launched, and those launched behind the one before
+        # TANDEM_LAUNCH_MIXED=1: plain greedy steps with prefill chunks are launched too, so the next step's message
+        # is taken in and decoded while the GPU runs them (a TP=2 rank's mixed step on 2 x H200 spent ~1.8 ms decoding
+        # its message and ~1.1 ms building its inputs with the GPU idle, of ~15.5 ms, 2026-11-29).
+        self._launch_mixed = self._launch and launch_mixed_enabled()
+        # steps run launched, those launched behind the one before, and those with prefill chunks
+        self.launches = {"launched": 0, "continued": 0, "mixed": 0}
         # Start-up is over (weights, KV cache, graphs): its objects leave the collector's walks (workers/gc_freeze.py).
         freeze_startup_objects()
         self._answered_at = time.perf_counter()
@@ -159,6 +164,9 @@ class RankWorker:
         if self._launch and (self.profile is None or not self.profile.samples_next()):
             launched_at = time.perf_counter()
             launched = self.runner.launch_decode(out)
+            if launched is None and self._launch_mixed:
+                launched = self.runner.launch_mixed(out)
+                self.launches["mixed"] += launched is not None
             if launched is not None:
                 self.launches["launched"] += 1
                 out.sample_seq_ids()  # made now: taking the next step in moves these very sequences on
@@ -174,7 +182,10 @@ class RankWorker:
         following = launched_next = None
         if message is not None and message[0] == "step" and _is_own(message):
             following = (time.perf_counter(), self.decoder.decode(message[1]))  # its placeholders: filled below
-            if self.decoder.continues and (self.profile is None or not self.profile.samples_next(ahead=1)):
+            # Only behind a step every sequence of which sampled: `continue_rows` count that step's sequences, and a
+            # launched step's `next_ids` hold its sampling ones only.
+            if (self.decoder.continues and len(launched.seq_ids) == len(out.seqs)
+                    and (self.profile is None or not self.profile.samples_next(ahead=1))):
                 rows = self.decoder.continue_rows
                 ids = launched.next_ids if rows is None else launched.next_ids.index_select(0, self.runner.on_device(rows))
                 next_at = time.perf_counter()

@@ -219,14 +219,16 @@ run_step_times() {  # issue 26: offline TP=2 and its mixed step beside one GPU w
   python scripts/bench_offline.py ${ROW_REDUCE_OFFLINE/--profile-steps 40/--step-times} --layouts "uni tp2" --repeat 2 \
     --out "$RES/step_times.json"
 }
-run_launch_mixed() {  # one GPU (runs on one H200 too): the in-process engine with steps that hold prefill chunks
-  # launched (TANDEM_LAUNCH_MIXED=1) against run whole, offline with --step-times, interleaved twice; its GPU test first
+run_launch_mixed() {  # steps that hold prefill chunks launched (TANDEM_LAUNCH_MIXED=1) against run whole, offline
+  # with --step-times, in LAUNCH_MIXED_LAYOUTS (default `uni`: runs on one H200; on two GPUs "uni tp2" with
+  # LAUNCH_MIXED_ROUNDS=1 fits the limit), interleaved LAUNCH_MIXED_ROUNDS times (default 2); its GPU test first
   python -m pytest -q -x tests/gpu/test_launch_mixed.py -p no:cacheprovider || return $?
-  local m i=0
-  for m in 0 1 0 1; do
-    i=$((i + 1))
-    TANDEM_LAUNCH_MIXED=$m python scripts/bench_offline.py ${ROW_REDUCE_OFFLINE/--profile-steps 40/--step-times} \
-      --layouts uni --out "$RES/launch_mixed_${i}_$m.json" || return $?
+  local r m
+  for r in $(seq "${LAUNCH_MIXED_ROUNDS:-2}"); do
+    for m in 0 1; do
+      TANDEM_LAUNCH_MIXED=$m python scripts/bench_offline.py ${ROW_REDUCE_OFFLINE/--profile-steps 40/--step-times} \
+        --layouts "${LAUNCH_MIXED_LAYOUTS:-uni}" --out "$RES/launch_mixed_${r}_$m.json" || return $?
+    done
   done
 }
 run_tp_serve() {  # issue 26: the served app, one TP=2 replica against one TP=1 replica, one client (TPOT)

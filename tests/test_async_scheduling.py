@@ -69,6 +69,19 @@ def in_process():
     return params, expected
 
 
+@pytest.fixture(scope="module")
+def greedy_reference():
+    """The in-process engine's all-greedy outputs, one step at a time: steps of prefill chunks among plain greedy
+    decodes only, which TANDEM_LAUNCH_MIXED=1 launches (a step with any sampled sequence runs whole)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(LAUNCH_AHEAD_ENV, "0")
+        uni = LLM(**ENGINE, distributed_executor_backend="uni")
+    try:
+        return uni.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
+    finally:
+        uni.llm_engine.shutdown()
+
+
 def _run_ahead_twice(llm: LLM, params: list[SamplingParams], expected, preempts: bool = True) -> list[bool]:
     """Two rounds (the second starts on a cache holding the first's prefixes), each equal to the in-process
     engine's and leaving the engine clean; returns whether each step was sent ahead."""
@@ -100,23 +113,30 @@ def test_ahead_steps_equal_the_in_process_engine(shared_ray, in_process):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mixed", ["0", "1"], ids=["decode-steps", "mixed-steps-too"])
 @pytest.mark.parametrize("layout", [{"distributed_executor_backend": "ray"}, {"tensor_parallel_size": 2}],
                          ids=["ray-tp1", "tp2"])
-def test_ranks_that_launch_ahead_equal_the_in_process_engine(shared_ray, in_process, layout, monkeypatch):
+def test_ranks_that_launch_ahead_equal_the_in_process_engine(shared_ray, in_process, greedy_reference, layout, mixed,
+                                                             monkeypatch):
     """Launch-ahead (cluster/rank_worker.py) forced on CPU ranks, under what the GPU tests do not reach: preemption
     and recompute, chunked prompts, stop strings and EOS ending sequences while the step after is launched,
-    sampled and penalised sequences among greedy ones, logprobs. Tokens, text and finish equal the in-process engine's."""
+    sampled and penalised sequences among greedy ones, logprobs; with TANDEM_LAUNCH_MIXED=1 plain greedy steps with
+    prefill chunks launched too. Tokens, text and finish equal the in-process engine's."""
     import ray
 
-    from workers.launched_step import LAUNCH_AHEAD_ENV
+    from workers.launched_step import LAUNCH_AHEAD_ENV, LAUNCH_MIXED_ENV
 
     monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1")  # forwarded to the rank actors (cluster/ray_runtime.py)
+    monkeypatch.setenv(LAUNCH_MIXED_ENV, mixed)
     params, expected = in_process
     llm = LLM(**ENGINE, **layout)
     try:
+        _assert_same(llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False),
+                     greedy_reference)
         _run_ahead_twice(llm, params, expected)
         counts = ray.get([w.launch_counts.remote() for w in llm.llm_engine.executor.workers])
         assert all(c.get("continued", 0) > 0 for c in counts), counts
+        assert all((c["mixed"] > 0) == (mixed == "1") for c in counts), counts
     finally:
         llm.llm_engine.shutdown()
 

@@ -417,13 +417,13 @@ class ModelRunner:
     @torch.inference_mode()
     def launch_mixed(self, out: SchedulerOutput) -> LaunchedStep | None:
         """A plain greedy step with prefill chunks in it, queued on the device like `launch_decode`'s and not waited
-        for (TANDEM_LAUNCH_MIXED=1; the in-process executor's, one rank); None where `out` is not one, or samples
-        nothing (then `execute` runs it). Its tokens come in step order, one per sampling sequence."""
+        for (TANDEM_LAUNCH_MIXED=1); None where `out` is not one, samples nothing, or this rank would not hold its
+        tokens (then `execute` runs it). Its tokens come in step order, one per sampling sequence."""
         seqs = out.seqs
         sampling = [i for i, s in enumerate(seqs) if s.sample]
-        if (not sampling or tp_group().size > 1 or self.pp.size > 1 or self.sp.size > 1 or self.chunk_ends is not None
-                or self.config.speculative.spec is not None or not self._all_greedy(out)
-                or any(wants_prompt_logprobs(s) for s in seqs)):
+        if (not sampling or not (tp_group().size == 1 or self.greedy_everywhere) or self.pp.size > 1
+                or self.sp.size > 1 or self.chunk_ends is not None or self.config.speculative.spec is not None
+                or not self._all_greedy(out) or any(wants_prompt_logprobs(s) for s in seqs)):
             return None
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_tokens != 1)  # decodes first, as in `_run_step`
         ordered = [seqs[i] for i in order]
@@ -432,7 +432,10 @@ class ModelRunner:
         hidden, _, _ = self._forward(token_ids, positions, meta, None, None)
         row_of = dict(zip((i for i in order if seqs[i].sample), sample_rows))  # sample_rows follow `ordered`
         rows = hidden.index_select(0, self.on_device([row_of[i] for i in sampling]))
-        packed = Sampler.greedy_pack(self.model.lm_head.compute_logits(rows)).t()
+        if tp_group().size == 1:
+            packed = Sampler.greedy_pack(self.model.lm_head.compute_logits(rows)).t()
+        else:  # every TP rank learns the tokens (the all-gathered greedy head, as a whole step's plain greedy rows)
+            packed = self._greedy_everywhere(rows)
         return LaunchedStep([seqs[i].seq_id for i in sampling], packed,
                             no_top_logprobs([seqs[i].sampling_params for i in sampling]))
 

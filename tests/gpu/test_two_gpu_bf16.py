@@ -195,6 +195,28 @@ def test_tp2_bf16_row_reduce_modes(monkeypatch):
     _check(path, prompts, got["staged"], got["overlap:2"], ref32, "TP=2 overlap:2 vs TP=2 staged")
 
 
+def test_tp2_bf16_launched_mixed_steps_match_whole_ones(monkeypatch):
+    """TANDEM_LAUNCH_MIXED=1 on TP=2 ranks (cluster/rank_worker.py): plain greedy steps with prefill chunks are
+    launched, every rank learning their tokens from the all-gathered greedy head, and the next step's message is
+    taken in while they run. The same kernels on the same batches as those steps run whole: the same tokens."""
+    from workers.launched_step import LAUNCH_MIXED_ENV
+
+    path = tiny_model("llama", **LLAMA)
+    prompts = prompts_of_lengths([3000, 700, 1200, 9, 2100, 64], vocab_size=300, seed=13)
+    got, counts = {}, {}
+    for mixed in ("0", "1"):
+        monkeypatch.setenv(LAUNCH_MIXED_ENV, mixed)  # the rank actors are given it (cluster/ray_runtime.py)
+        llm = _engine(path, "bfloat16", tensor_parallel_size=2)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+            got[mixed] = [o.token_ids for o in llm.generate(prompts, params)]
+            counts[mixed] = ray.get([w.launch_counts.remote() for w in llm.llm_engine.executor.workers])
+        finally:
+            llm.shutdown()
+    assert got["1"] == got["0"]
+    assert all(c["mixed"] == 0 for c in counts["0"]) and all(c["mixed"] > 0 for c in counts["1"]), counts
+
+
 @pytest.mark.parametrize("sp_attention", ["ring", "ulysses"])
 def test_sp2_bf16_8k_prefill_and_32_tokens_match_sp1(sp_attention: str):
     path = tiny_model("llama", **LLAMA)
