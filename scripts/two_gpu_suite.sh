@@ -223,6 +223,9 @@ run_launch_mixed() {  # steps that hold prefill chunks launched (TANDEM_LAUNCH_M
   # with --step-times, in LAUNCH_MIXED_LAYOUTS (default `uni`: runs on one H200; on two GPUs "uni tp2" with
   # LAUNCH_MIXED_ROUNDS=1 fits the limit), interleaved LAUNCH_MIXED_ROUNDS times (default 2); its GPU test first
   python -m pytest -q -x tests/gpu/test_launch_mixed.py -p no:cacheprovider || return $?
+  if [[ "${LAUNCH_MIXED_LAYOUTS:-uni}" == *tp* ]]; then  # the TP=2 ranks' test too
+    python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k launched_mixed -p no:cacheprovider || return $?
+  fi
   local r m
   for r in $(seq "${LAUNCH_MIXED_ROUNDS:-2}"); do
     for m in 0 1; do
@@ -259,7 +262,7 @@ PD_RATES=${PD_RATES:-2,4,8,16,24}
 export RES M8B SP_LENGTHS PD_RATES ROW_REDUCE_OFFLINE
 export -f run_tests run_offline run_pp run_latency run_embed run_take run_step_ab run_row_reduce run_row_reduce2 run_greedy_push run_step_times run_launch_mixed run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
 declare -A LIMIT=([tests]=420 [offline]=540 [pp]=300 [latency]=580 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
-                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=480 [take]=560 [step_ab]=560 [row_reduce]=560 [row_reduce2]=560 [greedy_push]=560 [step_times]=560 [launch_mixed]=500 [pd_trace]=240 [pd_profile]=240)
+                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=480 [take]=560 [step_ab]=560 [row_reduce]=560 [row_reduce2]=560 [greedy_push]=560 [step_times]=560 [launch_mixed]=580 [pd_trace]=240 [pd_profile]=240)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1
