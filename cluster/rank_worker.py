@@ -163,12 +163,10 @@ class RankWorker:
         else whole."""
         if self._launch and (self.profile is None or not self.profile.samples_next()):
             launched_at = time.perf_counter()
-            launched = self.runner.launch_decode(out)
-            if launched is None and self._launch_mixed:
-                launched = self.runner.launch_mixed(out)
-                self.launches["mixed"] += launched is not None
+            launched = self.runner.launch_greedy(out, mixed=self._launch_mixed)
             if launched is not None:
                 self.launches["launched"] += 1
+                self.launches["mixed"] += launched.mixed
                 out.sample_seq_ids()  # made now: taking the next step in moves these very sequences on
                 return Later(lambda peek: self._finish(start, launched_at, out, launched, peek))
         return self._step(start, out)
@@ -182,14 +180,14 @@ class RankWorker:
         following = launched_next = None
         if message is not None and message[0] == "step" and _is_own(message):
             following = (time.perf_counter(), self.decoder.decode(message[1]))  # its placeholders: filled below
-            # Only behind a step every sequence of which sampled: `continue_rows` count that step's sequences, and a
-            # launched step's `next_ids` hold its sampling ones only.
-            if (self.decoder.continues and len(launched.seq_ids) == len(out.seqs)
+            # Only behind a decode step: `continue_rows` count that step's sequences in its order, and a launched
+            # mixed step's `next_ids` hold its sampling ones only, decodes first.
+            if (self.decoder.continues and not launched.mixed
                     and (self.profile is None or not self.profile.samples_next(ahead=1))):
                 rows = self.decoder.continue_rows
                 ids = launched.next_ids if rows is None else launched.next_ids.index_select(0, self.runner.on_device(rows))
                 next_at = time.perf_counter()
-                launched_next = self.runner.launch_decode(following[1], ids)
+                launched_next = self.runner.launch_greedy(following[1], ids)
         result = launched.finish()
         if self.profile is not None:
             self.profile.record(step_kind(out, self.runner.cuda_graphs), max(0.0, launched_at - self._answered_at),

@@ -104,14 +104,14 @@ class UniprocExecutor(Executor):
     """One rank, in this process: no process groups, no communication.
 
     On a GPU it schedules asynchronously too (`supports_ahead`): a plain greedy decode step is launched and left
-    running (`ModelRunner.launch_decode`), the engine plans the next step meanwhile, and where that step continues the
+    running (`ModelRunner.launch_greedy`), the engine plans the next step meanwhile, and where that step continues the
     same decodes it is launched behind the first with the first one's tokens as its inputs, on the device. So the GPU
     runs decode steps back to back while this thread applies, checks, detokenizes and schedules (LLMEngine.step); on
     an H200 that host work took 0.2-0.55 ms between batch-1 decode steps of 2.3-4.2 ms (docs/benchmarks.md). A step
     sent ahead that cannot be launched so (a prefill, sampling, its predecessor ran whole) waits for `fill` and runs
     then. TANDEM_RANK_LAUNCH_AHEAD (workers/launched_step.py) turns it off ("0") or on for CPU ("1": tests). With
     TANDEM_LAUNCH_MIXED=1 (opt-in until measured) a plain greedy step with prefill chunks is launched too
-    (`ModelRunner.launch_mixed`), so the host's work on the step before overlaps it instead of following it."""
+    (`launch_greedy(mixed=True)`), so the host's work on the step before overlaps it instead of following it."""
 
     def __init__(self, config: EngineConfig, hf_config, max_model_len: int, eos_token_ids: list[int], show_progress: bool = True):
         self.runner: ModelRunner | None = ModelRunner(config, hf_config, max_model_len, eos_token_ids, show_progress)
@@ -156,7 +156,7 @@ class UniprocExecutor(Executor):
         ids = self._continued_ids(out)
         if ids is not None:
             launched_at = time.perf_counter()
-            launched = self.runner.launch_decode(out, ids)
+            launched = self.runner.launch_greedy(out, ids)
             if launched is not None:
                 self._needs_fill = False
                 self.launches["continued"] += 1
@@ -182,10 +182,7 @@ class UniprocExecutor(Executor):
         """Launch `out` where it is a plain greedy decode (not one a profile samples: that runs whole), else run it."""
         if self.supports_ahead and (self.profiled is None or self.profiled.may_launch()):
             launched_at = time.perf_counter()
-            launched = self.runner.launch_decode(out)
-            if launched is None and self.launch_mixed:  # a step with prefill chunks (TANDEM_LAUNCH_MIXED=1)
-                launched = self.runner.launch_mixed(out)
-                self.launches["mixed"] += launched is not None
+            launched = self.runner.launch_greedy(out, mixed=self.launch_mixed)
             if launched is not None:
                 return self._track(launched, out, launched_at)
         return PendingStep(None, self.execute(out))
@@ -193,6 +190,7 @@ class UniprocExecutor(Executor):
     def _track(self, launched: LaunchedStep, out: SchedulerOutput, launched_at: float) -> PendingStep:
         self._launched = launched
         self.launches["launched"] += 1
+        self.launches["mixed"] += launched.mixed
         if self.profiled is None:
             return PendingStep(launched.finish)
         return PendingStep(self.profiled.launched(out, launched_at, launched.finish))

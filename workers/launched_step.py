@@ -1,4 +1,4 @@
-"""A greedy decode step whose work is queued on the device and not yet waited for (`ModelRunner.launch_decode`).
+"""A greedy step whose work is queued on the device and not yet waited for (`ModelRunner.launch_greedy`).
 
 A rank that waits for each step's tokens before it builds the next step leaves its GPU idle for that host work,
 every step: receiving the next step, rebuilding it, filling its staging buffers. A launched step keeps its tokens on
@@ -17,10 +17,11 @@ from workers.scheduler_output import ModelRunnerOutput
 
 class LaunchedStep:
     """packed: [2, B] float64 on the step's device, each row's (argmax token id, its logprob); float64 holds any
-    token id exactly, so one copy brings both. seq_ids: the rows' sequences; top: the top-logprobs column."""
+    token id exactly, so one copy brings both. seq_ids: the rows' sequences; top: the top-logprobs column; mixed:
+    whether the step held prefill chunks (TANDEM_LAUNCH_MIXED=1), not only decodes."""
 
-    def __init__(self, seq_ids: list[str], packed: torch.Tensor, top: list | None):
-        self.seq_ids, self.top = seq_ids, top
+    def __init__(self, seq_ids: list[str], packed: torch.Tensor, top: list | None, mixed: bool = False):
+        self.seq_ids, self.top, self.mixed = seq_ids, top, mixed
         self.next_ids = packed[0].long()  # [B]: a next step's input tokens, made before anything overwrites packed
         if packed.is_cuda:
             self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)

@@ -387,57 +387,42 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def launch_decode(self, out: SchedulerOutput, token_ids: torch.Tensor | None = None) -> LaunchedStep | None:
-        """Queue a plain greedy decode step on the device and return without waiting for its tokens
-        (workers/launched_step.py); None where `out` is not one, or this rank would not hold its tokens (then
-        `execute` runs it). token_ids: its input tokens [len(out.seqs)] on the device, e.g. a launched step's
-        `next_ids`, when the sequences' own are placeholders still. Returns this rank's tokens on every rank
-        that holds them: the only rank, or every rank of a TP-only replica (`greedy_everywhere`)."""
+    def launch_greedy(self, out: SchedulerOutput, token_ids: torch.Tensor | None = None,
+                      mixed: bool = False) -> LaunchedStep | None:
+        """Queue a plain greedy step on the device and return without waiting for its tokens (workers/launched_step.py):
+        a decode step, and with `mixed` (TANDEM_LAUNCH_MIXED=1) one with prefill chunks too; None where `out` is not
+        one, samples nothing, or this rank would not hold its tokens (then `execute` runs it). token_ids: a decode
+        step's input tokens [len(out.seqs)] on the device, e.g. a launched step's `next_ids`, when the sequences' own
+        are placeholders still. Returns the sampling sequences' tokens (in the order a whole step samples them:
+        decodes first) on every rank that holds them: the only rank, or every rank of a TP-only replica
+        (`greedy_everywhere`)."""
         seqs = out.seqs
-        if (not seqs or self.pp.size > 1 or self.sp.size > 1 or self.chunk_ends is not None
-                or self.config.speculative.spec is not None or not (tp_group().size == 1 or self.greedy_everywhere)
-                or not all(len(s.token_ids) == 1 and s.sample for s in seqs) or not self._all_greedy(out)):
+        decode = all(len(s.token_ids) == 1 and s.sample for s in seqs)
+        if (not seqs or not (decode or (mixed and token_ids is None)) or self.pp.size > 1 or self.sp.size > 1
+                or self.chunk_ends is not None or self.config.speculative.spec is not None
+                or not (tp_group().size == 1 or self.greedy_everywhere) or not self._all_greedy(out)
+                or (not decode and (not any(s.sample for s in seqs) or any(wants_prompt_logprobs(s) for s in seqs)))):
             return None
         graphs = getattr(self, "cuda_graphs", None)
-        if graphs is not None and graphs.can_run(out):
+        if decode and graphs is not None and graphs.can_run(out):
             if graphs.with_head:
                 packed = graphs.run(out, token_ids)[1].t()  # [2, B]
             else:
                 packed = self._greedy_everywhere(graphs.run(out, token_ids)[0])
-        else:
-            self.new_peak_release.before_step(len(seqs))
-            own_ids, positions, meta, _ = self._prepare_flat(seqs)
-            hidden, _, _ = self._forward(own_ids if token_ids is None else token_ids, positions, meta, None, None)
-            if tp_group().size == 1:
-                packed = Sampler.greedy_pack(self.model.lm_head.compute_logits(hidden)).t()
-            else:
-                packed = self._greedy_everywhere(hidden)
-        return LaunchedStep([s.seq_id for s in seqs], packed, no_top_logprobs([s.sampling_params for s in seqs]))
-
-    @torch.inference_mode()
-    def launch_mixed(self, out: SchedulerOutput) -> LaunchedStep | None:
-        """A plain greedy step with prefill chunks in it, queued on the device like `launch_decode`'s and not waited
-        for (TANDEM_LAUNCH_MIXED=1); None where `out` is not one, samples nothing, or this rank would not hold its
-        tokens (then `execute` runs it). Its tokens come in step order, one per sampling sequence."""
-        seqs = out.seqs
-        sampling = [i for i, s in enumerate(seqs) if s.sample]
-        if (not sampling or not (tp_group().size == 1 or self.greedy_everywhere) or self.pp.size > 1
-                or self.sp.size > 1 or self.chunk_ends is not None or self.config.speculative.spec is not None
-                or not self._all_greedy(out) or any(wants_prompt_logprobs(s) for s in seqs)):
-            return None
-        order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_tokens != 1)  # decodes first, as in `_run_step`
-        ordered = [seqs[i] for i in order]
+            return LaunchedStep([s.seq_id for s in seqs], packed, no_top_logprobs([s.sampling_params for s in seqs]))
+        ordered = seqs if decode else sorted(seqs, key=lambda s: s.num_tokens != 1)  # decodes first, as `_run_step`
         self.new_peak_release.before_step(sum(s.num_tokens for s in seqs))
-        token_ids, positions, meta, sample_rows = self._prepare_flat(ordered)
-        hidden, _, _ = self._forward(token_ids, positions, meta, None, None)
-        row_of = dict(zip((i for i in order if seqs[i].sample), sample_rows))  # sample_rows follow `ordered`
-        rows = hidden.index_select(0, self.on_device([row_of[i] for i in sampling]))
+        own_ids, positions, meta, sample_rows = self._prepare_flat(ordered)
+        hidden, _, _ = self._forward(own_ids if token_ids is None else token_ids, positions, meta, None, None)
+        if not decode:  # the sampling sequences' last rows only
+            hidden = hidden.index_select(0, self.on_device(sample_rows))
         if tp_group().size == 1:
-            packed = Sampler.greedy_pack(self.model.lm_head.compute_logits(rows)).t()
-        else:  # every TP rank learns the tokens (the all-gathered greedy head, as a whole step's plain greedy rows)
-            packed = self._greedy_everywhere(rows)
-        return LaunchedStep([seqs[i].seq_id for i in sampling], packed,
-                            no_top_logprobs([seqs[i].sampling_params for i in sampling]))
+            packed = Sampler.greedy_pack(self.model.lm_head.compute_logits(hidden)).t()
+        else:  # every TP rank learns the tokens (the all-gathered greedy head)
+            packed = self._greedy_everywhere(hidden)
+        sampling = ordered if decode else [s for s in ordered if s.sample]
+        return LaunchedStep([s.seq_id for s in sampling], packed, no_top_logprobs([s.sampling_params for s in sampling]),
+                            mixed=not decode)
 
     def _greedy_everywhere(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head.greedy_packed(hidden, everywhere=True)
