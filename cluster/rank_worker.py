@@ -119,7 +119,7 @@ class RankWorker:
         # the device (`_finish`). So the GPU does not idle while the rank answers and builds the next step: on 2 x H200
         # a TP=2 rank's decode step of ~100 sequences spent ~2.3 ms of its ~8.8 ms with the GPU idle (issue 26).
         self._launch = self._keep_sampled and launch_ahead_enabled(self.runner.device)
-        # TANDEM_LAUNCH_MIXED=1: plain greedy steps with prefill chunks are launched too, so the next step's message
+        # TANDEM_LAUNCH_MIXED=1 (default): plain greedy steps with prefill chunks are launched too, so the next step's message
         # is taken in and decoded while the GPU runs them (a TP=2 rank's mixed step on 2 x H200 spent ~1.8 ms decoding
         # its message and ~1.1 ms building its inputs with the GPU idle, of ~15.5 ms, 2026-11-29).
         self._launch_mixed = self._launch and launch_mixed_enabled()

@@ -61,7 +61,12 @@ def host_self_times(events: list[dict]) -> Counter:
 
 
 def analyze(path: str, top: int = 8) -> dict:
-    timed = [e for e in load(path) if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    events = [e for e in load(path) if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    # Events at time zero with no duration were recorded but never timed: every device event of the CUDA-graph decode
+    # steps traced on 2 x H200 ranks (torch 2.11, 2026-11-30; the rank logged kineto's "External init callback must
+    # run in same thread as registerClient"), which made the span absurd and the GPU look idle. Counted, left out.
+    untimed = [e for e in events if e["ts"] == 0 and e["dur"] == 0]
+    timed = [e for e in events if not (e["ts"] == 0 and e["dur"] == 0)]
     if not timed:
         raise ValueError(f"{path}: no timed events")
     t0 = min(e["ts"] for e in timed)
@@ -71,8 +76,7 @@ def analyze(path: str, top: int = 8) -> dict:
     comm = sum(e["dur"] for e in kernels if "nccl" in e["name"].lower() or "all_reduce" in e["name"].lower())
     host = host_self_times([e for e in timed if e.get("cat") in HOST_CATS])
     host.pop("ray/_private/worker.py(1069): main_loop", None)  # an actor's idle main thread, not this step's work
-    # Where no device events are found (so far: CUDA-graph decode steps' traces on 2 x H200, torch 2.11, 2026-11-30,
-    # whose span also came out absurd), the categories present and where each begins say what the trace holds.
+    # Where no device events are found, the categories present and where each begins say what the trace holds.
     starts: dict = {}
     for e in timed:
         c = starts.setdefault(e.get("cat", "?"), [0, e["ts"]])
@@ -80,6 +84,7 @@ def analyze(path: str, top: int = 8) -> dict:
     categories = {cat: {"events": n, "first_at_ms": (ts - t0) / 1e3} for cat, (n, ts) in sorted(starts.items())}
     return {"trace": path, "span_ms": span / 1e3, "gpu_busy_ms": busy / 1e3, "comm_ms": comm / 1e3,
             "categories": categories,
+            "untimed": dict(Counter(e.get("cat", "?") for e in untimed)),
             "gaps_over_50us_ms": sum(g for g, _, _ in gaps if g > 50) / 1e3,
             "largest_gaps": [{"ms": g / 1e3, "at_ms": (at - t0) / 1e3, "before": name[:60]}
                              for g, at, name in sorted(gaps, reverse=True)[:top]],
@@ -99,6 +104,9 @@ def main(argv=None) -> int:
     for r in results:
         print(f"{r['trace']}: span {r['span_ms']:.1f} ms, GPU busy {r['gpu_busy_ms']:.1f} ms "
               f"(communication {r['comm_ms']:.1f}), gaps over 50 us {r['gaps_over_50us_ms']:.1f} ms")
+        if r["untimed"]:
+            print("    untimed (at time zero, no duration; left out): " + ", ".join(
+                f"{c} {n}" for c, n in sorted(r["untimed"].items())))
         if not r["gpu_busy_ms"]:
             print("    no device events; categories: " + ", ".join(
                 f"{c} {v['events']} (from {v['first_at_ms']:.1f} ms)" for c, v in r["categories"].items()))

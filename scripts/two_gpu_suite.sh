@@ -8,7 +8,7 @@
 # LIMITS="sp=200 sp_serve=380" overrides steps' time limits; SP_LENGTHS the sp step's prompt lengths, PD_RATES the
 # pd step's request rates (PD_ARRIVAL_S: seconds of arrivals a rate, 15), KV_MIN_MESSAGES the kv step's message counts, KV_COPY_PROGRAMS and KV_OVERLAP_COPY_PROGRAMS its row-copy grid caps.
 # Steps: tests offline latency pd kv sp ep fault (the default), and pp allreduce pd_small pd_c1 sp_serve tp_serve
-# pd_trace pd_profile embed take step_ab row_reduce row_reduce2 greedy_push step_times launch_mixed.
+# pd_trace pd_profile embed take step_ab take_qkv_tile row_reduce row_reduce2 greedy_push step_times launch_mixed.
 set -u
 RES=${RES:-/tmp/res}
 mkdir -p "$RES"
@@ -172,18 +172,28 @@ run_take() {  # issue 26: batch-1 TP=2 with the pushed-partials takes waiting fo
   done
   python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k slots_only -p no:cacheprovider || return $?
 }
+batch1_tiles() {  # batch-1 bench_latency runs, one per "tp|name|TANDEM_GEMV_TAKE_TILE" argument, into $RES/<prefix>_<name>.json
+  local prefix=$1 v tp name tile
+  shift
+  for v in "$@"; do
+    IFS='|' read -r tp name tile <<<"$v"
+    TANDEM_GEMV_TAKE_TILE=$tile timeout 150 python scripts/bench_latency.py \
+      --modes graphs --tensor-parallel-size $tp --skip-hf --prefill-lens 2048 --out "$RES/${prefix}_$name.json" || return $?
+  done
+}
 run_step_ab() {  # issue 26: batch-1 TP=2 with longer K steps for the GEMVs that take pushed partials (qkv, gate/up;
   # TANDEM_GEMV_TAKE_TILE), beside one GPU and the default tile; then TP=2's batch-1 tokens with tile C against TP=1.
   # (The previous call: 16-row tiles 364.5 and 256-input steps 336.1 tok/s against 384.2 / 384.5 by default.)
   local c='{"BLOCK_N":8,"BLOCK_K":1024,"num_warps":8,"num_stages":3}' d='{"BLOCK_N":8,"BLOCK_K":2048,"num_warps":8,"num_stages":2}'
-  local v
-  for v in "1|tp1|" "2|tp2|" "2|tp2_tileC|$c" "2|tp2_tileD|$d" "2|tp2_tileC_again|$c"; do
-    IFS='|' read -r tp name tile <<<"$v"
-    TANDEM_GEMV_TAKE_TILE=$tile timeout 150 python scripts/bench_latency.py \
-      --modes graphs --tensor-parallel-size $tp --skip-hf --prefill-lens 2048 --out "$RES/ab_$name.json" || return $?
-  done
+  batch1_tiles ab "1|tp1|" "2|tp2|" "2|tp2_tileC|$c" "2|tp2_tileD|$d" "2|tp2_tileC_again|$c" || return $?
   TANDEM_GEMV_TAKE_TILE=$c python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k batch1_decode_matches \
     -p no:cacheprovider
+}
+run_take_qkv_tile() {  # issue 26: batch-1 TP=2 with the taking qkv GEMV on its longer K tile (TAKE_QKV_TILE, the default
+  # since 2026-11-30: 1.610x against 1.588x) against qkv on `tile_config`'s tile for its shape (the default before),
+  # gate/up on its own tile in both, beside one GPU, twice each (~5 min)
+  local plain='{"qkv":{"BLOCK_N":8,"BLOCK_K":512,"num_warps":4,"num_stages":4}}'
+  batch1_tiles qkv "1|tp1|" "2|tp2_plain|$plain" "2|tp2_qkv|" "2|tp2_plain_again|$plain" "2|tp2_qkv_again|"
 }
 run_greedy_push() {  # issue 26: batch-1 TP=2 with the TP head's greedy rows pushed to every rank instead of
   # all-gathered by NCCL (TANDEM_TP_GREEDY_GATHER=push), twice each, beside one GPU; its one-GPU test first, the
@@ -260,9 +270,9 @@ SP_LENGTHS=${SP_LENGTHS:-16384,65536,131056}
 ROW_REDUCE_OFFLINE="--shape llama-3.1-8b --device cuda --dtype bfloat16 --load-format dummy --isolate --num-requests 1000 --mean-input 230 --mean-output 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --skip-hf --profile-steps 40"
 PD_RATES=${PD_RATES:-2,4,8,16,24}
 export RES M8B SP_LENGTHS PD_RATES ROW_REDUCE_OFFLINE
-export -f run_tests run_offline run_pp run_latency run_embed run_take run_step_ab run_row_reduce run_row_reduce2 run_greedy_push run_step_times run_launch_mixed run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
+export -f batch1_tiles run_tests run_offline run_pp run_latency run_embed run_take run_step_ab run_take_qkv_tile run_row_reduce run_row_reduce2 run_greedy_push run_step_times run_launch_mixed run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
 declare -A LIMIT=([tests]=420 [offline]=540 [pp]=300 [latency]=580 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
-                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=480 [take]=560 [step_ab]=560 [row_reduce]=560 [row_reduce2]=560 [greedy_push]=560 [step_times]=560 [launch_mixed]=580 [pd_trace]=240 [pd_profile]=240)
+                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=480 [take]=560 [step_ab]=560 [take_qkv_tile]=420 [row_reduce]=560 [row_reduce2]=560 [greedy_push]=560 [step_times]=560 [launch_mixed]=580 [pd_trace]=240 [pd_profile]=240)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1

@@ -83,10 +83,10 @@ def test_the_switch_reads_auto_0_1_and_refuses_the_rest():
         launch_ahead_enabled(cpu, {LAUNCH_AHEAD_ENV: "yes"})
 
 
-def test_the_mixed_steps_switch_is_off_by_default_and_refuses_the_rest():
+def test_the_mixed_steps_switch_is_on_by_default_and_refuses_the_rest():
     from workers.launched_step import LAUNCH_MIXED_ENV, launch_mixed_enabled
 
-    assert not launch_mixed_enabled({}) and not launch_mixed_enabled({LAUNCH_MIXED_ENV: "0"})
+    assert launch_mixed_enabled({}) and not launch_mixed_enabled({LAUNCH_MIXED_ENV: "0"})
     assert launch_mixed_enabled({LAUNCH_MIXED_ENV: " 1"})
     with pytest.raises(ValueError, match=LAUNCH_MIXED_ENV):
         launch_mixed_enabled({LAUNCH_MIXED_ENV: "on"})

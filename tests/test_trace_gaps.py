@@ -30,3 +30,21 @@ def test_busy_gaps_comm_and_host_self_time(tmp_path):
     assert r["host_self_ms"] == {"step": 0.7, "aten::mm": 0.3}
     assert r["categories"] == {"cpu_op": {"events": 1, "first_at_ms": 0.1}, "kernel": {"events": 3, "first_at_ms": 0.2},
                                "python_function": {"events": 1, "first_at_ms": 0.0}}
+
+
+def test_untimed_device_events_are_counted_and_left_out(tmp_path):
+    """A rank's CUDA-graph trace whose kernels came back at time zero with no duration (kineto's thread error):
+    they must not stretch the span from zero nor count as GPU work."""
+    from trace_gaps import analyze
+
+    ev = [
+        {"ph": "X", "cat": "python_function", "name": "step", "ts": 5_000_000, "dur": 900, "tid": 1},
+        {"ph": "X", "cat": "kernel", "name": "gemv", "ts": 0, "dur": 0, "tid": 7},
+        {"ph": "X", "cat": "kernel", "name": "gemv", "ts": 0, "dur": 0, "tid": 7},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 0, "tid": 1},
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    r = analyze(str(path))
+    assert r["span_ms"] == 0.9 and r["gpu_busy_ms"] == 0.0
+    assert r["untimed"] == {"kernel": 2, "cuda_runtime": 1}

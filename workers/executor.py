@@ -110,7 +110,7 @@ class UniprocExecutor(Executor):
     an H200 that host work took 0.2-0.55 ms between batch-1 decode steps of 2.3-4.2 ms (docs/benchmarks.md). A step
     sent ahead that cannot be launched so (a prefill, sampling, its predecessor ran whole) waits for `fill` and runs
     then. TANDEM_RANK_LAUNCH_AHEAD (workers/launched_step.py) turns it off ("0") or on for CPU ("1": tests). With
-    TANDEM_LAUNCH_MIXED=1 (opt-in until measured) a plain greedy step with prefill chunks is launched too
+    TANDEM_LAUNCH_MIXED=1 (the default; "0" turns it off) a plain greedy step with prefill chunks is launched too
     (`launch_greedy(mixed=True)`), so the host's work on the step before overlaps it instead of following it."""
 
     def __init__(self, config: EngineConfig, hf_config, max_model_len: int, eos_token_ids: list[int], show_progress: bool = True):

@@ -390,7 +390,7 @@ class ModelRunner:
     def launch_greedy(self, out: SchedulerOutput, token_ids: torch.Tensor | None = None,
                       mixed: bool = False) -> LaunchedStep | None:
         """Queue a plain greedy step on the device and return without waiting for its tokens (workers/launched_step.py):
-        a decode step, and with `mixed` (TANDEM_LAUNCH_MIXED=1) one with prefill chunks too; None where `out` is not
+        a decode step, and with `mixed` (TANDEM_LAUNCH_MIXED, on by default) one with prefill chunks too; None where `out` is not
         one, samples nothing, or this rank would not hold its tokens (then `execute` runs it). token_ids: a decode
         step's input tokens [len(out.seqs)] on the device, e.g. a launched step's `next_ids`, when the sequences' own
         are placeholders still. Returns the sampling sequences' tokens (in the order a whole step samples them:

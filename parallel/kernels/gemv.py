@@ -301,7 +301,8 @@ def tile_config(n: int, k: int, silu: bool = False) -> dict:
     bench_w4_chain.py --tp 2 --bf16-tiles) but slower in the real batch-1 TP=2 step, whose qkv and gate/up read the
     pushed partial sums (2 x H200, 2026-11-29, one call: 340.9 tok/s against 364.0 and 364.7): not used. Tried for
     those taking GEMVs alone (TANDEM_GEMV_TAKE_TILE; BLOCK_N, BLOCK_K, warps, stages), all slower than this tile's
-    384.2-387.3 tok/s: 16/512/4/4 364.5, 8/256/4/6 336.1, 8/1024/8/3 378.8 and 378.6, 8/2048/8/2 307.4."""
+    384.2-387.3 tok/s: 16/512/4/4 364.5, 8/256/4/6 336.1, 8/1024/8/3 378.8 and 378.6, 8/2048/8/2 307.4; 8/1024/8/3
+    on the taking qkv alone was faster (`take_tile`, TAKE_QKV_TILE)."""
     if n <= 8192:
         return dict(BLOCK_N=8, BLOCK_K=512, num_warps=8 if k >= 8192 else 4, num_stages=4)
     return dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4)
@@ -383,18 +384,36 @@ def take_x_in_l1() -> bool:
     return mode == "l1"
 
 
-def take_tile() -> dict | None:
-    """TANDEM_GEMV_TAKE_TILE: a JSON tile (BLOCK_N, BLOCK_K, num_warps, num_stages) for the GEMVs that take pushed
-    partials (under TP, batch 1: qkv and gate/up), in place of `tile_config`'s, to measure them in the real TP step;
-    unset: None."""
+TILE_KEYS = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+# The qkv GEMV that takes pushed partials (TP, batch 1) streams longer K tiles with more warps than `tile_config`
+# gives its shape: batch-1 TP=2 on 2 x H200, 2026-11-30, two pairs in one call: 390.9 / 391.0 tok/s against 385.7 /
+# 385.9 (one GPU 242.8: 1.610x against 1.589x). The same tile on the taking gate/up GEMV was slower (378.8 tok/s with
+# both, 2026-11-29; +6.5 us a layer in bench_w4_chain.py --take), so gate/up keeps `tile_config`'s.
+TAKE_QKV_TILE = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=3)
+
+
+def take_tile(silu: bool = False) -> dict | None:
+    """The tile of a GEMV that takes pushed partials (under TP, batch 1: qkv, and gate/up where `silu`), or None for
+    `tile_config`'s: by default TAKE_QKV_TILE for qkv and None for gate/up. TANDEM_GEMV_TAKE_TILE replaces that, to
+    measure tiles in the real TP step: one JSON tile (BLOCK_N, BLOCK_K, num_warps, num_stages) for both, or
+    {"qkv": tile, "gate_up": tile} where a shape left out takes `tile_config`'s."""
     raw = os.environ.get(TAKE_TILE_ENV, "").strip()
     if not raw:
-        return None
+        return None if silu else dict(TAKE_QKV_TILE)
     import json
 
-    tile = json.loads(raw)
-    if set(tile) != {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}:
-        raise ValueError(f"{TAKE_TILE_ENV}={raw!r}: expected the keys BLOCK_N, BLOCK_K, num_warps, num_stages")
+    try:
+        tile = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"{TAKE_TILE_ENV}={raw!r}: not JSON ({e})") from None
+    if isinstance(tile, dict) and set(tile) <= {"qkv", "gate_up"} and tile:
+        for shape, one in tile.items():
+            if not isinstance(one, dict) or set(one) != TILE_KEYS:
+                raise ValueError(f"{TAKE_TILE_ENV}={raw!r}: {shape}'s tile needs the keys {', '.join(sorted(TILE_KEYS))}")
+        return tile.get("gate_up" if silu else "qkv")
+    if not isinstance(tile, dict) or set(tile) != TILE_KEYS:
+        raise ValueError(f"{TAKE_TILE_ENV}={raw!r}: expected the keys {', '.join(sorted(TILE_KEYS))}, or "
+                         "{\"qkv\": tile, \"gate_up\": tile}")
     return tile
 
 
@@ -433,7 +452,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, con
     if w.stride(-1) != 1 or x.stride(-1) != 1:  # the kernel walks rows by stride(0) and reads each row densely
         raise ValueError(f"gemv: weight and input rows must be contiguous (strides {tuple(w.stride())}, "
                          f"{tuple(x.stride())}); a transposed view reads other values")
-    cfg = dict(config or (take is not None and take_tile()) or tile_config(n, k, silu))
+    cfg = dict(config or (take is not None and take_tile(silu)) or tile_config(n, k, silu))
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid_n = n
     if rope is not None:  # each program takes BLOCK_N / 2 (row, partner) pairs: the same rows per program
