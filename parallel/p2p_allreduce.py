@@ -201,6 +201,10 @@ class PushedPartials:
             self._owner, owner = weakref.ref(model), model
         return owner is model
 
+    def pointers(self) -> torch.Tensor:
+        """[sites, world] int64: the address of this rank's row of each site on each rank."""
+        return self._ptrs
+
     def site(self, s: int) -> PushedSite:
         return PushedSite(self.world, self.slots[s], self.slots[(s - 1) % self.sites], self._ptrs[s])
 
@@ -274,4 +278,28 @@ def enable_pushed_partials(group: Group, device: torch.device, dtype: torch.dtyp
     group.pushed_partials = pushed
     log.info("TP batch-1 decode: row-parallel partial sums pushed to %d sites of %d values (no all-reduce kernel)",
              sites, width)
+    return True
+
+
+def enable_pushed_row_reduce(group: Group, device: torch.device, dtype: torch.dtype, width: int) -> bool:
+    """Give `group` the pushed all-reduce of prefill-sized row-parallel outputs (`group.pushed_row_reduce`,
+    TANDEM_TP_ROW_REDUCE=pushed; parallel/kernels/pushed_reduce.py) for messages of up to `width` values, capped at
+    the two-shot kernel's largest, where the P2P all-reduce is up and the dtype is 16-bit."""
+    from parallel.kernels.pushed_reduce import SITES, PushedRowReduce
+
+    if group.fast_all_reduce is None or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    width = min(width, TWO_SHOT_MAX_BYTES.get(group.size, 0) // dtype.itemsize)
+    slots = _symmetric_slots(group, device, dtype, width, SITES, "TP prefill all-reduces, pushed") if width else None
+    if slots is None:
+        return False
+    reducer = PushedRowReduce(slots, group.rank, group.size)
+    x = torch.full((min(width, 1 << 16),), float(group.rank + 1), dtype=dtype, device=device)
+    ok = reducer(x) and bool((x == group.size * (group.size + 1) / 2).all())  # a check: 1..n summed everywhere
+    if not _all_agree(ok, group):
+        log.warning("TP prefill all-reduces: the pushed kernel gave wrong sums on %s; they stay as they are",
+                    "this rank" if not ok else "another rank")
+        return False
+    group.pushed_row_reduce = reducer
+    log.info("TP prefill all-reduces: pushed over NVLink, %d sites of %d values", SITES, width)
     return True

@@ -178,8 +178,9 @@ def test_tp2_bf16_row_reduce_modes(monkeypatch):
     """TANDEM_TP_ROW_REDUCE (parallel/row_reduce.py) for prefill-sized steps of 700-3,000 tokens with decodes among
     them, eager and piecewise-graph: `direct` (the default: the GEMM writes into the P2P all-reduce's mapped buffer)
     sums exactly what `staged` sums (the same GEMM, then the same two-shot kernel), so tokens and log-probabilities are
-    equal; `overlap:N` (chunks' all-reduces on a side stream beside the next chunks' GEMMs; cuBLAS may pick other
-    kernels for the chunks) within the near-tie tolerance of `staged`. `staged` against TP=1 is checked by the tests
+    equal; so does `pushed` (the same GEMM; each rank's output pushed to every rank and summed in rank order in fp32,
+    one rounding, as the two-shot kernel's sum of two values); `overlap:N` (chunks' all-reduces on a side stream beside
+    the next chunks' GEMMs; cuBLAS may pick other kernels for the chunks) within the near-tie tolerance of `staged`. `staged` against TP=1 is checked by the tests
     above, whose batched prefills are over the 512-row threshold too."""
     from parallel.row_reduce import ROW_REDUCE_ENV
 
@@ -187,11 +188,13 @@ def test_tp2_bf16_row_reduce_modes(monkeypatch):
     prompts = prompts_of_lengths([3000, 700, 1200, 9, 2100, 64], vocab_size=300, seed=13)
     ref32 = _generate(path, prompts, 24, dtype="float32")
     got = {}
-    for mode in ("staged", "direct", "overlap:2"):
+    for mode in ("staged", "direct", "pushed", "overlap:2"):
         monkeypatch.setenv(ROW_REDUCE_ENV, mode)  # the rank actors are given it (cluster/ray_runtime.py)
         got[mode] = _generate(path, prompts, 24, tensor_parallel_size=2)
     assert [g.token_ids for g in got["direct"]] == [g.token_ids for g in got["staged"]], "direct vs staged: tokens"
     assert [g.logprobs for g in got["direct"]] == [g.logprobs for g in got["staged"]], "direct vs staged: log-probs"
+    assert [g.token_ids for g in got["pushed"]] == [g.token_ids for g in got["staged"]], "pushed vs staged: tokens"
+    assert [g.logprobs for g in got["pushed"]] == [g.logprobs for g in got["staged"]], "pushed vs staged: log-probs"
     _check(path, prompts, got["staged"], got["overlap:2"], ref32, "TP=2 overlap:2 vs TP=2 staged")
 
 
