@@ -75,7 +75,7 @@ def _pushed_reduce_kernel(x_ptr, slots_ptr, ptrs_ptr, state_ptr, N, WIDTH, SITES
             tl.store(x_ptr + offs, acc.to(dt), mask=mask)
         # The previous site's peer rows, empty again over the length its use wrote.
         prev = (turn + SITES - 1) % SITES
-        prev_n = tl.load(state_ptr + 2 + prev)
+        prev_n = tl.load(state_ptr + 2 + prev).to(tl.int32)
         empty = tl.full([BLOCK], _EMPTY, tl.int16).to(dt, bitcast=True)
         for b in range(pid, tl.cdiv(prev_n, BLOCK), grid):
             offs = b * BLOCK + tl.arange(0, BLOCK)
