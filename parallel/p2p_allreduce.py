@@ -23,6 +23,7 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,12 +59,35 @@ MAX_BYTES = {2: 1 << 20, 4: 1 << 20, 8: 256 << 10}
 TWO_SHOT_MAX_BYTES: dict[int, int] = {2: 32 << 20}
 
 
+PUSHED_ENV = "TANDEM_P2P_PUSHED"
+
+
+def pushed_min_bytes(one_shot_max: int, environ: dict[str, str] | None = None) -> int | None:
+    """TANDEM_P2P_PUSHED: the size above which messages go to the pushed all-reduce (parallel/kernels/
+    pushed_reduce.py; opt-in, not yet measured on GPUs): unset or "off" none (None), "on" those above the one-shot
+    kernel's limit (where the two-shot runs now: prefill steps, decode batches of 128 rows and more on Llama-3.1-8B),
+    "from:K" those above K KiB. Another value is refused by name."""
+    raw = (os.environ if environ is None else environ).get(PUSHED_ENV, "off").strip().lower()
+    if raw in ("off", "0", ""):
+        return None
+    if raw in ("on", "1"):
+        return one_shot_max
+    name, _, kib = raw.partition(":")
+    if name == "from" and kib.isdigit():
+        return int(kib) << 10
+    raise ValueError(f"{PUSHED_ENV}={raw!r}: expected 'off', 'on' or 'from:K' (KiB)")
+
+
 def two_shot_enabled() -> bool:
     """TANDEM_P2P_TWO_SHOT=0 sends everything above the one-shot limit to NCCL (to compare)."""
     return os.environ.get("TANDEM_P2P_TWO_SHOT", "1") != "0"
 
 
 class P2PAllReduce:
+    # The pushed all-reduce (`enable_pushed_all_reduce`, TANDEM_P2P_PUSHED) and the size above which it takes a message.
+    pushed: Callable[[torch.Tensor], bool] | None = None
+    pushed_min: int = 0
+
     def __init__(self, group: Group, device: torch.device, dtype: torch.dtype, one_shot_max: int | None = None,
                  two_shot_max: int | None = None):
         import torch.distributed._symmetric_memory as symm_mem
@@ -84,6 +108,8 @@ class P2PAllReduce:
         """Sum x over the group in place; False (x untouched) where this kernel does not take it."""
         n = x.numel()
         nbytes = n * x.element_size()
+        if self.pushed is not None and nbytes > self.pushed_min and self.pushed(x):
+            return True
         if x.dtype != self.dtype or not x.is_contiguous() or nbytes > self.max_bytes or n % 8:
             return False
         flat = x.view(-1)
@@ -103,6 +129,8 @@ class P2PAllReduce:
         nbytes = n * dtype.itemsize
         if dtype != self.dtype or n % 8 or not self.one_shot_max < nbytes <= self.two_shot_max:
             return None
+        if self.pushed is not None and nbytes > self.pushed_min and n <= self.pushed.width:
+            return None  # the pushed kernel takes it: the producer writes where it likes
         return self.buffer[:n].view(rows, cols)
 
     def reduce_staged(self, staged: torch.Tensor) -> torch.Tensor:
@@ -281,25 +309,30 @@ def enable_pushed_partials(group: Group, device: torch.device, dtype: torch.dtyp
     return True
 
 
-def enable_pushed_row_reduce(group: Group, device: torch.device, dtype: torch.dtype, width: int) -> bool:
-    """Give `group` the pushed all-reduce of prefill-sized row-parallel outputs (`group.pushed_row_reduce`,
-    TANDEM_TP_ROW_REDUCE=pushed; parallel/kernels/pushed_reduce.py) for messages of up to `width` values, capped at
-    the two-shot kernel's largest, where the P2P all-reduce is up and the dtype is 16-bit."""
-    from parallel.kernels.pushed_reduce import SITES, PushedRowReduce
+def enable_pushed_all_reduce(group: Group, device: torch.device, dtype: torch.dtype, width: int) -> bool:
+    """Where TANDEM_P2P_PUSHED asks for it, give the group's P2P all-reduce the pushed kernel (parallel/kernels/
+    pushed_reduce.py) for messages of up to `width` values (capped at the two-shot kernel's largest) above the
+    configured size; needs the P2P all-reduce up and a 16-bit dtype. Every rank decides the same (all agree)."""
+    from parallel.kernels.pushed_reduce import SITES, PushedAllReduce
 
-    if group.fast_all_reduce is None or dtype not in (torch.bfloat16, torch.float16):
+    p2p = group.fast_all_reduce
+    if not isinstance(p2p, P2PAllReduce) or dtype not in (torch.bfloat16, torch.float16):
         return False
+    least = pushed_min_bytes(p2p.one_shot_max)
     width = min(width, TWO_SHOT_MAX_BYTES.get(group.size, 0) // dtype.itemsize)
-    slots = _symmetric_slots(group, device, dtype, width, SITES, "TP prefill all-reduces, pushed") if width else None
+    if least is None or not width:
+        return False
+    slots = _symmetric_slots(group, device, dtype, width, SITES, "the pushed all-reduce")
     if slots is None:
         return False
-    reducer = PushedRowReduce(slots, group.rank, group.size)
+    reducer = PushedAllReduce(slots, group.rank, group.size)
     x = torch.full((min(width, 1 << 16),), float(group.rank + 1), dtype=dtype, device=device)
     ok = reducer(x) and bool((x == group.size * (group.size + 1) / 2).all())  # a check: 1..n summed everywhere
     if not _all_agree(ok, group):
-        log.warning("TP prefill all-reduces: the pushed kernel gave wrong sums on %s; they stay as they are",
+        log.warning("TP all-reduce: the pushed kernel gave wrong sums on %s; the P2P kernels stay as they are",
                     "this rank" if not ok else "another rank")
         return False
-    group.pushed_row_reduce = reducer
-    log.info("TP prefill all-reduces: pushed over NVLink, %d sites of %d values", SITES, width)
+    p2p.pushed, p2p.pushed_min = reducer, least
+    log.info("TP all-reduce: messages above %d KiB and up to %d values pushed over NVLink (%d sites)",
+             least >> 10, width, SITES)
     return True

@@ -13,10 +13,8 @@ Why: a TP=2 mixed step (~250 decodes and ~800 prefill tokens on Llama-3.1-8B) al
   all-reduce. Each row's product and each element's sum are what the whole GEMM gives, unless cuBLAS picks a
   different kernel (e.g. split-K) for the smaller row count.
 - `staged`: F.linear, then the all-reduce (`comm.reduce_partial_sums`).
-- `pushed` (opt-in, not yet measured on GPUs): F.linear, then the pushed all-reduce (parallel/kernels/
-  pushed_reduce.py): each rank stores its output into every peer's slots from CTAs on every SM and sums in its own
-  memory once the peers' values are in, where the two-shot kernel reads over NVLink from 24 CTAs (~170 GB/s at
-  6.4 MB on 2 x H200, 2.3-2.8 ms of a TP=2 mixed step). Messages longer than its slots go the usual way.
+With TANDEM_P2P_PUSHED (parallel/p2p_allreduce.py) the P2P all-reduce sends these sizes to its pushed kernel, which
+needs no staging: `direct` then runs the GEMM and that all-reduce.
 
 Measured on 2 x H200 (`scripts/two_gpu_suite.sh row_reduce`, 2026-11-29, docs/benchmarks.md): `direct` saves ~5.5 us
 a layer at 776 rows and took the mixed step from 0.635x to 0.570x one GPU's (mean) in the same call, so it is the
@@ -39,16 +37,15 @@ ROW_REDUCE_MIN_ROWS = 512  # below: decode batches, whose all-reduces are small 
 
 
 def row_reduce_mode() -> tuple[str, int]:
-    """(mode, chunks) from TANDEM_TP_ROW_REDUCE: ("staged", 1), ("direct", 1), ("pushed", 1) or ("overlap", N >= 2);
-    another value is refused by name."""
+    """(mode, chunks) from TANDEM_TP_ROW_REDUCE: ("staged", 1), ("direct", 1) or ("overlap", N >= 2); another
+    value is refused by name."""
     raw = os.environ.get(ROW_REDUCE_ENV, "direct").strip().lower()
-    if raw in ("staged", "direct", "pushed"):
+    if raw in ("staged", "direct"):
         return raw, 1
     name, _, count = raw.partition(":")
     if name == "overlap" and count.isdigit() and 2 <= int(count) <= 8:
         return "overlap", int(count)
-    raise ValueError(f"{ROW_REDUCE_ENV}={raw!r}: expected 'staged', 'direct', 'pushed' or 'overlap:N' with N from 2 "
-                     "to 8")
+    raise ValueError(f"{ROW_REDUCE_ENV}={raw!r}: expected 'staged', 'direct' or 'overlap:N' with N from 2 to 8")
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, group: Group, mode: str | None = None) -> bool:
@@ -61,8 +58,6 @@ def takes(x: torch.Tensor, weight: torch.Tensor, group: Group, mode: str | None 
         return False
     if mode == "direct":
         return x.is_cuda and group.fast_all_reduce is not None and hasattr(group.fast_all_reduce, "staging")
-    if mode == "pushed":
-        return x.is_cuda and group.pushed_row_reduce is not None
     return True
 
 
@@ -77,12 +72,9 @@ def try_linear_reduce(x: torch.Tensor, weight: torch.Tensor, group: Group) -> to
 
 def linear_reduce(x: torch.Tensor, weight: torch.Tensor, group: Group, mode: str, chunks: int = 1) -> torch.Tensor:
     """x [M, K/tp] @ weight [N, K/tp]^T summed over the group: [M, N] (no bias: the caller adds it after the sum),
-    mode "direct", "pushed", or "overlap" in `chunks` chunks."""
+    mode "direct", or "overlap" in `chunks` chunks."""
     if mode == "direct":
         return _direct(x, weight, group)
-    if mode == "pushed":
-        y = torch.mm(x, weight.t())
-        return y if group.pushed_row_reduce(y) else reduce_partial_sums(y, group)
     return _overlapped(x, weight, group, chunks)
 
 

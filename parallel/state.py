@@ -34,9 +34,6 @@ class Group:
     # A TP head's greedy (max, id, log-sum-exp) rows pushed to every rank the same way instead of all-gathered
     # (TANDEM_TP_GREEDY_GATHER=push, the default; parallel/p2p_allreduce.enable_pushed_greedy).
     pushed_greedy: PushedPartials | None = None
-    # Prefill-sized row-parallel outputs summed by pushing them to every rank (TANDEM_TP_ROW_REDUCE=pushed;
-    # parallel/kernels/pushed_reduce.PushedRowReduce): called on [rows, hidden], True where it summed in place.
-    pushed_row_reduce: Callable[[torch.Tensor], bool] | None = None
 
     @property
     def size(self) -> int:

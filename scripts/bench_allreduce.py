@@ -91,7 +91,7 @@ def _check(x: torch.Tensor, reduce, rank: int, world: int) -> bool:
 
 def _methods(args, rank: int, world: int, cuda: bool) -> dict:
     methods = {"nccl": _nccl}
-    if cuda and any(m in args.methods for m in ("p2p", "oneshot", "twoshot")):
+    if cuda and any(m in args.methods for m in ("p2p", "oneshot", "twoshot", "pushed")):
         from parallel.p2p_allreduce import P2PAllReduce, enable_p2p_all_reduce
         from parallel.state import Group
 
@@ -108,6 +108,15 @@ def _methods(args, rank: int, world: int, cuda: bool) -> dict:
                 if name in args.methods:
                     forced = P2PAllReduce(group, device, dtype, *limits)
                     methods[name] = lambda x, forced=forced: forced(x) or dist.all_reduce(x)
+            if "pushed" in args.methods:  # the pushed kernel (TANDEM_P2P_PUSHED) at every size up to its slots
+                from parallel.p2p_allreduce import PUSHED_ENV, enable_pushed_all_reduce
+
+                os.environ[PUSHED_ENV] = "from:0"
+                alone = Group(ranks=group.ranks, rank=rank, device_group=group.device_group, cpu_group=group.cpu_group,
+                              fast_all_reduce=P2PAllReduce(group, device, dtype))
+                if enable_pushed_all_reduce(alone, device, dtype, max(args.sizes) // dtype.itemsize):
+                    pushed = alone.fast_all_reduce.pushed
+                    methods["pushed"] = lambda x: pushed(x) or dist.all_reduce(x)
         else:
             methods["p2p_error"] = "unavailable (see the log)"
     return {k: v for k, v in methods.items() if k in args.methods or not callable(v)}
@@ -179,7 +188,8 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="8K,32K,128K,512K,2M,8M,16M", help="message sizes in bytes (K, M suffixes)")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--methods", default="nccl,p2p", help="nccl (gloo on CPU), p2p (CUDA: parallel/p2p_allreduce.py as the "
-                   "engine uses it), oneshot / twoshot (CUDA: that P2P kernel alone at every size)")
+                   "engine uses it), oneshot / twoshot / pushed (CUDA: that P2P kernel alone at every size; pushed: "
+                   "parallel/kernels/pushed_reduce.py, TANDEM_P2P_PUSHED)")
     p.add_argument("--visible", default="all", choices=["all", "one"],
                    help="CUDA: every rank sees all GPUs, or only its own (how Ray starts rank actors)")
     p.add_argument("--out", default="bench_results/bench_allreduce.json")

@@ -54,11 +54,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out_path: 
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     if cuda:
-        from parallel.p2p_allreduce import enable_p2p_all_reduce, enable_pushed_row_reduce
+        from parallel.p2p_allreduce import enable_p2p_all_reduce
 
         enable_p2p_all_reduce(group, device, dtype)
-        if any(m.startswith("pushed") for m in args.modes):  # its slots: the largest message of the run
-            enable_pushed_row_reduce(group, device, dtype, max(args.rows) * max(n for n, _ in SHAPES.values()))
     rows_out = []
     try:
         for shape, (n, k) in SHAPES.items():
@@ -107,7 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--rows", default="776,2048,4096", help="tokens of the step (at least 512: row_reduce's minimum)")
-    p.add_argument("--modes", default="direct,pushed,overlap:2")
+    p.add_argument("--modes", default="direct,overlap:2,overlap:4")
     p.add_argument("--hidden", type=int, default=64, help="CPU: the layer's output size (GPUs: Llama-3.1-8B's)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default="bench_results/bench_row_reduce.json")

@@ -8,7 +8,7 @@
 # LIMITS="sp=200 sp_serve=380" overrides steps' time limits; SP_LENGTHS the sp step's prompt lengths, PD_RATES the
 # pd step's request rates (PD_ARRIVAL_S: seconds of arrivals a rate, 15), KV_MIN_MESSAGES the kv step's message counts, KV_COPY_PROGRAMS and KV_OVERLAP_COPY_PROGRAMS its row-copy grid caps.
 # Steps: tests offline latency pd kv sp ep fault (the default), and pp allreduce pd_small pd_c1 sp_serve tp_serve
-# pd_trace pd_profile embed take step_ab take_qkv_tile row_reduce row_reduce2 row_reduce_pushed greedy_push step_times launch_mixed.
+# pd_trace pd_profile embed take step_ab take_qkv_tile row_reduce row_reduce2 p2p_pushed greedy_push step_times launch_mixed.
 set -u
 RES=${RES:-/tmp/res}
 mkdir -p "$RES"
@@ -195,16 +195,19 @@ run_take_qkv_tile() {  # issue 26: batch-1 TP=2 with the taking qkv GEMV on its 
   local plain='{"qkv":{"BLOCK_N":8,"BLOCK_K":512,"num_warps":4,"num_stages":4}}'
   batch1_tiles qkv "1|tp1|" "2|tp2_plain|$plain" "2|tp2_qkv|" "2|tp2_plain_again|$plain" "2|tp2_qkv_again|"
 }
-run_row_reduce_pushed() {  # issue 26's mixed step: the pushed all-reduce of prefill-sized outputs (TANDEM_TP_ROW_REDUCE=pushed,
-  # opt-in) against `direct` (the two-shot kernel, the default): the two row-parallel layers alone, the modes' GPU test
-  # (tokens and log-probs equal to `staged`), then offline TP=2 with --step-times beside one GPU, both modes (~7 min)
-  timeout 120 python scripts/bench_row_reduce.py --world-size 2 --device cuda --modes direct,pushed \
-    --out "$RES/row_reduce_pushed_layers.json" || return $?
-  python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k row_reduce_modes -p no:cacheprovider || return $?
+run_p2p_pushed() {  # issue 26's mixed step and offline: the pushed all-reduce (TANDEM_P2P_PUSHED, opt-in) against torch's
+  # P2P kernels: the kernels alone by size, its GPU test (tokens and log-probs equal to the P2P kernels'), then offline
+  # with --step-times: one GPU and TP=2 as today, TP=2 with `on` (above 1 MB) and with `from:256` (~8 min)
+  timeout 150 python scripts/bench_allreduce.py --methods nccl,oneshot,twoshot,pushed \
+    --sizes 64K,256K,512K,1M,2M,4M,8M,16M --out "$RES/p2p_pushed_sizes.json" || return $?
+  python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k pushed_all_reduce -p no:cacheprovider || return $?
   python scripts/bench_offline.py ${ROW_REDUCE_OFFLINE/--profile-steps 40/--step-times} --layouts "uni tp2" \
-    --out "$RES/row_reduce_pushed_direct.json" || return $?
-  TANDEM_TP_ROW_REDUCE=pushed python scripts/bench_offline.py ${ROW_REDUCE_OFFLINE/--profile-steps 40/--step-times} \
-    --layouts tp2 --out "$RES/row_reduce_pushed_tp2.json"
+    --out "$RES/p2p_pushed_off.json" || return $?
+  local m
+  for m in on from:256; do
+    TANDEM_P2P_PUSHED=$m python scripts/bench_offline.py ${ROW_REDUCE_OFFLINE/--profile-steps 40/--step-times} \
+      --layouts tp2 --out "$RES/p2p_pushed_${m/:/}.json" || return $?
+  done
 }
 run_greedy_push() {  # issue 26: batch-1 TP=2 with the TP head's greedy rows pushed to every rank instead of
   # all-gathered by NCCL (TANDEM_TP_GREEDY_GATHER=push), twice each, beside one GPU; its one-GPU test first, the
@@ -281,9 +284,9 @@ SP_LENGTHS=${SP_LENGTHS:-16384,65536,131056}
 ROW_REDUCE_OFFLINE="--shape llama-3.1-8b --device cuda --dtype bfloat16 --load-format dummy --isolate --num-requests 1000 --mean-input 230 --mean-output 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --skip-hf --profile-steps 40"
 PD_RATES=${PD_RATES:-2,4,8,16,24}
 export RES M8B SP_LENGTHS PD_RATES ROW_REDUCE_OFFLINE
-export -f batch1_tiles run_tests run_offline run_pp run_latency run_embed run_take run_step_ab run_take_qkv_tile run_row_reduce run_row_reduce2 run_row_reduce_pushed run_greedy_push run_step_times run_launch_mixed run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
+export -f batch1_tiles run_tests run_offline run_pp run_latency run_embed run_take run_step_ab run_take_qkv_tile run_row_reduce run_row_reduce2 run_p2p_pushed run_greedy_push run_step_times run_launch_mixed run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
 declare -A LIMIT=([tests]=420 [offline]=540 [pp]=300 [latency]=580 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
-                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=480 [take]=560 [step_ab]=560 [take_qkv_tile]=420 [row_reduce]=560 [row_reduce2]=560 [row_reduce_pushed]=560 [greedy_push]=560 [step_times]=560 [launch_mixed]=580 [pd_trace]=240 [pd_profile]=240)
+                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=480 [take]=560 [step_ab]=560 [take_qkv_tile]=420 [row_reduce]=560 [row_reduce2]=560 [p2p_pushed]=580 [greedy_push]=560 [step_times]=560 [launch_mixed]=580 [pd_trace]=240 [pd_profile]=240)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1

@@ -18,10 +18,10 @@ def test_tp_step_switches_are_forwarded() -> None:
     row-parallel reduce) are read inside the rank actors, so they too must reach them."""
     from parallel.embedding import TP_EMBED_ENV
     from parallel.kernels.gemv import TAKE_TILE_ENV, TAKE_WAIT_ENV, TAKE_X_ENV
-    from parallel.p2p_allreduce import GREEDY_GATHER_ENV
+    from parallel.p2p_allreduce import GREEDY_GATHER_ENV, PUSHED_ENV
     from parallel.row_reduce import ROW_REDUCE_ENV
 
     read_in_ranks = {TP_EMBED_ENV, TAKE_WAIT_ENV, TAKE_TILE_ENV, TAKE_X_ENV, ROW_REDUCE_ENV, GREEDY_GATHER_ENV,
-                     "TANDEM_TP_PUSH_PARTIALS",
+                     PUSHED_ENV, "TANDEM_P2P_TWO_SHOT", "TANDEM_TP_PUSH_PARTIALS",
                      "TANDEM_TP_GREEDY_KERNELS"}
     assert read_in_ranks <= set(_FORWARDED_ENV), sorted(read_in_ranks - set(_FORWARDED_ENV))

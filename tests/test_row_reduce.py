@@ -15,7 +15,7 @@ from tests.multiprocess import run_ranks
 def test_the_mode_is_read_and_a_bad_one_refused(monkeypatch):
     monkeypatch.delenv(ROW_REDUCE_ENV, raising=False)
     assert row_reduce_mode() == ("direct", 1)
-    for raw, want in ((" Staged", ("staged", 1)), (" Direct", ("direct", 1)), ("pushed", ("pushed", 1)), ("overlap:2", ("overlap", 2)), ("OVERLAP:8", ("overlap", 8))):
+    for raw, want in ((" Staged", ("staged", 1)), (" Direct", ("direct", 1)), ("overlap:2", ("overlap", 2)), ("OVERLAP:8", ("overlap", 8))):
         monkeypatch.setenv(ROW_REDUCE_ENV, raw)
         assert row_reduce_mode() == want
     for bad in ("overlap", "overlap:1", "overlap:9", "overlap:x", "chunked"):
@@ -49,28 +49,6 @@ def test_which_calls_it_takes(monkeypatch):
     assert not takes(big, w.half(), two)  # a weight of another dtype (a quantized layer's) is not its to take
     monkeypatch.setenv(ROW_REDUCE_ENV, "direct")
     assert not takes(big, w, two)  # no mapped buffer on CPU ranks
-    monkeypatch.setenv(ROW_REDUCE_ENV, "pushed")
-    assert not takes(big, w, two)  # no pushed slots on CPU ranks
-
-
-def test_pushed_mode_sums_through_the_groups_reducer_and_falls_back_where_it_declines():
-    """`linear_reduce(mode="pushed")`: the product, summed in place by `group.pushed_row_reduce` (the kernel itself:
-    tests/test_pushed_reduce_interpreted.py); where that declines (a message longer than its slots) the usual
-    all-reduce runs (a one-rank group here: the product as it is)."""
-    from parallel.row_reduce import linear_reduce
-
-    x, w = torch.randn(ROW_REDUCE_MIN_ROWS, 8), torch.randn(16, 8)
-    seen = []
-
-    def doubling(y):
-        seen.append(tuple(y.shape))
-        y.mul_(2)
-        return True
-
-    two = Group(ranks=[0, 1], rank=0, pushed_row_reduce=doubling)
-    assert torch.allclose(linear_reduce(x, w, two, "pushed"), 2 * (x @ w.t())) and seen == [(ROW_REDUCE_MIN_ROWS, 16)]
-    one = Group(pushed_row_reduce=lambda y: False)
-    assert torch.allclose(linear_reduce(x, w, one, "pushed"), x @ w.t())
 
 
 def _row_parallel_check(rank: int, mode: str) -> None:

@@ -14,9 +14,8 @@ import time
 import numpy as np
 import torch
 
-from parallel.p2p_allreduce import (enable_p2p_all_reduce, enable_pushed_greedy, enable_pushed_partials,
-                                    enable_pushed_row_reduce)
-from parallel.row_reduce import row_reduce_mode
+from parallel.p2p_allreduce import (enable_p2p_all_reduce, enable_pushed_all_reduce, enable_pushed_greedy,
+                                    enable_pushed_partials)
 from parallel.pp import PendingSend, recv_from_prev_stage, send_to_next_stage
 from parallel.state import pp_group, sp_group, tp_group
 from workers.attention import AttentionMetadata, forward_context, get_backend
@@ -75,9 +74,9 @@ class ModelRunner:
                 enable_pushed_partials(tp_group(), self.device, self.dtype, hf_config.hidden_size,
                                        pushed_sites(hf_config.num_hidden_layers))
                 enable_pushed_greedy(tp_group(), self.device, config.scheduler.max_num_seqs)
-                if row_reduce_mode()[0] == "pushed":  # prefill-sized row-parallel outputs pushed (opt-in)
-                    enable_pushed_row_reduce(tp_group(), self.device, self.dtype,
-                                             config.scheduler.max_num_batched_tokens * hf_config.hidden_size)
+                # TANDEM_P2P_PUSHED (opt-in): the larger all-reduces on the pushed kernel, up to a step's tokens
+                enable_pushed_all_reduce(tp_group(), self.device, self.dtype,
+                                         config.scheduler.max_num_batched_tokens * hf_config.hidden_size)
         self.model = load_model(hf_config, config.model.model, self.dtype, self.device, max_model_len,
                                 config.model.load_format, config.model.seed, show_progress,
                                 quantization_config=config.model.quantization_config())

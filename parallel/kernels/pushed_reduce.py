@@ -1,4 +1,4 @@
-"""An all-reduce of prefill-sized row-parallel outputs whose data is its own flag (TANDEM_TP_ROW_REDUCE=pushed).
+"""An all-reduce whose data is its own flag, for TP's larger messages (TANDEM_P2P_PUSHED, parallel/p2p_allreduce.py).
 
 Why: a TP=2 mixed step all-reduces 64 outputs of ~6.4 MB. The two-shot kernel that carries them (torch's symmetric
 memory, parallel/p2p_allreduce.py) runs at most 24 CTAs and reads its peer's half over NVLink: ~36-42 us each on
@@ -7,8 +7,8 @@ its partial sum into every peer's slot (NVLink stores, which need no round trip)
 and each rank waits in its own memory until no value of the peers' rows is the empty mark (a 16-bit -0, which a
 pushed value never is: -0 goes as +0), then sums the rows in rank order, so every rank gets the same bits. The
 batch-1 decoder's pushed partial sums do the same inside its GEMVs (gemv.py `push` / `take`); this is the
-standalone kernel for [rows, hidden] outputs, bytes over NVLink per rank: (world - 1) x the message, as the two-shot
-for two ranks.
+standalone kernel for [rows, hidden] outputs (prefill steps, decode batches), bytes over NVLink per rank: (world - 1)
+x the message, as the two-shot's for two ranks.
 
 The slots rotate over SITES sites; `state` (device int64: turn, tickets, then each site's last message size) picks
 the site, so a CUDA graph replays whatever turn it comes at. A use empties the previous site's peer rows over that
@@ -89,8 +89,8 @@ def _pushed_reduce_kernel(x_ptr, slots_ptr, ptrs_ptr, state_ptr, N, WIDTH, SITES
             tl.store(state_ptr, turn + 1)
 
 
-class PushedRowReduce:
-    """A TP group's pushed all-reduce (`group.pushed_row_reduce`, parallel/p2p_allreduce.enable_pushed_row_reduce):
+class PushedAllReduce:
+    """A TP group's pushed all-reduce (`P2PAllReduce.pushed`, parallel/p2p_allreduce.enable_pushed_all_reduce):
     SITES sites of `width` values a rank in symmetric memory (`slots`, a PushedPartials over them) and the rotation's
     device state."""
 

@@ -178,9 +178,8 @@ def test_tp2_bf16_row_reduce_modes(monkeypatch):
     """TANDEM_TP_ROW_REDUCE (parallel/row_reduce.py) for prefill-sized steps of 700-3,000 tokens with decodes among
     them, eager and piecewise-graph: `direct` (the default: the GEMM writes into the P2P all-reduce's mapped buffer)
     sums exactly what `staged` sums (the same GEMM, then the same two-shot kernel), so tokens and log-probabilities are
-    equal; so does `pushed` (the same GEMM; each rank's output pushed to every rank and summed in rank order in fp32,
-    one rounding, as the two-shot kernel's sum of two values); `overlap:N` (chunks' all-reduces on a side stream beside
-    the next chunks' GEMMs; cuBLAS may pick other kernels for the chunks) within the near-tie tolerance of `staged`. `staged` against TP=1 is checked by the tests
+    equal; `overlap:N` (chunks' all-reduces on a side stream beside the next chunks' GEMMs; cuBLAS may pick other
+    kernels for the chunks) within the near-tie tolerance of `staged`. `staged` against TP=1 is checked by the tests
     above, whose batched prefills are over the 512-row threshold too."""
     from parallel.row_reduce import ROW_REDUCE_ENV
 
@@ -188,14 +187,30 @@ def test_tp2_bf16_row_reduce_modes(monkeypatch):
     prompts = prompts_of_lengths([3000, 700, 1200, 9, 2100, 64], vocab_size=300, seed=13)
     ref32 = _generate(path, prompts, 24, dtype="float32")
     got = {}
-    for mode in ("staged", "direct", "pushed", "overlap:2"):
+    for mode in ("staged", "direct", "overlap:2"):
         monkeypatch.setenv(ROW_REDUCE_ENV, mode)  # the rank actors are given it (cluster/ray_runtime.py)
         got[mode] = _generate(path, prompts, 24, tensor_parallel_size=2)
     assert [g.token_ids for g in got["direct"]] == [g.token_ids for g in got["staged"]], "direct vs staged: tokens"
     assert [g.logprobs for g in got["direct"]] == [g.logprobs for g in got["staged"]], "direct vs staged: log-probs"
-    assert [g.token_ids for g in got["pushed"]] == [g.token_ids for g in got["staged"]], "pushed vs staged: tokens"
-    assert [g.logprobs for g in got["pushed"]] == [g.logprobs for g in got["staged"]], "pushed vs staged: log-probs"
     _check(path, prompts, got["staged"], got["overlap:2"], ref32, "TP=2 overlap:2 vs TP=2 staged")
+
+
+def test_tp2_bf16_pushed_all_reduce_matches_the_p2p_kernels(monkeypatch):
+    """TANDEM_P2P_PUSHED=from:64 (parallel/kernels/pushed_reduce.py): the all-reduces above 64 KiB (at this model's
+    width of 1,024, every step of more than 32 tokens: prefill chunks of 700-3,000 tokens, decode batches of the 46
+    sequences), eager, in piecewise and in decode CUDA graphs, pushed to every rank and summed in rank order in fp32
+    with one rounding, as the one-shot and two-shot kernels sum two values: tokens and log-probabilities equal to the
+    P2P kernels' (off)."""
+    from parallel.p2p_allreduce import PUSHED_ENV
+
+    path = tiny_model("llama", **LLAMA)
+    prompts = prompts_of_lengths([3000, 700, 1200, 9, 2100, 64] + [40 + i for i in range(40)], vocab_size=300, seed=17)
+    got = {}
+    for mode in ("off", "from:64"):
+        monkeypatch.setenv(PUSHED_ENV, mode)  # the rank actors are given it (cluster/ray_runtime.py)
+        got[mode] = _generate(path, prompts, 24, tensor_parallel_size=2)
+    assert [g.token_ids for g in got["from:64"]] == [g.token_ids for g in got["off"]], "pushed vs P2P: tokens"
+    assert [g.logprobs for g in got["from:64"]] == [g.logprobs for g in got["off"]], "pushed vs P2P: log-probs"
 
 
 def test_tp2_bf16_launched_mixed_steps_match_whole_ones(monkeypatch):
