@@ -196,15 +196,17 @@ run_take_qkv_tile() {  # issue 26: batch-1 TP=2 with the taking qkv GEMV on its 
   batch1_tiles qkv "1|tp1|" "2|tp2_plain|$plain" "2|tp2_qkv|" "2|tp2_plain_again|$plain" "2|tp2_qkv_again|"
 }
 run_p2p_pushed() {  # issue 26's mixed step and offline: the pushed all-reduce (TANDEM_P2P_PUSHED, opt-in) against torch's
-  # P2P kernels: the kernels alone by size, its GPU test (tokens and log-probs equal to the P2P kernels'), then offline
-  # with --step-times: one GPU and TP=2 as today, TP=2 with `on` (above 1 MB) and with `from:256` (~8 min)
+  # P2P kernels: its one-GPU test, the kernels alone by size, its two-GPU test (tokens and log-probs equal to the P2P
+  # kernels'), then offline with --step-times: one GPU and TP=2 as today, TP=2 with each of P2P_PUSHED_MODES (default
+  # `on`: above 1 MB; e.g. "on from:256" in a call of its own) (~9 min)
+  timeout 120 python -m pytest -q -x tests/gpu/test_pushed_reduce.py -p no:cacheprovider || return $?  # one GPU, played ranks
   timeout 150 python scripts/bench_allreduce.py --methods nccl,oneshot,twoshot,pushed \
     --sizes 64K,256K,512K,1M,2M,4M,8M,16M --out "$RES/p2p_pushed_sizes.json" || return $?
   python -m pytest -q -x -s tests/gpu/test_two_gpu_bf16.py -k pushed_all_reduce -p no:cacheprovider || return $?
   python scripts/bench_offline.py ${ROW_REDUCE_OFFLINE/--profile-steps 40/--step-times} --layouts "uni tp2" \
     --out "$RES/p2p_pushed_off.json" || return $?
   local m
-  for m in on from:256; do
+  for m in ${P2P_PUSHED_MODES:-on}; do
     TANDEM_P2P_PUSHED=$m python scripts/bench_offline.py ${ROW_REDUCE_OFFLINE/--profile-steps 40/--step-times} \
       --layouts tp2 --out "$RES/p2p_pushed_${m/:/}.json" || return $?
   done
@@ -286,7 +288,7 @@ PD_RATES=${PD_RATES:-2,4,8,16,24}
 export RES M8B SP_LENGTHS PD_RATES ROW_REDUCE_OFFLINE
 export -f batch1_tiles run_tests run_offline run_pp run_latency run_embed run_take run_step_ab run_take_qkv_tile run_row_reduce run_row_reduce2 run_p2p_pushed run_greedy_push run_step_times run_launch_mixed run_pd run_kv run_sp run_ep run_fault run_allreduce run_pd_small run_pd_c1 run_sp_serve run_tp_serve run_pd_trace run_pd_profile
 declare -A LIMIT=([tests]=420 [offline]=540 [pp]=300 [latency]=580 [pd]=720 [kv]=150 [sp]=570 [ep]=540 [fault]=300
-                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=480 [take]=560 [step_ab]=560 [take_qkv_tile]=420 [row_reduce]=560 [row_reduce2]=560 [p2p_pushed]=580 [greedy_push]=560 [step_times]=560 [launch_mixed]=580 [pd_trace]=240 [pd_profile]=240)
+                 [allreduce]=120 [pd_small]=420 [pd_c1]=540 [sp_serve]=420 [tp_serve]=300 [embed]=480 [take]=560 [step_ab]=560 [take_qkv_tile]=420 [row_reduce]=560 [row_reduce2]=560 [p2p_pushed]=590 [greedy_push]=560 [step_times]=560 [launch_mixed]=580 [pd_trace]=240 [pd_profile]=240)
 for kv in ${LIMITS:-}; do LIMIT[${kv%%=*}]=${kv#*=}; done  # e.g. LIMITS="sp=200 sp_serve=380"
 STEPS=${*:-tests offline latency pd kv sp ep fault}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$RES/env.txt" 2>&1
