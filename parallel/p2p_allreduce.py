@@ -23,12 +23,15 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from parallel.state import Group
+
+if TYPE_CHECKING:
+    from parallel.kernels.pushed_reduce import PushedAllReduce
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +88,7 @@ def two_shot_enabled() -> bool:
 
 class P2PAllReduce:
     # The pushed all-reduce (`enable_pushed_all_reduce`, TANDEM_P2P_PUSHED) and the size above which it takes a message.
-    pushed: Callable[[torch.Tensor], bool] | None = None
+    pushed: PushedAllReduce | None = None
     pushed_min: int = 0
 
     def __init__(self, group: Group, device: torch.device, dtype: torch.dtype, one_shot_max: int | None = None,

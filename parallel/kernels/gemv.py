@@ -90,6 +90,23 @@ _EMPTY = tl.constexpr(EMPTY_BITS)
 
 
 @triton.jit
+def wait_filled(ptrs, mask):
+    """The 16-bit values at ptrs, reread (volatile, past L1) until none is the empty mark: a peer's pushed values,
+    waited for in this rank's memory (also parallel/kernels/pushed_reduce.py)."""
+    v = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
+    while tl.max((v.to(tl.int16, bitcast=True) == _EMPTY).to(tl.int32), 0) > 0:
+        v = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
+    return v
+
+
+@triton.jit
+def plus_zero(x):
+    """16-bit x with -0 as +0: what a rank pushes, since a -0 would read as "not yet written"."""
+    bits = x.to(tl.int16, bitcast=True)
+    return tl.where(bits == _EMPTY, tl.zeros_like(bits), bits).to(x.dtype, bitcast=True)
+
+
+@triton.jit
 def _sum_parts(parts_ptr, offs, mask, K, PARTS: tl.constexpr, WAIT: tl.constexpr, L1: tl.constexpr = False):
     """h[offs] = the sum of PARTS partials [PARTS, K] (each rank's, in rank order), rounded to their dtype,
     returned in fp32. WAIT: reread (volatile, past L1) each part until none of its values is the empty mark;
@@ -99,9 +116,7 @@ def _sum_parts(parts_ptr, offs, mask, K, PARTS: tl.constexpr, WAIT: tl.constexpr
     h = tl.zeros(offs.shape, tl.float32)
     for p in tl.static_range(PARTS):
         if WAIT:
-            v = tl.load(parts_ptr + p * K + offs, mask=mask, other=0.0, volatile=True)
-            while tl.max((v.to(tl.int16, bitcast=True) == _EMPTY).to(tl.int32), 0) > 0:
-                v = tl.load(parts_ptr + p * K + offs, mask=mask, other=0.0, volatile=True)
+            v = wait_filled(parts_ptr + p * K + offs, mask)
         elif L1:
             v = tl.load(parts_ptr + p * K + offs, mask=mask, other=0.0)
         else:
@@ -129,8 +144,7 @@ def _take_parts(parts_ptr, reset_ptr, h_out_ptr, K, K_PAD: tl.constexpr, PARTS: 
 @triton.jit
 def _push(y, offs, mask, push_ptrs, PUSH: tl.constexpr, dt: tl.constexpr):
     """Store y (rounded to dt, -0 as +0) at every rank's slot: push_ptrs [PUSH], each rank's slot address (int64)."""
-    bits = y.to(dt).to(tl.int16, bitcast=True)
-    yb = tl.where(bits == _EMPTY, tl.zeros_like(bits), bits).to(dt, bitcast=True)
+    yb = plus_zero(y.to(dt))
     for p in tl.static_range(PUSH):
         base = tl.load(push_ptrs + p).to(tl.pointer_type(dt))
         tl.store(base + offs, yb, mask=mask)

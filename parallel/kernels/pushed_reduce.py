@@ -23,19 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel.p2p_allreduce import EMPTY_BITS
+from parallel.kernels.gemv import _EMPTY, plus_zero, wait_filled
 
 SITES = 3
 BLOCK = 2048  # values a CTA handles at a time
 CTAS_PER_SM = 2
-_EMPTY = tl.constexpr(EMPTY_BITS)
-
-
-@triton.jit
-def _plus_zero(x):
-    """x with -0 as +0 (a -0 would read as "not yet written")."""
-    bits = x.to(tl.int16, bitcast=True)
-    return tl.where(bits == _EMPTY, tl.zeros_like(bits), bits).to(x.dtype, bitcast=True)
 
 
 @triton.jit
@@ -53,7 +45,7 @@ def _pushed_reduce_kernel(x_ptr, slots_ptr, ptrs_ptr, state_ptr, N, WIDTH, SITES
         for b in range(pid, blocks, grid):
             offs = b * BLOCK + tl.arange(0, BLOCK)
             mask = offs < N
-            x = _plus_zero(tl.load(x_ptr + offs, mask=mask, other=0.0))
+            x = plus_zero(tl.load(x_ptr + offs, mask=mask, other=0.0))
             for p in tl.static_range(WORLD):
                 if p != RANK:
                     base = tl.load(ptrs_ptr + site * WORLD + p).to(tl.pointer_type(dt))
@@ -65,13 +57,9 @@ def _pushed_reduce_kernel(x_ptr, slots_ptr, ptrs_ptr, state_ptr, N, WIDTH, SITES
             acc = tl.zeros([BLOCK], tl.float32)
             for p in tl.static_range(WORLD):
                 if p == RANK:
-                    acc += _plus_zero(tl.load(x_ptr + offs, mask=mask, other=0.0)).to(tl.float32)
+                    acc += plus_zero(tl.load(x_ptr + offs, mask=mask, other=0.0)).to(tl.float32)
                 else:
-                    row = slots_ptr + (site * WORLD + p) * WIDTH + offs
-                    v = tl.load(row, mask=mask, other=0.0, volatile=True)
-                    while tl.max((v.to(tl.int16, bitcast=True) == _EMPTY).to(tl.int32), 0) > 0:
-                        v = tl.load(row, mask=mask, other=0.0, volatile=True)
-                    acc += v.to(tl.float32)
+                    acc += wait_filled(slots_ptr + (site * WORLD + p) * WIDTH + offs, mask).to(tl.float32)
             tl.store(x_ptr + offs, acc.to(dt), mask=mask)
         # The previous site's peer rows, empty again over the length its use wrote.
         prev = (turn + SITES - 1) % SITES
@@ -98,14 +86,24 @@ class PushedAllReduce:
         self.slots, self.rank, self.world = slots, rank, world
         self.width = slots.width
         self.state = new_state(slots.buffer.device)
+        self.max_ctas = max_ctas(slots.buffer.device)  # read once: every call asks for it
 
     def __call__(self, y: torch.Tensor) -> bool:
         """Sum y over the group in place and return True, or False (nothing done) for a message it does not take:
         longer than `width`, another dtype, not contiguous."""
         if y.numel() > self.width or y.dtype != self.slots.buffer.dtype or not y.is_contiguous():
             return False
-        pushed_all_reduce(y.view(-1), self.slots.slots, self.slots.pointers(), self.state, self.rank, self.world)
+        pushed_all_reduce(y.view(-1), self.slots.slots, self.slots.pointers(), self.state, self.rank, self.world,
+                          grid=min(triton.cdiv(y.numel(), BLOCK), self.max_ctas))
         return True
+
+
+def max_ctas(device: torch.device) -> int:
+    """The most CTAs a launch takes on `device`: CTAS_PER_SM a multiprocessor on CUDA (all resident at once), no cap
+    elsewhere (the interpreter runs them in turn)."""
+    if device.type != "cuda":
+        return 1 << 30
+    return CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def new_state(device: torch.device | str) -> torch.Tensor:
@@ -123,11 +121,8 @@ def pushed_all_reduce(x: torch.Tensor, slots: torch.Tensor, ptrs: torch.Tensor, 
     if x.element_size() != 2 or not x.is_contiguous() or n > width or slots.dtype != x.dtype:
         raise ValueError(f"pushed_all_reduce: {n} contiguous 16-bit values of the slots' dtype {slots.dtype}, at "
                          f"most {width}; got {x.dtype} x {n} (contiguous: {x.is_contiguous()})")
-    blocks = triton.cdiv(n, BLOCK)
     if grid is None:
-        grid = blocks
-        if x.is_cuda:
-            grid = min(blocks, CTAS_PER_SM * torch.cuda.get_device_properties(x.device).multi_processor_count)
+        grid = min(triton.cdiv(n, BLOCK), max_ctas(x.device))
     _pushed_reduce_kernel[(max(1, grid),)](x, slots, ptrs, state, n, width, SITES=SITES, RANK=rank, WORLD=world,
                                            BLOCK=BLOCK, PUSH=push, SUM=reduce, num_warps=4)
     return x
